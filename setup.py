@@ -1,0 +1,26 @@
+"""megatron-fp4: end-to-end FP4 (HiF4 / MXFP4) GRPO post-training on megatron-core."""
+
+from setuptools import find_packages, setup
+
+setup(
+    name="megatron-fp4",
+    version="0.1.0",
+    description="FP4 (HiFloat4 / MXFP4) RL post-training with Rollout-ResQ on megatron-core",
+    python_requires=">=3.10",
+    packages=find_packages(include=["megatron_fp4", "megatron_fp4.*", "kernels", "kernels.*"]),
+    install_requires=[
+        "torch>=2.4",
+        "megatron-core>=0.16,<0.17",
+        "sentencepiece",
+        "tensorboard",
+        "numpy",
+        "pyyaml",
+        "tqdm",
+        "safetensors",
+    ],
+    extras_require={
+        "test": ["pytest", "hypothesis", "torchao>=0.13", "transformers>=4.45"],
+        "triton": ["triton>=3.0"],
+        "sglang": [],  # pinned by the SGLang backend issue
+    },
+)
