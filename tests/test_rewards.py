@@ -1,0 +1,129 @@
+"""Tests for megatron_fp4.rl.rewards: GSM8K gold solutions, shuffled pairings and each formatting case."""
+
+import json
+import random
+from fractions import Fraction
+from pathlib import Path
+
+import pytest
+
+from megatron_fp4.rl.rewards import (VALID_KINDS, answers_match, extract_answer, extract_reference, parse_number,
+                                     score)
+
+GSM8K_TEST = Path("/work/shared/data/gsm8k/test.jsonl")
+if not GSM8K_TEST.exists():  # the checkout's sibling copy (SPEC 6: ../shared/data/gsm8k)
+    GSM8K_TEST = Path(__file__).resolve().parents[2] / "shared" / "data" / "gsm8k" / "test.jsonl"
+
+
+def _gsm8k_rows():
+    if not GSM8K_TEST.exists():
+        pytest.skip(f"GSM8K test split not found at {GSM8K_TEST}")
+    return [json.loads(line) for line in GSM8K_TEST.read_text().splitlines() if line.strip()]
+
+
+def test_all_gsm8k_gold_solutions_score_one():
+    rows = _gsm8k_rows()
+    assert len(rows) == 1319
+    failures = [i for i, r in enumerate(rows) if score(r["answer"], r["answer"], "gsm8k") != 1.0]
+    assert failures == []
+
+
+def test_gsm8k_shuffled_pairing_scores_near_zero():
+    rows = _gsm8k_rows()
+    rng = random.Random(1234)
+    perm = list(range(len(rows)))
+    while True:  # a derangement: nobody keeps its own reference
+        rng.shuffle(perm)
+        if all(i != p for i, p in enumerate(perm)):
+            break
+    mean = sum(score(rows[i]["answer"], rows[p]["answer"], "gsm8k") for i, p in enumerate(perm)) / len(rows)
+    assert mean < 0.05
+    # The only matches left are genuine collisions of equal final answers.
+    for i, p in enumerate(perm):
+        if score(rows[i]["answer"], rows[p]["answer"], "gsm8k") == 1.0:
+            a = parse_number(extract_reference(rows[i]["answer"], "gsm8k"))
+            b = parse_number(extract_reference(rows[p]["answer"], "gsm8k"))
+            assert a == b
+
+
+def test_unknown_kind_lists_valid_kinds():
+    with pytest.raises(ValueError, match="gsm8k, math"):
+        score("1", "1", "aime")
+    assert VALID_KINDS == ("gsm8k", "math")
+
+
+@pytest.mark.parametrize("response,reference,kind,expected", [
+    # GSM8K "####" answers, commas, currency, trailing period, units
+    ("So she makes 18 dollars.\n#### 18", "blah\n#### 18", "gsm8k", 1.0),
+    ("#### $1,200.", "x\n#### 1200", "gsm8k", 1.0),
+    ("#### 1,200", "x\n#### 1,200", "gsm8k", 1.0),
+    ("#### 18 dollars", "#### 18", "gsm8k", 1.0),
+    ("#### 17", "#### 18", "gsm8k", 0.0),
+    # "#### " wins over an earlier different number and over "The answer is" in gsm8k
+    ("The answer is 3.\n#### 4", "#### 4", "gsm8k", 1.0),
+    # boxed with nested braces; latest box wins
+    ("first \\boxed{1} then \\boxed{\\frac{3}{4}}", "0.75", "math", 1.0),
+    ("\\boxed{\\frac{\\sqrt{3}}{2}}", "\\boxed{\\dfrac{\\sqrt3}{2}}", "math", 1.0),
+    ("\\boxed{{7}}", "7", "math", 1.0),
+    ("\\boxed 7", "7", "math", 1.0),
+    ("\\fbox{12}", "12", "math", 1.0),
+    # math kind prefers boxed over ####; gsm8k kind prefers ####
+    ("#### 5 and \\boxed{6}", "6", "math", 1.0),
+    ("#### 5 and \\boxed{6}", "#### 5", "gsm8k", 1.0),
+    # "The answer is X"
+    ("The answer is $1,200.", "#### 1200", "gsm8k", 1.0),
+    ("Thus the final answer is 18 dollars per day.", "#### 18", "gsm8k", 1.0),
+    ("The answer is 18 because 9*2=18", "#### 18", "gsm8k", 1.0),
+    ("Answer: 42", "42", "math", 1.0),
+    ("answer = -3", "-3", "math", 1.0),
+    # last-number fallback (signs glued to a previous number are subtraction, not negation)
+    ("16-3-4=9", "#### 9", "gsm8k", 1.0),
+    ("she has 3 apples and buys 5 more, total 8", "#### 8", "gsm8k", 1.0),
+    ("the temperature is -5 degrees", "-5", "math", 1.0),
+    ("no digits here", "#### 5", "gsm8k", 0.0),
+    ("", "#### 5", "gsm8k", 0.0),
+    # fractions
+    ("\\boxed{3/4}", "0.75", "math", 1.0),
+    ("\\boxed{\\dfrac34}", "3/4", "math", 1.0),
+    ("\\boxed{\\tfrac{3}{4}}", "\\frac{6}{8}", "math", 1.0),
+    ("\\boxed{-\\frac{1}{2}}", "-0.5", "math", 1.0),
+    ("\\boxed{\\frac{-1}{2}}", "-1/2", "math", 1.0),
+    ("\\boxed{2\\frac{1}{2}}", "5/2", "math", 1.0),
+    ("\\boxed{\\frac{1}{3}}", "0.333", "math", 0.0),
+    # decimals, leading zeros, negatives, unicode minus, percent, degrees, LaTeX spacing
+    ("\\boxed{5.00}", "5", "math", 1.0),
+    ("\\boxed{.5}", "1/2", "math", 1.0),
+    ("\\boxed{007}", "7", "math", 1.0),
+    ("answer: \u22123", "-3", "math", 1.0),
+    ("\\boxed{50\\%}", "50", "math", 1.0),
+    ("#### 50%", "#### 50", "gsm8k", 1.0),
+    ("\\boxed{90^\\circ}", "90", "math", 1.0),
+    ("\\boxed{1{,}000}", "1000", "math", 1.0),
+    ("\\boxed{1\\,000}", "1000", "math", 1.0),
+    ("\\boxed{\\$18.00}", "18", "math", 1.0),
+    ("\\boxed{5\\text{ cm}}", "5", "math", 1.0),
+    ("\\boxed{x = 5}", "5", "math", 1.0),
+    # non-numeric answers: normalized string comparison
+    ("\\boxed{\\text{(B)}}", "(B)", "math", 1.0),
+    ("\\boxed{x^2+1}", "x^2 + 1", "math", 1.0),
+    ("\\boxed{\\left(1,2\\right)}", "(1, 2)", "math", 1.0),
+    ("\\boxed{2x}", "2", "math", 0.0),
+    ("\\boxed{\\pi}", "\\boxed{2\\pi}", "math", 0.0),
+])
+def test_formatting_cases(response, reference, kind, expected):
+    assert score(response, reference, kind) == expected
+
+
+def test_extraction_and_parsing_details():
+    assert extract_answer("text \\boxed{\\frac{a}{\\sqrt{b}}} tail", "math") == "\\frac{a}{\\sqrt{b}}"
+    assert extract_answer("nothing", "gsm8k") is None
+    assert extract_reference("work\n#### 1,234", "gsm8k") == "1,234"
+    assert extract_reference("\\boxed{12}", "math") == "12"
+    assert extract_reference("12", "math") == "12"
+    assert parse_number("1,234.50") == Fraction(246_9, 2)
+    assert parse_number("1,2345") is None  # not a thousands grouping
+    assert parse_number("\\frac{3}{0}") is None
+    assert parse_number("3 apples") == 3
+    assert parse_number("3apples") is None  # units must be separated (so "2x" is not 2)
+    assert not answers_match(None, "1")
+    assert not answers_match("", "")
