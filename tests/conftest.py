@@ -1,0 +1,30 @@
+"""Shared pytest configuration: deterministic seeds and the `gpu` marker."""
+
+import os
+import random
+
+import pytest
+import torch
+
+os.environ.setdefault("PYTHONHASHSEED", "0")
+
+
+def pytest_configure(config):
+    config.addinivalue_line("markers", "gpu: needs a CUDA GPU (skipped without one)")
+    config.addinivalue_line("markers", "slow: takes more than ~20 s on a 2-core CPU (still runs in CI)")
+
+
+def pytest_collection_modifyitems(config, items):
+    if torch.cuda.is_available():
+        return
+    skip_gpu = pytest.mark.skip(reason="needs a CUDA GPU")
+    for item in items:
+        if "gpu" in item.keywords:
+            item.add_marker(skip_gpu)
+
+
+@pytest.fixture(autouse=True)
+def _seed():
+    random.seed(0)
+    torch.manual_seed(0)
+    yield
