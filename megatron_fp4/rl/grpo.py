@@ -1,0 +1,289 @@
+"""GRPO math (SPEC 5): group advantages, the clipped token-level loss with TIS and k3 KL, filters and metrics.
+
+Pure PyTorch, model independent. Shapes: B responses (= num_groups * G, grouped contiguously), T response tokens.
+All per-token inputs are [B, T] log-probabilities of the sampled tokens; `mask` is [B, T] (bool or 0/1) and marks
+the response tokens that enter the loss. Only `logp_train` carries gradient: every other input is detached here.
+
+    A_i   = (r_i - mean_g) / (std_g + eps)        (Dr.GRPO: A_i = r_i - mean_g)
+    rho   = exp(logp_train - logp_old)
+    w_tis = min(exp(logp_old - logp_rollout), C)   (truncated importance sampling vs the rollout engine)
+    kl    = exp(logp_ref - logp_train) - (logp_ref - logp_train) - 1      (k3 estimator of KL(pi || pi_ref))
+    L_tok = -min(rho*A, clip(rho, 1-eps_low, 1+eps_high)*A) * w_tis + beta * kl
+    L     = sum(L_tok * mask) / N,   N = mask.sum() or the given global token count
+
+Std estimator: std_g is the UNBIASED sample standard deviation (Bessel, divides by G-1) by default, as
+torch.std, TRL and verl compute it; `unbiased=False` gives the population estimator (divides by G).
+
+Data/micro-batch parallelism: pass `num_tokens` = the number of loss tokens of the whole global batch to every
+call; then the per-micro-batch losses SUM to the full-batch loss (and so do their gradients). With a data-parallel
+all-reduce that AVERAGES gradients over R ranks, multiply each rank's loss by R (or all-reduce with SUM).
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import torch
+
+__all__ = ["GRPOConfig", "group_advantages", "dynamic_sampling_keep", "response_mask", "is_truncated",
+           "overlong_filter", "masked_mean", "kl_k3", "tis_weights", "grpo_token_loss", "grpo_loss",
+           "grpo_metrics", "rollout_metrics", "token_logprobs", "entropy_from_logits"]
+
+
+@dataclass(frozen=True)
+class GRPOConfig:
+    """GRPO hyper-parameters; defaults are the paper's Qwen2.5-3B GSM8K setting (SPEC 1)."""
+
+    group_size: int = 16            # responses per prompt (G)
+    clip_low: float = 0.2           # eps_low: rho is clipped below at 1 - clip_low
+    clip_high: float = 0.2          # eps_high: rho is clipped above at 1 + clip_high (clip-higher when > clip_low)
+    tis_cap: float = 5.0            # C: cap of the truncated importance weight (math.inf = untruncated IS)
+    use_tis: bool = True            # weight tokens by w_tis against the rollout engine's logprobs
+    kl_beta: float = 0.001          # beta of the k3 KL penalty to the frozen reference (0 disables it)
+    adv_eps: float = 1e-6           # eps in (r - mean) / (std + eps)
+    normalize_std: bool = True      # False = Dr.GRPO (no division by the group std)
+    std_unbiased: bool = True       # group std estimator: unbiased (G - 1) or population (G)
+    dynamic_sampling: bool = False  # drop groups whose rewards are all equal
+    overlong_filter: bool = True    # mask responses truncated at max length out of the loss
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.group_size, int) or self.group_size < 2:
+            raise ValueError(f"group_size must be an int >= 2, got {self.group_size!r}")
+        if not 0.0 <= self.clip_low < 1.0:
+            raise ValueError(f"clip_low must be in [0, 1), got {self.clip_low!r}")
+        if not self.clip_high >= 0.0:
+            raise ValueError(f"clip_high must be >= 0, got {self.clip_high!r}")
+        if not self.tis_cap > 0.0:
+            raise ValueError(f"tis_cap must be > 0 (math.inf disables truncation), got {self.tis_cap!r}")
+        if not (self.kl_beta >= 0.0 and math.isfinite(self.kl_beta)):
+            raise ValueError(f"kl_beta must be finite and >= 0, got {self.kl_beta!r}")
+        if not self.adv_eps >= 0.0:
+            raise ValueError(f"adv_eps must be >= 0, got {self.adv_eps!r}")
+
+    def loss_kwargs(self) -> dict:
+        """Keyword arguments of grpo_loss / grpo_metrics taken from this config."""
+        return dict(clip_low=self.clip_low, clip_high=self.clip_high,
+                    tis_cap=self.tis_cap if self.use_tis else None, kl_beta=self.kl_beta)
+
+    def advantage_kwargs(self) -> dict:
+        """Keyword arguments of group_advantages taken from this config."""
+        return dict(group_size=self.group_size, eps=self.adv_eps, normalize_std=self.normalize_std,
+                    unbiased=self.std_unbiased)
+
+
+def _grouped(rewards: torch.Tensor, group_size: int | None) -> torch.Tensor:
+    """View rewards as [num_groups, G]: 2-D input as is, 1-D input split into contiguous groups."""
+    if rewards.dim() == 2:
+        if group_size is not None and rewards.shape[1] != group_size:
+            raise ValueError(f"rewards has groups of {rewards.shape[1]}, but group_size={group_size}")
+        return rewards
+    if rewards.dim() != 1 or group_size is None:
+        raise ValueError("rewards must be [num_groups, G], or 1-D with group_size given")
+    if group_size < 1 or rewards.numel() % group_size:
+        raise ValueError(f"{rewards.numel()} rewards do not split into groups of group_size={group_size}")
+    return rewards.view(-1, group_size)
+
+
+def group_advantages(rewards: torch.Tensor, group_size: int | None = None, *, eps: float = 1e-6,
+                     normalize_std: bool = True, unbiased: bool = True) -> torch.Tensor:
+    """Per-response advantages (r - group mean) / (group std + eps); Dr.GRPO when normalize_std=False.
+
+    rewards: [num_groups, G] or flat [num_groups * G] (contiguous groups, group_size given). Returns the same
+    shape, float32. std is unbiased (G - 1) unless unbiased=False (population, G).
+    """
+    g = _grouped(rewards.detach().to(torch.float32), group_size)
+    if g.shape[1] < 2:
+        raise ValueError(f"GRPO needs at least 2 responses per group, got {g.shape[1]}")
+    adv = g - g.mean(dim=1, keepdim=True)
+    if normalize_std:
+        adv = adv / (g.std(dim=1, unbiased=unbiased, keepdim=True) + eps)
+    return adv.view(rewards.shape)
+
+
+def dynamic_sampling_keep(rewards: torch.Tensor, group_size: int | None = None) -> torch.Tensor:
+    """Bool [num_groups]: True for groups whose rewards are not all equal (the ones dynamic sampling keeps)."""
+    g = _grouped(rewards.detach(), group_size)
+    return g.amax(dim=1) != g.amin(dim=1)
+
+
+def response_mask(lengths: torch.Tensor, max_len: int) -> torch.Tensor:
+    """Bool [B, max_len]: True for the first lengths[b] positions of each row."""
+    return torch.arange(max_len, device=lengths.device)[None, :] < lengths[:, None]
+
+
+def is_truncated(lengths: torch.Tensor, max_response_length: int, eos_seen: torch.Tensor | None = None
+                 ) -> torch.Tensor:
+    """Bool [B]: the response reached max_response_length (and, when eos_seen is given, produced no EOS)."""
+    trunc = lengths >= max_response_length
+    if eos_seen is not None:
+        trunc = trunc & ~eos_seen.bool()
+    return trunc
+
+
+def overlong_filter(mask: torch.Tensor, truncated: torch.Tensor) -> torch.Tensor:
+    """The loss mask with every token of truncated responses removed (overlong filtering)."""
+    return mask.bool() & ~truncated.bool()[:, None]
+
+
+def _count(mask: torch.Tensor, num_tokens: int | float | torch.Tensor | None) -> torch.Tensor:
+    if num_tokens is None:
+        return mask.sum().to(torch.float32).clamp_min(1.0)
+    n = torch.as_tensor(num_tokens, dtype=torch.float32, device=mask.device)
+    if n.numel() != 1 or not bool(n > 0):
+        raise ValueError(f"num_tokens must be a positive scalar, got {num_tokens!r}")
+    return n
+
+
+def masked_mean(x: torch.Tensor, mask: torch.Tensor, num_tokens: int | float | torch.Tensor | None = None
+                ) -> torch.Tensor:
+    """sum(x over mask) / N with N = mask.sum() (at least 1) or the given global token count."""
+    m = mask.bool()
+    return torch.where(m, x, torch.zeros((), dtype=x.dtype, device=x.device)).sum() / _count(m, num_tokens)
+
+
+def kl_k3(logp: torch.Tensor, logp_ref: torch.Tensor) -> torch.Tensor:
+    """Per-token k3 estimator of KL(pi || pi_ref): exp(ref - logp) - (ref - logp) - 1 (>= 0)."""
+    d = logp_ref - logp
+    return torch.exp(d) - d - 1.0
+
+
+def tis_weights(logp_old: torch.Tensor, logp_rollout: torch.Tensor, cap: float) -> torch.Tensor:
+    """Detached truncated importance weights min(exp(logp_old - logp_rollout), cap)."""
+    return torch.exp(logp_old.detach() - logp_rollout.detach()).clamp(max=cap)
+
+
+def _prepare(logp_train, logp_old, logp_rollout, advantages, mask, logp_ref):
+    """Zero the masked-out positions (so padding garbage cannot make inf/nan) and detach non-train inputs."""
+    m = mask.bool()
+    if logp_train.shape != m.shape:
+        raise ValueError(f"logp_train shape {tuple(logp_train.shape)} != mask shape {tuple(m.shape)}")
+    zero = torch.zeros((), dtype=logp_train.dtype, device=logp_train.device)
+
+    def clean(x, name):
+        if x is None:
+            return None
+        if x.shape != m.shape:
+            raise ValueError(f"{name} shape {tuple(x.shape)} != mask shape {tuple(m.shape)}")
+        return torch.where(m, x.detach().to(logp_train.dtype), zero)
+
+    lt = torch.where(m, logp_train, zero)
+    lo = clean(logp_old, "logp_old") if logp_old is not None else lt.detach()
+    lr = clean(logp_rollout, "logp_rollout")
+    lref = clean(logp_ref, "logp_ref")
+    adv = advantages.detach().to(logp_train.dtype)
+    if adv.dim() == 1:
+        adv = adv[:, None]
+    adv = adv.expand_as(lt)
+    return m, lt, lo, lr, adv, lref
+
+
+def grpo_token_loss(logp_train: torch.Tensor, logp_old: torch.Tensor | None, logp_rollout: torch.Tensor | None,
+                    advantages: torch.Tensor, mask: torch.Tensor, *, logp_ref: torch.Tensor | None = None,
+                    clip_low: float = 0.2, clip_high: float = 0.2, tis_cap: float | None = 5.0,
+                    kl_beta: float = 0.0) -> torch.Tensor:
+    """Per-token GRPO loss [B, T] (zero outside mask); see the module docstring for the formula.
+
+    logp_old None = on-policy (logp_train detached, rho = 1 with gradient). logp_rollout None or tis_cap None =
+    no TIS (w = 1). advantages: [B] per response or [B, T]. logp_ref is needed when kl_beta > 0.
+    """
+    m, lt, lo, lr, adv, lref = _prepare(logp_train, logp_old, logp_rollout, advantages, mask, logp_ref)
+    rho = torch.exp(lt - lo)
+    surr = torch.minimum(rho * adv, rho.clamp(1.0 - clip_low, 1.0 + clip_high) * adv)
+    if lr is not None and tis_cap is not None:
+        surr = surr * tis_weights(lo, lr, tis_cap)
+    loss = -surr
+    if kl_beta:
+        if lref is None:
+            raise ValueError("kl_beta > 0 needs logp_ref (the frozen reference policy's logprobs)")
+        loss = loss + kl_beta * kl_k3(lt, lref)
+    return torch.where(m, loss, torch.zeros((), dtype=loss.dtype, device=loss.device))
+
+
+def grpo_loss(logp_train: torch.Tensor, logp_old: torch.Tensor | None, logp_rollout: torch.Tensor | None,
+              advantages: torch.Tensor, mask: torch.Tensor, *, logp_ref: torch.Tensor | None = None,
+              clip_low: float = 0.2, clip_high: float = 0.2, tis_cap: float | None = 5.0, kl_beta: float = 0.0,
+              num_tokens: int | float | torch.Tensor | None = None) -> torch.Tensor:
+    """Scalar GRPO loss: the token losses summed over mask and divided by N (mask.sum() or num_tokens)."""
+    tok = grpo_token_loss(logp_train, logp_old, logp_rollout, advantages, mask, logp_ref=logp_ref,
+                          clip_low=clip_low, clip_high=clip_high, tis_cap=tis_cap, kl_beta=kl_beta)
+    return tok.sum() / _count(mask.bool(), num_tokens)
+
+
+@torch.no_grad()
+def grpo_metrics(logp_train: torch.Tensor, logp_old: torch.Tensor | None, logp_rollout: torch.Tensor | None,
+                 advantages: torch.Tensor, mask: torch.Tensor, *, logp_ref: torch.Tensor | None = None,
+                 entropy: torch.Tensor | None = None, clip_low: float = 0.2, clip_high: float = 0.2,
+                 tis_cap: float | None = 5.0, kl_beta: float = 0.0) -> dict[str, float]:
+    """Masked-mean diagnostics of one (micro-)batch as python floats.
+
+    ppo_clip_frac: tokens where the clipped surrogate is the one used (its gradient is zero), split into
+    ppo_clip_frac_low (rho < 1 - eps_low, A < 0) and ppo_clip_frac_high (rho > 1 + eps_high, A > 0);
+    tis_clip_frac: tokens whose importance weight hit the cap; kl_mean: k3 KL to the reference;
+    logp_abs_diff_mean / _max: |logp_train - logp_rollout| (train-rollout mismatch); entropy_mean when given.
+    """
+    m, lt, lo, lr, adv, lref = _prepare(logp_train, logp_old, logp_rollout, advantages, mask, logp_ref)
+    mf = m.to(torch.float32)
+    n = mf.sum().clamp_min(1.0)
+
+    def mean(x):
+        return float((x.to(torch.float32) * mf).sum() / n)
+
+    rho = torch.exp(lt - lo)
+    clipped = rho.clamp(1.0 - clip_low, 1.0 + clip_high)
+    out = {
+        "num_tokens": float(mf.sum()),
+        "ppo_clip_frac": mean(-adv * clipped > -adv * rho),
+        "ppo_clip_frac_low": mean((rho < 1.0 - clip_low) & (adv < 0)),
+        "ppo_clip_frac_high": mean((rho > 1.0 + clip_high) & (adv > 0)),
+        "ratio_mean": mean(rho),
+        "ratio_max": float(torch.where(m, rho, torch.zeros_like(rho)).max()) if m.any() else 0.0,
+        "advantage_mean": mean(adv),
+        "loss": float(grpo_token_loss(logp_train, logp_old, logp_rollout, advantages, mask, logp_ref=logp_ref,
+                                      clip_low=clip_low, clip_high=clip_high, tis_cap=tis_cap,
+                                      kl_beta=kl_beta if logp_ref is not None else 0.0).sum() / n),
+    }
+    if lr is not None:
+        raw = torch.exp(lo - lr)
+        diff = (lt - lr).abs()
+        out["logp_abs_diff_mean"] = mean(diff)
+        out["logp_abs_diff_max"] = float(torch.where(m, diff, torch.zeros_like(diff)).max()) if m.any() else 0.0
+        out["tis_weight_mean"] = mean(raw.clamp(max=tis_cap) if tis_cap is not None else raw)
+        out["tis_clip_frac"] = mean(raw > tis_cap) if tis_cap is not None else 0.0
+    if lref is not None:
+        out["kl_mean"] = mean(kl_k3(lt, lref))
+    if entropy is not None:
+        out["entropy_mean"] = mean(entropy.detach())
+    return out
+
+
+@torch.no_grad()
+def rollout_metrics(rewards: torch.Tensor, response_lengths: torch.Tensor, truncated: torch.Tensor,
+                    group_size: int) -> dict[str, float]:
+    """Reward mean/std, accuracy (reward >= 1), response length mean/max, truncated ratio, group statistics."""
+    r = rewards.detach().to(torch.float32).flatten()
+    g = _grouped(r, group_size)
+    lengths = response_lengths.detach().to(torch.float32).flatten()
+    return {
+        "reward_mean": float(r.mean()),
+        "reward_std": float(r.std(unbiased=False)),
+        "accuracy": float((r >= 1.0).to(torch.float32).mean()),
+        "response_length_mean": float(lengths.mean()),
+        "response_length_max": float(lengths.max()),
+        "truncated_ratio": float(truncated.detach().to(torch.float32).mean()),
+        "groups_all_equal_frac": float((~dynamic_sampling_keep(g)).to(torch.float32).mean()),
+        "groups_all_correct_frac": float((g >= 1.0).all(dim=1).to(torch.float32).mean()),
+        "groups_all_wrong_frac": float((g < 1.0).all(dim=1).to(torch.float32).mean()),
+    }
+
+
+def token_logprobs(logits: torch.Tensor, tokens: torch.Tensor) -> torch.Tensor:
+    """log p(tokens) [B, T] from logits [B, T, V] (log_softmax in fp32); logits[:, t] must predict tokens[:, t]."""
+    logp = torch.log_softmax(logits.to(torch.float32), dim=-1)
+    return logp.gather(-1, tokens.long().unsqueeze(-1)).squeeze(-1)
+
+
+def entropy_from_logits(logits: torch.Tensor) -> torch.Tensor:
+    """Per-position entropy [B, T] of the categorical distribution given by logits [B, T, V] (fp32)."""
+    logp = torch.log_softmax(logits.to(torch.float32), dim=-1)
+    return -(logp.exp() * logp).sum(dim=-1)

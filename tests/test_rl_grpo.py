@@ -1,0 +1,228 @@
+"""Tests for megatron_fp4.rl.grpo against numbers worked out by hand."""
+
+import math
+
+import pytest
+import torch
+
+from megatron_fp4.rl.grpo import (GRPOConfig, dynamic_sampling_keep, entropy_from_logits, group_advantages,
+                                  grpo_loss, grpo_metrics, grpo_token_loss, is_truncated, kl_k3, masked_mean,
+                                  overlong_filter, response_mask, rollout_metrics, tis_weights, token_logprobs)
+
+# ---------------------------------------------------------------- advantages
+
+
+def test_group_advantages_unbiased_std_by_hand():
+    # group [1,0,0,0]: mean 0.25, squared deviations 0.5625 + 3*0.0625 = 0.75, unbiased var 0.75/3 = 0.25, std 0.5
+    # -> A = 0.75/0.5 = 1.5 and -0.25/0.5 = -0.5.
+    # group [1,0,0,1]: mean 0.5, sq dev 4*0.25 = 1, var 1/3, std 1/sqrt(3) -> A = +-0.5*sqrt(3) = +-0.8660254
+    # group [1,1,1,1]: A = 0 (no division by zero thanks to eps).
+    r = torch.tensor([[1.0, 0, 0, 0], [1, 0, 0, 1], [1, 1, 1, 1]])
+    a = group_advantages(r, eps=0.0 + 1e-12)
+    h = 0.5 * math.sqrt(3.0)
+    expected = torch.tensor([[1.5, -0.5, -0.5, -0.5], [h, -h, -h, h], [0, 0, 0, 0]])
+    torch.testing.assert_close(a, expected, rtol=1e-6, atol=1e-6)
+
+
+def test_group_advantages_population_std_and_eps_and_flat_input():
+    # population var of [1,0,0,0] = 0.75/4 = 0.1875, std = sqrt(3)/4 -> A = 0.75/(sqrt(3)/4) = sqrt(3)
+    r = torch.tensor([1.0, 0, 0, 0])
+    a = group_advantages(r, group_size=4, eps=0.0, unbiased=False)
+    s = math.sqrt(3.0)
+    torch.testing.assert_close(a, torch.tensor([s, -s / 3, -s / 3, -s / 3]))
+    # eps enters as std + eps: 0.75 / (0.5 + 0.25) = 1.0 with the unbiased std 0.5
+    a = group_advantages(r, group_size=4, eps=0.25)
+    torch.testing.assert_close(a, torch.tensor([1.0, -1 / 3, -1 / 3, -1 / 3]))
+
+
+def test_dr_grpo_advantages_have_no_std_division():
+    r = torch.tensor([2.0, 0, 1, 1, 5, 5])  # groups of 3: means 1 and 11/3
+    a = group_advantages(r, group_size=3, normalize_std=False)
+    torch.testing.assert_close(a, torch.tensor([1.0, -1, 0, 1 - 11 / 3, 5 - 11 / 3, 5 - 11 / 3]))
+
+
+def test_group_advantage_argument_errors():
+    with pytest.raises(ValueError, match="group_size"):
+        group_advantages(torch.zeros(5), group_size=2)
+    with pytest.raises(ValueError, match="at least 2"):
+        group_advantages(torch.zeros(3, 1))
+    with pytest.raises(ValueError, match="group_size"):
+        GRPOConfig(group_size=1)
+    with pytest.raises(ValueError, match="tis_cap"):
+        GRPOConfig(tis_cap=0.0)
+    with pytest.raises(ValueError, match="clip_low"):
+        GRPOConfig(clip_low=1.0)
+
+
+# ---------------------------------------------------------------- loss, TIS, KL by hand
+#
+# Two responses of 3 tokens; row 1's last token is padding.  clip_low 0.2, clip_high 0.28 (clip-higher), cap C = 5.
+#   A                  = [+1, -1]
+#   rho                = [[1.5, 1.0, 0.9], [0.5, 1.1, (3.0)]]
+#   exp(old - rollout) = [[1.0, 2.0, 8.0], [0.5, 1.0, (10.)]]  -> w_tis = [[1, 2, 5], [0.5, 1, -]]
+#   ref - train        = [[ln 2, 0, 0], [0, 0, 0]]             -> k3 = [[1 - ln 2, 0, 0], [0, 0, 0]]
+# surrogate min(rho*A, clip(rho, 0.8, 1.28)*A):
+#   row 0 (A=+1): min(1.5, 1.28) = 1.28 (clipped); 1.0; min(0.9, 0.9) = 0.9
+#   row 1 (A=-1): min(-0.5, -0.8) = -0.8 (clipped); min(-1.1, -1.1) = -1.1
+# L_tok = -surr * w:  -1.28, -2.0, -4.5, 0.4, 1.1  -> sum -6.28 over N = 5 tokens
+# L = -6.28/5 + beta * (1 - ln 2)/5
+RHO = [[1.5, 1.0, 0.9], [0.5, 1.1, 3.0]]
+W_RAW = [[1.0, 2.0, 8.0], [0.5, 1.0, 10.0]]
+D_REF = [[math.log(2.0), 0.0, 0.0], [0.0, 0.0, 0.0]]
+KW = dict(clip_low=0.2, clip_high=0.28, tis_cap=5.0)
+
+
+def _inputs(requires_grad=True):
+    logp_old = torch.log(torch.tensor([[0.5, 0.4, 0.8], [0.3, 0.6, 0.2]], dtype=torch.float64))
+    logp_train = (logp_old + torch.log(torch.tensor(RHO, dtype=torch.float64))).requires_grad_(requires_grad)
+    logp_rollout = (logp_old - torch.log(torch.tensor(W_RAW, dtype=torch.float64))).requires_grad_(requires_grad)
+    logp_ref = (logp_train.detach() + torch.tensor(D_REF, dtype=torch.float64)).requires_grad_(requires_grad)
+    logp_old = logp_old.clone().requires_grad_(requires_grad)
+    adv = torch.tensor([1.0, -1.0], dtype=torch.float64, requires_grad=requires_grad)
+    mask = torch.tensor([[1, 1, 1], [1, 1, 0]], dtype=torch.bool)
+    return logp_train, logp_old, logp_rollout, logp_ref, adv, mask
+
+
+def test_token_loss_by_hand():
+    lt, lo, lr, lref, adv, mask = _inputs()
+    tok = grpo_token_loss(lt, lo, lr, adv, mask, logp_ref=lref, kl_beta=0.0, **KW)
+    expected = torch.tensor([[-1.28, -2.0, -4.5], [0.4, 1.1, 0.0]], dtype=torch.float64)
+    torch.testing.assert_close(tok.detach(), expected)
+
+
+def test_loss_with_kl_by_hand_and_gradients_only_through_logp_train():
+    lt, lo, lr, lref, adv, mask = _inputs()
+    beta = 0.1
+    loss = grpo_loss(lt, lo, lr, adv, mask, logp_ref=lref, kl_beta=beta, **KW)
+    expected = -6.28 / 5 + beta * (1.0 - math.log(2.0)) / 5
+    assert loss.item() == pytest.approx(expected, abs=1e-12)
+    loss.backward()
+    for t in (lo, lr, lref, adv):
+        assert t.grad is None
+    # dL/dlogp_train per token = (-A * rho * w if unclipped else 0)/N + beta * (1 - exp(ref - train))/N
+    #  (0,0): clipped, KL: 0.1*(1-2)/5 = -0.02      (0,1): -1*1.0*2/5 = -0.4      (0,2): -0.9*5/5 = -0.9
+    #  (1,0): clipped -> 0                           (1,1): +1.1*1/5 = 0.22        (1,2): padding -> 0
+    torch.testing.assert_close(lt.grad, torch.tensor([[-0.02, -0.4, -0.9], [0.0, 0.22, 0.0]], dtype=torch.float64))
+
+
+def test_tis_and_kl_helpers_by_hand():
+    lt, lo, lr, lref, adv, mask = _inputs()
+    w = tis_weights(lo, lr, 5.0)
+    torch.testing.assert_close(w, torch.tensor([[1.0, 2.0, 5.0], [0.5, 1.0, 5.0]], dtype=torch.float64))
+    assert not w.requires_grad
+    kl = kl_k3(torch.zeros(3, dtype=torch.float64), torch.log(torch.tensor([2.0, 1.0, 0.5], dtype=torch.float64)))
+    # d = ln 2: 2 - ln2 - 1; d = 0: 0; d = -ln 2: 0.5 + ln 2 - 1
+    torch.testing.assert_close(kl, torch.tensor([1 - math.log(2), 0.0, math.log(2) - 0.5], dtype=torch.float64))
+    with pytest.raises(ValueError, match="logp_ref"):
+        grpo_loss(lt, lo, lr, adv, mask, kl_beta=0.1)
+
+
+def test_no_tis_on_policy_and_per_token_advantages():
+    lt, lo, lr, lref, adv, mask = _inputs()
+    # logp_old=None: on-policy, rho == 1 -> L = -sum(A)/N; per-token advantages [B,T] broadcast the same way
+    loss = grpo_loss(lt, None, None, adv, mask, tis_cap=None)
+    assert loss.item() == pytest.approx(-(3 * 1.0 + 2 * -1.0) / 5)
+    loss.backward()
+    torch.testing.assert_close(lt.grad, torch.tensor([[-0.2] * 3, [0.2, 0.2, 0.0]], dtype=torch.float64))
+    loss2 = grpo_loss(lt.detach(), None, None, adv.detach()[:, None].expand(2, 3), mask)
+    assert loss2.item() == pytest.approx(loss.item())
+
+
+def test_micro_batch_split_with_global_token_count_equals_full_batch():
+    torch.manual_seed(0)
+    B, T = 6, 5
+    lt = (torch.randn(B, T, dtype=torch.float64) * 0.3 - 1.0).requires_grad_()
+    lo = lt.detach() + 0.2 * torch.randn(B, T, dtype=torch.float64)
+    lr = lo + 0.5 * torch.randn(B, T, dtype=torch.float64)
+    lref = lo + 0.1 * torch.randn(B, T, dtype=torch.float64)
+    adv = torch.randn(B, dtype=torch.float64)
+    mask = response_mask(torch.tensor([5, 3, 1, 4, 2, 5]), T)
+    kw = dict(kl_beta=0.05, clip_low=0.2, clip_high=0.28, tis_cap=2.0)
+    full = grpo_loss(lt, lo, lr, adv, mask, logp_ref=lref, **kw)
+    (g_full,) = torch.autograd.grad(full, lt)
+    n = int(mask.sum())
+    parts = [grpo_loss(lt[s], lo[s], lr[s], adv[s], mask[s], logp_ref=lref[s], num_tokens=n, **kw)
+             for s in (slice(0, 1), slice(1, 4), slice(4, 6))]
+    total = sum(parts)
+    (g_split,) = torch.autograd.grad(total, lt)
+    torch.testing.assert_close(total, full, rtol=0, atol=1e-14)
+    torch.testing.assert_close(g_split, g_full, rtol=0, atol=1e-14)
+    with pytest.raises(ValueError, match="num_tokens"):
+        grpo_loss(lt, lo, lr, adv, mask, num_tokens=0)
+
+
+def test_padding_garbage_cannot_poison_loss_or_grad():
+    lt, lo, lr, lref, adv, mask = _inputs(requires_grad=False)
+    lt = lt.clone()
+    lt[1, 2] = float("inf")
+    lr = lr.clone()
+    lr[1, 2] = float("-inf")
+    lt.requires_grad_()
+    loss = grpo_loss(lt, lo, lr, adv, mask, **KW)
+    loss.backward()
+    assert torch.isfinite(loss) and torch.isfinite(lt.grad).all()
+    assert loss.item() == pytest.approx(-6.28 / 5)
+
+
+# ---------------------------------------------------------------- metrics, filters
+
+
+def test_metrics_by_hand():
+    lt, lo, lr, lref, adv, mask = _inputs(requires_grad=False)
+    ent = torch.tensor([[1.0, 2.0, 3.0], [4.0, 5.0, 100.0]])
+    m = grpo_metrics(lt, lo, lr, adv, mask, logp_ref=lref, entropy=ent, kl_beta=0.1, **KW)
+    assert m["num_tokens"] == 5
+    assert m["ppo_clip_frac"] == pytest.approx(2 / 5)  # tokens (0,0) and (1,0)
+    assert m["ppo_clip_frac_high"] == pytest.approx(1 / 5)  # rho 1.5 > 1.28 with A > 0
+    assert m["ppo_clip_frac_low"] == pytest.approx(1 / 5)  # rho 0.5 < 0.8 with A < 0
+    assert m["tis_clip_frac"] == pytest.approx(1 / 5)  # raw weight 8 > 5 (the padded 10 does not count)
+    assert m["tis_weight_mean"] == pytest.approx((1 + 2 + 5 + 0.5 + 1) / 5)
+    assert m["kl_mean"] == pytest.approx((1 - math.log(2)) / 5)
+    # |logp_train - logp_rollout| = |ln rho + ln w_raw| -> ln1.5, ln2, ln7.2, |ln0.25|, ln1.1
+    assert m["logp_abs_diff_mean"] == pytest.approx(math.log(1.5 * 2 * 7.2 * 4 * 1.1) / 5)
+    assert m["logp_abs_diff_max"] == pytest.approx(math.log(7.2))
+    assert m["entropy_mean"] == pytest.approx(15 / 5)
+    assert m["ratio_mean"] == pytest.approx((1.5 + 1.0 + 0.9 + 0.5 + 1.1) / 5)
+    assert m["loss"] == pytest.approx(-6.28 / 5 + 0.1 * (1 - math.log(2)) / 5)
+
+
+def test_dynamic_sampling_and_overlong_filter():
+    r = torch.tensor([1.0, 1, 1, 0, 1, 0, 0, 0, 0])
+    torch.testing.assert_close(dynamic_sampling_keep(r, 3), torch.tensor([False, True, False]))
+    lengths = torch.tensor([2, 4, 4])
+    eos = torch.tensor([True, True, False])
+    trunc = is_truncated(lengths, 4, eos)
+    torch.testing.assert_close(trunc, torch.tensor([False, False, True]))
+    torch.testing.assert_close(is_truncated(lengths, 4), torch.tensor([False, True, True]))
+    mask = overlong_filter(response_mask(lengths, 4), trunc)
+    torch.testing.assert_close(mask, torch.tensor([[1, 1, 0, 0], [1, 1, 1, 1], [0, 0, 0, 0]], dtype=torch.bool))
+    x = torch.arange(12.0).view(3, 4)
+    assert masked_mean(x, mask).item() == pytest.approx((0 + 1 + 4 + 5 + 6 + 7) / 6)
+    assert masked_mean(x, torch.zeros(3, 4, dtype=torch.bool)).item() == 0.0
+
+
+def test_rollout_metrics():
+    r = torch.tensor([1.0, 1, 1, 0, 1, 0, 0, 0, 0])
+    m = rollout_metrics(r, torch.tensor([3, 4, 5, 6, 7, 8, 9, 10, 11]), torch.tensor([0, 0, 0, 0, 0, 0, 0, 1, 1]), 3)
+    assert m["reward_mean"] == pytest.approx(4 / 9)
+    assert m["accuracy"] == pytest.approx(4 / 9)
+    assert m["response_length_mean"] == 7 and m["response_length_max"] == 11
+    assert m["truncated_ratio"] == pytest.approx(2 / 9)
+    assert m["groups_all_equal_frac"] == pytest.approx(2 / 3)
+    assert m["groups_all_correct_frac"] == pytest.approx(1 / 3)
+    assert m["groups_all_wrong_frac"] == pytest.approx(1 / 3)
+
+
+def test_token_logprobs_and_entropy():
+    logits = torch.log(torch.tensor([[[0.5, 0.25, 0.25], [1 / 3, 1 / 3, 1 / 3]]]))
+    lp = token_logprobs(logits, torch.tensor([[0, 2]]))
+    torch.testing.assert_close(lp, torch.log(torch.tensor([[0.5, 1 / 3]])))
+    ent = entropy_from_logits(logits)
+    torch.testing.assert_close(ent, torch.tensor([[1.5 * math.log(2), math.log(3)]]))
+
+
+def test_config_kwargs_feed_the_functions():
+    cfg = GRPOConfig(group_size=4, clip_high=0.28, use_tis=False, kl_beta=0.0)
+    assert cfg.loss_kwargs()["tis_cap"] is None and cfg.loss_kwargs()["clip_high"] == 0.28
+    a = group_advantages(torch.tensor([1.0, 0, 0, 0]), **cfg.advantage_kwargs())
+    torch.testing.assert_close(a, torch.tensor([1.5, -0.5, -0.5, -0.5]), rtol=1e-5, atol=1e-5)
