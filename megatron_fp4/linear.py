@@ -1,0 +1,176 @@
+"""FP4 linear layer: Y = X W^T (+ b) with quantized fprop, dgrad and wgrad GEMMs (SPEC §3).
+
+Each GEMM quantizes its two operands along ITS reduction dimension and accumulates in fp32:
+
+- fprop:  Y[m,n]  = Q_K(X) . Q_K(W)^T        (activation format x weight format)
+- dgrad:  dX[m,K] = Q_n(dY) . Q_n(W^T)^T     (gradient format x weight format)
+- wgrad:  dW[n,K] = Q_m(dY^T) . Q_m(X^T)^T   (gradient format x activation format), optionally after the same
+  random-sign block Hadamard transform along m on both operands (exact product unchanged).
+
+X may be ``[..., K]``; leading dims are flattened to the token dimension m. The GEMMs go through
+``megatron_fp4.ops.fp4_gemm``. Which recipe applies: an active ``fp4_autocast`` (including ``enabled=False``)
+wins; otherwise the recipe given to the function/module; with none, the layer is a plain
+``torch.nn.functional.linear`` (bit-identical to high precision).
+"""
+
+from __future__ import annotations
+
+import functools
+import math
+from typing import Optional
+
+import torch
+import torch.nn.functional as F
+
+from megatron_fp4 import ops
+from megatron_fp4 import recipe as _recipe_mod
+from megatron_fp4.recipe import FP4Recipe
+
+__all__ = [
+    "fp4_linear",
+    "FP4Linear",
+    "FP4LinearFunction",
+    "current_recipe",
+    "hadamard_matrix",
+    "random_hadamard_transform",
+]
+
+
+def current_recipe(default: Optional[FP4Recipe] = None) -> Optional[FP4Recipe]:
+    """The recipe a linear should use now: the innermost ``fp4_autocast`` if one is active, else ``default``."""
+    if _recipe_mod._ACTIVE:  # an fp4_autocast block is open (its recipe may be None = FP4 off)
+        return _recipe_mod.get_fp4_recipe()
+    return default
+
+
+# --------------------------------------------------------------------------------------------------------------------
+# Random Hadamard transform for the wgrad operands
+# --------------------------------------------------------------------------------------------------------------------
+@functools.lru_cache(maxsize=None)
+def _hadamard_cpu(block_size: int, seed: int) -> torch.Tensor:
+    if block_size <= 0 or block_size & (block_size - 1):
+        raise ValueError(f"hadamard block_size={block_size} must be a power of two")
+    h = torch.ones(1, 1, dtype=torch.float64)
+    while h.shape[0] < block_size:
+        h = torch.cat([torch.cat([h, h], 1), torch.cat([h, -h], 1)], 0)
+    h = h / math.sqrt(block_size)
+    gen = torch.Generator().manual_seed(seed)
+    signs = torch.randint(0, 2, (block_size,), generator=gen).to(torch.float64) * 2 - 1
+    return (signs[:, None] * h).to(torch.float32)  # diag(signs) @ H, orthogonal
+
+
+def hadamard_matrix(block_size: int, seed: int, device=None) -> torch.Tensor:
+    """The orthogonal fp32 matrix ``diag(s) H / sqrt(b)`` (Sylvester H, random signs s from ``seed``)."""
+    return _hadamard_cpu(block_size, seed).to(device=device)
+
+
+def random_hadamard_transform(x: torch.Tensor, block_size: int, seed: int) -> torch.Tensor:
+    """Apply the block-diagonal random Hadamard transform along the last dim of 2-D ``x`` (fp32 result).
+
+    The last dim is zero-padded to a multiple of ``block_size`` (the result keeps the padded length). Applying
+    it to both operands of ``A @ B^T`` (same length, same seed) leaves the product unchanged.
+    """
+    rows, length = x.shape
+    pad = (-length) % block_size
+    xf = x.float()
+    if pad:
+        xf = F.pad(xf, (0, pad))
+    h = hadamard_matrix(block_size, seed, device=x.device)
+    return (xf.reshape(rows, -1, block_size) @ h).reshape(rows, -1)
+
+
+# --------------------------------------------------------------------------------------------------------------------
+# Autograd function
+# --------------------------------------------------------------------------------------------------------------------
+def _flatten(x: torch.Tensor) -> torch.Tensor:
+    return x.reshape(-1, x.shape[-1])
+
+
+class FP4LinearFunction(torch.autograd.Function):
+    """Y = X W^T + b with the three GEMMs quantized as the recipe says. ``recipe`` must not be None."""
+
+    @staticmethod
+    def forward(ctx, x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor], recipe: FP4Recipe):
+        x2 = _flatten(x)
+        if recipe.quantize_fprop:
+            y = ops.fp4_gemm(x2, weight, recipe.format("activation"), recipe.format("weight")).to(x.dtype)
+        else:
+            y = torch.matmul(x2, weight.t())
+        if bias is not None:
+            y = y + bias
+        ctx.save_for_backward(x, weight)
+        ctx.recipe = recipe
+        ctx.has_bias = bias is not None
+        return y.reshape(*x.shape[:-1], weight.shape[0])
+
+    @staticmethod
+    def backward(ctx, dy: torch.Tensor):
+        x, weight = ctx.saved_tensors
+        recipe: FP4Recipe = ctx.recipe
+        dy2 = _flatten(dy)
+        grad_x = grad_w = grad_b = None
+        g_fmt, g_round = recipe.format("gradient"), recipe.rounding("gradient")
+        if ctx.needs_input_grad[0]:
+            if recipe.quantize_dgrad:
+                # dX[m,K] = Q_n(dY)[m,n] . Q_n(W^T)[K,n]^T
+                grad_x = ops.fp4_gemm(dy2, weight.t(), g_fmt, recipe.format("weight"), a_rounding=g_round)
+                grad_x = grad_x.to(x.dtype)
+            else:
+                grad_x = torch.matmul(dy2, weight)
+            grad_x = grad_x.reshape(x.shape)
+        if ctx.needs_input_grad[1]:
+            x2 = _flatten(x)
+            if recipe.quantize_wgrad:
+                # dW[n,K] = Q_m(dY^T)[n,m] . Q_m(X^T)[K,m]^T
+                a, b = dy2.t(), x2.t()
+                if recipe.hadamard_wgrad:
+                    a = random_hadamard_transform(a, recipe.hadamard_block_size, recipe.hadamard_seed)
+                    b = random_hadamard_transform(b, recipe.hadamard_block_size, recipe.hadamard_seed)
+                grad_w = ops.fp4_gemm(a, b, g_fmt, recipe.format("activation"), a_rounding=g_round)
+                grad_w = grad_w.to(weight.dtype)
+            else:
+                grad_w = torch.matmul(dy2.t(), x2)
+        if ctx.has_bias and ctx.needs_input_grad[2]:
+            grad_b = dy2.sum(dim=0)
+        return grad_x, grad_w, grad_b, None
+
+
+def fp4_linear(
+    x: torch.Tensor,
+    weight: torch.Tensor,
+    bias: Optional[torch.Tensor] = None,
+    recipe: Optional[FP4Recipe] = None,
+) -> torch.Tensor:
+    """Differentiable FP4 ``x @ weight^T + bias`` under ``recipe`` (None: the active fp4_autocast recipe);
+    plain ``F.linear`` when there is no recipe."""
+    if recipe is None:
+        recipe = _recipe_mod.get_fp4_recipe()
+    if recipe is None:
+        return F.linear(x, weight, bias)
+    if x.shape[-1] != weight.shape[1]:
+        raise ValueError(f"fp4_linear: x has {x.shape[-1]} features but weight is {tuple(weight.shape)}")
+    return FP4LinearFunction.apply(x, weight, bias, recipe)
+
+
+class FP4Linear(torch.nn.Linear):
+    """``torch.nn.Linear`` whose GEMMs run in FP4 under a recipe (its own ``recipe`` or an active fp4_autocast).
+
+    Same parameters, names and initialization as ``torch.nn.Linear``; with no recipe it is bit-identical to it.
+    """
+
+    def __init__(self, in_features: int, out_features: int, bias: bool = True,
+                 recipe: Optional[FP4Recipe] = None, device=None, dtype=None) -> None:
+        super().__init__(in_features, out_features, bias=bias, device=device, dtype=dtype)
+        if recipe is not None and not isinstance(recipe, FP4Recipe):
+            raise TypeError(f"recipe must be an FP4Recipe or None, got {type(recipe).__name__}")
+        self.recipe = recipe
+
+    def fp4_recipe_for_forward(self) -> Optional[FP4Recipe]:
+        """The recipe the next forward will use (None: high precision)."""
+        return current_recipe(self.recipe)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return fp4_linear(x, self.weight, self.bias, self.fp4_recipe_for_forward())
+
+    def extra_repr(self) -> str:
+        return super().extra_repr() + f", recipe={self.recipe!r}"

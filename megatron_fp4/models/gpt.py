@@ -1,0 +1,169 @@
+"""Build megatron-core GPTModels of the Qwen2 / Llama shape (RMSNorm, SwiGLU, RoPE, GQA, optional qkv bias) with
+the FP4 layer spec.
+
+    args = GPTModelArgs(num_layers=2, hidden_size=128, ffn_hidden_size=256, num_attention_heads=4,
+                        num_query_groups=2, vocab_size=256, max_seq_len=64, fp4_recipe=HiF4BlockScaling())
+    model = build_gpt_model(args)        # after megatron_fp4.parallel.initialize_parallel(...)
+
+The model is a plain ``megatron.core.models.gpt.GPTModel``; its parameter names are those of megatron-core's local
+spec (``decoder.layers.N.self_attention.linear_qkv.weight`` ...). On the pipeline stage this rank runs, the
+decoder holds only that stage's layers; ``pre_process`` / ``post_process`` default to the first / last stage.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass, field
+from typing import Any, Optional
+
+import torch
+import torch.nn.functional as F
+
+from megatron_fp4.parallel.cpu_compat import apply_cpu_shims, cpu_config_overrides
+from megatron_fp4.parallel.spec import FP4TransformerConfig, get_gpt_layer_fp4_spec
+from megatron_fp4.recipe import FP4Recipe
+
+__all__ = ["GPTModelArgs", "gpt_transformer_config", "build_gpt_model"]
+
+
+@dataclass
+class GPTModelArgs:
+    """Architecture and numerics of a Qwen2/Llama-shaped decoder (field names follow megatron-core)."""
+
+    num_layers: int
+    hidden_size: int
+    ffn_hidden_size: int
+    num_attention_heads: int
+    vocab_size: int
+    max_seq_len: int
+    #: Key/value heads (GQA); None = num_attention_heads (MHA).
+    num_query_groups: Optional[int] = None
+    #: Head dimension; None = hidden_size // num_attention_heads.
+    kv_channels: Optional[int] = None
+    #: Bias on the fused QKV projection (True for Qwen2, False for Llama).
+    add_qkv_bias: bool = False
+    #: Tie the output head to the input embedding.
+    tie_embeddings: bool = False
+    #: SwiGLU MLP (gated SiLU); False = plain GELU MLP.
+    swiglu: bool = True
+    #: "RMSNorm" or "LayerNorm".
+    normalization: str = "RMSNorm"
+    norm_epsilon: float = 1e-6
+    rotary_base: float = 10000.0
+    rotary_percent: float = 1.0
+    qk_layernorm: bool = False
+    #: FP4 recipe of the transformer-layer linears; None = high precision (an fp4_autocast still applies).
+    fp4_recipe: Optional[FP4Recipe] = None
+    #: Parameter dtype (torch.float32 or torch.bfloat16); bf16=True also sets megatron's bf16 flag.
+    params_dtype: torch.dtype = torch.float32
+    init_method_std: float = 0.02
+    hidden_dropout: float = 0.0
+    attention_dropout: float = 0.0
+    #: Extra TransformerConfig fields (e.g. sequence_parallel=True, recompute_granularity="full").
+    config_overrides: dict[str, Any] = field(default_factory=dict)
+
+    @classmethod
+    def from_hf_config(cls, hf_config: Any, **changes: Any) -> "GPTModelArgs":
+        """Args for a HuggingFace Qwen2 / Llama config (``transformers.PretrainedConfig`` or a dict)."""
+        get = (hf_config.get if isinstance(hf_config, dict)
+               else lambda k, d=None: getattr(hf_config, k, d))
+        model_type = get("model_type", "")
+        heads = get("num_attention_heads")
+        args = dict(
+            num_layers=get("num_hidden_layers"),
+            hidden_size=get("hidden_size"),
+            ffn_hidden_size=get("intermediate_size"),
+            num_attention_heads=heads,
+            num_query_groups=get("num_key_value_heads", None) or heads,
+            kv_channels=get("head_dim", None) or get("hidden_size") // heads,
+            vocab_size=get("vocab_size"),
+            max_seq_len=get("max_position_embeddings", 4096),
+            add_qkv_bias=bool(get("attention_bias", False)) or model_type == "qwen2",
+            tie_embeddings=bool(get("tie_word_embeddings", False)),
+            swiglu=get("hidden_act", "silu") == "silu",
+            norm_epsilon=get("rms_norm_eps", 1e-6),
+            rotary_base=get("rope_theta", 10000.0),
+        )
+        args.update(changes)
+        return cls(**args)
+
+
+def gpt_transformer_config(args: GPTModelArgs, **overrides: Any) -> FP4TransformerConfig:
+    """The FP4TransformerConfig for ``args`` (CPU-safe settings applied when CUDA is absent)."""
+    fields = dict(
+        num_layers=args.num_layers,
+        hidden_size=args.hidden_size,
+        ffn_hidden_size=args.ffn_hidden_size,
+        num_attention_heads=args.num_attention_heads,
+        num_query_groups=args.num_query_groups,
+        kv_channels=args.kv_channels,
+        add_qkv_bias=args.add_qkv_bias,
+        add_bias_linear=False,
+        gated_linear_unit=args.swiglu,
+        activation_func=F.silu if args.swiglu else F.gelu,
+        normalization=args.normalization,
+        layernorm_epsilon=args.norm_epsilon,
+        qk_layernorm=args.qk_layernorm,
+        params_dtype=args.params_dtype,
+        bf16=args.params_dtype == torch.bfloat16,
+        init_method_std=args.init_method_std,
+        hidden_dropout=args.hidden_dropout,
+        attention_dropout=args.attention_dropout,
+        bias_activation_fusion=False,
+        bias_dropout_fusion=False,
+        apply_rope_fusion=False,
+        masked_softmax_fusion=False,
+        gradient_accumulation_fusion=False,
+        attention_softmax_in_fp32=True,
+        fp4_recipe=args.fp4_recipe,
+    )
+    from megatron.core import parallel_state
+
+    if parallel_state.model_parallel_is_initialized():
+        fields.update(
+            tensor_model_parallel_size=parallel_state.get_tensor_model_parallel_world_size(),
+            pipeline_model_parallel_size=parallel_state.get_pipeline_model_parallel_world_size(),
+        )
+    fields.update(cpu_config_overrides())
+    fields.update(args.config_overrides)
+    fields.update(overrides)
+    if fields.get("pipeline_model_parallel_size", 1) > 1:
+        fields.setdefault("pipeline_dtype", args.params_dtype)
+    return FP4TransformerConfig(**fields)
+
+
+def build_gpt_model(
+    args: GPTModelArgs,
+    config: Optional[FP4TransformerConfig] = None,
+    pre_process: Optional[bool] = None,
+    post_process: Optional[bool] = None,
+    vp_stage: Optional[int] = None,
+    parallel_output: bool = True,
+):
+    """A megatron-core GPTModel with the FP4 layer spec (parallel_state must be initialized)."""
+    from megatron.core import parallel_state
+    from megatron.core.models.gpt import GPTModel
+
+    if not torch.cuda.is_available():
+        apply_cpu_shims()
+    if config is None:
+        config = gpt_transformer_config(args)
+    if pre_process is None:
+        pre_process = parallel_state.is_pipeline_first_stage(ignore_virtual=vp_stage is None, vp_stage=vp_stage)
+    if post_process is None:
+        post_process = parallel_state.is_pipeline_last_stage(ignore_virtual=vp_stage is None, vp_stage=vp_stage)
+    spec = get_gpt_layer_fp4_spec(qk_layernorm=args.qk_layernorm, normalization=args.normalization)
+    return GPTModel(
+        config=config,
+        transformer_layer_spec=spec,
+        vocab_size=args.vocab_size,
+        max_sequence_length=args.max_seq_len,
+        pre_process=pre_process,
+        post_process=post_process,
+        parallel_output=parallel_output,
+        share_embeddings_and_output_weights=args.tie_embeddings,
+        position_embedding_type="rope",
+        rotary_percent=args.rotary_percent,
+        rotary_base=args.rotary_base,
+        vp_stage=vp_stage,
+    )

@@ -1,0 +1,85 @@
+"""GPT layer spec with FP4 linears, the TransformerLayer that tells its linears their layer number, and a config
+that carries the FP4 recipe.
+
+The spec is megatron-core's local (non-TE) GPT layer spec with linear_qkv, linear_proj, linear_fc1 and linear_fc2
+swapped for the FP4 parallel linears; parameter names are unchanged (HF converters rely on them). Norms, the
+attention core, embeddings and the output head stay megatron-core's high-precision modules.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass
+from typing import Optional
+
+from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
+from megatron.core.transformer import TransformerConfig
+from megatron.core.transformer.spec_utils import ModuleSpec
+from megatron.core.transformer.transformer_layer import TransformerLayer
+
+from megatron_fp4.parallel.layers import (
+    FP4ColumnParallelLinear,
+    FP4ParallelLinearMixin,
+    FP4RowParallelLinear,
+)
+from megatron_fp4.recipe import FP4Recipe
+
+__all__ = ["FP4TransformerConfig", "FP4TransformerLayer", "get_gpt_layer_fp4_spec"]
+
+
+@dataclass
+class FP4TransformerConfig(TransformerConfig):
+    """megatron-core TransformerConfig plus the FP4 recipe the FP4 linears use (None: high precision)."""
+
+    #: Recipe for every FP4 linear of the model; an active ``fp4_autocast`` overrides it.
+    fp4_recipe: Optional[FP4Recipe] = None
+
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        if self.fp4_recipe is not None and not isinstance(self.fp4_recipe, FP4Recipe):
+            raise TypeError(f"fp4_recipe must be an FP4Recipe or None, got {type(self.fp4_recipe).__name__}")
+
+
+class FP4TransformerLayer(TransformerLayer):
+    """megatron-core TransformerLayer that stamps its global layer number on its FP4 linears.
+
+    The number lets a recipe keep the first/last N layers in high precision
+    (``FP4Recipe.high_precision_first_layers`` / ``high_precision_last_layers``).
+    """
+
+    def __init__(self, *args, **kwargs) -> None:
+        super().__init__(*args, **kwargs)
+        for module in self.modules():
+            if isinstance(module, FP4ParallelLinearMixin):
+                module.fp4_layer_number = self.layer_number
+
+
+def get_gpt_layer_fp4_spec(
+    qk_layernorm: bool = False,
+    normalization: Optional[str] = "RMSNorm",
+    qk_l2_norm: bool = False,
+) -> ModuleSpec:
+    """megatron-core's local GPT layer spec (dense MLP) with FP4 linear_qkv/linear_proj/linear_fc1/linear_fc2."""
+    base = get_gpt_layer_local_spec(
+        qk_layernorm=qk_layernorm, normalization=normalization, qk_l2_norm=qk_l2_norm
+    )
+    layer_sub = base.submodules
+    attn = layer_sub.self_attention
+    mlp = layer_sub.mlp
+    attn = dataclasses.replace(
+        attn,
+        submodules=dataclasses.replace(
+            attn.submodules, linear_qkv=FP4ColumnParallelLinear, linear_proj=FP4RowParallelLinear
+        ),
+    )
+    mlp = dataclasses.replace(
+        mlp,
+        submodules=dataclasses.replace(
+            mlp.submodules, linear_fc1=FP4ColumnParallelLinear, linear_fc2=FP4RowParallelLinear
+        ),
+    )
+    return dataclasses.replace(
+        base,
+        module=FP4TransformerLayer,
+        submodules=dataclasses.replace(layer_sub, self_attention=attn, mlp=mlp),
+    )

@@ -1,0 +1,237 @@
+"""Train a tiny FP4 GPTModel (real megatron-core) under several parallel layouts and dump loss/grads.
+
+Run single-process (``python tests/dist/gpt_parallel.py --layouts ref --out DIR``) or under torchrun
+(``torchrun --nproc-per-node 2 tests/dist/gpt_parallel.py --layouts tp2,pp2,dp2 --out DIR``). For every layout it
+
+1. re-initializes megatron parallel_state (TP/PP from the layout; DP = world / (TP*PP));
+2. builds the GPTModel with the FP4 spec, wraps it in megatron DDP and loads the same canonical weights in every
+   layout (generated per parameter name, then sliced to this rank's TP shard / PP stage);
+3. runs one forward/backward over the same global batch (2 micro-batches: DP=1 accumulates both, DP=2 gives one
+   to each replica) with megatron's pipeline schedule, and dumps the loss and full (TP-gathered) gradients;
+4. trains ``--steps`` steps with megatron-core's optimizer (Adam) on that batch and dumps the loss curve.
+
+Layout names: ref (TP=PP=1 on one process), tp2, tp2sp (sequence parallel), pp2, dp2, and "hp:<layout>" which
+also checks, at that layout, that the FP4 spec with no recipe is bit-identical to megatron-core's local spec.
+Rank 0 writes ``<out>/<layout>.pt``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import re
+import sys
+import zlib
+from functools import partial
+
+import torch
+
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", ".."))
+
+from megatron_fp4.models import GPTModelArgs, build_gpt_model, gpt_transformer_config  # noqa: E402
+from megatron_fp4.parallel import initialize_parallel  # noqa: E402
+from megatron_fp4.recipe import recipe_for_format  # noqa: E402
+
+SEQ, MICRO_BATCH, GLOBAL_MICROBATCHES, VOCAB = 32, 2, 2, 128
+LAYOUTS = {"ref": (1, 1, False), "tp2": (2, 1, False), "tp2sp": (2, 1, True), "pp2": (1, 2, False),
+           "dp2": (1, 1, False)}
+
+
+def model_args(recipe, tie: bool = False) -> GPTModelArgs:
+    # Per-rank GEMM dims stay multiples of 64 at TP=2 so the quantization blocks coincide with TP=1's.
+    return GPTModelArgs(num_layers=4, hidden_size=128, ffn_hidden_size=256, num_attention_heads=4,
+                        num_query_groups=2, vocab_size=VOCAB, max_seq_len=SEQ, add_qkv_bias=True,
+                        tie_embeddings=tie, fp4_recipe=recipe)
+
+
+def global_batch():
+    g = torch.Generator().manual_seed(0)
+    # a learnable task: the next token is a fixed function of the current one
+    out = []
+    for _ in range(GLOBAL_MICROBATCHES):
+        ids = torch.randint(0, VOCAB, (MICRO_BATCH, SEQ), generator=g)
+        labels = (ids * 7 + 3) % VOCAB
+        out.append({"tokens": ids, "labels": labels, "position_ids": torch.arange(SEQ).expand(MICRO_BATCH, SEQ)})
+    return out
+
+
+def canonical_tensor(name: str, shape, layer_offset: int) -> torch.Tensor:
+    """Deterministic full (unsharded) tensor for a global parameter name."""
+    g = torch.Generator().manual_seed(zlib.crc32(name.encode()))
+    if "layernorm" in name or name.endswith("norm.weight"):
+        return 1.0 + 0.1 * torch.randn(shape, generator=g)
+    return 0.05 * torch.randn(shape, generator=g)
+
+
+def global_name(name: str, offset: int) -> str:
+    return re.sub(r"decoder\.layers\.(\d+)\.", lambda m: f"decoder.layers.{int(m.group(1)) + offset}.", name)
+
+
+def shard_of(full: torch.Tensor, param, tp_rank: int, tp: int) -> torch.Tensor:
+    if not getattr(param, "tensor_model_parallel", False) or tp == 1:
+        return full
+    dim, stride = param.partition_dim, getattr(param, "partition_stride", 1)
+    chunks = full.chunk(tp * stride, dim=dim)
+    return torch.cat([chunks[s * tp + tp_rank] for s in range(stride)], dim=dim)
+
+
+def gather_full(t: torch.Tensor, param, tp: int) -> torch.Tensor:
+    from megatron.core import parallel_state as ps
+
+    if not getattr(param, "tensor_model_parallel", False) or tp == 1:
+        return t.clone()
+    parts = [torch.empty_like(t) for _ in range(tp)]
+    torch.distributed.all_gather(parts, t.contiguous(), group=ps.get_tensor_model_parallel_group())
+    dim, stride = param.partition_dim, getattr(param, "partition_stride", 1)
+    pieces = [p.chunk(stride, dim=dim) for p in parts]
+    return torch.cat([pieces[r][s] for s in range(stride) for r in range(tp)], dim=dim)
+
+
+def layer_offset(args: GPTModelArgs) -> int:
+    from megatron.core import parallel_state as ps
+
+    return ps.get_pipeline_model_parallel_rank() * (args.num_layers // ps.get_pipeline_model_parallel_world_size())
+
+
+def build(args: GPTModelArgs, sequence_parallel: bool, local_spec: bool = False):
+    from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig, finalize_model_grads
+    from megatron.core.models.gpt import GPTModel
+    from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
+    from megatron.core import parallel_state as ps
+
+    config = gpt_transformer_config(args, sequence_parallel=sequence_parallel)
+    if local_spec:  # megatron-core's own local spec, for the bit-identity check
+        model = GPTModel(config, get_gpt_layer_local_spec(normalization="RMSNorm"), vocab_size=args.vocab_size,
+                         max_sequence_length=args.max_seq_len, pre_process=ps.is_pipeline_first_stage(),
+                         post_process=ps.is_pipeline_last_stage(),
+                         share_embeddings_and_output_weights=args.tie_embeddings, position_embedding_type="rope")
+    else:
+        model = build_gpt_model(args, config=config)
+    tp, tp_rank, off = ps.get_tensor_model_parallel_world_size(), ps.get_tensor_model_parallel_rank(), layer_offset(args)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            full_shape = list(p.shape)
+            if getattr(p, "tensor_model_parallel", False):
+                full_shape[p.partition_dim] *= tp
+            p.copy_(shard_of(canonical_tensor(global_name(name, off), full_shape, off), p, tp_rank, tp))
+    ddp = DistributedDataParallel(config, DistributedDataParallelConfig(grad_reduce_in_fp32=True,
+                                                                        overlap_grad_reduce=False), model)
+    config.no_sync_func = ddp.no_sync
+    config.finalize_model_grads_func = finalize_model_grads
+    return ddp, config
+
+
+def forward_step(data_iterator, model):
+    batch = next(data_iterator)
+    out = model(batch["tokens"], batch["position_ids"], None, labels=batch["labels"])
+
+    def loss_func(output_tensor):
+        loss = output_tensor.float().mean()
+        return loss, {"loss": loss.detach().clone()}
+
+    return out, loss_func
+
+
+def run_batch(ddp, config, microbatches, forward_only=False) -> float:
+    """One forward/backward over this rank's micro-batches; returns the global-batch mean loss (all ranks)."""
+    from megatron.core import parallel_state as ps
+    from megatron.core.pipeline_parallel import get_forward_backward_func
+
+    fb = get_forward_backward_func()
+    store = fb(forward_step_func=forward_step, data_iterator=iter(microbatches), model=[ddp],
+               num_microbatches=len(microbatches), seq_length=SEQ, micro_batch_size=MICRO_BATCH,
+               forward_only=forward_only)
+    loss = torch.zeros(1)
+    if ps.is_pipeline_last_stage():
+        loss += torch.stack([d["loss"] for d in store]).mean()
+    # sum over PP (only last stage non-zero), average over DP
+    torch.distributed.all_reduce(loss, group=ps.get_pipeline_model_parallel_group())
+    torch.distributed.all_reduce(loss, group=ps.get_data_parallel_group())
+    return float(loss / ps.get_data_parallel_world_size())
+
+
+def my_microbatches():
+    from megatron.core import parallel_state as ps
+
+    batch = global_batch()
+    dp, r = ps.get_data_parallel_world_size(), ps.get_data_parallel_rank()
+    per = GLOBAL_MICROBATCHES // dp
+    return batch[r * per:(r + 1) * per]
+
+
+def collect_grads(ddp, args) -> dict:
+    from megatron.core import parallel_state as ps
+
+    tp, off = ps.get_tensor_model_parallel_world_size(), layer_offset(args)
+    out = {}
+    for name, p in ddp.module.named_parameters():
+        g = p.main_grad if getattr(p, "main_grad", None) is not None else p.grad
+        out[global_name(name, off)] = gather_full(g.detach().float(), p, tp)
+    gathered = [None] * torch.distributed.get_world_size()
+    torch.distributed.all_gather_object(gathered, out)
+    merged = {}
+    for d in gathered:
+        merged.update(d)
+    return merged
+
+
+def run_layout(layout: str, recipe, steps: int, seed: int) -> dict:
+    from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
+
+    check_hp = layout.startswith("hp:")
+    base = layout[3:] if check_hp else layout
+    tp, pp, sp = LAYOUTS[base]
+    initialize_parallel(tp, pp, seed=seed)
+    args = model_args(recipe)
+    result = {"layout": layout, "world": torch.distributed.get_world_size()}
+    ddp, config = build(args, sp)
+    mbs = my_microbatches()
+    result["loss0"] = run_batch(ddp, config, mbs)
+    result["grads0"] = collect_grads(ddp, args)
+    if check_hp:
+        # the FP4 spec with no recipe vs megatron-core's local spec: identical loss and gradients, bit for bit
+        args_hp = model_args(None)
+        fp4_hp, cfg1 = build(args_hp, sp)
+        local, cfg2 = build(args_hp, sp, local_spec=True)
+        result["hp_fp4_spec_loss"] = run_batch(fp4_hp, cfg1, mbs)
+        result["hp_local_spec_loss"] = run_batch(local, cfg2, mbs)
+        result["hp_fp4_spec_grads"] = collect_grads(fp4_hp, args_hp)
+        result["hp_local_spec_grads"] = collect_grads(local, args_hp)
+        result["hp_fp4_linears"] = sum(type(m).__name__.startswith("FP4") for m in fp4_hp.modules())
+    if steps:
+        opt = get_megatron_optimizer(OptimizerConfig(optimizer="adam", lr=3e-3, weight_decay=0.0, clip_grad=1.0,
+                                                     bf16=False, fp16=False), [ddp])
+        losses = []
+        for _ in range(steps):
+            ddp.zero_grad_buffer()
+            opt.zero_grad()
+            losses.append(run_batch(ddp, config, mbs))
+            ok, grad_norm, _ = opt.step()
+            assert ok, "optimizer step skipped"
+        losses.append(run_batch(ddp, config, mbs, forward_only=True))
+        result["train_losses"] = losses
+    return result
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--layouts", required=True, help="comma list: ref, tp2, tp2sp, pp2, dp2, hp:<layout>")
+    ap.add_argument("--out", required=True)
+    ap.add_argument("--format", default="hif4")
+    ap.add_argument("--steps", type=int, default=0)
+    ap.add_argument("--seed", type=int, default=1234)
+    a = ap.parse_args()
+    recipe = recipe_for_format(a.format)
+    os.makedirs(a.out, exist_ok=True)
+    for layout in a.layouts.split(","):
+        res = run_layout(layout, recipe, a.steps, a.seed)
+        if torch.distributed.get_rank() == 0:
+            torch.save(res, os.path.join(a.out, f"{layout.replace(':', '_')}.pt"))
+    torch.distributed.barrier()
+    from megatron_fp4.parallel import destroy_parallel
+
+    destroy_parallel()
+
+
+if __name__ == "__main__":
+    main()
