@@ -1,0 +1,246 @@
+"""Atomic, code-free checkpoints for the RL driver: save/resume a state dict, RNG capture/restore, keep-last-K.
+
+Layout (Megatron style):
+    SAVE_DIR/latest_checkpointed_iteration.txt      the iteration of the newest COMPLETE checkpoint
+    SAVE_DIR/iter_0000100/rank_00000.pt              one torch.save'd state dict per rank
+    SAVE_DIR/iter_0000100/metadata.json              iteration, world size, file list (written last)
+A save writes everything into SAVE_DIR/.tmp_iter_XXXXXXX, fsyncs the files and the directory, os.replace()s it to
+iter_XXXXXXX, then replaces the tracker the same way (write temp, fsync, os.replace). A crash at any moment leaves
+the tracker pointing at the previous complete checkpoint; stale temp directories are removed by the next save.
+Loading uses torch.load(weights_only=True): only tensors and plain containers/primitives are accepted and no code
+stored in the file is executed. The state must therefore hold only tensors, numbers, strings, bools, None, and
+lists/tuples/dicts of them (model and optimizer state_dicts qualify; use capture_rng_state for RNG states).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import pickle
+import random
+import shutil
+from pathlib import Path
+from typing import Any, Callable
+
+import numpy as np
+import torch
+
+__all__ = ["TRACKER_FILE", "CheckpointError", "CheckpointNotFoundError", "iter_dir_name", "save_checkpoint",
+           "load_checkpoint", "latest_iteration", "list_checkpoints", "capture_rng_state", "restore_rng_state"]
+
+TRACKER_FILE = "latest_checkpointed_iteration.txt"
+_METADATA = "metadata.json"
+_TMP_PREFIX = ".tmp_"
+_DEL_PREFIX = ".del_"
+
+
+class CheckpointError(RuntimeError):
+    """A checkpoint exists but cannot be read safely (corrupt, incompatible, or containing non-tensor objects)."""
+
+
+class CheckpointNotFoundError(CheckpointError, FileNotFoundError):
+    """No complete checkpoint in the directory."""
+
+
+def iter_dir_name(iteration: int) -> str:
+    """'iter_0000100' for iteration 100."""
+    return f"iter_{iteration:07d}"
+
+
+def _rank_file(rank: int) -> str:
+    return f"rank_{rank:05d}.pt"
+
+
+def _fsync_dir(path: Path) -> None:
+    """fsync a directory so a rename inside it is durable (ignored where the platform refuses)."""
+    try:
+        fd = os.open(path, os.O_RDONLY)
+    except OSError:
+        return
+    try:
+        os.fsync(fd)
+    except OSError:
+        pass
+    finally:
+        os.close(fd)
+
+
+def _write_state(path: Path, state: Any) -> None:
+    """torch.save state to path and fsync it."""
+    with open(path, "wb") as f:
+        torch.save(state, f)
+        f.flush()
+        os.fsync(f.fileno())
+
+
+def _write_text_atomic(path: Path, text: str) -> None:
+    """Replace path by text atomically: temp file in the same directory, fsync, os.replace, fsync the dir."""
+    tmp = path.with_name(path.name + ".tmp")
+    with open(tmp, "w") as f:
+        f.write(text)
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(tmp, path)
+    _fsync_dir(path.parent)
+
+
+def _remove_dir(path: Path) -> None:
+    """Delete a directory by first renaming it out of the iter_* namespace, so a half-deleted one never loads."""
+    if not path.exists():
+        return
+    doomed = path.with_name(_DEL_PREFIX + path.name)
+    if doomed.exists():
+        shutil.rmtree(doomed)
+    os.replace(path, doomed)
+    shutil.rmtree(doomed)
+
+
+def _is_complete(d: Path) -> bool:
+    return d.is_dir() and (d / _METADATA).is_file()
+
+
+def list_checkpoints(save_dir: str | Path) -> list[int]:
+    """Iterations of the complete checkpoints in save_dir, ascending."""
+    root = Path(save_dir)
+    if not root.is_dir():
+        return []
+    its = []
+    for d in root.iterdir():
+        if d.name.startswith("iter_") and d.name[5:].isdigit() and _is_complete(d):
+            its.append(int(d.name[5:]))
+    return sorted(its)
+
+
+def latest_iteration(save_dir: str | Path) -> int | None:
+    """The iteration named by the tracker file when that checkpoint is complete, else the newest complete
+    checkpoint found by scanning (a tracker lost or corrupted by the filesystem), else None."""
+    root = Path(save_dir)
+    tracker = root / TRACKER_FILE
+    if tracker.is_file():
+        text = tracker.read_text().strip()
+        if text.isdigit() and _is_complete(root / iter_dir_name(int(text))):
+            return int(text)
+    its = list_checkpoints(root)
+    return its[-1] if its else None
+
+
+def save_checkpoint(save_dir: str | Path, iteration: int, state: dict, *, keep_last: int | None = None,
+                    rank: int = 0, world_size: int = 1, barrier: Callable[[], None] | None = None) -> Path:
+    """Atomically write `state` as checkpoint `iteration` (every rank calls this with its own state).
+
+    keep_last: after a successful save keep only the newest K complete checkpoints (the one just written always
+    survives). With world_size > 1, `barrier` synchronizes the ranks (default torch.distributed.barrier); rank 0
+    owns the directory rename, the tracker and pruning. Returns the final iter_XXXXXXX directory.
+    """
+    if not isinstance(iteration, int) or iteration < 0:
+        raise ValueError(f"iteration must be an int >= 0, got {iteration!r}")
+    if keep_last is not None and keep_last < 1:
+        raise ValueError(f"keep_last must be >= 1 or None, got {keep_last!r}")
+    if not 0 <= rank < world_size:
+        raise ValueError(f"rank {rank} out of range for world_size {world_size}")
+    if world_size > 1 and barrier is None:
+        if not (torch.distributed.is_available() and torch.distributed.is_initialized()):
+            raise ValueError("world_size > 1 needs a barrier callable or an initialized torch.distributed")
+        barrier = torch.distributed.barrier
+    sync = barrier if barrier is not None else (lambda: None)
+
+    root = Path(save_dir)
+    name = iter_dir_name(iteration)
+    final, tmp = root / name, root / (_TMP_PREFIX + name)
+    if rank == 0:
+        root.mkdir(parents=True, exist_ok=True)
+        if tmp.exists():  # left over from a crashed save
+            shutil.rmtree(tmp)
+        tmp.mkdir()
+    sync()
+    _write_state(tmp / _rank_file(rank), state)
+    sync()
+    if rank == 0:
+        meta = {"iteration": iteration, "world_size": world_size,
+                "files": [_rank_file(r) for r in range(world_size)], "format": "torch.save/weights_only"}
+        missing = [f for f in meta["files"] if not (tmp / f).is_file()]
+        if missing:
+            raise CheckpointError(f"{tmp}: rank files missing after the barrier: {missing}")
+        with open(tmp / _METADATA, "w") as f:
+            json.dump(meta, f, indent=1)
+            f.flush()
+            os.fsync(f.fileno())
+        _fsync_dir(tmp)
+        aside = root / (_DEL_PREFIX + name)
+        if final.exists():  # re-saving an iteration (e.g. after a resume): move the old copy aside first
+            if aside.exists():
+                shutil.rmtree(aside)
+            os.replace(final, aside)
+        os.replace(tmp, final)
+        _fsync_dir(root)
+        if aside.exists():
+            shutil.rmtree(aside)
+        _write_text_atomic(root / TRACKER_FILE, f"{iteration}\n")
+        if keep_last is not None:
+            others = [it for it in list_checkpoints(root) if it != iteration]
+            for it in others[:max(0, len(others) - (keep_last - 1))]:
+                _remove_dir(root / iter_dir_name(it))
+    sync()
+    return final
+
+
+def load_checkpoint(load_dir: str | Path, iteration: int | None = None, *, rank: int = 0,
+                    map_location: str | torch.device = "cpu") -> tuple[int, dict]:
+    """(iteration, state) of this rank from the latest (or the given) complete checkpoint.
+
+    Raises CheckpointNotFoundError when there is none, CheckpointError when the file is unreadable or holds
+    anything torch.load(weights_only=True) refuses (pickled classes, functions): no code from it is executed.
+    """
+    root = Path(load_dir)
+    if iteration is None:
+        iteration = latest_iteration(root)
+        if iteration is None:
+            raise CheckpointNotFoundError(
+                f"no checkpoint found in {root} (no {TRACKER_FILE} naming a complete iter_* directory)")
+    d = root / iter_dir_name(iteration)
+    if not _is_complete(d):
+        raise CheckpointNotFoundError(f"no complete checkpoint for iteration {iteration} in {root}")
+    meta = json.loads((d / _METADATA).read_text())
+    path = d / _rank_file(rank)
+    if not path.is_file():
+        raise CheckpointError(f"{path} missing: the checkpoint was saved with world_size={meta.get('world_size')}, "
+                              f"this process is rank {rank}")
+    try:
+        state = torch.load(path, map_location=map_location, weights_only=True)
+    except pickle.UnpicklingError as e:
+        raise CheckpointError(f"{path}: refused to load (only tensors and plain containers are allowed, "
+                              f"weights_only=True): {str(e).splitlines()[0]}") from e
+    except (RuntimeError, EOFError, OSError) as e:
+        raise CheckpointError(f"{path}: unreadable checkpoint file: {e}") from e
+    if not isinstance(state, dict):
+        raise CheckpointError(f"{path}: expected a dict of state, got {type(state).__name__}")
+    return iteration, state
+
+
+def capture_rng_state() -> dict:
+    """RNG states of python, numpy (legacy global) and torch (CPU and all CUDA devices) as weights_only-safe data."""
+    np_state = np.random.get_state(legacy=False)
+    out = {
+        "python": random.getstate(),
+        "numpy": {"bit_generator": np_state["bit_generator"],
+                  "key": torch.from_numpy(np_state["state"]["key"].astype(np.int64)),
+                  "pos": int(np_state["state"]["pos"]), "has_gauss": int(np_state["has_gauss"]),
+                  "gauss": float(np_state["gauss"])},
+        "torch": torch.get_rng_state(),
+    }
+    if torch.cuda.is_available():
+        out["cuda"] = torch.cuda.get_rng_state_all()
+    return out
+
+
+def restore_rng_state(state: dict) -> None:
+    """Restore what capture_rng_state returned (CUDA states only when present in both)."""
+    py = state["python"]
+    random.setstate((py[0], tuple(py[1]), py[2]))
+    n = state["numpy"]
+    np.random.set_state({"bit_generator": n["bit_generator"],
+                         "state": {"key": n["key"].numpy().astype(np.uint32), "pos": int(n["pos"])},
+                         "has_gauss": int(n["has_gauss"]), "gauss": float(n["gauss"])})
+    torch.set_rng_state(state["torch"])
+    if "cuda" in state and torch.cuda.is_available():
+        torch.cuda.set_rng_state_all(state["cuda"])

@@ -1,0 +1,219 @@
+"""Tests for megatron_fp4.rl.checkpoint: round trip, crash safety, keep-last-K, weights_only refusal, RNG resume."""
+
+import json
+import os
+import random
+import subprocess
+import sys
+import threading
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+
+from megatron_fp4.rl import checkpoint as ckpt
+from megatron_fp4.rl.checkpoint import (TRACKER_FILE, CheckpointError, CheckpointNotFoundError, capture_rng_state,
+                                        latest_iteration, list_checkpoints, load_checkpoint, restore_rng_state,
+                                        save_checkpoint)
+from megatron_fp4.rl.data import PromptSampler
+
+REPO = Path(__file__).resolve().parents[1]
+
+
+def _train_state(seed: int = 0):
+    """A small model + AdamW after one step, plus the other pieces a resume needs."""
+    torch.manual_seed(seed)
+    model = torch.nn.Sequential(torch.nn.Linear(4, 8), torch.nn.GELU(), torch.nn.Linear(8, 2))
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3, betas=(0.9, 0.95), weight_decay=0.01)
+    model(torch.randn(3, 4)).sum().backward()
+    opt.step()
+    sampler = PromptSampler(10, seed=1)
+    sampler.next_indices(7)
+    return model, opt, sampler
+
+
+def _state(model, opt, sampler, step):
+    return {"model": model.state_dict(), "optimizer": opt.state_dict(), "rng": capture_rng_state(),
+            "data": sampler.state_dict(), "step": step, "args": {"lr": 1e-3, "fp4_format": "hif4", "tags": None}}
+
+
+def _assert_same(a, b):
+    if isinstance(a, torch.Tensor):
+        assert isinstance(b, torch.Tensor) and a.dtype == b.dtype and torch.equal(a, b)
+    elif isinstance(a, dict):
+        assert a.keys() == b.keys()
+        for k in a:
+            _assert_same(a[k], b[k])
+    elif isinstance(a, (list, tuple)):
+        assert len(a) == len(b)
+        for x, y in zip(a, b):
+            _assert_same(x, y)
+    else:
+        assert a == b
+
+
+def test_round_trip_restores_model_optimizer_rng_data_and_step(tmp_path):
+    model, opt, sampler = _train_state()
+    state = _state(model, opt, sampler, step=5)
+    out = save_checkpoint(tmp_path, 5, state)
+    assert out == tmp_path / "iter_0000005" and (tmp_path / TRACKER_FILE).read_text().strip() == "5"
+    it, loaded = load_checkpoint(tmp_path)
+    assert it == 5
+    _assert_same(state, loaded)
+
+    # Restoring into fresh objects continues exactly like the original.
+    model2, opt2, sampler2 = _train_state(seed=99)
+    model2.load_state_dict(loaded["model"])
+    opt2.load_state_dict(loaded["optimizer"])
+    sampler2.load_state_dict(loaded["data"])
+    restore_rng_state(loaded["rng"])
+    x2 = torch.randn(3, 4)
+    restore_rng_state(state["rng"])
+    x1 = torch.randn(3, 4)
+    for m, o, x in ((model, opt, x1), (model2, opt2, x2)):
+        o.zero_grad()
+        m(x).sum().backward()
+        o.step()
+    for p1, p2 in zip(model.parameters(), model2.parameters()):
+        assert torch.equal(p1, p2)
+    assert sampler.next_indices(5) == sampler2.next_indices(5)
+
+
+def test_rng_capture_restore_all_generators():
+    s = capture_rng_state()
+    a = (random.random(), np.random.rand(3).tolist(), np.random.randn(), torch.rand(3))
+    restore_rng_state(s)
+    b = (random.random(), np.random.rand(3).tolist(), np.random.randn(), torch.rand(3))
+    assert a[:3] == b[:3] and torch.equal(a[3], b[3])
+
+
+def test_missing_checkpoint_has_clear_error(tmp_path):
+    with pytest.raises(CheckpointNotFoundError, match="no checkpoint found in"):
+        load_checkpoint(tmp_path / "does_not_exist")
+    (tmp_path / "iter_0000003").mkdir()  # an incomplete directory is not a checkpoint
+    with pytest.raises(FileNotFoundError, match=str(tmp_path)):
+        load_checkpoint(tmp_path)
+    with pytest.raises(CheckpointNotFoundError, match="iteration 7"):
+        load_checkpoint(tmp_path, 7)
+    assert latest_iteration(tmp_path) is None
+
+
+def test_crash_inside_writer_keeps_previous_checkpoint_and_tracker(tmp_path, monkeypatch):
+    model, opt, sampler = _train_state()
+    good = _state(model, opt, sampler, step=1)
+    save_checkpoint(tmp_path, 1, good)
+    tracker_before = (tmp_path / TRACKER_FILE).read_bytes()
+
+    def crashing_writer(path, state):
+        with open(path, "wb") as f:
+            f.write(b"PK\x03\x04 partial garbage")  # a half-written file, then the process "dies"
+        raise OSError("disk full (simulated)")
+
+    monkeypatch.setattr(ckpt, "_write_state", crashing_writer)
+    with pytest.raises(OSError, match="simulated"):
+        save_checkpoint(tmp_path, 2, _state(model, opt, sampler, step=2))
+    monkeypatch.undo()
+
+    assert (tmp_path / TRACKER_FILE).read_bytes() == tracker_before
+    assert not (tmp_path / "iter_0000002").exists()
+    it, loaded = load_checkpoint(tmp_path)
+    assert it == 1
+    _assert_same(good, loaded)
+    # The next save cleans the stale temp directory and succeeds.
+    save_checkpoint(tmp_path, 2, _state(model, opt, sampler, step=2))
+    assert load_checkpoint(tmp_path)[1]["step"] == 2
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["iter_0000001", "iter_0000002", TRACKER_FILE]
+
+
+_HARD_CRASH = r"""
+import os, sys, torch
+from megatron_fp4.rl import checkpoint as ckpt
+def die(path, state):
+    with open(path, "wb") as f:
+        f.write(b"partial")
+        f.flush()
+    os._exit(17)  # no cleanup, no exception handlers: like SIGKILL mid-write
+ckpt._write_state = die
+ckpt.save_checkpoint(sys.argv[1], 2, {"w": torch.ones(3), "step": 2})
+"""
+
+
+def test_hard_kill_mid_save_keeps_previous_checkpoint(tmp_path):
+    save_checkpoint(tmp_path, 1, {"w": torch.zeros(3), "step": 1})
+    env = dict(os.environ, PYTHONPATH=str(REPO) + os.pathsep + os.environ.get("PYTHONPATH", ""))
+    r = subprocess.run([sys.executable, "-c", _HARD_CRASH, str(tmp_path)], env=env, capture_output=True, timeout=120)
+    assert r.returncode == 17, r.stderr.decode()
+    assert (tmp_path / ".tmp_iter_0000002").exists()  # the dead save's leftovers
+    it, state = load_checkpoint(tmp_path)
+    assert it == 1 and state["step"] == 1 and torch.equal(state["w"], torch.zeros(3))
+
+
+class _Evil:
+    """Pickles to a call that would create a file if unpickling executed code."""
+
+    def __init__(self, target):
+        self.target = str(target)
+
+    def __reduce__(self):
+        return (Path.touch, (Path(self.target),))
+
+
+def test_weights_only_refuses_pickled_objects_and_runs_no_code(tmp_path):
+    sentinel = tmp_path / "code_was_executed"
+    save_checkpoint(tmp_path / "ck", 4, {"step": 4, "payload": _Evil(sentinel)})  # torch.save pickles anything
+    assert not sentinel.exists()
+    with pytest.raises(CheckpointError, match="refused to load"):
+        load_checkpoint(tmp_path / "ck")
+    assert not sentinel.exists()
+    # A corrupt file is an error, not a crash or a silent empty state.
+    save_checkpoint(tmp_path / "ck2", 1, {"step": 1})
+    (tmp_path / "ck2" / "iter_0000001" / "rank_00000.pt").write_bytes(b"not a checkpoint")
+    with pytest.raises(CheckpointError, match="rank_00000.pt"):
+        load_checkpoint(tmp_path / "ck2")
+
+
+def test_keep_last_k_and_tracker(tmp_path):
+    for it in (10, 20, 30, 40):
+        save_checkpoint(tmp_path, it, {"step": it}, keep_last=2)
+    assert list_checkpoints(tmp_path) == [30, 40]
+    assert latest_iteration(tmp_path) == 40
+    assert load_checkpoint(tmp_path, 30)[1]["step"] == 30
+    # Re-saving an existing iteration (after a resume) replaces it.
+    save_checkpoint(tmp_path, 30, {"step": 31}, keep_last=2)
+    assert load_checkpoint(tmp_path)[1]["step"] == 31 and list_checkpoints(tmp_path) == [30, 40]
+    # A corrupt tracker falls back to the newest complete checkpoint.
+    (tmp_path / TRACKER_FILE).write_text("garbage")
+    assert latest_iteration(tmp_path) == 40
+    with pytest.raises(ValueError, match="keep_last"):
+        save_checkpoint(tmp_path, 50, {}, keep_last=0)
+
+
+def test_multi_rank_save_with_barrier(tmp_path):
+    world = 3
+    bar = threading.Barrier(world)
+    errors = []
+
+    def worker(rank):
+        try:
+            save_checkpoint(tmp_path, 7, {"rank": rank, "w": torch.full((2,), float(rank))}, rank=rank,
+                            world_size=world, barrier=bar.wait)
+        except Exception as e:  # pragma: no cover - surfaced below
+            errors.append(e)
+            bar.abort()
+
+    threads = [threading.Thread(target=worker, args=(r,)) for r in range(world)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(timeout=60)
+    assert not errors
+    meta = json.loads((tmp_path / "iter_0000007" / "metadata.json").read_text())
+    assert meta["world_size"] == 3
+    for r in range(world):
+        it, st = load_checkpoint(tmp_path, rank=r)
+        assert it == 7 and st["rank"] == r and torch.equal(st["w"], torch.full((2,), float(r)))
+    with pytest.raises(CheckpointError, match="world_size=3"):
+        load_checkpoint(tmp_path, rank=5)
+    with pytest.raises(ValueError, match="barrier"):
+        save_checkpoint(tmp_path, 8, {}, rank=0, world_size=2)
