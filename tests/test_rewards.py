@@ -103,6 +103,12 @@ def test_unknown_kind_lists_valid_kinds():
     ("\\boxed{\\$18.00}", "18", "math", 1.0),
     ("\\boxed{5\\text{ cm}}", "5", "math", 1.0),
     ("\\boxed{x = 5}", "5", "math", 1.0),
+    # markdown bold, equations after the marker, $-delimited boxes
+    ("The answer is: **18**", "#### 18", "gsm8k", 1.0),
+    ("#### **1,200**", "#### 1200", "gsm8k", 1.0),
+    ("The answer is 5 + 3 = 8.", "#### 8", "gsm8k", 1.0),
+    ("#### 9 * 2 = 18", "#### 18", "gsm8k", 1.0),
+    ("The final answer is $\\boxed{18}$.", "#### 18", "gsm8k", 1.0),
     # non-numeric answers: normalized string comparison
     ("\\boxed{\\text{(B)}}", "(B)", "math", 1.0),
     ("\\boxed{x^2+1}", "x^2 + 1", "math", 1.0),
@@ -127,3 +133,23 @@ def test_extraction_and_parsing_details():
     assert parse_number("3apples") is None  # units must be separated (so "2x" is not 2)
     assert not answers_match(None, "1")
     assert not answers_match("", "")
+
+
+_FORMATS = ["#### {v}", "#### {c}", "#### ${c}", "#### {v}.00", "The answer is {c}.", "The answer is ${v} dollars.",
+            "so \\boxed{{{v}}}", "\\boxed{{{c}}}", "\\boxed{{\\${v}}}", "work 1 2 3 ... total {v}", "answer: **{v}**"]
+
+
+@pytest.mark.parametrize("fmt", _FORMATS)
+def test_property_same_value_any_format(fmt):
+    from hypothesis import given, settings
+    from hypothesis import strategies as st
+
+    @settings(max_examples=60, deadline=None, derandomize=True)
+    @given(st.integers(min_value=-10**9, max_value=10**9))
+    def check(v):
+        resp = fmt.format(v=v, c=f"{v:,}")
+        assert score(resp, f"solution\n#### {v}", "gsm8k") == 1.0, resp
+        assert score(resp, f"solution\n#### {v + 1}", "gsm8k") == 0.0, resp
+        assert score(resp, str(v), "math") == 1.0, resp
+
+    check()

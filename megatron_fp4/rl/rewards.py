@@ -13,7 +13,10 @@ otherwise the normalized strings are compared. Normalization handles thousands s
 currency ($, \\$), percent (50% == 50: the sign is dropped, not divided by 100), degrees, trailing periods,
 units written after the number and separated by a space (18 dollars, 5\\text{ cm}), LaTeX spacing, \\text{},
 \\left/\\right, leading "x =", fractions (3/4, \\frac{3}{4}, \\dfrac34, -\\frac{3}{4}, mixed 2\\frac{1}{2}),
-decimals (5.00 == 5, .5 == 1/2), leading zeros and negative numbers (including the unicode minus).
+decimals (5.00 == 5, .5 == 1/2), leading zeros, negative numbers (including the unicode minus) and markdown
+bold (**18**). After a marker ("####", "answer is") a trailing equation keeps its right-hand side ("5 + 3 = 8").
+When a response holds several markers of one kind, the LAST counts (as verl does): rollouts should stop at EOS
+or a stop string so that a hallucinated follow-up question cannot override the answer.
 Not handled: symbolic equivalence (\\frac{1}{\\sqrt3} vs \\frac{\\sqrt3}{3}), scientific notation, tuples/sets
 compared element-wise (they fall back to string equality), and inexact decimals (0.333 != 1/3).
 """
@@ -91,6 +94,10 @@ def _segment_answer(seg: str) -> str:
     """The answer in a segment after a marker: the whole segment if it parses, else a leading number."""
     if parse_number(seg) is not None:
         return seg
+    if "=" in seg:  # "The answer is 5 + 3 = 8" -> "8"
+        tail = seg.rsplit("=", 1)[1].strip()
+        if tail and parse_number(tail) is not None:
+            return tail
     # "The answer is $18 because ..." -> the number right at the start of the segment.
     lead = re.match(rf"^(?:\\?\$|usd\s*)?\s*([+-]?{_UNUM})(?![\w^/])", seg, re.IGNORECASE)
     return lead.group(1) if lead else seg
@@ -132,7 +139,7 @@ def _clean(s: str) -> str:
     """Formatting-only normalization shared by numeric parsing and string comparison."""
     s = s.replace("\u2212", "-").replace("\u2013", "-").replace("\u00a0", " ")
     s = s.replace("{,}", ",").replace("\\!", "").replace("\\,", "").replace("\\;", " ").replace("\\:", " ")
-    s = s.replace("\\ ", " ").replace("~", " ")
+    s = s.replace("\\ ", " ").replace("~", " ").replace("**", "")  # LaTeX spaces, markdown bold
     s = _strip_text_cmds(s)
     for tok in ("\\left", "\\right", "\\displaystyle", "\\$", "$", "\\%", "%", "^{\\circ}", "^\\circ", "\u00b0",
                 "\\(", "\\)", "\\[", "\\]"):
