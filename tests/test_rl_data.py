@@ -45,7 +45,8 @@ def test_gsm8k_loading_and_template():
     assert len(ex) == 1319
     assert ex[0].prompt.startswith("Question: Janet") and ex[0].prompt.endswith("\nAnswer: Let's think step by step.")
     assert ex[0].kind == "gsm8k" and ex[0].reference.endswith("#### 18")
-    assert score(ex[0].target, ex[0].reference, ex[0].kind) == 1.0
+    assert all(score(e.target, e.reference, e.kind) == 1.0 for e in ex)
+    assert "<<" not in ex[0].target and ex[0].target.startswith(" Janet sells 16 - 3 - 4 = 9 duck eggs")
     assert len(load_dataset(f"gsm8k:{path}")) == 1319
 
 

@@ -94,14 +94,16 @@ def format_prompt(question: str, template: str = "gsm8k", chat_template: ChatTem
 
 def load_gsm8k(path: str | Path, template: str = "gsm8k", chat_template: ChatTemplate | Any | None = None
                ) -> list[Example]:
-    """GSM8K jsonl ({"question", "answer"} with the final answer after '####') as reward-kind 'gsm8k' examples."""
+    """GSM8K jsonl ({"question", "answer"} with the final answer after '####') as reward-kind 'gsm8k' examples;
+    the warm-up target is the solution without its <<calculator>> annotations."""
     rows = load_jsonl(path, ("question", "answer"))
     out = []
     for i, r in enumerate(rows):
         if "####" not in r["answer"]:
             raise ValueError(f"{path}: record {i + 1}: GSM8K answer has no '#### <final answer>'")
         out.append(Example(prompt=format_prompt(r["question"], template, chat_template), reference=r["answer"],
-                           kind="gsm8k", question=r["question"], target=" " + r["answer"].strip()))
+                           kind="gsm8k", question=r["question"],
+                           target=" " + re.sub(r"<<[^<>]*>>", "", r["answer"]).strip()))
     return out
 
 
