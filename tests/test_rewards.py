@@ -102,6 +102,9 @@ def test_unknown_kind_lists_valid_kinds():
     ("\\boxed{1\\,000}", "1000", "math", 1.0),
     ("\\boxed{\\$18.00}", "18", "math", 1.0),
     ("\\boxed{5\\text{ cm}}", "5", "math", 1.0),
+    ("\\boxed{\u20ac12}", "12", "math", 1.0),
+    ("The answer is Rs. 250.", "#### 250", "gsm8k", 1.0),
+    ("\\boxed{rst}", "t", "math", 0.0),
     ("\\boxed{x = 5}", "5", "math", 1.0),
     # markdown bold, equations after the marker, $-delimited boxes
     ("The answer is: **18**", "#### 18", "gsm8k", 1.0),

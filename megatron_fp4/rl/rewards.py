@@ -43,7 +43,7 @@ _LAST_NUM_RE = re.compile(rf"(?<![\w)\]}}.])(-?)({_UNUM}(?:/\d+(?!\.\d))?)")
 _HASHES_RE = re.compile(r"####")
 _ANSWER_IS_RE = re.compile(r"(?i)\banswer\s*(?:is|:|=)\s*:?\s*")
 _LEADING_VAR_RE = re.compile(r"^[A-Za-z]\w*\s*=\s*(?=\S)")
-_CURRENCY_PREFIX_RE = re.compile(r"^(?:usd|us\$|rs\.?|inr|eur|€|£|¥)\s*", re.IGNORECASE)
+_CURRENCY_PREFIX_RE = re.compile(r"^(?:(?:usd|inr|eur|rs)\b\.?|€|£|¥)\s*", re.IGNORECASE)
 _TEXT_CMD_RE = re.compile(r"\\(?:text|textbf|textit|textrm|mathrm|mathbf|mbox|operatorname)\s*\{")
 
 
@@ -108,7 +108,7 @@ def _answer_is(s: str) -> str | None:
     matches = list(_ANSWER_IS_RE.finditer(s))
     for m in reversed(matches):
         seg = s[m.end():].split("\n", 1)[0]
-        seg = re.split(r"\.(?=\s|$)", seg, maxsplit=1)[0].strip()
+        seg = re.split(r"\.(?=\s+[A-Z(]|\s*$)", seg, maxsplit=1)[0].strip()  # sentence end, not "Rs. 5"
         if seg:
             return _segment_answer(seg)
     return None
