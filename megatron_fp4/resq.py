@@ -1,0 +1,368 @@
+"""Rollout-ResQ (SPEC §4): sparse FP4 residual correction of rollout activations, and the rollout linear forms.
+
+For a rollout linear with input X (tokens x K) and weight W:
+
+    y = Q(X) Q(W)^T + S(Q(X - Q(X))) Q(W)^T            (W4A4 + ResQ; S = sparsity selector)
+
+    xe = resq_activation(x, "hif4", "2:4")              # deq(Q(x)) + S(deq(Q(x - deq(Q(x)))))
+    y = rollout_linear(x, w, b, RolloutPrecision("w4a4", "hif4", "2:4"))
+
+Sparsity selectors S keep 50% of the quantized residual: "2:4" (2 largest of every 4 along K, ties: lower
+index), "channel" (the ceil(K/2) K-channels of largest L2 norm over the tokens of the call), "tile32x64" (the
+ceil(n/2) of the n 32-token x 64-channel tiles with largest L2 norm), "dense" (identity: the two-tensor split
+Q(X) + Q(X - Q(X))), "none" (no residual: plain FP4). Ties in "channel"/"tile32x64" go to the lower index.
+"2:4" and "dense" are token-local (a token's result does not depend on the other tokens of the call);
+"channel" and "tile32x64" are not, by definition.
+
+Baselines of the paper: W4A16 (weights only), W16A4 (activations only), BF16, OCC-style clipping with sparse
+high-precision compensation (:func:`occ_activation`) and the two-tensor split (:func:`split_activation`).
+Only the rollout model uses this module; training is unchanged.
+"""
+
+from __future__ import annotations
+
+import math
+import time
+import weakref
+from dataclasses import dataclass
+from typing import Optional, Union
+
+import torch
+import torch.nn.functional as F
+
+from megatron_fp4.formats import Format, get_format, registered_formats
+
+__all__ = [
+    "SPARSITIES",
+    "ROLLOUT_MODES",
+    "ACTIVATION_METHODS",
+    "RolloutPrecision",
+    "QuantizedWeightCache",
+    "sparsify",
+    "resq_components",
+    "resq_activation",
+    "split_activation",
+    "occ_components",
+    "occ_activation",
+    "rollout_activation",
+    "rollout_linear",
+    "paper_rollout_precisions",
+    "gemm_cost_vs_bf16",
+]
+
+#: Residual sparsity selectors S of SPEC §4.
+SPARSITIES = ("none", "2:4", "channel", "tile32x64", "dense")
+#: Rollout linear forms: which operands are FP4.
+ROLLOUT_MODES = ("bf16", "w4a16", "w16a4", "w4a4")
+#: How quantized activations are corrected: ResQ residual (with ``sparsity``) or OCC clipping + compensation.
+ACTIVATION_METHODS = ("resq", "occ")
+
+FormatLike = Union[str, Format]
+
+
+def _choice_error(field: str, value, allowed) -> ValueError:
+    return ValueError(f"{field}={value!r} is not valid; allowed values: {', '.join(map(repr, allowed))}")
+
+
+def _check_sparsity(sparsity: str) -> None:
+    if sparsity not in SPARSITIES:
+        raise _choice_error("sparsity", sparsity, SPARSITIES)
+
+
+def _as_tokens(x: torch.Tensor, dim: int) -> tuple[torch.Tensor, tuple]:
+    """Move ``dim`` last and flatten the rest to tokens: ``[T, K]`` plus what :func:`_from_tokens` needs."""
+    if x.dim() == 0:
+        raise ValueError("cannot apply a K-dimension selector to a 0-d tensor")
+    dim = dim % x.dim()
+    xm = x.movedim(dim, -1)
+    return xm.reshape(-1, xm.shape[-1]), (xm.shape, dim)
+
+
+def _from_tokens(x2: torch.Tensor, meta: tuple) -> torch.Tensor:
+    shape, dim = meta
+    return x2.reshape(shape).movedim(-1, dim)
+
+
+def _top_half_mask(scores: torch.Tensor) -> torch.Tensor:
+    """bool mask (same shape as the 1-D ``scores``) of the ceil(n/2) largest entries; ties: lower index wins."""
+    n = scores.numel()
+    keep = (n + 1) // 2
+    order = torch.argsort(scores, descending=True, stable=True)
+    mask = torch.zeros(n, dtype=torch.bool, device=scores.device)
+    mask[order[:keep]] = True
+    return mask
+
+
+def sparsify(r: torch.Tensor, sparsity: str, dim: int = -1) -> torch.Tensor:
+    """S(r): keep 50% of ``r`` per the selector (SPEC §4); K is ``dim``, every other dimension is tokens."""
+    _check_sparsity(sparsity)
+    if sparsity == "dense":
+        return r
+    if sparsity == "none":
+        return torch.zeros_like(r)
+    r2, meta = _as_tokens(r, dim)
+    T, K = r2.shape
+    if r2.numel() == 0:
+        return r
+    if sparsity == "2:4":
+        pad = (-K) % 4
+        g = F.pad(r2, (0, pad)) if pad else r2
+        g = g.reshape(T, -1, 4)
+        order = torch.argsort(g.abs(), dim=-1, descending=True, stable=True)[..., :2]
+        mask = torch.zeros(g.shape, dtype=torch.bool, device=r.device).scatter_(-1, order, True)
+        out = (g * mask).reshape(T, -1)[:, :K]
+    elif sparsity == "channel":
+        norms = r2.float().square().sum(0)  # [K]; squared L2 norm ranks the same as the norm
+        out = r2 * _top_half_mask(norms).to(r2.dtype)
+    else:  # tile32x64
+        pt, pk = (-T) % 32, (-K) % 64
+        g = F.pad(r2, (0, pk, 0, pt)) if (pt or pk) else r2
+        nt, nk = g.shape[0] // 32, g.shape[1] // 64
+        tiles = g.reshape(nt, 32, nk, 64)
+        norms = tiles.float().square().sum(dim=(1, 3)).reshape(-1)  # row-major tile order
+        mask = _top_half_mask(norms).reshape(nt, 1, nk, 1).to(g.dtype)
+        out = (tiles * mask).reshape(nt * 32, nk * 64)[:T, :K]
+    return _from_tokens(out, meta)
+
+
+def resq_components(x: torch.Tensor, fmt: FormatLike, sparsity: str, dim: int = -1
+                    ) -> tuple[torch.Tensor, torch.Tensor]:
+    """(deq(Q(x)), S(deq(Q(x - deq(Q(x)))))) in fp32; the residual part is all zeros for sparsity "none"."""
+    _check_sparsity(sparsity)
+    f = get_format(fmt)
+    xf = x.float()
+    q = f.fake_quantize(xf, dim=dim)
+    if sparsity == "none":
+        return q, torch.zeros_like(q)
+    rq = f.fake_quantize(xf - q, dim=dim)
+    return q, sparsify(rq, sparsity, dim=dim)
+
+
+def resq_activation(x: torch.Tensor, fmt: FormatLike, sparsity: str, dim: int = -1,
+                    out_dtype: Optional[torch.dtype] = None) -> torch.Tensor:
+    """Effective activation deq(Q(x)) + S(deq(Q(x - deq(Q(x))))) along ``dim`` (SPEC §4).
+
+    Computed in fp32 and returned in ``out_dtype`` (default ``x.dtype``; the sum can need more bits than bf16
+    holds, so pass ``torch.float32`` to keep it exact).
+    """
+    q, s = resq_components(x, fmt, sparsity, dim)
+    return (q + s).to(out_dtype or x.dtype)
+
+
+def split_activation(x: torch.Tensor, fmt: FormatLike, dim: int = -1,
+                     out_dtype: Optional[torch.dtype] = None) -> torch.Tensor:
+    """Two-tensor split baseline Q(X) + Q(X - Q(X)) (dense residual, two full FP4 GEMMs)."""
+    return resq_activation(x, fmt, "dense", dim, out_dtype)
+
+
+def occ_components(x: torch.Tensor, fmt: FormatLike, outlier_fraction: float = 1 / 64, dim: int = -1
+                   ) -> tuple[torch.Tensor, torch.Tensor]:
+    """OCC-style clipping: (deq(Q(clip(x, t))), x - clip(x, t)) in fp32, per token along ``dim``.
+
+    The per-token threshold t is the (n+1)-th largest |x| of the token with n = ceil(outlier_fraction * K), so at
+    most n values per token are clipped; their excess is the sparse high-precision compensation term.
+    """
+    if not (isinstance(outlier_fraction, (int, float)) and 0.0 <= outlier_fraction <= 1.0):
+        raise ValueError(f"outlier_fraction={outlier_fraction!r} is not valid; it must be in [0, 1]")
+    f = get_format(fmt)
+    x2, meta = _as_tokens(x.float(), dim)
+    K = x2.shape[1]
+    n = min(math.ceil(outlier_fraction * K), K)
+    if n == 0 or x2.numel() == 0:
+        clipped = x2
+    elif n >= K:
+        clipped = torch.zeros_like(x2)
+    else:
+        t = x2.abs().topk(n + 1, dim=-1).values[:, -1:]  # [T, 1]
+        clipped = torch.maximum(torch.minimum(x2, t), -t)
+    excess = x2 - clipped
+    q = f.fake_quantize(clipped, dim=-1)
+    return _from_tokens(q, meta), _from_tokens(excess, meta)
+
+
+def occ_activation(x: torch.Tensor, fmt: FormatLike, outlier_fraction: float = 1 / 64, dim: int = -1,
+                   out_dtype: Optional[torch.dtype] = None) -> torch.Tensor:
+    """OCC baseline: deq(Q(clip(x, t))) + (x - clip(x, t)) (clipped outliers added back in high precision)."""
+    q, e = occ_components(x, fmt, outlier_fraction, dim)
+    return (q + e).to(out_dtype or x.dtype)
+
+
+# --------------------------------------------------------------------------------------------------------------------
+# Rollout precision and linear forms
+# --------------------------------------------------------------------------------------------------------------------
+@dataclass(frozen=True)
+class RolloutPrecision:
+    """How a rollout linear computes, independent of the training recipe (one row of the paper's table)."""
+
+    #: "bf16" (model dtype), "w4a16" (FP4 weights only), "w16a4" (FP4 activations only), "w4a4" (both).
+    mode: str = "bf16"
+    #: FP4 format of the quantized operands ("hif4", "mxfp4", or any registered format).
+    format: str = "hif4"
+    #: ResQ residual selector for quantized activations: "none", "2:4", "channel", "tile32x64", "dense".
+    sparsity: str = "none"
+    #: "resq" (residual quantization, uses ``sparsity``) or "occ" (clipping + sparse high-precision excess).
+    activation_method: str = "resq"
+    #: OCC: fraction of each token's K values treated as outliers (clipped, compensated in high precision).
+    occ_outlier_fraction: float = 1 / 64
+
+    def __post_init__(self) -> None:
+        if self.mode not in ROLLOUT_MODES:
+            raise _choice_error("mode", self.mode, ROLLOUT_MODES)
+        if self.format not in registered_formats():
+            raise _choice_error("format", self.format, registered_formats())
+        _check_sparsity(self.sparsity)
+        if self.activation_method not in ACTIVATION_METHODS:
+            raise _choice_error("activation_method", self.activation_method, ACTIVATION_METHODS)
+        if not self.quantize_activations and (self.sparsity != "none" or self.activation_method != "resq"):
+            raise ValueError(f"mode={self.mode!r} keeps activations in high precision; sparsity must be 'none' and "
+                             f"activation_method 'resq' (got {self.sparsity!r}, {self.activation_method!r})")
+        if self.activation_method == "occ" and self.sparsity != "none":
+            raise ValueError("activation_method='occ' does not use a ResQ residual; set sparsity='none'")
+        if not 0.0 <= self.occ_outlier_fraction <= 1.0:
+            raise ValueError(f"occ_outlier_fraction={self.occ_outlier_fraction!r} must be in [0, 1]")
+
+    @property
+    def quantize_weights(self) -> bool:
+        """Whether weights are FP4 in this mode."""
+        return self.mode in ("w4a16", "w4a4")
+
+    @property
+    def quantize_activations(self) -> bool:
+        """Whether activations are FP4 in this mode."""
+        return self.mode in ("w16a4", "w4a4")
+
+    @property
+    def label(self) -> str:
+        """Short name, e.g. "w4a4+resq2:4/hif4"."""
+        extra = ""
+        if self.activation_method == "occ":
+            extra = "+occ"
+        elif self.sparsity != "none":
+            extra = f"+resq{self.sparsity}"
+        return f"{self.mode}{extra}" + ("" if self.mode == "bf16" else f"/{self.format}")
+
+
+def paper_rollout_precisions(fmt: str = "hif4") -> dict[str, RolloutPrecision]:
+    """The rollout column of the paper's table (SPEC §1) for one format."""
+    return {
+        "BF16": RolloutPrecision("bf16", fmt),
+        "W4A16": RolloutPrecision("w4a16", fmt),
+        "W16A4": RolloutPrecision("w16a4", fmt),
+        "FP4": RolloutPrecision("w4a4", fmt),
+        "FP4 + ResQ 2:4": RolloutPrecision("w4a4", fmt, "2:4"),
+    }
+
+
+def gemm_cost_vs_bf16(precision: RolloutPrecision) -> float:
+    """Speed-up over BF16 of one rollout GEMM under SPEC §4's cost model (native FP4 = 4x BF16 throughput).
+
+    FP4 x FP4 costs 0.5 mdn units (BF16 = 2 mdn); a 2:4 residual GEMM 0.25; a dense residual 0.5. Mixed-precision
+    modes (w4a16 / w16a4) run at BF16 speed (1.0); OCC is counted as one FP4 GEMM (its sparse high-precision
+    excess is not modelled).
+    """
+    if precision.mode != "w4a4":
+        return 1.0
+    cost = 0.5 + {"none": 0.0, "2:4": 0.25, "channel": 0.25, "tile32x64": 0.25, "dense": 0.5}[precision.sparsity]
+    return 2.0 / cost
+
+
+class QuantizedWeightCache:
+    """Dequantized FP4 weights, quantized once per weight version instead of once per call.
+
+    An entry is reused while the weight is the same tensor object with the same storage pointer and
+    ``_version``; writes that bypass the version counter (``param.data.copy_``) need :meth:`clear` or
+    :meth:`refresh` (the rollout engine calls it on every weight update).
+    """
+
+    def __init__(self) -> None:
+        self._entries: dict[tuple[int, str], tuple] = {}
+        #: Number of weight quantizations performed, and their total wall time in seconds.
+        self.quantize_calls = 0
+        self.quantize_seconds = 0.0
+
+    def get(self, weight: torch.Tensor, fmt: FormatLike) -> torch.Tensor:
+        """deq(Q(weight)) along its last dim (K), in ``weight.dtype`` (FP4 values are exact in bf16)."""
+        f = get_format(fmt)
+        key = (id(weight), f.name)
+        stamp = (weight.data_ptr(), weight._version, tuple(weight.shape), weight.dtype, weight.device)
+        entry = self._entries.get(key)
+        if entry is not None and entry[0]() is weight and entry[1] == stamp:
+            return entry[2]
+        t0 = time.perf_counter()
+        with torch.no_grad():
+            wq = f.fake_quantize(weight.detach(), dim=-1)
+        self.quantize_seconds += time.perf_counter() - t0
+        self.quantize_calls += 1
+        self._entries[key] = (weakref.ref(weight), stamp, wq)
+        return wq
+
+    def refresh(self, weights, fmt: FormatLike) -> float:
+        """Re-quantize ``weights`` (an iterable of tensors) now; returns the seconds it took."""
+        t0 = time.perf_counter()
+        names = get_format(fmt).name
+        for w in weights:
+            self._entries.pop((id(w), names), None)
+            self.get(w, fmt)
+        if torch.cuda.is_available():
+            torch.cuda.synchronize()
+        return time.perf_counter() - t0
+
+    def clear(self) -> None:
+        """Drop every cached weight (frees their memory)."""
+        self._entries.clear()
+
+    def __len__(self) -> int:
+        return len(self._entries)
+
+    @property
+    def nbytes(self) -> int:
+        """Memory held by the cached dequantized weights."""
+        return sum(e[2].numel() * e[2].element_size() for e in self._entries.values())
+
+
+def rollout_activation(x: torch.Tensor, precision: RolloutPrecision) -> torch.Tensor:
+    """The activation a rollout linear multiplies (fp32 when quantized; ``x`` itself otherwise)."""
+    if not precision.quantize_activations:
+        return x
+    if precision.activation_method == "occ":
+        return occ_activation(x, precision.format, precision.occ_outlier_fraction, dim=-1, out_dtype=torch.float32)
+    return resq_activation(x, precision.format, precision.sparsity, dim=-1, out_dtype=torch.float32)
+
+
+def rollout_linear(
+    x: torch.Tensor,
+    weight: torch.Tensor,
+    bias: Optional[torch.Tensor] = None,
+    precision: Union[str, RolloutPrecision] = "bf16",
+    fmt: Optional[str] = None,
+    sparsity: Optional[str] = None,
+    *,
+    cache: Optional[QuantizedWeightCache] = None,
+    weight_q: Optional[torch.Tensor] = None,
+) -> torch.Tensor:
+    """Rollout ``x @ W^T + b`` in one of the rollout forms (BF16, W4A16, W16A4, W4A4 [+ ResQ | OCC]).
+
+    ``precision`` is a :class:`RolloutPrecision` or a mode string (then ``fmt``/``sparsity`` complete it).
+    Quantized forms multiply in fp32 (SPEC: fp32 accumulation) and return ``x.dtype``. The FP4 weight comes from
+    ``weight_q`` if given, else from ``cache`` (quantized once per weight version), else is quantized now.
+    """
+    if isinstance(precision, str):
+        precision = RolloutPrecision(precision, fmt or "hif4", sparsity or "none")
+    elif fmt is not None or sparsity is not None:
+        raise ValueError("pass fmt/sparsity only with a mode string; a RolloutPrecision already carries them")
+    if x.shape[-1] != weight.shape[-1]:
+        raise ValueError(f"rollout_linear: x has {x.shape[-1]} features but weight is {tuple(weight.shape)}")
+    if precision.mode == "bf16":
+        return F.linear(x, weight, bias)
+    if precision.quantize_weights:
+        if weight_q is None:
+            weight_q = (cache.get(weight, precision.format) if cache is not None
+                        else get_format(precision.format).fake_quantize(weight.detach(), dim=-1))
+        w = weight_q
+    else:
+        w = weight
+    a = rollout_activation(x, precision)
+    y = torch.matmul(a.float(), w.float().t())
+    if bias is not None:
+        y = y + bias.float()
+    return y.to(x.dtype)
