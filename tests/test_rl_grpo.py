@@ -252,3 +252,15 @@ def test_grpo_learns_a_bandit():
             loss.backward()
             opt.step()
     assert torch.softmax(logits, -1)[0, 2].item() > 0.9
+
+
+def test_low_precision_logprobs_are_upcast():
+    lt, lo, lr, lref, adv, mask = _inputs(requires_grad=False)
+    lt16 = lt.to(torch.bfloat16).requires_grad_()
+    loss = grpo_loss(lt16, lo.to(torch.bfloat16), lr.to(torch.bfloat16), adv, mask, **KW)
+    assert loss.dtype == torch.float32
+    ref = grpo_loss(lt16.detach().float(), lo.to(torch.bfloat16).float(), lr.to(torch.bfloat16).float(),
+                    adv.float(), mask, **KW)
+    assert loss.item() == ref.item()
+    loss.backward()
+    assert lt16.grad.dtype == torch.bfloat16 and torch.isfinite(lt16.grad).all()

@@ -3,6 +3,7 @@
 Pure PyTorch, model independent. Shapes: B responses (= num_groups * G, grouped contiguously), T response tokens.
 All per-token inputs are [B, T] log-probabilities of the sampled tokens; `mask` is [B, T] (bool or 0/1) and marks
 the response tokens that enter the loss. Only `logp_train` carries gradient: every other input is detached here.
+The math runs in fp32 (fp64 inputs stay fp64): bf16/fp16 logprobs are upcast first.
 
     A_i   = (r_i - mean_g) / (std_g + eps)        (Dr.GRPO: A_i = r_i - mean_g)
     rho   = exp(logp_train - logp_old)
@@ -158,20 +159,21 @@ def _prepare(logp_train, logp_old, logp_rollout, advantages, mask, logp_ref):
     m = mask.bool()
     if logp_train.shape != m.shape:
         raise ValueError(f"logp_train shape {tuple(logp_train.shape)} != mask shape {tuple(m.shape)}")
-    zero = torch.zeros((), dtype=logp_train.dtype, device=logp_train.device)
+    dtype = torch.promote_types(logp_train.dtype, torch.float32)  # bf16/fp16 logprobs are upcast: exp() needs it
+    zero = torch.zeros((), dtype=dtype, device=logp_train.device)
 
     def clean(x, name):
         if x is None:
             return None
         if x.shape != m.shape:
             raise ValueError(f"{name} shape {tuple(x.shape)} != mask shape {tuple(m.shape)}")
-        return torch.where(m, x.detach().to(logp_train.dtype), zero)
+        return torch.where(m, x.detach().to(dtype), zero)
 
-    lt = torch.where(m, logp_train, zero)
+    lt = torch.where(m, logp_train.to(dtype), zero)
     lo = clean(logp_old, "logp_old") if logp_old is not None else lt.detach()
     lr = clean(logp_rollout, "logp_rollout")
     lref = clean(logp_ref, "logp_ref")
-    adv = advantages.detach().to(logp_train.dtype)
+    adv = advantages.detach().to(dtype)
     if adv.dim() == 1:
         adv = adv[:, None]
     adv = adv.expand_as(lt)
