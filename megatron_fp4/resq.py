@@ -93,6 +93,15 @@ def _top_half_mask(scores: torch.Tensor) -> torch.Tensor:
     return mask
 
 
+def _two_of_four_mask(g: torch.Tensor) -> torch.Tensor:
+    """bool mask over groups ``[..., 4]``: the 2 largest magnitudes of each group (ties: lower index wins)."""
+    a = g.abs()
+    ai, aj = a.unsqueeze(-1), a.unsqueeze(-2)  # [..., i, j]
+    lower = torch.ones(4, 4, dtype=torch.bool, device=g.device).tril(-1)  # j < i
+    beaten_by = (aj > ai) | ((aj == ai) & lower)  # j beats i
+    return beaten_by.sum(-1) < 2
+
+
 def sparsify(r: torch.Tensor, sparsity: str, dim: int = -1) -> torch.Tensor:
     """S(r): keep 50% of ``r`` per the selector (SPEC §4); K is ``dim``, every other dimension is tokens."""
     _check_sparsity(sparsity)
@@ -108,9 +117,7 @@ def sparsify(r: torch.Tensor, sparsity: str, dim: int = -1) -> torch.Tensor:
         pad = (-K) % 4
         g = F.pad(r2, (0, pad)) if pad else r2
         g = g.reshape(T, -1, 4)
-        order = torch.argsort(g.abs(), dim=-1, descending=True, stable=True)[..., :2]
-        mask = torch.zeros(g.shape, dtype=torch.bool, device=r.device).scatter_(-1, order, True)
-        out = (g * mask).reshape(T, -1)[:, :K]
+        out = (g * _two_of_four_mask(g)).reshape(T, -1)[:, :K]
     elif sparsity == "channel":
         norms = r2.float().square().sum(0)  # [K]; squared L2 norm ranks the same as the norm
         out = r2 * _top_half_mask(norms).to(r2.dtype)

@@ -1,0 +1,312 @@
+"""The native (in-process) rollout engine: KV-cached batched generation on the trainer's megatron-core GPTModel.
+
+    engine = NativeRolloutEngine(model, RolloutPrecision("w4a4", "hif4", "2:4"))
+    samples = engine.generate([[1, 5, 9], [1, 7]], SamplingParams(temperature=1.0, max_new_tokens=32, seed=0))
+    stats = engine.update_weights(trainer_model.named_parameters())   # re-quantizes once, timed
+
+Generation uses megatron-core's ``StaticInferenceContext`` (the KV cache of ``GPTModel.forward``): one prefill of
+the shortest prompt length, then one token per step for the whole batch; rows whose prompt is longer are fed
+their prompt tokens until it ends (so every row shares positions, no padding inside a sequence). Finished rows
+are dropped from the batch and the KV cache is compacted. The transformer-layer linears compute the configured
+rollout precision (see :mod:`megatron_fp4.rollout.precision`); the training recipe does not apply.
+"""
+
+from __future__ import annotations
+
+import time
+from typing import Iterable, Optional, Sequence
+
+import torch
+from megatron.core.inference.contexts import StaticInferenceContext
+
+from megatron_fp4.resq import RolloutPrecision
+from megatron_fp4.rollout.base import RolloutEngine, RolloutSample, SamplingParams, WeightSyncStats
+from megatron_fp4.rollout.precision import (
+    get_weight_cache,
+    quantized_weights,
+    rollout_precision,
+)
+from megatron_fp4.rollout.sampling import sample_tokens, token_logprobs
+
+__all__ = ["NativeRolloutEngine", "teacher_forced_logprobs", "full_forward_logits"]
+
+
+def _model_device(model: torch.nn.Module) -> torch.device:
+    for p in model.parameters():
+        return p.device
+    return torch.device("cpu")
+
+
+def _check_prompts(prompts: Sequence[Sequence[int]], vocab_size: Optional[int]) -> list[list[int]]:
+    out = []
+    for i, p in enumerate(prompts):
+        p = [int(t) for t in p]
+        if not p:
+            raise ValueError(f"prompt {i} is empty; every prompt needs at least one token")
+        if vocab_size is not None and (min(p) < 0 or max(p) >= vocab_size):
+            raise ValueError(f"prompt {i} has token ids outside [0, {vocab_size})")
+        out.append(p)
+    return out
+
+
+def full_forward_logits(model: torch.nn.Module, sequences: Sequence[Sequence[int]], pad_token_id: int = 0
+                        ) -> torch.Tensor:
+    """fp32 logits ``[B, S, V]`` of a causal full-sequence forward (right-padded batch, no KV cache)."""
+    device = _model_device(model)
+    S = max(len(s) for s in sequences)
+    ids = torch.full((len(sequences), S), pad_token_id, dtype=torch.long, device=device)
+    for i, s in enumerate(sequences):
+        ids[i, : len(s)] = torch.tensor(s, dtype=torch.long, device=device)
+    pos = torch.arange(S, device=device).unsqueeze(0).expand(len(sequences), -1)
+    return model(ids, pos, None).float()
+
+
+@torch.no_grad()
+def teacher_forced_logprobs(
+    model: torch.nn.Module,
+    prompts: Sequence[Sequence[int]],
+    responses: Sequence[Sequence[int]],
+    precision: RolloutPrecision = RolloutPrecision(),
+    temperature: float = 1.0,
+) -> list[list[float]]:
+    """Logprobs of ``responses`` given ``prompts`` from one full forward of ``model`` in rollout ``precision``.
+
+    The same quantity the engine reports (log_softmax(logits / T); T = 1 for greedy); with a token-local rollout
+    form (all but ResQ "channel"/"tile32x64") it matches the engine's numbers up to fp32 rounding.
+    """
+    was_training = model.training
+    model.eval()
+    try:
+        with rollout_precision(model, precision):
+            seqs = [list(p) + list(r) for p, r in zip(prompts, responses)]
+            logits = full_forward_logits(model, seqs)
+    finally:
+        model.train(was_training)
+    out = []
+    for i, (p, r) in enumerate(zip(prompts, responses)):
+        if not r:
+            out.append([])
+            continue
+        lp = logits[i, len(p) - 1: len(p) - 1 + len(r)]
+        toks = torch.tensor(list(r), dtype=torch.long, device=lp.device)
+        out.append(token_logprobs(lp, toks, temperature).tolist())
+    return out
+
+
+class NativeRolloutEngine(RolloutEngine):
+    """KV-cached batched generation on a megatron-core GPTModel in a configurable rollout precision."""
+
+    def __init__(
+        self,
+        model: torch.nn.Module,
+        precision: RolloutPrecision = RolloutPrecision(),
+        *,
+        max_batch_size: Optional[int] = None,
+        max_seq_len: Optional[int] = None,
+        pad_token_id: int = 0,
+        offload_on_release: bool = False,
+    ) -> None:
+        """``model``: a GPTModel (tensor parallel is fine; pipeline parallel is not supported).
+        ``max_batch_size``: prompts per forward (None: all at once). ``max_seq_len``: prompt + response cap
+        (default: the model's max sequence length). ``offload_on_release``: move the weights to the CPU in
+        :meth:`release_memory` (only for a model the engine owns, not one shared with the trainer)."""
+        if not (getattr(model, "pre_process", True) and getattr(model, "post_process", True)):
+            raise NotImplementedError("NativeRolloutEngine needs the whole model on one rank (no pipeline split)")
+        if max_batch_size is not None and max_batch_size < 1:
+            raise ValueError(f"max_batch_size={max_batch_size!r} must be >= 1 or None")
+        self.model = model
+        self.max_batch_size = max_batch_size
+        self.max_seq_len = max_seq_len or getattr(model, "max_sequence_length", None)
+        if self.max_seq_len is None:
+            raise ValueError("max_seq_len is required when the model does not define max_sequence_length")
+        self.pad_token_id = pad_token_id
+        self.offload_on_release = offload_on_release
+        self.vocab_size = getattr(model, "vocab_size", None)
+        self._precision = precision
+        self._offloaded_device: Optional[torch.device] = None
+        #: Statistics of the last generate() and update_weights() calls.
+        self.last_generate_stats: dict[str, float] = {}
+        self.last_weight_sync: Optional[WeightSyncStats] = None
+        self.set_precision(precision)
+
+    # -- configuration -----------------------------------------------------------------------------------------------
+    @property
+    def precision(self) -> RolloutPrecision:
+        """The rollout precision generate() uses."""
+        return self._precision
+
+    @property
+    def weight_cache(self):
+        """The model's quantized-weight cache."""
+        return get_weight_cache(self.model)
+
+    def set_precision(self, precision: RolloutPrecision) -> float:
+        """Switch the rollout precision; quantizes the weights now if it needs FP4 weights. Returns seconds."""
+        if not isinstance(precision, RolloutPrecision):
+            raise TypeError(f"precision must be a RolloutPrecision, got {type(precision).__name__}")
+        self._precision = precision
+        self.weight_cache.clear()
+        return self._quantize_weights()
+
+    def _quantize_weights(self) -> float:
+        if not self._precision.quantize_weights:
+            return 0.0
+        return self.weight_cache.refresh(quantized_weights(self.model), self._precision.format)
+
+    # -- weights and memory ----------------------------------------------------------------------------------------
+    def update_weights(self, named_tensors: Optional[Iterable[tuple[str, torch.Tensor]]]) -> WeightSyncStats:
+        """Copy trainer tensors (megatron-core names) into the model, then re-quantize once; returns timings.
+
+        ``None`` means the model's parameters were already updated in place (a model shared with the trainer):
+        only the re-quantization runs.
+        """
+        t0 = time.perf_counter()
+        stats = WeightSyncStats()
+        if named_tensors is not None:
+            params = dict(self.model.named_parameters())
+            with torch.no_grad():
+                for name, tensor in named_tensors:
+                    if name not in params:
+                        raise KeyError(f"update_weights: unknown parameter {name!r}; the model has e.g. "
+                                       f"{', '.join(list(params)[:4])}")
+                    p = params[name]
+                    if tuple(tensor.shape) != tuple(p.shape):
+                        raise ValueError(f"update_weights: {name} has shape {tuple(tensor.shape)}, "
+                                         f"the model expects {tuple(p.shape)}")
+                    if tensor is not p:
+                        p.copy_(tensor.detach())
+                    stats.num_tensors += 1
+                    stats.num_bytes += tensor.numel() * tensor.element_size()
+            if torch.cuda.is_available():
+                torch.cuda.synchronize()
+        t1 = time.perf_counter()
+        self.weight_cache.clear()
+        stats.quantize_seconds = self._quantize_weights()
+        stats.copy_seconds = t1 - t0
+        stats.total_seconds = time.perf_counter() - t0
+        stats.extra["quantized_weights"] = len(self.weight_cache)
+        self.last_weight_sync = stats
+        return stats
+
+    def release_memory(self) -> None:
+        """Drop the quantized weights (the KV cache lives only inside generate); offload weights if configured."""
+        self.weight_cache.clear()
+        if self.offload_on_release:
+            device = _model_device(self.model)
+            if device.type != "cpu":
+                self._offloaded_device = device
+                self.model.to("cpu")
+                torch.cuda.empty_cache()
+
+    def resume_memory(self) -> None:
+        """Bring offloaded weights back and re-quantize them."""
+        if self._offloaded_device is not None:
+            self.model.to(self._offloaded_device)
+            self._offloaded_device = None
+        if len(self.weight_cache) == 0:
+            self._quantize_weights()
+
+    # -- generation ----------------------------------------------------------------------------------------------------
+    @torch.no_grad()
+    def generate(self, prompts: Sequence[Sequence[int]], sampling_params: SamplingParams = SamplingParams()
+                 ) -> list[RolloutSample]:
+        """One response per prompt: token ids, logprobs of the sampled tokens, finish reason."""
+        prompts = _check_prompts(prompts, self.vocab_size)
+        if not prompts:
+            return []
+        too_long = [i for i, p in enumerate(prompts) if len(p) >= self.max_seq_len]
+        if too_long:
+            raise ValueError(f"prompts {too_long[:8]} are at least max_seq_len={self.max_seq_len} tokens long")
+        if self._offloaded_device is not None:
+            raise RuntimeError("generate() after release_memory(); call resume_memory() first")
+        generator = None
+        device = _model_device(self.model)
+        if sampling_params.seed is not None:
+            generator = torch.Generator(device=device).manual_seed(sampling_params.seed)
+        t0 = time.perf_counter()
+        was_training = self.model.training
+        self.model.eval()
+        results: list[RolloutSample] = []
+        steps = 0
+        try:
+            with rollout_precision(self.model, self._precision):
+                bs = self.max_batch_size or len(prompts)
+                for start in range(0, len(prompts), bs):
+                    chunk, n = self._generate_batch(prompts[start:start + bs], sampling_params, generator, device)
+                    results.extend(chunk)
+                    steps += n
+        finally:
+            self.model.train(was_training)
+        if torch.cuda.is_available():
+            torch.cuda.synchronize()
+        seconds = time.perf_counter() - t0
+        n_tokens = sum(len(r.token_ids) for r in results)
+        self.last_generate_stats = {
+            "samples": len(results), "generated_tokens": n_tokens, "seconds": seconds,
+            "tokens_per_s": n_tokens / seconds if seconds > 0 else 0.0, "forward_steps": steps,
+        }
+        return results
+
+    def _forward(self, ids: torch.Tensor, start: int, ctx: StaticInferenceContext) -> torch.Tensor:
+        """Logits [B, V] (fp32) of the last position for tokens ``ids [B, L]`` at positions start..start+L-1."""
+        pos = torch.arange(start, start + ids.shape[1], device=ids.device).unsqueeze(0).expand(ids.shape[0], -1)
+        logits = self.model(ids, pos, None, inference_context=ctx, runtime_gather_output=True)
+        return logits[:, -1].float()
+
+    def _generate_batch(self, prompts: list[list[int]], params: SamplingParams,
+                        generator: Optional[torch.Generator], device: torch.device
+                        ) -> tuple[list[RolloutSample], int]:
+        B = len(prompts)
+        lens = torch.tensor([len(p) for p in prompts], dtype=torch.long, device=device)
+        total = min(int(lens.max()) + params.max_new_tokens, self.max_seq_len)
+        tokens = torch.full((B, total), self.pad_token_id, dtype=torch.long, device=device)
+        for i, p in enumerate(prompts):
+            tokens[i, : len(p)] = torch.tensor(p, dtype=torch.long, device=device)
+        logprobs = torch.zeros((B, total), dtype=torch.float32, device=device)
+        n_gen = torch.zeros(B, dtype=torch.long, device=device)
+        finish = ["length"] * B
+        stop_ids = torch.tensor(params.stop_token_ids or [-1], dtype=torch.long, device=device)
+
+        ctx = StaticInferenceContext(B, total)
+        t = int(lens.min())
+        logits = self._forward(tokens[:, :t], 0, ctx)
+        ctx.sequence_len_offset = t
+        active = torch.arange(B, device=device)  # original row of each batch row
+        steps = 1
+        while True:
+            gen = lens[active] <= t  # rows past their prompt: sample position t
+            if bool(gen.any()):
+                rows = active[gen]
+                tok, lp = sample_tokens(logits[gen], params, generator)
+                tokens[rows, t] = tok
+                logprobs[rows, t] = lp
+                n_gen[rows] += 1
+                stopped = torch.isin(tok, stop_ids)
+                full = (n_gen[rows] >= params.max_new_tokens) | (t + 1 >= total)
+                done_rows = rows[stopped | full]
+                for r, s in zip(done_rows.tolist(), stopped[stopped | full].tolist()):
+                    finish[r] = "stop" if s else "length"
+                keep = torch.ones(active.shape[0], dtype=torch.bool, device=device)
+                keep[gen.nonzero().squeeze(-1)[stopped | full]] = False
+                if not bool(keep.all()):
+                    keep_idx = keep.nonzero().squeeze(-1)
+                    active = active[keep_idx]
+                    if active.numel() == 0:
+                        break
+                    n = active.shape[0]
+                    for layer, (k, v) in ctx.key_value_memory_dict.items():
+                        k[:t, :n] = k[:t, keep_idx].clone()
+                        v[:t, :n] = v[:t, keep_idx].clone()
+            if t + 1 >= total:
+                break
+            logits = self._forward(tokens[active, t:t + 1], t, ctx)
+            ctx.sequence_len_offset = t + 1
+            t += 1
+            steps += 1
+
+        out = []
+        for i, p in enumerate(prompts):
+            L, g = len(p), int(n_gen[i])
+            out.append(RolloutSample(token_ids=tokens[i, L:L + g].tolist(), logprobs=logprobs[i, L:L + g].tolist(),
+                                     finish_reason=finish[i], prompt_length=L))
+        return out, steps
