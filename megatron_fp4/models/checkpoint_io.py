@@ -1,0 +1,553 @@
+"""The megatron-fp4 model checkpoint format (TP/PP-sharded safetensors), loading into live models, ``load_gpt``.
+
+Layout of a checkpoint directory (what ``tools/convert_hf_to_megatron.py`` writes and ``pretrain_rl.py --load``
+reads)::
+
+    CKPT/
+      latest_checkpointed_iteration.txt      "release" (converted) or the iteration number, e.g. "100"
+      release/  (or iter_0000100/)
+        args.json                            model config + parallel layout (see below)
+        mp_rank_{tp:02d}_{pp:03d}/model.safetensors
+      hf_assets/                             tokenizer / generation_config files copied from the HF folder (optional)
+
+``args.json``: ``{"format": "megatron_fp4.gpt", "format_version": 1, "iteration": ..., "model_args": {GPTModelArgs
+fields, params_dtype as a string; vocab_size is the padded vocabulary the model is built with},
+"tensor_model_parallel_size": T, "pipeline_model_parallel_size": P, "hf_vocab_size": V, "hf_architecture": ...,
+"hf_config": {the source config.json or null}}``.
+
+Each shard holds exactly the ``state_dict()`` of the megatron-core GPTModel on that (TP, PP) rank, without
+``_extra_state`` entries: local layer indices (``decoder.layers.0`` is the first layer OF THE STAGE), megatron's
+grouped QKV layout, ``linear_fc1`` = [gate_r; up_r] per TP rank. With tied embeddings and PP > 1 the last stage
+also stores ``output_layer.weight`` (a copy of the embedding), as megatron-core's model has it there.
+A checkpoint can be loaded at any TP/PP whose sizes divide the model (it is resharded on the fly).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+import re
+import shutil
+from pathlib import Path
+from typing import Any, Iterable, Optional, Union
+
+import torch
+
+__all__ = [
+    "CHECKPOINT_FORMAT",
+    "CHECKPOINT_FORMAT_VERSION",
+    "TRACKER_FILENAME",
+    "MegatronCheckpoint",
+    "is_megatron_checkpoint",
+    "checkpoint_tokenizer_dir",
+    "iteration_dirname",
+    "shard_dirname",
+    "layer_offset",
+    "stage_param_names",
+    "tp_partition",
+    "split_tp",
+    "merge_tp",
+    "to_global_name",
+    "to_local_name",
+    "model_args_to_json",
+    "model_args_from_json",
+    "write_checkpoint_metadata",
+    "save_model_checkpoint",
+    "load_checkpoint_into_model",
+    "load_gpt",
+]
+
+CHECKPOINT_FORMAT = "megatron_fp4.gpt"
+CHECKPOINT_FORMAT_VERSION = 1
+TRACKER_FILENAME = "latest_checkpointed_iteration.txt"
+ARGS_FILENAME = "args.json"
+SHARD_FILENAME = "model.safetensors"
+HF_ASSETS_DIRNAME = "hf_assets"
+
+PathLike = Union[str, os.PathLike]
+
+_LAYER_RE = re.compile(r"decoder\.layers\.(\d+)\.(.+)")
+
+
+# -- names and layout ----------------------------------------------------------------------------------------------
+def iteration_dirname(iteration: Union[int, str]) -> str:
+    """Directory name of an iteration: "release" or ``iter_{:07d}``."""
+    if iteration == "release":
+        return "release"
+    return f"iter_{int(iteration):07d}"
+
+
+def shard_dirname(tp_rank: int, pp_rank: int) -> str:
+    """Directory name of one (TP, PP) shard: ``mp_rank_{tp:02d}_{pp:03d}``."""
+    return f"mp_rank_{tp_rank:02d}_{pp_rank:03d}"
+
+
+def layer_offset(num_layers: int, pp_rank: int, pp_size: int) -> int:
+    """Global index of the first layer of pipeline stage ``pp_rank`` (layers split evenly over the stages)."""
+    if num_layers % pp_size:
+        raise ValueError(f"pipeline-model-parallel-size {pp_size} does not divide num_layers={num_layers}; "
+                         f"choose a size that divides the number of layers")
+    return pp_rank * (num_layers // pp_size)
+
+
+def to_global_name(local_name: str, offset: int) -> str:
+    """Stage-local parameter name -> global name (layer index shifted by the stage's layer offset)."""
+    m = _LAYER_RE.fullmatch(local_name)
+    return f"decoder.layers.{int(m.group(1)) + offset}.{m.group(2)}" if m else local_name
+
+
+def to_local_name(global_name: str, offset: int) -> str:
+    """Global parameter name -> the name on the stage whose first layer is ``offset``."""
+    m = _LAYER_RE.fullmatch(global_name)
+    return f"decoder.layers.{int(m.group(1)) - offset}.{m.group(2)}" if m else global_name
+
+
+def stage_param_names(model_args: dict, pp_rank: int, pp_size: int) -> list[str]:
+    """Global names of the tensors a (TP-agnostic) shard of stage ``pp_rank`` holds, in state_dict order."""
+    num_layers = model_args["num_layers"]
+    offset = layer_offset(num_layers, pp_rank, pp_size)
+    per_stage = num_layers // pp_size
+    names = []
+    if pp_rank == 0:
+        names.append("embedding.word_embeddings.weight")
+    for i in range(offset, offset + per_stage):
+        p = f"decoder.layers.{i}."
+        names.append(p + "input_layernorm.weight")
+        names.append(p + "self_attention.linear_qkv.weight")
+        if model_args.get("add_qkv_bias"):
+            names.append(p + "self_attention.linear_qkv.bias")
+        names.append(p + "self_attention.linear_proj.weight")
+        names.append(p + "pre_mlp_layernorm.weight")
+        names.append(p + "mlp.linear_fc1.weight")
+        names.append(p + "mlp.linear_fc2.weight")
+    if pp_rank == pp_size - 1:
+        names.append("decoder.final_layernorm.weight")
+        if not model_args.get("tie_embeddings") or pp_size > 1:
+            names.append("output_layer.weight")
+    return names
+
+
+def tp_partition(global_name: str) -> Optional[tuple[int, int]]:
+    """(dim, stride) along which a megatron parameter is split over TP ranks; None when it is replicated.
+
+    stride 2 marks ``linear_fc1`` of SwiGLU: rank r holds [gate chunk r; up chunk r].
+    """
+    if global_name in ("embedding.word_embeddings.weight", "output_layer.weight"):
+        return (0, 1)
+    if global_name.endswith(("self_attention.linear_qkv.weight", "self_attention.linear_qkv.bias")):
+        return (0, 1)
+    if global_name.endswith(("mlp.linear_fc1.weight", "mlp.linear_fc1.bias")):
+        return (0, 2)
+    if global_name.endswith(("self_attention.linear_proj.weight", "mlp.linear_fc2.weight")):
+        return (1, 1)
+    return None
+
+
+def split_tp(global_name: str, full: torch.Tensor, tp_size: int, tp_rank: int) -> torch.Tensor:
+    """This TP rank's piece of a full (TP=1) megatron tensor (a fresh, contiguous tensor)."""
+    part = tp_partition(global_name)
+    if part is None or tp_size == 1:
+        return full.clone() if tp_size > 1 else full
+    dim, stride = part
+    if full.shape[dim] % (tp_size * stride):
+        raise ValueError(f"{global_name}: dimension {dim} of size {full.shape[dim]} cannot be split over "
+                         f"tensor-model-parallel-size {tp_size}" + (" (x2 for gate/up)" if stride == 2 else ""))
+    chunks = full.chunk(tp_size * stride, dim=dim)
+    return torch.cat([chunks[s * tp_size + tp_rank] for s in range(stride)], dim=dim).contiguous()
+
+
+def merge_tp(global_name: str, shards: list[torch.Tensor]) -> torch.Tensor:
+    """Inverse of :func:`split_tp`: the full tensor from the pieces of all TP ranks (in rank order)."""
+    part = tp_partition(global_name)
+    if part is None or len(shards) == 1:
+        return shards[0]
+    dim, stride = part
+    if stride == 1:
+        return torch.cat(shards, dim=dim)
+    pieces = [s.chunk(stride, dim=dim) for s in shards]
+    return torch.cat([pieces[r][s] for s in range(stride) for r in range(len(shards))], dim=dim)
+
+
+# -- args.json ------------------------------------------------------------------------------------------------------
+_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+def dtype_name(dtype: torch.dtype) -> str:
+    """"bfloat16" for torch.bfloat16, etc."""
+    return str(dtype).replace("torch.", "")
+
+
+def dtype_from_name(name: str) -> torch.dtype:
+    """torch dtype for "float32" / "bfloat16" / "float16" (also accepts "torch.bfloat16")."""
+    key = str(name).replace("torch.", "")
+    if key not in _DTYPES:
+        raise ValueError(f"unsupported dtype {name!r}; allowed: {', '.join(_DTYPES)}")
+    return _DTYPES[key]
+
+
+def model_args_to_json(model_args: Any) -> dict:
+    """GPTModelArgs (or a dict of its fields) -> a JSON-able dict (no recipe / overrides, dtype as a string)."""
+    d = dataclasses.asdict(model_args) if dataclasses.is_dataclass(model_args) else dict(model_args)
+    d.pop("fp4_recipe", None)
+    d.pop("config_overrides", None)
+    if isinstance(d.get("params_dtype"), torch.dtype):
+        d["params_dtype"] = dtype_name(d["params_dtype"])
+    return d
+
+
+def model_args_from_json(d: dict) -> dict:
+    """Inverse of :func:`model_args_to_json`: GPTModelArgs keyword arguments."""
+    d = dict(d)
+    if "params_dtype" in d:
+        d["params_dtype"] = dtype_from_name(d["params_dtype"])
+    return d
+
+
+def write_checkpoint_metadata(save_dir: PathLike, iteration: Union[int, str], model_args: Any, tp: int, pp: int,
+                              hf_config: Optional[dict] = None, hf_vocab_size: Optional[int] = None,
+                              hf_architecture: Optional[str] = None, extra: Optional[dict] = None) -> Path:
+    """Write ``args.json`` of an iteration and then the tracker file (written last: marks the checkpoint complete)."""
+    save_dir = Path(save_dir)
+    it_dir = save_dir / iteration_dirname(iteration)
+    it_dir.mkdir(parents=True, exist_ok=True)
+    margs = model_args_to_json(model_args)
+    doc = {
+        "format": CHECKPOINT_FORMAT,
+        "format_version": CHECKPOINT_FORMAT_VERSION,
+        "iteration": iteration,
+        "model_args": margs,
+        "tensor_model_parallel_size": tp,
+        "pipeline_model_parallel_size": pp,
+        "hf_vocab_size": hf_vocab_size if hf_vocab_size is not None else margs["vocab_size"],
+        "hf_architecture": hf_architecture,
+        "hf_config": hf_config,
+    }
+    if extra:
+        doc.update(extra)
+    (it_dir / ARGS_FILENAME).write_text(json.dumps(doc, indent=2, sort_keys=False) + "\n")
+    (save_dir / TRACKER_FILENAME).write_text(f"{iteration}\n")
+    return it_dir
+
+
+def is_megatron_checkpoint(path: PathLike) -> bool:
+    """Whether ``path`` holds a model checkpoint of this format: an iteration dir with an args.json of format
+    ``megatron_fp4.gpt``, or a root whose tracker file points at one (the RL driver's resume checkpoints, which
+    share the tracker file name, are not)."""
+    path = Path(path)
+    candidates = [path / ARGS_FILENAME]
+    tracker = path / TRACKER_FILENAME
+    if tracker.is_file():
+        try:
+            candidates.append(path / iteration_dirname(tracker.read_text().strip()) / ARGS_FILENAME)
+        except ValueError:
+            return False
+    for c in candidates:
+        if c.is_file():
+            try:
+                return json.loads(c.read_text()).get("format") == CHECKPOINT_FORMAT
+            except (ValueError, OSError):
+                return False
+    return False
+
+
+def checkpoint_tokenizer_dir(path: PathLike) -> Optional[Path]:
+    """The ``hf_assets/`` folder (tokenizer files copied from the HF model) of a checkpoint, if it has one."""
+    path = Path(path)
+    for d in (path / HF_ASSETS_DIRNAME, path.parent / HF_ASSETS_DIRNAME):
+        if d.is_dir():
+            return d
+    return None
+
+
+# -- reading ----------------------------------------------------------------------------------------------------------
+class MegatronCheckpoint:
+    """Read access to one iteration of a checkpoint: args, shard files, full (TP-merged) tensors by global name.
+
+    Shards are opened lazily (memory-mapped); :meth:`full_tensor` reads only the pieces of one tensor.
+    """
+
+    def __init__(self, path: PathLike, iteration: Optional[Union[int, str]] = None) -> None:
+        path = Path(path)
+        if not path.exists():
+            raise FileNotFoundError(f"checkpoint directory {path} does not exist")
+        if (path / ARGS_FILENAME).is_file() and iteration is None:
+            it_dir = path  # an iteration directory was given directly
+        else:
+            if iteration is None:
+                tracker = path / TRACKER_FILENAME
+                if not tracker.is_file():
+                    raise FileNotFoundError(
+                        f"{tracker} not found: {path} is not a megatron-fp4 checkpoint (or it is incomplete); "
+                        f"expected {TRACKER_FILENAME} and <iteration>/{ARGS_FILENAME}")
+                iteration = tracker.read_text().strip()
+            it_dir = path / iteration_dirname(iteration)
+        args_file = it_dir / ARGS_FILENAME
+        if not args_file.is_file():
+            raise FileNotFoundError(f"{args_file} not found (checkpoint incomplete or wrong --iteration)")
+        self.dir = it_dir
+        self.args: dict = json.loads(args_file.read_text())
+        if self.args.get("format") != CHECKPOINT_FORMAT:
+            raise ValueError(f"{args_file}: format {self.args.get('format')!r} is not {CHECKPOINT_FORMAT!r}")
+        if self.args.get("format_version", 0) > CHECKPOINT_FORMAT_VERSION:
+            raise ValueError(f"{args_file}: format_version {self.args['format_version']} is newer than this "
+                             f"reader ({CHECKPOINT_FORMAT_VERSION})")
+        self.model_args: dict = self.args["model_args"]
+        self.tp: int = int(self.args["tensor_model_parallel_size"])
+        self.pp: int = int(self.args["pipeline_model_parallel_size"])
+        self._handles: dict[tuple[int, int], Any] = {}
+
+    @property
+    def hf_assets_dir(self) -> Optional[Path]:
+        """``hf_assets/`` beside the iteration directories (tokenizer files), if present."""
+        for d in (self.dir.parent / HF_ASSETS_DIRNAME, self.dir / HF_ASSETS_DIRNAME):
+            if d.is_dir():
+                return d
+        return None
+
+    def shard_path(self, tp_rank: int, pp_rank: int) -> Path:
+        """Path of the safetensors file of shard (tp_rank, pp_rank)."""
+        return self.dir / shard_dirname(tp_rank, pp_rank) / SHARD_FILENAME
+
+    def _handle(self, tp_rank: int, pp_rank: int):
+        from safetensors import safe_open
+
+        key = (tp_rank, pp_rank)
+        if key not in self._handles:
+            p = self.shard_path(tp_rank, pp_rank)
+            if not p.is_file():
+                raise FileNotFoundError(f"checkpoint shard {p} is missing (checkpoint written with "
+                                        f"TP={self.tp}, PP={self.pp})")
+            self._handles[key] = safe_open(str(p), framework="pt", device="cpu")
+        return self._handles[key]
+
+    def close(self) -> None:
+        """Drop the open shard handles."""
+        self._handles.clear()
+
+    def stage_of(self, global_name: str) -> int:
+        """Pipeline stage whose shards hold ``global_name``."""
+        m = _LAYER_RE.fullmatch(global_name)
+        if m:
+            return int(m.group(1)) // (self.model_args["num_layers"] // self.pp)
+        if global_name.startswith("embedding."):
+            return 0
+        return self.pp - 1
+
+    def shard_tensor(self, tp_rank: int, pp_rank: int, local_name: str) -> torch.Tensor:
+        """One tensor of one shard, by its stage-local name."""
+        h = self._handle(tp_rank, pp_rank)
+        try:
+            return h.get_tensor(local_name)
+        except Exception as e:  # safetensors raises its own error type for a missing key
+            raise KeyError(f"{local_name} not found in {self.shard_path(tp_rank, pp_rank)}") from e
+
+    def shard_keys(self, tp_rank: int, pp_rank: int) -> list[str]:
+        """Stage-local names stored in one shard."""
+        return list(self._handle(tp_rank, pp_rank).keys())
+
+    def load_shard(self, tp_rank: int, pp_rank: int) -> dict[str, torch.Tensor]:
+        """The whole state dict of one shard (stage-local names)."""
+        h = self._handle(tp_rank, pp_rank)
+        return {k: h.get_tensor(k) for k in h.keys()}
+
+    def full_tensor(self, global_name: str) -> torch.Tensor:
+        """The full (TP-merged) tensor of a global megatron name (tied output layer falls back to the embedding)."""
+        stage = self.stage_of(global_name)
+        offset = layer_offset(self.model_args["num_layers"], stage, self.pp)
+        local = to_local_name(global_name, offset)
+        if global_name == "output_layer.weight" and local not in self._handle(0, stage).keys():
+            if self.model_args.get("tie_embeddings"):
+                return self.full_tensor("embedding.word_embeddings.weight")
+        return merge_tp(global_name, [self.shard_tensor(r, stage, local) for r in range(self.tp)])
+
+
+# -- live models ------------------------------------------------------------------------------------------------------
+def _unwrap(model: Any) -> torch.nn.Module:
+    if isinstance(model, (list, tuple)):
+        if len(model) != 1:
+            raise NotImplementedError("virtual pipeline parallelism (a list of model chunks) is not supported "
+                                      "by the checkpoint loader; pass a single model")
+        model = model[0]
+    while hasattr(model, "module") and isinstance(model.module, torch.nn.Module):
+        model = model.module
+    return model
+
+
+def _model_layer_offset(module: torch.nn.Module) -> int:
+    decoder = getattr(module, "decoder", None)
+    layers = getattr(decoder, "layers", None)
+    if layers is None or len(layers) == 0:
+        return 0
+    return int(layers[0].layer_number) - 1
+
+
+def _parallel_ranks() -> tuple[int, int, int, int]:
+    from megatron.core import parallel_state as ps
+
+    if not ps.model_parallel_is_initialized():
+        return 1, 0, 1, 0
+    return (ps.get_tensor_model_parallel_world_size(), ps.get_tensor_model_parallel_rank(),
+            ps.get_pipeline_model_parallel_world_size(), ps.get_pipeline_model_parallel_rank())
+
+
+def _expected_state(module: torch.nn.Module) -> dict[str, torch.Tensor]:
+    return {k: v for k, v in module.state_dict().items()
+            if not k.endswith("_extra_state") and isinstance(v, torch.Tensor)}
+
+
+def load_checkpoint_into_model(model: Any, load_dir: PathLike, iteration: Optional[Union[int, str]] = None,
+                               strict: bool = True) -> MegatronCheckpoint:
+    """Load this rank's part of a checkpoint into a built megatron-core GPTModel (DDP/Float16 wrappers unwrapped).
+
+    Reads only this rank's shard when the checkpoint's TP/PP equal the current ones; otherwise reshards (reads
+    the pieces of each needed tensor from the checkpoint's shards and splits them for this rank).
+    """
+    module = _unwrap(model)
+    ckpt = load_dir if isinstance(load_dir, MegatronCheckpoint) else MegatronCheckpoint(load_dir, iteration)
+    tp_size, tp_rank, pp_size, pp_rank = _parallel_ranks()
+    expected = _expected_state(module)
+    offset = _model_layer_offset(module)
+    _check_model_matches(ckpt, module)
+    if ckpt.tp == tp_size and ckpt.pp == pp_size:
+        stored = set(ckpt.shard_keys(tp_rank, pp_rank))
+        missing = sorted(set(expected) - stored)
+        unexpected = sorted(stored - set(expected))
+        if strict and (missing or unexpected):
+            raise KeyError(f"checkpoint shard {ckpt.shard_path(tp_rank, pp_rank)} does not match the model: "
+                           f"missing {missing[:8]}, unexpected {unexpected[:8]}")
+        state = {k: ckpt.shard_tensor(tp_rank, pp_rank, k) for k in expected if k in stored}
+    else:
+        state = {}
+        for local in expected:
+            g = to_global_name(local, offset)
+            state[local] = split_tp(g, ckpt.full_tensor(g), tp_size, tp_rank)
+    for k, v in state.items():
+        if tuple(v.shape) != tuple(expected[k].shape):
+            hint = (" (vocabulary size differs: build the model with the checkpoint's model_args.vocab_size)"
+                    if "word_embeddings" in k or "output_layer" in k else "")
+            raise ValueError(f"shape mismatch for {k}: checkpoint {tuple(v.shape)} vs model "
+                             f"{tuple(expected[k].shape)}{hint}")
+    missing, unexpected = module.load_state_dict(state, strict=False)
+    missing = [k for k in missing if not k.endswith("_extra_state")]
+    if strict and (missing or unexpected):
+        raise KeyError(f"load_state_dict: missing {missing[:8]}, unexpected {unexpected[:8]}")
+    return ckpt
+
+
+def _check_model_matches(ckpt: MegatronCheckpoint, module: torch.nn.Module) -> None:
+    cfg = getattr(module, "config", None)
+    if cfg is None:
+        return
+    ma = ckpt.model_args
+    for field, ours in (("num_layers", cfg.num_layers), ("hidden_size", cfg.hidden_size),
+                        ("num_attention_heads", cfg.num_attention_heads),
+                        ("ffn_hidden_size", cfg.ffn_hidden_size)):
+        if field in ma and ma[field] != ours:
+            raise ValueError(f"model does not match checkpoint {ckpt.dir}: {field}={ours} in the model, "
+                             f"{ma[field]} in the checkpoint")
+    vocab = getattr(module, "vocab_size", None)
+    if vocab is not None and vocab != ma["vocab_size"]:
+        raise ValueError(f"vocabulary mismatch: model vocab_size={vocab}, checkpoint {ckpt.dir} has "
+                         f"{ma['vocab_size']} (padded; HF vocabulary {ckpt.args.get('hf_vocab_size')})")
+
+
+def save_model_checkpoint(model: Any, save_dir: PathLike, iteration: Union[int, str], model_args: Any,
+                          hf_config: Optional[dict] = None, hf_vocab_size: Optional[int] = None,
+                          hf_architecture: Optional[str] = None, copy_hf_assets_from: Optional[PathLike] = None
+                          ) -> Path:
+    """Save the model weights of every (TP, PP) rank in this format (collective over all ranks; DP rank 0 writes).
+
+    Rank 0 writes args.json and, after a barrier, the tracker file. Returns the iteration directory.
+    """
+    from safetensors.torch import save_file
+
+    module = _unwrap(model)
+    tp_size, tp_rank, pp_size, pp_rank = _parallel_ranks()
+    dist = torch.distributed.is_available() and torch.distributed.is_initialized()
+    dp_rank = 0
+    if dist:
+        from megatron.core import parallel_state as ps
+
+        if ps.model_parallel_is_initialized():
+            dp_rank = ps.get_data_parallel_rank()
+    it_dir = Path(save_dir) / iteration_dirname(iteration)
+    if dp_rank == 0:
+        shard = it_dir / shard_dirname(tp_rank, pp_rank)
+        shard.mkdir(parents=True, exist_ok=True)
+        state = {k: v.detach().to("cpu").contiguous().clone() for k, v in _expected_state(module).items()}
+        save_file(state, str(shard / SHARD_FILENAME), metadata={"format": "pt"})
+    if dist:
+        torch.distributed.barrier()
+    if not dist or torch.distributed.get_rank() == 0:
+        if copy_hf_assets_from is not None:
+            src = Path(copy_hf_assets_from)
+            if src.is_dir() and src.resolve() != (Path(save_dir) / HF_ASSETS_DIRNAME).resolve():
+                shutil.copytree(src, Path(save_dir) / HF_ASSETS_DIRNAME, dirs_exist_ok=True)
+        write_checkpoint_metadata(save_dir, iteration, model_args, tp_size, pp_size, hf_config=hf_config,
+                                  hf_vocab_size=hf_vocab_size, hf_architecture=hf_architecture)
+    if dist:
+        torch.distributed.barrier()
+    return it_dir
+
+
+def load_gpt(path: PathLike, iteration: Optional[Union[int, str]] = None, fp4_recipe: Any = None,
+             params_dtype: Optional[torch.dtype] = None, eval_mode: bool = True, **model_arg_changes: Any):
+    """A megatron-core GPTModel (TP=PP=1, this process) with the weights of ``path``.
+
+    ``path`` is a megatron-fp4 checkpoint (any TP/PP; merged on load), a Hugging Face Qwen2/Llama folder, or an
+    FP4 export of ``tools/export_fp4_checkpoint.py`` (weights dequantized). Initializes a single-process
+    parallel_state if none exists. ``fp4_recipe`` sets the model's FP4 recipe (None: high precision).
+    """
+    from megatron_fp4.models.gpt import GPTModelArgs, build_gpt_model
+    from megatron_fp4.parallel import initialize_parallel
+
+    path = Path(path)
+    if not path.exists():
+        raise FileNotFoundError(f"{path} does not exist")
+    tp_size, _, pp_size, _ = _parallel_ranks()
+    if tp_size != 1 or pp_size != 1:
+        raise RuntimeError(f"load_gpt builds a single-process model but parallel_state has TP={tp_size}, "
+                           f"PP={pp_size}; build the model with build_gpt_model and use load_checkpoint_into_model")
+    initialize_parallel(1, 1)
+    if is_megatron_checkpoint(path):
+        ckpt = MegatronCheckpoint(path, iteration)
+        margs = model_args_from_json(ckpt.model_args)
+        source = None
+    else:
+        from megatron_fp4.models.hf_conversion import open_hf_source
+
+        source = open_hf_source(path)
+        margs = source.model_args(tp=1)
+        ckpt = None
+    margs.update(model_arg_changes)
+    if params_dtype is not None:
+        margs["params_dtype"] = params_dtype
+    model = build_gpt_model(GPTModelArgs(**margs, fp4_recipe=fp4_recipe), parallel_output=False)
+    if ckpt is not None:
+        load_checkpoint_into_model(model, ckpt)
+    else:
+        from megatron_fp4.models.hf_conversion import megatron_tensor_from_hf
+
+        expected = _expected_state(model)
+        state = {k: megatron_tensor_from_hf(k, source, margs) for k in expected}
+        for k, v in state.items():
+            if tuple(v.shape) != tuple(expected[k].shape):
+                raise ValueError(f"shape mismatch for {k}: converted {tuple(v.shape)} vs model "
+                                 f"{tuple(expected[k].shape)}")
+        missing, unexpected = model.load_state_dict(state, strict=False)
+        missing = [k for k in missing if not k.endswith("_extra_state")]
+        if missing or unexpected:
+            raise KeyError(f"load_state_dict: missing {missing[:8]}, unexpected {unexpected[:8]}")
+    if eval_mode:
+        model.eval()
+    return model
+
+
+def iter_names(names: Iterable[str]) -> list[str]:
+    """Sorted copy of ``names`` in natural layer order (helper for deterministic iteration)."""
+    def key(n: str):
+        m = _LAYER_RE.fullmatch(n)
+        return (1, int(m.group(1)), m.group(2)) if m else ((0, 0, n) if n.startswith("embedding") else (2, 0, n))
+
+    return sorted(names, key=key)

@@ -1,0 +1,44 @@
+#!/usr/bin/env python
+"""Convert a local Hugging Face Qwen2 / Qwen2.5 / Llama folder into a TP x PP sharded megatron-fp4 checkpoint.
+
+    python tools/convert_hf_to_megatron.py --hf-path Qwen2.5-3B --save ckpt/qwen2.5-3b-tp2 \\
+        --tensor-model-parallel-size 2 --pipeline-model-parallel-size 1
+
+The result loads with ``pretrain_rl.py --load ckpt/...`` (any TP/PP dividing the model) and with
+``megatron_fp4.models.checkpoint_io.load_gpt(dir)``. Layout: see tools/README.md.
+"""
+
+from __future__ import annotations
+
+import argparse
+
+import _common  # noqa: F401  (puts the repository on sys.path)
+from _common import run_cli
+
+
+def parse_args(argv=None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--hf-path", required=True, help="local HF folder: config.json + safetensors (sharded or not)")
+    p.add_argument("--save", required=True, help="output checkpoint directory")
+    p.add_argument("--tensor-model-parallel-size", type=int, default=1)
+    p.add_argument("--pipeline-model-parallel-size", type=int, default=1)
+    p.add_argument("--make-vocab-size-divisible-by", type=int, default=1,
+                   help="pad the vocabulary to a multiple of this x TP (default 1: pad only as TP requires)")
+    p.add_argument("--iteration", default="release", help='iteration to write: "release" (default) or a number')
+    p.add_argument("--no-progress", action="store_true", help="no progress bar")
+    return p.parse_args(argv)
+
+
+def main(argv=None) -> None:
+    args = parse_args(argv)
+    from megatron_fp4.models.hf_conversion import convert_hf_to_megatron
+
+    it_dir = convert_hf_to_megatron(
+        args.hf_path, args.save, args.tensor_model_parallel_size, args.pipeline_model_parallel_size,
+        make_vocab_size_divisible_by=args.make_vocab_size_divisible_by, iteration=args.iteration,
+        progress=not args.no_progress)
+    print(f"wrote {it_dir} (TP={args.tensor_model_parallel_size}, PP={args.pipeline_model_parallel_size})")
+
+
+if __name__ == "__main__":
+    run_cli(main)

@@ -1,0 +1,55 @@
+#!/usr/bin/env python
+"""Export an FP4 rollout checkpoint: an HF-style folder with packed FP4 linear weights and a quantization_config.
+
+    python tools/export_fp4_checkpoint.py --hf-path Qwen2.5-3B --save fp4/qwen2.5-3b-hif4 --format hif4 --resq 2:4
+    python tools/export_fp4_checkpoint.py --load ckpt/run1 --save fp4/run1-mxfp4 --format mxfp4 --resq none
+
+Every linear of every transformer block (q/k/v/o, gate/up/down) is stored as the reference quantizer's packed
+codes and scales (``megatron_fp4.formats``), grouped along in_features; embeddings, norms, biases and lm_head stay
+in the source dtype. --resq and --activation-format are recorded for the rollout engine (they do not change the
+weights). Load with ``megatron_fp4.models.fp4_checkpoint.load_fp4_checkpoint`` or ``load_gpt``.
+"""
+
+from __future__ import annotations
+
+import argparse
+
+import _common  # noqa: F401
+from _common import parse_size, run_cli
+
+RESQ = ("none", "2:4", "channel", "tile32x64", "dense")  # == megatron_fp4.models.fp4_checkpoint.RESQ_SPARSITIES
+
+
+def parse_args(argv=None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    src = p.add_mutually_exclusive_group(required=True)
+    src.add_argument("--hf-path", help="high-precision HF folder")
+    src.add_argument("--load", help="megatron-fp4 checkpoint directory (latest iteration)")
+    p.add_argument("--save", required=True, help="output folder")
+    p.add_argument("--format", required=True, choices=("hif4", "mxfp4"), help="FP4 weight format")
+    p.add_argument("--resq", required=True, choices=RESQ, help="Rollout-ResQ sparsity the rollout engine uses")
+    p.add_argument("--activation-format", default=None,
+                   help="rollout activation format (default: --format; 'none' for W4A16)")
+    p.add_argument("--high-precision-first-layers", type=int, default=0,
+                   help="keep the linears of the first N transformer layers in high precision")
+    p.add_argument("--high-precision-last-layers", type=int, default=0,
+                   help="keep the linears of the last N transformer layers in high precision")
+    p.add_argument("--max-shard-size", default="5GB", help="largest safetensors file (default 5GB)")
+    p.add_argument("--no-progress", action="store_true", help="no progress bar")
+    return p.parse_args(argv)
+
+
+def main(argv=None) -> None:
+    args = parse_args(argv)
+    from megatron_fp4.models.fp4_checkpoint import export_fp4_checkpoint
+
+    out = export_fp4_checkpoint(
+        args.hf_path or args.load, args.save, format=args.format, resq=args.resq,
+        activation_format=args.activation_format, high_precision_first_layers=args.high_precision_first_layers,
+        high_precision_last_layers=args.high_precision_last_layers,
+        max_shard_bytes=parse_size(args.max_shard_size), progress=not args.no_progress)
+    print(f"wrote {out} (format {args.format}, resq {args.resq})")
+
+
+if __name__ == "__main__":
+    run_cli(main)
