@@ -25,7 +25,7 @@ import math
 import time
 import weakref
 from dataclasses import dataclass
-from typing import Optional, Union
+from typing import Any, Callable, Optional, Union
 
 import torch
 import torch.nn.functional as F
@@ -46,6 +46,8 @@ __all__ = [
     "occ_activation",
     "rollout_activation",
     "rollout_linear",
+    "register_rollout_backend",
+    "rollout_backend_for",
     "paper_rollout_precisions",
     "gemm_cost_vs_bf16",
 ]
@@ -303,12 +305,33 @@ class QuantizedWeightCache:
         self._entries[key] = (weakref.ref(weight), stamp, wq)
         return wq
 
-    def refresh(self, weights, fmt: FormatLike) -> float:
-        """Re-quantize ``weights`` (an iterable of tensors) now; returns the seconds it took."""
+    def get_prepared(self, weight: torch.Tensor, kind: str, build: Callable[[torch.Tensor], Any]) -> Any:
+        """Any per-weight object (e.g. a kernel's packed weight) built by ``build(weight)`` once per weight version,
+        under the same invalidation rules as :meth:`get`; dropped by :meth:`clear`."""
+        key = (id(weight), kind)
+        stamp = (weight.data_ptr(), weight._version, tuple(weight.shape), weight.dtype, weight.device)
+        entry = self._entries.get(key)
+        if entry is not None and entry[0]() is weight and entry[1] == stamp:
+            return entry[2]
+        t0 = time.perf_counter()
+        with torch.no_grad():
+            obj = build(weight.detach())
+        self.quantize_seconds += time.perf_counter() - t0
+        self.quantize_calls += 1
+        self._entries[key] = (weakref.ref(weight), stamp, obj)
+        return obj
+
+    def refresh(self, weights, fmt: FormatLike, precision: Optional["RolloutPrecision"] = None) -> float:
+        """Re-quantize ``weights`` (an iterable of tensors) now; returns the seconds it took. With ``precision``,
+        a registered rollout backend for the weights' device prepares its own weight form instead."""
         t0 = time.perf_counter()
         names = get_format(fmt).name
         for w in weights:
             self._entries.pop((id(w), names), None)
+            backend = _ROLLOUT_BACKENDS.get(w.device.type)
+            prepare = getattr(backend, "prepare_weight", None)
+            if precision is not None and prepare is not None and prepare(w, precision, self) is not NotImplemented:
+                continue
             self.get(w, fmt)
         if torch.cuda.is_available():
             torch.cuda.synchronize()
@@ -323,8 +346,33 @@ class QuantizedWeightCache:
 
     @property
     def nbytes(self) -> int:
-        """Memory held by the cached dequantized weights."""
-        return sum(e[2].numel() * e[2].element_size() for e in self._entries.values())
+        """Memory held by the cached dequantized weights (tensor entries only)."""
+        return sum(e[2].numel() * e[2].element_size() for e in self._entries.values()
+                   if isinstance(e[2], torch.Tensor))
+
+
+#: device type -> rollout GEMM backend (see :func:`register_rollout_backend`).
+_ROLLOUT_BACKENDS: dict[str, Any] = {}
+
+
+def register_rollout_backend(device_type: str, fn: Optional[Callable]) -> None:
+    """Serve quantized :func:`rollout_linear` calls on ``device_type`` with ``fn`` (None removes it).
+
+    ``fn(x2d, weight, precision, cache) -> fp32 [M, n]`` or ``NotImplemented`` (then the PyTorch reference runs);
+    it must return the reference's numbers up to fp32 summation order. An optional attribute
+    ``fn.prepare_weight(weight, precision, cache)`` quantizes a weight ahead of time (weight sync).
+    """
+    if fn is None:
+        _ROLLOUT_BACKENDS.pop(device_type, None)
+        return
+    if not callable(fn):
+        raise TypeError(f"fn must be callable, got {type(fn).__name__}")
+    _ROLLOUT_BACKENDS[device_type] = fn
+
+
+def rollout_backend_for(device_type: str) -> Optional[Callable]:
+    """The backend serving ``device_type`` (None: the PyTorch reference)."""
+    return _ROLLOUT_BACKENDS.get(device_type)
 
 
 def rollout_activation(x: torch.Tensor, precision: RolloutPrecision) -> torch.Tensor:
@@ -361,6 +409,13 @@ def rollout_linear(
         raise ValueError(f"rollout_linear: x has {x.shape[-1]} features but weight is {tuple(weight.shape)}")
     if precision.mode == "bf16":
         return F.linear(x, weight, bias)
+    backend = _ROLLOUT_BACKENDS.get(x.device.type) if weight_q is None else None
+    if backend is not None:
+        y = backend(x.reshape(-1, x.shape[-1]), weight, precision, cache)
+        if y is not NotImplemented:
+            if bias is not None:
+                y = y + bias.float()
+            return y.to(x.dtype).reshape(*x.shape[:-1], weight.shape[0])
     if precision.quantize_weights:
         if weight_q is None:
             weight_q = (cache.get(weight, precision.format) if cache is not None

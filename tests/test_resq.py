@@ -284,3 +284,44 @@ def test_paper_rows_and_cost_model():
     assert gemm_cost_vs_bf16(RolloutPrecision("w4a4", "hif4", "2:4")) == pytest.approx(2.0 / 0.75)  # 2.67x
     assert gemm_cost_vs_bf16(RolloutPrecision("w4a4", "hif4", "dense")) == pytest.approx(2.0)
     assert gemm_cost_vs_bf16(RolloutPrecision("w4a4", "hif4")) == pytest.approx(4.0)
+
+
+def test_rollout_backend_registry():
+    from megatron_fp4.resq import register_rollout_backend, rollout_backend_for
+
+    calls = []
+
+    def backend(x2, weight, precision, cache):
+        calls.append(precision.label)
+        if precision.sparsity == "dense":
+            return NotImplemented  # falls back to the reference
+        wq = cache.get_prepared(weight, "test", lambda w: get_format(precision.format).fake_quantize(w))
+        return resq_activation(x2, precision.format, precision.sparsity, out_dtype=torch.float32) @ wq.t()
+
+    def prepare_weight(weight, precision, cache):
+        return cache.get_prepared(weight, "test", lambda w: get_format(precision.format).fake_quantize(w))
+
+    backend.prepare_weight = prepare_weight
+    x = _outlier_input(6, 128, seed=9).reshape(2, 3, 128)
+    w = torch.randn(16, 128) * 0.1
+    b = torch.randn(16)
+    p = RolloutPrecision("w4a4", "mxfp4", "2:4")
+    ref = rollout_linear(x, w, b, p)
+    register_rollout_backend("cpu", backend)
+    try:
+        assert rollout_backend_for("cpu") is backend
+        cache = QuantizedWeightCache()
+        cache.refresh([w], "mxfp4", p)  # the backend prepares its own weight form
+        assert cache.quantize_calls == 1
+        y = rollout_linear(x, w, b, p, cache=cache)
+        assert calls == [p.label] and cache.quantize_calls == 1 and y.shape == (2, 3, 16)
+        torch.testing.assert_close(y, ref, rtol=1e-5, atol=1e-5)
+        pd = RolloutPrecision("w4a4", "mxfp4", "dense")
+        wq = get_format("mxfp4").fake_quantize(w)
+        torch.testing.assert_close(rollout_linear(x, w, b, pd), rollout_linear(x, w, b, pd, weight_q=wq))
+        assert len(calls) == 2  # the explicit weight_q call bypasses the backend
+        torch.testing.assert_close(rollout_linear(x, w, b, "bf16"), x @ w.t() + b)
+        assert len(calls) == 2  # bf16 never reaches a backend
+    finally:
+        register_rollout_backend("cpu", None)
+    assert rollout_backend_for("cpu") is None

@@ -151,7 +151,7 @@ class NativeRolloutEngine(RolloutEngine):
     def _quantize_weights(self) -> float:
         if not self._precision.quantize_weights:
             return 0.0
-        return self.weight_cache.refresh(quantized_weights(self.model), self._precision.format)
+        return self.weight_cache.refresh(quantized_weights(self.model), self._precision.format, self._precision)
 
     # -- weights and memory ----------------------------------------------------------------------------------------
     def update_weights(self, named_tensors: Optional[Iterable[tuple[str, torch.Tensor]]]) -> WeightSyncStats:
