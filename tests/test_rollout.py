@@ -267,3 +267,15 @@ def test_underflow_monitor_per_layer(model, prompts):
         assert 0.0 <= r["resq"] <= r["fp4"] <= 1.0
     assert sum(c[1] for c in counts.values()) > sum(c[2] for c in counts.values())
     assert mon.collect() == {}  # reset after collect
+
+
+@pytest.mark.parametrize("sparsity", ["channel", "tile32x64"])
+def test_batch_dependent_sparsities_run(model, prompts, sparsity):
+    # "channel"/"tile32x64" select over the tokens of each call, so a token's numbers depend on its batch (no
+    # teacher-forced identity); check they run, give valid samples and differ from plain FP4 somewhere
+    p = RolloutPrecision("w4a4", "hif4", sparsity)
+    params = SamplingParams(temperature=0.0, max_new_tokens=6)
+    samples = NativeRolloutEngine(model, p).generate(prompts, params)
+    _check_sample_shape(samples, params)
+    plain = NativeRolloutEngine(model, RolloutPrecision("w4a4", "hif4")).generate(prompts, params)
+    assert [s.logprobs for s in samples] != [s.logprobs for s in plain]
