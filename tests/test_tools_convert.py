@@ -163,16 +163,26 @@ def test_logits_match_transformers_torchrun(tp, pp, hf_models, converted):
 
 
 @pytest.mark.slow
-def test_logits_match_transformers_torchrun_tp2_pp2(hf_models, converted):
+def test_logits_match_transformers_torchrun_tp2_pp2_and_distributed_save(hf_models, converted, tmp_path):
+    """TP=2 x PP=2 on 4 processes; each rank then saves its shard (save_model_checkpoint) and the saved
+    checkpoint converts back to the original HF tensors bit for bit."""
     names = ["qwen2_tied", "llama"]
     args = []
     for n in names:
         args += ["--hf-path", str(hf_models[n]), "--load", str(converted(n, 2, 2))]
     r = run_tool("verify_conversion.py", "--tensor-model-parallel-size", "2", "--pipeline-model-parallel-size", "2",
-                 "--atol", str(ATOL), *args, nproc=4)
+                 "--atol", str(ATOL), "--save", str(tmp_path / "saved"), *args, nproc=4)
     assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-5000:]
     results = [json.loads(line[len("VERIFY "):]) for line in r.stdout.splitlines() if line.startswith("VERIFY ")]
     assert len(results) == len(names) and all(res["ok"] for res in results), results
+    for i, n in enumerate(names):
+        saved = tmp_path / "saved" / str(i)
+        assert (saved / "latest_checkpointed_iteration.txt").read_text().strip() == "1"
+        assert (saved / "iter_0000001" / "mp_rank_01_001" / "model.safetensors").is_file()
+        out = convert_megatron_to_hf(saved, tmp_path / f"hf{i}", progress=False)
+        a, b = HFFolderSource(hf_models[n]), HFFolderSource(out)
+        assert sorted(a.keys()) == sorted(b.keys())
+        assert all(torch.equal(a.get(k), b.get(k)) for k in a.keys()), n
 
 
 # -- errors ---------------------------------------------------------------------------------------------------------
@@ -243,3 +253,32 @@ def test_error_missing_megatron_shard(converted, tmp_path):
     (ckpt / "release" / "mp_rank_01_000" / "model.safetensors").unlink()
     with pytest.raises(FileNotFoundError, match=r"checkpoint shard .*mp_rank_01_000/model.safetensors is missing"):
         convert_megatron_to_hf(ckpt, tmp_path / "o", progress=False)
+
+
+def test_save_model_checkpoint_single_process_and_format_detection(converted, hf_models, tmp_path):
+    from megatron_fp4.models.checkpoint_io import (
+        checkpoint_tokenizer_dir,
+        is_megatron_checkpoint,
+        model_args_from_json,
+        save_model_checkpoint,
+    )
+
+    ckpt = MegatronCheckpoint(converted("llama", 2, 2))
+    model = load_gpt(ckpt.dir.parent)
+    it_dir = save_model_checkpoint(model, tmp_path / "s", 5, model_args_from_json(ckpt.model_args), like=ckpt)
+    assert it_dir.name == "iter_0000005"
+    saved = MegatronCheckpoint(tmp_path / "s")
+    assert saved.tp == 1 and saved.pp == 1 and saved.args["iteration"] == 5
+    assert saved.args["hf_config"] == ckpt.args["hf_config"]
+    for name in ("embedding.word_embeddings.weight", "decoder.layers.1.mlp.linear_fc1.weight",
+                 "decoder.layers.0.self_attention.linear_qkv.weight", "output_layer.weight"):
+        assert torch.equal(saved.full_tensor(name), ckpt.full_tensor(name)), name
+    assert is_megatron_checkpoint(tmp_path / "s") and is_megatron_checkpoint(it_dir)
+    assert not is_megatron_checkpoint(hf_models["llama"])
+    rl = tmp_path / "rl"  # the RL driver's resume checkpoints share the tracker file name, not the format
+    (rl / "iter_0000100").mkdir(parents=True)
+    (rl / "iter_0000100" / "metadata.json").write_text("{}")
+    (rl / "latest_checkpointed_iteration.txt").write_text("100\n")
+    assert not is_megatron_checkpoint(rl)
+    tok = checkpoint_tokenizer_dir(tmp_path / "s")
+    assert tok is not None and (tok / "generation_config.json").is_file()

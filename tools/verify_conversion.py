@@ -31,6 +31,9 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--seq-length", type=int, default=12)
     p.add_argument("--atol", type=float, default=1e-4)
     p.add_argument("--seed", type=int, default=1234)
+    p.add_argument("--save", default=None,
+                   help="also save each loaded model at this run's TP/PP to SAVE/<pair index> (exercises the "
+                        "distributed save_model_checkpoint)")
     return p.parse_args(argv)
 
 
@@ -63,13 +66,13 @@ def main(argv=None) -> None:
 
     from megatron_fp4.models import GPTModelArgs, build_gpt_model
     from megatron_fp4.models.checkpoint_io import MegatronCheckpoint, load_checkpoint_into_model, \
-        model_args_from_json
+        model_args_from_json, save_model_checkpoint
     from megatron_fp4.parallel import destroy_parallel, initialize_parallel
 
     tp, pp = args.tensor_model_parallel_size, args.pipeline_model_parallel_size
     initialize_parallel(tp, pp, seed=args.seed)
     failed = 0
-    for hf_path, load in zip(args.hf_path, args.load):
+    for index, (hf_path, load) in enumerate(zip(args.hf_path, args.load)):
         ckpt = MegatronCheckpoint(load)
         margs = model_args_from_json(ckpt.model_args)
         margs["params_dtype"] = torch.float32
@@ -94,6 +97,8 @@ def main(argv=None) -> None:
                                           "logit_std": ref.std().item(), "ok": ok}), flush=True)
             bad += float(not ok)
         torch.distributed.all_reduce(bad)
+        if args.save:
+            save_model_checkpoint(model, f"{args.save}/{index}", 1, margs, like=ckpt)
         failed += int(bad.item() > 0)
     destroy_parallel()
     if failed:

@@ -454,13 +454,21 @@ def _check_model_matches(ckpt: MegatronCheckpoint, module: torch.nn.Module) -> N
 
 def save_model_checkpoint(model: Any, save_dir: PathLike, iteration: Union[int, str], model_args: Any,
                           hf_config: Optional[dict] = None, hf_vocab_size: Optional[int] = None,
-                          hf_architecture: Optional[str] = None, copy_hf_assets_from: Optional[PathLike] = None
-                          ) -> Path:
+                          hf_architecture: Optional[str] = None, copy_hf_assets_from: Optional[PathLike] = None,
+                          like: Optional[MegatronCheckpoint] = None) -> Path:
     """Save the model weights of every (TP, PP) rank in this format (collective over all ranks; DP rank 0 writes).
 
-    Rank 0 writes args.json and, after a barrier, the tracker file. Returns the iteration directory.
+    ``like``: the checkpoint the model was loaded from; its HF config, vocabulary, architecture and tokenizer files
+    are carried over (explicit arguments win). Rank 0 writes args.json and the tracker file after all shards.
+    Returns the iteration directory.
     """
     from safetensors.torch import save_file
+
+    if like is not None:
+        hf_config = hf_config if hf_config is not None else like.args.get("hf_config")
+        hf_vocab_size = hf_vocab_size if hf_vocab_size is not None else like.args.get("hf_vocab_size")
+        hf_architecture = hf_architecture or like.args.get("hf_architecture")
+        copy_hf_assets_from = copy_hf_assets_from or like.hf_assets_dir
 
     module = _unwrap(model)
     tp_size, tp_rank, pp_size, pp_rank = _parallel_ranks()
