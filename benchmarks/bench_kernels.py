@@ -1,0 +1,233 @@
+"""Benchmark the Triton FP4 kernels against cuBLAS on one GPU; prints one table, writes JSON.
+
+    PYTHONPATH=. python benchmarks/bench_kernels.py [--out benchmarks/results/kernels_h200.json] [--quick]
+
+Shapes: Qwen2.5-3B/7B linears (K, N) x tokens M. Timings: triton.testing.do_bench medians with inputs rotated
+through more than the L2 cache. GEMM outputs are bf16 (as cuBLAS), except the packed-weight decode kernels
+(fp32, split-K atomics).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+import time
+
+import torch
+
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
+
+import triton  # noqa: E402
+
+from kernels.gemm import fp4_matmul, mm_expanded, packed_matmul, w4_matmul  # noqa: E402
+from kernels.quantize import Expanded, expand_packed, quantize  # noqa: E402
+from kernels.resq import resq_quantize  # noqa: E402
+
+SHAPES = [(2048, 2048), (2048, 11008), (11008, 2048), (3584, 18944), (18944, 3584)]  # (K, N)
+MS = [16, 64, 4096, 16384]
+L2_BYTES = 60 * 2 ** 20
+
+
+def bench(fn_list, warmup=10, rep=40, graph=False):
+    """Median ms of calling the functions of fn_list in rotation (one per call); graph=True replays a CUDA graph
+    (decode-sized calls, where Python launch overhead would otherwise dominate)."""
+    i = [0]
+
+    def run():
+        fn_list[i[0] % len(fn_list)]()
+        i[0] += 1
+
+    if graph:
+        for f in fn_list:
+            f()
+        torch.cuda.synchronize()
+        return triton.testing.do_bench_cudagraph(run, rep=rep, return_mode="median")
+    return triton.testing.do_bench(run, warmup=warmup, rep=rep, return_mode="median")
+
+
+def copies_for(nbytes):
+    return max(1, min(16, int(3 * L2_BYTES // max(nbytes, 1)) + 1))
+
+
+def ceilings():
+    n = 1 << 29  # 1 GiB of bytes
+    src = torch.empty(n, dtype=torch.uint8, device="cuda").random_(0, 255)
+    dst = torch.empty_like(src)
+    ms = triton.testing.do_bench(lambda: dst.copy_(src), warmup=10, rep=50, return_mode="median")
+    copy_gbs = 2 * n / ms / 1e6
+    a = torch.randn(8192, 8192, device="cuda", dtype=torch.bfloat16)
+    b = torch.randn(8192, 8192, device="cuda", dtype=torch.bfloat16)
+    ms = triton.testing.do_bench(lambda: a @ b, warmup=10, rep=50, return_mode="median")
+    bf16_tflops = 2 * 8192 ** 3 / ms / 1e9
+    del src, dst, a, b
+    return copy_gbs, bf16_tflops
+
+
+def bench_quantize(rows=16384, K=3584):
+    out = []
+    x = torch.randn(rows, K, device="cuda", dtype=torch.bfloat16)
+    xt = torch.randn(K, rows, device="cuda", dtype=torch.bfloat16)  # quantized along dim 0
+    for fmt, meta in (("hif4", 4 / 64), ("mxfp4", 1 / 32)):
+        cases = [
+            ("pack", lambda: quantize(x, fmt), 2 + 0.5 + meta),
+            ("pack+expand", lambda: quantize(x, fmt, expand="native"), 2 + 0.5 + meta + (2 if fmt == "hif4" else 1)),
+            ("pack dim0", lambda: quantize(xt, fmt, dim=0), 2 + 0.5 + meta),
+            ("resq 2:4 pack+expand", lambda: resq_quantize(x, fmt, expand="native"),
+             2 + 2 * (0.5 + meta) + 2 * (2 if fmt == "hif4" else 1)),
+        ]
+        for name, fn, bpe in cases:
+            ms = bench([fn])
+            out.append({"kernel": f"quantize {fmt} {name}", "rows": rows, "K": K, "ms": ms,
+                        "GB/s": bpe * rows * K / ms / 1e6, "config": _best_config(fmt, name)})
+    return out
+
+
+def _best_config(fmt, name):
+    from kernels import quantize as qm
+    from kernels import resq as rm
+
+    t = rm._resq_tuned if "resq" in name else (qm._hif4_quant_tuned if fmt == "hif4" else qm._mx_quant_tuned)
+    return str(getattr(t, "best_config", None))
+
+
+def _cublas_fp8(xq, wq, sa, sb):
+    return torch._scaled_mm(xq, wq.t(), scale_a=sa, scale_b=sb, out_dtype=torch.bfloat16)
+
+
+def bench_gemms(shapes, ms_list, skip_packed_large=False):
+    rows = []
+    for (K, N) in shapes:
+        w = torch.randn(N, K, device="cuda", dtype=torch.bfloat16) * 0.02
+        wbytes = N * K * 2
+        nw = copies_for(N * K // 2)  # rotate the packed weights through > L2
+        ws = [w] + [torch.randn_like(w) * 0.02 for _ in range(min(nw, copies_for(wbytes)) - 1)]
+        prep = {}
+        for fmt in ("mxfp4", "hif4"):
+            qs = [quantize(wi, fmt, expand="native") for wi in ws]
+            prep[fmt] = qs
+        w8 = [wi.to(torch.float8_e4m3fn) for wi in ws]
+        sbw = torch.ones(1, N, device="cuda", dtype=torch.float32)
+        for M in ms_list:
+            flops = 2 * M * N * K
+            x = torch.randn(M, K, device="cuda", dtype=torch.bfloat16)
+            nx = len(ws)
+            xs = [x] + [torch.randn_like(x) for _ in range(nx - 1)] if M <= 64 else [x]
+            res = {"K": K, "N": N, "M": M}
+
+            def rec(name, ms):
+                res[name] = {"ms": ms, "TFLOP/s": flops / ms / 1e9}
+
+            g = M <= 64
+            rec("cublas_bf16", bench([lambda i=i: xs[i % len(xs)] @ ws[i].t() for i in range(len(ws))], graph=g))
+            x8 = x.to(torch.float8_e4m3fn)
+            sa = torch.ones(M, 1, device="cuda", dtype=torch.float32)
+            rec("cublas_fp8_rowwise", bench([lambda i=i: _cublas_fp8(x8, w8[i], sa, sbw) for i in range(len(ws))],
+                                            graph=g))
+            for fmt in ("mxfp4", "hif4"):
+                qs = prep[fmt]
+                if M <= 64:
+                    exs = [quantize(xi, fmt, expand="bf16")[1].values for xi in xs]
+                    rr = [resq_quantize(xi, fmt, expand="bf16") for xi in xs]
+                    rec(f"{fmt}_w4a4_gemm", bench([lambda i=i: w4_matmul(exs[i % len(exs)], qs[i][0])
+                                                   for i in range(len(qs))], graph=True))
+                    rec(f"{fmt}_w4a4_e2e", bench([lambda i=i: w4_matmul(quantize(xs[i % len(xs)], fmt,
+                                                                                 expand="bf16")[1].values, qs[i][0])
+                                                  for i in range(len(qs))], graph=True))
+                    rec(f"{fmt}_resq24_gemm", bench([lambda i=i: w4_matmul(rr[i % len(rr)][2].values, qs[i][0],
+                                                                            rr[i % len(rr)][3].values)
+                                                     for i in range(len(qs))], graph=True))
+                    rec(f"{fmt}_resq24_e2e", bench([lambda i=i: (lambda r: w4_matmul(r[2].values, qs[i][0],
+                                                                                     r[3].values))(
+                        resq_quantize(xs[i % len(xs)], fmt, expand="bf16")) for i in range(len(qs))], graph=True))
+                    rec(f"{fmt}_w4a16", bench([lambda i=i: w4_matmul(xs[i % len(xs)], qs[i][0])
+                                               for i in range(len(qs))], graph=True))
+                else:
+                    q0 = qs[0][0]
+                    modes = [("exact", "bf16", 0)]
+                    if fmt == "mxfp4":
+                        modes.append(("fp8", "native", 0))
+                    for mode, ex_mode, promote in modes:
+                        e0 = qs[0][1] if ex_mode == "native" else expand_packed(q0, "bf16")
+                        qx, ex = quantize(x, fmt, expand=ex_mode)
+                        rec(f"{fmt}_w4a4_gemm_{mode}", bench([lambda: mm_expanded(
+                            ex, e0, out_dtype=torch.bfloat16, promote=promote)]))
+                        rec(f"{fmt}_w4a4_e2e_{mode}", bench([lambda: fp4_matmul(
+                            *quantize(x, fmt, expand=ex_mode), q0, e0, out_dtype=torch.bfloat16, promote=promote)]))
+                        q, r, eq, er = resq_quantize(x, fmt, expand=ex_mode)
+                        rec(f"{fmt}_resq24_gemm_{mode}", bench([lambda: mm_expanded(
+                            eq, e0, er, out_dtype=torch.bfloat16, promote=promote)]))
+                        rec(f"{fmt}_resq24_e2e_{mode}", bench([lambda: (lambda t: fp4_matmul(
+                            t[0], t[2], q0, e0, qr=t[1], er=t[3], out_dtype=torch.bfloat16, promote=promote))(
+                            resq_quantize(x, fmt, expand=ex_mode))]))
+                        if mode == "exact":
+                            rec(f"{fmt}_w4a16", bench([lambda: mm_expanded(Expanded(x), e0, out_dtype=torch.bfloat16)]))
+                    if not skip_packed_large and M == 4096:
+                        qx = quantize(x, fmt)
+                        rec(f"{fmt}_w4a4_packed_prologue", bench([lambda: packed_matmul(qx, q0,
+                                                                                        out_dtype=torch.bfloat16)]))
+            rows.append(res)
+            print(f"  done K={K} N={N} M={M}", flush=True)
+    return rows
+
+
+def sweep_decode():
+    """Time the packed-weight decode kernel over a few tile configs (largest 7B shape, M=16 and 64)."""
+    out = []
+    K, N = 3584, 18944
+    ws = [torch.randn(N, K, device="cuda", dtype=torch.bfloat16) * 0.02 for _ in range(4)]
+    for fmt in ("hif4", "mxfp4"):
+        qs = [quantize(w, fmt) for w in ws]
+        for M in (16, 64):
+            x = torch.randn(M, K, device="cuda", dtype=torch.bfloat16)
+            bm = 16 if M <= 16 else 64
+            for bn, w, st in ((64, 4, 4), (128, 4, 4), (32, 4, 4), (64, 2, 4), (128, 8, 3), (64, 4, 2)):
+                cfg = {"BM": bm, "BN": bn, "BKH": 32, "num_warps": w, "num_stages": st}
+                try:
+                    ms = bench([lambda i=i: w4_matmul(x, qs[i], config=cfg) for i in range(len(qs))], graph=True)
+                except Exception as e:  # noqa: BLE001
+                    ms = float("nan")
+                    print("config failed", cfg, type(e).__name__)
+                out.append({"fmt": fmt, "M": M, **cfg, "us": ms * 1e3})
+                print(f"  decode sweep {fmt} M={M} {cfg}: {ms * 1e3:.1f} us", flush=True)
+    return out
+
+
+def main():
+    p = argparse.ArgumentParser()
+    p.add_argument("--out", default="benchmarks/results/kernels_h200.json")
+    p.add_argument("--quick", action="store_true", help="one shape, two M")
+    p.add_argument("--sweep", action="store_true", help="also sweep the decode kernel's tile configs")
+    args = p.parse_args()
+    torch.manual_seed(0)
+    t0 = time.time()
+    dev = torch.cuda.get_device_name()
+    copy_gbs, bf16_peak = ceilings()
+    print(f"GPU {dev}; copy {copy_gbs:.0f} GB/s; cuBLAS bf16 8192^3 {bf16_peak:.0f} TFLOP/s", flush=True)
+    qrows = bench_quantize()
+    sweep = sweep_decode() if args.sweep else []
+    shapes = SHAPES[:1] if args.quick else SHAPES
+    ms_list = [16, 4096] if args.quick else MS
+    grows = bench_gemms(shapes, ms_list)
+    result = {"gpu": dev, "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()), "torch": torch.__version__,
+              "triton": triton.__version__, "copy_GBps": copy_gbs, "cublas_bf16_8192_TFLOPs": bf16_peak,
+              "quantize": qrows, "decode_sweep": sweep, "gemm": grows, "wall_s": time.time() - t0}
+    os.makedirs(os.path.dirname(args.out) or ".", exist_ok=True)
+    with open(args.out, "w") as fh:
+        json.dump(result, fh, indent=1)
+    print("\nQuantize kernels (bf16 input, 16384 x 3584):")
+    for r in qrows:
+        print(f"  {r['kernel']:<40s} {r['ms'] * 1e3:9.1f} us {r['GB/s']:8.0f} GB/s ({100 * r['GB/s'] / copy_gbs:.0f}% of copy)")
+    keys = sorted({k for r in grows for k in r if k not in ("K", "N", "M")},
+                  key=lambda k: (not k.startswith("cublas"), k))
+    print("\nGEMMs: time us (speedup vs cuBLAS bf16)")
+    for r in grows:
+        base = r["cublas_bf16"]["ms"]
+        cells = [f"{k}={r[k]['ms'] * 1e3:.1f}({base / r[k]['ms']:.2f}x)" for k in keys if k in r]
+        print(f"K={r['K']:>5} N={r['N']:>5} M={r['M']:>5}: " + " ".join(cells))
+    print(f"wrote {args.out} in {time.time() - t0:.0f} s")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,41 @@
+"""Triton availability and small shared helpers for the kernels package (no Megatron, no formats logic)."""
+
+from __future__ import annotations
+
+import os
+
+import torch
+
+try:  # Triton is optional: without it every public entry point falls back to the PyTorch reference.
+    import triton
+    import triton.language as tl
+
+    HAS_TRITON = True
+except Exception:  # pragma: no cover - exercised only where Triton is missing
+    triton = None
+    tl = None
+    HAS_TRITON = False
+
+#: Formats the kernels implement (others fall back to the reference).
+KERNEL_FORMATS = ("hif4", "mxfp4", "mxfp4_rceil")
+
+#: HiF4 r = bf16_rne(1 / E6M2) for the mantissa codes m = 1, 2, 3 (m = 0 gives exactly 1): times 2^-e.
+HIF4_RECIP = (1.0, 0.80078125, 0.66796875, 0.5703125)
+
+
+def interpreting() -> bool:
+    """True when Triton runs kernels in its CPU interpreter (TRITON_INTERPRET=1)."""
+    return os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
+
+
+def kernels_usable(*tensors: torch.Tensor) -> bool:
+    """Whether the Triton kernels can run on these tensors (CUDA + Triton, or the CPU interpreter)."""
+    if not HAS_TRITON:
+        return False
+    if all(t.is_cuda for t in tensors):
+        return True
+    return interpreting() and all(t.device.type == "cpu" for t in tensors)
+
+
+def cdiv(a: int, b: int) -> int:
+    return -(-a // b)

@@ -1,0 +1,162 @@
+"""Entry points that ``megatron_fp4.ops`` and the rollout code call: Triton kernels on CUDA, the PyTorch reference
+elsewhere, with the same numbers (SPEC §3/§4; fp32 summation order aside).
+
+    from kernels import dispatch
+    dispatch.register()                      # make ops.fp4_gemm use the kernels for CUDA tensors
+    y = dispatch.fp4_gemm(a, b, "hif4")      # fp32 Q(a) @ Q(b)^T, a [m, K], b [n, K]
+    w = dispatch.prepare_weight(W, "mxfp4")  # packed + pre-expanded weight, once per weight update
+                                             # (mode="fp8": MXFP4 FP8 fast path, approximate accumulation)
+    y = dispatch.linear(x, w)                # W4A4 rollout GEMM (decode or prefill), optional resq="2:4"
+    y = dispatch.linear(x, w, activations="bf16")   # W4A16
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Optional
+
+import torch
+
+from kernels._common import KERNEL_FORMATS, kernels_usable
+from megatron_fp4.formats import Format, QuantizedTensor, get_format
+
+__all__ = ["available", "register", "ops_backend", "fp4_gemm", "PreparedWeight", "prepare_weight", "linear"]
+
+#: Token counts at or below this use the packed-weight (memory-bound) kernels.
+DECODE_MAX_M = 64
+
+
+def available(device: Optional[torch.device] = None) -> bool:
+    """Whether the Triton kernels can run on ``device`` (default: the current CUDA device)."""
+    dev = torch.device(device) if device is not None else torch.device("cuda")
+    if dev.type == "cuda" and not torch.cuda.is_available():
+        return False
+    return kernels_usable(torch.empty(0, device=dev if dev.type != "cuda" or torch.cuda.is_available() else "cpu"))
+
+
+def _reference_gemm(a, b, fa: Format, fb: Format) -> torch.Tensor:
+    aq = fa.fake_quantize(a.float(), dim=-1)
+    bq = fb.fake_quantize(b.float(), dim=-1)
+    return torch.matmul(aq, bq.t())
+
+
+MODES = ("exact", "fp8")
+
+
+def _check_mode(mode: str) -> None:
+    if mode not in MODES:
+        raise ValueError(f"mode={mode!r} is not valid; allowed values: 'exact', 'fp8'")
+
+
+def fp4_gemm(a: torch.Tensor, b: torch.Tensor, a_format, b_format=None, mode: str = "exact") -> torch.Tensor:
+    """fp32 ``Q(a) @ Q(b)^T`` for ``a [m, K]``, ``b [n, K]`` quantized along K (nearest rounding).
+
+    mode "exact": BF16 tensor cores (equal to the reference up to fp32 summation order); "fp8": MXFP4 through
+    FP8 E5M2 (exact products, Hopper's reduced-precision FP8 accumulation; HiF4 stays on BF16).
+    """
+    _check_mode(mode)
+    from kernels.gemm import fp4_matmul, w4_matmul
+    from kernels.quantize import quantize
+
+    fa = get_format(a_format)
+    fb = get_format(b_format) if b_format is not None else fa
+    if fa.name != fb.name or fa.name not in KERNEL_FORMATS or not kernels_usable(a, b):
+        return _reference_gemm(a, b, fa, fb)
+    if a.shape[0] <= DECODE_MAX_M:
+        qa, ea = quantize(a, fa, expand="bf16")
+        qb = quantize(b, fb)
+        return w4_matmul(ea.values, qb)
+    ex = "native" if mode == "fp8" else "bf16"
+    qa, ea = quantize(a, fa, expand=ex)
+    qb, eb = quantize(b, fb, expand=ex)
+    return fp4_matmul(qa, ea, qb, eb)
+
+
+def ops_backend(a, b, a_fmt: Format, b_fmt: Format, a_rounding: str, b_rounding: str, generator=None):
+    """Backend for ``megatron_fp4.ops.register_fp4_gemm_backend``; NotImplemented where the kernels don't apply."""
+    if a_rounding != "nearest" or b_rounding != "nearest":
+        return NotImplemented  # stochastic rounding stays on the reference (its RNG stream defines the numbers)
+    if a_fmt.name != b_fmt.name or a_fmt.name not in KERNEL_FORMATS or not kernels_usable(a, b):
+        return NotImplemented
+    return fp4_gemm(a, b, a_fmt, b_fmt)
+
+
+def register(device_type: str = "cuda") -> bool:
+    """Register the kernels as the ops backend for ``device_type`` if they can run there; returns whether."""
+    from megatron_fp4 import ops
+
+    if device_type == "cuda" and not (torch.cuda.is_available() and available()):
+        return False
+    ops.register_fp4_gemm_backend(device_type, ops_backend)
+    return True
+
+
+@dataclass
+class PreparedWeight:
+    """A weight ``[n, K]`` quantized along K: packed (decode kernels) and expanded (prefill GEMM)."""
+
+    packed: QuantizedTensor
+    expanded: object  # kernels.quantize.Expanded or None
+    fmt: Format
+
+
+def prepare_weight(w: torch.Tensor, fmt, mode: str = "exact") -> PreparedWeight:
+    """Quantize a weight once per weight update: packed codes + the GEMM-ready expansion (BF16, or FP8 E5M2
+    for MXFP4 with ``mode="fp8"``)."""
+    from kernels.quantize import quantize
+
+    _check_mode(mode)
+    f = get_format(fmt)
+    q, e = quantize(w, f, dim=-1, expand="native" if mode == "fp8" else "bf16")
+    return PreparedWeight(q, e, f)
+
+
+def linear(x: torch.Tensor, w: PreparedWeight, resq: str = "none", activations: str = "fp4",
+           out_dtype: torch.dtype = torch.float32) -> torch.Tensor:
+    """Rollout GEMM ``x [M, K] -> [M, n]`` against a prepared FP4 weight.
+
+    ``activations``: "fp4" (W4A4) or "bf16" (W4A16: x used as is, rounded to bf16); ``resq``: "none" or "2:4".
+    """
+    from kernels.gemm import fp4_matmul, w4_matmul
+    from kernels.quantize import expand_packed, quantize
+    from kernels.resq import resq_matmul
+
+    if resq not in ("none", "2:4"):
+        raise ValueError(f"resq={resq!r} is not valid; allowed values: 'none', '2:4'")
+    if activations not in ("fp4", "bf16"):
+        raise ValueError(f"activations={activations!r} is not valid; allowed values: 'fp4', 'bf16'")
+    K = x.shape[-1]
+    kp = w.packed.codes.shape[-1] * 2
+    if not kernels_usable(x) or w.fmt.name not in KERNEL_FORMATS:
+        return _reference_linear(x, w, resq, activations).to(out_dtype)
+    if activations == "bf16":
+        xb = x.to(torch.bfloat16)
+        if kp != K:
+            xb = torch.nn.functional.pad(xb, (0, kp - K))
+        if x.shape[0] <= DECODE_MAX_M:
+            return w4_matmul(xb, w.packed).to(out_dtype)
+        from kernels.gemm import mm_expanded
+        from kernels.quantize import Expanded
+
+        wb = w.expanded if w.expanded.values.dtype == torch.bfloat16 else expand_packed(w.packed, "bf16")
+        return mm_expanded(Expanded(xb), wb, out_dtype=out_dtype)
+    if resq == "2:4":
+        return resq_matmul(x, w.packed, w.expanded, out_dtype=out_dtype)
+    if x.shape[0] <= DECODE_MAX_M:
+        qx, ex = quantize(x, w.fmt, expand="bf16")
+        return w4_matmul(ex.values, w.packed).to(out_dtype)
+    qx, ex = quantize(x, w.fmt, expand="native" if w.expanded.values.dtype == torch.float8_e5m2 else "bf16")
+    return fp4_matmul(qx, ex, w.packed, w.expanded, out_dtype=out_dtype)
+
+
+def _reference_linear(x: torch.Tensor, w: PreparedWeight, resq: str, activations: str) -> torch.Tensor:
+    """PyTorch twin of :func:`linear` (fp32 results)."""
+    wq = w.packed.dequantize().float()
+    if activations == "bf16":
+        return x.to(torch.bfloat16).float() @ wq.t()
+    if resq == "2:4":
+        from megatron_fp4.resq import resq_components
+
+        q, s = resq_components(x, w.fmt, "2:4")
+        return q @ wq.t() + s @ wq.t()
+    return w.fmt.fake_quantize(x.float(), dim=-1) @ wq.t()

@@ -1,0 +1,378 @@
+"""FP4 GEMMs for Hopper (no FP4 tensor cores): exact products of packed HiF4/MXFP4 operands (SPEC §3).
+
+Two ways to feed the tensor cores, both exact with respect to ``Q(a) @ Q(b)^T`` computed by the reference:
+
+- pre-expanded (fast path for M > 64): operands dequantized once to a GEMM-ready :class:`Expanded` form (weights
+  offline per weight update, activations inside the fused quantize kernel), then ONE plain tensor-core GEMM with
+  a single ``acc = tl.dot(a, b, acc)`` loop and the power-of-two row/column scales applied only in the epilogue:
+  BF16 for HiF4 (element x micro-exponents x E6M2 needs <= 6 significant bits), FP8 E5M2 for MXFP4 (E2M1 x
+  block scale fits E5M2 relative to a per-row power of two whenever the row's blocks span <= 27 binades; rows
+  that do not are flagged by the quantizer and recomputed exactly by :func:`_fix_rows`, never silently).
+  Measured on the H200: Hopper's FP8 MMA does NOT accumulate in full fp32 (partial sums keep about 13-14 bits
+  relative to the largest product), so the FP8 path is "exact products, approximate accumulation" (relative
+  error ~1e-4; ``promote`` narrows it at a speed cost). The exact path for both formats is the BF16 expansion
+  (MXFP4 values are exact in BF16 too), whose tensor cores accumulate in fp32.
+- packed (``packed_matmul``/``w4_matmul``): the kernel reads the 4-bit codes and scales and dequantizes to BF16
+  in its prologue. ``w4_matmul`` is the decode/W4A16 kernel: packed weights x BF16 activations, optionally with
+  a second activation (the ResQ residual) that rides on the same weight read.
+"""
+
+from __future__ import annotations
+
+from typing import Optional
+
+import torch
+
+from kernels._common import HAS_TRITON, cdiv, interpreting, kernels_usable, tl, triton
+from kernels.quantize import Expanded
+from megatron_fp4.formats import QuantizedTensor
+from megatron_fp4.formats.packing import unpack_nibbles
+
+__all__ = ["mm_expanded", "fp4_matmul", "packed_matmul", "w4_matmul", "dequantize_rows"]
+
+if HAS_TRITON:
+
+    @triton.jit
+    def _p2(e):
+        return ((e + 127) << 23).to(tl.float32, bitcast=True)
+
+    def _gemm_configs(bk):
+        cfgs = []
+        for bm, bn, w, st in ((128, 256, 8, 3), (128, 256, 8, 4), (256, 128, 8, 3), (128, 128, 4, 4),
+                              (256, 128, 8, 4)):
+            cfgs.append(triton.Config({"BM": bm, "BN": bn, "BK": bk, "GROUP_M": 8}, num_warps=w, num_stages=st))
+        return cfgs
+
+    @triton.jit
+    def _gemm_body(a_ptr, r_ptr, b_ptr, c_ptr, sa_ptr, sb_ptr, M, N, K, stride_am, stride_rm, stride_bn,
+                   stride_cm, HAS_RES: tl.constexpr, HAS_SCALE: tl.constexpr, PRECISE_ACC: tl.constexpr,
+                   IEEE: tl.constexpr, EVEN_K: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr,
+                   BK: tl.constexpr, GROUP_M: tl.constexpr):
+        pid = tl.program_id(0)
+        num_m = tl.cdiv(M, BM)
+        num_n = tl.cdiv(N, BN)
+        group = GROUP_M * num_n
+        gid = pid // group
+        first_m = gid * GROUP_M
+        gsize = tl.minimum(num_m - first_m, GROUP_M)
+        pid_m = first_m + ((pid % group) % gsize)
+        pid_n = (pid % group) // gsize
+        offs_am = (pid_m * BM + tl.arange(0, BM)) % M
+        offs_bn = (pid_n * BN + tl.arange(0, BN)) % N
+        offs_k = tl.arange(0, BK)
+        a_ptrs = a_ptr + offs_am[:, None] * stride_am + offs_k[None, :]
+        r_ptrs = r_ptr + offs_am[:, None] * stride_rm + offs_k[None, :]
+        b_ptrs = b_ptr + offs_bn[None, :] * stride_bn + offs_k[:, None]
+        acc = tl.zeros((BM, BN), dtype=tl.float32)
+        for kk in range(0, tl.cdiv(K, BK)):
+            if EVEN_K:
+                a = tl.load(a_ptrs)
+                b = tl.load(b_ptrs)
+            else:
+                a = tl.load(a_ptrs, mask=offs_k[None, :] < K - kk * BK, other=0.0)
+                b = tl.load(b_ptrs, mask=offs_k[:, None] < K - kk * BK, other=0.0)
+            if PRECISE_ACC > 0:
+                acc = tl.dot(a, b, acc, max_num_imprecise_acc=PRECISE_ACC)
+            elif IEEE:
+                acc = tl.dot(a, b, acc, input_precision="ieee")
+            else:
+                acc = tl.dot(a, b, acc)
+            if HAS_RES:
+                if EVEN_K:
+                    r = tl.load(r_ptrs)
+                else:
+                    r = tl.load(r_ptrs, mask=offs_k[None, :] < K - kk * BK, other=0.0)
+                if PRECISE_ACC > 0:
+                    acc = tl.dot(r, b, acc, max_num_imprecise_acc=PRECISE_ACC)
+                elif IEEE:
+                    acc = tl.dot(r, b, acc, input_precision="ieee")
+                else:
+                    acc = tl.dot(r, b, acc)
+                r_ptrs += BK
+            a_ptrs += BK
+            b_ptrs += BK
+        offs_cm = pid_m * BM + tl.arange(0, BM)
+        offs_cn = pid_n * BN + tl.arange(0, BN)
+        cmask = (offs_cm[:, None] < M) & (offs_cn[None, :] < N)
+        if HAS_SCALE:
+            sa = tl.load(sa_ptr + offs_cm, mask=offs_cm < M, other=0)
+            sb = tl.load(sb_ptr + offs_cn, mask=offs_cn < N, other=0)
+            acc = (acc * _p2(sa)[:, None]) * _p2(sb)[None, :]
+        tl.store(c_ptr + offs_cm[:, None] * stride_cm + offs_cn[None, :], acc.to(c_ptr.dtype.element_ty),
+                 mask=cmask)
+
+    @triton.jit
+    def _gemm_kernel_fixed(a_ptr, r_ptr, b_ptr, c_ptr, sa_ptr, sb_ptr, M, N, K, stride_am, stride_rm, stride_bn,
+                           stride_cm, HAS_RES: tl.constexpr, HAS_SCALE: tl.constexpr, PRECISE_ACC: tl.constexpr,
+                           IEEE: tl.constexpr, EVEN_K: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr,
+                           BK: tl.constexpr, GROUP_M: tl.constexpr):
+        _gemm_body(a_ptr, r_ptr, b_ptr, c_ptr, sa_ptr, sb_ptr, M, N, K, stride_am, stride_rm, stride_bn, stride_cm,
+                   HAS_RES, HAS_SCALE, PRECISE_ACC, IEEE, EVEN_K, BM, BN, BK, GROUP_M)
+
+    _GEMM_KEY = ["M", "N", "K", "HAS_RES", "PRECISE_ACC"]
+    _gemm_kernel_bf16 = triton.autotune(configs=_gemm_configs(64), key=_GEMM_KEY)(_gemm_kernel_fixed)
+    _gemm_kernel_fp8 = triton.autotune(configs=_gemm_configs(128), key=_GEMM_KEY)(_gemm_kernel_fixed)
+
+    # --- packed operands: dequantize in the prologue ---------------------------------------------------------
+    @triton.jit
+    def _deq_bytes(q, s_ptr, rows, rmask, j0, j, stride_s, FMT: tl.constexpr):
+        """Packed bytes q [R, 32] (byte columns j = j0 + 0..31, j0 a multiple of 32, i.e. 64 values) ->
+        (even, odd) element values fp32 [R, 32] (exact). Scales are loaded once per row and broadcast."""
+        q = q.to(tl.int32)
+        jj = (j % 32)[None, :]
+        if FMT == 0:  # HiF4: one 64-value unit = one 32-bit scale word per row
+            w = tl.load(s_ptr + rows * stride_s + j0 // 32, mask=rmask, other=0)[:, None]
+            c = w & 0xFF
+            b8 = (w >> (8 + jj // 4)) & 1
+            b16 = (w >> (16 + jj // 2)) & 1
+            sc = ((((c >> 2) + 77 + b8 + b16) << 23) | ((c & 3) << 21)).to(tl.float32, bitcast=True)
+            sc = tl.where(c == 255, float("nan"), sc)
+            lo = ((q & 7) | 0x4B000000).to(tl.float32, bitcast=True) - 8388608.0
+            hi = (((q >> 4) & 7) | 0x4B000000).to(tl.float32, bitcast=True) - 8388608.0
+        else:  # MXFP4: two E8M0 bytes per row; value = (2*e2m1) * 2^(X-1)
+            s0 = tl.load(s_ptr + rows * stride_s + j0 // 16, mask=rmask, other=127).to(tl.int32)
+            s1 = tl.load(s_ptr + rows * stride_s + j0 // 16 + 1, mask=rmask, other=127).to(tl.int32)
+            s = tl.where(jj < 16, s0[:, None], s1[:, None])
+            sc = tl.where(s >= 2, ((s - 1) << 23).to(tl.float32, bitcast=True),
+                          tl.where(s == 1, 5.877471754111438e-39, 2.938735877055719e-39))
+            sc = tl.where(s == 255, float("nan"), sc)
+            lut = tl.full(q.shape, -932957680, tl.int32)
+            lo = ((lut >> ((q & 7) * 4)) & 0xF).to(tl.float32)
+            hi = ((lut >> (((q >> 4) & 7) * 4)) & 0xF).to(tl.float32)
+        lo = lo * sc
+        hi = hi * sc
+        lo = tl.where((q & 0x8) != 0, -lo, lo)
+        hi = tl.where((q & 0x80) != 0, -hi, hi)
+        return lo, hi
+
+    @triton.jit
+    def _dot(a, b, acc, F32: tl.constexpr):
+        if F32:
+            return tl.dot(a.to(tl.float32), b.to(tl.float32), acc, input_precision="ieee")
+        else:
+            return tl.dot(a.to(tl.bfloat16), b.to(tl.bfloat16), acc)
+
+    @triton.jit
+    def _packed_gemm_kernel(a_ptr, as_ptr, r_ptr, b_ptr, bs_ptr, c_ptr, M, N, KH, stride_am, stride_asm,
+                            stride_rm, stride_bn, stride_bsn, stride_cm, FMT: tl.constexpr,
+                            A_PACKED: tl.constexpr, HAS_RES: tl.constexpr, SPLIT_K: tl.constexpr,
+                            F32: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr, BKH: tl.constexpr,
+                            GROUP_M: tl.constexpr):
+        pid = tl.program_id(0)
+        pid_k = tl.program_id(1)
+        num_m = tl.cdiv(M, BM)
+        num_n = tl.cdiv(N, BN)
+        group = GROUP_M * num_n
+        gid = pid // group
+        first_m = gid * GROUP_M
+        gsize = tl.minimum(num_m - first_m, GROUP_M)
+        pid_m = first_m + ((pid % group) % gsize)
+        pid_n = (pid % group) // gsize
+        offs_m = pid_m * BM + tl.arange(0, BM)
+        offs_n = pid_n * BN + tl.arange(0, BN)
+        mmask = offs_m < M
+        nmask = offs_n < N
+        acc = tl.zeros((BM, BN), dtype=tl.float32)
+        for j0 in range(pid_k * BKH, KH, SPLIT_K * BKH):
+            j = j0 + tl.arange(0, BKH)  # BKH == 32: one HiF4 unit / two MXFP4 blocks per row
+            jm = j < KH
+            qb = tl.load(b_ptr + offs_n[:, None] * stride_bn + j[None, :], mask=nmask[:, None] & jm[None, :],
+                         other=0)
+            blo, bhi = _deq_bytes(qb, bs_ptr, offs_n, nmask, j0, j, stride_bsn, FMT)
+            blo = tl.trans(blo)
+            bhi = tl.trans(bhi)
+            amask = mmask[:, None] & jm[None, :]
+            if A_PACKED:
+                qa = tl.load(a_ptr + offs_m[:, None] * stride_am + j[None, :], mask=amask, other=0)
+                alo, ahi = _deq_bytes(qa, as_ptr, offs_m, mmask, j0, j, stride_asm, FMT)
+            else:
+                alo = tl.load(a_ptr + offs_m[:, None] * stride_am + 2 * j[None, :], mask=amask, other=0.0)
+                ahi = tl.load(a_ptr + offs_m[:, None] * stride_am + 2 * j[None, :] + 1, mask=amask, other=0.0)
+            acc = _dot(alo, blo, acc, F32)
+            acc = _dot(ahi, bhi, acc, F32)
+            if HAS_RES:
+                rlo = tl.load(r_ptr + offs_m[:, None] * stride_rm + 2 * j[None, :], mask=amask, other=0.0)
+                rhi = tl.load(r_ptr + offs_m[:, None] * stride_rm + 2 * j[None, :] + 1, mask=amask, other=0.0)
+                acc = _dot(rlo, blo, acc, F32)
+                acc = _dot(rhi, bhi, acc, F32)
+        cptr = c_ptr + offs_m[:, None] * stride_cm + offs_n[None, :]
+        cmask = mmask[:, None] & nmask[None, :]
+        if SPLIT_K > 1:
+            tl.atomic_add(cptr, acc, mask=cmask)
+        else:
+            tl.store(cptr, acc.to(c_ptr.dtype.element_ty), mask=cmask)
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# Host wrappers
+# ----------------------------------------------------------------------------------------------------------------
+def _sm_count(device) -> int:
+    if device.type != "cuda":
+        return 4
+    return torch.cuda.get_device_properties(device).multi_processor_count
+
+
+def mm_expanded(a: Expanded, b: Expanded, a_res: Optional[Expanded] = None,
+                out_dtype: torch.dtype = torch.float32, promote: int = 0,
+                config: Optional[dict] = None) -> torch.Tensor:
+    """``(a [+ a_res along K]) @ b^T`` of expanded operands with one plain tensor-core GEMM (no row fallback).
+
+    With ``a_res`` the product is the concatenated-K form [a | a_res] . [b | b]^T, reading each b tile once.
+    FP8 operands carry row exponents; ``a_res`` must then share ``a``'s row exponents (the fused ResQ quantizer
+    writes them so). ``config`` (BM, BN, num_warps, num_stages) skips autotuning. ``promote`` (FP8 only): add
+    the tensor cores' partial sums into an fp32 accumulator every ``promote`` K-elements (0: Hopper's default
+    FP8 accumulation, about 2^-13 relative to the largest partial product; see docs/PERFORMANCE.md).
+    """
+    av, bv = a.values, b.values
+    M, K = av.shape
+    N = bv.shape[0]
+    if bv.shape[1] != K:
+        raise ValueError(f"mm_expanded: K differs: {tuple(av.shape)} vs {tuple(bv.shape)}")
+    fp8 = av.dtype == torch.float8_e5m2
+    c = torch.empty((M, N), dtype=out_dtype, device=av.device)
+    has_scale = a.row_exp is not None or b.row_exp is not None
+    sa = a.row_exp if a.row_exp is not None else torch.zeros(M, dtype=torch.int32, device=av.device)
+    sb = b.row_exp if b.row_exp is not None else torch.zeros(N, dtype=torch.int32, device=av.device)
+    rv = a_res.values if a_res is not None else av
+    ieee = interpreting()
+    if ieee and av.dtype != torch.float32:  # the interpreter cannot dot bf16/fp8: same values in fp32
+        av, bv, rv = av.float(), bv.float(), rv.float()
+    BK = 128 if fp8 else 64
+    precise_acc = promote if (fp8 and not ieee) else 0
+    even_k = K % BK == 0
+    args = (av, rv, bv, c, sa, sb, M, N, K, av.stride(0), rv.stride(0), bv.stride(0), c.stride(0))
+    kw = dict(HAS_RES=a_res is not None, HAS_SCALE=has_scale, PRECISE_ACC=precise_acc, IEEE=ieee, EVEN_K=even_k)
+    if config is not None or ieee:
+        cfg = config or {"BM": 32, "BN": 32, "num_warps": 4, "num_stages": 1}
+        bk = 32 if ieee else BK
+        kw["EVEN_K"] = K % bk == 0
+        grid = (cdiv(M, cfg["BM"]) * cdiv(N, cfg["BN"]),)
+        _gemm_kernel_fixed[grid](*args, **kw, BM=cfg["BM"], BN=cfg["BN"], BK=bk, GROUP_M=8,
+                                 num_warps=cfg["num_warps"], num_stages=cfg["num_stages"])
+    else:
+        grid = lambda meta: (cdiv(M, meta["BM"]) * cdiv(N, meta["BN"]),)  # noqa: E731
+        (_gemm_kernel_fp8 if fp8 else _gemm_kernel_bf16)[grid](*args, **kw)
+    return c
+
+
+def dequantize_rows(qt: QuantizedTensor, rows: torch.Tensor) -> torch.Tensor:
+    """fp32 [len(rows), K_pad] values of the selected rows of a 2-D row-quantized QuantizedTensor (PyTorch)."""
+    f = qt.fmt
+    codes2 = qt.codes.reshape(-1, qt.codes.shape[-1])[rows]
+    nblk = codes2.shape[1] * 2 // f.block_size
+    codes = unpack_nibbles(codes2).reshape(codes2.shape[0], nblk, f.block_size)
+    scales = qt.scales.reshape(-1, nblk, f.scale_bytes)[rows]
+    return f._decode(codes, scales, qt.global_scale).reshape(codes2.shape[0], -1)
+
+
+def _fix_rows(out: torch.Tensor, qa, ea: Expanded, qb, eb: Expanded, qr=None) -> torch.Tensor:
+    """Recompute exactly (fp32, PyTorch) the output rows/columns whose FP8 expansion was flagged inexact."""
+    bad_a = (~ea.row_ok).nonzero().flatten() if ea.row_ok is not None else None
+    bad_b = (~eb.row_ok).nonzero().flatten() if eb.row_ok is not None else None
+    if bad_a is not None and bad_a.numel():
+        a_rows = dequantize_rows(qa, bad_a)
+        if qr is not None:
+            a_rows = torch.cat([a_rows, dequantize_rows(qr, bad_a)], 1)
+        b_all = dequantize_rows(qb, torch.arange(qb.codes.reshape(-1, qb.codes.shape[-1]).shape[0],
+                                                 device=out.device))
+        if qr is not None:
+            b_all = torch.cat([b_all, b_all], 1)
+        out[bad_a] = (a_rows @ b_all.t()).to(out.dtype)
+    if bad_b is not None and bad_b.numel():
+        all_a = torch.arange(qa.codes.reshape(-1, qa.codes.shape[-1]).shape[0], device=out.device)
+        a_all = dequantize_rows(qa, all_a)
+        b_rows = dequantize_rows(qb, bad_b)
+        if qr is not None:
+            a_all = torch.cat([a_all, dequantize_rows(qr, all_a)], 1)
+            b_rows = torch.cat([b_rows, b_rows], 1)
+        out[:, bad_b] = (a_all @ b_rows.t()).to(out.dtype)
+    return out
+
+
+def fp4_matmul(qa: QuantizedTensor, ea: Expanded, qb: QuantizedTensor, eb: Expanded,
+               qr: Optional[QuantizedTensor] = None, er: Optional[Expanded] = None,
+               out_dtype: torch.dtype = torch.float32, promote: int = 0, check_rows: bool = True
+               ) -> torch.Tensor:
+    """Exact ``Q(a) [+ S(Q(r))] @ Q(b)^T`` from packed + expanded operands (fallback rows handled).
+
+    ``check_rows=False`` skips the host check of the FP8 row flags (no device sync); use it only where the
+    flags are known to be all true.
+    """
+    out = mm_expanded(ea, eb, er, out_dtype=out_dtype, promote=promote)
+    if check_rows and (ea.row_ok is not None or eb.row_ok is not None):
+        bad = False
+        if ea.row_ok is not None:
+            bad = bad or not bool(ea.row_ok.all())
+        if eb.row_ok is not None:
+            bad = bad or not bool(eb.row_ok.all())
+        if bad:
+            out = _fix_rows(out, qa, ea, qb, eb, qr)
+    return out
+
+
+def _scale_arg(qt: QuantizedTensor) -> torch.Tensor:
+    s = qt.scales.reshape(-1, qt.scales.shape[-2] * 4 if qt.fmt.name == "hif4" else qt.scales.shape[-1])
+    return s.view(torch.int32) if qt.fmt.name == "hif4" else s
+
+
+def _fmt_id(qt: QuantizedTensor) -> int:
+    return 0 if qt.fmt.name == "hif4" else 1
+
+
+def packed_matmul(qa: QuantizedTensor, qb: QuantizedTensor, out_dtype: torch.dtype = torch.float32,
+                  config: Optional[dict] = None) -> torch.Tensor:
+    """``Q(a) @ Q(b)^T`` reading both packed operands and dequantizing them to BF16 inside the GEMM (exact)."""
+    if qa.fmt.name != qb.fmt.name:
+        raise ValueError(f"packed_matmul: formats differ ({qa.fmt.name}, {qb.fmt.name})")
+    a = qa.codes.reshape(-1, qa.codes.shape[-1])
+    b = qb.codes.reshape(-1, qb.codes.shape[-1])
+    M, KH = a.shape
+    N = b.shape[0]
+    sa, sb = _scale_arg(qa), _scale_arg(qb)
+    c = torch.empty((M, N), dtype=out_dtype, device=a.device)
+    f32 = interpreting()
+    cfg = config or ({"BM": 16, "BN": 16, "BKH": 32, "num_warps": 4, "num_stages": 1} if f32 else
+                     {"BM": 128, "BN": 128, "BKH": 32, "num_warps": 8, "num_stages": 3})
+    grid = (cdiv(M, cfg["BM"]) * cdiv(N, cfg["BN"]), 1)
+    _packed_gemm_kernel[grid](a, sa, a, b, sb, c, M, N, KH, a.stride(0), sa.stride(0), a.stride(0), b.stride(0),
+                              sb.stride(0), c.stride(0), FMT=_fmt_id(qa), A_PACKED=True, HAS_RES=False, SPLIT_K=1,
+                              F32=f32, BM=cfg["BM"], BN=cfg["BN"], BKH=cfg["BKH"], GROUP_M=8,
+                              num_warps=cfg["num_warps"], num_stages=cfg["num_stages"])
+    return c
+
+
+def w4_matmul(a: torch.Tensor, qb: QuantizedTensor, a_res: Optional[torch.Tensor] = None,
+              config: Optional[dict] = None) -> torch.Tensor:
+    """fp32 ``(a [+ a_res along K]) @ Q(b)^T`` for BF16 ``a [M, K_pad]`` and packed weights (W4A16 / decode).
+
+    Each weight tile is read once and dequantized in registers; the optional residual activation (ResQ)
+    multiplies the same dequantized tile. Split-K with fp32 atomics fills the GPU at small M.
+    """
+    b = qb.codes.reshape(-1, qb.codes.shape[-1])
+    N, KH = b.shape
+    M = a.shape[0]
+    if a.shape[1] != 2 * KH:
+        raise ValueError(f"w4_matmul: activation K {a.shape[1]} != weight K_pad {2 * KH}")
+    sb = _scale_arg(qb)
+    f32 = interpreting()
+    if f32:
+        a = a.float()
+        a_res = a_res.float() if a_res is not None else None
+    r = a_res if a_res is not None else a
+    if config is None:
+        if f32:
+            config = {"BM": 16, "BN": 16, "BKH": 32, "num_warps": 4, "num_stages": 1}
+        else:
+            bm = 16 if M <= 16 else (32 if M <= 32 else 64)
+            config = {"BM": bm, "BN": 64, "BKH": 32, "num_warps": 4, "num_stages": 4}
+    tiles = cdiv(M, config["BM"]) * cdiv(N, config["BN"])
+    ksteps = cdiv(KH, config["BKH"])
+    split = config.get("SPLIT_K") or max(1, min(ksteps, (2 * _sm_count(a.device)) // max(tiles, 1)))
+    c = (torch.zeros if split > 1 else torch.empty)((M, N), dtype=torch.float32, device=a.device)
+    grid = (tiles, split)
+    _packed_gemm_kernel[grid](a, a, r, b, sb, c, M, N, KH, a.stride(0), 0, r.stride(0), b.stride(0),
+                              sb.stride(0), c.stride(0), FMT=_fmt_id(qb), A_PACKED=False,
+                              HAS_RES=a_res is not None, SPLIT_K=split, F32=f32, BM=config["BM"],
+                              BN=config["BN"], BKH=config["BKH"], GROUP_M=8, num_warps=config["num_warps"],
+                              num_stages=config["num_stages"])
+    return c

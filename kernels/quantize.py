@@ -1,0 +1,380 @@
+"""Fused quantize+pack kernels for HiF4 and MXFP4 (SPEC §2), bit-exact with ``megatron_fp4.formats``.
+
+    qt = quantize(x, "hif4", dim=-1)                       # QuantizedTensor, same bytes as the reference
+    qt, ex = quantize(x, "mxfp4", dim=0, expand="native")   # + GEMM-ready operand (see :class:`Expanded`)
+
+Rows are the dimensions other than ``dim``; the kernel reads them through strides, so ``dim=0`` of a ``[K, n]``
+tensor (the wgrad/dgrad operands) needs no transpose copy. ``expand`` also writes the dequantized operand:
+"bf16" (exact for both formats) or "native" (HiF4: bf16; MXFP4: FP8 E5M2 relative to a power-of-two row scale
+2^row_exp, with ``row_ok`` false for rows whose blocks do not all fit E5M2's normal range; such rows must take
+an exact fallback, see ``kernels.gemm``). The PyTorch twin is ``Format.quantize``/``dequantize``.
+"""
+
+from __future__ import annotations
+
+from typing import NamedTuple, Optional
+
+import torch
+
+from kernels._common import HAS_TRITON, HIF4_RECIP, KERNEL_FORMATS, cdiv, interpreting, kernels_usable, tl, triton
+from megatron_fp4.formats import QuantizedTensor, get_format
+
+__all__ = ["Expanded", "quantize", "expand_packed", "EXPAND_MODES"]
+
+EXPAND_MODES = (None, "native", "bf16")
+
+
+class Expanded(NamedTuple):
+    """A dequantized GEMM operand ``[R, K_pad]``: value = values * 2^row_exp[r] (row_exp None means 0).
+
+    ``values`` is bfloat16 (exact for HiF4 and MXFP4) or float8_e5m2 (MXFP4 "native"); ``row_ok`` (bool [R], fp8
+    only) says which rows are exact in E5M2; rows where it is False hold no meaningful fp8 values.
+    """
+
+    values: torch.Tensor
+    row_exp: Optional[torch.Tensor] = None
+    row_ok: Optional[torch.Tensor] = None
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# Triton device code
+# ----------------------------------------------------------------------------------------------------------------
+if HAS_TRITON:
+
+    @triton.jit
+    def _bf16_rne(v):
+        """Round non-negative finite fp32 to bf16 (ties to even), result in fp32."""
+        b = v.to(tl.int32, bitcast=True)
+        b = (b + 0x7FFF + ((b >> 16) & 1)) & -65536
+        return b.to(tl.float32, bitcast=True)
+
+    @triton.jit
+    def _pow2(e):
+        """2^e as fp32 for integer tensors e in [-126, 127] (exact)."""
+        return ((e + 127) << 23).to(tl.float32, bitcast=True)
+
+    @triton.jit
+    def _bcast(v, BR: tl.constexpr, N: tl.constexpr, REP: tl.constexpr):
+        """[BR, N] -> [BR, N*REP], each value repeated REP times along the last dim."""
+        return tl.reshape(tl.broadcast_to(v[:, :, None], (BR, N, REP)), (BR, N * REP))
+
+    @triton.jit
+    def _hif4_tile(x, BR: tl.constexpr, BK: tl.constexpr, R1: tl.constexpr, R2: tl.constexpr,
+                   R3: tl.constexpr):
+        """HiF4 of an fp32 tile [BR, BK] (BK a multiple of 64): codes [BR,BK] int32, scale word [BR,BK/64] int32
+        (bytes: E6M2 code, E1_8, E1_16 lo, E1_16 hi), dequantized fp32 [BR,BK], bad-unit flag [BR,BK/64]."""
+        NU: tl.constexpr = BK // 64
+        G8: tl.constexpr = BK // 8
+        G16: tl.constexpr = BK // 4
+        xb = x.to(tl.int32, bitcast=True)
+        finite = (xb & 0x7F800000) != 0x7F800000
+        a = tl.where(finite, tl.abs(x), 0.0)
+        bad = tl.max(tl.reshape(tl.where(finite, 0, 1), (BR, NU, 64)), axis=2) > 0
+        v16 = tl.max(tl.reshape(a, (BR, G16, 4)), axis=2)
+        v8 = tl.max(tl.reshape(v16, (BR, G8, 2)), axis=2)
+        vmax = tl.max(tl.reshape(v8, (BR, NU, 8)), axis=2)
+        sf = _bf16_rne(vmax * 0.142578125)
+        sf = tl.minimum(tl.maximum(sf, 3.552713678800501e-15), 49152.0)
+        sb = sf.to(tl.int32, bitcast=True)
+        rb = (sb + 0xFFFFF + ((sb >> 21) & 1)) & -2097152  # RNE to 2 mantissa bits, carry into the exponent
+        e6m2 = rb.to(tl.float32, bitcast=True)
+        e = ((rb >> 23) & 0xFF) - 127
+        m2 = (rb >> 21) & 3
+        code = (e + 48) * 4 + m2
+        t = tl.where(m2 == 0, 1.0, tl.where(m2 == 1, R1, tl.where(m2 == 2, R2, R3)))
+        r = t * _pow2(-e)  # == bf16_rne(1 / E6M2)
+        e18 = (v8 * _bcast(r, BR, NU, 8)) >= 4.0  # [BR, G8]
+        e18x = _bcast(e18.to(tl.int32), BR, G8, 2)  # [BR, G16]
+        p16 = v16 * _bcast(r, BR, NU, 16)
+        e116 = tl.where(e18x != 0, p16 * 0.5, p16) >= 2.0
+        shift = e18x + e116.to(tl.int32)  # [BR, G16]
+        pw = tl.where(shift == 0, 4.0, tl.where(shift == 1, 2.0, 1.0))
+        m4 = (a * _bcast(r, BR, NU, 64)) * _bcast(pw, BR, G16, 4)
+        kf = tl.floor(m4)
+        kf = tl.where(m4 - kf >= 0.5, kf + 1.0, kf)
+        kf = tl.minimum(kf, 7.0)
+        k = kf.to(tl.int32)
+        sign = (xb >> 31) & 1
+        badx = _bcast(bad.to(tl.int32), BR, NU, 64) != 0
+        codes = tl.where(badx, 0, k | (sign << 3))
+        p2 = tl.where(shift == 0, 1.0, tl.where(shift == 1, 2.0, 4.0))
+        gs = e6m2[:, :, None] * tl.reshape(p2, (BR, NU, 16))  # E6M2 * 2^shift
+        gsx = _bcast(tl.reshape(gs * 0.25, (BR, G16)), BR, G16, 4)
+        val = kf * gsx
+        val = tl.where(sign != 0, -val, val)
+        val = tl.where(badx, float("nan"), val)
+        j8 = tl.arange(0, 8)[None, None, :]
+        j16 = tl.arange(0, 16)[None, None, :]
+        b8 = tl.sum(tl.reshape(e18.to(tl.int32), (BR, NU, 8)) << j8, axis=2)
+        b16 = tl.sum(tl.reshape(e116.to(tl.int32), (BR, NU, 16)) << j16, axis=2)
+        word = tl.where(bad, 0xFF, code | (b8 << 8) | (b16 << 16))
+        return codes, word, val, bad
+
+    @triton.jit
+    def _mx_x(amax, RCEIL: tl.constexpr):
+        """MXFP4 scale exponent X (int32, [-127, 127]) of non-negative finite block amax."""
+        ab = amax.to(tl.int32, bitcast=True)
+        eb = ab >> 23
+        X = eb - 129
+        if RCEIL:
+            X = X + ((ab & 0x7FFFFF) > 0x400000).to(tl.int32)
+        X = tl.where(eb == 0, -127, X)
+        return tl.minimum(tl.maximum(X, -127), 127)
+
+    @triton.jit
+    def _mx_tile(x, BR: tl.constexpr, BK: tl.constexpr, RCEIL: tl.constexpr):
+        """MXFP4 of an fp32 tile [BR, BK] (BK a multiple of 32): codes [BR,BK] int32, X [BR,BK/32] int32,
+        bad-block flag [BR,BK/32], dequantized fp32 [BR,BK]."""
+        NB: tl.constexpr = BK // 32
+        xb = x.to(tl.int32, bitcast=True)
+        finite = (xb & 0x7F800000) != 0x7F800000
+        a = tl.where(finite, tl.abs(x), 0.0)
+        bad = tl.max(tl.reshape(tl.where(finite, 0, 1), (BR, NB, 32)), axis=2) > 0
+        amax = tl.max(tl.reshape(a, (BR, NB, 32)), axis=2)
+        X = _mx_x(amax, RCEIL)
+        inv = ((127 - X) << 23).to(tl.float32, bitcast=True)  # 2^-X, X <= 126 for finite blocks
+        s = a * _bcast(inv, BR, NB, 32)
+        c = ((s > 0.25).to(tl.int32) + (s >= 0.75).to(tl.int32) + (s > 1.25).to(tl.int32)
+             + (s >= 1.75).to(tl.int32) + (s > 2.5).to(tl.int32) + (s >= 3.5).to(tl.int32)
+             + (s > 5.0).to(tl.int32))
+        sign = (xb >> 31) & 1
+        badx = _bcast(bad.to(tl.int32), BR, NB, 32) != 0
+        codes = tl.where(badx, 0, c | (sign << 3))
+        # value = (2 * e2m1) * 0.5 * 2^X; 2*e2m1 of code c is nibble c of 0xC8643210
+        v2 = ((tl.full(c.shape, -932957680, tl.int32) >> (c * 4)) & 0xF).to(tl.float32)
+        px = tl.where(X == -127, 5.877471754111438e-39, ((X + 127) << 23).to(tl.float32, bitcast=True))
+        val = (v2 * 0.5) * _bcast(px, BR, NB, 32)
+        val = tl.where(sign != 0, -val, val)
+        val = tl.where(badx, float("nan"), val)
+        return codes, X, bad, val
+
+    @triton.jit
+    def _mx_e5m2(codes, X, S, BR: tl.constexpr, BK: tl.constexpr):
+        """E5M2 bit patterns (int32) of MXFP4 codes relative to the row scale 2^S, and an all-exact flag [BR]."""
+        NB: tl.constexpr = BK // 32
+        mag = codes & 7
+        ee = mag >> 1
+        m = mag & 1
+        E = tl.where(ee == 0, -1, ee - 1) + _bcast(X, BR, NB, 32) - S[:, None]
+        field = E + 15
+        ok = (mag == 0) | ((field >= 1) & (field <= 30))
+        bits = ((codes & 8) << 4) | tl.where(mag == 0, 0, (field << 2) | tl.where(ee == 0, 0, m << 1))
+        return bits, tl.min(ok.to(tl.int32), axis=1)
+
+    @triton.jit
+    def _store_packed(codes_ptr, codes, rows, rmask, k0, KP, stride_cr, BR: tl.constexpr, BK: tl.constexpr):
+        lo, hi = tl.split(tl.reshape(codes, (BR, BK // 2, 2)))
+        byte = (lo | (hi << 4)).to(tl.uint8)
+        jc = k0 // 2 + tl.arange(0, BK // 2)
+        tl.store(codes_ptr + rows[:, None] * stride_cr + jc[None, :], byte,
+                 mask=rmask[:, None] & (jc[None, :] < KP // 2))
+
+    @triton.jit
+    def _load_x(x_ptr, rows, rmask, cols, K, stride_xr, stride_xk):
+        x = tl.load(x_ptr + rows[:, None] * stride_xr + cols[None, :] * stride_xk,
+                    mask=rmask[:, None] & (cols[None, :] < K), other=0.0)
+        return x.to(tl.float32)
+
+    @triton.jit
+    def _row_amax(x_ptr, rows, rmask, K, stride_xr, stride_xk, BR: tl.constexpr, BK: tl.constexpr):
+        am = tl.zeros((BR,), dtype=tl.float32)
+        for k0 in range(0, K, BK):
+            cols = k0 + tl.arange(0, BK)
+            x = _load_x(x_ptr, rows, rmask, cols, K, stride_xr, stride_xk)
+            xb = x.to(tl.int32, bitcast=True)
+            a = tl.where((xb & 0x7F800000) != 0x7F800000, tl.abs(x), 0.0)
+            am = tl.maximum(am, tl.max(a, axis=1))
+        return am
+
+    @triton.jit
+    def _hif4_quant_kernel(x_ptr, codes_ptr, scales_ptr, ex_ptr, R, K, KP, stride_xr, stride_xk, stride_cr,
+                           stride_sr, stride_er, EXPAND: tl.constexpr, BR: tl.constexpr, BK: tl.constexpr,
+                           R1: tl.constexpr, R2: tl.constexpr, R3: tl.constexpr):
+        rows = tl.program_id(0) * BR + tl.arange(0, BR)
+        rmask = rows < R
+        for k0 in range(0, KP, BK):
+            cols = k0 + tl.arange(0, BK)
+            x = _load_x(x_ptr, rows, rmask, cols, K, stride_xr, stride_xk)
+            codes, word, val, bad = _hif4_tile(x, BR, BK, R1, R2, R3)
+            _store_packed(codes_ptr, codes, rows, rmask, k0, KP, stride_cr, BR, BK)
+            ju = k0 // 64 + tl.arange(0, BK // 64)
+            tl.store(scales_ptr + rows[:, None] * stride_sr + ju[None, :], word,
+                     mask=rmask[:, None] & (ju[None, :] < KP // 64))
+            if EXPAND:
+                tl.store(ex_ptr + rows[:, None] * stride_er + cols[None, :], val.to(tl.bfloat16),
+                         mask=rmask[:, None] & (cols[None, :] < KP))
+
+    @triton.jit
+    def _mx_quant_kernel(x_ptr, codes_ptr, scales_ptr, ex_ptr, rexp_ptr, rok_ptr, R, K, KP, stride_xr,
+                         stride_xk, stride_cr, stride_sr, stride_er, RCEIL: tl.constexpr, EXPAND: tl.constexpr,
+                         BR: tl.constexpr, BK: tl.constexpr):
+        """EXPAND: 0 none, 1 E5M2 + row scale (two passes over x), 2 bf16."""
+        NB: tl.constexpr = BK // 32
+        rows = tl.program_id(0) * BR + tl.arange(0, BR)
+        rmask = rows < R
+        S = tl.zeros((BR,), dtype=tl.int32)
+        ok = tl.full((BR,), 1, dtype=tl.int32)
+        if EXPAND == 1:
+            am = _row_amax(x_ptr, rows, rmask, K, stride_xr, stride_xk, BR, BK)
+            S = tl.minimum(tl.maximum(_mx_x(am, RCEIL) - 13, -126), 127)
+        for k0 in range(0, KP, BK):
+            cols = k0 + tl.arange(0, BK)
+            x = _load_x(x_ptr, rows, rmask, cols, K, stride_xr, stride_xk)
+            codes, X, bad, val = _mx_tile(x, BR, BK, RCEIL)
+            _store_packed(codes_ptr, codes, rows, rmask, k0, KP, stride_cr, BR, BK)
+            jb = k0 // 32 + tl.arange(0, NB)
+            tl.store(scales_ptr + rows[:, None] * stride_sr + jb[None, :],
+                     tl.where(bad, 255, X + 127).to(tl.uint8), mask=rmask[:, None] & (jb[None, :] < KP // 32))
+            emask = rmask[:, None] & (cols[None, :] < KP)
+            if EXPAND == 1:
+                bits, okt = _mx_e5m2(codes, X, S, BR, BK)
+                badt = tl.max(bad.to(tl.int32), axis=1)
+                ok = ok & okt & (1 - badt)
+                tl.store(ex_ptr + rows[:, None] * stride_er + cols[None, :], bits.to(tl.uint8), mask=emask)
+            if EXPAND == 2:
+                tl.store(ex_ptr + rows[:, None] * stride_er + cols[None, :], val.to(tl.bfloat16), mask=emask)
+        if EXPAND == 1:
+            tl.store(rexp_ptr + rows, S, mask=rmask)
+            tl.store(rok_ptr + rows, ok.to(tl.int8), mask=rmask)
+
+
+    _ROW_CFGS = [(8, 256, 4), (16, 128, 4), (4, 512, 4), (16, 256, 8), (32, 64, 4), (2, 1024, 4)]
+    _COL_CFGS = [(64, 64, 4), (128, 64, 4), (256, 64, 8), (128, 128, 8), (32, 64, 2)]
+
+    def _qconfigs():
+        return [triton.Config({"BR": br, "BK": bk}, num_warps=w) for br, bk, w in _ROW_CFGS + _COL_CFGS]
+
+    def _prune(configs, named_args, **kwargs):
+        row_major = named_args["stride_xk"] == 1
+        want = _ROW_CFGS if row_major else _COL_CFGS
+        keep = [c for c in configs if (c.kwargs["BR"], c.kwargs["BK"], c.num_warps) in want]
+        return keep or configs
+
+    _TUNE = dict(configs=_qconfigs(), key=["K", "KP", "stride_xk", "EXPAND"],
+                 prune_configs_by={"early_config_prune": _prune})
+    _hif4_quant_tuned = triton.autotune(**_TUNE)(_hif4_quant_kernel)
+    _mx_quant_tuned = triton.autotune(**_TUNE)(_mx_quant_kernel)
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# Host wrappers
+# ----------------------------------------------------------------------------------------------------------------
+def _rows_view(x: torch.Tensor, dim: int):
+    """2-D strided view [rows, K] of x with ``dim`` last (no copy for 2-D inputs), plus outer shape."""
+    xm = x.movedim(dim, -1)
+    outer = xm.shape[:-1]
+    k = xm.shape[-1]
+    if xm.dim() != 2:
+        xm = xm.reshape(-1, k)
+    return xm, outer, k
+
+
+def _block_config(fmt_name: str, x2: torch.Tensor):
+    transposed = x2.stride(1) != 1 and x2.stride(0) == 1
+    if transposed:
+        return (64, 64, 4) if fmt_name == "hif4" else (64, 64, 4)
+    return (8, 256, 4)
+
+
+def quantize(x: torch.Tensor, fmt, dim: int = -1, expand: Optional[str] = None,
+             config: Optional[tuple] = None):
+    """Quantize+pack ``x`` along ``dim`` with the Triton kernel (bit-exact with ``fmt.quantize``).
+
+    Returns a QuantizedTensor, or ``(QuantizedTensor, Expanded)`` when ``expand`` is "native" or "bf16".
+    Falls back to the PyTorch reference where the kernels cannot run (no Triton, no GPU, other formats).
+    ``config`` = (rows per program, K per step, warps) skips autotuning (small inputs use a fixed one).
+    """
+    f = get_format(fmt)
+    if expand not in EXPAND_MODES:
+        raise ValueError(f"expand={expand!r} is not valid; allowed values: None, 'native', 'bf16'")
+    if x.dim() == 0:
+        raise ValueError("cannot quantize a 0-d tensor along a dimension")
+    dim = dim % x.dim()
+    if f.name not in KERNEL_FORMATS or not kernels_usable(x) or x.numel() == 0:
+        return _reference_quantize(x, f, dim, expand)
+    x2, outer, k = _rows_view(x, dim)
+    R = x2.shape[0]
+    bs = f.block_size
+    kp = cdiv(k, bs) * bs
+    nblk = kp // bs
+    dev = x.device
+    codes = torch.empty((R, kp // 2), dtype=torch.uint8, device=dev)
+    BR, BK, warps = config or _block_config(f.name, x2)
+    fixed = config is not None or interpreting() or R * k < (1 << 16)
+    grid = (cdiv(R, BR),)
+    tgrid = lambda meta: (cdiv(R, meta["BR"]),)  # noqa: E731
+    ex = None
+    if f.name == "hif4":
+        scales = torch.empty((R, nblk, 4), dtype=torch.uint8, device=dev)
+        if expand:
+            ex = Expanded(torch.empty((R, kp), dtype=torch.bfloat16, device=dev))
+        exv = ex.values if ex is not None else codes
+        args = (x2, codes, scales.view(torch.int32), exv, R, k, kp, x2.stride(0), x2.stride(1), codes.stride(0),
+                nblk, exv.stride(0))
+        kw = dict(EXPAND=bool(expand), R1=HIF4_RECIP[1], R2=HIF4_RECIP[2], R3=HIF4_RECIP[3])
+        if fixed:
+            _hif4_quant_kernel[grid](*args, **kw, BR=BR, BK=BK, num_warps=warps)
+        else:
+            _hif4_quant_tuned[tgrid](*args, **kw)
+        scales_out = scales.reshape(*outer, nblk, 4)
+    else:
+        scales = torch.empty((R, nblk), dtype=torch.uint8, device=dev)
+        mode = {None: 0, "native": 1, "bf16": 2}[expand]
+        rexp = rok = None
+        if mode == 1:
+            ex = Expanded(torch.empty((R, kp), dtype=torch.uint8, device=dev),
+                          torch.empty((R,), dtype=torch.int32, device=dev),
+                          torch.empty((R,), dtype=torch.int8, device=dev))
+            rexp, rok = ex.row_exp, ex.row_ok
+        elif mode == 2:
+            ex = Expanded(torch.empty((R, kp), dtype=torch.bfloat16, device=dev))
+        exv = ex.values if ex is not None else codes
+        rexp = rexp if rexp is not None else scales
+        rok = rok if rok is not None else scales
+        args = (x2, codes, scales, exv, rexp, rok, R, k, kp, x2.stride(0), x2.stride(1), codes.stride(0),
+                scales.stride(0), exv.stride(0))
+        kw = dict(RCEIL=f.name == "mxfp4_rceil", EXPAND=mode)
+        if fixed:
+            _mx_quant_kernel[grid](*args, **kw, BR=BR, BK=BK, num_warps=warps)
+        else:
+            _mx_quant_tuned[tgrid](*args, **kw)
+        if mode == 1:
+            ex = Expanded(ex.values.view(torch.float8_e5m2), ex.row_exp, ex.row_ok.bool())
+        scales_out = scales.reshape(*outer, nblk)
+    qt = QuantizedTensor(fmt=f, codes=codes.reshape(*outer, kp // 2), scales=scales_out, shape=x.shape, dim=dim,
+                         dtype=x.dtype)
+    return (qt, ex) if expand else qt
+
+
+def _reference_quantize(x: torch.Tensor, f, dim: int, expand: Optional[str]):
+    """PyTorch twin of :func:`quantize` (the formats reference plus a torch expansion)."""
+    qt = f.quantize(x, dim=dim)
+    if not expand:
+        return qt
+    return qt, expand_packed(qt, expand)
+
+
+def expand_packed(qt: QuantizedTensor, mode: str = "native") -> Expanded:
+    """GEMM-ready operand [rows, K_pad] of a packed QuantizedTensor (PyTorch; used once per weight update)."""
+    f = qt.fmt
+    rows = qt.codes.reshape(-1, qt.codes.shape[-1])
+    from megatron_fp4.formats.packing import unpack_nibbles
+
+    nblk = rows.shape[1] * 2 // f.block_size
+    codes = unpack_nibbles(rows).reshape(rows.shape[0], nblk, f.block_size)
+    scales = qt.scales.reshape(rows.shape[0], nblk, f.scale_bytes)
+    vals = f._decode(codes, scales, qt.global_scale).reshape(rows.shape[0], -1)  # fp32, exact
+    if mode == "bf16" or f.name == "hif4":
+        return Expanded(vals.to(torch.bfloat16))
+    # MXFP4 native: E5M2 relative to 2^S with S = clamp(max X - 13, -126, 127)
+    X = scales[..., 0].to(torch.int32) - 127
+    bad = scales[..., 0] == 255
+    xmax = torch.where(bad, torch.full_like(X, -127), X).amax(-1)
+    S = (xmax - 13).clamp(-126, 127)
+    scaled = vals * torch.exp2(-S.to(torch.float32))[:, None]
+    f8 = scaled.to(torch.float8_e5m2)
+    exact = (f8.to(torch.float32) == scaled) | (scaled == 0)
+    # also require normal range (matches the kernel's check): |v| >= 2^-14 for nonzero values
+    exact &= (scaled.abs() >= 2.0 ** -14) | (scaled == 0)
+    ok = exact.all(-1) & ~bad.any(-1)
+    return Expanded(f8, S.to(torch.int32), ok)

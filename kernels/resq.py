@@ -1,0 +1,238 @@
+"""Fused Rollout-ResQ kernels (SPEC §4): one pass quantizes X, forms R = X - deq(Q(X)), quantizes R, keeps the
+2 largest of every 4 along K (ties: lower index) and packs both; the GEMM adds S(Q(R)) Q(W)^T to the main product
+reading each Q(W) tile once (concatenated-K form). PyTorch twin: ``megatron_fp4.resq.resq_components``.
+
+    q, s, eq, es = resq_quantize(x, "hif4", expand="native")      # packed Q(X), packed S(Q(R)), GEMM operands
+    y = resq_linear(x, weight, expanded_weight)                     # decode (M <= 64) or pre-expanded GEMM
+"""
+
+from __future__ import annotations
+
+from typing import Optional
+
+import torch
+
+from kernels._common import HAS_TRITON, HIF4_RECIP, KERNEL_FORMATS, cdiv, interpreting, kernels_usable, tl, triton
+from kernels.quantize import Expanded, _rows_view, expand_packed
+from megatron_fp4.formats import QuantizedTensor, get_format
+
+__all__ = ["resq_quantize", "resq_matmul", "DECODE_MAX_M"]
+
+#: At or below this many tokens the GEMMs read packed weights (memory-bound decode).
+DECODE_MAX_M = 64
+
+if HAS_TRITON:
+    from kernels.quantize import (_bcast, _hif4_tile, _load_x, _mx_e5m2, _mx_tile, _mx_x,  # noqa: F401
+                                  _store_packed)
+
+    @triton.jit
+    def _keep24(m, BR: tl.constexpr, BK: tl.constexpr):
+        """Keep mask (int32 [BR, BK]) of the 2 largest of every 4 consecutive magnitudes (ties: lower index)."""
+        a, b = tl.split(tl.reshape(m, (BR, BK // 4, 2, 2)))
+        m0, m2 = tl.split(a)
+        m1, m3 = tl.split(b)
+        k0 = (m1 > m0).to(tl.int32) + (m2 > m0).to(tl.int32) + (m3 > m0).to(tl.int32)
+        k1 = (m0 >= m1).to(tl.int32) + (m2 > m1).to(tl.int32) + (m3 > m1).to(tl.int32)
+        k2 = (m0 >= m2).to(tl.int32) + (m1 >= m2).to(tl.int32) + (m3 > m2).to(tl.int32)
+        k3 = (m0 >= m3).to(tl.int32) + (m1 >= m3).to(tl.int32) + (m2 >= m3).to(tl.int32)
+        ka = tl.join((k0 < 2).to(tl.int32), (k2 < 2).to(tl.int32))
+        kb = tl.join((k1 < 2).to(tl.int32), (k3 < 2).to(tl.int32))
+        return tl.reshape(tl.join(ka, kb), (BR, BK))
+
+    @triton.jit
+    def _resq_tiles(x, FMT: tl.constexpr, BR: tl.constexpr, BK: tl.constexpr, R1: tl.constexpr,
+                    R2: tl.constexpr, R3: tl.constexpr):
+        if FMT == 0:
+            codes, word, val, bad = _hif4_tile(x, BR, BK, R1, R2, R3)
+            rcodes, rword, rval, rbad = _hif4_tile(x - val, BR, BK, R1, R2, R3)
+            badx = _bcast(rbad.to(tl.int32), BR, BK // 64, 64)
+            X = word
+            RX = rword
+        else:
+            codes, X, bad, val = _mx_tile(x, BR, BK, FMT == 2)
+            rcodes, RX, rbad, rval = _mx_tile(x - val, BR, BK, FMT == 2)
+            badx = _bcast(rbad.to(tl.int32), BR, BK // 32, 32)
+        keep = (_keep24(rcodes & 7, BR, BK) | badx) != 0
+        rcodes = tl.where(keep, rcodes, 0)
+        rval = tl.where(keep, rval, 0.0)
+        return codes, X, bad, val, rcodes, RX, rbad, rval
+
+    @triton.jit
+    def _resq_kernel(x_ptr, qc_ptr, qs_ptr, rc_ptr, rs_ptr, ex_ptr, exr_ptr, rexp_ptr, rok_ptr, R, K, KP,
+                     stride_xr, stride_xk, stride_cr, stride_sr, stride_er, FMT: tl.constexpr,
+                     EXPAND: tl.constexpr, BR: tl.constexpr, BK: tl.constexpr, R1: tl.constexpr,
+                     R2: tl.constexpr, R3: tl.constexpr):
+        """FMT 0 hif4, 1 mxfp4, 2 mxfp4_rceil. EXPAND 0 none, 1 native (HiF4 bf16, MXFP4 E5M2 + shared row
+        scale), 2 bf16."""
+        BLK: tl.constexpr = 64 if FMT == 0 else 32
+        NB: tl.constexpr = BK // BLK
+        rows = tl.program_id(0) * BR + tl.arange(0, BR)
+        rmask = rows < R
+        S = tl.zeros((BR,), dtype=tl.int32)
+        ok = tl.full((BR,), 1, dtype=tl.int32)
+        if FMT != 0 and EXPAND == 1:  # pass 1: the row scale covers both Q(X) and the residual
+            am = tl.zeros((BR,), dtype=tl.float32)
+            for k0 in range(0, KP, BK):
+                cols = k0 + tl.arange(0, BK)
+                x = _load_x(x_ptr, rows, rmask, cols, K, stride_xr, stride_xk)
+                codes, X, bad, val = _mx_tile(x, BR, BK, FMT == 2)
+                rr = x - val
+                rb = rr.to(tl.int32, bitcast=True)
+                ra = tl.where((rb & 0x7F800000) != 0x7F800000, tl.abs(rr), 0.0)
+                xb = x.to(tl.int32, bitcast=True)
+                xa = tl.where((xb & 0x7F800000) != 0x7F800000, tl.abs(x), 0.0)
+                am = tl.maximum(am, tl.max(tl.maximum(xa, ra), axis=1))
+            S = tl.minimum(tl.maximum(_mx_x(am, FMT == 2) - 13, -126), 127)
+        for k0 in range(0, KP, BK):
+            cols = k0 + tl.arange(0, BK)
+            x = _load_x(x_ptr, rows, rmask, cols, K, stride_xr, stride_xk)
+            codes, X, bad, val, rcodes, RX, rbad, rval = _resq_tiles(x, FMT, BR, BK, R1, R2, R3)
+            _store_packed(qc_ptr, codes, rows, rmask, k0, KP, stride_cr, BR, BK)
+            _store_packed(rc_ptr, rcodes, rows, rmask, k0, KP, stride_cr, BR, BK)
+            jb = k0 // BLK + tl.arange(0, NB)
+            smask = rmask[:, None] & (jb[None, :] < KP // BLK)
+            sptr = rows[:, None] * stride_sr + jb[None, :]
+            if FMT == 0:
+                tl.store(qs_ptr + sptr, X, mask=smask)
+                tl.store(rs_ptr + sptr, RX, mask=smask)
+            else:
+                tl.store(qs_ptr + sptr, tl.where(bad, 255, X + 127).to(tl.uint8), mask=smask)
+                tl.store(rs_ptr + sptr, tl.where(rbad, 255, RX + 127).to(tl.uint8), mask=smask)
+            emask = rmask[:, None] & (cols[None, :] < KP)
+            eptr = rows[:, None] * stride_er + cols[None, :]
+            if EXPAND == 2 or (EXPAND == 1 and FMT == 0):
+                tl.store(ex_ptr + eptr, val.to(tl.bfloat16), mask=emask)
+                tl.store(exr_ptr + eptr, rval.to(tl.bfloat16), mask=emask)
+            if EXPAND == 1 and FMT != 0:
+                bits, okt = _mx_e5m2(codes, X, S, BR, BK)
+                rbits, rokt = _mx_e5m2(rcodes, RX, S, BR, BK)
+                badt = tl.max(bad.to(tl.int32), axis=1) | tl.max(rbad.to(tl.int32), axis=1)
+                ok = ok & okt & rokt & (1 - badt)
+                tl.store(ex_ptr + eptr, bits.to(tl.uint8), mask=emask)
+                tl.store(exr_ptr + eptr, rbits.to(tl.uint8), mask=emask)
+        if FMT != 0 and EXPAND == 1:
+            tl.store(rexp_ptr + rows, S, mask=rmask)
+            tl.store(rok_ptr + rows, ok.to(tl.int8), mask=rmask)
+
+
+if HAS_TRITON:
+    from kernels.quantize import _TUNE
+
+    _resq_tuned = triton.autotune(**{**_TUNE, "key": _TUNE["key"] + ["FMT"]})(_resq_kernel)
+
+
+def _reference_resq_quantize(x: torch.Tensor, f, expand: Optional[str]):
+    """PyTorch twin: Q(X) and S(Q(R)) as packed tensors (2:4 zeroes dropped codes), plus expansions."""
+    from megatron_fp4.resq import _two_of_four_mask
+
+    q = f.quantize(x, dim=-1)
+    xq = q.dequantize().float()
+    rq = f.quantize(x.float() - xq, dim=-1)
+    from megatron_fp4.formats.packing import pack_nibbles, unpack_nibbles
+
+    codes = unpack_nibbles(rq.codes.reshape(-1, rq.codes.shape[-1]))
+    mag = (codes & 7).reshape(codes.shape[0], -1, 4).float()
+    keep = _two_of_four_mask(mag).reshape(codes.shape)
+    codes = torch.where(keep, codes, torch.zeros_like(codes))
+    rq = QuantizedTensor(f, pack_nibbles(codes).reshape(rq.codes.shape), rq.scales, rq.shape, rq.dim, rq.dtype)
+    if not expand:
+        return q, rq, None, None
+    eq, er = expand_packed(q, expand), expand_packed(rq, expand)
+    if eq.row_exp is not None:  # share one row scale (as the kernel does): recompute both relative to it
+        S = torch.maximum(eq.row_exp, er.row_exp)
+        eq = _rescale(q, S)
+        er = _rescale(rq, S)
+    return q, rq, eq, er
+
+
+def _rescale(qt: QuantizedTensor, S: torch.Tensor) -> Expanded:
+    from kernels.gemm import dequantize_rows
+
+    rows = torch.arange(S.numel(), device=S.device)
+    vals = dequantize_rows(qt, rows)
+    scaled = vals * torch.exp2(-S.float())[:, None]
+    f8 = scaled.to(torch.float8_e5m2)
+    ok = (((f8.float() == scaled) & (scaled.abs() >= 2.0 ** -14)) | (scaled == 0)).all(-1)
+    return Expanded(f8, S, ok)
+
+
+def resq_quantize(x: torch.Tensor, fmt, expand: Optional[str] = None):
+    """Fused Rollout-ResQ quantization of ``x [..., K]`` along K with 2:4 sparsity of the quantized residual.
+
+    Returns ``(Q(X), S(Q(R)), expanded Q(X), expanded S(Q(R)))`` (the last two None without ``expand``); the
+    residual's dropped elements have code 0. With ``expand="native"`` and MXFP4, both expansions share one row
+    scale so that the GEMM can add them in one accumulator.
+    """
+    f = get_format(fmt)
+    if expand not in (None, "native", "bf16"):
+        raise ValueError(f"expand={expand!r} is not valid; allowed values: None, 'native', 'bf16'")
+    if f.name not in KERNEL_FORMATS or not kernels_usable(x) or x.numel() == 0:
+        return _reference_resq_quantize(x, f, expand)
+    x2, outer, k = _rows_view(x, x.dim() - 1)
+    R = x2.shape[0]
+    bs = f.block_size
+    kp = cdiv(k, bs) * bs
+    nblk = kp // bs
+    dev = x.device
+    qc = torch.empty((R, kp // 2), dtype=torch.uint8, device=dev)
+    rc = torch.empty_like(qc)
+    if f.name == "hif4":
+        qs = torch.empty((R, nblk, 4), dtype=torch.uint8, device=dev)
+        rs = torch.empty_like(qs)
+        qs_arg, rs_arg = qs.view(torch.int32), rs.view(torch.int32)
+        fmt_id = 0
+    else:
+        qs = torch.empty((R, nblk), dtype=torch.uint8, device=dev)
+        rs = torch.empty_like(qs)
+        qs_arg, rs_arg = qs, rs
+        fmt_id = 1 if f.name == "mxfp4" else 2
+    mode = {None: 0, "native": 1, "bf16": 2}[expand]
+    rexp = rok = None
+    if mode == 0:
+        ex = exr = qc
+    elif mode == 1 and fmt_id != 0:
+        ex = torch.empty((R, kp), dtype=torch.uint8, device=dev)
+        exr = torch.empty_like(ex)
+        rexp = torch.empty((R,), dtype=torch.int32, device=dev)
+        rok = torch.empty((R,), dtype=torch.int8, device=dev)
+    else:
+        ex = torch.empty((R, kp), dtype=torch.bfloat16, device=dev)
+        exr = torch.empty_like(ex)
+    BR, BK, warps = (8, 256, 4) if x2.stride(1) == 1 else (64, 64, 4)
+    args = (x2, qc, qs_arg, rc, rs_arg, ex, exr, rexp if rexp is not None else qc, rok if rok is not None else qc, R,
+            k, kp, x2.stride(0), x2.stride(1), qc.stride(0), nblk, ex.stride(0))
+    kw = dict(FMT=fmt_id, EXPAND=mode, R1=HIF4_RECIP[1], R2=HIF4_RECIP[2], R3=HIF4_RECIP[3])
+    if interpreting() or R * k < (1 << 16):
+        _resq_kernel[(cdiv(R, BR),)](*args, **kw, BR=BR, BK=BK, num_warps=warps)
+    else:
+        _resq_tuned[lambda meta: (cdiv(R, meta["BR"]),)](*args, **kw)
+    sshape = (*outer, nblk, 4) if fmt_id == 0 else (*outer, nblk)
+    q = QuantizedTensor(f, qc.reshape(*outer, kp // 2), qs.reshape(sshape), x.shape, x.dim() - 1, x.dtype)
+    r = QuantizedTensor(f, rc.reshape(*outer, kp // 2), rs.reshape(sshape), x.shape, x.dim() - 1, x.dtype)
+    if mode == 0:
+        return q, r, None, None
+    if mode == 1 and fmt_id != 0:
+        return (q, r, Expanded(ex.view(torch.float8_e5m2), rexp, rok.bool()),
+                Expanded(exr.view(torch.float8_e5m2), rexp, rok.bool()))
+    return q, r, Expanded(ex), Expanded(exr)
+
+
+def resq_matmul(x: torch.Tensor, qw: QuantizedTensor, ew: Optional[Expanded] = None,
+                out_dtype: torch.dtype = torch.float32, promote: int = 0) -> torch.Tensor:
+    """``Q(X) Q(W)^T + S(Q(X - Q(X))) Q(W)^T`` (2:4 ResQ) for ``x [M, K]`` and a packed weight ``qw [N, K]``.
+
+    M <= DECODE_MAX_M: the packed-weight kernel, the residual riding on the same weight read. Larger M: the
+    pre-expanded GEMM in concatenated-K form; ``ew`` (from ``expand_packed``/``quantize(..., expand=...)``,
+    once per weight update) picks the mode: BF16 (exact, the default when None) or FP8 E5M2 (MXFP4 fast mode).
+    """
+    from kernels.gemm import fp4_matmul, w4_matmul
+
+    M = x.shape[0]
+    if M <= DECODE_MAX_M:
+        q, r, eq, er = resq_quantize(x, qw.fmt, expand="bf16")
+        return w4_matmul(eq.values, qw, er.values).to(out_dtype)
+    if ew is None:
+        ew = expand_packed(qw, "bf16")
+    mode = "native" if ew.values.dtype == torch.float8_e5m2 else "bf16"
+    q, r, eq, er = resq_quantize(x, qw.fmt, expand=mode)
+    return fp4_matmul(q, eq, qw, ew, qr=r, er=er, out_dtype=out_dtype, promote=promote)

@@ -1,0 +1,223 @@
+"""Triton kernels (kernels/) against the PyTorch reference: bit-exact packing, exact GEMMs, fused ResQ.
+
+On a machine without CUDA the kernels run in Triton's CPU interpreter (TRITON_INTERPRET=1, small sizes, fp32
+dots); without Triton those tests skip. GPU tests are marked ``gpu``.
+"""
+
+import os
+
+import pytest
+import torch
+
+if not torch.cuda.is_available():
+    os.environ.setdefault("TRITON_INTERPRET", "1")
+
+triton = pytest.importorskip("triton")
+
+from kernels import dispatch  # noqa: E402
+from kernels.gemm import fp4_matmul, mm_expanded, packed_matmul, w4_matmul  # noqa: E402
+from kernels.quantize import expand_packed, quantize  # noqa: E402
+from kernels.resq import _reference_resq_quantize, resq_matmul, resq_quantize  # noqa: E402
+from megatron_fp4.formats import get_format  # noqa: E402
+from megatron_fp4.resq import resq_components  # noqa: E402
+
+FORMATS = ["hif4", "mxfp4", "mxfp4_rceil"]
+DEV = "cuda" if torch.cuda.is_available() else "cpu"
+ON_CPU = DEV == "cpu"
+if ON_CPU:
+    from kernels._common import interpreting
+
+    if not interpreting():  # kernels were imported before the interpreter was switched on
+        pytest.skip("Triton interpreter not active for kernels/", allow_module_level=True)
+
+
+def _inputs(kind, shape, dtype=torch.float32, device=DEV, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    x = torch.randn(shape, generator=g)
+    if kind == "outliers":
+        x = x * torch.exp(torch.randn(shape, generator=g) * 3)
+        flat = x.view(-1)
+        idx = torch.randint(0, flat.numel(), (max(1, flat.numel() // 50),), generator=g)
+        flat[idx] *= 1e4
+        flat[idx[: len(idx) // 3]] = 0.0
+    elif kind == "special":
+        flat = x.view(-1)
+        flat[3] = float("nan")
+        flat[min(200, flat.numel() - 1)] = float("inf")
+        flat[min(77, flat.numel() - 1)] = -0.0
+        flat[min(140, flat.numel() - 1):] *= 1e-30
+    return x.to(dtype).to(device)
+
+
+def _rel(a, b):
+    return ((a.double() - b.double()).norm() / b.double().norm().clamp_min(1e-300)).item()
+
+
+def _ref_mm(a, b, f):
+    return f.fake_quantize(a.float().cpu()).double() @ f.fake_quantize(b.float().cpu()).double().t()
+
+
+def _check_pack(x, name, dim):
+    f = get_format(name)
+    q, ex = quantize(x, name, dim=dim, expand="native")
+    r = f.quantize(x, dim=dim)
+    assert q.codes.shape == r.codes.shape and q.scales.shape == r.scales.shape
+    assert torch.equal(q.codes, r.codes), "codes differ"
+    assert torch.equal(q.scales, r.scales), "scales differ"
+    assert torch.equal(q.dequantize(), r.dequantize(), ) or torch.equal(q.dequantize().isnan(), r.dequantize().isnan())
+    rows = r.dequantize().float().movedim(dim, -1).reshape(ex.values.shape[0], -1)
+    k = rows.shape[1]
+    if ex.row_exp is None:
+        got = ex.values.float()[:, :k]
+        assert torch.equal(got.isnan(), rows.isnan())
+        assert torch.equal(torch.nan_to_num(got), torch.nan_to_num(rows))
+    else:
+        got = ex.values.float() * torch.exp2(ex.row_exp.float())[:, None]
+        ok = ex.row_ok
+        assert torch.equal(got[ok][:, :k], rows[ok])
+        twin = expand_packed(r, "native")
+        assert torch.equal(twin.row_ok, ok) and torch.equal(twin.row_exp[ok], ex.row_exp[ok])
+
+
+# ---------------------------------------------------------------------------------------------- CPU interpreter
+@pytest.mark.parametrize("name", FORMATS)
+@pytest.mark.parametrize("kind", ["random", "outliers", "special"])
+def test_quantize_bit_exact_small(name, kind):
+    _check_pack(_inputs(kind, (6, 200), device="cpu" if ON_CPU else DEV), name, -1)
+    _check_pack(_inputs(kind, (130, 5), device="cpu" if ON_CPU else DEV), name, 0)  # column variant
+
+
+@pytest.mark.parametrize("name", ["hif4", "mxfp4"])
+def test_gemms_exact_small(name):
+    f = get_format(name)
+    a = _inputs("random", (40, 192), seed=1)
+    b = _inputs("random", (24, 192), seed=2)
+    a[3] *= 1e-12
+    a[3, 5] = 1e6  # MXFP4: row 3's blocks span too many binades for E5M2 -> exact fallback
+    ref = _ref_mm(a, b, f)
+    qa, ea = quantize(a, name, expand="native")
+    qb, eb = quantize(b, name, expand="native")
+    if name == "mxfp4":
+        assert not bool(ea.row_ok[3]) and bool(ea.row_ok.sum() == 39)
+    assert _rel(fp4_matmul(qa, ea, qb, eb).cpu(), ref) < 1e-6
+    assert _rel(packed_matmul(qa, qb).cpu(), ref) < 1e-6
+    _, eab = quantize(a, name, expand="bf16")
+    assert _rel(w4_matmul(eab.values, qb).cpu(), ref) < 1e-6
+    assert _rel(dispatch.fp4_gemm(a, b, name).cpu(), ref) < 1e-6
+
+
+@pytest.mark.parametrize("name", FORMATS)
+def test_resq_fused_matches_reference(name):
+    f = get_format(name)
+    x = _inputs("outliers", (72, 136), seed=3)
+    w = _inputs("random", (24, 136), seed=4)
+    q, r, eq, er = resq_quantize(x, name, expand="bf16")
+    q2, r2, _, _ = _reference_resq_quantize(x, f, None)
+    assert torch.equal(q.codes, q2.codes) and torch.equal(q.scales, q2.scales)
+    assert torch.equal(r.codes, r2.codes) and torch.equal(r.scales, r2.scales)
+    qq, ss = resq_components(x.cpu(), name, "2:4")
+    assert torch.equal(eq.values.float()[:, :136].cpu(), qq)
+    assert torch.equal(er.values.float()[:, :136].cpu(), ss)
+    wq = f.fake_quantize(w.float().cpu()).double()
+    ref = qq.double() @ wq.t() + ss.double() @ wq.t()
+    qw, ew = quantize(w, name, expand="native")
+    for m in (16, 72):  # decode kernel, then the pre-expanded concatenated-K GEMM
+        assert _rel(resq_matmul(x[:m], qw, ew).cpu(), ref[:m]) < 1e-6
+
+
+def test_dispatch_registers_and_falls_back():
+    from megatron_fp4 import ops
+
+    a = torch.randn(8, 64)
+    b = torch.randn(4, 64)
+    for name in ("hif4", "mxfp4", "nvfp4"):
+        f = get_format(name)
+        ref = ops.reference_fp4_gemm(a, b, f, f)
+        assert torch.allclose(dispatch.fp4_gemm(a, b, name), ref, rtol=1e-6, atol=1e-6)
+    # the ops backend declines what it does not implement
+    assert dispatch.ops_backend(a, b, get_format("hif4"), get_format("hif4"), "stochastic", "nearest") \
+        is NotImplemented
+    assert dispatch.ops_backend(a, b, get_format("nvfp4"), get_format("nvfp4"), "nearest", "nearest") \
+        is NotImplemented
+    w = dispatch.prepare_weight(b, "hif4")
+    for act in ("fp4", "bf16"):
+        for rq in ("none", "2:4"):
+            if act == "bf16" and rq != "none":
+                continue
+            y = dispatch.linear(a, w, resq=rq, activations=act)
+            assert y.shape == (8, 4) and torch.isfinite(y).all()
+
+
+# ---------------------------------------------------------------------------------------------- GPU
+@pytest.mark.gpu
+@pytest.mark.parametrize("name", FORMATS)
+@pytest.mark.parametrize("kind", ["random", "outliers", "special"])
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+def test_gpu_quantize_bit_exact(name, kind, dtype):
+    for shape, dim in (((257, 1000), -1), ((1000, 257), 0), ((64, 2048), -1), ((3, 5, 96), -1), ((96, 33), 0)):
+        _check_pack(_inputs(kind, shape, dtype=dtype), name, dim)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("name", ["hif4", "mxfp4"])
+@pytest.mark.parametrize("m", [16, 64, 300, 1024])
+def test_gpu_gemm_exact(name, m):
+    f = get_format(name)
+    K, N = 2048, 384
+    a = _inputs("outliers", (m, K), seed=m)
+    b = _inputs("random", (N, K), seed=7) * 0.02
+    if m == 300:
+        a[5] *= 1e-12
+        a[5, 9] = 1e8
+    ref = _ref_mm(a, b, f).cuda()
+    qa, ea = quantize(a, name, expand="bf16")
+    qb, eb = quantize(b, name, expand="bf16")
+    assert _rel(fp4_matmul(qa, ea, qb, eb), ref) < 1e-5  # the exact path: BF16 tensor cores, fp32 accumulation
+    if name == "mxfp4":  # FP8 E5M2 path: exact products, Hopper's reduced-precision FP8 accumulation
+        qa8, ea8 = quantize(a, name, expand="native")
+        qb8, eb8 = quantize(b, name, expand="native")
+        errs = {p: _rel(fp4_matmul(qa8, ea8, qb8, eb8, promote=p), ref) for p in (0, 128, 32)}
+        print(f"mxfp4 fp8 m={m}: rel error by promote interval {errs}")
+        assert errs[0] < 1e-3 and errs[32] <= errs[0] * 1.5
+        assert _rel(dispatch.fp4_gemm(a, b, name, mode="fp8"), ref) < 1e-3
+    assert _rel(packed_matmul(qa, qb), ref) < 1e-5
+    _, eab = quantize(a, name, expand="bf16")
+    assert _rel(w4_matmul(eab.values, qb), ref) < 1e-5
+    assert _rel(dispatch.fp4_gemm(a, b, name), ref) < 1e-5
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("name", ["hif4", "mxfp4"])
+def test_gpu_resq_and_w4a16(name):
+    f = get_format(name)
+    x = _inputs("outliers", (512, 1024), seed=11)
+    w = _inputs("random", (256, 1024), seed=12)
+    q, r, eq, er = resq_quantize(x, name, expand="native")
+    q2, r2, _, _ = _reference_resq_quantize(x, f, None)
+    assert torch.equal(q.codes, q2.codes) and torch.equal(r.codes, r2.codes) and torch.equal(r.scales, r2.scales)
+    qq, ss = resq_components(x, name, "2:4")
+    wq = f.fake_quantize(w.float()).double()
+    ref = qq.double() @ wq.t() + ss.double() @ wq.t()
+    qw, ew = quantize(w, name, expand="native")
+    for m in (16, 64, 512):
+        assert _rel(resq_matmul(x[:m], qw, ew), ref[:m]) < 1e-5
+    xb = x.to(torch.bfloat16)
+    ref16 = xb.double() @ wq.t()
+    assert _rel(w4_matmul(xb, qw), ref16) < 1e-5
+
+
+@pytest.mark.gpu
+def test_gpu_ops_backend_matches_reference():
+    from megatron_fp4 import ops
+
+    assert dispatch.register()
+    try:
+        a = torch.randn(256, 512, device="cuda")
+        b = torch.randn(128, 512, device="cuda")
+        for name in ("hif4", "mxfp4"):
+            with ops.use_reference_backend():
+                ref = ops.fp4_gemm(a, b, name, name)
+            out = ops.fp4_gemm(a, b, name, name)
+            assert _rel(out, ref) < 1e-5
+    finally:
+        ops.unregister_fp4_gemm_backend("cuda")
