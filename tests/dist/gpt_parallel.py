@@ -10,8 +10,10 @@ Run single-process (``python tests/dist/gpt_parallel.py --layouts ref --out DIR`
    to each replica) with megatron's pipeline schedule, and dumps the loss and full (TP-gathered) gradients;
 4. trains ``--steps`` steps with megatron-core's optimizer (Adam) on that batch and dumps the loss curve.
 
-Layout names: ref (TP=PP=1 on one process), tp2, tp2sp (sequence parallel), pp2, dp2, and "hp:<layout>" which
-also checks, at that layout, that the FP4 spec with no recipe is bit-identical to megatron-core's local spec.
+Layout names: ref (TP=PP=1 on one process), tp2, pp2, dp2; "<layout>@<format>" picks the FP4 format (default
+--format); "hp:<layout>" also checks, at that layout, that the FP4 spec with no recipe is bit-identical to
+megatron-core's local spec; "linears" checks the TP=2 FP4 column/row linears with and without sequence parallel
+(the local GPT spec's torch norms do not support sequence parallel, so it is tested at the linear level).
 Rank 0 writes ``<out>/<layout>.pt``.
 """
 
@@ -29,12 +31,11 @@ import torch
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", ".."))
 
 from megatron_fp4.models import GPTModelArgs, build_gpt_model, gpt_transformer_config  # noqa: E402
-from megatron_fp4.parallel import initialize_parallel  # noqa: E402
+from megatron_fp4.parallel import FP4ParallelLinearMixin, initialize_parallel  # noqa: E402
 from megatron_fp4.recipe import recipe_for_format  # noqa: E402
 
 SEQ, MICRO_BATCH, GLOBAL_MICROBATCHES, VOCAB = 32, 2, 2, 128
-LAYOUTS = {"ref": (1, 1, False), "tp2": (2, 1, False), "tp2sp": (2, 1, True), "pp2": (1, 2, False),
-           "dp2": (1, 1, False)}
+LAYOUTS = {"ref": (1, 1, False), "tp2": (2, 1, False), "pp2": (1, 2, False), "dp2": (1, 1, False)}
 
 
 def model_args(recipe, tie: bool = False) -> GPTModelArgs:
@@ -175,18 +176,28 @@ def collect_grads(ddp, args) -> dict:
     return merged
 
 
-def run_layout(layout: str, recipe, steps: int, seed: int) -> dict:
+def run_layout(layout: str, default_format: str, steps: int, seed: int) -> dict:
     from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
 
-    check_hp = layout.startswith("hp:")
-    base = layout[3:] if check_hp else layout
+    if layout == "linears":
+        return run_linears(seed)
+    layout_name, _, fmt = layout.partition("@")
+    recipe = recipe_for_format(fmt or default_format)
+    check_hp = layout_name.startswith("hp:")
+    base = layout_name[3:] if check_hp else layout_name
     tp, pp, sp = LAYOUTS[base]
     initialize_parallel(tp, pp, seed=seed)
     args = model_args(recipe)
     result = {"layout": layout, "world": torch.distributed.get_world_size()}
     ddp, config = build(args, sp)
     mbs = my_microbatches()
-    result["loss0"] = run_batch(ddp, config, mbs)
+    result["layer_numbers"] = layer_numbers(
+        ddp, recipe.replace(high_precision_first_layers=1, high_precision_last_layers=1))
+    from megatron_fp4.diagnostics import UnderflowMonitor
+
+    with UnderflowMonitor(ddp.module) as monitor:
+        result["loss0"] = run_batch(ddp, config, mbs)
+    result["underflow"] = monitor.collect()
     result["grads0"] = collect_grads(ddp, args)
     if check_hp:
         # the FP4 spec with no recipe vs megatron-core's local spec: identical loss and gradients, bit for bit
@@ -197,7 +208,7 @@ def run_layout(layout: str, recipe, steps: int, seed: int) -> dict:
         result["hp_local_spec_loss"] = run_batch(local, cfg2, mbs)
         result["hp_fp4_spec_grads"] = collect_grads(fp4_hp, args_hp)
         result["hp_local_spec_grads"] = collect_grads(local, args_hp)
-        result["hp_fp4_linears"] = sum(type(m).__name__.startswith("FP4") for m in fp4_hp.modules())
+        result["hp_fp4_linears"] = sum(isinstance(m, FP4ParallelLinearMixin) for m in fp4_hp.modules())
     if steps:
         opt = get_megatron_optimizer(OptimizerConfig(optimizer="adam", lr=3e-3, weight_decay=0.0, clip_grad=1.0,
                                                      bf16=False, fp16=False), [ddp])
@@ -213,20 +224,99 @@ def run_layout(layout: str, recipe, steps: int, seed: int) -> dict:
     return result
 
 
+def layer_numbers(ddp, recipe_hp) -> dict:
+    """Global linear name -> (layer number, whether FP4 under a recipe keeping the first/last layer in HP)."""
+    from megatron_fp4.recipe import fp4_autocast
+
+    out = {}
+    with fp4_autocast(recipe=recipe_hp):
+        for name, m in ddp.module.named_modules():
+            if isinstance(m, FP4ParallelLinearMixin):
+                out[name] = (m.fp4_layer_number, m.fp4_recipe_for_forward() is not None)
+    gathered = [None] * torch.distributed.get_world_size()
+    torch.distributed.all_gather_object(gathered, out)
+    merged = {}
+    for rank, d in enumerate(gathered):
+        for k, v in d.items():
+            merged[f"rank{rank}:{k}"] = v
+    return merged
+
+
+def run_linears(seed: int) -> dict:
+    """TP=2 FP4 column->row linears (with and without sequence parallel) against fp4_linear on full tensors,
+    and, with no recipe, against megatron-core's own linears bit for bit."""
+    from megatron.core import parallel_state as ps
+    from megatron.core.tensor_parallel import ColumnParallelLinear, RowParallelLinear
+    from megatron.core.transformer import TransformerConfig
+
+    from megatron_fp4.linear import fp4_linear
+    from megatron_fp4.parallel import FP4ColumnParallelLinear, FP4RowParallelLinear, FP4TransformerConfig
+    from megatron_fp4.parallel.cpu_compat import cpu_config_overrides
+
+    initialize_parallel(2, 1, seed=seed)
+    tp, rank = 2, ps.get_tensor_model_parallel_rank()
+    s_len, b, h, f = 16, 2, 128, 256
+    g = torch.Generator().manual_seed(5)
+    x_full = torch.randn(s_len, b, h, generator=g)
+    dy_full = torch.randn(s_len, b, h, generator=g)
+    w1 = 0.05 * torch.randn(f, h, generator=g)
+    w2 = 0.05 * torch.randn(h, f, generator=g)
+    recipe = recipe_for_format("hif4")
+    res = {"layout": "linears"}
+    for sp in (False, True):
+        fields = dict(num_layers=1, hidden_size=h, num_attention_heads=4, tensor_model_parallel_size=tp,
+                      sequence_parallel=sp, **cpu_config_overrides())
+        init = torch.nn.init.zeros_
+        outs = {}
+        for kind, col_cls, row_cls, rec in (("fp4", FP4ColumnParallelLinear, FP4RowParallelLinear, recipe),
+                                            ("fp4_off", FP4ColumnParallelLinear, FP4RowParallelLinear, None),
+                                            ("megatron", ColumnParallelLinear, RowParallelLinear, None)):
+            cfg = FP4TransformerConfig(fp4_recipe=rec, **fields)
+            col = col_cls(h, f, config=cfg, init_method=init, bias=False, gather_output=False)
+            row = row_cls(f, h, config=cfg, init_method=init, bias=False, input_is_parallel=True,
+                          skip_bias_add=False)
+            with torch.no_grad():
+                col.weight.copy_(w1.chunk(tp, 0)[rank])
+                row.weight.copy_(w2.chunk(tp, 1)[rank])
+            x = (x_full.chunk(tp, 0)[rank] if sp else x_full).clone().requires_grad_(True)
+            y, _ = row(col(x)[0])
+            y.backward(dy_full.chunk(tp, 0)[rank] if sp else dy_full)
+            outs[kind] = (y.detach(), x.grad, gather_full(col.weight.grad, col.weight, tp),
+                          gather_full(row.weight.grad, row.weight, tp))
+        # the same math on full tensors in one process
+        xr = x_full.clone().requires_grad_(True)
+        w1r, w2r = w1.clone().requires_grad_(True), w2.clone().requires_grad_(True)
+        yr = fp4_linear(fp4_linear(xr, w1r, None, recipe), w2r, None, recipe)
+        yr.backward(dy_full)
+        full = (yr.detach(), xr.grad, w1r.grad, w2r.grad)
+        if sp:
+            full = (full[0].chunk(tp, 0)[rank], full[1].chunk(tp, 0)[rank], full[2], full[3])
+        tag = "sp" if sp else "nosp"
+        res[f"fp4_vs_full_{tag}"] = [float((a - r).norm() / r.norm()) for a, r in zip(outs["fp4"], full)]
+        res[f"off_equal_{tag}"] = [torch.equal(a, r) for a, r in zip(outs["fp4_off"], outs["megatron"])]
+        res[f"fp4_vs_megatron_{tag}"] = [float((a - r).norm() / r.norm()) for a, r in zip(outs["fp4"], outs["megatron"])]
+    flags = torch.tensor([float(all(res["off_equal_sp"]) and all(res["off_equal_nosp"]))])
+    torch.distributed.all_reduce(flags, op=torch.distributed.ReduceOp.MIN)
+    res["off_equal_all_ranks"] = bool(flags.item() == 1.0)
+    worst = torch.tensor([max(res["fp4_vs_full_sp"] + res["fp4_vs_full_nosp"])])
+    torch.distributed.all_reduce(worst, op=torch.distributed.ReduceOp.MAX)
+    res["fp4_vs_full_worst_all_ranks"] = float(worst)
+    return res
+
+
 def main() -> None:
     ap = argparse.ArgumentParser()
-    ap.add_argument("--layouts", required=True, help="comma list: ref, tp2, tp2sp, pp2, dp2, hp:<layout>")
+    ap.add_argument("--layouts", required=True, help="comma list: ref, tp2, pp2, dp2, hp:<layout>, <layout>@<format>, linears")
     ap.add_argument("--out", required=True)
     ap.add_argument("--format", default="hif4")
     ap.add_argument("--steps", type=int, default=0)
     ap.add_argument("--seed", type=int, default=1234)
     a = ap.parse_args()
-    recipe = recipe_for_format(a.format)
     os.makedirs(a.out, exist_ok=True)
     for layout in a.layouts.split(","):
-        res = run_layout(layout, recipe, a.steps, a.seed)
+        res = run_layout(layout, a.format, a.steps, a.seed)
         if torch.distributed.get_rank() == 0:
-            torch.save(res, os.path.join(a.out, f"{layout.replace(':', '_')}.pt"))
+            torch.save(res, os.path.join(a.out, f"{layout.replace(':', '_').replace('@', '_')}.pt"))
     torch.distributed.barrier()
     from megatron_fp4.parallel import destroy_parallel
 

@@ -1,0 +1,250 @@
+"""FP4 linear: each GEMM equals a float64 reference on operands quantized along that GEMM's reduction dim."""
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from megatron_fp4 import ops
+from megatron_fp4.formats import get_format
+from megatron_fp4.linear import (
+    FP4Linear,
+    fp4_linear,
+    hadamard_matrix,
+    random_hadamard_transform,
+)
+from megatron_fp4.recipe import (
+    FP4Recipe,
+    HiF4BlockScaling,
+    MXFP4BlockScaling,
+    NVFP4BlockScaling,
+    fp4_autocast,
+    recipe_for_format,
+)
+
+FORMATS = ("hif4", "mxfp4", "nvfp4")
+
+
+def rel_err(a: torch.Tensor, ref: torch.Tensor) -> float:
+    return float((a.detach().double() - ref).norm() / ref.norm())
+
+
+def q(fmt: str, t: torch.Tensor, dim: int) -> torch.Tensor:
+    """The formats' reference fake-quantization along ``dim``, as float64."""
+    return get_format(fmt).fake_quantize(t, dim=dim).double()
+
+
+def run(x, w, b, recipe, dy):
+    x = x.clone().requires_grad_(True)
+    w = w.clone().requires_grad_(True)
+    b = None if b is None else b.clone().requires_grad_(True)
+    y = fp4_linear(x, w, b, recipe)
+    y.backward(dy)
+    return y, x.grad, w.grad, (None if b is None else b.grad)
+
+
+@pytest.mark.parametrize("fmt", FORMATS)
+@pytest.mark.parametrize("lead,K,n", [((37,), 70, 45), ((3, 23), 100, 33), ((5, 9), 129, 66)])
+def test_gemms_match_float64_reference(fmt, lead, K, n):
+    g = torch.Generator().manual_seed(hash((fmt, lead, K, n)) % 2**31)
+    x = torch.randn(*lead, K, generator=g)
+    x[..., 3] *= 40.0  # an outlier channel, so blocks have very different scales
+    w = torch.randn(n, K, generator=g) * 0.1
+    b = torch.randn(n, generator=g)
+    dy = torch.randn(*lead, n, generator=g)
+    y, dx, dw, db = run(x, w, b, recipe_for_format(fmt), dy)
+
+    x2, dy2 = x.reshape(-1, K), dy.reshape(-1, n)
+    # fprop: groups along K for X rows and W rows
+    y_ref = q(fmt, x2, -1) @ q(fmt, w, -1).T + b.double()
+    # dgrad: groups along n (dY rows, W columns)
+    dx_ref = q(fmt, dy2, -1) @ q(fmt, w, 0)
+    # wgrad: groups along m (tokens) for dY^T and X^T
+    dw_ref = q(fmt, dy2, 0).T @ q(fmt, x2, 0)
+    assert y.shape == (*lead, n) and dx.shape == x.shape and dw.shape == w.shape
+    assert rel_err(y.reshape(-1, n), y_ref) < 1e-5
+    assert rel_err(dx.reshape(-1, K), dx_ref) < 1e-5
+    assert rel_err(dw, dw_ref) < 1e-5
+    torch.testing.assert_close(db, dy2.sum(0))
+    # and quantization actually happened
+    assert rel_err(y.reshape(-1, n), x2.double() @ w.double().T + b.double()) > 1e-3
+
+
+@pytest.mark.parametrize("fmt", ("hif4", "mxfp4"))
+def test_bf16_inputs(fmt):
+    """bf16 operands: quantized exactly as their fp32 values, fp32 accumulation, bf16 outputs and grads."""
+    g = torch.Generator().manual_seed(1)
+    x = torch.randn(40, 96, generator=g).bfloat16()
+    w = (torch.randn(72, 96, generator=g) * 0.1).bfloat16()
+    dy = torch.randn(40, 72, generator=g).bfloat16()
+    y, dx, dw, _ = run(x, w, None, recipe_for_format(fmt), dy)
+    assert y.dtype == dx.dtype == dw.dtype == torch.bfloat16
+    y_ref = q(fmt, x.float(), -1) @ q(fmt, w.float(), -1).T
+    dx_ref = q(fmt, dy.float(), -1) @ q(fmt, w.float(), 0)
+    dw_ref = q(fmt, dy.float(), 0).T @ q(fmt, x.float(), 0)
+    for got, ref in ((y, y_ref), (dx, dx_ref), (dw, dw_ref)):
+        assert rel_err(got, ref) < 4e-3  # bf16 output rounding only
+
+
+def test_mixed_formats_per_role():
+    recipe = FP4Recipe(weight_format="mxfp4", activation_format="hif4", gradient_format="nvfp4")
+    g = torch.Generator().manual_seed(2)
+    x, w, dy = torch.randn(50, 80, generator=g), torch.randn(30, 80, generator=g), torch.randn(50, 30, generator=g)
+    y, dx, dw, _ = run(x, w, None, recipe, dy)
+    assert rel_err(y, q("hif4", x, -1) @ q("mxfp4", w, -1).T) < 1e-5
+    assert rel_err(dx, q("nvfp4", dy, -1) @ q("mxfp4", w, 0)) < 1e-5
+    assert rel_err(dw, q("nvfp4", dy, 0).T @ q("hif4", x, 0)) < 1e-5
+
+
+def test_no_recipe_is_plain_linear_bitwise():
+    torch.manual_seed(0)
+    ref = torch.nn.Linear(48, 24)
+    mod = FP4Linear(48, 24)
+    mod.load_state_dict(ref.state_dict())
+    x = torch.randn(4, 7, 48)
+    outs = []
+    for m in (ref, mod):
+        xi = x.clone().requires_grad_(True)
+        y = m(xi)
+        y.square().sum().backward()
+        outs.append((y.detach(), xi.grad, m.weight.grad, m.bias.grad))
+    for a, b in zip(*outs):
+        assert torch.equal(a, b)
+    # functional form, and an fp4_autocast(enabled=False) block over a module that has a recipe
+    assert torch.equal(fp4_linear(x, ref.weight, ref.bias), F.linear(x, ref.weight, ref.bias))
+    mod.recipe = HiF4BlockScaling()
+    with fp4_autocast(enabled=False):
+        assert torch.equal(mod(x), ref(x))
+    assert not torch.equal(mod(x), ref(x))
+
+
+def test_autocast_and_module_recipe():
+    torch.manual_seed(0)
+    x, w = torch.randn(16, 64), torch.randn(8, 64)
+    with fp4_autocast(recipe=MXFP4BlockScaling()):
+        y = fp4_linear(x, w)
+    torch.testing.assert_close(y, (q("mxfp4", x, -1) @ q("mxfp4", w, -1).T).float())
+    mod = FP4Linear(64, 8, bias=False, recipe=NVFP4BlockScaling())
+    with torch.no_grad():
+        mod.weight.copy_(w)
+    torch.testing.assert_close(mod(x), (q("nvfp4", x, -1) @ q("nvfp4", w, -1).T).float())
+    with fp4_autocast(recipe=HiF4BlockScaling()):  # the active autocast wins over the module's recipe
+        torch.testing.assert_close(mod(x), (q("hif4", x, -1) @ q("hif4", w, -1).T).float())
+
+
+def test_stochastic_rounding_gradients_unbiased():
+    """Mean of the SR dgrad/wgrad over many draws converges to the product with the unrounded dY.
+
+    The gradient format is mxfp4_rceil, whose scale never clips: with the floor-scale MXFP4 and with HiF4 the
+    largest values of a block saturate (deterministically rounded down), so their SR is unbiased only below
+    the top code (see the formats' docs).
+    """
+    g = torch.Generator().manual_seed(3)
+    x, w = torch.randn(64, 64, generator=g), torch.randn(32, 64, generator=g) * 0.2
+    dy = torch.randn(64, 32, generator=g)
+    recipe = FP4Recipe(gradient_format="mxfp4_rceil", gradient_rounding="stochastic")
+    # expectation: only dY is stochastically rounded; W and X (hif4) round to nearest
+    dx_exp = dy.double() @ q("hif4", w, 0)
+    dw_exp = dy.double().T @ q("hif4", x, 0)
+    torch.manual_seed(0)
+    draws = 256
+    dx_sum, dw_sum = torch.zeros_like(dx_exp), torch.zeros_like(dw_exp)
+    errs_dx, errs_dw = [], []
+    for i in range(draws):
+        _, dx, dw, _ = run(x, w, None, recipe, dy)
+        dx_sum += dx.double()
+        dw_sum += dw.double()
+        if i + 1 in (1, 16, draws):
+            errs_dx.append(rel_err(dx_sum / (i + 1), dx_exp))
+            errs_dw.append(rel_err(dw_sum / (i + 1), dw_exp))
+    # the error of the mean shrinks like 1/sqrt(draws): 16x fewer after 256 draws (allow 8x)
+    assert errs_dx[-1] < errs_dx[0] / 8 and errs_dw[-1] < errs_dw[0] / 8
+    assert errs_dx[-1] < errs_dx[1] / 2 and errs_dw[-1] < errs_dw[1] / 2
+    # round-to-nearest of dY does not converge to the exact product
+    _, dx_n, dw_n, _ = run(x, w, None, recipe.replace(gradient_rounding="nearest"), dy)
+    assert rel_err(dx_n, dx_exp) > 3 * errs_dx[-1] and rel_err(dw_n, dw_exp) > 3 * errs_dw[-1]
+
+
+@pytest.mark.parametrize("block", (16, 32, 64))
+def test_hadamard_orthogonal_and_product_preserving(block):
+    h = hadamard_matrix(block, seed=7).double()
+    torch.testing.assert_close(h @ h.T, torch.eye(block, dtype=torch.float64), atol=1e-6, rtol=0)
+    assert not torch.equal(h, hadamard_matrix(block, seed=8).double())  # the seed picks the signs
+    g = torch.Generator().manual_seed(block)
+    a, b = torch.randn(9, 100, generator=g), torch.randn(5, 100, generator=g)  # 100: not a block multiple
+    ta, tb = random_hadamard_transform(a, block, 7), random_hadamard_transform(b, block, 7)
+    assert ta.shape[1] % block == 0
+    torch.testing.assert_close(ta @ tb.T, a @ b.T, rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("fmt", FORMATS)
+def test_hadamard_wgrad(fmt):
+    """With the transform on, wgrad = Q_m(dY^T H) Q_m(X^T H)^T exactly, and is close to the unquantized dW."""
+    g = torch.Generator().manual_seed(11)
+    m, K, n = 200, 48, 24
+    x = torch.randn(m, K, generator=g)
+    x[::37] *= 50.0  # outlier tokens
+    dy = torch.randn(m, n, generator=g)
+    w = torch.randn(n, K, generator=g)
+    recipe = recipe_for_format(fmt, hadamard_wgrad=True, hadamard_block_size=32, hadamard_seed=5)
+    _, dx_h, dw_h, _ = run(x, w, None, recipe, dy)
+    _, dx_p, dw_p, _ = run(x, w, None, recipe_for_format(fmt), dy)
+    a = random_hadamard_transform(dy.T, 32, 5)
+    b = random_hadamard_transform(x.T, 32, 5)
+    assert rel_err(dw_h, q(fmt, a, -1) @ q(fmt, b, -1).T) < 1e-5
+    exact = dy.double().T @ x.double()
+    assert rel_err(dw_h, exact) < 0.2 and rel_err(dw_p, exact) < 0.2
+    assert not torch.equal(dw_h, dw_p)
+    assert torch.equal(dx_h, dx_p)  # dgrad is untouched
+
+
+def test_quantize_backward_off():
+    """FP4 forward, high-precision backward (and each GEMM switched off on its own)."""
+    g = torch.Generator().manual_seed(4)
+    x, w, b = torch.randn(30, 70, generator=g), torch.randn(20, 70, generator=g), torch.randn(20, generator=g)
+    dy = torch.randn(30, 20, generator=g)
+    base = HiF4BlockScaling()
+    y, dx, dw, _ = run(x, w, b, base.replace(quantize_dgrad=False, quantize_wgrad=False), dy)
+    assert rel_err(y, q("hif4", x, -1) @ q("hif4", w, -1).T + b.double()) < 1e-5
+    assert torch.equal(dx, dy @ w)
+    assert torch.equal(dw, dy.T @ x)
+    _, dx2, dw2, _ = run(x, w, b, base.replace(quantize_wgrad=False), dy)
+    assert rel_err(dx2, q("hif4", dy, -1) @ q("hif4", w, 0)) < 1e-5 and torch.equal(dw2, dy.T @ x)
+    y3, _, dw3, _ = run(x, w, b, base.replace(quantize_fprop=False), dy)
+    assert torch.equal(y3, x @ w.T + b)
+    assert rel_err(dw3, q("hif4", dy, 0).T @ q("hif4", x, 0)) < 1e-5
+
+
+def test_frozen_weight_and_no_input_grad():
+    x, w = torch.randn(10, 64), torch.randn(12, 64, requires_grad=False)
+    xr = x.clone().requires_grad_(True)
+    fp4_linear(xr, w, recipe=HiF4BlockScaling()).sum().backward()
+    assert xr.grad is not None and w.grad is None
+    wr = w.clone().requires_grad_(True)
+    fp4_linear(x, wr, recipe=HiF4BlockScaling()).sum().backward()
+    assert wr.grad is not None
+
+
+def test_gemm_dispatch_backend():
+    calls = []
+
+    def backend(a, b, a_fmt, b_fmt, a_round, b_round, gen):
+        calls.append((tuple(a.shape), tuple(b.shape), a_fmt.name, b_fmt.name, a_round))
+        if a_fmt.name == "nvfp4":
+            return NotImplemented
+        return ops.reference_fp4_gemm(a, b, a_fmt, b_fmt, a_round, b_round, gen)
+
+    x, w = torch.randn(5, 40), torch.randn(6, 40)
+    ref = ops.fp4_gemm(x, w, "hif4", "hif4")
+    ops.register_fp4_gemm_backend("cpu", backend)
+    try:
+        assert torch.equal(ops.fp4_gemm(x, w, "hif4", "hif4"), ref)
+        assert calls == [((5, 40), (6, 40), "hif4", "hif4", "nearest")]
+        ops.fp4_gemm(x, w, "nvfp4", "nvfp4")  # NotImplemented -> reference
+        assert len(calls) == 2
+        with ops.use_reference_backend():
+            ops.fp4_gemm(x, w, "hif4", "hif4")
+        assert len(calls) == 2
+    finally:
+        ops.unregister_fp4_gemm_backend("cpu")
+    with pytest.raises(ValueError, match="reduction"):
+        ops.fp4_gemm(x, torch.randn(6, 41), "hif4", "hif4")
