@@ -59,6 +59,7 @@ def test_fp4_is_active_and_no_recipe_is_bit_identical_to_megatron(results):
     r = results["hp_tp2"]
     assert r["hp_fp4_linears"] == 16  # 4 layers x (qkv, proj, fc1, fc2)
     assert r["hp_fp4_spec_loss"] == r["hp_local_spec_loss"]
+    assert set(r["hp_fp4_spec_grads"]) == set(r["hp_local_spec_grads"])  # identical parameter names
     for name, g in r["hp_local_spec_grads"].items():
         assert torch.equal(r["hp_fp4_spec_grads"][name], g), name
     assert abs(r["hp_fp4_spec_loss"] - r["loss0"]) > 1e-4  # the FP4 model computes something else

@@ -69,6 +69,11 @@ class GPTModelArgs:
                else lambda k, d=None: getattr(hf_config, k, d))
         model_type = get("model_type", "")
         heads = get("num_attention_heads")
+        rope = get("rope_parameters", None) or get("rope_scaling", None) or {}
+        rope_type = rope.get("rope_type", rope.get("type", "default")) if isinstance(rope, dict) else "default"
+        if rope_type not in ("default", None):
+            raise ValueError(f"rope_type={rope_type!r} is not supported; allowed values: 'default'")
+        rope_theta = get("rope_theta", None) or (rope.get("rope_theta") if isinstance(rope, dict) else None)
         args = dict(
             num_layers=get("num_hidden_layers"),
             hidden_size=get("hidden_size"),
@@ -82,7 +87,7 @@ class GPTModelArgs:
             tie_embeddings=bool(get("tie_word_embeddings", False)),
             swiglu=get("hidden_act", "silu") == "silu",
             norm_epsilon=get("rms_norm_eps", 1e-6),
-            rotary_base=get("rope_theta", 10000.0),
+            rotary_base=rope_theta or 10000.0,
         )
         args.update(changes)
         return cls(**args)
