@@ -282,3 +282,26 @@ def test_save_model_checkpoint_single_process_and_format_detection(converted, hf
     assert not is_megatron_checkpoint(rl)
     tok = checkpoint_tokenizer_dir(tmp_path / "s")
     assert tok is not None and (tok / "generation_config.json").is_file()
+
+
+def test_checkpoint_without_hf_config_converts_to_a_loadable_hf_model(tmp_path):
+    """A model trained from scratch (no source config.json): convert_megatron_to_hf synthesizes config.json."""
+    from megatron_fp4.models import GPTModelArgs, build_gpt_model
+    from megatron_fp4.models.checkpoint_io import save_model_checkpoint
+    from megatron_fp4.parallel import initialize_parallel
+
+    initialize_parallel(1, 1, seed=7)
+    args = GPTModelArgs(num_layers=2, hidden_size=64, ffn_hidden_size=96, num_attention_heads=4, num_query_groups=2,
+                        vocab_size=80, max_seq_len=64, add_qkv_bias=True, tie_embeddings=True, norm_epsilon=1e-5,
+                        rotary_base=20000.0, init_method_std=0.15)
+    model = build_gpt_model(args, parallel_output=False).eval()
+    with torch.no_grad():
+        for n, p in model.named_parameters():
+            if "layernorm" in n or n.endswith("bias"):
+                p.add_(0.2 * torch.randn_like(p))
+    save_model_checkpoint(model, tmp_path / "mg", 3, args)
+    out = convert_megatron_to_hf(tmp_path / "mg", tmp_path / "hf", progress=False)
+    cfg = json.loads((out / "config.json").read_text())
+    assert cfg["architectures"] == ["Qwen2ForCausalLM"] and cfg["tie_word_embeddings"] is True
+    ids = _ids(80)
+    assert (_hf_logits(out, ids) - _mg_logits(model, ids)).abs().max().item() <= ATOL
