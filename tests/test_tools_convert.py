@@ -305,3 +305,26 @@ def test_checkpoint_without_hf_config_converts_to_a_loadable_hf_model(tmp_path):
     assert cfg["architectures"] == ["Qwen2ForCausalLM"] and cfg["tie_word_embeddings"] is True
     ids = _ids(80)
     assert (_hf_logits(out, ids) - _mg_logits(model, ids)).abs().max().item() <= ATOL
+
+
+def test_load_into_model_with_other_vocab_padding(hf_models, converted):
+    """The trainer may pad the vocabulary differently (e.g. to 16 x TP): padding rows are added or dropped."""
+    from megatron_fp4.models import GPTModelArgs, build_gpt_model
+    from megatron_fp4.models.checkpoint_io import load_checkpoint_into_model, model_args_from_json
+    from megatron_fp4.parallel import initialize_parallel
+
+    initialize_parallel(1, 1)
+    ckpt = MegatronCheckpoint(converted("llama_bf16", 2, 1))  # hf vocab 97, padded to 98
+    margs = model_args_from_json(ckpt.model_args)
+    ids = _ids(97)
+    ref = _hf_logits(hf_models["llama_bf16"], ids)
+    for vocab in (97, 128):
+        model = build_gpt_model(GPTModelArgs(**dict(margs, vocab_size=vocab, params_dtype=torch.float32)),
+                                parallel_output=False).eval()
+        load_checkpoint_into_model(model, ckpt)
+        assert not model.embedding.word_embeddings.weight[97:].any()
+        assert (_mg_logits(model, ids)[..., :97] - ref).abs().max().item() <= ATOL
+    small = build_gpt_model(GPTModelArgs(**dict(margs, vocab_size=96)), parallel_output=False)
+    with pytest.raises(ValueError, match=r"vocabulary mismatch: model vocab_size=96 is smaller than the "
+                                         r"checkpoint's vocabulary 97"):
+        load_checkpoint_into_model(small, ckpt)

@@ -401,7 +401,8 @@ def load_checkpoint_into_model(model: Any, load_dir: PathLike, iteration: Option
     """Load this rank's part of a checkpoint into a built megatron-core GPTModel (DDP/Float16 wrappers unwrapped).
 
     Reads only this rank's shard when the checkpoint's TP/PP equal the current ones; otherwise reshards (reads
-    the pieces of each needed tensor from the checkpoint's shards and splits them for this rank).
+    the pieces of each needed tensor from the checkpoint's shards and splits them for this rank). A model whose
+    vocabulary is padded differently (but holds the checkpoint's real vocabulary) gets zero padding rows.
     """
     module = _unwrap(model)
     ckpt = load_dir if isinstance(load_dir, MegatronCheckpoint) else MegatronCheckpoint(load_dir, iteration)
@@ -409,7 +410,10 @@ def load_checkpoint_into_model(model: Any, load_dir: PathLike, iteration: Option
     expected = _expected_state(module)
     offset = _model_layer_offset(module)
     _check_model_matches(ckpt, module)
-    if ckpt.tp == tp_size and ckpt.pp == pp_size:
+    vocab = getattr(module, "vocab_size", None)
+    same_vocab = vocab is None or vocab == ckpt.model_args["vocab_size"]
+    real = int(ckpt.args.get("hf_vocab_size") or ckpt.model_args["vocab_size"])
+    if ckpt.tp == tp_size and ckpt.pp == pp_size and same_vocab:
         stored = set(ckpt.shard_keys(tp_rank, pp_rank))
         missing = sorted(set(expected) - stored)
         unexpected = sorted(stored - set(expected))
@@ -421,7 +425,7 @@ def load_checkpoint_into_model(model: Any, load_dir: PathLike, iteration: Option
         state = {}
         for local in expected:
             g = to_global_name(local, offset)
-            state[local] = split_tp(g, ckpt.full_tensor(g), tp_size, tp_rank)
+            state[local] = split_tp(g, _fit_vocab(g, ckpt.full_tensor(g), vocab, real), tp_size, tp_rank)
     for k, v in state.items():
         if tuple(v.shape) != tuple(expected[k].shape):
             hint = (" (vocabulary size differs: build the model with the checkpoint's model_args.vocab_size)"
@@ -447,9 +451,24 @@ def _check_model_matches(ckpt: MegatronCheckpoint, module: torch.nn.Module) -> N
             raise ValueError(f"model does not match checkpoint {ckpt.dir}: {field}={ours} in the model, "
                              f"{ma[field]} in the checkpoint")
     vocab = getattr(module, "vocab_size", None)
-    if vocab is not None and vocab != ma["vocab_size"]:
-        raise ValueError(f"vocabulary mismatch: model vocab_size={vocab}, checkpoint {ckpt.dir} has "
-                         f"{ma['vocab_size']} (padded; HF vocabulary {ckpt.args.get('hf_vocab_size')})")
+    real = int(ckpt.args.get("hf_vocab_size") or ma["vocab_size"])
+    if vocab is not None and vocab < real:
+        raise ValueError(f"vocabulary mismatch: model vocab_size={vocab} is smaller than the checkpoint's "
+                         f"vocabulary {real} ({ckpt.dir}); build the model with vocab_size >= {real} (the "
+                         f"checkpoint's model_args.vocab_size is {ma['vocab_size']})")
+
+
+def _fit_vocab(global_name: str, full: torch.Tensor, vocab: Optional[int], real: int) -> torch.Tensor:
+    """Embedding / output rows padded with zeros or stripped of padding to the model's vocabulary size."""
+    if vocab is None or global_name not in ("embedding.word_embeddings.weight", "output_layer.weight"):
+        return full
+    if full.shape[0] > vocab:
+        if vocab < real:
+            raise ValueError(f"vocabulary mismatch: {global_name} has {real} real rows, model vocab_size={vocab}")
+        return full[:vocab]
+    if full.shape[0] < vocab:
+        return torch.cat([full, full.new_zeros(vocab - full.shape[0], *full.shape[1:])], dim=0)
+    return full
 
 
 def save_model_checkpoint(model: Any, save_dir: PathLike, iteration: Union[int, str], model_args: Any,
