@@ -38,6 +38,10 @@ SEQ, MICRO_BATCH, GLOBAL_MICROBATCHES, VOCAB = 32, 2, 2, 128
 LAYOUTS = {"ref": (1, 1, False), "tp2": (2, 1, False), "pp2": (1, 2, False), "dp2": (1, 1, False)}
 
 
+def device() -> torch.device:
+    return torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else torch.device("cpu")
+
+
 def model_args(recipe, tie: bool = False) -> GPTModelArgs:
     # Per-rank GEMM dims stay multiples of 64 at TP=2 so the quantization blocks coincide with TP=1's.
     return GPTModelArgs(num_layers=4, hidden_size=128, ffn_hidden_size=256, num_attention_heads=4,
@@ -52,7 +56,8 @@ def global_batch():
     for _ in range(GLOBAL_MICROBATCHES):
         ids = torch.randint(0, VOCAB, (MICRO_BATCH, SEQ), generator=g)
         labels = (ids * 7 + 3) % VOCAB
-        out.append({"tokens": ids, "labels": labels, "position_ids": torch.arange(SEQ).expand(MICRO_BATCH, SEQ)})
+        pos = torch.arange(SEQ).expand(MICRO_BATCH, SEQ)
+        out.append({"tokens": ids.to(device()), "labels": labels.to(device()), "position_ids": pos.to(device())})
     return out
 
 
@@ -142,7 +147,7 @@ def run_batch(ddp, config, microbatches, forward_only=False) -> float:
     store = fb(forward_step_func=forward_step, data_iterator=iter(microbatches), model=[ddp],
                num_microbatches=len(microbatches), seq_length=SEQ, micro_batch_size=MICRO_BATCH,
                forward_only=forward_only)
-    loss = torch.zeros(1)
+    loss = torch.zeros(1, device=device())
     if ps.is_pipeline_last_stage():
         loss += torch.stack([d["loss"] for d in store]).mean()
     # sum over PP (only last stage non-zero), average over DP
@@ -167,7 +172,7 @@ def collect_grads(ddp, args) -> dict:
     out = {}
     for name, p in ddp.module.named_parameters():
         g = p.main_grad if getattr(p, "main_grad", None) is not None else p.grad
-        out[global_name(name, off)] = gather_full(g.detach().float(), p, tp)
+        out[global_name(name, off)] = gather_full(g.detach().float(), p, tp).cpu()
     gathered = [None] * torch.distributed.get_world_size()
     torch.distributed.all_gather_object(gathered, out)
     merged = {}
@@ -257,10 +262,10 @@ def run_linears(seed: int) -> dict:
     tp, rank = 2, ps.get_tensor_model_parallel_rank()
     s_len, b, h, f = 16, 2, 128, 256
     g = torch.Generator().manual_seed(5)
-    x_full = torch.randn(s_len, b, h, generator=g)
-    dy_full = torch.randn(s_len, b, h, generator=g)
-    w1 = 0.05 * torch.randn(f, h, generator=g)
-    w2 = 0.05 * torch.randn(h, f, generator=g)
+    x_full = torch.randn(s_len, b, h, generator=g).to(device())
+    dy_full = torch.randn(s_len, b, h, generator=g).to(device())
+    w1 = (0.05 * torch.randn(f, h, generator=g)).to(device())
+    w2 = (0.05 * torch.randn(h, f, generator=g)).to(device())
     recipe = recipe_for_format("hif4")
     res = {"layout": "linears"}
     for sp in (False, True):
@@ -295,10 +300,10 @@ def run_linears(seed: int) -> dict:
         res[f"fp4_vs_full_{tag}"] = [float((a - r).norm() / r.norm()) for a, r in zip(outs["fp4"], full)]
         res[f"off_equal_{tag}"] = [torch.equal(a, r) for a, r in zip(outs["fp4_off"], outs["megatron"])]
         res[f"fp4_vs_megatron_{tag}"] = [float((a - r).norm() / r.norm()) for a, r in zip(outs["fp4"], outs["megatron"])]
-    flags = torch.tensor([float(all(res["off_equal_sp"]) and all(res["off_equal_nosp"]))])
+    flags = torch.tensor([float(all(res["off_equal_sp"]) and all(res["off_equal_nosp"]))], device=device())
     torch.distributed.all_reduce(flags, op=torch.distributed.ReduceOp.MIN)
     res["off_equal_all_ranks"] = bool(flags.item() == 1.0)
-    worst = torch.tensor([max(res["fp4_vs_full_sp"] + res["fp4_vs_full_nosp"])])
+    worst = torch.tensor([max(res["fp4_vs_full_sp"] + res["fp4_vs_full_nosp"])], device=device())
     torch.distributed.all_reduce(worst, op=torch.distributed.ReduceOp.MAX)
     res["fp4_vs_full_worst_all_ranks"] = float(worst)
     return res
@@ -311,7 +316,12 @@ def main() -> None:
     ap.add_argument("--format", default="hif4")
     ap.add_argument("--steps", type=int, default=0)
     ap.add_argument("--seed", type=int, default=1234)
+    ap.add_argument("--kernels", action="store_true", help="route CUDA FP4 GEMMs through kernels.dispatch")
     a = ap.parse_args()
+    if a.kernels:
+        from kernels import dispatch
+
+        dispatch.register()
     os.makedirs(a.out, exist_ok=True)
     for layout in a.layouts.split(","):
         res = run_layout(layout, a.format, a.steps, a.seed)
