@@ -155,3 +155,22 @@ def test_cli_and_errors(hf_models, tmp_path):
     save_file(sd, str(bad / "model.safetensors"))
     with pytest.raises(KeyError, match=r"model.layers.1.mlp.down_proj.weight_scale is missing"):
         load_fp4_checkpoint(bad)
+
+
+def test_native_engine_on_mxfp4_export_equals_engine_on_original(hf_models, tmp_path):
+    """The native rollout engine (W4A16) on the loaded MXFP4 export computes exactly what it computes on the
+    original weights (MXFP4 re-quantization of dequantized weights is the identity). HiF4 is not idempotent:
+    an engine must use the stored HiF4 weights without quantizing them again (see tools/README.md)."""
+    from megatron_fp4.resq import RolloutPrecision
+    from megatron_fp4.rollout.native import full_forward_logits
+    from megatron_fp4.rollout.precision import rollout_precision
+
+    name = "qwen2_untied"
+    out = export_fp4_checkpoint(hf_models[name], tmp_path / "fp4", "mxfp4", "none", progress=False)
+    seqs = [list(range(5, 17)), list(range(20, 30))]
+    logits = []
+    for src in (hf_models[name], out):
+        model = load_gpt(src)
+        with rollout_precision(model, RolloutPrecision("w4a16", "mxfp4")):
+            logits.append(full_forward_logits(model, seqs))
+    assert torch.equal(logits[0], logits[1])
