@@ -10,6 +10,10 @@ Which recipe applies: an active ``fp4_autocast`` (including ``enabled=False``) w
 ``fp4_layer_number`` (set by :class:`FP4TransformerLayer`) falls in the recipe's high-precision first/last layers
 runs in high precision.
 
+The recipe is read at forward time and kept for that call's backward. With activation recomputation the
+recomputed forward reads it again, so keep the recipe in ``config.fp4_recipe`` (or run the whole
+forward-backward inside the ``fp4_autocast`` block, as megatron's forward_backward_func does).
+
 Communication under FP4 reuses megatron-core's own region functions: sequence parallel all-gathers the input
 (reduce-scatter of dX in backward), otherwise a column layer all-reduces dX over the TP group. Gradient
 accumulation fusion is not used for the FP4 GEMMs: the weight gradient is returned as ``param.grad`` and
