@@ -570,11 +570,3 @@ def load_gpt(path: PathLike, iteration: Optional[Union[int, str]] = None, fp4_re
         model.eval()
     return model
 
-
-def iter_names(names: Iterable[str]) -> list[str]:
-    """Sorted copy of ``names`` in natural layer order (helper for deterministic iteration)."""
-    def key(n: str):
-        m = _LAYER_RE.fullmatch(n)
-        return (1, int(m.group(1)), m.group(2)) if m else ((0, 0, n) if n.startswith("embedding") else (2, 0, n))
-
-    return sorted(names, key=key)

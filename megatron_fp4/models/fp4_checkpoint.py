@@ -19,6 +19,9 @@ in the source dtype under their HF names. ``config.json`` carries::
 ``resq`` and ``activation_format`` do not change the stored weights: they tell the rollout engine how to quantize
 activations (SPEC §4). :func:`load_fp4_checkpoint` returns the dequantized HF state dict (== fake-quantized
 weights) and the packed tensors; ``load_gpt(folder)`` builds the megatron-core model from it.
+
+HiF4 fake quantization is not idempotent (re-quantizing dequantized HiF4 weights can change them; MXFP4's is the
+identity), so an engine serving this folder must take the stored weights as its FP4 weights, not quantize again.
 """
 
 from __future__ import annotations
@@ -28,7 +31,7 @@ import os
 import re
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Optional, Union
+from typing import Optional, Union
 
 import torch
 
@@ -37,8 +40,7 @@ from megatron_fp4.models.checkpoint_io import dtype_from_name, dtype_name, is_me
 from megatron_fp4.models.hf_conversion import (
     HFFolderSource,
     ShardedSafetensorsWriter,
-    TensorSource,
-    _progress,
+    progress_bar,
     copy_hf_assets,
     hf_config_from_checkpoint,
     iter_hf_tensors_from_megatron,
@@ -139,7 +141,7 @@ def export_fp4_checkpoint(source: Union[str, os.PathLike], save_dir: Union[str, 
     writer = ShardedSafetensorsWriter(save_dir, max_shard_bytes)
     quantized: dict[str, dict] = {}
     kept: list[str] = []
-    with _progress(count, f"export {format}", progress) as bar:
+    with progress_bar(count, f"export {format}", progress) as bar:
         for name, w in tensors:
             module = _quantized_module(name, num_layers, high_precision_first_layers, high_precision_last_layers)
             if module is None:

@@ -35,7 +35,6 @@ from megatron_fp4.models.checkpoint_io import (
     HF_ASSETS_DIRNAME,
     SHARD_FILENAME,
     MegatronCheckpoint,
-    dtype_name,
     iteration_dirname,
     layer_offset,
     shard_dirname,
@@ -58,6 +57,9 @@ __all__ = [
     "iter_hf_tensors_from_megatron",
     "hf_config_from_checkpoint",
     "ShardedSafetensorsWriter",
+    "check_hf_shapes",
+    "num_hf_tensors",
+    "progress_bar",
     "copy_hf_assets",
     "convert_hf_to_megatron",
     "convert_megatron_to_hf",
@@ -380,7 +382,8 @@ def megatron_tensor_from_hf(global_name: str, source: TensorSource, margs: dict)
     raise KeyError(f"no HF counterpart for megatron tensor {global_name}")
 
 
-def _progress(total: int, desc: str, enabled: bool):
+def progress_bar(total: int, desc: str, enabled: bool):
+    """A tqdm bar on stderr counting tensors (disabled when ``enabled`` is False)."""
     from tqdm import tqdm
 
     return tqdm(total=total, desc=desc, unit="tensor", disable=not enabled, file=sys.stderr, dynamic_ncols=True)
@@ -419,7 +422,7 @@ def convert_hf_to_megatron(hf_path: PathLike, save_dir: PathLike, tensor_model_p
     it_dir = save_dir / iteration_dirname(iteration)
     it_dir.mkdir(parents=True, exist_ok=True)
     per_stage = [stage_param_names(margs, r, pp) for r in range(pp)]
-    with _progress(sum(len(n) for n in per_stage) * tp, "hf->megatron", progress) as bar:
+    with progress_bar(sum(len(n) for n in per_stage) * tp, "hf->megatron", progress) as bar:
         for pp_rank in range(pp):
             offset = layer_offset(margs["num_layers"], pp_rank, pp)
             for tp_rank in range(tp):
@@ -579,7 +582,7 @@ def convert_megatron_to_hf(load_dir: PathLike, save_dir: PathLike, iteration: Op
     cfg = hf_config_from_checkpoint(ckpt)
     save_dir = Path(save_dir)
     writer = ShardedSafetensorsWriter(save_dir, max_shard_bytes)
-    with _progress(num_hf_tensors(ckpt.model_args), "megatron->hf", progress) as bar:
+    with progress_bar(num_hf_tensors(ckpt.model_args), "megatron->hf", progress) as bar:
         for name, t in iter_hf_tensors_from_megatron(ckpt):
             writer.add(name, t)
             bar.update(1)
