@@ -1,5 +1,5 @@
 """megatron-core integration under torchrun/gloo on CPU: a tiny FP4 GPTModel gives the same loss and gradients
-at TP=1, TP=2, PP=2 and DP=2, trains with megatron-core's optimizer, and is bit-identical to megatron-core's
+at TP=1, TP=2, PP=2 and DP=2 (and PP=2 with tied embeddings), trains with megatron-core's optimizer, and is bit-identical to megatron-core's
 local spec when no recipe is active. The work happens in tests/dist/gpt_parallel.py (two launches in all)."""
 
 import os
@@ -24,9 +24,9 @@ def _run(cmd, timeout=600):
 @pytest.fixture(scope="module")
 def results(tmp_path_factory):
     out = str(tmp_path_factory.mktemp("gpt_parallel"))
-    _run([sys.executable, SCRIPT, "--layouts", "ref,ref@mxfp4", "--out", out, "--steps", str(STEPS)])
+    _run([sys.executable, SCRIPT, "--layouts", "ref,ref@mxfp4,ref_tied", "--out", out, "--steps", str(STEPS)])
     torchrun = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2"]
-    _run(torchrun + [SCRIPT, "--layouts", "hp:tp2,pp2,dp2,tp2@mxfp4,linears", "--out", out,
+    _run(torchrun + [SCRIPT, "--layouts", "hp:tp2,pp2,dp2,tp2@mxfp4,pp2_tied,linears", "--out", out,
                      "--steps", str(STEPS)])
     return {f[:-3]: torch.load(os.path.join(out, f), weights_only=False) for f in os.listdir(out)}
 
@@ -36,18 +36,23 @@ def _rel(a, b):
 
 
 @pytest.mark.parametrize("layout,ref", [("hp_tp2", "ref"), ("pp2", "ref"), ("dp2", "ref"),
-                                        ("tp2_mxfp4", "ref_mxfp4")])
+                                        ("tp2_mxfp4", "ref_mxfp4"), ("pp2_tied", "ref_tied")])
 def test_same_loss_and_grads_across_layouts(results, layout, ref):
     r, base = results[layout], results[ref]
     assert r["world"] == 2 and base["world"] == 1
     assert abs(r["loss0"] - base["loss0"]) <= 1e-5 * abs(base["loss0"])
-    assert set(r["grads0"]) == set(base["grads0"]) and len(base["grads0"]) == 31
+    grads = dict(r["grads0"])
+    if layout == "pp2_tied":  # the last stage's copy of the tied embedding carries the same (summed) grad
+        assert torch.equal(grads.pop("output_layer.weight"), grads["embedding.word_embeddings.weight"])
+    assert set(grads) == set(base["grads0"])
+    assert len(base["grads0"]) == (30 if layout == "pp2_tied" else 31)
     for name, g in base["grads0"].items():
         assert g.norm() > 0, name
-        assert _rel(r["grads0"][name], g) < 1e-5, name
+        assert _rel(grads[name], g) < 1e-5, name
 
 
-@pytest.mark.parametrize("layout", ["ref", "ref_mxfp4", "hp_tp2", "pp2", "dp2", "tp2_mxfp4"])
+@pytest.mark.parametrize("layout", ["ref", "ref_mxfp4", "ref_tied", "hp_tp2", "pp2", "dp2", "tp2_mxfp4",
+                                    "pp2_tied"])
 def test_loss_decreases_with_megatron_optimizer(results, layout):
     losses = results[layout]["train_losses"]
     assert len(losses) == STEPS + 1

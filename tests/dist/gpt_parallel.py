@@ -35,7 +35,10 @@ from megatron_fp4.parallel import FP4ParallelLinearMixin, initialize_parallel  #
 from megatron_fp4.recipe import recipe_for_format  # noqa: E402
 
 SEQ, MICRO_BATCH, GLOBAL_MICROBATCHES, VOCAB = 32, 2, 2, 128
-LAYOUTS = {"ref": (1, 1, False), "tp2": (2, 1, False), "pp2": (1, 2, False), "dp2": (1, 1, False)}
+# name -> (TP, PP, tied embeddings); DP is what the world size leaves
+LAYOUTS = {"ref": (1, 1, False), "tp2": (2, 1, False), "pp2": (1, 2, False), "dp2": (1, 1, False),
+           "ref_tied": (1, 1, True), "pp2_tied": (1, 2, True)}
+TIED_NAME = "embedding.word_embeddings.weight"
 
 
 def device() -> torch.device:
@@ -99,7 +102,7 @@ def layer_offset(args: GPTModelArgs) -> int:
     return ps.get_pipeline_model_parallel_rank() * (args.num_layers // ps.get_pipeline_model_parallel_world_size())
 
 
-def build(args: GPTModelArgs, sequence_parallel: bool, local_spec: bool = False):
+def build(args: GPTModelArgs, sequence_parallel: bool = False, local_spec: bool = False):
     from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig, finalize_model_grads
     from megatron.core.models.gpt import GPTModel
     from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
@@ -119,7 +122,8 @@ def build(args: GPTModelArgs, sequence_parallel: bool, local_spec: bool = False)
             full_shape = list(p.shape)
             if getattr(p, "tensor_model_parallel", False):
                 full_shape[p.partition_dim] *= tp
-            p.copy_(shard_of(canonical_tensor(global_name(name, off), full_shape, off), p, tp_rank, tp))
+            cname = TIED_NAME if (args.tie_embeddings and name == "output_layer.weight") else global_name(name, off)
+            p.copy_(shard_of(canonical_tensor(cname, full_shape, off), p, tp_rank, tp))
     ddp = DistributedDataParallel(config, DistributedDataParallelConfig(grad_reduce_in_fp32=True,
                                                                         overlap_grad_reduce=False), model)
     config.no_sync_func = ddp.no_sync
@@ -190,9 +194,10 @@ def run_layout(layout: str, default_format: str, steps: int, seed: int) -> dict:
     recipe = recipe_for_format(fmt or default_format)
     check_hp = layout_name.startswith("hp:")
     base = layout_name[3:] if check_hp else layout_name
-    tp, pp, sp = LAYOUTS[base]
+    tp, pp, tie = LAYOUTS[base]
+    sp = False  # the local spec's torch norms do not support sequence parallel (see run_linears)
     initialize_parallel(tp, pp, seed=seed)
-    args = model_args(recipe)
+    args = model_args(recipe, tie=tie)
     result = {"layout": layout, "world": torch.distributed.get_world_size()}
     ddp, config = build(args, sp)
     mbs = my_microbatches()
@@ -206,7 +211,7 @@ def run_layout(layout: str, default_format: str, steps: int, seed: int) -> dict:
     result["grads0"] = collect_grads(ddp, args)
     if check_hp:
         # the FP4 spec with no recipe vs megatron-core's local spec: identical loss and gradients, bit for bit
-        args_hp = model_args(None)
+        args_hp = model_args(None, tie=tie)
         fp4_hp, cfg1 = build(args_hp, sp)
         local, cfg2 = build(args_hp, sp, local_spec=True)
         result["hp_fp4_spec_loss"] = run_batch(fp4_hp, cfg1, mbs)
