@@ -328,3 +328,17 @@ def test_load_into_model_with_other_vocab_padding(hf_models, converted):
     with pytest.raises(ValueError, match=r"vocabulary mismatch: model vocab_size=96 is smaller than the "
                                          r"checkpoint's vocabulary 97"):
         load_checkpoint_into_model(small, ckpt)
+
+
+def test_refuses_to_overwrite_without_flag(hf_models, tmp_path):
+    convert_hf_to_megatron(hf_models["llama"], tmp_path / "mg", 2, 1, progress=False)
+    with pytest.raises(FileExistsError, match=r"release already exists; pass --overwrite"):
+        convert_hf_to_megatron(hf_models["llama"], tmp_path / "mg", 1, 1, progress=False)
+    convert_hf_to_megatron(hf_models["llama"], tmp_path / "mg", 1, 1, progress=False, overwrite=True)
+    assert sorted(p.name for p in (tmp_path / "mg" / "release").iterdir()) == ["args.json", "mp_rank_00_000"]
+    convert_megatron_to_hf(tmp_path / "mg", tmp_path / "hf", progress=False)
+    r = run_tool("convert_megatron_to_hf.py", "--load", str(tmp_path / "mg"), "--save", str(tmp_path / "hf"))
+    assert r.returncode == 2 and "already holds a model" in r.stderr
+    convert_megatron_to_hf(tmp_path / "mg", tmp_path / "hf", max_shard_bytes=50_000, progress=False, overwrite=True)
+    assert not (tmp_path / "hf" / "model.safetensors").exists()
+    assert (tmp_path / "hf" / "model.safetensors.index.json").is_file()

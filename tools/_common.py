@@ -26,7 +26,7 @@ def run_cli(main: Callable[[], object]) -> None:
     """Run ``main``; configuration/data errors print one clear line and exit with status 2."""
     try:
         main()
-    except (ValueError, KeyError, FileNotFoundError, NotImplementedError) as e:
+    except (ValueError, KeyError, FileNotFoundError, FileExistsError, NotImplementedError) as e:
         msg = e.args[0] if isinstance(e, KeyError) and e.args else str(e)
         print(f"error: {msg}", file=sys.stderr)
         sys.exit(2)

@@ -26,6 +26,7 @@ def parse_args(argv=None) -> argparse.Namespace:
                    help="pad the vocabulary to a multiple of this x TP (default 1: pad only as TP requires)")
     p.add_argument("--iteration", default="release", help='iteration to write: "release" (default) or a number')
     p.add_argument("--no-progress", action="store_true", help="no progress bar")
+    p.add_argument("--overwrite", action="store_true", help="replace an existing output in --save")
     return p.parse_args(argv)
 
 
@@ -36,7 +37,7 @@ def main(argv=None) -> None:
     it_dir = convert_hf_to_megatron(
         args.hf_path, args.save, args.tensor_model_parallel_size, args.pipeline_model_parallel_size,
         make_vocab_size_divisible_by=args.make_vocab_size_divisible_by, iteration=args.iteration,
-        progress=not args.no_progress)
+        progress=not args.no_progress, overwrite=args.overwrite)
     print(f"wrote {it_dir} (TP={args.tensor_model_parallel_size}, PP={args.pipeline_model_parallel_size})")
 
 

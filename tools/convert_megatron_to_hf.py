@@ -22,6 +22,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--iteration", default=None, help="iteration to convert (default: the tracker file's)")
     p.add_argument("--max-shard-size", default="5GB", help="largest safetensors file (default 5GB)")
     p.add_argument("--no-progress", action="store_true", help="no progress bar")
+    p.add_argument("--overwrite", action="store_true", help="replace an existing output in --save")
     return p.parse_args(argv)
 
 
@@ -30,7 +31,8 @@ def main(argv=None) -> None:
     from megatron_fp4.models.hf_conversion import convert_megatron_to_hf
 
     out = convert_megatron_to_hf(args.load, args.save, iteration=args.iteration,
-                                 max_shard_bytes=parse_size(args.max_shard_size), progress=not args.no_progress)
+                                 max_shard_bytes=parse_size(args.max_shard_size), progress=not args.no_progress,
+                                 overwrite=args.overwrite)
     print(f"wrote {out}")
 
 

@@ -36,6 +36,7 @@ def parse_args(argv=None) -> argparse.Namespace:
                    help="keep the linears of the last N transformer layers in high precision")
     p.add_argument("--max-shard-size", default="5GB", help="largest safetensors file (default 5GB)")
     p.add_argument("--no-progress", action="store_true", help="no progress bar")
+    p.add_argument("--overwrite", action="store_true", help="replace an existing output in --save")
     return p.parse_args(argv)
 
 
@@ -47,7 +48,8 @@ def main(argv=None) -> None:
         args.hf_path or args.load, args.save, format=args.format, resq=args.resq,
         activation_format=args.activation_format, high_precision_first_layers=args.high_precision_first_layers,
         high_precision_last_layers=args.high_precision_last_layers,
-        max_shard_bytes=parse_size(args.max_shard_size), progress=not args.no_progress)
+        max_shard_bytes=parse_size(args.max_shard_size), progress=not args.no_progress,
+        overwrite=args.overwrite)
     print(f"wrote {out} (format {args.format}, resq {args.resq})")
 
 

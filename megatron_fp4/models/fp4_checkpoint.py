@@ -46,6 +46,7 @@ from megatron_fp4.models.hf_conversion import (
     iter_hf_tensors_from_megatron,
     model_args_from_hf_config,
     num_hf_tensors,
+    prepare_output_dir,
     check_hf_shapes,
 )
 
@@ -118,7 +119,8 @@ def _hf_order(margs: dict) -> list[str]:
 def export_fp4_checkpoint(source: Union[str, os.PathLike], save_dir: Union[str, os.PathLike], format: str = "hif4",
                           resq: str = "none", activation_format: Optional[str] = None,
                           high_precision_first_layers: int = 0, high_precision_last_layers: int = 0,
-                          max_shard_bytes: int = 5 * 2**30, progress: bool = True) -> Path:
+                          max_shard_bytes: int = 5 * 2**30, progress: bool = True, overwrite: bool = False
+                          ) -> Path:
     """Write the FP4 rollout checkpoint of ``source`` (an HF folder or a megatron-fp4 checkpoint) to ``save_dir``."""
     if format not in registered_formats():
         raise ValueError(f"--format {format!r} is not valid; allowed values: {', '.join(EXPORT_FORMATS)} "
@@ -137,7 +139,7 @@ def export_fp4_checkpoint(source: Union[str, os.PathLike], save_dir: Union[str, 
     config, tensors, count, assets = _source_for(source)
     margs = model_args_from_hf_config(config)
     num_layers = margs["num_layers"]
-    save_dir = Path(save_dir)
+    save_dir = prepare_output_dir(save_dir, overwrite)
     writer = ShardedSafetensorsWriter(save_dir, max_shard_bytes)
     quantized: dict[str, dict] = {}
     kept: list[str] = []

@@ -61,6 +61,7 @@ __all__ = [
     "num_hf_tensors",
     "progress_bar",
     "copy_hf_assets",
+    "prepare_output_dir",
     "convert_hf_to_megatron",
     "convert_megatron_to_hf",
 ]
@@ -389,6 +390,35 @@ def progress_bar(total: int, desc: str, enabled: bool):
     return tqdm(total=total, desc=desc, unit="tensor", disable=not enabled, file=sys.stderr, dynamic_ncols=True)
 
 
+def prepare_output_dir(path: PathLike, overwrite: bool, megatron_iteration: Optional[Union[int, str]] = None
+                       ) -> Path:
+    """Create an output directory; refuse (FileExistsError) to mix with an existing checkpoint unless ``overwrite``.
+
+    For a megatron checkpoint only the iteration directory being written counts (other iterations are kept); for
+    an HF folder, existing weights / config.json (removed when ``overwrite``).
+    """
+    path = Path(path)
+    if megatron_iteration is not None:
+        target = path / iteration_dirname(megatron_iteration)
+        if target.exists() and any(target.iterdir()):
+            if not overwrite:
+                raise FileExistsError(f"{target} already exists; pass --overwrite (overwrite=True) to replace it "
+                                      f"or choose another --save")
+            shutil.rmtree(target)
+        target.mkdir(parents=True, exist_ok=True)
+        return target
+    if path.exists():
+        old = [p for p in path.iterdir() if p.suffix == ".safetensors" or p.name in (
+            "config.json", "model.safetensors.index.json")]
+        if old and not overwrite:
+            raise FileExistsError(f"{path} already holds a model ({old[0].name}); pass --overwrite (overwrite=True) "
+                                  f"to replace it or choose another --save")
+        for p in old:
+            p.unlink()
+    path.mkdir(parents=True, exist_ok=True)
+    return path
+
+
 def copy_hf_assets(src_dir: PathLike, dst_dir: PathLike) -> list[str]:
     """Copy the non-weight files of an HF folder (tokenizer, generation_config, ...) except config.json."""
     src_dir, dst_dir = Path(src_dir), Path(dst_dir)
@@ -405,7 +435,8 @@ def copy_hf_assets(src_dir: PathLike, dst_dir: PathLike) -> list[str]:
 
 def convert_hf_to_megatron(hf_path: PathLike, save_dir: PathLike, tensor_model_parallel_size: int = 1,
                            pipeline_model_parallel_size: int = 1, make_vocab_size_divisible_by: int = 1,
-                           iteration: Union[int, str] = "release", progress: bool = True) -> Path:
+                           iteration: Union[int, str] = "release", progress: bool = True,
+                           overwrite: bool = False) -> Path:
     """Convert an HF Qwen2/Llama folder to a TP x PP sharded megatron-fp4 checkpoint; returns the iteration dir.
 
     Shards are written one at a time (each holds one TP rank of one PP stage); the tracker file last.
@@ -419,8 +450,7 @@ def convert_hf_to_megatron(hf_path: PathLike, save_dir: PathLike, tensor_model_p
     hf_vocab = margs["vocab_size"]
     margs = source.model_args(tp, make_vocab_size_divisible_by)
     save_dir = Path(save_dir)
-    it_dir = save_dir / iteration_dirname(iteration)
-    it_dir.mkdir(parents=True, exist_ok=True)
+    it_dir = prepare_output_dir(save_dir, overwrite, megatron_iteration=iteration)
     per_stage = [stage_param_names(margs, r, pp) for r in range(pp)]
     with progress_bar(sum(len(n) for n in per_stage) * tp, "hf->megatron", progress) as bar:
         for pp_rank in range(pp):
@@ -576,11 +606,12 @@ class ShardedSafetensorsWriter:
 
 
 def convert_megatron_to_hf(load_dir: PathLike, save_dir: PathLike, iteration: Optional[Union[int, str]] = None,
-                           max_shard_bytes: int = 5 * 2**30, progress: bool = True) -> Path:
+                           max_shard_bytes: int = 5 * 2**30, progress: bool = True, overwrite: bool = False
+                           ) -> Path:
     """Convert a megatron-fp4 checkpoint (any TP/PP) to an HF folder transformers can load; returns ``save_dir``."""
     ckpt = MegatronCheckpoint(load_dir, iteration)
     cfg = hf_config_from_checkpoint(ckpt)
-    save_dir = Path(save_dir)
+    save_dir = prepare_output_dir(save_dir, overwrite)
     writer = ShardedSafetensorsWriter(save_dir, max_shard_bytes)
     with progress_bar(num_hf_tensors(ckpt.model_args), "megatron->hf", progress) as bar:
         for name, t in iter_hf_tensors_from_megatron(ckpt):
