@@ -310,12 +310,18 @@ def test_checkpoint_without_hf_config_converts_to_a_loadable_hf_model(tmp_path):
 def test_load_into_model_with_other_vocab_padding(hf_models, converted):
     """The trainer may pad the vocabulary differently (e.g. to 16 x TP): padding rows are added or dropped."""
     from megatron_fp4.models import GPTModelArgs, build_gpt_model
-    from megatron_fp4.models.checkpoint_io import load_checkpoint_into_model, model_args_from_json
+    from megatron_fp4.models.checkpoint_io import (
+        gpt_model_args_from_checkpoint,
+        load_checkpoint_into_model,
+        model_args_from_json,
+    )
     from megatron_fp4.parallel import initialize_parallel
 
     initialize_parallel(1, 1)
     ckpt = MegatronCheckpoint(converted("llama_bf16", 2, 1))  # hf vocab 97, padded to 98
     margs = model_args_from_json(ckpt.model_args)
+    built = gpt_model_args_from_checkpoint(ckpt.dir.parent, fp4_recipe=None, vocab_size=128)
+    assert built.vocab_size == 128 and built.params_dtype == torch.bfloat16 and built.tie_embeddings
     ids = _ids(97)
     ref = _hf_logits(hf_models["llama_bf16"], ids)
     for vocab in (97, 128):

@@ -55,6 +55,7 @@ __all__ = [
     "write_checkpoint_metadata",
     "save_model_checkpoint",
     "load_checkpoint_into_model",
+    "gpt_model_args_from_checkpoint",
     "load_gpt",
 ]
 
@@ -516,6 +517,16 @@ def save_model_checkpoint(model: Any, save_dir: PathLike, iteration: Union[int, 
     if dist:
         torch.distributed.barrier()
     return it_dir
+
+
+def gpt_model_args_from_checkpoint(path: PathLike, iteration: Optional[Union[int, str]] = None, **changes: Any):
+    """The ``GPTModelArgs`` a checkpoint was written with (``changes`` override fields, e.g. ``fp4_recipe``,
+    ``params_dtype``, a larger ``vocab_size``). Build with ``build_gpt_model`` at any TP/PP, then
+    :func:`load_checkpoint_into_model` (before the optimizer is built: it copies the params)."""
+    from megatron_fp4.models.gpt import GPTModelArgs
+
+    ckpt = path if isinstance(path, MegatronCheckpoint) else MegatronCheckpoint(path, iteration)
+    return GPTModelArgs(**{**model_args_from_json(ckpt.model_args), **changes})
 
 
 def load_gpt(path: PathLike, iteration: Optional[Union[int, str]] = None, fp4_recipe: Any = None,
