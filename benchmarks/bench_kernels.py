@@ -21,7 +21,7 @@ sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."
 
 import triton  # noqa: E402
 
-from kernels.gemm import fp4_matmul, mm_expanded, packed_matmul, w4_matmul  # noqa: E402
+from kernels.gemm import fp4_matmul, mm_expanded, packed_matmul, w4_matmul, w4a4_decode_matmul  # noqa: E402
 from kernels.quantize import Expanded, expand_packed, quantize  # noqa: E402
 from kernels.resq import resq_quantize  # noqa: E402
 
@@ -128,26 +128,26 @@ def bench_gemms(shapes, ms_list, skip_packed_large=False):
             for fmt in ("mxfp4", "hif4"):
                 qs = prep[fmt]
                 if M <= 64:
-                    exs = [quantize(xi, fmt, expand="bf16")[1].values for xi in xs]
-                    rr = [resq_quantize(xi, fmt, expand="bf16") for xi in xs]
-                    rec(f"{fmt}_w4a4_gemm", bench([lambda i=i: w4_matmul(exs[i % len(exs)], qs[i][0])
-                                                   for i in range(len(qs))], graph=True))
-                    rec(f"{fmt}_w4a4_e2e", bench([lambda i=i: w4_matmul(quantize(xs[i % len(xs)], fmt,
-                                                                                 expand="bf16")[1].values, qs[i][0])
-                                                  for i in range(len(qs))], graph=True))
-                    rec(f"{fmt}_resq24_gemm", bench([lambda i=i: w4_matmul(rr[i % len(rr)][2].values, qs[i][0],
-                                                                            rr[i % len(rr)][3].values)
-                                                     for i in range(len(qs))], graph=True))
-                    rec(f"{fmt}_resq24_e2e", bench([lambda i=i: (lambda r: w4_matmul(r[2].values, qs[i][0],
-                                                                                     r[3].values))(
-                        resq_quantize(xs[i % len(xs)], fmt, expand="bf16")) for i in range(len(qs))], graph=True))
-                    rec(f"{fmt}_w4a16", bench([lambda i=i: w4_matmul(xs[i % len(xs)], qs[i][0])
-                                               for i in range(len(qs))], graph=True))
+                    qxs = [quantize(xi, fmt) for xi in xs]
+                    rr = [resq_quantize(xi, fmt) for xi in xs]
+                    n = len(qs)
+                    rec(f"{fmt}_w4a4_gemm", bench([lambda i=i: w4a4_decode_matmul(qxs[i % len(xs)], qs[i][0])
+                                                   for i in range(n)], graph=True))
+                    rec(f"{fmt}_w4a4_e2e", bench([lambda i=i: w4a4_decode_matmul(quantize(xs[i % len(xs)], fmt),
+                                                                                 qs[i][0]) for i in range(n)],
+                                                 graph=True))
+                    rec(f"{fmt}_resq24_gemm", bench([lambda i=i: w4a4_decode_matmul(rr[i % len(xs)][0], qs[i][0],
+                                                                                     rr[i % len(xs)][1])
+                                                     for i in range(n)], graph=True))
+                    rec(f"{fmt}_resq24_e2e", bench([lambda i=i: (lambda t: w4a4_decode_matmul(t[0], qs[i][0], t[1]))(
+                        resq_quantize(xs[i % len(xs)], fmt)) for i in range(n)], graph=True))
+                    rec(f"{fmt}_w4a16", bench([lambda i=i: w4_matmul(xs[i % len(xs)], qs[i][0]) for i in range(n)],
+                                              graph=True))
                 else:
                     q0 = qs[0][0]
                     modes = [("exact", "bf16", 0)]
                     if fmt == "mxfp4":
-                        modes.append(("fp8", "native", 0))
+                        modes += [("fp8", "native", 32), ("fp8fast", "native", 0)]
                     for mode, ex_mode, promote in modes:
                         e0 = qs[0][1] if ex_mode == "native" else expand_packed(q0, "bf16")
                         qx, ex = quantize(x, fmt, expand=ex_mode)
@@ -181,16 +181,21 @@ def sweep_decode():
         qs = [quantize(w, fmt) for w in ws]
         for M in (16, 64):
             x = torch.randn(M, K, device="cuda", dtype=torch.bfloat16)
-            bm = 16 if M <= 16 else 64
-            for bn, w, st in ((64, 4, 4), (128, 4, 4), (32, 4, 4), (64, 2, 4), (128, 8, 3), (64, 4, 2)):
-                cfg = {"BM": bm, "BN": bn, "BKH": 32, "num_warps": w, "num_stages": st}
+            for kern, bn, w, st in (("fp8", 128, 4, 4), ("fp8", 64, 4, 4), ("fp8", 128, 8, 3), ("fp8", 256, 8, 3),
+                                    ("bf16", 128, 4, 4), ("bf16", 64, 4, 4), ("bf16", 256, 8, 3)):
+                cfg = {"BN": bn, "BKH": 32, "num_warps": w, "num_stages": st}
+                qx = quantize(x, fmt)
                 try:
-                    ms = bench([lambda i=i: w4_matmul(x, qs[i], config=cfg) for i in range(len(qs))], graph=True)
+                    if kern == "fp8":
+                        fns = [lambda i=i: w4a4_decode_matmul(qx, qs[i], config=cfg) for i in range(len(qs))]
+                    else:
+                        fns = [lambda i=i: w4_matmul(x, qs[i], config=cfg) for i in range(len(qs))]
+                    ms = bench(fns, graph=True)
                 except Exception as e:  # noqa: BLE001
                     ms = float("nan")
-                    print("config failed", cfg, type(e).__name__)
-                out.append({"fmt": fmt, "M": M, **cfg, "us": ms * 1e3})
-                print(f"  decode sweep {fmt} M={M} {cfg}: {ms * 1e3:.1f} us", flush=True)
+                    print("config failed", cfg, type(e).__name__, str(e)[:200])
+                out.append({"fmt": fmt, "M": M, "kernel": kern, **cfg, "us": ms * 1e3})
+                print(f"  decode sweep {fmt} {kern} M={M} {cfg}: {ms * 1e3:.1f} us", flush=True)
     return out
 
 

@@ -40,22 +40,26 @@ def _reference_gemm(a, b, fa: Format, fb: Format) -> torch.Tensor:
     return torch.matmul(aq, bq.t())
 
 
-MODES = ("exact", "fp8")
+#: GEMM modes for M > 64 (MXFP4; HiF4 always uses the exact BF16 path): "exact" BF16 tensor cores; "fp8" FP8
+#: E5M2 with partial sums promoted to fp32 every 32 K-elements (measured within ~2e-7 of fp32 accumulation);
+#: "fp8_fast" FP8 with Hopper's default FP8 accumulation (~1e-4 relative error, documented as approximate).
+MODES = ("exact", "fp8", "fp8_fast")
+PROMOTE = {"exact": 0, "fp8": 32, "fp8_fast": 0}
 
 
 def _check_mode(mode: str) -> None:
     if mode not in MODES:
-        raise ValueError(f"mode={mode!r} is not valid; allowed values: 'exact', 'fp8'")
+        raise ValueError(f"mode={mode!r} is not valid; allowed values: {', '.join(map(repr, MODES))}")
 
 
 def fp4_gemm(a: torch.Tensor, b: torch.Tensor, a_format, b_format=None, mode: str = "exact") -> torch.Tensor:
     """fp32 ``Q(a) @ Q(b)^T`` for ``a [m, K]``, ``b [n, K]`` quantized along K (nearest rounding).
 
-    mode "exact": BF16 tensor cores (equal to the reference up to fp32 summation order); "fp8": MXFP4 through
-    FP8 E5M2 (exact products, Hopper's reduced-precision FP8 accumulation; HiF4 stays on BF16).
+    M <= 64: the packed FP8 decode kernel (exact). Larger M: see :data:`MODES` ("exact": BF16 tensor cores,
+    equal to the reference up to fp32 summation order).
     """
     _check_mode(mode)
-    from kernels.gemm import fp4_matmul, w4_matmul
+    from kernels.gemm import fp4_matmul, w4a4_decode_matmul
     from kernels.quantize import quantize
 
     fa = get_format(a_format)
@@ -63,13 +67,11 @@ def fp4_gemm(a: torch.Tensor, b: torch.Tensor, a_format, b_format=None, mode: st
     if fa.name != fb.name or fa.name not in KERNEL_FORMATS or not kernels_usable(a, b):
         return _reference_gemm(a, b, fa, fb)
     if a.shape[0] <= DECODE_MAX_M:
-        qa, ea = quantize(a, fa, expand="bf16")
-        qb = quantize(b, fb)
-        return w4_matmul(ea.values, qb)
-    ex = "native" if mode == "fp8" else "bf16"
+        return w4a4_decode_matmul(quantize(a, fa), quantize(b, fb))
+    ex = "bf16" if mode == "exact" else "native"
     qa, ea = quantize(a, fa, expand=ex)
     qb, eb = quantize(b, fb, expand=ex)
-    return fp4_matmul(qa, ea, qb, eb)
+    return fp4_matmul(qa, ea, qb, eb, promote=PROMOTE[mode])
 
 
 def ops_backend(a, b, a_fmt: Format, b_fmt: Format, a_rounding: str, b_rounding: str, generator=None):
@@ -98,17 +100,18 @@ class PreparedWeight:
     packed: QuantizedTensor
     expanded: object  # kernels.quantize.Expanded or None
     fmt: Format
+    mode: str = "exact"
 
 
 def prepare_weight(w: torch.Tensor, fmt, mode: str = "exact") -> PreparedWeight:
     """Quantize a weight once per weight update: packed codes + the GEMM-ready expansion (BF16, or FP8 E5M2
-    for MXFP4 with ``mode="fp8"``)."""
+    for MXFP4 with ``mode`` "fp8"/"fp8_fast")."""
     from kernels.quantize import quantize
 
     _check_mode(mode)
     f = get_format(fmt)
-    q, e = quantize(w, f, dim=-1, expand="native" if mode == "fp8" else "bf16")
-    return PreparedWeight(q, e, f)
+    q, e = quantize(w, f, dim=-1, expand="bf16" if mode == "exact" else "native")
+    return PreparedWeight(q, e, f, mode)
 
 
 def linear(x: torch.Tensor, w: PreparedWeight, resq: str = "none", activations: str = "fp4",
@@ -117,7 +120,7 @@ def linear(x: torch.Tensor, w: PreparedWeight, resq: str = "none", activations: 
 
     ``activations``: "fp4" (W4A4) or "bf16" (W4A16: x used as is, rounded to bf16); ``resq``: "none" or "2:4".
     """
-    from kernels.gemm import fp4_matmul, w4_matmul
+    from kernels.gemm import fp4_matmul, w4_matmul, w4a4_decode_matmul
     from kernels.quantize import expand_packed, quantize
     from kernels.resq import resq_matmul
 
@@ -141,12 +144,11 @@ def linear(x: torch.Tensor, w: PreparedWeight, resq: str = "none", activations: 
         wb = w.expanded if w.expanded.values.dtype == torch.bfloat16 else expand_packed(w.packed, "bf16")
         return mm_expanded(Expanded(xb), wb, out_dtype=out_dtype)
     if resq == "2:4":
-        return resq_matmul(x, w.packed, w.expanded, out_dtype=out_dtype)
+        return resq_matmul(x, w.packed, w.expanded, out_dtype=out_dtype, promote=PROMOTE[w.mode])
     if x.shape[0] <= DECODE_MAX_M:
-        qx, ex = quantize(x, w.fmt, expand="bf16")
-        return w4_matmul(ex.values, w.packed).to(out_dtype)
+        return w4a4_decode_matmul(quantize(x, w.fmt), w.packed).to(out_dtype)
     qx, ex = quantize(x, w.fmt, expand="native" if w.expanded.values.dtype == torch.float8_e5m2 else "bf16")
-    return fp4_matmul(qx, ex, w.packed, w.expanded, out_dtype=out_dtype)
+    return fp4_matmul(qx, ex, w.packed, w.expanded, out_dtype=out_dtype, promote=PROMOTE[w.mode])
 
 
 def _reference_linear(x: torch.Tensor, w: PreparedWeight, resq: str, activations: str) -> torch.Tensor:

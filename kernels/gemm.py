@@ -28,7 +28,7 @@ from kernels.quantize import Expanded
 from megatron_fp4.formats import QuantizedTensor
 from megatron_fp4.formats.packing import unpack_nibbles
 
-__all__ = ["mm_expanded", "fp4_matmul", "packed_matmul", "w4_matmul", "dequantize_rows"]
+__all__ = ["mm_expanded", "fp4_matmul", "packed_matmul", "w4_matmul", "w4a4_decode_matmul", "dequantize_rows"]
 
 if HAS_TRITON:
 
@@ -203,6 +203,144 @@ if HAS_TRITON:
             tl.store(cptr, acc.to(c_ptr.dtype.element_ty), mask=cmask)
 
 
+    @triton.jit
+    def _w4_decode_kernel(x_ptr, r_ptr, b_ptr, bs_ptr, c_ptr, M, N, KH, stride_xm, stride_rm, stride_bn,
+                          stride_bsn, stride_cm, FMT: tl.constexpr, HAS_RES: tl.constexpr, SPLIT_K: tl.constexpr,
+                          F32: tl.constexpr, BN: tl.constexpr, BM: tl.constexpr, BKH: tl.constexpr):
+        """out[M, N] (+)= x[M, K] . deq(W[N, K])^T for M <= BM, computed swapped (acc = W . x^T, [BN, BM]) so the
+        dequantized weight tile is the MMA's M-side operand and the few tokens its N side."""
+        pid_n = tl.program_id(0)
+        pid_k = tl.program_id(1)
+        offs_n = pid_n * BN + tl.arange(0, BN)
+        offs_m = tl.arange(0, BM)
+        nmask = offs_n < N
+        mmask = offs_m < M
+        acc = tl.zeros((BN, BM), dtype=tl.float32)
+        for j0 in range(pid_k * BKH, KH, SPLIT_K * BKH):
+            j = j0 + tl.arange(0, BKH)
+            jm = j < KH
+            qb = tl.load(b_ptr + offs_n[:, None] * stride_bn + j[None, :], mask=nmask[:, None] & jm[None, :],
+                         other=0)
+            wlo, whi = _deq_bytes(qb, bs_ptr, offs_n, nmask, j0, j, stride_bsn, FMT)
+            xmask = jm[:, None] & mmask[None, :]
+            xp = x_ptr + offs_m[None, :] * stride_xm + 2 * j[:, None]
+            xlo = tl.load(xp, mask=xmask, other=0.0)
+            xhi = tl.load(xp + 1, mask=xmask, other=0.0)
+            acc = _dot(wlo, xlo, acc, F32)
+            acc = _dot(whi, xhi, acc, F32)
+            if HAS_RES:
+                rp = r_ptr + offs_m[None, :] * stride_rm + 2 * j[:, None]
+                rlo = tl.load(rp, mask=xmask, other=0.0)
+                rhi = tl.load(rp + 1, mask=xmask, other=0.0)
+                acc = _dot(wlo, rlo, acc, F32)
+                acc = _dot(whi, rhi, acc, F32)
+        cptr = c_ptr + offs_m[None, :] * stride_cm + offs_n[:, None]
+        cmask = nmask[:, None] & mmask[None, :]
+        if SPLIT_K > 1:
+            tl.atomic_add(cptr, acc, mask=cmask)
+        else:
+            tl.store(cptr, acc.to(c_ptr.dtype.element_ty), mask=cmask)
+
+
+    @triton.jit
+    def _f8_operand(q, w, jj, FMT: tl.constexpr, F32: tl.constexpr, R: tl.constexpr, BKH: tl.constexpr):
+        """Packed bytes q [R, BKH] (int32) -> elements [R, 2*BKH] in order, as FP8 (F32: the same values in fp32):
+        MXFP4 E5M2 = e2m1 * 2^-14 (pure bit placement); HiF4 E4M3 = k * 2^(E1_8 + E1_16) (w: scale word [R, 1])."""
+        if FMT == 0:
+            mic = ((w >> (8 + jj // 4)) & 1) + ((w >> (16 + jj // 2)) & 1)
+            klo = q & 7
+            khi = (q >> 4) & 7
+            if F32:
+                lo = klo.to(tl.float32) * (1 << mic).to(tl.float32)
+                hi = khi.to(tl.float32) * (1 << mic).to(tl.float32)
+                lo = tl.where((q & 8) != 0, -lo, lo)
+                hi = tl.where((q & 0x80) != 0, -hi, hi)
+            else:
+                lo = tl.where(klo < 4, 1145059328 >> (klo * 8), 1313622600 >> ((klo - 4) * 8)) & 0xFF
+                hi = tl.where(khi < 4, 1145059328 >> (khi * 8), 1313622600 >> ((khi - 4) * 8)) & 0xFF
+                lo = tl.where(klo != 0, lo + (mic << 3), 0) | ((q & 8) << 4)
+                hi = tl.where(khi != 0, hi + (mic << 3), 0) | (q & 0x80)
+        else:
+            if F32:
+                lut = tl.full(q.shape, -932957680, tl.int32)
+                lo = ((lut >> ((q & 7) * 4)) & 0xF).to(tl.float32) * 3.0517578125e-05
+                hi = ((lut >> (((q >> 4) & 7) * 4)) & 0xF).to(tl.float32) * 3.0517578125e-05
+                lo = tl.where((q & 8) != 0, -lo, lo)
+                hi = tl.where((q & 0x80) != 0, -hi, hi)
+            else:
+                lo = ((q & 8) << 4) | ((q & 7) << 1)
+                hi = (q & 0x80) | ((q >> 3) & 0xE)
+        v = tl.reshape(tl.join(lo, hi), (R, 2 * BKH))
+        if not F32:
+            if FMT == 0:
+                v = v.to(tl.uint8).to(tl.float8e4nv, bitcast=True)
+            else:
+                v = v.to(tl.uint8).to(tl.float8e5, bitcast=True)
+        return v
+
+    @triton.jit
+    def _blk_scale(s_ptr, rows, rmask, stride_s, j0, FMT: tl.constexpr):
+        """fp32 [R] scale of the block/unit starting at byte j0 (MXFP4 2^X, HiF4 E6M2), NaN for NaN codes; for
+        HiF4 also the raw scale word (micro-exponent bits)."""
+        if FMT == 0:
+            w = tl.load(s_ptr + rows * stride_s + j0 // 32, mask=rmask, other=0)
+            c = w & 0xFF
+            v = ((((c >> 2) + 79) << 23) | ((c & 3) << 21)).to(tl.float32, bitcast=True)
+            v = tl.where(c == 255, float("nan"), v)
+        else:
+            w = tl.load(s_ptr + rows * stride_s + j0 // 16, mask=rmask, other=127).to(tl.int32)
+            v = tl.where(w >= 1, (w << 23).to(tl.float32, bitcast=True), 5.877471754111438e-39)
+            v = tl.where(w == 255, float("nan"), v)
+        return v, w
+
+    @triton.jit
+    def _fp8_decode_kernel(x_ptr, xs_ptr, r_ptr, rs_ptr, b_ptr, bs_ptr, c_ptr, M, N, KH, stride_xm, stride_xsm,
+                           stride_bn, stride_bsn, stride_cm, FMT: tl.constexpr, HAS_RES: tl.constexpr,
+                           SPLIT_K: tl.constexpr, F32: tl.constexpr, BN: tl.constexpr, BM: tl.constexpr):
+        """W4A4 decode on FP8 tensor cores, both operands read PACKED: per HiF4 unit / MXFP4 block one dot of its
+        64 / 32 elements (exact: FP8 holds every element x micro-exponent), scaled into the fp32 accumulator by
+        the two block scales. acc = W . X^T ([BN, BM], swapped); the ResQ residual X_r reuses each W tile."""
+        BKH: tl.constexpr = 32 if FMT == 0 else 16
+        C: tl.constexpr = 0.0625 if FMT == 0 else 268435456.0  # (1/4)^2 for k/4, (2^14)^2 for e2m1*2^-14
+        pid_n = tl.program_id(0)
+        pid_k = tl.program_id(1)
+        offs_n = pid_n * BN + tl.arange(0, BN)
+        offs_m = tl.arange(0, BM)
+        nmask = offs_n < N
+        mmask = offs_m < M
+        jj = tl.arange(0, BKH)[None, :] % 32
+        acc = tl.zeros((BN, BM), dtype=tl.float32)
+        for j0 in range(pid_k * BKH, KH, SPLIT_K * BKH):
+            j = j0 + tl.arange(0, BKH)
+            qb = tl.load(b_ptr + offs_n[:, None] * stride_bn + j[None, :], mask=nmask[:, None], other=0).to(tl.int32)
+            pw, ww = _blk_scale(bs_ptr, offs_n, nmask, stride_bsn, j0, FMT)
+            w8 = _f8_operand(qb, ww[:, None], jj, FMT, F32, BN, BKH)
+            qx = tl.load(x_ptr + offs_m[:, None] * stride_xm + j[None, :], mask=mmask[:, None], other=0).to(tl.int32)
+            px, wx = _blk_scale(xs_ptr, offs_m, mmask, stride_xsm, j0, FMT)
+            x8 = tl.trans(_f8_operand(qx, wx[:, None], jj, FMT, F32, BM, BKH))
+            if F32:
+                d = tl.dot(w8, x8, input_precision="ieee")
+            else:
+                d = tl.dot(w8, x8)
+            acc += ((d * C) * pw[:, None]) * px[None, :]
+            if HAS_RES:
+                qr = tl.load(r_ptr + offs_m[:, None] * stride_xm + j[None, :], mask=mmask[:, None],
+                             other=0).to(tl.int32)
+                pr, wr = _blk_scale(rs_ptr, offs_m, mmask, stride_xsm, j0, FMT)
+                r8 = tl.trans(_f8_operand(qr, wr[:, None], jj, FMT, F32, BM, BKH))
+                if F32:
+                    d = tl.dot(w8, r8, input_precision="ieee")
+                else:
+                    d = tl.dot(w8, r8)
+                acc += ((d * C) * pw[:, None]) * pr[None, :]
+        cptr = c_ptr + offs_m[None, :] * stride_cm + offs_n[:, None]
+        cmask = nmask[:, None] & mmask[None, :]
+        if SPLIT_K > 1:
+            tl.atomic_add(cptr, acc, mask=cmask)
+        else:
+            tl.store(cptr, acc.to(c_ptr.dtype.element_ty), mask=cmask)
+
+
 # ----------------------------------------------------------------------------------------------------------------
 # Host wrappers
 # ----------------------------------------------------------------------------------------------------------------
@@ -242,6 +380,8 @@ def mm_expanded(a: Expanded, b: Expanded, a_res: Optional[Expanded] = None,
     even_k = K % BK == 0
     args = (av, rv, bv, c, sa, sb, M, N, K, av.stride(0), rv.stride(0), bv.stride(0), c.stride(0))
     kw = dict(HAS_RES=a_res is not None, HAS_SCALE=has_scale, PRECISE_ACC=precise_acc, IEEE=ieee, EVEN_K=even_k)
+    if config is None and not ieee and M * N * K < 2 ** 31:  # small problems: no autotuning
+        config = {"BM": 128, "BN": 128, "num_warps": 4, "num_stages": 3}
     if config is not None or ieee:
         cfg = config or {"BM": 32, "BN": 32, "num_warps": 4, "num_stages": 1}
         bk = 32 if ieee else BK
@@ -343,36 +483,70 @@ def packed_matmul(qa: QuantizedTensor, qb: QuantizedTensor, out_dtype: torch.dty
 
 def w4_matmul(a: torch.Tensor, qb: QuantizedTensor, a_res: Optional[torch.Tensor] = None,
               config: Optional[dict] = None) -> torch.Tensor:
-    """fp32 ``(a [+ a_res along K]) @ Q(b)^T`` for BF16 ``a [M, K_pad]`` and packed weights (W4A16 / decode).
+    """fp32 ``(a [+ a_res along K]) @ Q(b)^T`` for BF16 ``a [M, K_pad]`` (M <= 64) and packed weights (W4A16 and
+    decode W4A4).
 
     Each weight tile is read once and dequantized in registers; the optional residual activation (ResQ)
-    multiplies the same dequantized tile. Split-K with fp32 atomics fills the GPU at small M.
+    multiplies the same dequantized tile. Split-K with fp32 atomics fills the GPU.
     """
     b = qb.codes.reshape(-1, qb.codes.shape[-1])
     N, KH = b.shape
     M = a.shape[0]
     if a.shape[1] != 2 * KH:
         raise ValueError(f"w4_matmul: activation K {a.shape[1]} != weight K_pad {2 * KH}")
+    if M > 64:
+        raise ValueError(f"w4_matmul is the decode kernel (M <= 64), got M={M}; use mm_expanded")
     sb = _scale_arg(qb)
     f32 = interpreting()
     if f32:
         a = a.float()
         a_res = a_res.float() if a_res is not None else None
     r = a_res if a_res is not None else a
+    bm = 16 if M <= 16 else (32 if M <= 32 else 64)
     if config is None:
-        if f32:
-            config = {"BM": 16, "BN": 16, "BKH": 32, "num_warps": 4, "num_stages": 1}
-        else:
-            bm = 16 if M <= 16 else (32 if M <= 32 else 64)
-            config = {"BM": bm, "BN": 64, "BKH": 32, "num_warps": 4, "num_stages": 4}
-    tiles = cdiv(M, config["BM"]) * cdiv(N, config["BN"])
+        config = ({"BN": 16, "BKH": 32, "num_warps": 4, "num_stages": 1} if f32 else
+                  {"BN": 128, "BKH": 32, "num_warps": 4, "num_stages": 4})
+    tiles = cdiv(N, config["BN"])
     ksteps = cdiv(KH, config["BKH"])
-    split = config.get("SPLIT_K") or max(1, min(ksteps, (2 * _sm_count(a.device)) // max(tiles, 1)))
+    split = config.get("SPLIT_K") or max(1, min(ksteps // 2 or 1, (3 * _sm_count(a.device)) // max(tiles, 1)))
     c = (torch.zeros if split > 1 else torch.empty)((M, N), dtype=torch.float32, device=a.device)
-    grid = (tiles, split)
-    _packed_gemm_kernel[grid](a, a, r, b, sb, c, M, N, KH, a.stride(0), 0, r.stride(0), b.stride(0),
-                              sb.stride(0), c.stride(0), FMT=_fmt_id(qb), A_PACKED=False,
-                              HAS_RES=a_res is not None, SPLIT_K=split, F32=f32, BM=config["BM"],
-                              BN=config["BN"], BKH=config["BKH"], GROUP_M=8, num_warps=config["num_warps"],
-                              num_stages=config["num_stages"])
+    _w4_decode_kernel[(tiles, split)](a, r, b, sb, c, M, N, KH, a.stride(0), r.stride(0), b.stride(0), sb.stride(0),
+                                      c.stride(0), FMT=_fmt_id(qb), HAS_RES=a_res is not None, SPLIT_K=split, F32=f32,
+                                      BN=config["BN"], BM=config.get("BM", bm), BKH=config["BKH"],
+                                      num_warps=config["num_warps"], num_stages=config["num_stages"])
+    return c
+
+
+def w4a4_decode_matmul(qa: QuantizedTensor, qb: QuantizedTensor, qr: Optional[QuantizedTensor] = None,
+                       config: Optional[dict] = None) -> torch.Tensor:
+    """fp32 ``Q(a) [+ S(Q(r)) along K] @ Q(b)^T`` for M <= 64 on FP8 tensor cores, reading all operands packed.
+
+    Exact: FP8 holds every element (MXFP4: E5M2 e2m1 * 2^-14; HiF4: E4M3 k * 2^micro) and each HiF4 unit /
+    MXFP4 block is one dot whose fp32 result is scaled by the two block scales (no row-range condition).
+    """
+    if qa.fmt.name != qb.fmt.name:
+        raise ValueError(f"w4a4_decode_matmul: formats differ ({qa.fmt.name}, {qb.fmt.name})")
+    a = qa.codes.reshape(-1, qa.codes.shape[-1])
+    b = qb.codes.reshape(-1, qb.codes.shape[-1])
+    M, KH = a.shape
+    N = b.shape[0]
+    if b.shape[1] != KH or M > 64:
+        raise ValueError(f"w4a4_decode_matmul: needs M <= 64 and equal K, got {tuple(a.shape)}, {tuple(b.shape)}")
+    sa, sb = _scale_arg(qa), _scale_arg(qb)
+    r = qr.codes.reshape(-1, KH) if qr is not None else a
+    sr = _scale_arg(qr) if qr is not None else sa
+    f32 = interpreting()
+    bm = 16 if M <= 16 else (32 if M <= 32 else 64)
+    if config is None:
+        config = ({"BN": 16, "num_warps": 4, "num_stages": 1} if f32 else
+                  {"BN": 128, "num_warps": 4, "num_stages": 4})
+    bkh = 32 if qa.fmt.name == "hif4" else 16
+    tiles = cdiv(N, config["BN"])
+    ksteps = cdiv(KH, bkh)
+    split = config.get("SPLIT_K") or max(1, min(ksteps // 4 or 1, (3 * _sm_count(a.device)) // max(tiles, 1)))
+    c = (torch.zeros if split > 1 else torch.empty)((M, N), dtype=torch.float32, device=a.device)
+    _fp8_decode_kernel[(tiles, split)](a, sa, r, sr, b, sb, c, M, N, KH, a.stride(0), sa.stride(0), b.stride(0),
+                                       sb.stride(0), c.stride(0), FMT=_fmt_id(qa), HAS_RES=qr is not None,
+                                       SPLIT_K=split, F32=f32, BN=config["BN"], BM=config.get("BM", bm),
+                                       num_warps=config["num_warps"], num_stages=config["num_stages"])
     return c

@@ -221,16 +221,16 @@ def resq_matmul(x: torch.Tensor, qw: QuantizedTensor, ew: Optional[Expanded] = N
                 out_dtype: torch.dtype = torch.float32, promote: int = 0) -> torch.Tensor:
     """``Q(X) Q(W)^T + S(Q(X - Q(X))) Q(W)^T`` (2:4 ResQ) for ``x [M, K]`` and a packed weight ``qw [N, K]``.
 
-    M <= DECODE_MAX_M: the packed-weight kernel, the residual riding on the same weight read. Larger M: the
+    M <= DECODE_MAX_M: the packed FP8 decode kernel, the residual riding on the same weight read. Larger M: the
     pre-expanded GEMM in concatenated-K form; ``ew`` (from ``expand_packed``/``quantize(..., expand=...)``,
     once per weight update) picks the mode: BF16 (exact, the default when None) or FP8 E5M2 (MXFP4 fast mode).
     """
-    from kernels.gemm import fp4_matmul, w4_matmul
+    from kernels.gemm import fp4_matmul, w4a4_decode_matmul
 
     M = x.shape[0]
     if M <= DECODE_MAX_M:
-        q, r, eq, er = resq_quantize(x, qw.fmt, expand="bf16")
-        return w4_matmul(eq.values, qw, er.values).to(out_dtype)
+        q, r, _, _ = resq_quantize(x, qw.fmt)
+        return w4a4_decode_matmul(q, qw, r).to(out_dtype)
     if ew is None:
         ew = expand_packed(qw, "bf16")
     mode = "native" if ew.values.dtype == torch.float8_e5m2 else "bf16"
