@@ -174,3 +174,17 @@ def test_native_engine_on_mxfp4_export_equals_engine_on_original(hf_models, tmp_
         with rollout_precision(model, RolloutPrecision("w4a16", "mxfp4")):
             logits.append(full_forward_logits(model, seqs))
     assert torch.equal(logits[0], logits[1])
+
+
+def test_nvfp4_export_has_a_global_scale_per_hf_module(hf_models, tmp_path):
+    """NVFP4 (Python API only) stores its fp32 per-tensor scale per HF module (q, k, v, gate, up separately)."""
+    name = "qwen2_untied"
+    out = export_fp4_checkpoint(hf_models[name], tmp_path / "fp4", "nvfp4", "none", progress=False)
+    src, exp = HFFolderSource(hf_models[name]), HFFolderSource(out)
+    ck = load_fp4_checkpoint(out, packed=True)
+    F = get_format("nvfp4")
+    for module, qt in ck.quantized.items():
+        w = src.get(module + ".weight")
+        ref = F.quantize(w, dim=-1)
+        assert torch.equal(exp.get(module + ".weight_global_scale"), ref.global_scale.reshape(()))
+        assert torch.equal(ck.state_dict[module + ".weight"], F.fake_quantize(w, dim=-1)), module

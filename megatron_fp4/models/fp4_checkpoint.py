@@ -164,7 +164,7 @@ def export_fp4_checkpoint(source: Union[str, os.PathLike], save_dir: Union[str, 
     qc = {
         "quant_method": QUANT_METHOD,
         "version": QUANT_CONFIG_VERSION,
-        "format": fmt.name if fmt.name else format,
+        "format": format,
         "block_size": fmt.block_size,
         "bits_per_value": fmt.bits_per_value,
         "scale_bytes_per_block": fmt.scale_bytes,
