@@ -145,7 +145,8 @@ def build_gpt_model(
     vp_stage: Optional[int] = None,
     parallel_output: bool = True,
 ):
-    """A megatron-core GPTModel with the FP4 layer spec (parallel_state must be initialized)."""
+    """A megatron-core GPTModel with the FP4 layer spec (parallel_state must be initialized), on the current CUDA
+    device when there is one."""
     from megatron.core import parallel_state
     from megatron.core.models.gpt import GPTModel
 
@@ -158,7 +159,7 @@ def build_gpt_model(
     if post_process is None:
         post_process = parallel_state.is_pipeline_last_stage(ignore_virtual=vp_stage is None, vp_stage=vp_stage)
     spec = get_gpt_layer_fp4_spec(qk_layernorm=args.qk_layernorm, normalization=args.normalization)
-    return GPTModel(
+    model = GPTModel(
         config=config,
         transformer_layer_spec=spec,
         vocab_size=args.vocab_size,
@@ -172,3 +173,6 @@ def build_gpt_model(
         rotary_base=args.rotary_base,
         vp_stage=vp_stage,
     )
+    if torch.cuda.is_available():
+        model.cuda(torch.cuda.current_device())  # some modules (e.g. torch norms) are built on the CPU
+    return model

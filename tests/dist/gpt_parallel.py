@@ -114,6 +114,8 @@ def build(args: GPTModelArgs, sequence_parallel: bool = False, local_spec: bool 
                          max_sequence_length=args.max_seq_len, pre_process=ps.is_pipeline_first_stage(),
                          post_process=ps.is_pipeline_last_stage(),
                          share_embeddings_and_output_weights=args.tie_embeddings, position_embedding_type="rope")
+        if torch.cuda.is_available():
+            model.cuda(torch.cuda.current_device())
     else:
         model = build_gpt_model(args, config=config)
     tp, tp_rank, off = ps.get_tensor_model_parallel_world_size(), ps.get_tensor_model_parallel_rank(), layer_offset(args)
@@ -323,13 +325,21 @@ def main() -> None:
     ap.add_argument("--seed", type=int, default=1234)
     ap.add_argument("--kernels", action="store_true", help="route CUDA FP4 GEMMs through kernels.dispatch")
     a = ap.parse_args()
-    if a.kernels:
+    kernel_calls = [0]
+    if a.kernels:  # route FP4 GEMMs through kernels.dispatch (CUDA, or the Triton interpreter on CPU)
         from kernels import dispatch
+        from megatron_fp4 import ops
 
-        dispatch.register()
+        def counted(*args):
+            out = dispatch.ops_backend(*args)
+            kernel_calls[0] += out is not NotImplemented
+            return out
+
+        ops.register_fp4_gemm_backend(device().type, counted)
     os.makedirs(a.out, exist_ok=True)
     for layout in a.layouts.split(","):
         res = run_layout(layout, a.format, a.steps, a.seed)
+        res["kernel_gemm_calls"] = kernel_calls[0]
         if torch.distributed.get_rank() == 0:
             torch.save(res, os.path.join(a.out, f"{layout.replace(':', '_').replace('@', '_')}.pt"))
     torch.distributed.barrier()
