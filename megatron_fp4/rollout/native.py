@@ -58,7 +58,7 @@ def full_forward_logits(model: torch.nn.Module, sequences: Sequence[Sequence[int
     for i, s in enumerate(sequences):
         ids[i, : len(s)] = torch.tensor(s, dtype=torch.long, device=device)
     pos = torch.arange(S, device=device).unsqueeze(0).expand(len(sequences), -1)
-    return model(ids, pos, None).float()
+    return model(ids, pos, None, runtime_gather_output=True).float()
 
 
 @torch.no_grad()
