@@ -7,7 +7,9 @@ without CUDA it
 
 - makes ``torch.cuda.current_device()`` return ``"cpu"`` and ``torch.cuda.synchronize()`` a no-op;
 - pushes a ``TorchFunctionMode`` that rewrites ``device="cuda"`` / ``device=torch.device("cuda", i)``
-  arguments of torch factory functions and ``Tensor.to`` / ``Tensor.cuda`` to the CPU;
+  arguments of torch factory functions and ``Tensor.to`` / ``Tensor.cuda`` to the CPU, and makes
+  ``Tensor.type()`` name CPU tensors as CUDA ones ("torch.cuda.BFloat16Tensor"), which megatron's mixed-precision
+  optimizer checks;
 - replaces megatron's ``clip_grad_by_total_norm_fp32`` (it asserts ``torch.cuda.FloatTensor`` grads) by the
   same scaling done on CPU tensors, so ``OptimizerConfig(clip_grad=...)`` works.
 
@@ -57,6 +59,10 @@ class _CudaToCpuMode(TorchFunctionMode):
             kwargs = dict(kwargs, device="cpu")
         if func is torch.Tensor.cuda:
             return args[0]
+        if func is torch.Tensor.type and len(args) == 1 and not kwargs:
+            # megatron's optimizers check parameter types by name ("torch.cuda.BFloat16Tensor", ...)
+            name = func(*args)
+            return name.replace("torch.", "torch.cuda.", 1) if args[0].device.type == "cpu" else name
         if func is torch.Tensor.to and len(args) > 1 and _is_cuda_device(args[1]):
             args = (args[0], "cpu") + tuple(args[2:])
         return func(*args, **kwargs)

@@ -35,9 +35,10 @@ from megatron_fp4.parallel import FP4ParallelLinearMixin, initialize_parallel  #
 from megatron_fp4.recipe import recipe_for_format  # noqa: E402
 
 SEQ, MICRO_BATCH, GLOBAL_MICROBATCHES, VOCAB = 32, 2, 2, 128
-# name -> (TP, PP, tied embeddings); DP is what the world size leaves
-LAYOUTS = {"ref": (1, 1, False), "tp2": (2, 1, False), "pp2": (1, 2, False), "dp2": (1, 1, False),
-           "ref_tied": (1, 1, True), "pp2_tied": (1, 2, True)}
+# name -> (TP, PP, tied embeddings, bf16 params + megatron's bf16 optimizer); DP is what the world size leaves
+LAYOUTS = {"ref": (1, 1, False, False), "tp2": (2, 1, False, False), "pp2": (1, 2, False, False),
+           "dp2": (1, 1, False, False), "ref_tied": (1, 1, True, False), "pp2_tied": (1, 2, True, False),
+           "ref_bf16": (1, 1, False, True)}
 TIED_NAME = "embedding.word_embeddings.weight"
 
 
@@ -45,11 +46,12 @@ def device() -> torch.device:
     return torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else torch.device("cpu")
 
 
-def model_args(recipe, tie: bool = False) -> GPTModelArgs:
+def model_args(recipe, tie: bool = False, bf16: bool = False) -> GPTModelArgs:
     # Per-rank GEMM dims stay multiples of 64 at TP=2 so the quantization blocks coincide with TP=1's.
     return GPTModelArgs(num_layers=4, hidden_size=128, ffn_hidden_size=256, num_attention_heads=4,
                         num_query_groups=2, vocab_size=VOCAB, max_seq_len=SEQ, add_qkv_bias=True,
-                        tie_embeddings=tie, fp4_recipe=recipe)
+                        tie_embeddings=tie, fp4_recipe=recipe,
+                        params_dtype=torch.bfloat16 if bf16 else torch.float32)
 
 
 def global_batch():
@@ -73,6 +75,7 @@ def canonical_tensor(name: str, shape, layer_offset: int) -> torch.Tensor:
 
 
 def global_name(name: str, offset: int) -> str:
+    name = name.removeprefix("module.")  # Float16Module wrapper (bf16 layouts)
     return re.sub(r"decoder\.layers\.(\d+)\.", lambda m: f"decoder.layers.{int(m.group(1)) + offset}.", name)
 
 
@@ -118,13 +121,18 @@ def build(args: GPTModelArgs, sequence_parallel: bool = False, local_spec: bool 
             model.cuda(torch.cuda.current_device())
     else:
         model = build_gpt_model(args, config=config)
+    if config.bf16:
+        from megatron.core.transformer.module import Float16Module
+
+        model = Float16Module(config, model)
     tp, tp_rank, off = ps.get_tensor_model_parallel_world_size(), ps.get_tensor_model_parallel_rank(), layer_offset(args)
     with torch.no_grad():
         for name, p in model.named_parameters():
             full_shape = list(p.shape)
             if getattr(p, "tensor_model_parallel", False):
                 full_shape[p.partition_dim] *= tp
-            cname = TIED_NAME if (args.tie_embeddings and name == "output_layer.weight") else global_name(name, off)
+            cname = global_name(name, off)
+            cname = TIED_NAME if (args.tie_embeddings and cname == "output_layer.weight") else cname
             p.copy_(shard_of(canonical_tensor(cname, full_shape, off), p, tp_rank, tp))
     ddp = DistributedDataParallel(config, DistributedDataParallelConfig(grad_reduce_in_fp32=True,
                                                                         overlap_grad_reduce=False), model)
@@ -196,10 +204,10 @@ def run_layout(layout: str, default_format: str, steps: int, seed: int) -> dict:
     recipe = recipe_for_format(fmt or default_format)
     check_hp = layout_name.startswith("hp:")
     base = layout_name[3:] if check_hp else layout_name
-    tp, pp, tie = LAYOUTS[base]
+    tp, pp, tie, bf16 = LAYOUTS[base]
     sp = False  # the local spec's torch norms do not support sequence parallel (see run_linears)
     initialize_parallel(tp, pp, seed=seed)
-    args = model_args(recipe, tie=tie)
+    args = model_args(recipe, tie=tie, bf16=bf16)
     result = {"layout": layout, "world": torch.distributed.get_world_size()}
     ddp, config = build(args, sp)
     mbs = my_microbatches()
@@ -213,7 +221,7 @@ def run_layout(layout: str, default_format: str, steps: int, seed: int) -> dict:
     result["grads0"] = collect_grads(ddp, args)
     if check_hp:
         # the FP4 spec with no recipe vs megatron-core's local spec: identical loss and gradients, bit for bit
-        args_hp = model_args(None, tie=tie)
+        args_hp = model_args(None, tie=tie, bf16=bf16)
         fp4_hp, cfg1 = build(args_hp, sp)
         local, cfg2 = build(args_hp, sp, local_spec=True)
         result["hp_fp4_spec_loss"] = run_batch(fp4_hp, cfg1, mbs)
@@ -223,7 +231,7 @@ def run_layout(layout: str, default_format: str, steps: int, seed: int) -> dict:
         result["hp_fp4_linears"] = sum(isinstance(m, FP4ParallelLinearMixin) for m in fp4_hp.modules())
     if steps:
         opt = get_megatron_optimizer(OptimizerConfig(optimizer="adam", lr=3e-3, weight_decay=0.0, clip_grad=1.0,
-                                                     bf16=False, fp16=False), [ddp])
+                                                     bf16=bf16, fp16=False), [ddp])
         losses = []
         for _ in range(steps):
             ddp.zero_grad_buffer()
