@@ -21,6 +21,8 @@ sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."
 
 import triton  # noqa: E402
 
+from kernels import gemm as gm  # noqa: E402
+
 from kernels.gemm import fp4_matmul, mm_expanded, packed_matmul, w4_matmul, w4a4_decode_matmul  # noqa: E402
 from kernels.quantize import Expanded, expand_packed, quantize  # noqa: E402
 from kernels.resq import resq_quantize  # noqa: E402
@@ -30,7 +32,7 @@ MS = [16, 64, 4096, 16384]
 L2_BYTES = 60 * 2 ** 20
 
 
-def bench(fn_list, warmup=10, rep=40, graph=False):
+def bench(fn_list, warmup=10, rep=30, graph=False):
     """Median ms of calling the functions of fn_list in rotation (one per call); graph=True replays a CUDA graph
     (decode-sized calls, where Python launch overhead would otherwise dominate)."""
     i = [0]
@@ -96,7 +98,7 @@ def _cublas_fp8(xq, wq, sa, sb):
     return torch._scaled_mm(xq, wq.t(), scale_a=sa, scale_b=sb, out_dtype=torch.bfloat16)
 
 
-def bench_gemms(shapes, ms_list, skip_packed_large=False):
+def bench_gemms(shapes, ms_list, skip_packed_large=False, on_row=None):
     rows = []
     for (K, N) in shapes:
         w = torch.randn(N, K, device="cuda", dtype=torch.bfloat16) * 0.02
@@ -168,23 +170,31 @@ def bench_gemms(shapes, ms_list, skip_packed_large=False):
                         rec(f"{fmt}_w4a4_packed_prologue", bench([lambda: packed_matmul(qx, q0,
                                                                                         out_dtype=torch.bfloat16)]))
             rows.append(res)
+            if on_row is not None:
+                on_row(rows)
             print(f"  done K={K} N={N} M={M}", flush=True)
     return rows
 
 
 def sweep_decode():
-    """Time the packed-weight decode kernel over a few tile configs (largest 7B shape, M=16 and 64)."""
+    """Time the two decode kernels over tile configs (largest 7B shape, M=16) and make the fastest the default
+    (kernels.gemm.DECODE_CONFIGS) for the table that follows."""
+    from kernels import gemm as gm
+
     out = []
     K, N = 3584, 18944
     ws = [torch.randn(N, K, device="cuda", dtype=torch.bfloat16) * 0.02 for _ in range(4)]
+    cands = [(256, 8, 3, 1, 3), (256, 8, 3, 2, 3), (256, 8, 3, 4, 3), (128, 4, 3, 2, 6), (128, 4, 3, 4, 6),
+             (256, 8, 2, 2, 6)]
     for fmt in ("hif4", "mxfp4"):
         qs = [quantize(w, fmt) for w in ws]
-        for M in (16, 64):
-            x = torch.randn(M, K, device="cuda", dtype=torch.bfloat16)
-            for kern, bn, w, st in (("fp8", 128, 4, 4), ("fp8", 64, 4, 4), ("fp8", 128, 8, 3), ("fp8", 256, 8, 3),
-                                    ("bf16", 128, 4, 4), ("bf16", 64, 4, 4), ("bf16", 256, 8, 3)):
-                cfg = {"BN": bn, "BKH": 32, "num_warps": w, "num_stages": st}
-                qx = quantize(x, fmt)
+        M = 16
+        x = torch.randn(M, K, device="cuda", dtype=torch.bfloat16)
+        qx = quantize(x, fmt)
+        for kern in ("fp8", "bf16"):
+            best = None
+            for bn, w, st, nsub, split in cands:
+                cfg = {"BN": bn, "num_warps": w, "num_stages": st, "NSUB": nsub, "SPLIT": split}
                 try:
                     if kern == "fp8":
                         fns = [lambda i=i: w4a4_decode_matmul(qx, qs[i], config=cfg) for i in range(len(qs))]
@@ -196,6 +206,11 @@ def sweep_decode():
                     print("config failed", cfg, type(e).__name__, str(e)[:200])
                 out.append({"fmt": fmt, "M": M, "kernel": kern, **cfg, "us": ms * 1e3})
                 print(f"  decode sweep {fmt} {kern} M={M} {cfg}: {ms * 1e3:.1f} us", flush=True)
+                if ms == ms and (best is None or ms < best[0]):
+                    best = (ms, cfg)
+            if best is not None:
+                gm.DECODE_CONFIGS[(kern, fmt)] = best[1]
+                print(f"  decode default {kern} {fmt}: {best[1]}", flush=True)
     return out
 
 
@@ -214,13 +229,20 @@ def main():
     sweep = sweep_decode() if args.sweep else []
     shapes = SHAPES[:1] if args.quick else SHAPES
     ms_list = [16, 4096] if args.quick else MS
-    grows = bench_gemms(shapes, ms_list)
     result = {"gpu": dev, "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()), "torch": torch.__version__,
               "triton": triton.__version__, "copy_GBps": copy_gbs, "cublas_bf16_8192_TFLOPs": bf16_peak,
-              "quantize": qrows, "decode_sweep": sweep, "gemm": grows, "wall_s": time.time() - t0}
+              "quantize": qrows, "decode_sweep": sweep,
+              "decode_defaults": {f"{k[0]}/{k[1]}": v for k, v in gm.DECODE_CONFIGS.items()}, "gemm": []}
     os.makedirs(os.path.dirname(args.out) or ".", exist_ok=True)
-    with open(args.out, "w") as fh:
-        json.dump(result, fh, indent=1)
+
+    def dump(rows):
+        result["gemm"] = rows
+        result["wall_s"] = time.time() - t0
+        with open(args.out, "w") as fh:
+            json.dump(result, fh, indent=1)
+
+    grows = bench_gemms(shapes, ms_list, on_row=dump)
+    dump(grows)
     print("\nQuantize kernels (bf16 input, 16384 x 3584):")
     for r in qrows:
         print(f"  {r['kernel']:<40s} {r['ms'] * 1e3:9.1f} us {r['GB/s']:8.0f} GB/s ({100 * r['GB/s'] / copy_gbs:.0f}% of copy)")

@@ -206,9 +206,11 @@ if HAS_TRITON:
     @triton.jit
     def _w4_decode_kernel(x_ptr, r_ptr, b_ptr, bs_ptr, c_ptr, M, N, KH, stride_xm, stride_rm, stride_bn,
                           stride_bsn, stride_cm, FMT: tl.constexpr, HAS_RES: tl.constexpr, SPLIT_K: tl.constexpr,
-                          F32: tl.constexpr, BN: tl.constexpr, BM: tl.constexpr, BKH: tl.constexpr):
+                          F32: tl.constexpr, BN: tl.constexpr, BM: tl.constexpr, BKH: tl.constexpr,
+                          NSUB: tl.constexpr):
         """out[M, N] (+)= x[M, K] . deq(W[N, K])^T for M <= BM, computed swapped (acc = W . x^T, [BN, BM]) so the
-        dequantized weight tile is the MMA's M-side operand and the few tokens its N side."""
+        dequantized weight tile is the MMA's M-side operand and the few tokens its N side. Each loop step handles
+        NSUB independent 64-value slices (more loads in flight)."""
         pid_n = tl.program_id(0)
         pid_k = tl.program_id(1)
         offs_n = pid_n * BN + tl.arange(0, BN)
@@ -216,31 +218,32 @@ if HAS_TRITON:
         nmask = offs_n < N
         mmask = offs_m < M
         acc = tl.zeros((BN, BM), dtype=tl.float32)
-        for j0 in range(pid_k * BKH, KH, SPLIT_K * BKH):
-            j = j0 + tl.arange(0, BKH)
-            jm = j < KH
-            qb = tl.load(b_ptr + offs_n[:, None] * stride_bn + j[None, :], mask=nmask[:, None] & jm[None, :],
-                         other=0)
-            wlo, whi = _deq_bytes(qb, bs_ptr, offs_n, nmask, j0, j, stride_bsn, FMT)
-            xmask = jm[:, None] & mmask[None, :]
-            xp = x_ptr + offs_m[None, :] * stride_xm + 2 * j[:, None]
-            xlo = tl.load(xp, mask=xmask, other=0.0)
-            xhi = tl.load(xp + 1, mask=xmask, other=0.0)
-            acc = _dot(wlo, xlo, acc, F32)
-            acc = _dot(whi, xhi, acc, F32)
-            if HAS_RES:
-                rp = r_ptr + offs_m[None, :] * stride_rm + 2 * j[:, None]
-                rlo = tl.load(rp, mask=xmask, other=0.0)
-                rhi = tl.load(rp + 1, mask=xmask, other=0.0)
-                acc = _dot(wlo, rlo, acc, F32)
-                acc = _dot(whi, rhi, acc, F32)
+        for j00 in range(pid_k * BKH * NSUB, KH, SPLIT_K * BKH * NSUB):
+            for sb in tl.static_range(NSUB):
+                j0 = j00 + sb * BKH
+                j = j0 + tl.arange(0, BKH)
+                jm = j < KH
+                qb = tl.load(b_ptr + offs_n[:, None] * stride_bn + j[None, :], mask=nmask[:, None] & jm[None, :],
+                             other=0)
+                wlo, whi = _deq_bytes(qb, bs_ptr, offs_n, nmask & ((offs_n * 0 + j0) < KH), j0, j, stride_bsn, FMT)
+                xmask = jm[:, None] & mmask[None, :]
+                xp = x_ptr + offs_m[None, :] * stride_xm + 2 * j[:, None]
+                xlo = tl.load(xp, mask=xmask, other=0.0)
+                xhi = tl.load(xp + 1, mask=xmask, other=0.0)
+                acc = _dot(wlo, xlo, acc, F32)
+                acc = _dot(whi, xhi, acc, F32)
+                if HAS_RES:
+                    rp = r_ptr + offs_m[None, :] * stride_rm + 2 * j[:, None]
+                    rlo = tl.load(rp, mask=xmask, other=0.0)
+                    rhi = tl.load(rp + 1, mask=xmask, other=0.0)
+                    acc = _dot(wlo, rlo, acc, F32)
+                    acc = _dot(whi, rhi, acc, F32)
         cptr = c_ptr + offs_m[None, :] * stride_cm + offs_n[:, None]
         cmask = nmask[:, None] & mmask[None, :]
         if SPLIT_K > 1:
             tl.atomic_add(cptr, acc, mask=cmask)
         else:
             tl.store(cptr, acc.to(c_ptr.dtype.element_ty), mask=cmask)
-
 
     @triton.jit
     def _f8_operand(q, w, jj, FMT: tl.constexpr, F32: tl.constexpr, R: tl.constexpr, BKH: tl.constexpr):
@@ -296,7 +299,8 @@ if HAS_TRITON:
     @triton.jit
     def _fp8_decode_kernel(x_ptr, xs_ptr, r_ptr, rs_ptr, b_ptr, bs_ptr, c_ptr, M, N, KH, stride_xm, stride_xsm,
                            stride_bn, stride_bsn, stride_cm, FMT: tl.constexpr, HAS_RES: tl.constexpr,
-                           SPLIT_K: tl.constexpr, F32: tl.constexpr, BN: tl.constexpr, BM: tl.constexpr):
+                           SPLIT_K: tl.constexpr, F32: tl.constexpr, BN: tl.constexpr, BM: tl.constexpr,
+                           NSUB: tl.constexpr):
         """W4A4 decode on FP8 tensor cores, both operands read PACKED: per HiF4 unit / MXFP4 block one dot of its
         64 / 32 elements (exact: FP8 holds every element x micro-exponent), scaled into the fp32 accumulator by
         the two block scales. acc = W . X^T ([BN, BM], swapped); the ResQ residual X_r reuses each W tile."""
@@ -310,29 +314,37 @@ if HAS_TRITON:
         mmask = offs_m < M
         jj = tl.arange(0, BKH)[None, :] % 32
         acc = tl.zeros((BN, BM), dtype=tl.float32)
-        for j0 in range(pid_k * BKH, KH, SPLIT_K * BKH):
-            j = j0 + tl.arange(0, BKH)
-            qb = tl.load(b_ptr + offs_n[:, None] * stride_bn + j[None, :], mask=nmask[:, None], other=0).to(tl.int32)
-            pw, ww = _blk_scale(bs_ptr, offs_n, nmask, stride_bsn, j0, FMT)
-            w8 = _f8_operand(qb, ww[:, None], jj, FMT, F32, BN, BKH)
-            qx = tl.load(x_ptr + offs_m[:, None] * stride_xm + j[None, :], mask=mmask[:, None], other=0).to(tl.int32)
-            px, wx = _blk_scale(xs_ptr, offs_m, mmask, stride_xsm, j0, FMT)
-            x8 = tl.trans(_f8_operand(qx, wx[:, None], jj, FMT, F32, BM, BKH))
-            if F32:
-                d = tl.dot(w8, x8, input_precision="ieee")
-            else:
-                d = tl.dot(w8, x8)
-            acc += ((d * C) * pw[:, None]) * px[None, :]
-            if HAS_RES:
-                qr = tl.load(r_ptr + offs_m[:, None] * stride_xm + j[None, :], mask=mmask[:, None],
+        for j00 in range(pid_k * BKH * NSUB, KH, SPLIT_K * BKH * NSUB):
+            for sb in tl.static_range(NSUB):
+                j0 = j00 + sb * BKH
+                j = j0 + tl.arange(0, BKH)
+                # masked-off slices load zero codes (and finite scales): they add exactly 0
+                jm = (j < KH)[None, :]
+                nlive = nmask & ((offs_n * 0 + j0) < KH)
+                mlive = mmask & ((offs_m * 0 + j0) < KH)
+                qb = tl.load(b_ptr + offs_n[:, None] * stride_bn + j[None, :], mask=nmask[:, None] & jm,
                              other=0).to(tl.int32)
-                pr, wr = _blk_scale(rs_ptr, offs_m, mmask, stride_xsm, j0, FMT)
-                r8 = tl.trans(_f8_operand(qr, wr[:, None], jj, FMT, F32, BM, BKH))
+                pw, ww = _blk_scale(bs_ptr, offs_n, nlive, stride_bsn, j0, FMT)
+                w8 = _f8_operand(qb, ww[:, None], jj, FMT, F32, BN, BKH)
+                qx = tl.load(x_ptr + offs_m[:, None] * stride_xm + j[None, :], mask=mmask[:, None] & jm,
+                             other=0).to(tl.int32)
+                px, wx = _blk_scale(xs_ptr, offs_m, mlive, stride_xsm, j0, FMT)
+                x8 = tl.trans(_f8_operand(qx, wx[:, None], jj, FMT, F32, BM, BKH))
                 if F32:
-                    d = tl.dot(w8, r8, input_precision="ieee")
+                    d = tl.dot(w8, x8, input_precision="ieee")
                 else:
-                    d = tl.dot(w8, r8)
-                acc += ((d * C) * pw[:, None]) * pr[None, :]
+                    d = tl.dot(w8, x8)
+                acc += ((d * C) * pw[:, None]) * px[None, :]
+                if HAS_RES:
+                    qr = tl.load(r_ptr + offs_m[:, None] * stride_xm + j[None, :], mask=mmask[:, None] & jm,
+                                 other=0).to(tl.int32)
+                    pr, wr = _blk_scale(rs_ptr, offs_m, mlive, stride_xsm, j0, FMT)
+                    r8 = tl.trans(_f8_operand(qr, wr[:, None], jj, FMT, F32, BM, BKH))
+                    if F32:
+                        d = tl.dot(w8, r8, input_precision="ieee")
+                    else:
+                        d = tl.dot(w8, r8)
+                    acc += ((d * C) * pw[:, None]) * pr[None, :]
         cptr = c_ptr + offs_m[None, :] * stride_cm + offs_n[:, None]
         cmask = nmask[:, None] & mmask[None, :]
         if SPLIT_K > 1:
@@ -481,6 +493,24 @@ def packed_matmul(qa: QuantizedTensor, qb: QuantizedTensor, out_dtype: torch.dty
     return c
 
 
+#: Decode-kernel tile defaults per (kernel, format); benchmarks/bench_kernels.py --sweep measures alternatives.
+#: SPLIT: target programs per SM for split-K; NSUB: 64-value slices per loop step.
+DECODE_CONFIGS = {
+    ("bf16", "hif4"): {"BN": 256, "num_warps": 8, "num_stages": 3, "NSUB": 1, "SPLIT": 3},
+    ("bf16", "mxfp4"): {"BN": 256, "num_warps": 8, "num_stages": 3, "NSUB": 1, "SPLIT": 3},
+    ("fp8", "hif4"): {"BN": 256, "num_warps": 8, "num_stages": 3, "NSUB": 1, "SPLIT": 3},
+    ("fp8", "mxfp4"): {"BN": 256, "num_warps": 8, "num_stages": 3, "NSUB": 1, "SPLIT": 3},
+}
+
+
+def _decode_config(kernel: str, qt: QuantizedTensor, config: Optional[dict]) -> dict:
+    if config is not None:
+        return {"NSUB": 1, "SPLIT": 3, **config}
+    if interpreting():
+        return {"BN": 16, "num_warps": 4, "num_stages": 1, "NSUB": 2, "SPLIT": 3}
+    return dict(DECODE_CONFIGS[(kernel, "hif4" if qt.fmt.name == "hif4" else "mxfp4")])
+
+
 def w4_matmul(a: torch.Tensor, qb: QuantizedTensor, a_res: Optional[torch.Tensor] = None,
               config: Optional[dict] = None) -> torch.Tensor:
     """fp32 ``(a [+ a_res along K]) @ Q(b)^T`` for BF16 ``a [M, K_pad]`` (M <= 64) and packed weights (W4A16 and
@@ -503,16 +533,15 @@ def w4_matmul(a: torch.Tensor, qb: QuantizedTensor, a_res: Optional[torch.Tensor
         a_res = a_res.float() if a_res is not None else None
     r = a_res if a_res is not None else a
     bm = 16 if M <= 16 else (32 if M <= 32 else 64)
-    if config is None:
-        config = ({"BN": 16, "BKH": 32, "num_warps": 4, "num_stages": 1} if f32 else
-                  {"BN": 128, "BKH": 32, "num_warps": 4, "num_stages": 4})
+    config = _decode_config("bf16", qb, config)
     tiles = cdiv(N, config["BN"])
-    ksteps = cdiv(KH, config["BKH"])
-    split = config.get("SPLIT_K") or max(1, min(ksteps // 2 or 1, (3 * _sm_count(a.device)) // max(tiles, 1)))
+    ksteps = cdiv(KH, 32 * config["NSUB"])
+    split = config.get("SPLIT_K") or max(1, min(ksteps // 2 or 1,
+                                                (config["SPLIT"] * _sm_count(a.device)) // max(tiles, 1)))
     c = (torch.zeros if split > 1 else torch.empty)((M, N), dtype=torch.float32, device=a.device)
     _w4_decode_kernel[(tiles, split)](a, r, b, sb, c, M, N, KH, a.stride(0), r.stride(0), b.stride(0), sb.stride(0),
                                       c.stride(0), FMT=_fmt_id(qb), HAS_RES=a_res is not None, SPLIT_K=split, F32=f32,
-                                      BN=config["BN"], BM=config.get("BM", bm), BKH=config["BKH"],
+                                      BN=config["BN"], BM=config.get("BM", bm), BKH=32, NSUB=config["NSUB"],
                                       num_warps=config["num_warps"], num_stages=config["num_stages"])
     return c
 
@@ -537,16 +566,16 @@ def w4a4_decode_matmul(qa: QuantizedTensor, qb: QuantizedTensor, qr: Optional[Qu
     sr = _scale_arg(qr) if qr is not None else sa
     f32 = interpreting()
     bm = 16 if M <= 16 else (32 if M <= 32 else 64)
-    if config is None:
-        config = ({"BN": 16, "num_warps": 4, "num_stages": 1} if f32 else
-                  {"BN": 128, "num_warps": 4, "num_stages": 4})
+    config = _decode_config("fp8", qb, config)
     bkh = 32 if qa.fmt.name == "hif4" else 16
     tiles = cdiv(N, config["BN"])
-    ksteps = cdiv(KH, bkh)
-    split = config.get("SPLIT_K") or max(1, min(ksteps // 4 or 1, (3 * _sm_count(a.device)) // max(tiles, 1)))
+    ksteps = cdiv(KH, bkh * config["NSUB"])
+    split = config.get("SPLIT_K") or max(1, min(ksteps // 4 or 1,
+                                                (config["SPLIT"] * _sm_count(a.device)) // max(tiles, 1)))
     c = (torch.zeros if split > 1 else torch.empty)((M, N), dtype=torch.float32, device=a.device)
     _fp8_decode_kernel[(tiles, split)](a, sa, r, sr, b, sb, c, M, N, KH, a.stride(0), sa.stride(0), b.stride(0),
                                        sb.stride(0), c.stride(0), FMT=_fmt_id(qa), HAS_RES=qr is not None,
                                        SPLIT_K=split, F32=f32, BN=config["BN"], BM=config.get("BM", bm),
-                                       num_warps=config["num_warps"], num_stages=config["num_stages"])
+                                       NSUB=config["NSUB"], num_warps=config["num_warps"],
+                                       num_stages=config["num_stages"])
     return c

@@ -238,7 +238,7 @@ if HAS_TRITON:
             tl.store(rok_ptr + rows, ok.to(tl.int8), mask=rmask)
 
 
-    _ROW_CFGS = [(8, 256, 4), (16, 128, 4), (4, 512, 4), (16, 256, 8), (32, 64, 4), (2, 1024, 4)]
+    _ROW_CFGS = [(8, 256, 4), (16, 128, 4), (4, 512, 4), (16, 256, 8), (32, 64, 4), (2, 1024, 4), (1, 1024, 4)]
     _COL_CFGS = [(64, 64, 4), (128, 64, 4), (256, 64, 8), (128, 128, 8), (32, 64, 2)]
 
     def _qconfigs():
@@ -270,9 +270,12 @@ def _rows_view(x: torch.Tensor, dim: int):
 
 
 def _block_config(fmt_name: str, x2: torch.Tensor):
+    """Fixed tile (rows, K step, warps) for small inputs and the interpreter (larger inputs autotune)."""
     transposed = x2.stride(1) != 1 and x2.stride(0) == 1
     if transposed:
-        return (64, 64, 4) if fmt_name == "hif4" else (64, 64, 4)
+        return (64, 64, 4)
+    if x2.shape[0] <= 64:  # decode-sized activations: one row per program, long K steps
+        return (1, 1024, 4)
     return (8, 256, 4)
 
 

@@ -198,7 +198,9 @@ def resq_quantize(x: torch.Tensor, fmt, expand: Optional[str] = None):
     else:
         ex = torch.empty((R, kp), dtype=torch.bfloat16, device=dev)
         exr = torch.empty_like(ex)
-    BR, BK, warps = (8, 256, 4) if x2.stride(1) == 1 else (64, 64, 4)
+    from kernels.quantize import _block_config
+
+    BR, BK, warps = _block_config(f.name, x2)
     args = (x2, qc, qs_arg, rc, rs_arg, ex, exr, rexp if rexp is not None else qc, rok if rok is not None else qc, R,
             k, kp, x2.stride(0), x2.stride(1), qc.stride(0), nblk, ex.stride(0))
     kw = dict(FMT=fmt_id, EXPAND=mode, R1=HIF4_RECIP[1], R2=HIF4_RECIP[2], R3=HIF4_RECIP[3])
