@@ -87,6 +87,8 @@ class FP4ParallelLinearMixin:
         recipe = self.fp4_recipe_for_forward()
         if recipe is None:
             return super()._forward_impl(input, weight, *args, **kwargs)
+        if kwargs.get("tp_group") is None:  # RowParallelLinear passes None (it needs no group here)
+            kwargs["tp_group"] = self.tp_group
         return _fp4_local_linear(recipe, input, weight, *args, **kwargs)
 
 
