@@ -76,6 +76,9 @@ def test_fp4_is_active_and_no_recipe_is_bit_identical_to_megatron(results):
     for name, g in r["hp_local_spec_grads"].items():
         assert torch.equal(r["hp_fp4_spec_grads"][name], g), name
     assert abs(r["hp_fp4_spec_loss"] - r["loss0"]) > 1e-4  # the FP4 model computes something else
+    # an fp4_autocast block overrides the config's recipe: off -> megatron-core's numbers, bit for bit
+    assert r["autocast_off_loss"] == r["hp_local_spec_loss"]
+    assert abs(r["autocast_mxfp4_loss"] - results["tp2_mxfp4"]["loss0"]) <= 1e-5 * r["loss0"]
 
 
 def test_tp2_linears_sequence_parallel_and_bitwise_off(results):

@@ -229,6 +229,14 @@ def run_layout(layout: str, default_format: str, steps: int, seed: int) -> dict:
         result["hp_fp4_spec_grads"] = collect_grads(fp4_hp, args_hp)
         result["hp_local_spec_grads"] = collect_grads(local, args_hp)
         result["hp_fp4_linears"] = sum(isinstance(m, FP4ParallelLinearMixin) for m in fp4_hp.modules())
+        # fp4_autocast(enabled=False) turns the config's recipe off: the FP4 model then equals the local spec
+        from megatron_fp4.recipe import fp4_autocast
+
+        with fp4_autocast(enabled=False):
+            result["autocast_off_loss"] = run_batch(ddp, config, mbs, forward_only=True)
+        # and fp4_autocast(recipe=...) overrides it (MXFP4 instead of the config's format)
+        with fp4_autocast(recipe=recipe_for_format("mxfp4")):
+            result["autocast_mxfp4_loss"] = run_batch(ddp, config, mbs, forward_only=True)
     if steps:
         opt = get_megatron_optimizer(OptimizerConfig(optimizer="adam", lr=3e-3, weight_decay=0.0, clip_grad=1.0,
                                                      bf16=bf16, fp16=False), [ddp])
