@@ -66,9 +66,24 @@ class UnderflowMonitor:
         """Name -> (underflowed, nonzero) input counts accumulated so far."""
         return {n: (self._underflow[n], self._nonzero[n]) for n in self._nonzero}
 
-    def collect(self, reset: bool = True) -> dict[str, float]:
-        """Name -> underflow rate over all monitored forwards since the last reset (modules never run: absent)."""
-        rates = {n: (self._underflow[n] / nz if nz else 0.0) for n, nz in self._nonzero.items()}
+    def collect(self, reset: bool = True, group=None) -> dict[str, float]:
+        """Name -> underflow rate over all monitored forwards since the last reset (modules never run: absent).
+
+        With ``group`` (a torch.distributed process group, e.g. the data-parallel group) the counts are summed
+        over its ranks first; every rank of the group must call it and hold the same module names (ranks of
+        one pipeline stage do).
+        """
+        names = sorted(self._nonzero)
+        under = [self._underflow[n] for n in names]
+        nonzero = [self._nonzero[n] for n in names]
+        if group is not None and torch.distributed.get_world_size(group) > 1:
+            device = "cpu"
+            if torch.distributed.get_backend(group) == "nccl":
+                device = torch.device("cuda", torch.cuda.current_device())
+            counts = torch.tensor([under, nonzero], dtype=torch.float64, device=device).reshape(2, len(names))
+            torch.distributed.all_reduce(counts, group=group)
+            under, nonzero = counts[0].tolist(), counts[1].tolist()
+        rates = {n: (u / nz if nz else 0.0) for n, u, nz in zip(names, under, nonzero)}
         if reset:
             self.reset()
         return rates

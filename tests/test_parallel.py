@@ -104,3 +104,5 @@ def test_underflow_diagnostics_on_gpt(results):
     assert len(rates) == 16
     assert all(0.0 <= v < 1.0 for v in rates.values())
     assert any(v > 0 for v in rates.values())
+    # DP=2 (one micro-batch per replica, counts summed over the DP group) sees exactly the TP=1 inputs
+    assert results["dp2"]["underflow"] == rates

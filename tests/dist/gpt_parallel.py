@@ -217,7 +217,9 @@ def run_layout(layout: str, default_format: str, steps: int, seed: int) -> dict:
 
     with UnderflowMonitor(ddp.module) as monitor:
         result["loss0"] = run_batch(ddp, config, mbs)
-    result["underflow"] = monitor.collect()
+    from megatron.core import parallel_state as ps
+
+    result["underflow"] = monitor.collect(group=ps.get_data_parallel_group())  # summed over DP replicas
     result["grads0"] = collect_grads(ddp, args)
     if check_hp:
         # the FP4 spec with no recipe vs megatron-core's local spec: identical loss and gradients, bit for bit
