@@ -15,7 +15,8 @@ without CUDA it
 
 Settings megatron-core needs on CPU are returned by :func:`cpu_config_overrides` (no fusions that need CUDA
 kernels, CPU initialization, no p2p synchronization). The RNG tracker is set with
-``model_parallel_cuda_manual_seed(seed, inference_rng_tracker=True)`` (a tracker that does not touch CUDA RNG).
+``model_parallel_cuda_manual_seed(seed, inference_rng_tracker=True)``: its ``fork()`` is a no-op, so it never
+touches the CUDA RNG, and dropout inside tensor-parallel regions draws from the default CPU generator.
 Use :func:`initialize_parallel` to set everything up, single process or under ``torchrun``.
 """
 
