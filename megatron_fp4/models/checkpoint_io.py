@@ -547,7 +547,10 @@ def load_gpt(path: PathLike, iteration: Optional[Union[int, str]] = None, fp4_re
     if tp_size != 1 or pp_size != 1:
         raise RuntimeError(f"load_gpt builds a single-process model but parallel_state has TP={tp_size}, "
                            f"PP={pp_size}; build the model with build_gpt_model and use load_checkpoint_into_model")
-    initialize_parallel(1, 1)
+    from megatron.core import parallel_state
+
+    if not parallel_state.model_parallel_is_initialized():
+        initialize_parallel(1, 1)  # (re-initializing would also re-seed the RNGs)
     if is_megatron_checkpoint(path):
         ckpt = MegatronCheckpoint(path, iteration)
         margs = model_args_from_json(ckpt.model_args)
