@@ -348,3 +348,12 @@ def test_refuses_to_overwrite_without_flag(hf_models, tmp_path):
     convert_megatron_to_hf(tmp_path / "mg", tmp_path / "hf", max_shard_bytes=50_000, progress=False, overwrite=True)
     assert not (tmp_path / "hf" / "model.safetensors").exists()
     assert (tmp_path / "hf" / "model.safetensors.index.json").is_file()
+
+
+def test_numbered_iteration_and_bad_iteration(hf_models, tmp_path):
+    it_dir = convert_hf_to_megatron(hf_models["llama"], tmp_path / "mg", iteration="20", progress=False)
+    assert it_dir.name == "iter_0000020"
+    assert MegatronCheckpoint(tmp_path / "mg").args["iteration"] == 20
+    assert MegatronCheckpoint(tmp_path / "mg", iteration=20).dir == it_dir
+    with pytest.raises(ValueError, match=r"iteration 'last' is not valid"):
+        convert_hf_to_megatron(hf_models["llama"], tmp_path / "mg2", iteration="last", progress=False)

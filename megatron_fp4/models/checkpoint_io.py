@@ -76,6 +76,8 @@ def iteration_dirname(iteration: Union[int, str]) -> str:
     """Directory name of an iteration: "release" or ``iter_{:07d}``."""
     if iteration == "release":
         return "release"
+    if isinstance(iteration, bool) or not str(iteration).isdigit():
+        raise ValueError(f"iteration {iteration!r} is not valid; allowed values: \"release\" or a number >= 0")
     return f"iter_{int(iteration):07d}"
 
 

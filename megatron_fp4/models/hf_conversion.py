@@ -444,6 +444,8 @@ def convert_hf_to_megatron(hf_path: PathLike, save_dir: PathLike, tensor_model_p
     from safetensors.torch import save_file
 
     tp, pp = tensor_model_parallel_size, pipeline_model_parallel_size
+    iteration_dirname(iteration)  # validates
+    iteration = iteration if iteration == "release" else int(iteration)
     source = open_hf_source(hf_path)
     margs = model_args_from_hf_config(source.config)
     check_parallel_sizes(margs, tp, pp)
