@@ -325,9 +325,12 @@ class QuantizedWeightCache:
         """Re-quantize ``weights`` (an iterable of tensors) now; returns the seconds it took. With ``precision``,
         a registered rollout backend for the weights' device prepares its own weight form instead."""
         t0 = time.perf_counter()
-        names = get_format(fmt).name
+        get_format(fmt)  # validates
+        weights = list(weights)
+        ids = {id(w) for w in weights}
+        for key in [k for k in self._entries if k[0] in ids]:
+            del self._entries[key]  # every cached form of these weights (reference and backend-prepared)
         for w in weights:
-            self._entries.pop((id(w), names), None)
             backend = _ROLLOUT_BACKENDS.get(w.device.type)
             prepare = getattr(backend, "prepare_weight", None)
             if precision is not None and prepare is not None and prepare(w, precision, self) is not NotImplemented:
