@@ -1,5 +1,7 @@
 """FP4 linear: each GEMM equals a float64 reference on operands quantized along that GEMM's reduction dim."""
 
+import zlib
+
 import pytest
 import torch
 import torch.nn.functional as F
@@ -45,7 +47,7 @@ def run(x, w, b, recipe, dy):
 @pytest.mark.parametrize("fmt", FORMATS)
 @pytest.mark.parametrize("lead,K,n", [((37,), 70, 45), ((3, 23), 100, 33), ((5, 9), 129, 66)])
 def test_gemms_match_float64_reference(fmt, lead, K, n):
-    g = torch.Generator().manual_seed(hash((fmt, lead, K, n)) % 2**31)
+    g = torch.Generator().manual_seed(zlib.crc32(repr((fmt, lead, K, n)).encode()))
     x = torch.randn(*lead, K, generator=g)
     x[..., 3] *= 40.0  # an outlier channel, so blocks have very different scales
     w = torch.randn(n, K, generator=g) * 0.1
