@@ -82,9 +82,10 @@ def _check_sample_shape(samples, params):
         assert all(lp <= 0.0 for lp in s.logprobs)
 
 
+@pytest.mark.parametrize("prefill", ["padded", "aligned"])
 @pytest.mark.parametrize("precision", PRECISIONS, ids=lambda p: p.label)
-def test_logprobs_match_teacher_forced(model, prompts, precision):
-    engine = NativeRolloutEngine(model, precision, max_batch_size=3)
+def test_logprobs_match_teacher_forced(model, prompts, precision, prefill):
+    engine = NativeRolloutEngine(model, precision, max_batch_size=3, prefill=prefill)
     params = SamplingParams(temperature=0.9, top_p=0.95, top_k=40, max_new_tokens=10, stop_token_ids=STOP, seed=3)
     samples = engine.generate(prompts, params)
     _check_sample_shape(samples, params)
@@ -101,10 +102,12 @@ def test_greedy_is_deterministic_and_batch_independent(model, prompts, precision
     a = NativeRolloutEngine(model, precision).generate(prompts, params)
     b = NativeRolloutEngine(model, precision).generate(prompts, params)
     c = NativeRolloutEngine(model, precision, max_batch_size=1).generate(prompts, params)
-    assert [s.token_ids for s in a] == [s.token_ids for s in b] == [s.token_ids for s in c]
+    d = NativeRolloutEngine(model, precision, prefill="aligned").generate(prompts, params)
+    assert [s.token_ids for s in a] == [s.token_ids for s in b] == [s.token_ids for s in c] == [s.token_ids for s in d]
     assert [s.logprobs for s in a] == [s.logprobs for s in b]
-    for x, y in zip(a, c):
+    for x, y, z in zip(a, c, d):
         assert max(abs(p - q) for p, q in zip(x.logprobs, y.logprobs)) < 1e-5
+        assert max(abs(p - q) for p, q in zip(x.logprobs, z.logprobs)) < 1e-5
 
 
 def _greedy_by_recompute(model, prompt, max_new, stop):
@@ -224,10 +227,15 @@ def test_release_and_resume_memory(model, prompts):
 
 
 def test_length_limits_and_validation(model):
-    engine = NativeRolloutEngine(model, RolloutPrecision(), max_seq_len=12)
-    out = engine.generate([[7] * 10, [8] * 4], SamplingParams(temperature=0.0, max_new_tokens=20))
+    aligned = NativeRolloutEngine(model, RolloutPrecision(), max_seq_len=12, prefill="aligned")
+    out = aligned.generate([[7] * 10, [8] * 4], SamplingParams(temperature=0.0, max_new_tokens=20))
     assert len(out[0].token_ids) == 2 and out[0].finish_reason == "length"  # capped by max_seq_len
     assert len(out[1].token_ids) == 8 and out[1].prompt_length == 4
+    engine = NativeRolloutEngine(model, RolloutPrecision(), max_seq_len=12)  # padded: the cap is on padded length
+    out = engine.generate([[7] * 10, [8] * 4], SamplingParams(temperature=0.0, max_new_tokens=20))
+    assert [len(o.token_ids) for o in out] == [2, 2] and {o.finish_reason for o in out} == {"length"}
+    with pytest.raises(ValueError, match="prefill"):
+        NativeRolloutEngine(model, prefill="left")
     with pytest.raises(ValueError, match="max_seq_len"):
         engine.generate([[7] * 12], SamplingParams())
     with pytest.raises(ValueError, match="empty"):

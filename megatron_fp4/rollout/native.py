@@ -5,9 +5,11 @@
     stats = engine.update_weights(trainer_model.named_parameters())   # re-quantizes once, timed
 
 Generation uses megatron-core's ``StaticInferenceContext`` (the KV cache of ``GPTModel.forward``): one prefill of
-the shortest prompt length, then one token per step for the whole batch; rows whose prompt is longer are fed
-their prompt tokens until it ends (so every row shares positions, no padding inside a sequence). Finished rows
-are dropped from the batch and the KV cache is compacted. The transformer-layer linears compute the configured
+all prompts, left-padded to the longest and with the padding masked out of attention (``prefill="padded"``, the
+default; RoPE only sees relative positions), then one token per step for the whole batch. ``prefill="aligned"``
+instead prefills the shortest prompt length and feeds longer prompts token by token (no padding anywhere).
+Finished rows are dropped from the batch and the KV cache is compacted. Pad tokens pass through the linears:
+they do not change token-local rollout forms, but they take part in the ResQ "channel"/"tile32x64" selection. The transformer-layer linears compute the configured
 rollout precision (see :mod:`megatron_fp4.rollout.precision`); the training recipe does not apply.
 """
 
@@ -105,13 +107,19 @@ class NativeRolloutEngine(RolloutEngine):
         max_seq_len: Optional[int] = None,
         pad_token_id: int = 0,
         offload_on_release: bool = False,
+        prefill: str = "padded",
     ) -> None:
         """``model``: a GPTModel (tensor parallel is fine; pipeline parallel is not supported).
         ``max_batch_size``: prompts per forward (None: all at once). ``max_seq_len``: prompt + response cap
-        (default: the model's max sequence length). ``offload_on_release``: move the weights to the CPU in
-        :meth:`release_memory` (only for a model the engine owns, not one shared with the trainer)."""
+        (default: the model's max sequence length; with ``prefill="padded"`` it caps the padded length). ``offload_on_release``: move the weights to the CPU in
+        :meth:`release_memory` (only for a model the engine owns, not one shared with the trainer).
+        ``prefill``: "padded" (one prefill of all prompts, left padding masked) or "aligned" (prefill of the
+        shortest prompt length, longer prompts fed one token per step; no padding at all)."""
         if not (getattr(model, "pre_process", True) and getattr(model, "post_process", True)):
             raise NotImplementedError("NativeRolloutEngine needs the whole model on one rank (no pipeline split)")
+        if prefill not in ("padded", "aligned"):
+            raise ValueError(f"prefill={prefill!r} is not valid; allowed values: 'padded', 'aligned'")
+        self.prefill = prefill
         if max_batch_size is not None and max_batch_size < 1:
             raise ValueError(f"max_batch_size={max_batch_size!r} must be >= 1 or None")
         self.model = model
@@ -247,10 +255,12 @@ class NativeRolloutEngine(RolloutEngine):
         }
         return results
 
-    def _forward(self, ids: torch.Tensor, start: int, ctx: StaticInferenceContext) -> torch.Tensor:
-        """Logits [B, V] (fp32) of the last position for tokens ``ids [B, L]`` at positions start..start+L-1."""
+    def _forward(self, ids: torch.Tensor, start: int, ctx: StaticInferenceContext,
+                 mask: Optional[torch.Tensor] = None) -> torch.Tensor:
+        """Logits [B, V] (fp32) of the last position for tokens ``ids [B, L]`` at cache positions start.. ;
+        ``mask`` (bool, True = masked) ``[B, 1, L, start + L]`` hides left padding."""
         pos = torch.arange(start, start + ids.shape[1], device=ids.device).unsqueeze(0).expand(ids.shape[0], -1)
-        logits = self.model(ids, pos, None, inference_context=ctx, runtime_gather_output=True)
+        logits = self.model(ids, pos, mask, inference_context=ctx, runtime_gather_output=True)
         return logits[:, -1].float()
 
     def _generate_batch(self, prompts: list[list[int]], params: SamplingParams,
@@ -258,23 +268,37 @@ class NativeRolloutEngine(RolloutEngine):
                         ) -> tuple[list[RolloutSample], int]:
         B = len(prompts)
         lens = torch.tensor([len(p) for p in prompts], dtype=torch.long, device=device)
-        total = min(int(lens.max()) + params.max_new_tokens, self.max_seq_len)
+        lmax = int(lens.max())
+        total = min(lmax + params.max_new_tokens, self.max_seq_len)
+        padded = self.prefill == "padded"
+        # "padded": prompts right-aligned at lmax (left padding masked out; RoPE is relative, so a shift of a whole
+        # sequence changes nothing); "aligned": prompts start at 0 and longer ones are fed token by token.
+        pads = (lmax - lens) if padded else torch.zeros_like(lens)
         tokens = torch.full((B, total), self.pad_token_id, dtype=torch.long, device=device)
         for i, p in enumerate(prompts):
-            tokens[i, : len(p)] = torch.tensor(p, dtype=torch.long, device=device)
+            o = int(pads[i])
+            tokens[i, o:o + len(p)] = torch.tensor(p, dtype=torch.long, device=device)
+        ends = pads + lens  # first generated position of each row
         logprobs = torch.zeros((B, total), dtype=torch.float32, device=device)
         n_gen = torch.zeros(B, dtype=torch.long, device=device)
         finish = ["length"] * B
         stop_ids = torch.tensor(params.stop_token_ids or [-1], dtype=torch.long, device=device)
+        use_mask = bool((pads > 0).any())
 
         ctx = StaticInferenceContext(B, total)
-        t = int(lens.min())
-        logits = self._forward(tokens[:, :t], 0, ctx)
+        t = lmax if padded else int(lens.min())
+        mask = None
+        if use_mask:
+            ar = torch.arange(t, device=device)
+            causal = ar.unsqueeze(0) > ar.unsqueeze(1)  # [q, k]: key after query
+            mask = causal.unsqueeze(0) | (ar.unsqueeze(0) < pads.unsqueeze(1)).unsqueeze(1)  # [B, q, k]
+            mask = mask.unsqueeze(1)
+        logits = self._forward(tokens[:, :t], 0, ctx, mask)
         ctx.sequence_len_offset = t
         active = torch.arange(B, device=device)  # original row of each batch row
         steps = 1
         while True:
-            gen = lens[active] <= t  # rows past their prompt: sample position t
+            gen = ends[active] <= t  # rows past their prompt: sample position t
             if bool(gen.any()):
                 rows = active[gen]
                 tok, lp = sample_tokens(logits[gen], params, generator)
@@ -282,31 +306,34 @@ class NativeRolloutEngine(RolloutEngine):
                 logprobs[rows, t] = lp
                 n_gen[rows] += 1
                 stopped = torch.isin(tok, stop_ids)
-                full = (n_gen[rows] >= params.max_new_tokens) | (t + 1 >= total)
-                done_rows = rows[stopped | full]
-                for r, s in zip(done_rows.tolist(), stopped[stopped | full].tolist()):
-                    finish[r] = "stop" if s else "length"
+                done = stopped | (n_gen[rows] >= params.max_new_tokens) | (t + 1 >= total)
+                for r, st in zip(rows[done].tolist(), stopped[done].tolist()):
+                    finish[r] = "stop" if st else "length"
                 keep = torch.ones(active.shape[0], dtype=torch.bool, device=device)
-                keep[gen.nonzero().squeeze(-1)[stopped | full]] = False
+                keep[gen.nonzero().squeeze(-1)[done]] = False
                 if not bool(keep.all()):
                     keep_idx = keep.nonzero().squeeze(-1)
                     active = active[keep_idx]
                     if active.numel() == 0:
                         break
                     n = active.shape[0]
-                    for layer, (k, v) in ctx.key_value_memory_dict.items():
+                    for k, v in ctx.key_value_memory_dict.values():
                         k[:t, :n] = k[:t, keep_idx].clone()
                         v[:t, :n] = v[:t, keep_idx].clone()
             if t + 1 >= total:
                 break
-            logits = self._forward(tokens[active, t:t + 1], t, ctx)
+            mask = None
+            if use_mask:
+                mask = (torch.arange(t + 1, device=device).unsqueeze(0) < pads[active].unsqueeze(1))
+                mask = mask.view(active.shape[0], 1, 1, t + 1)
+            logits = self._forward(tokens[active, t:t + 1], t, ctx, mask)
             ctx.sequence_len_offset = t + 1
             t += 1
             steps += 1
 
         out = []
         for i, p in enumerate(prompts):
-            L, g = len(p), int(n_gen[i])
-            out.append(RolloutSample(token_ids=tokens[i, L:L + g].tolist(), logprobs=logprobs[i, L:L + g].tolist(),
-                                     finish_reason=finish[i], prompt_length=L))
+            e, g = int(ends[i]), int(n_gen[i])
+            out.append(RolloutSample(token_ids=tokens[i, e:e + g].tolist(), logprobs=logprobs[i, e:e + g].tolist(),
+                                     finish_reason=finish[i], prompt_length=len(p)))
         return out, steps
