@@ -9,8 +9,9 @@ all prompts, left-padded to the longest and with the padding masked out of atten
 default; RoPE only sees relative positions), then one token per step for the whole batch. ``prefill="aligned"``
 instead prefills the shortest prompt length and feeds longer prompts token by token (no padding anywhere).
 Finished rows are dropped from the batch and the KV cache is compacted. Pad tokens pass through the linears:
-they do not change token-local rollout forms, but they take part in the ResQ "channel"/"tile32x64" selection. The transformer-layer linears compute the configured
-rollout precision (see :mod:`megatron_fp4.rollout.precision`); the training recipe does not apply.
+they do not change token-local rollout forms, but they take part in the ResQ "channel"/"tile32x64" selection
+(and in :class:`~megatron_fp4.rollout.RolloutUnderflowMonitor` counts). The transformer-layer linears compute
+the configured rollout precision (see :mod:`megatron_fp4.rollout.precision`); the training recipe does not apply.
 """
 
 from __future__ import annotations
@@ -111,8 +112,9 @@ class NativeRolloutEngine(RolloutEngine):
     ) -> None:
         """``model``: a GPTModel (tensor parallel is fine; pipeline parallel is not supported).
         ``max_batch_size``: prompts per forward (None: all at once). ``max_seq_len``: prompt + response cap
-        (default: the model's max sequence length; with ``prefill="padded"`` it caps the padded length). ``offload_on_release``: move the weights to the CPU in
-        :meth:`release_memory` (only for a model the engine owns, not one shared with the trainer).
+        (default: the model's max sequence length; with ``prefill="padded"`` it caps the padded length).
+        ``offload_on_release``: move the weights to the CPU in :meth:`release_memory` (only for a model the
+        engine owns, not one shared with the trainer).
         ``prefill``: "padded" (one prefill of all prompts, left padding masked) or "aligned" (prefill of the
         shortest prompt length, longer prompts fed one token per step; no padding at all)."""
         if not (getattr(model, "pre_process", True) and getattr(model, "post_process", True)):
