@@ -287,3 +287,29 @@ def test_batch_dependent_sparsities_run(model, prompts, sparsity):
     _check_sample_shape(samples, params)
     plain = NativeRolloutEngine(model, RolloutPrecision("w4a4", "hif4")).generate(prompts, params)
     assert [s.logprobs for s in samples] != [s.logprobs for s in plain]
+
+
+def test_kernel_backend_adapter_plan_and_fallback(model, prompts):
+    pytest.importorskip("kernels.dispatch")
+    from megatron_fp4.resq import rollout_backend_for
+    from megatron_fp4.rollout.kernels_backend import _plan, register_kernel_backend, unregister_kernel_backend
+
+    fmts = ("hif4", "mxfp4")
+    assert _plan(RolloutPrecision("w4a4", "hif4", "2:4"), torch.bfloat16, fmts) == ("fp4", "2:4")
+    assert _plan(RolloutPrecision("w4a4", "mxfp4"), torch.float32, fmts) == ("fp4", "none")
+    assert _plan(RolloutPrecision("w4a16", "hif4"), torch.bfloat16, fmts) == ("bf16", "none")
+    assert _plan(RolloutPrecision("w4a16", "hif4"), torch.float32, fmts) is None  # kernel would round x to bf16
+    for p in (RolloutPrecision("w16a4", "hif4"), RolloutPrecision("w4a4", "hif4", "dense"),
+              RolloutPrecision("w4a4", "hif4", activation_method="occ"), RolloutPrecision("w4a4", "nvfp4")):
+        assert _plan(p, torch.bfloat16, fmts) is None
+    # on CPU tensors (no Triton interpreter) the registered backend declines and the reference runs
+    precision = RolloutPrecision("w4a4", "mxfp4", "2:4")
+    params = SamplingParams(temperature=0.0, max_new_tokens=5)
+    ref = NativeRolloutEngine(model, precision).generate(prompts, params)
+    assert register_kernel_backend("cpu")
+    try:
+        assert rollout_backend_for("cpu") is not None
+        got = NativeRolloutEngine(model, precision).generate(prompts, params)
+    finally:
+        unregister_kernel_backend("cpu")
+    assert [s.token_ids for s in got] == [s.token_ids for s in ref]
