@@ -1,0 +1,422 @@
+"""The GRPO trainer: rollout -> reward -> advantages -> token-level clipped loss with TIS and KL -> optimizer step
+-> weight sync, on megatron-core models (TP/DP; FP4 training recipe) and a rollout engine in its own precision.
+
+Roles, as in slime/verl: the *policy* is the megatron-core GPTModel wrapped in megatron DDP, trained through
+megatron's forward/backward schedule with per-token loss accounting (``calculate_per_token_loss``: the loss is a
+token-level mean over the whole global batch, exactly, whatever the micro-batching and data parallelism); the
+*reference* is a frozen copy of the warm-start weights (KL); the *rollout engine* holds its own copy of the
+weights, refreshed after every optimizer step and re-quantized once per update. Every rank of a tensor-parallel
+group generates the same samples in lockstep (same seed); data-parallel ranks generate different prompts.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+import time
+from dataclasses import dataclass
+from functools import partial
+from typing import Any, Callable, Optional, Sequence
+
+import torch
+
+from megatron_fp4.rl import grpo
+from megatron_fp4.rl.checkpoint import (CheckpointNotFoundError, capture_rng_state, latest_iteration,
+                                        load_checkpoint, restore_rng_state, save_checkpoint)
+from megatron_fp4.rl.data import Example, PromptSampler
+from megatron_fp4.rl.monitor import MetricsLogger, NonFiniteGuard
+from megatron_fp4.rl.rewards import score
+from megatron_fp4.rl.tokenizer import Tokenizer
+
+
+@dataclass
+class Sequences:
+    """A right-padded batch of prompt+response sequences on the next-token grid (inputs predict labels)."""
+
+    inputs: torch.Tensor        # [N, T] token ids fed to the model
+    labels: torch.Tensor        # [N, T] the next token at each position
+    mask: torch.Tensor          # [N, T] 1.0 where the label is a response token (the loss positions)
+    logp_rollout: torch.Tensor  # [N, T] rollout engine logprobs of the labels (0 outside mask)
+    advantages: torch.Tensor    # [N] per-response advantage
+
+    def __len__(self) -> int:
+        return self.inputs.shape[0]
+
+    def select(self, idx: torch.Tensor | slice) -> "Sequences":
+        return Sequences(self.inputs[idx], self.labels[idx], self.mask[idx], self.logp_rollout[idx],
+                         self.advantages[idx])
+
+
+def pack_sequences(prompts: Sequence[Sequence[int]], responses: Sequence[Sequence[int]],
+                   rollout_logprobs: Sequence[Sequence[float]], advantages: torch.Tensor, pad_id: int,
+                   length: Optional[int] = None) -> Sequences:
+    """Right-padded next-token batch: position t of ``inputs`` predicts ``labels[t]``; response labels are masked in."""
+    full = [list(p) + list(r) for p, r in zip(prompts, responses)]
+    T = max(len(s) for s in full) - 1 if length is None else length
+    n = len(full)
+    inputs = torch.full((n, T), pad_id, dtype=torch.long)
+    labels = torch.full((n, T), pad_id, dtype=torch.long)
+    mask = torch.zeros(n, T)
+    lp = torch.zeros(n, T)
+    for i, (s, p, r, l) in enumerate(zip(full, prompts, responses, rollout_logprobs)):
+        k = len(s) - 1
+        if k > T:
+            raise ValueError(f"sequence {i} has {k + 1} tokens, more than the packing length {T + 1}")
+        inputs[i, :k] = torch.tensor(s[:-1])
+        labels[i, :k] = torch.tensor(s[1:])
+        a, b = len(p) - 1, len(p) - 1 + len(r)
+        mask[i, a:b] = 1.0
+        if len(r):
+            lp[i, a:b] = torch.tensor(list(l), dtype=torch.float32)
+    return Sequences(inputs, labels, mask, lp, advantages.to(torch.float32))
+
+
+class GRPOTrainer:
+    """One GRPO run. ``policy`` is megatron DDP-wrapped; ``reference`` may be None when kl_beta == 0."""
+
+    def __init__(self, args, tokenizer: Tokenizer, train_examples: list[Example], eval_examples: list[Example],
+                 policy, optimizer, config, reference, engine, precision_name: str) -> None:
+        from megatron.core import parallel_state as ps
+
+        self.args, self.tok = args, tokenizer
+        self.train_examples, self.eval_examples = train_examples, eval_examples
+        self.policy, self.optimizer, self.config = policy, optimizer, config
+        self.reference, self.engine, self.precision_name = reference, engine, precision_name
+        self.dp_rank, self.dp_size = ps.get_data_parallel_rank(), ps.get_data_parallel_world_size()
+        self.rank = torch.distributed.get_rank()
+        self.sampler = PromptSampler(len(train_examples), seed=args.seed)
+        self.guard = NonFiniteGuard(args.max_nonfinite_steps)
+        self.step = 0
+        self.state_extra: dict[str, Any] = {}
+        self.last_checkpoint: Optional[str] = None
+        self.logger = MetricsLogger(args.tensorboard_dir, total_steps=args.train_iters, rank=self.rank)
+        self.grpo_cfg = grpo.GRPOConfig(
+            group_size=args.group_size, clip_low=args.clip_low, clip_high=args.clip_high,
+            tis_cap=args.tis_cap if args.tis_cap > 0 else 5.0, use_tis=args.tis_cap > 0, kl_beta=args.kl_beta,
+            normalize_std=args.advantage == "grpo", dynamic_sampling=args.dynamic_sampling,
+            overlong_filter=args.overlong_filter)
+
+    # ------------------------------------------------------------------------------------------ megatron plumbing
+    def _run_schedule(self, model, microbatches: list[dict], loss_fn: Callable, forward_only: bool) -> list[dict]:
+        """Run megatron's forward(/backward) schedule over micro-batches; returns the last stage's loss dicts."""
+        from megatron.core.pipeline_parallel import get_forward_backward_func
+
+        def forward_step(data_iterator, model_chunk):
+            batch = next(data_iterator)
+            T = batch["inputs"].shape[1]
+            pos = torch.arange(T).unsqueeze(0).expand_as(batch["inputs"])
+            out = model_chunk(batch["inputs"], pos, None)
+            return out, partial(loss_fn, batch)
+
+        fb = get_forward_backward_func()
+        return fb(forward_step_func=forward_step, data_iterator=iter(microbatches), model=[model],
+                  num_microbatches=len(microbatches), seq_length=microbatches[0]["inputs"].shape[1],
+                  micro_batch_size=microbatches[0]["inputs"].shape[0], forward_only=forward_only)
+
+    def _microbatches(self, seqs: Sequences, extra: Optional[dict[str, torch.Tensor]] = None) -> list[dict]:
+        mbs = []
+        size = self.args.micro_batch_size
+        for start in range(0, len(seqs), size):
+            sl = slice(start, start + size)
+            mb = {"inputs": seqs.inputs[sl], "labels": seqs.labels[sl], "mask": seqs.mask[sl],
+                  "logp_rollout": seqs.logp_rollout[sl], "advantages": seqs.advantages[sl]}
+            for k, v in (extra or {}).items():
+                mb[k] = v[sl]
+            mbs.append(mb)
+        return mbs
+
+    @torch.no_grad()
+    def logprobs(self, model, seqs: Sequences) -> Optional[torch.Tensor]:
+        """Next-token logprobs [N, T] of the labels under ``model`` (on the last pipeline stage; None elsewhere)."""
+
+        def loss_fn(batch, logits):
+            lp = grpo.token_logprobs(logits, batch["labels"])
+            zero = lp.sum() * 0
+            return zero, torch.tensor(1, dtype=torch.int), {"logp": lp}
+
+        store = self._run_schedule(model, self._microbatches(seqs), loss_fn, forward_only=True)
+        if not store:
+            return None
+        return torch.cat([d["logp"] for d in store], dim=0)
+
+    def _optimizer_step(self) -> tuple[bool, float]:
+        ok, grad_norm, _ = self.optimizer.step()
+        return ok, float(grad_norm) if grad_norm is not None else float("nan")
+
+    def _global_sum(self, x: float, op=torch.distributed.ReduceOp.SUM) -> float:
+        """Reduce a per-rank scalar over data parallel (model-parallel peers hold the same value)."""
+        from megatron.core import parallel_state as ps
+
+        t = torch.tensor([x], dtype=torch.float64)
+        torch.distributed.all_reduce(t, op=op, group=ps.get_data_parallel_group())
+        return float(t)
+
+    def _global_max(self, x: float) -> float:
+        return self._global_sum(x, op=torch.distributed.ReduceOp.MAX)
+
+    def set_lr(self, lr: float) -> None:
+        for g in self.optimizer.param_groups:
+            g["lr"] = lr
+
+    def lr_at(self, step: int) -> float:
+        a = self.args
+        if a.min_lr is None:
+            return a.lr
+        frac = min(step / max(a.train_iters, 1), 1.0)
+        return a.min_lr + 0.5 * (a.lr - a.min_lr) * (1 + math.cos(math.pi * frac))
+
+    # ------------------------------------------------------------------------------------------ supervised warm-up
+    def supervised_warmup(self, iters: int, lr: float, batch_size: int, progress: bool = True) -> list[float]:
+        """Cross-entropy on the examples' target completions (response tokens only), through the same schedule."""
+        import random
+
+        if iters <= 0:
+            return []
+        rng = random.Random(self.args.seed * 1000 + 17 + self.dp_rank)
+        self.set_lr(lr)
+        losses = []
+        per_rank = max(1, batch_size // self.dp_size)
+
+        def loss_fn(batch, logits):
+            lp = grpo.token_logprobs(logits, batch["labels"])
+            m = batch["mask"]
+            return -(lp * m).sum(), m.sum().to(torch.int), {"nll_sum": (-(lp * m).sum()).detach(),
+                                                              "tokens": m.sum().detach()}
+
+        t0 = time.monotonic()
+        for it in range(iters):
+            exs = rng.sample(self.train_examples, min(per_rank, len(self.train_examples)))
+            prompts = [self.tok.encode(e.prompt) for e in exs]
+            targets = [self.tok.encode(e.target) + [self.tok.eos_id] for e in exs]
+            seqs = pack_sequences(prompts, targets, [[0.0] * len(t) for t in targets], torch.zeros(len(exs)),
+                                  self.tok.pad_id)
+            self.policy.zero_grad_buffer()
+            self.optimizer.zero_grad()
+            store = self._run_schedule(self.policy, self._microbatches(seqs), loss_fn, forward_only=False)
+            ok, _ = self._optimizer_step()
+            nll = sum(float(d["nll_sum"]) for d in store) if store else 0.0
+            ntok = sum(float(d["tokens"]) for d in store) if store else 0.0
+            loss = self._broadcast_last_stage(nll / max(ntok, 1.0))
+            losses.append(loss)
+            if progress and self.rank == 0 and (it % 25 == 0 or it == iters - 1):
+                print(f"[warmup] iter {it + 1}/{iters} | nll {loss:.4f} | {time.monotonic() - t0:.0f}s", flush=True)
+        self.set_lr(self.lr_at(0))
+        return losses
+
+    def _broadcast_last_stage(self, value: float) -> float:
+        """A scalar known on the last pipeline stage, made known to every rank (mean over data parallel)."""
+        from megatron.core import parallel_state as ps
+
+        t = torch.tensor([value if ps.is_pipeline_last_stage() else 0.0], dtype=torch.float64)
+        torch.distributed.all_reduce(t, group=ps.get_pipeline_model_parallel_group())
+        torch.distributed.all_reduce(t, group=ps.get_data_parallel_group())
+        return float(t) / self.dp_size
+
+    # ------------------------------------------------------------------------------------------ rollout
+    def sync_rollout_weights(self) -> dict[str, float]:
+        """Push the policy's weights into the rollout engine (re-quantized once); returns timing metrics."""
+        stats = self.engine.update_weights(self.policy.module.named_parameters())
+        return stats.as_metrics()
+
+    def sampling_params(self, greedy: bool, seed: int):
+        from megatron_fp4.rollout import SamplingParams
+
+        a = self.args
+        return SamplingParams(temperature=0.0 if greedy else a.temperature, top_p=1.0 if greedy else a.top_p,
+                              top_k=0 if greedy else a.top_k, max_new_tokens=a.max_response_length,
+                              stop_token_ids=(self.tok.eos_id,), seed=seed)
+
+    def _prompt_ids(self, examples: Sequence[Example]) -> list[list[int]]:
+        out = []
+        for e in examples:
+            ids = self.tok.encode(e.prompt)
+            if len(ids) > self.args.max_prompt_length:
+                ids = ids[-self.args.max_prompt_length:]  # keep the end (the question's last words and the cue)
+            out.append(ids)
+        return out
+
+    @torch.no_grad()
+    def evaluate(self, precisions: Optional[dict[str, Any]] = None) -> dict[str, float]:
+        """Greedy accuracy on the held-out examples (this rank's share, averaged over data parallel)."""
+        exs = self.eval_examples[self.dp_rank::self.dp_size]
+        prompts = self._prompt_ids(exs)
+        out = {}
+        previous = self.engine.precision
+        for name, prec in (precisions or {"accuracy": None}).items():
+            if prec is not None:
+                self.engine.set_precision(prec)
+            samples = self.engine.generate(prompts, self.sampling_params(greedy=True, seed=0))
+            correct = sum(score(self.tok.decode(s.token_ids), e.reference, e.kind) for s, e in zip(samples, exs))
+            out[name] = self._global_sum(correct) / max(self._global_sum(len(exs)), 1)
+        if self.engine.precision != previous:
+            self.engine.set_precision(previous)
+        return out
+
+    # ------------------------------------------------------------------------------------------ one GRPO step
+    def train_step(self) -> dict[str, float]:
+        a, cfg = self.args, self.grpo_cfg
+        G = a.group_size
+        n_prompts = a.global_batch_size // self.dp_size
+        idx = self.sampler.next_indices(a.global_batch_size)
+        mine = idx[self.dp_rank * n_prompts:(self.dp_rank + 1) * n_prompts]
+        exs = [self.train_examples[i] for i in mine]
+        prompts = self._prompt_ids(exs)
+        group_prompts = [p for p in prompts for _ in range(G)]
+
+        t0 = time.monotonic()
+        seed = (a.seed * 1_000_003 + self.step * 9973 + self.dp_rank) % (2 ** 31)
+        samples = self.engine.generate(group_prompts, self.sampling_params(greedy=False, seed=seed))
+        t_rollout = time.monotonic() - t0
+        responses = [s.token_ids for s in samples]
+        texts = [self.tok.decode(r) for r in responses]
+        rewards = torch.tensor([score(t, e.reference, e.kind) for t, e in zip(texts, (e for e in exs for _ in range(G)))],
+                               dtype=torch.float32)
+        lengths = torch.tensor([len(r) for r in responses], dtype=torch.float32)
+        truncated = torch.tensor([s.finish_reason == "length" for s in samples])
+        metrics = grpo.rollout_metrics(rewards, lengths, truncated, G)
+        metrics = {k: (self._global_max(v) if k.endswith("_max") else self._global_sum(v) / self.dp_size)
+                   for k, v in metrics.items()}
+        metrics["rollout_tokens_per_s"] = self._global_sum(float(lengths.sum())) / max(self._global_max(t_rollout),
+                                                                                       1e-9)
+        metrics["rollout_s"] = t_rollout
+
+        adv = grpo.group_advantages(rewards, **cfg.advantage_kwargs())
+        keep = torch.ones(len(samples), dtype=torch.bool)
+        if cfg.dynamic_sampling:
+            keep = grpo.dynamic_sampling_keep(rewards, G).repeat_interleave(G)
+        seqs = pack_sequences(group_prompts, responses, [s.logprobs for s in samples], adv, self.tok.pad_id)
+        if cfg.overlong_filter:
+            seqs.mask = grpo.overlong_filter(seqs.mask, truncated)
+        seqs.mask = seqs.mask * keep.unsqueeze(1).to(seqs.mask.dtype)
+        num_tokens = self._global_sum(float(seqs.mask.sum()))
+        metrics["kept_groups_frac"] = self._global_sum(float(keep.float().mean())) / self.dp_size
+        if num_tokens == 0:  # every group filtered out: nothing to learn from this step
+            metrics.update(skipped=1.0, loss=0.0)
+            self.step += 1
+            return metrics
+
+        t1 = time.monotonic()
+        extra = {}
+        if self.reference is not None and a.kl_beta > 0:
+            extra["logp_ref"] = self.logprobs(self.reference, seqs)
+        if a.ppo_epochs > 1:
+            extra["logp_old"] = self.logprobs(self.policy, seqs)
+        loss_fn = partial(self._grpo_loss_fn, cfg)
+        stats = {}
+        for _ in range(a.ppo_epochs):
+            self.policy.zero_grad_buffer()
+            self.optimizer.zero_grad()
+            mbs = self._microbatches(seqs, {k: v for k, v in extra.items() if v is not None})
+            store = self._run_schedule(self.policy, mbs, loss_fn, forward_only=False)
+            stats = self._reduce_stats(store)
+            skip = self.guard.should_skip(self.step, stats.get("loss", 0.0), 0.0, self.last_checkpoint)
+            if skip:
+                metrics["skipped"] = 1.0
+                break
+            ok, grad_norm = self._optimizer_step()
+            if self.guard.should_skip(self.step, stats.get("loss", 0.0), grad_norm if ok else float("nan"),
+                                      self.last_checkpoint):
+                metrics["skipped"] = 1.0
+                break
+            metrics["grad_norm"] = grad_norm
+        t_train = time.monotonic() - t1
+        metrics.update(stats)
+        metrics["train_tokens_per_s"] = num_tokens * a.ppo_epochs / max(t_train, 1e-9)
+        metrics["lr"] = self.optimizer.param_groups[0]["lr"]
+        metrics.update(self.sync_rollout_weights())
+        self.step += 1
+        self.set_lr(self.lr_at(self.step))
+        return metrics
+
+    def _grpo_loss_fn(self, cfg, batch, logits):
+        lp = grpo.token_logprobs(logits, batch["labels"])
+        m = batch["mask"]
+        kw = dict(clip_low=cfg.clip_low, clip_high=cfg.clip_high, tis_cap=cfg.tis_cap if cfg.use_tis else None)
+        logp_ref = batch.get("logp_ref")
+        beta = cfg.kl_beta if logp_ref is not None else 0.0
+        tok = grpo.grpo_token_loss(lp, batch.get("logp_old"), batch["logp_rollout"], batch["advantages"], m,
+                                   logp_ref=logp_ref, kl_beta=beta, **kw)
+        with torch.no_grad():
+            ent = grpo.entropy_from_logits(logits)
+            mets = grpo.grpo_metrics(lp, batch.get("logp_old"), batch["logp_rollout"], batch["advantages"], m,
+                                     logp_ref=logp_ref, entropy=ent, kl_beta=beta, **kw)
+        n = m.sum()
+        mets = {k: torch.tensor(v * float(n)) for k, v in mets.items() if k != "num_tokens"}  # token-weighted
+        mets["num_tokens"] = n.detach()
+        for k in ("logp_abs_diff_max", "ratio_max"):  # maxima are not token-weighted
+            if k in mets:
+                mets[k] = mets[k] / max(float(n), 1.0)
+        return tok.sum(), n.to(torch.int), mets
+
+    def _reduce_stats(self, store: list[dict]) -> dict[str, float]:
+        """Token-weighted means of the loss-function metrics over micro-batches and data-parallel ranks."""
+        from megatron.core import parallel_state as ps
+
+        keys = sorted(store[0].keys()) if store else []
+        n_keys = torch.tensor([len(keys)], dtype=torch.float64)
+        torch.distributed.all_reduce(n_keys, op=torch.distributed.ReduceOp.MAX,
+                                     group=ps.get_pipeline_model_parallel_group())
+        # non-last pipeline stages know no keys: take them from the last stage
+        obj = [keys]
+        torch.distributed.broadcast_object_list(obj, src=ps.get_pipeline_model_parallel_last_rank(),
+                                                group=ps.get_pipeline_model_parallel_group())
+        keys = obj[0]
+        maxima = {"logp_abs_diff_max", "ratio_max"}
+        vals = torch.zeros(len(keys), dtype=torch.float64)
+        for i, k in enumerate(keys):
+            for d in store:
+                v = float(d[k])
+                vals[i] = max(vals[i], v) if k in maxima else vals[i] + v
+        for group in (ps.get_pipeline_model_parallel_group(), ps.get_data_parallel_group()):
+            s = vals.clone()
+            torch.distributed.all_reduce(s, group=group)
+            mx = vals.clone()
+            torch.distributed.all_reduce(mx, op=torch.distributed.ReduceOp.MAX, group=group)
+            vals = torch.tensor([mx[i] if k in maxima else s[i] for i, k in enumerate(keys)], dtype=torch.float64)
+        out = dict(zip(keys, vals.tolist()))
+        n = max(out.pop("num_tokens", 1.0), 1.0)
+        return {k: (v if k in maxima else v / n) for k, v in out.items()}
+
+    # ------------------------------------------------------------------------------------------ checkpoints
+    def state_dict(self) -> dict:
+        return {
+            "step": self.step,
+            "model": self.policy.module.state_dict(),
+            "reference": self.reference.state_dict() if self.reference is not None else None,
+            "optimizer": self.optimizer.state_dict(),
+            "sampler": self.sampler.state_dict(),
+            "guard": self.guard.state_dict(),
+            "rng": capture_rng_state(),
+            "extra": self.state_extra,
+        }
+
+    def save(self) -> str:
+        a = self.args
+        path = save_checkpoint(a.save, self.step, self.state_dict(), keep_last=a.keep_last, rank=self.rank,
+                               world_size=torch.distributed.get_world_size())
+        self.last_checkpoint = str(path)
+        if self.rank == 0:
+            print(f"[checkpoint] saved step {self.step} to {path}", flush=True)
+        return str(path)
+
+    def try_resume(self, load_dir: str) -> bool:
+        """Load the latest RL checkpoint of ``load_dir``; False (start fresh) when it holds none."""
+        if latest_iteration(load_dir) is None:
+            if self.rank == 0:
+                print(f"[checkpoint] no checkpoint in {load_dir}: starting from scratch", flush=True)
+            return False
+        it, state = load_checkpoint(load_dir, rank=self.rank)
+        self.policy.module.load_state_dict(state["model"])
+        if self.reference is not None and state.get("reference") is not None:
+            self.reference.load_state_dict(state["reference"])
+        self.optimizer.load_state_dict(state["optimizer"])
+        self.sampler.load_state_dict(state["sampler"])
+        self.guard.load_state_dict(state["guard"])
+        restore_rng_state(state["rng"])
+        self.step = int(state["step"])
+        self.state_extra = dict(state.get("extra") or {})
+        self.last_checkpoint = os.path.join(load_dir, f"iter_{it:07d}")
+        self.set_lr(self.lr_at(self.step))
+        if self.rank == 0:
+            print(f"[checkpoint] resumed from {self.last_checkpoint} (step {self.step})", flush=True)
+        return True

@@ -1,0 +1,138 @@
+"""pretrain_rl.py end to end on CPU: argument validation, a tiny FP4 GRPO run, TP=2 under torchrun, and a
+kill -9 during training followed by a resume whose next steps equal an uninterrupted run's."""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import re
+import signal
+import subprocess
+import sys
+import time
+
+import pytest
+
+from megatron_fp4.rl.arguments import parse_args
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+TINY = ["--num-layers", "2", "--hidden-size", "64", "--ffn-hidden-size", "128", "--num-attention-heads", "4",
+        "--num-query-groups", "2", "--num-synthetic-examples", "600", "--eval-samples", "32",
+        "--global-batch-size", "4", "--group-size", "4", "--micro-batch-size", "16", "--sft-iters", "3",
+        "--sft-batch-size", "16", "--max-response-length", "4", "--eval-interval", "100", "--seed", "7"]
+TIMING_KEYS = ("_per_s", "_s", "_seconds")
+
+
+def _env():
+    env = dict(os.environ)
+    env["PYTHONPATH"] = ROOT + os.pathsep + env.get("PYTHONPATH", "")
+    env.setdefault("OMP_NUM_THREADS", "1")
+    return env
+
+
+def _read_jsonl(path):
+    with open(path) as f:
+        return [json.loads(line) for line in f if line.strip()]
+
+
+def _deterministic(row: dict) -> dict:
+    return {k: v for k, v in row.items() if not k.endswith(TIMING_KEYS) and "weight_sync" not in k}
+
+
+@pytest.mark.parametrize("argv,match", [
+    (["--fp4-format", "fp8"], "fp4-format"),
+    (["--resq", "3:4"], "resq"),
+    (["--group-size", "1"], "--group-size=1"),
+    (["--top-p", "1.5"], "--top-p=1.5"),
+    (["--lr", "0"], "--lr=0"),
+    (["--dataset", "gsm8k:/no/such/file.jsonl"], "no such file"),
+    (["--dataset", "synthetic:sub"], "synthetic tasks: add, arith"),
+    (["--rollout-precision", "w4a16", "--resq", "2:4"], "--resq='2:4' needs FP4 rollout activations"),
+    (["--num-attention-heads", "4", "--num-query-groups", "3"], "num-query-groups"),
+    (["--seq-length", "4"], "--seq-length=4"),
+])
+def test_bad_arguments_name_the_argument(argv, match, capsys):
+    with pytest.raises((ValueError, SystemExit)) as e:
+        parse_args(argv)
+    text = str(e.value) + capsys.readouterr().err
+    assert match in text
+
+
+def test_tensor_parallel_constraints():
+    with pytest.raises(ValueError, match="--tensor-model-parallel-size=2 must divide"):
+        parse_args(["--tensor-model-parallel-size", "2", "--num-query-groups", "1"], world_size=2)
+    with pytest.raises(ValueError, match="world size 3 is not divisible"):
+        parse_args(["--tensor-model-parallel-size", "2"], world_size=3)
+    with pytest.raises(ValueError, match="--global-batch-size=3 must be a multiple"):
+        parse_args(["--global-batch-size", "3"], world_size=2)
+
+
+def test_yaml_config_is_overridden_by_flags(tmp_path):
+    cfg = tmp_path / "c.yaml"
+    cfg.write_text("group-size: 4\nlr: 0.01\nresq: dense\n")
+    args = parse_args(["--config", str(cfg), "--lr", "0.02"])
+    assert (args.group_size, args.lr, args.resq) == (4, 0.02, "dense")
+    cfg.write_text("no_such_flag: 1\n")
+    with pytest.raises(ValueError, match="unknown argument"):
+        parse_args(["--config", str(cfg)])
+
+
+def test_default_config_file_matches_builtin_defaults():
+    assert vars(parse_args(["--config", os.path.join(ROOT, "examples", "tiny_cpu.yaml")])) == {
+        **vars(parse_args([])), "config": os.path.join(ROOT, "examples", "tiny_cpu.yaml")}
+
+
+def _run(args, **kw):
+    return subprocess.run([sys.executable, os.path.join(ROOT, "pretrain_rl.py"), *args], env=_env(), cwd=ROOT,
+                          capture_output=True, text=True, timeout=600, **kw)
+
+
+@pytest.mark.slow
+def test_kill_and_resume_continues_exactly(tmp_path):
+    common = TINY + ["--train-iters", "6", "--save-interval", "2"]
+    # uninterrupted reference run
+    ref_log = tmp_path / "ref.jsonl"
+    r = _run(common + ["--save", str(tmp_path / "ref_ckpt"), "--log-jsonl", str(ref_log)])
+    assert r.returncode == 0, r.stderr[-3000:]
+    assert "[result] held-out accuracy" in r.stdout
+    ref = {row["step"]: _deterministic(row) for row in _read_jsonl(ref_log) if row["kind"] == "train"}
+    assert sorted(ref) == [1, 2, 3, 4, 5, 6]
+
+    # same command, killed with SIGKILL once the step-2 checkpoint exists
+    ckpt, log = tmp_path / "ckpt", tmp_path / "run.jsonl"
+    cmd = [sys.executable, os.path.join(ROOT, "pretrain_rl.py"), *common, "--save", str(ckpt), "--load", str(ckpt),
+           "--log-jsonl", str(log)]
+    proc = subprocess.Popen(cmd, env=_env(), cwd=ROOT, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+                            start_new_session=True)
+    deadline = time.monotonic() + 600
+    while not (ckpt / "iter_0000002").exists() and proc.poll() is None and time.monotonic() < deadline:
+        time.sleep(0.05)
+    os.killpg(proc.pid, signal.SIGKILL)
+    proc.wait()
+    killed_at = max(row["step"] for row in _read_jsonl(log) if row["kind"] == "train")
+    assert killed_at < 6, "the run finished before it could be killed"
+
+    r = subprocess.run(cmd, env=_env(), cwd=ROOT, capture_output=True, text=True, timeout=600)
+    assert r.returncode == 0, r.stderr[-3000:]
+    assert "resumed from" in r.stdout
+    resume_step = int(re.search(r"resumed from .* \(step (\d+)\)", r.stdout).group(1))
+    assert 2 <= resume_step <= killed_at
+    resumed = [row for row in _read_jsonl(log) if row["kind"] == "train"][-(6 - resume_step):]
+    assert [row["step"] for row in resumed] == list(range(resume_step + 1, 7))
+    for row in resumed:
+        assert _deterministic(row) == ref[row["step"]], row["step"]
+
+
+@pytest.mark.slow
+def test_tensor_parallel_two_ranks_runs_three_steps(tmp_path):
+    log = tmp_path / "tp2.jsonl"
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
+           os.path.join(ROOT, "pretrain_rl.py"), *TINY, "--tensor-model-parallel-size", "2", "--train-iters", "3",
+           "--log-jsonl", str(log)]
+    r = subprocess.run(cmd, env=_env(), cwd=ROOT, capture_output=True, text=True, timeout=600)
+    assert r.returncode == 0, r.stderr[-3000:]
+    assert "(TP 2)" in r.stdout and "[result] held-out accuracy" in r.stdout
+    rows = [row for row in _read_jsonl(log) if row["kind"] == "train"]
+    assert [row["step"] for row in rows] == [1, 2, 3]
+    assert all(math.isfinite(row["loss"]) for row in rows)
