@@ -14,8 +14,11 @@ SCRIPT = os.path.join(ROOT, "tests", "dist", "gpt_parallel.py")
 STEPS = 20
 
 
-def _run(cmd, timeout=600):
-    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONWARNINGS="ignore")
+pytestmark = pytest.mark.slow  # two launches, about a minute on 2 cores
+
+
+def _run(cmd, timeout=600, **env_changes):
+    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONWARNINGS="ignore", **env_changes)
     proc = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=timeout)
     if proc.returncode != 0:
         raise AssertionError(f"{' '.join(cmd)} failed ({proc.returncode}):\n{proc.stdout[-4000:]}\n{proc.stderr[-8000:]}")
@@ -106,3 +109,18 @@ def test_underflow_diagnostics_on_gpt(results):
     assert any(v > 0 for v in rates.values())
     # DP=2 (one micro-batch per replica, counts summed over the DP group) sees exactly the TP=1 inputs
     assert results["dp2"]["underflow"] == rates
+
+
+@pytest.mark.gpu
+def test_cuda_matches_cpu_with_kernels(tmp_path):
+    """The same model on one GPU, FP4 GEMMs through kernels.dispatch, equals the CPU reference run."""
+    pytest.importorskip("triton")
+    _run([sys.executable, SCRIPT, "--layouts", "ref", "--out", str(tmp_path / "gpu"), "--steps", "2", "--kernels"])
+    _run([sys.executable, SCRIPT, "--layouts", "ref", "--out", str(tmp_path / "cpu"), "--steps", "2"],
+         CUDA_VISIBLE_DEVICES="")
+    gpu = torch.load(tmp_path / "gpu" / "ref.pt", weights_only=False)
+    cpu = torch.load(tmp_path / "cpu" / "ref.pt", weights_only=False)
+    assert gpu["kernel_gemm_calls"] > 0 and cpu["kernel_gemm_calls"] == 0
+    assert abs(gpu["loss0"] - cpu["loss0"]) <= 1e-5 * cpu["loss0"]
+    for name, g in cpu["grads0"].items():
+        assert _rel(gpu["grads0"][name], g) < 1e-5, name
