@@ -275,6 +275,11 @@ def test_underflow_monitor_per_layer(model, prompts):
         assert 0.0 <= r["resq"] <= r["fp4"] <= 1.0
     assert sum(c[1] for c in counts.values()) > sum(c[2] for c in counts.values())
     assert mon.collect() == {}  # reset after collect
+    # the engine's shortcut measures the same thing in its own format
+    direct = engine.measure_underflow(prompts, SamplingParams(temperature=0.0, max_new_tokens=4), "2:4")
+    assert direct.keys() == rates.keys()
+    for name in rates:
+        assert direct[name] == pytest.approx(rates[name])
 
 
 @pytest.mark.parametrize("sparsity", ["channel", "tile32x64"])

@@ -216,6 +216,16 @@ class NativeRolloutEngine(RolloutEngine):
         if len(self.weight_cache) == 0:
             self._quantize_weights()
 
+    def measure_underflow(self, prompts: Sequence[Sequence[int]], sampling_params: SamplingParams,
+                          sparsity: str = "2:4") -> dict[str, dict[str, float]]:
+        """Generate once with per-layer underflow counting: {linear name: {"fp4": rate, "resq": rate}} in the
+        engine's format, without and with a ResQ ``sparsity`` residual (see RolloutUnderflowMonitor)."""
+        from megatron_fp4.rollout.diagnostics import RolloutUnderflowMonitor
+
+        with RolloutUnderflowMonitor(self.model, self._precision.format, sparsity) as monitor:
+            self.generate(prompts, sampling_params)
+        return monitor.collect()
+
     # -- generation ----------------------------------------------------------------------------------------------------
     @torch.no_grad()
     def generate(self, prompts: Sequence[Sequence[int]], sampling_params: SamplingParams = SamplingParams()
