@@ -214,12 +214,50 @@ def sweep_decode():
     return out
 
 
+def markdown(path):
+    """Render a results JSON as the markdown tables of docs/PERFORMANCE.md (no GPU needed)."""
+    d = json.load(open(path))
+    lines = [f"GPU: {d['gpu']}; {d['date']}; torch {d['torch']}, triton {d['triton']}; copy {d['copy_GBps']:.0f} GB/s; "
+             f"cuBLAS bf16 8192^3 {d['cublas_bf16_8192_TFLOPs']:.0f} TFLOP/s", "",
+             "| quantize kernel (16384 x 3584 bf16) | us | GB/s | % of copy |", "|---|---|---|---|"]
+    for r in d["quantize"]:
+        lines.append(f"| {r['kernel']} | {r['ms'] * 1e3:.1f} | {r['GB/s']:.0f} | {100 * r['GB/s'] / d['copy_GBps']:.0f}% |")
+    big = [("cublas_bf16", "cuBLAS bf16"), ("cublas_fp8_rowwise", "cuBLAS fp8 rowwise"),
+           ("mxfp4_w4a4_gemm_exact", "MXFP4 exact (bf16 MMA)"), ("mxfp4_w4a4_gemm_fp8", "MXFP4 fp8 promote-32"),
+           ("mxfp4_w4a4_gemm_fp8fast", "MXFP4 fp8 fast-acc"), ("hif4_w4a4_gemm_exact", "HiF4 exact (bf16 MMA)"),
+           ("mxfp4_resq24_gemm_exact", "MXFP4 ResQ 2:4 exact"), ("mxfp4_resq24_gemm_fp8fast", "MXFP4 ResQ fp8 fast"),
+           ("hif4_resq24_gemm_exact", "HiF4 ResQ 2:4 exact"), ("hif4_w4a16", "W4A16 (HiF4)"),
+           ("hif4_w4a4_e2e_exact", "HiF4 quant+GEMM"), ("mxfp4_w4a4_e2e_fp8fast", "MXFP4 quant+fp8 fast"),
+           ("hif4_w4a4_packed_prologue", "HiF4 packed-prologue"),
+           ("mxfp4_w4a4_packed_prologue", "MXFP4 packed-prologue")]
+    small = [("cublas_bf16", "cuBLAS bf16"), ("cublas_fp8_rowwise", "cuBLAS fp8 rowwise"),
+             ("mxfp4_w4a4_gemm", "MXFP4 W4A4"), ("mxfp4_resq24_gemm", "MXFP4 ResQ 2:4"),
+             ("mxfp4_w4a16", "MXFP4 W4A16"), ("hif4_w4a4_gemm", "HiF4 W4A4"), ("hif4_resq24_gemm", "HiF4 ResQ 2:4"),
+             ("hif4_w4a16", "HiF4 W4A16"), ("mxfp4_w4a4_e2e", "MXFP4 quant+W4A4"),
+             ("hif4_w4a4_e2e", "HiF4 quant+W4A4"), ("hif4_resq24_e2e", "HiF4 ResQ quant+GEMM")]
+    for title, cols, sel in (("Prefill/training sizes (M >= 4096)", big, lambda m: m > 64),
+                             ("Decode sizes (M <= 64, CUDA-graph replay)", small, lambda m: m <= 64)):
+        lines += ["", f"{title}: time in us (speedup over cuBLAS bf16)", "",
+                  "| K x N | M | " + " | ".join(c[1] for c in cols) + " |", "|---|---|" + "---|" * len(cols)]
+        for r in d["gemm"]:
+            if not sel(r["M"]):
+                continue
+            base = r["cublas_bf16"]["ms"]
+            cells = [f"{r[k]['ms'] * 1e3:.1f} ({base / r[k]['ms']:.2f}x)" if k in r else "" for k, _ in cols]
+            lines.append(f"| {r['K']}x{r['N']} | {r['M']} | " + " | ".join(cells) + " |")
+    return "\n".join(lines)
+
+
 def main():
     p = argparse.ArgumentParser()
+    p.add_argument("--markdown", metavar="JSON", help="print the markdown tables of a results JSON and exit")
     p.add_argument("--out", default="benchmarks/results/kernels_h200.json")
     p.add_argument("--quick", action="store_true", help="one shape, two M")
     p.add_argument("--sweep", action="store_true", help="also sweep the decode kernel's tile configs")
     args = p.parse_args()
+    if args.markdown:
+        print(markdown(args.markdown))
+        return
     torch.manual_seed(0)
     t0 = time.time()
     dev = torch.cuda.get_device_name()

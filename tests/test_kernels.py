@@ -227,3 +227,33 @@ def test_gpu_ops_backend_matches_reference():
             assert _rel(out, ref) < 1e-5
     finally:
         ops.unregister_fp4_gemm_backend("cuda")
+
+
+@pytest.mark.parametrize("name", ["hif4", "mxfp4"])
+def test_fallback_without_triton_is_the_reference(monkeypatch, name):
+    """Without Triton (or a GPU / the interpreter) every entry point returns exactly the reference's numbers."""
+    import kernels._common as common
+    from megatron_fp4 import ops
+
+    monkeypatch.setattr(common, "HAS_TRITON", False)
+    f = get_format(name)
+    a = torch.randn(20, 96)
+    b = torch.randn(12, 96)
+    q = quantize(a, name)
+    r = f.quantize(a)
+    assert torch.equal(q.codes, r.codes) and torch.equal(q.scales, r.scales)
+    ref = ops.reference_fp4_gemm(a, b, f, f)
+    assert torch.equal(dispatch.fp4_gemm(a, b, name), ref)
+    assert dispatch.ops_backend(a, b, f, f, "nearest", "nearest") is NotImplemented
+    w = dispatch.prepare_weight(b, name)
+    assert torch.equal(dispatch.linear(a, w), f.fake_quantize(a) @ f.fake_quantize(b).t())
+    qq, ss = resq_components(a, name, "2:4")
+    wq = f.fake_quantize(b)
+    assert torch.equal(dispatch.linear(a, w, resq="2:4"), qq @ wq.t() + ss @ wq.t())
+    q1, r1, _, _ = resq_quantize(a, name)
+    q2, r2, _, _ = _reference_resq_quantize(a, f, None)
+    assert torch.equal(r1.codes, r2.codes)
+    monkeypatch.setattr(common, "HAS_TRITON", True)
+    monkeypatch.setenv("TRITON_INTERPRET", "0")  # CPU tensors without the interpreter: reference as well
+    assert torch.equal(dispatch.fp4_gemm(a, b, name), ref)
+    assert ops.fp4_gemm_backend_for("cpu") is None

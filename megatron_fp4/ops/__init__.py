@@ -40,6 +40,7 @@ GemmBackend = Callable[
 
 _BACKENDS: dict[str, GemmBackend] = {}
 _FORCE_REFERENCE: list[bool] = []
+_AUTO_TRIED: set[str] = set()
 
 
 def reference_fp4_gemm(
@@ -73,12 +74,31 @@ def unregister_fp4_gemm_backend(device_type: str) -> None:
     _BACKENDS.pop(device_type, None)
 
 
+def _auto_register(device_type: str) -> None:
+    """On first CUDA use, register the Triton kernels (``kernels.dispatch``) when Triton and a GPU are present.
+
+    They return the reference's numbers up to fp32 summation order and decline (NotImplemented) what they do not
+    cover (stochastic rounding, NVFP4, mixed formats). ``MEGATRON_FP4_KERNELS=0`` turns this off.
+    """
+    if device_type != "cuda" or device_type in _AUTO_TRIED or device_type in _BACKENDS:
+        return
+    _AUTO_TRIED.add(device_type)
+    if os.environ.get("MEGATRON_FP4_KERNELS", "1") == "0":
+        return
+    try:
+        from kernels import dispatch
+    except ImportError:  # Triton or the kernels package missing: the reference serves
+        return
+    dispatch.register(device_type)
+
+
 def fp4_gemm_backend_for(device_type: str) -> Optional[GemmBackend]:
     """The backend that will serve ``device_type`` now (None means the PyTorch reference)."""
     if _FORCE_REFERENCE and _FORCE_REFERENCE[-1]:
         return None
     if os.environ.get("MEGATRON_FP4_GEMM_BACKEND", "") == "reference":
         return None
+    _auto_register(device_type)
     return _BACKENDS.get(device_type)
 
 
