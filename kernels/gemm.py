@@ -153,13 +153,12 @@ if HAS_TRITON:
             return tl.dot(a.to(tl.bfloat16), b.to(tl.bfloat16), acc)
 
     @triton.jit
-    def _packed_gemm_kernel(a_ptr, as_ptr, r_ptr, b_ptr, bs_ptr, c_ptr, M, N, KH, stride_am, stride_asm,
-                            stride_rm, stride_bn, stride_bsn, stride_cm, FMT: tl.constexpr,
-                            A_PACKED: tl.constexpr, HAS_RES: tl.constexpr, SPLIT_K: tl.constexpr,
-                            F32: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr, BKH: tl.constexpr,
-                            GROUP_M: tl.constexpr):
+    def _packed_gemm_kernel(a_ptr, as_ptr, b_ptr, bs_ptr, c_ptr, M, N, KH, stride_am, stride_asm, stride_bn,
+                            stride_bsn, stride_cm, FMT: tl.constexpr, F32: tl.constexpr, BM: tl.constexpr,
+                            BN: tl.constexpr, BKH: tl.constexpr, GROUP_M: tl.constexpr):
+        """C = deq(A) . deq(B)^T with both operands read packed and dequantized to BF16 in the main loop. The
+        even and odd elements of each 64-value slice form two dots, so no nibble interleaving is needed."""
         pid = tl.program_id(0)
-        pid_k = tl.program_id(1)
         num_m = tl.cdiv(M, BM)
         num_n = tl.cdiv(N, BN)
         group = GROUP_M * num_n
@@ -173,34 +172,19 @@ if HAS_TRITON:
         mmask = offs_m < M
         nmask = offs_n < N
         acc = tl.zeros((BM, BN), dtype=tl.float32)
-        for j0 in range(pid_k * BKH, KH, SPLIT_K * BKH):
+        for j0 in range(0, KH, BKH):
             j = j0 + tl.arange(0, BKH)  # BKH == 32: one HiF4 unit / two MXFP4 blocks per row
             jm = j < KH
             qb = tl.load(b_ptr + offs_n[:, None] * stride_bn + j[None, :], mask=nmask[:, None] & jm[None, :],
                          other=0)
             blo, bhi = _deq_bytes(qb, bs_ptr, offs_n, nmask, j0, j, stride_bsn, FMT)
-            blo = tl.trans(blo)
-            bhi = tl.trans(bhi)
-            amask = mmask[:, None] & jm[None, :]
-            if A_PACKED:
-                qa = tl.load(a_ptr + offs_m[:, None] * stride_am + j[None, :], mask=amask, other=0)
-                alo, ahi = _deq_bytes(qa, as_ptr, offs_m, mmask, j0, j, stride_asm, FMT)
-            else:
-                alo = tl.load(a_ptr + offs_m[:, None] * stride_am + 2 * j[None, :], mask=amask, other=0.0)
-                ahi = tl.load(a_ptr + offs_m[:, None] * stride_am + 2 * j[None, :] + 1, mask=amask, other=0.0)
-            acc = _dot(alo, blo, acc, F32)
-            acc = _dot(ahi, bhi, acc, F32)
-            if HAS_RES:
-                rlo = tl.load(r_ptr + offs_m[:, None] * stride_rm + 2 * j[None, :], mask=amask, other=0.0)
-                rhi = tl.load(r_ptr + offs_m[:, None] * stride_rm + 2 * j[None, :] + 1, mask=amask, other=0.0)
-                acc = _dot(rlo, blo, acc, F32)
-                acc = _dot(rhi, bhi, acc, F32)
-        cptr = c_ptr + offs_m[:, None] * stride_cm + offs_n[None, :]
-        cmask = mmask[:, None] & nmask[None, :]
-        if SPLIT_K > 1:
-            tl.atomic_add(cptr, acc, mask=cmask)
-        else:
-            tl.store(cptr, acc.to(c_ptr.dtype.element_ty), mask=cmask)
+            qa = tl.load(a_ptr + offs_m[:, None] * stride_am + j[None, :], mask=mmask[:, None] & jm[None, :],
+                         other=0)
+            alo, ahi = _deq_bytes(qa, as_ptr, offs_m, mmask, j0, j, stride_asm, FMT)
+            acc = _dot(alo, tl.trans(blo), acc, F32)
+            acc = _dot(ahi, tl.trans(bhi), acc, F32)
+        tl.store(c_ptr + offs_m[:, None] * stride_cm + offs_n[None, :], acc.to(c_ptr.dtype.element_ty),
+                 mask=mmask[:, None] & nmask[None, :])
 
 
     @triton.jit
@@ -485,11 +469,10 @@ def packed_matmul(qa: QuantizedTensor, qb: QuantizedTensor, out_dtype: torch.dty
     f32 = interpreting()
     cfg = config or ({"BM": 16, "BN": 16, "BKH": 32, "num_warps": 4, "num_stages": 1} if f32 else
                      {"BM": 128, "BN": 128, "BKH": 32, "num_warps": 8, "num_stages": 3})
-    grid = (cdiv(M, cfg["BM"]) * cdiv(N, cfg["BN"]), 1)
-    _packed_gemm_kernel[grid](a, sa, a, b, sb, c, M, N, KH, a.stride(0), sa.stride(0), a.stride(0), b.stride(0),
-                              sb.stride(0), c.stride(0), FMT=_fmt_id(qa), A_PACKED=True, HAS_RES=False, SPLIT_K=1,
-                              F32=f32, BM=cfg["BM"], BN=cfg["BN"], BKH=cfg["BKH"], GROUP_M=8,
-                              num_warps=cfg["num_warps"], num_stages=cfg["num_stages"])
+    grid = (cdiv(M, cfg["BM"]) * cdiv(N, cfg["BN"]),)
+    _packed_gemm_kernel[grid](a, sa, b, sb, c, M, N, KH, a.stride(0), sa.stride(0), b.stride(0), sb.stride(0),
+                              c.stride(0), FMT=_fmt_id(qa), F32=f32, BM=cfg["BM"], BN=cfg["BN"], BKH=cfg["BKH"],
+                              GROUP_M=8, num_warps=cfg["num_warps"], num_stages=cfg["num_stages"])
     return c
 
 

@@ -229,6 +229,12 @@ def resq_matmul(x: torch.Tensor, qw: QuantizedTensor, ew: Optional[Expanded] = N
     """
     from kernels.gemm import fp4_matmul, w4a4_decode_matmul
 
+    if not kernels_usable(x) or qw.fmt.name not in KERNEL_FORMATS:  # PyTorch twin (fp32)
+        from megatron_fp4.resq import resq_components
+
+        q, s = resq_components(x, qw.fmt, "2:4")
+        wq = qw.dequantize().float()
+        return (q @ wq.t() + s @ wq.t()).to(out_dtype)
     M = x.shape[0]
     if M <= DECODE_MAX_M:
         q, r, _, _ = resq_quantize(x, qw.fmt)

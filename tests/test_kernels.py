@@ -250,6 +250,7 @@ def test_fallback_without_triton_is_the_reference(monkeypatch, name):
     qq, ss = resq_components(a, name, "2:4")
     wq = f.fake_quantize(b)
     assert torch.equal(dispatch.linear(a, w, resq="2:4"), qq @ wq.t() + ss @ wq.t())
+    assert torch.equal(resq_matmul(a, w.packed), qq @ wq.t() + ss @ wq.t())
     q1, r1, _, _ = resq_quantize(a, name)
     q2, r2, _, _ = _reference_resq_quantize(a, f, None)
     assert torch.equal(r1.codes, r2.codes)
