@@ -23,8 +23,7 @@ import torch
 import torch.nn.functional as F
 
 from megatron_fp4 import ops
-from megatron_fp4 import recipe as _recipe_mod
-from megatron_fp4.recipe import FP4Recipe
+from megatron_fp4.recipe import FP4Recipe, fp4_autocast_active, get_fp4_recipe
 
 __all__ = [
     "fp4_linear",
@@ -38,8 +37,8 @@ __all__ = [
 
 def current_recipe(default: Optional[FP4Recipe] = None) -> Optional[FP4Recipe]:
     """The recipe a linear should use now: the innermost ``fp4_autocast`` if one is active, else ``default``."""
-    if _recipe_mod._ACTIVE:  # an fp4_autocast block is open (its recipe may be None = FP4 off)
-        return _recipe_mod.get_fp4_recipe()
+    if fp4_autocast_active():  # an fp4_autocast block is open (its recipe may be None = FP4 off)
+        return get_fp4_recipe()
     return default
 
 
@@ -144,7 +143,7 @@ def fp4_linear(
     """Differentiable FP4 ``x @ weight^T + bias`` under ``recipe`` (None: the active fp4_autocast recipe);
     plain ``F.linear`` when there is no recipe."""
     if recipe is None:
-        recipe = _recipe_mod.get_fp4_recipe()
+        recipe = get_fp4_recipe()
     if recipe is None:
         return F.linear(x, weight, bias)
     if x.shape[-1] != weight.shape[1]:

@@ -174,6 +174,11 @@ def get_fp4_recipe() -> Optional[FP4Recipe]:
     return _ACTIVE[-1] if _ACTIVE else None
 
 
+def fp4_autocast_active() -> bool:
+    """Whether any ``fp4_autocast`` block is open (also one with ``enabled=False``, which turns FP4 off)."""
+    return bool(_ACTIVE)
+
+
 def is_fp4_enabled() -> bool:
     """Whether an enabled ``fp4_autocast`` is active."""
     return get_fp4_recipe() is not None

@@ -7,6 +7,8 @@ import pytest
 import torch
 
 os.environ.setdefault("PYTHONHASHSEED", "0")
+# Small CPU matmuls are far faster on one intra-op thread than contending for both cores.
+torch.set_num_threads(1)
 
 
 def pytest_configure(config):

@@ -47,6 +47,23 @@ def test_bits_per_value_matches_storage(name, bits):
     assert (qt.nbytes * 8 - extra) / (64 * 1024) == bits
 
 
+@pytest.mark.parametrize("name", NAMES)
+def test_stochastic_rounding_is_unbiased_everywhere(name):
+    # outlier-heavy rows, block maxima included: the mean of many draws converges to x (no saturation bias)
+    fmt = get_format(name)
+    gen = torch.Generator().manual_seed(0)
+    x = torch.randn(2, 128, generator=gen)
+    x[:, ::37] *= 20
+    draws = 3000
+    samples = fmt.fake_quantize(x.repeat(draws, 1), rounding="stochastic", generator=gen).view(draws, 2, 128)
+    err = (samples.mean(0) - x).abs()
+    # within 5 standard errors of the mean of each element (exactly representable elements have zero spread)
+    bound = 5 * samples.std(0) / draws ** 0.5 + 1e-6 * x.abs()
+    assert bool((err <= bound).all()), float((err - bound).max())
+    nearest_err = (fmt.fake_quantize(x) - x).abs()
+    assert float(err.mean()) < float(nearest_err.mean()) / 10  # far below round-to-nearest's error
+
+
 def test_get_format_errors_list_valid_names():
     with pytest.raises(ValueError, match="valid names: .*hif4.*mxfp4.*nvfp4"):
         get_format("fp4")

@@ -6,7 +6,13 @@ E1_16 bits of groups 8-15] (LSB first). Elements are S1P2 sign-magnitude nibbles
 NaN/Inf: a unit that holds a NaN or an infinity is stored with the E6M2 NaN code 0xFF (element codes and
 micro-exponents zero) and dequantizes to all-NaN; infinities are treated as NaN because HiF4 has no infinity.
 Rounding of |x|/scale to k/4 is exact round-half-away-from-zero (``floor(4m + 0.5)`` evaluated without the
-fp32 rounding of the ``+ 0.5``); stochastic rounding draws k = floor(4m) + [u < frac(4m)], saturating at 7.
+fp32 rounding of the ``+ 0.5``).
+
+Stochastic rounding (gradients, SPEC §3) must be unbiased, which the SPEC §2.1 encoder is not: its thresholds
+(4, 2) let scaled magnitudes reach just under 2 while the largest element is 1.75, so the top of a group would
+always round down. The stochastic encoder therefore picks a never-saturating (still valid) HiF4 encoding: E6M2 is
+vmax/7 rounded UP to the E6M2 grid, r = 1/E6M2 in fp32, micro-exponent thresholds 3.5 and 1.75, so 4m <= 7
+everywhere; then k = floor(4m) + [u < frac(4m)]. Round-to-nearest is exactly SPEC §2.1.
 """
 
 from __future__ import annotations
@@ -41,11 +47,13 @@ def _from_bits_byte(byte: torch.Tensor) -> torch.Tensor:
     return (byte.unsqueeze(-1) & _bit_weights(byte.device)).ne(0).to(torch.uint8)
 
 
-def e6m2_round(sf: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """Round positive fp32 scales (already in [2^-48, 49152]) to E6M2: returns (value fp32, code uint8)."""
+def e6m2_round(sf: torch.Tensor, up: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
+    """Round positive fp32 scales (already in [2^-48, 49152]) to E6M2, to nearest-even (or up, ``up=True``):
+    returns (value fp32, code uint8)."""
     _, ex = torch.frexp(sf)
     e = ex.to(torch.int32) - 1  # floor(log2 sf)
-    q = torch.round(sf * torch.exp2((2 - e).to(torch.float32)))  # in [4, 8], ties to even
+    scaled = sf * torch.exp2((2 - e).to(torch.float32))  # in [4, 8)
+    q = torch.ceil(scaled) if up else torch.round(scaled)  # in [4, 8], round: ties to even
     carry = q == 8
     e = e + carry.to(torch.int32)
     q = torch.where(carry, torch.full_like(q, 4.0), q)
@@ -77,18 +85,25 @@ class HiF4Format(Format):
         v16 = a.view(R, B, 16, 4).amax(-1)
         v8 = v16.view(R, B, 8, 2).amax(-1)
         vmax = v8.amax(-1)
-        sf = bf16_rne(vmax * INV7_BF16).clamp(E6M2_MIN, E6M2_MAX)
-        e6m2, e6m2_code = e6m2_round(sf)
-        r = bf16_rne(1.0 / e6m2)
-        e1_8 = (v8 * r.unsqueeze(-1)) >= 4.0  # [R, B, 8]
+        stochastic = rounding == "stochastic"
+        if stochastic:  # headroom encoding (see the module docstring): never saturates, so SR is unbiased
+            e6m2, e6m2_code = e6m2_round((vmax / 7.0).clamp(E6M2_MIN, E6M2_MAX), up=True)
+            r = 1.0 / e6m2
+            t8, t16 = 3.5, 1.75
+        else:
+            sf = bf16_rne(vmax * INV7_BF16).clamp(E6M2_MIN, E6M2_MAX)
+            e6m2, e6m2_code = e6m2_round(sf)
+            r = bf16_rne(1.0 / e6m2)
+            t8, t16 = 4.0, 2.0
+        e1_8 = (v8 * r.unsqueeze(-1)) >= t8  # [R, B, 8]
         e1_8_per16 = e1_8.repeat_interleave(2, dim=-1)  # [R, B, 16]
-        e1_16 = (v16 * r.unsqueeze(-1)) * torch.exp2(-e1_8_per16.to(torch.float32)) >= 2.0
+        e1_16 = (v16 * r.unsqueeze(-1)) * torch.exp2(-e1_8_per16.to(torch.float32)) >= t16
         shift = (e1_8_per16.to(torch.float32) + e1_16.to(torch.float32))  # [R, B, 16]
         m4 = (a.view(R, B, 16, 4) * r.view(R, B, 1, 1)) * torch.exp2(2.0 - shift).unsqueeze(-1)  # 4m
         m4 = m4.view(R, B, UNIT)
         k = torch.floor(m4)
         frac = m4 - k
-        if rounding == "stochastic":
+        if stochastic:
             u = torch.rand(m4.shape, generator=generator, device=m4.device, dtype=torch.float32)
             k = k + (u < frac).to(k.dtype)
         else:

@@ -3,6 +3,8 @@
 Scale: X = floor(log2(amax)) - 2 ("floor", the OCP default, bit-exact with torchao's MX reference) or the
 NVIDIA "rceil" variant X = ceil(log2(amax / 6)) (never clips), clamped to [-127, 127]; stored biased by 127.
 Elements: round-to-nearest-even E2M1 of x / 2^X, saturating at +-6, sign kept (also for values rounding to 0).
+Stochastic rounding (gradients) always uses the rceil scale: with the floor scale the top of a block would
+saturate at 6 and round down every time, which biases it.
 NaN/Inf: a block whose amax is NaN or Inf gets the NaN scale code 255 and dequantizes to all-NaN.
 (torchao maps an Inf block to a finite scale and, for blocks with X = -127, scales elements by 2^-126 instead of
 2^-127; this reference follows the OCP definition in both cases.)
@@ -47,7 +49,7 @@ class MXFP4Format(Format):
         bad = ~torch.isfinite(amax)
         safe_amax = torch.where(bad | (amax == 0), torch.ones_like(amax), amax)
         x_exp = floor_log2(safe_amax) - 2
-        if self.scale_mode == "rceil":
+        if self.scale_mode == "rceil" or rounding == "stochastic":
             x_exp = x_exp + (safe_amax * torch.exp2(-x_exp.to(torch.float32)) > 6.0).to(torch.int32)
         x_exp = torch.where(amax == 0, torch.full_like(x_exp, -E8M0_BIAS), x_exp).clamp(-E8M0_BIAS, E8M0_BIAS)
         scaled = a * torch.exp2(-x_exp.to(torch.float32)).unsqueeze(-1)

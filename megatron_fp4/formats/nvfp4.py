@@ -3,6 +3,7 @@
 g = 448 * 6 / amax_tensor (g = 1 for an all-zero tensor); d = e4m3_rne(block_amax * g / 6) (clamped to 448);
 elements = E2M1 round-to-nearest-even of x * g / d, clamped to +-6; dequant = q * d / g.
 The stored global scale is g. NaN/Inf anywhere makes the tensor scale NaN, so everything dequantizes to NaN.
+Stochastic rounding (gradients) rounds d UP to E4M3 instead, so no element clips and the rounding is unbiased.
 """
 
 from __future__ import annotations
@@ -37,8 +38,15 @@ class NVFP4Format(Format):
             g = torch.ones((), device=xb.device)
         else:
             g = (E4M3_MAX * E2M1_MAX) / amax
-        d8 = (block_amax * g / E2M1_MAX).clamp(max=E4M3_MAX).to(torch.float8_e4m3fn)
+        d_exact = (block_amax * g / E2M1_MAX).clamp(max=E4M3_MAX)
+        d8 = d_exact.to(torch.float8_e4m3fn)
         d = d8.to(torch.float32)
+        if rounding == "stochastic":  # round the block scale up so that no element exceeds 6
+            below = d < d_exact
+            if bool(below.any()):
+                bits = d8.view(torch.uint8)
+                d8 = torch.where(below, bits + 1, bits).view(torch.float8_e4m3fn)
+                d = d8.to(torch.float32)
         safe_d = torch.where(d > 0, d, torch.ones_like(d))
         scaled = (a * g) / safe_d.unsqueeze(-1)
         scaled = torch.where((d > 0).unsqueeze(-1) & torch.isfinite(scaled), scaled,
