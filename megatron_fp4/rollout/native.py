@@ -16,13 +16,15 @@ the configured rollout precision (see :mod:`megatron_fp4.rollout.precision`); th
 
 from __future__ import annotations
 
+import os
 import time
 from typing import Iterable, Optional, Sequence
 
 import torch
 from megatron.core.inference.contexts import StaticInferenceContext
 
-from megatron_fp4.resq import RolloutPrecision
+from megatron_fp4.resq import RolloutPrecision, rollout_backend_for
+from megatron_fp4.rollout.kernels_backend import register_kernel_backend
 from megatron_fp4.rollout.base import RolloutEngine, RolloutSample, SamplingParams, WeightSyncStats
 from megatron_fp4.rollout.precision import (
     get_weight_cache,
@@ -116,7 +118,9 @@ class NativeRolloutEngine(RolloutEngine):
         ``offload_on_release``: move the weights to the CPU in :meth:`release_memory` (only for a model the
         engine owns, not one shared with the trainer).
         ``prefill``: "padded" (one prefill of all prompts, left padding masked) or "aligned" (prefill of the
-        shortest prompt length, longer prompts fed one token per step; no padding at all)."""
+        shortest prompt length, longer prompts fed one token per step; no padding at all).
+        On CUDA the Triton kernel backend is registered for the rollout GEMMs it covers (``MEGATRON_FP4_KERNELS=0``
+        keeps the PyTorch reference)."""
         if not (getattr(model, "pre_process", True) and getattr(model, "post_process", True)):
             raise NotImplementedError("NativeRolloutEngine needs the whole model on one rank (no pipeline split)")
         if prefill not in ("padded", "aligned"):
@@ -134,6 +138,10 @@ class NativeRolloutEngine(RolloutEngine):
         self.vocab_size = getattr(model, "vocab_size", None)
         self._precision = precision
         self._offloaded_device: Optional[torch.device] = None
+        device = _model_device(model)
+        if (device.type == "cuda" and rollout_backend_for("cuda") is None
+                and os.environ.get("MEGATRON_FP4_KERNELS", "1") != "0"):
+            register_kernel_backend("cuda")  # Triton FP4 GEMMs where they apply (same numbers as the reference)
         #: Statistics of the last generate() and update_weights() calls.
         self.last_generate_stats: dict[str, float] = {}
         self.last_weight_sync: Optional[WeightSyncStats] = None
