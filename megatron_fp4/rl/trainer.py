@@ -353,9 +353,6 @@ class GRPOTrainer:
         from megatron.core import parallel_state as ps
 
         keys = sorted(store[0].keys()) if store else []
-        n_keys = torch.tensor([len(keys)], dtype=torch.float64)
-        torch.distributed.all_reduce(n_keys, op=torch.distributed.ReduceOp.MAX,
-                                     group=ps.get_pipeline_model_parallel_group())
         # non-last pipeline stages know no keys: take them from the last stage
         obj = [keys]
         torch.distributed.broadcast_object_list(obj, src=ps.get_pipeline_model_parallel_last_rank(),
