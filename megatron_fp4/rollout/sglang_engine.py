@@ -1,0 +1,225 @@
+"""The RolloutEngine interface over ``sglang.Engine`` with the megatron-fp4 plug-in (FP4 + Rollout-ResQ).
+
+    engine = SGLangRolloutEngine("/path/to/hf_model", RolloutPrecision("w4a4", "hif4", "2:4"),
+                                 device="cpu", attention_backend="torch_native", dtype="float32")
+    samples = engine.generate([[1, 5, 9]], SamplingParams(temperature=0.0, max_new_tokens=16))
+    stats = engine.update_weights(trainer_model.named_parameters())   # megatron names -> HF, re-quantized, timed
+    engine.release_memory(); engine.resume_memory(); engine.shutdown()
+
+Weights travel as full (gathered) tensors: megatron-core names are mapped to HF names/layouts with
+:mod:`megatron_fp4.models.hf_conversion` (HF-named tensors pass through), pushed with
+``update_weights_from_tensor`` through the plug-in's re-quantizing loader (each touched FP4 linear is quantized
+once), and the prefix cache is flushed. Besides ``stop_token_ids``, SGLang also stops on the model's EOS ids.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import time
+from pathlib import Path
+from typing import Any, Iterable, Optional, Sequence, Union
+
+import torch
+
+from megatron_fp4.models.hf_conversion import iter_hf_tensors_from_megatron, model_args_from_hf_config
+from megatron_fp4.resq import RolloutPrecision
+from megatron_fp4.rollout.base import RolloutEngine, RolloutSample, SamplingParams, WeightSyncStats
+from megatron_fp4.sglang_plugin.loader import REQUANTIZING_LOADER
+from megatron_fp4.sglang_plugin.options import QUANT_METHOD, PluginOptions
+
+__all__ = ["SGLangRolloutEngine", "megatron_to_hf_tensors", "check_model_for_precision"]
+
+_HF_PREFIXES = ("model.", "lm_head.")
+#: HF linear modules of a transformer block with their K (in_features) source in config.json.
+_LINEAR_K = {"self_attn.q_proj": "hidden_size", "self_attn.k_proj": "hidden_size", "self_attn.v_proj": "hidden_size",
+             "self_attn.o_proj": "attn_out", "mlp.gate_proj": "hidden_size", "mlp.up_proj": "hidden_size",
+             "mlp.down_proj": "intermediate_size"}
+
+
+class _InMemoryCheckpoint:
+    """The slice of MegatronCheckpoint that iter_hf_tensors_from_megatron reads, over gathered tensors."""
+
+    def __init__(self, tensors: dict[str, torch.Tensor], model_args: dict, hf_vocab_size: int) -> None:
+        self.tensors, self.model_args, self.args = tensors, model_args, {"hf_vocab_size": hf_vocab_size}
+
+    def full_tensor(self, name: str) -> torch.Tensor:
+        try:
+            return self.tensors[name]
+        except KeyError:
+            raise KeyError(f"update_weights: megatron tensor {name!r} is missing (pass the full model's gathered "
+                           f"parameters)") from None
+
+
+def megatron_to_hf_tensors(named_tensors: Iterable[tuple[str, torch.Tensor]], hf_config: dict
+                           ) -> list[tuple[str, torch.Tensor]]:
+    """(HF name, tensor) pairs for gathered megatron-core tensors (HF-named inputs pass through unchanged)."""
+    items = [(n, t.detach()) for n, t in named_tensors]
+    if all(n.startswith(_HF_PREFIXES) for n, _ in items):
+        return items
+    hf_named = [n for n, _ in items if n.startswith(_HF_PREFIXES)]
+    if hf_named:
+        raise ValueError(f"update_weights: mixed HF ({hf_named[0]!r}) and megatron names; give one kind")
+    margs = model_args_from_hf_config(hf_config)
+    ckpt = _InMemoryCheckpoint(dict(items), margs, int(hf_config["vocab_size"]))
+    return list(iter_hf_tensors_from_megatron(ckpt))
+
+
+def check_model_for_precision(hf_config: dict, precision: RolloutPrecision, tp_size: int = 1) -> None:
+    """Fail fast (naming the option) when ``precision`` cannot serve this model: bad format/sparsity/mode, or a
+    linear whose in_features per tensor-parallel rank is not a whole number of the format's blocks."""
+    if precision.mode == "bf16":
+        return
+    opts = PluginOptions.from_precision(precision)
+    heads = int(hf_config["num_attention_heads"])
+    head_dim = int(hf_config.get("head_dim") or int(hf_config["hidden_size"]) // heads)
+    widths = {"hidden_size": int(hf_config["hidden_size"]), "attn_out": heads * head_dim,
+              "intermediate_size": int(hf_config["intermediate_size"])}
+    for module, key in _LINEAR_K.items():
+        row_parallel = module.endswith(("o_proj", "down_proj"))
+        k = widths[key] // tp_size if row_parallel else widths[key]
+        opts.check_linear(f"model.layers.*.{module}", k)
+
+
+class SGLangRolloutEngine(RolloutEngine):
+    """Rollout through an in-process ``sglang.Engine`` serving an HF model folder in a rollout precision."""
+
+    def __init__(self, model_path: Union[str, os.PathLike], precision: RolloutPrecision = RolloutPrecision(),
+                 *, dtype: str = "bfloat16", device: Optional[str] = None, tp_size: int = 1,
+                 attention_backend: Optional[str] = None, random_seed: int = 0, mem_fraction_static: Optional[float] = None,
+                 enable_memory_saver: Optional[bool] = None, log_level: str = "error", **engine_kwargs: Any) -> None:
+        """``model_path``: HF folder (config.json, weights, tokenizer). ``precision``: "bf16" serves the model
+        unquantized; other modes use the ``megatron_fp4`` quantization method. ``device`` "cpu" wants
+        ``attention_backend="torch_native"``. Extra keyword arguments go to ``sglang.Engine``."""
+        if not isinstance(precision, RolloutPrecision):
+            raise TypeError(f"precision must be a RolloutPrecision, got {type(precision).__name__}")
+        self.model_path = str(model_path)
+        self.hf_config = json.loads((Path(model_path) / "config.json").read_text())
+        check_model_for_precision(self.hf_config, precision, tp_size)  # before any process starts
+        self._precision = precision
+        if device == "cpu":
+            os.environ["SGLANG_USE_CPU_ENGINE"] = "1"  # SGLang's CPU switch (read by its processes at import)
+        import sglang  # noqa: F401 (a clear ImportError before the plug-in is needed)
+
+        from megatron_fp4.sglang_plugin import register
+
+        register()  # this process too (SGLang's own processes load the entry point)
+        kwargs: dict[str, Any] = dict(model_path=self.model_path, dtype=dtype, tp_size=tp_size,
+                                      random_seed=random_seed, log_level=log_level, skip_tokenizer_init=True,
+                                      custom_weight_loader=[REQUANTIZING_LOADER])
+        if device is not None:
+            kwargs["device"] = device
+        if attention_backend is not None:
+            kwargs["attention_backend"] = attention_backend
+        if mem_fraction_static is not None:
+            kwargs["mem_fraction_static"] = mem_fraction_static
+        on_gpu = (device or "cuda") not in ("cpu",)
+        self._memory_saver = on_gpu if enable_memory_saver is None else enable_memory_saver
+        if self._memory_saver:
+            kwargs["enable_memory_saver"] = True
+        if precision.mode != "bf16":
+            opts = PluginOptions.from_precision(precision)
+            kwargs["quantization"] = QUANT_METHOD
+            overrides = json.loads(engine_kwargs.pop("json_model_override_args", None) or "{}")
+            overrides["quantization_config"] = opts.to_quant_config()
+            kwargs["json_model_override_args"] = json.dumps(overrides)
+        kwargs.update(engine_kwargs)
+        import sglang as sgl
+
+        self.engine = sgl.Engine(**kwargs)
+        self._released = False
+        self.last_weight_sync: Optional[WeightSyncStats] = None
+        self.last_generate_stats: dict[str, float] = {}
+
+    @property
+    def precision(self) -> RolloutPrecision:
+        """The rollout precision the engine serves (fixed at start)."""
+        return self._precision
+
+    # -- generation ----------------------------------------------------------------------------------------------------
+    @staticmethod
+    def _sampling_dict(p: SamplingParams) -> dict:
+        d = {"temperature": p.temperature, "top_p": p.top_p, "top_k": p.top_k if p.top_k > 0 else -1,
+             "max_new_tokens": p.max_new_tokens, "stop_token_ids": list(p.stop_token_ids)}
+        if p.seed is not None:
+            d["sampling_seed"] = int(p.seed)
+        return d
+
+    def generate(self, prompts: Sequence[Sequence[int]], sampling_params: SamplingParams = SamplingParams()
+                 ) -> list[RolloutSample]:
+        """One response per prompt, with the per-token logprobs SGLang computed while sampling."""
+        if self._released:
+            raise RuntimeError("generate() after release_memory(); call resume_memory() first")
+        prompts = [[int(t) for t in p] for p in prompts]
+        for i, p in enumerate(prompts):
+            if not p:
+                raise ValueError(f"prompt {i} is empty; every prompt needs at least one token")
+        if not prompts:
+            return []
+        t0 = time.perf_counter()
+        sp = self._sampling_dict(sampling_params)
+        outs = self.engine.generate(input_ids=prompts, sampling_params=[dict(sp) for _ in prompts],
+                                    return_logprob=True)
+        results = []
+        for p, out in zip(prompts, outs):
+            meta = out["meta_info"]
+            lps = meta.get("output_token_logprobs") or []
+            ids = [int(t[1]) for t in lps] if lps else list(out.get("output_ids", []))
+            fr = meta.get("finish_reason") or {}
+            kind = fr.get("type") if isinstance(fr, dict) else str(fr)
+            finish = "stop" if kind in ("stop", "matched_token", "matched_str") else "length"
+            results.append(RolloutSample(token_ids=ids, logprobs=[float(t[0]) for t in lps], finish_reason=finish,
+                                         prompt_length=len(p)))
+        seconds = time.perf_counter() - t0
+        n = sum(len(r.token_ids) for r in results)
+        self.last_generate_stats = {"samples": len(results), "generated_tokens": n, "seconds": seconds,
+                                    "tokens_per_s": n / seconds if seconds > 0 else 0.0}
+        return results
+
+    # -- weights and memory ----------------------------------------------------------------------------------------
+    def update_weights(self, named_tensors: Iterable[tuple[str, torch.Tensor]]) -> WeightSyncStats:
+        """Push gathered trainer tensors (megatron-core or HF names) into SGLang; FP4 linears re-quantize on load."""
+        t0 = time.perf_counter()
+        hf = megatron_to_hf_tensors(named_tensors, self.hf_config)
+        stats = WeightSyncStats(num_tensors=len(hf), num_bytes=sum(t.numel() * t.element_size() for _, t in hf))
+        t1 = time.perf_counter()
+        ok, msg = self.engine.update_weights_from_tensor(hf, load_format=REQUANTIZING_LOADER, flush_cache=True)
+        if not ok:
+            raise RuntimeError(f"SGLang update_weights_from_tensor failed: {msg}")
+        t2 = time.perf_counter()
+        stats.copy_seconds = t1 - t0          # megatron -> HF mapping
+        stats.quantize_seconds = 0.0          # inside SGLang's load (total_seconds covers it; see the log line)
+        stats.total_seconds = t2 - t0
+        stats.extra["sglang_load_seconds"] = t2 - t1
+        self.last_weight_sync = stats
+        return stats
+
+    def flush_cache(self) -> None:
+        """Drop SGLang's prefix (radix) cache."""
+        self.engine.flush_cache()
+
+    def release_memory(self) -> None:
+        """Release SGLang's KV cache and weights (GPU memory saver); on CPU only the cache is flushed."""
+        if self._memory_saver:
+            self.engine.release_memory_occupation()
+        else:
+            self.engine.flush_cache()
+        self._released = True
+
+    def resume_memory(self) -> None:
+        """Undo :meth:`release_memory`; push weights again afterwards if the memory saver dropped them."""
+        if self._memory_saver and self._released:
+            self.engine.resume_memory_occupation()
+        self._released = False
+
+    def shutdown(self) -> None:
+        """Stop SGLang's processes."""
+        engine, self.engine = getattr(self, "engine", None), None
+        if engine is not None:
+            engine.shutdown()
+
+    def __enter__(self) -> "SGLangRolloutEngine":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.shutdown()

@@ -1,0 +1,43 @@
+"""SGLang plug-in: the ``megatron_fp4`` quantization method (HiF4 / MXFP4 FP4 rollout with Rollout-ResQ).
+
+Installed with ``pip install -e .[sglang]``; SGLang finds it through the ``sglang.srt.plugins`` entry point
+``megatron_fp4 = megatron_fp4.sglang_plugin:register`` (run in every SGLang process), which adds the method to
+SGLang's quantization registry and ``--quantization`` choices. Select it with ``quantization="megatron_fp4"``
+and a ``quantization_config`` (in config.json, or ``json_model_override_args``), see
+:mod:`megatron_fp4.sglang_plugin.options`. :mod:`options` needs no SGLang; the rest imports it.
+"""
+
+from __future__ import annotations
+
+from megatron_fp4.sglang_plugin.options import QUANT_METHOD, PluginOptions, quant_config_dict
+
+__all__ = ["QUANT_METHOD", "PluginOptions", "quant_config_dict", "register", "is_registered"]
+
+
+def register() -> None:
+    """Add ``megatron_fp4`` to SGLang's quantization methods and CLI choices (idempotent)."""
+    from sglang.srt.arg_groups.choices import QUANTIZATION_CHOICES, add_quantization_method_choices
+    from sglang.srt.layers import quantization as sgl_quant
+
+    from megatron_fp4.sglang_plugin.method import MegatronFP4Config
+
+    sgl_quant.QUANTIZATION_METHODS[QUANT_METHOD] = MegatronFP4Config
+    sgl_quant.BASE_QUANTIZATION_METHODS[QUANT_METHOD] = MegatronFP4Config
+    if QUANT_METHOD not in QUANTIZATION_CHOICES:
+        add_quantization_method_choices([QUANT_METHOD])
+    import torch
+
+    if torch.cuda.is_available():  # the Triton kernels serve CUDA rollout GEMMs when usable (else the reference)
+        try:
+            from megatron_fp4.rollout.kernels_backend import register_kernel_backend
+
+            register_kernel_backend("cuda")
+        except Exception:  # pragma: no cover - kernels are optional
+            pass
+
+
+def is_registered() -> bool:
+    """Whether SGLang's registry (in this process) knows the ``megatron_fp4`` method."""
+    from sglang.srt.layers import quantization as sgl_quant
+
+    return QUANT_METHOD in sgl_quant.QUANTIZATION_METHODS

@@ -1,0 +1,157 @@
+"""SGLang QuantizationConfig + LinearMethodBase for megatron-fp4 FP4 rollout (HiF4 / MXFP4 + Rollout-ResQ).
+
+Each quantized linear keeps three parameters: ``weight`` (the high-precision loading target: SGLang's own
+weight_loader, wrapped to mark the layer stale), ``weight_packed`` (uint8 ``[N, K/2]``, two FP4 codes per byte) and
+``weight_scale`` (uint8 block metadata), the layout of :mod:`megatron_fp4.models.fp4_checkpoint`. The packed pair
+is re-quantized from ``weight`` after loading and after every refit (in place: the Parameter objects survive), and
+``apply`` computes :func:`megatron_fp4.resq.rollout_linear` on the dequantized packed weight: the reference
+quantizer's operands bit for bit. On devices with a registered rollout backend (the Triton kernels on CUDA,
+``megatron_fp4.rollout.kernels_backend``) the backend computes the same numbers from its prepared weight.
+"""
+
+from __future__ import annotations
+
+import time
+from typing import Any, Dict, List, Optional
+
+import torch
+from torch.nn import Parameter
+
+from sglang.srt.layers.linear import LinearBase
+from sglang.srt.layers.quantization.base_config import LinearMethodBase, QuantizationConfig
+from sglang.srt.layers.quantization.unquant import UnquantizedLinearMethod
+from sglang.srt.utils import set_weight_attrs
+
+from megatron_fp4.formats import get_format
+from megatron_fp4.resq import QuantizedWeightCache, rollout_backend_for, rollout_linear
+from megatron_fp4.sglang_plugin.options import QUANT_METHOD, PluginOptions
+
+__all__ = ["MegatronFP4Config", "MegatronFP4LinearMethod", "requantize_stale_layers", "QUANT_METHOD"]
+
+#: Prepared weights of a device backend (kernels), shared by every layer of this process.
+_BACKEND_CACHE = QuantizedWeightCache()
+#: Totals of this process's re-quantizations (count, seconds), for weight-sync timing.
+REQUANT_STATS = {"layers": 0, "seconds": 0.0}
+
+
+class MegatronFP4Config(QuantizationConfig):
+    """``--quantization megatron_fp4``: FP4 rollout linears; options from the HF ``quantization_config``."""
+
+    def __init__(self, options: Optional[PluginOptions] = None, modules_not_quantized: Optional[List[str]] = None
+                 ) -> None:
+        super().__init__()
+        self.options = options or PluginOptions()
+        #: HF module prefixes kept in high precision (e.g. from the exporter's high_precision_first_layers).
+        self.modules_not_quantized = list(modules_not_quantized or [])
+
+    def __repr__(self) -> str:
+        return f"MegatronFP4Config({self.options})"
+
+    def get_name(self) -> str:
+        return QUANT_METHOD
+
+    def get_supported_act_dtypes(self) -> List[torch.dtype]:
+        return [torch.bfloat16, torch.float16, torch.float32]
+
+    @classmethod
+    def get_min_capability(cls) -> int:
+        return 0  # no tensor-core requirement: Triton kernels or the PyTorch reference
+
+    @staticmethod
+    def get_config_filenames() -> List[str]:
+        return []
+
+    @classmethod
+    def from_config(cls, config: Dict[str, Any]) -> "MegatronFP4Config":
+        opts = PluginOptions.from_quant_config({k: v for k, v in config.items()
+                                                if k not in ("packed_modules_mapping", "hf_config")})
+        return cls(opts, config.get("modules_not_quantized"))
+
+    def get_quant_method(self, layer: torch.nn.Module, prefix: str):
+        if not isinstance(layer, LinearBase):
+            return None  # embeddings, lm_head: high precision (SPEC §3)
+        if any(prefix == m or prefix.startswith(m + ".") for m in self.modules_not_quantized):
+            return UnquantizedLinearMethod()
+        return MegatronFP4LinearMethod(self, prefix)
+
+    def get_scaled_act_names(self) -> List[str]:
+        return []
+
+
+class MegatronFP4LinearMethod(LinearMethodBase):
+    """FP4 weights stored packed, activations quantized per call with the Rollout-ResQ residual."""
+
+    def __init__(self, config: MegatronFP4Config, prefix: str = "") -> None:
+        self.config = config
+        self.options = config.options
+        self.precision = config.options.precision
+        self.prefix = prefix
+
+    def create_weights(self, layer: torch.nn.Module, input_size_per_partition: int,
+                       output_partition_sizes: List[int], input_size: int, output_size: int,
+                       params_dtype: torch.dtype, **extra_weight_attrs) -> None:
+        self.options.check_linear(self.prefix, input_size_per_partition)
+        fmt = get_format(self.options.format)
+        n, k = sum(output_partition_sizes), input_size_per_partition
+        nblocks = k // fmt.block_size
+        weight = Parameter(torch.empty(n, k, dtype=params_dtype), requires_grad=False)
+        set_weight_attrs(weight, {"input_dim": 1, "output_dim": 0})
+        loader = extra_weight_attrs.pop("weight_loader", None)
+        layer.register_parameter("weight", weight)
+        set_weight_attrs(weight, extra_weight_attrs)
+        if loader is not None:
+            def weight_loader(param, loaded_weight, *args, _loader=loader, _layer=layer, **kwargs):
+                out = _loader(param, loaded_weight, *args, **kwargs)
+                _layer.megatron_fp4_stale = True  # re-quantized by the refit loader or the next apply()
+                return out
+            set_weight_attrs(weight, {"weight_loader": weight_loader})
+        scale_shape = (n, nblocks) if fmt.scale_bytes == 1 else (n, nblocks, fmt.scale_bytes)
+        packed = Parameter(torch.zeros(n, k // 2, dtype=torch.uint8), requires_grad=False)
+        scale = Parameter(torch.zeros(scale_shape, dtype=torch.uint8), requires_grad=False)
+        layer.register_parameter("weight_packed", packed)
+        layer.register_parameter("weight_scale", scale)
+        layer.megatron_fp4_stale = True
+        layer.megatron_fp4_wq = None
+
+    def process_weights_after_loading(self, layer: torch.nn.Module) -> None:
+        self.requantize(layer)
+
+    def requantize(self, layer: torch.nn.Module) -> float:
+        """Quantize ``layer.weight`` into the packed parameters (in place) and refresh the GEMM operand."""
+        t0 = time.perf_counter()
+        with torch.no_grad():
+            fmt = get_format(self.options.format)
+            w = layer.weight.detach()
+            if self.precision.quantize_weights:
+                qt = fmt.quantize(w, dim=-1)
+                layer.weight_packed.data.copy_(qt.codes)
+                layer.weight_scale.data.copy_(qt.scales)
+                layer.megatron_fp4_wq = qt.dequantize()  # == fmt.fake_quantize(w): the reference operand
+            else:
+                layer.megatron_fp4_wq = None
+            if rollout_backend_for(w.device.type) is not None:
+                _BACKEND_CACHE.refresh([layer.weight], self.options.format, self.precision)
+        layer.megatron_fp4_stale = False
+        dt = time.perf_counter() - t0
+        REQUANT_STATS["layers"] += 1
+        REQUANT_STATS["seconds"] += dt
+        return dt
+
+    def apply(self, layer: torch.nn.Module, x: torch.Tensor, bias: Optional[torch.Tensor] = None) -> torch.Tensor:
+        if getattr(layer, "megatron_fp4_stale", False):
+            self.requantize(layer)  # a refit that bypassed the re-quantizing loader
+        if rollout_backend_for(x.device.type) is not None:
+            return rollout_linear(x, layer.weight, bias, self.precision, cache=_BACKEND_CACHE)
+        return rollout_linear(x, layer.weight, bias, self.precision, weight_q=layer.megatron_fp4_wq)
+
+
+def requantize_stale_layers(model: torch.nn.Module) -> dict:
+    """Re-quantize every megatron-fp4 linear whose weight was (re)loaded since its last quantization."""
+    t0 = time.perf_counter()
+    n = 0
+    for module in model.modules():
+        method = getattr(module, "quant_method", None)
+        if isinstance(method, MegatronFP4LinearMethod) and getattr(module, "megatron_fp4_stale", False):
+            method.requantize(module)
+            n += 1
+    return {"layers": n, "seconds": time.perf_counter() - t0}

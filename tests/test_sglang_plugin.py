@@ -1,0 +1,293 @@
+"""The megatron_fp4 SGLang plug-in against SGLang's real classes, in process (no Engine):
+
+SGLang's own plug-in loader finds the entry point and registers the quantization method; SGLang's parallel
+linears (QKV / merged gate-up / row) built with it load weights through SGLang's weight loaders, store the
+reference quantizer's packed codes and scales bit for bit, and compute exactly what megatron-core's linears of
+the native rollout engine compute in the same precision; refits re-quantize in place (same Parameter objects);
+bad options fail naming the option. Skipped when SGLang is not importable.
+"""
+
+from __future__ import annotations
+
+import socket
+from importlib.metadata import entry_points
+
+import pytest
+import torch
+
+try:
+    from sglang.srt.layers.linear import MergedColumnParallelLinear, QKVParallelLinear, RowParallelLinear
+    from sglang.srt.plugins import load_plugins
+
+    _ERR = None
+except Exception as e:  # not installed, or an install that fails at import
+    _ERR = f"{type(e).__name__}: {e}"
+pytestmark = pytest.mark.skipif(_ERR is not None, reason=f"sglang is not importable ({_ERR}); "
+                                                        f"install megatron-fp4[sglang] (docs/dev/SGLANG.md)")
+
+from megatron_fp4.formats import get_format  # noqa: E402
+from megatron_fp4.resq import RolloutPrecision, rollout_backend_for, rollout_linear  # noqa: E402
+
+HIDDEN, FFN, HEADS, KV_HEADS, HEAD_DIM = 128, 256, 4, 2, 32
+PRECISIONS = {
+    "hif4": RolloutPrecision("w4a4", "hif4"),
+    "hif4+2:4": RolloutPrecision("w4a4", "hif4", "2:4"),
+    "mxfp4+2:4": RolloutPrecision("w4a4", "mxfp4", "2:4"),
+    "hif4+channel": RolloutPrecision("w4a4", "hif4", "channel"),
+    "mxfp4+tile32x64": RolloutPrecision("w4a4", "mxfp4", "tile32x64"),
+    "hif4+dense": RolloutPrecision("w4a4", "hif4", "dense"),
+    "w4a16/mxfp4": RolloutPrecision("w4a16", "mxfp4"),
+    "w16a4/hif4+2:4": RolloutPrecision("w16a4", "hif4", "2:4"),
+}
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@pytest.fixture(scope="module", autouse=True)
+def _sglang_dist():
+    """SGLang's single-process (world 1, gloo) model-parallel groups; its layers need them even at TP=1."""
+    from sglang.test.layer_ut_utils import init_single_process_dist
+
+    n = torch.get_num_threads()
+    torch.set_num_threads(1)
+    init_single_process_dist(_free_port())
+    load_plugins()  # SGLang's own entry-point discovery (group sglang.srt.plugins)
+    yield
+    torch.set_num_threads(n)
+
+
+def _config(precision: RolloutPrecision):
+    from megatron_fp4.sglang_plugin.method import MegatronFP4Config
+    from megatron_fp4.sglang_plugin.options import PluginOptions
+
+    return MegatronFP4Config.from_config(PluginOptions.from_precision(precision).to_quant_config())
+
+
+def _layers(precision: RolloutPrecision, prefix: str = "model.layers.0"):
+    cfg = _config(precision)
+    kw = dict(quant_config=cfg, params_dtype=torch.float32)
+    return {
+        "qkv": QKVParallelLinear(HIDDEN, HEAD_DIM, HEADS, KV_HEADS, bias=True, prefix=f"{prefix}.self_attn.qkv_proj",
+                                 **kw),
+        "gate_up": MergedColumnParallelLinear(HIDDEN, [FFN, FFN], bias=False, prefix=f"{prefix}.mlp.gate_up_proj",
+                                              **kw),
+        "down": RowParallelLinear(FFN, HIDDEN, bias=False, prefix=f"{prefix}.mlp.down_proj", **kw),
+    }
+
+
+def _hf_weights(seed: int) -> dict[str, torch.Tensor]:
+    g = torch.Generator().manual_seed(seed)
+    r = lambda *s: 0.08 * torch.randn(*s, generator=g)  # noqa: E731
+    return {"q": r(HEADS * HEAD_DIM, HIDDEN), "k": r(KV_HEADS * HEAD_DIM, HIDDEN), "v": r(KV_HEADS * HEAD_DIM, HIDDEN),
+            "qb": r(HEADS * HEAD_DIM), "kb": r(KV_HEADS * HEAD_DIM), "vb": r(KV_HEADS * HEAD_DIM),
+            "gate": r(FFN, HIDDEN), "up": r(FFN, HIDDEN), "down": r(HIDDEN, FFN)}
+
+
+def _load(layers, w) -> None:
+    """Through SGLang's weight loaders (the plug-in's wrapper around them), shard by shard as a checkpoint does."""
+    qkv = layers["qkv"]
+    for sid in ("q", "k", "v"):
+        qkv.weight.weight_loader(qkv.weight, w[sid], sid)
+        qkv.bias.weight_loader(qkv.bias, w[sid + "b"], sid)
+    gu = layers["gate_up"]
+    gu.weight.weight_loader(gu.weight, w["gate"], 0)
+    gu.weight.weight_loader(gu.weight, w["up"], 1)
+    layers["down"].weight.weight_loader(layers["down"].weight, w["down"])
+
+
+def _fused(w):
+    return {"qkv": (torch.cat([w["q"], w["k"], w["v"]]), torch.cat([w["qb"], w["kb"], w["vb"]])),
+            "gate_up": (torch.cat([w["gate"], w["up"]]), None), "down": (w["down"], None)}
+
+
+def _inputs(seed: int = 1):
+    g = torch.Generator().manual_seed(seed)
+    x = torch.randn(37, HIDDEN, generator=g)
+    x[:, 5] *= 30.0  # an outlier channel: activation quantization underflows the rest of its blocks
+    return {"qkv": x, "gate_up": x, "down": torch.randn(37, FFN, generator=g)}
+
+
+def test_sglang_discovers_the_plugin():
+    from sglang.srt.arg_groups.choices import QUANTIZATION_CHOICES
+    from sglang.srt.layers.quantization import QUANTIZATION_METHODS, get_quantization_config
+
+    from megatron_fp4.sglang_plugin.method import MegatronFP4Config
+
+    eps = [ep for ep in entry_points(group="sglang.srt.plugins") if ep.value.startswith("megatron_fp4")]
+    assert eps, "megatron-fp4 is installed without its sglang.srt.plugins entry point (pip install -e .[sglang])"
+    assert QUANTIZATION_METHODS["megatron_fp4"] is MegatronFP4Config
+    assert get_quantization_config("megatron_fp4") is MegatronFP4Config
+    assert "megatron_fp4" in QUANTIZATION_CHOICES
+    cfg = MegatronFP4Config.from_config({"quant_method": "megatron_fp4", "format": "mxfp4", "resq": "2:4",
+                                         "packed_modules_mapping": {}, "hf_config": None})
+    assert cfg.options.precision == RolloutPrecision("w4a4", "mxfp4", "2:4")
+    assert rollout_backend_for("cpu") is None  # CPU: the PyTorch reference serves apply()
+
+
+@pytest.mark.parametrize("name", list(PRECISIONS))
+def test_layers_equal_reference_bit_for_bit(name):
+    precision = PRECISIONS[name]
+    fmt = get_format(precision.format)
+    layers = _layers(precision)
+    w = _hf_weights(0)
+    _load(layers, w)
+    for layer in layers.values():
+        layer.quant_method.process_weights_after_loading(layer)
+    xs, fused = _inputs(), _fused(w)
+    with torch.no_grad():
+        for key, layer in layers.items():
+            W, b = fused[key]
+            if precision.quantize_weights:
+                qt = fmt.quantize(W, dim=-1)
+                assert torch.equal(layer.weight_packed, qt.codes), key
+                assert torch.equal(layer.weight_scale, qt.scales), key
+            y, _ = layer(xs[key])
+            ref = rollout_linear(xs[key], W, b, precision)
+            assert torch.equal(y, ref), f"{key}: max diff {(y - ref).abs().max():.3g}"
+            assert not torch.equal(ref, torch.nn.functional.linear(xs[key], W, b))  # FP4 really applied
+
+
+@pytest.mark.parametrize("name", ["hif4+2:4", "mxfp4+2:4", "hif4"])
+def test_layers_equal_native_megatron_linears(name):
+    """Same HF weights in megatron-core's GPT layer (rollout precision swapped in) and in SGLang's layers."""
+    from megatron_fp4.models import GPTModelArgs, build_gpt_model
+    from megatron_fp4.parallel import initialize_parallel
+    from megatron_fp4.rollout.precision import rollout_precision
+
+    precision = PRECISIONS[name]
+    initialize_parallel(1, 1, seed=3)
+    model = build_gpt_model(GPTModelArgs(
+        num_layers=1, hidden_size=HIDDEN, ffn_hidden_size=FFN, num_attention_heads=HEADS, num_query_groups=KV_HEADS,
+        kv_channels=HEAD_DIM, vocab_size=64, max_seq_len=64, add_qkv_bias=True, swiglu=True,
+        normalization="RMSNorm")).eval()
+    w = _hf_weights(4)
+    qpg = HEADS // KV_HEADS
+    qg = w["q"].reshape(KV_HEADS, qpg * HEAD_DIM, HIDDEN)
+    kg, vg = w["k"].reshape(KV_HEADS, HEAD_DIM, HIDDEN), w["v"].reshape(KV_HEADS, HEAD_DIM, HIDDEN)
+    layer = model.decoder.layers[0]
+    with torch.no_grad():
+        layer.self_attention.linear_qkv.weight.copy_(torch.cat([qg, kg, vg], 1).reshape(-1, HIDDEN))
+        bq = torch.cat([w["qb"].reshape(KV_HEADS, -1), w["kb"].reshape(KV_HEADS, -1), w["vb"].reshape(KV_HEADS, -1)], 1)
+        layer.self_attention.linear_qkv.bias.copy_(bq.reshape(-1))
+        layer.mlp.linear_fc1.weight.copy_(torch.cat([w["gate"], w["up"]]))
+        layer.mlp.linear_fc2.weight.copy_(w["down"])
+    sgl = _layers(precision)
+    _load(sgl, w)
+    for m in sgl.values():
+        m.quant_method.process_weights_after_loading(m)
+    xs = _inputs(2)
+    with torch.no_grad(), rollout_precision(model, precision):
+        mg = {"qkv": layer.self_attention.linear_qkv, "gate_up": layer.mlp.linear_fc1, "down": layer.mlp.linear_fc2}
+        for key, m in mg.items():
+            y_mg, b_mg = m(xs[key].unsqueeze(1))  # megatron: [s, b, h]
+            y_mg = y_mg.squeeze(1) + (b_mg if b_mg is not None else 0)
+            y_sgl, _ = sgl[key](xs[key])
+            if key == "qkv":  # megatron's grouped [q_g; k_g; v_g] rows -> HF/SGLang's [q; k; v]
+                yg = y_mg.reshape(-1, KV_HEADS, (qpg + 2) * HEAD_DIM)
+                q, k, v = yg.split([qpg * HEAD_DIM, HEAD_DIM, HEAD_DIM], dim=-1)
+                y_mg = torch.cat([q.flatten(1), k.flatten(1), v.flatten(1)], 1)
+            torch.testing.assert_close(y_sgl, y_mg, rtol=0, atol=2e-6)
+
+
+def test_refit_requantizes_in_place_twice():
+    from megatron_fp4.sglang_plugin.loader import load_weights_and_requantize
+    from megatron_fp4.sglang_plugin.method import requantize_stale_layers
+
+    precision = PRECISIONS["hif4+2:4"]
+    layers = _layers(precision)
+    _load(layers, _hf_weights(0))
+    for m in layers.values():
+        m.quant_method.process_weights_after_loading(m)
+    ids = {k: (id(m.weight), id(m.weight_packed), id(m.weight_scale)) for k, m in layers.items()}
+    loaders = {k: m.weight.weight_loader for k, m in layers.items()}
+    xs = _inputs()
+
+    class Tiny(torch.nn.Module):
+        """A model whose load_weights feeds HF-named shards to the layers' loaders (as SGLang's Qwen2 does)."""
+
+        def __init__(self):
+            super().__init__()
+            self.layers = torch.nn.ModuleDict(layers)
+
+        def load_weights(self, named):
+            for name, t in named:
+                key, shard = {"q": ("qkv", "q"), "k": ("qkv", "k"), "v": ("qkv", "v"), "gate": ("gate_up", 0),
+                              "up": ("gate_up", 1), "down": ("down", None)}[name]
+                p = self.layers[key].weight
+                p.weight_loader(p, t, shard) if shard is not None else p.weight_loader(p, t)
+
+    model = Tiny()
+    for step in (1, 2):
+        w = _hf_weights(10 + step)
+        with torch.no_grad():
+            before = {k: m(xs[k])[0].clone() for k, m in layers.items()}
+        load_weights_and_requantize(model, [(n, w[n]) for n in ("q", "k", "v", "gate", "up", "down")])
+        assert all(not m.megatron_fp4_stale for m in layers.values())
+        assert requantize_stale_layers(model)["layers"] == 0  # nothing left stale
+        fused = _fused(w)
+        fused["qkv"] = (fused["qkv"][0], torch.cat([_hf_weights(0)[s] for s in ("qb", "kb", "vb")]))  # bias kept
+        with torch.no_grad():
+            for k, m in layers.items():
+                W, b = fused[k]
+                assert torch.equal(m.weight_packed, get_format("hif4").quantize(W, dim=-1).codes), (step, k)
+                y = m(xs[k])[0]
+                assert torch.equal(y, rollout_linear(xs[k], W, b, precision)), (step, k)
+                assert not torch.equal(y, before[k]), (step, k)
+    assert ids == {k: (id(m.weight), id(m.weight_packed), id(m.weight_scale)) for k, m in layers.items()}
+    assert loaders == {k: m.weight.weight_loader for k, m in layers.items()}
+
+
+def test_lazy_requantize_when_loader_bypassed():
+    """A plain ``load_weights`` (no re-quantizing loader) still takes effect: apply() re-quantizes stale layers."""
+    precision = PRECISIONS["mxfp4+2:4"]
+    layers = _layers(precision)
+    _load(layers, _hf_weights(0))
+    for m in layers.values():
+        m.quant_method.process_weights_after_loading(m)
+    w = _hf_weights(7)
+    _load(layers, w)
+    assert all(m.megatron_fp4_stale for m in layers.values())
+    xs, fused = _inputs(), _fused(w)
+    with torch.no_grad():
+        for k, m in layers.items():
+            assert torch.equal(m(xs[k])[0], rollout_linear(xs[k], *fused[k], precision)), k
+
+
+@pytest.mark.parametrize("config,needle", [
+    ({"format": "fp5"}, "format='fp5'"),
+    ({"format": "nvfp4"}, "format='nvfp4'"),
+    ({"resq": "3:4"}, "resq='3:4'"),
+    ({"sparsity": "50%"}, "resq='50%'"),
+    ({"mode": "w8a8"}, "mode='w8a8'"),
+    ({"quant_method": "fp8"}, "quant_method='fp8'"),
+    ({"activation_format": "mxfp4"}, "activation_format='mxfp4'"),
+])
+def test_bad_options_name_the_option(config, needle):
+    from megatron_fp4.sglang_plugin.method import MegatronFP4Config
+
+    with pytest.raises(ValueError) as info:
+        MegatronFP4Config.from_config({"quant_method": "megatron_fp4", **config})
+    assert needle in str(info.value)
+
+
+@pytest.mark.parametrize("fmt,k", [("hif4", 96), ("mxfp4", 80)])
+def test_unpackable_width_fails_at_layer_creation(fmt, k):
+    with pytest.raises(ValueError, match=rf"format='{fmt}'.*in_features={k}"):
+        RowParallelLinear(k, HIDDEN, bias=False, quant_config=_config(RolloutPrecision("w4a4", fmt)),
+                          prefix="model.layers.0.mlp.down_proj", params_dtype=torch.float32)
+
+
+def test_modules_not_quantized_stay_high_precision():
+    from sglang.srt.layers.quantization.unquant import UnquantizedLinearMethod
+
+    from megatron_fp4.sglang_plugin.method import MegatronFP4Config
+
+    cfg = MegatronFP4Config.from_config({"quant_method": "megatron_fp4", "format": "hif4",
+                                         "modules_not_quantized": ["model.layers.0.mlp.down_proj"]})
+    down = RowParallelLinear(FFN, HIDDEN, bias=False, quant_config=cfg, prefix="model.layers.0.mlp.down_proj",
+                             params_dtype=torch.float32)
+    assert isinstance(down.quant_method, UnquantizedLinearMethod)
