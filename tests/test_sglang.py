@@ -192,17 +192,3 @@ def test_bad_quant_config_fails_at_start(tiny_model, tmp_path, override, needle)
                          dtype="float32", log_level="error")
         eng.shutdown()
     assert needle in str(info.value) or "Initialization failed" in str(info.value)
-
-
-def test_bad_width_and_options_fail_before_start(tmp_path):
-    from megatron_fp4.rollout.sglang_engine import SGLangRolloutEngine
-
-    _write_tiny_qwen2(tmp_path, intermediate_size=80)  # down_proj in_features 80: not whole 64/32 blocks
-    for fmt in ("hif4", "mxfp4"):
-        with pytest.raises(ValueError, match=r"in_features=80.*format|format=.*in_features=80"):
-            SGLangRolloutEngine(tmp_path, RolloutPrecision("w4a4", fmt), device="cpu",
-                                attention_backend="torch_native", dtype="float32")
-    with pytest.raises(ValueError, match="format='nvfp4'"):
-        SGLangRolloutEngine(tmp_path, RolloutPrecision("w4a4", "nvfp4"), device="cpu")
-    with pytest.raises(ValueError, match="activation_method"):
-        SGLangRolloutEngine(tmp_path, RolloutPrecision("w4a4", "hif4", activation_method="occ"), device="cpu")

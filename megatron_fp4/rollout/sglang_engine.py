@@ -167,7 +167,9 @@ class SGLangRolloutEngine(RolloutEngine):
             ids = [int(t[1]) for t in lps] if lps else list(out.get("output_ids", []))
             fr = meta.get("finish_reason") or {}
             kind = fr.get("type") if isinstance(fr, dict) else str(fr)
-            finish = "stop" if kind in ("stop", "matched_token", "matched_str") else "length"
+            if kind == "abort":
+                raise RuntimeError(f"SGLang aborted a request: {fr.get('message', fr)}")
+            finish = "stop" if kind == "stop" else "length"
             results.append(RolloutSample(token_ids=ids, logprobs=[float(t[0]) for t in lps], finish_reason=finish,
                                          prompt_length=len(p)))
         seconds = time.perf_counter() - t0
