@@ -25,7 +25,7 @@ except Exception as e:  # not installed, or an install that fails at import
 pytestmark = pytest.mark.skipif(_ERR is not None, reason=f"sglang is not importable ({_ERR}); "
                                                         f"install megatron-fp4[sglang] (docs/dev/SGLANG.md)")
 
-from megatron_fp4.formats import get_format  # noqa: E402
+from megatron_fp4.formats import QuantizedTensor, get_format  # noqa: E402
 from megatron_fp4.resq import RolloutPrecision, rollout_backend_for, rollout_linear  # noqa: E402
 
 HIDDEN, FFN, HEADS, KV_HEADS, HEAD_DIM = 128, 256, 4, 2, 32
@@ -291,3 +291,98 @@ def test_modules_not_quantized_stay_high_precision():
     down = RowParallelLinear(FFN, HIDDEN, bias=False, quant_config=cfg, prefix="model.layers.0.mlp.down_proj",
                              params_dtype=torch.float32)
     assert isinstance(down.quant_method, UnquantizedLinearMethod)
+
+
+@pytest.mark.parametrize("fmt,resq", [("hif4", "2:4"), ("mxfp4", "none")])
+def test_serves_an_fp4_export_without_requantizing(tmp_path, fmt, resq):
+    """An FP4 checkpoint of models/fp4_checkpoint (weight_packed / weight_scale per linear): SGLang's loaders put
+    the stored codes and scales in place and the layer computes with exactly them (no second quantization)."""
+    from safetensors.torch import load_file
+
+    transformers = pytest.importorskip("transformers")
+    from megatron_fp4.models.fp4_checkpoint import export_fp4_checkpoint
+    from megatron_fp4.sglang_plugin.loader import load_weights_and_requantize
+    from megatron_fp4.sglang_plugin.method import MegatronFP4Config
+
+    torch.manual_seed(0)
+    cfg = transformers.Qwen2Config(vocab_size=64, hidden_size=HIDDEN, intermediate_size=FFN, num_hidden_layers=2,
+                                   num_attention_heads=HEADS, num_key_value_heads=KV_HEADS, tie_word_embeddings=False,
+                                   use_sliding_window=False)
+    cfg.architectures = ["Qwen2ForCausalLM"]
+    transformers.Qwen2ForCausalLM(cfg).save_pretrained(tmp_path / "hf")
+    out = export_fp4_checkpoint(tmp_path / "hf", tmp_path / "fp4", format=fmt, resq=resq,
+                                high_precision_first_layers=1, progress=False)
+    import json
+
+    qc = json.loads((out / "config.json").read_text())["quantization_config"]
+    tensors = {}
+    for f in sorted(out.glob("*.safetensors")):
+        tensors.update(load_file(f))
+    config = MegatronFP4Config.from_config(qc)
+    config.packed_modules_mapping = {"qkv_proj": ["q_proj", "k_proj", "v_proj"], "gate_up_proj": ["gate_proj", "up_proj"]}
+    assert config.packed_checkpoint and config.options.precision == RolloutPrecision("w4a4", fmt, resq)
+    kw = dict(quant_config=config, params_dtype=torch.float32)
+    from sglang.srt.layers.quantization.unquant import UnquantizedLinearMethod
+
+    first = QKVParallelLinear(HIDDEN, HEAD_DIM, HEADS, KV_HEADS, bias=True, prefix="model.layers.0.self_attn.qkv_proj",
+                              **kw)
+    assert isinstance(first.quant_method, UnquantizedLinearMethod)  # high_precision_first_layers=1
+    p = "model.layers.1."
+    layers = {"qkv": QKVParallelLinear(HIDDEN, HEAD_DIM, HEADS, KV_HEADS, bias=True, prefix=p + "self_attn.qkv_proj",
+                                       **kw),
+              "gate_up": MergedColumnParallelLinear(HIDDEN, [FFN, FFN], bias=False, prefix=p + "mlp.gate_up_proj", **kw),
+              "down": RowParallelLinear(FFN, HIDDEN, bias=False, prefix=p + "mlp.down_proj", **kw)}
+    routes = {"self_attn.q_proj": ("qkv", "q"), "self_attn.k_proj": ("qkv", "k"), "self_attn.v_proj": ("qkv", "v"),
+              "mlp.gate_proj": ("gate_up", 0), "mlp.up_proj": ("gate_up", 1), "mlp.down_proj": ("down", None)}
+    for module, (key, shard) in routes.items():
+        for t in ("weight_packed", "weight_scale"):
+            param = getattr(layers[key], t)
+            args = (shard,) if shard is not None else ()
+            param.weight_loader(param, tensors[f"{p}{module}.{t}"], *args)
+    for sid in ("q", "k", "v"):
+        layers["qkv"].bias.weight_loader(layers["qkv"].bias, tensors[f"{p}self_attn.{sid}_proj.bias"], sid)
+    for m in layers.values():
+        m.quant_method.process_weights_after_loading(m)
+    f = get_format(fmt)
+    cat = lambda names, t: torch.cat([tensors[f"{p}{n}.{t}"] for n in names])  # noqa: E731
+    stored = {"qkv": ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj"),
+              "gate_up": ("mlp.gate_proj", "mlp.up_proj"), "down": ("mlp.down_proj",)}
+    xs = _inputs()
+    with torch.no_grad():
+        for key, names in stored.items():
+            m = layers[key]
+            codes, scales = cat(names, "weight_packed"), cat(names, "weight_scale")
+            assert torch.equal(m.weight_packed, codes) and torch.equal(m.weight_scale, scales), key
+            wq = f.dequantize(QuantizedTensor(f, codes, scales, m.weight.shape, 1, torch.float32))
+            b = m.bias if m.bias is not None else None
+            assert torch.equal(m(xs[key])[0], rollout_linear(xs[key], m.weight, b, m.quant_method.precision,
+                                                             weight_q=wq)), key
+            assert torch.equal(m.weight, wq), key
+    # a later high-precision refit re-quantizes from the new weights as usual
+    new = _hf_weights(21)
+
+    class Tiny(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.layers = torch.nn.ModuleDict(layers)
+
+        def load_weights(self, named):
+            for name, t in named:
+                m = self.layers["down"]
+                m.weight.weight_loader(m.weight, t)
+
+    load_weights_and_requantize(Tiny(), [("down", new["down"])])
+    with torch.no_grad():
+        assert torch.equal(layers["down"](xs["down"])[0],
+                           rollout_linear(xs["down"], new["down"], None, layers["down"].quant_method.precision))
+
+
+def test_fused_module_kept_whole_or_not_at_all():
+    from megatron_fp4.sglang_plugin.method import MegatronFP4Config
+
+    cfg = MegatronFP4Config.from_config({"quant_method": "megatron_fp4", "format": "hif4",
+                                         "modules_not_quantized": ["model.layers.0.self_attn.q_proj"]})
+    cfg.packed_modules_mapping = {"qkv_proj": ["q_proj", "k_proj", "v_proj"]}
+    with pytest.raises(ValueError, match="modules_not_quantized lists only some"):
+        QKVParallelLinear(HIDDEN, HEAD_DIM, HEADS, KV_HEADS, bias=True, quant_config=cfg,
+                          prefix="model.layers.0.self_attn.qkv_proj", params_dtype=torch.float32)

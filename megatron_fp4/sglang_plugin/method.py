@@ -22,7 +22,7 @@ from sglang.srt.layers.quantization.base_config import LinearMethodBase, Quantiz
 from sglang.srt.layers.quantization.unquant import UnquantizedLinearMethod
 from sglang.srt.utils import set_weight_attrs
 
-from megatron_fp4.formats import get_format
+from megatron_fp4.formats import QuantizedTensor, get_format
 from megatron_fp4.resq import QuantizedWeightCache, rollout_backend_for, rollout_linear
 from megatron_fp4.sglang_plugin.options import QUANT_METHOD, PluginOptions
 
@@ -37,12 +37,14 @@ REQUANT_STATS = {"layers": 0, "seconds": 0.0}
 class MegatronFP4Config(QuantizationConfig):
     """``--quantization megatron_fp4``: FP4 rollout linears; options from the HF ``quantization_config``."""
 
-    def __init__(self, options: Optional[PluginOptions] = None, modules_not_quantized: Optional[List[str]] = None
-                 ) -> None:
+    def __init__(self, options: Optional[PluginOptions] = None, modules_not_quantized: Optional[List[str]] = None,
+                 packed_checkpoint: bool = False) -> None:
         super().__init__()
         self.options = options or PluginOptions()
         #: HF module prefixes kept in high precision (e.g. from the exporter's high_precision_first_layers).
         self.modules_not_quantized = list(modules_not_quantized or [])
+        #: The checkpoint stores weight_packed/weight_scale (an FP4 export) instead of high-precision weights.
+        self.packed_checkpoint = packed_checkpoint
 
     def __repr__(self) -> str:
         return f"MegatronFP4Config({self.options})"
@@ -65,14 +67,26 @@ class MegatronFP4Config(QuantizationConfig):
     def from_config(cls, config: Dict[str, Any]) -> "MegatronFP4Config":
         opts = PluginOptions.from_quant_config({k: v for k, v in config.items()
                                                 if k not in ("packed_modules_mapping", "hf_config")})
-        return cls(opts, config.get("modules_not_quantized"))
+        # An export of models/fp4_checkpoint lists its packed modules; modules it kept are HF names (no ".weight").
+        return cls(opts, config.get("modules_not_quantized"), packed_checkpoint=bool(config.get("quantized_modules")))
 
     def get_quant_method(self, layer: torch.nn.Module, prefix: str):
         if not isinstance(layer, LinearBase):
             return None  # embeddings, lm_head: high precision (SPEC §3)
-        if any(prefix == m or prefix.startswith(m + ".") for m in self.modules_not_quantized):
+        if self._kept_high_precision(prefix):
             return UnquantizedLinearMethod()
         return MegatronFP4LinearMethod(self, prefix)
+
+    def _kept_high_precision(self, prefix: str) -> bool:
+        """Whether ``prefix`` (an SGLang module; fused ones such as qkv_proj expand to their HF parts) is listed
+        in ``modules_not_quantized``; a fused module must be kept whole or quantized whole."""
+        head, _, last = prefix.rpartition(".")
+        parts = [f"{head}.{p}" if head else p for p in self.packed_modules_mapping.get(last, [])] or [prefix]
+        kept = [any(p == m or p.startswith(m + ".") for m in self.modules_not_quantized) for p in parts]
+        if any(kept) and not all(kept):
+            raise ValueError(f"{QUANT_METHOD} quantization_config: modules_not_quantized lists only some of "
+                             f"{parts}, which SGLang fuses into {prefix}; list all or none of them")
+        return all(kept)
 
     def get_scaled_act_names(self) -> List[str]:
         return []
@@ -94,27 +108,48 @@ class MegatronFP4LinearMethod(LinearMethodBase):
         fmt = get_format(self.options.format)
         n, k = sum(output_partition_sizes), input_size_per_partition
         nblocks = k // fmt.block_size
-        weight = Parameter(torch.empty(n, k, dtype=params_dtype), requires_grad=False)
-        set_weight_attrs(weight, {"input_dim": 1, "output_dim": 0})
         loader = extra_weight_attrs.pop("weight_loader", None)
-        layer.register_parameter("weight", weight)
-        set_weight_attrs(weight, extra_weight_attrs)
-        if loader is not None:
-            def weight_loader(param, loaded_weight, *args, _loader=loader, _layer=layer, **kwargs):
-                out = _loader(param, loaded_weight, *args, **kwargs)
-                _layer.megatron_fp4_stale = True  # re-quantized by the refit loader or the next apply()
-                return out
-            set_weight_attrs(weight, {"weight_loader": weight_loader})
         scale_shape = (n, nblocks) if fmt.scale_bytes == 1 else (n, nblocks, fmt.scale_bytes)
+        weight = Parameter(torch.zeros(n, k, dtype=params_dtype), requires_grad=False)
         packed = Parameter(torch.zeros(n, k // 2, dtype=torch.uint8), requires_grad=False)
         scale = Parameter(torch.zeros(scale_shape, dtype=torch.uint8), requires_grad=False)
-        layer.register_parameter("weight_packed", packed)
-        layer.register_parameter("weight_scale", scale)
-        layer.megatron_fp4_stale = True
+        # Rows are output features (QKV / gate-up shards land by row); dim 1 is K (codes: 2 per byte, scales: one
+        # entry per block), so a row-parallel split of whole blocks narrows all three the same way.
+        for name, param, flag in (("weight", weight, "megatron_fp4_stale"),
+                                  ("weight_packed", packed, "megatron_fp4_packed_loaded"),
+                                  ("weight_scale", scale, "megatron_fp4_packed_loaded")):
+            set_weight_attrs(param, {"input_dim": 1, "output_dim": 0})
+            layer.register_parameter(name, param)
+            set_weight_attrs(param, extra_weight_attrs)
+            if loader is not None:
+                set_weight_attrs(param, {"weight_loader": _marking_loader(loader, layer, flag)})
+        layer.megatron_fp4_stale = not self.config.packed_checkpoint
+        layer.megatron_fp4_packed_loaded = False
+        layer.megatron_fp4_from_packed = False
         layer.megatron_fp4_wq = None
 
     def process_weights_after_loading(self, layer: torch.nn.Module) -> None:
-        self.requantize(layer)
+        if layer.megatron_fp4_packed_loaded and not layer.megatron_fp4_stale:
+            self.adopt_packed(layer)
+        else:
+            self.requantize(layer)
+
+    def adopt_packed(self, layer: torch.nn.Module) -> None:
+        """Serve the loaded packed weight as is (an FP4 export: re-quantizing HiF4 values could change them);
+        ``weight`` becomes its dequantized values so later partial refits start from them."""
+        if not self.precision.quantize_weights:
+            raise ValueError(f"{QUANT_METHOD}: mode={self.options.mode!r} keeps weights in high precision, but "
+                             f"{self.prefix} was loaded from a packed FP4 checkpoint")
+        fmt = get_format(self.options.format)
+        w = layer.weight
+        qt = QuantizedTensor(fmt, layer.weight_packed.data, layer.weight_scale.data, w.shape, 1, w.dtype)
+        with torch.no_grad():
+            wq = qt.dequantize()
+            w.data.copy_(wq)
+        layer.megatron_fp4_wq = wq
+        layer.megatron_fp4_packed_loaded = False
+        layer.megatron_fp4_stale = False
+        layer.megatron_fp4_from_packed = True  # the reference path serves it (kernels re-quantize from weight)
 
     def requantize(self, layer: torch.nn.Module) -> float:
         """Quantize ``layer.weight`` into the packed parameters (in place) and refresh the GEMM operand."""
@@ -132,26 +167,46 @@ class MegatronFP4LinearMethod(LinearMethodBase):
             if rollout_backend_for(w.device.type) is not None:
                 _BACKEND_CACHE.refresh([layer.weight], self.options.format, self.precision)
         layer.megatron_fp4_stale = False
+        layer.megatron_fp4_packed_loaded = False
+        layer.megatron_fp4_from_packed = False
         dt = time.perf_counter() - t0
         REQUANT_STATS["layers"] += 1
         REQUANT_STATS["seconds"] += dt
         return dt
 
     def apply(self, layer: torch.nn.Module, x: torch.Tensor, bias: Optional[torch.Tensor] = None) -> torch.Tensor:
-        if getattr(layer, "megatron_fp4_stale", False):
+        if layer.megatron_fp4_stale:
             self.requantize(layer)  # a refit that bypassed the re-quantizing loader
-        if rollout_backend_for(x.device.type) is not None:
+        elif layer.megatron_fp4_packed_loaded:
+            self.adopt_packed(layer)
+        if rollout_backend_for(x.device.type) is not None and not layer.megatron_fp4_from_packed:
             return rollout_linear(x, layer.weight, bias, self.precision, cache=_BACKEND_CACHE)
         return rollout_linear(x, layer.weight, bias, self.precision, weight_q=layer.megatron_fp4_wq)
 
 
+def _marking_loader(loader, layer: torch.nn.Module, flag: str):
+    """SGLang's weight loader for ``layer``, then ``layer.<flag> = True`` (what was loaded, for re-quantization)."""
+    def weight_loader(param, loaded_weight, *args, **kwargs):
+        out = loader(param, loaded_weight, *args, **kwargs)
+        setattr(layer, flag, True)
+        return out
+
+    return weight_loader
+
+
 def requantize_stale_layers(model: torch.nn.Module) -> dict:
-    """Re-quantize every megatron-fp4 linear whose weight was (re)loaded since its last quantization."""
+    """Bring every megatron-fp4 linear loaded since its last quantization up to date: re-quantize a new
+    high-precision weight, or adopt newly loaded packed FP4 tensors."""
     t0 = time.perf_counter()
     n = 0
     for module in model.modules():
         method = getattr(module, "quant_method", None)
-        if isinstance(method, MegatronFP4LinearMethod) and getattr(module, "megatron_fp4_stale", False):
+        if not isinstance(method, MegatronFP4LinearMethod):
+            continue
+        if module.megatron_fp4_stale:
             method.requantize(module)
+            n += 1
+        elif module.megatron_fp4_packed_loaded:
+            method.adopt_packed(module)
             n += 1
     return {"layers": n, "seconds": time.perf_counter() - t0}
