@@ -37,7 +37,6 @@ def _sglang_cpu_engine_error() -> str | None:
 
 _ENGINE_ERR = _sglang_cpu_engine_error()
 pytestmark = pytest.mark.skipif(_ENGINE_ERR is not None, reason=str(_ENGINE_ERR))
-os.environ.setdefault("SGLANG_USE_CPU_ENGINE", "1")  # SGLang's CPU switch, read at import; these tests run on CPU
 
 transformers = pytest.importorskip("transformers")
 
@@ -170,7 +169,7 @@ def test_refit_matches_native_twice(tiny_model):
     ({"format": "fp5"}, "format='fp5'"),
     ({"resq": "3:4"}, "resq='3:4'"),
 ])
-def test_bad_quant_config_fails_at_start(tiny_model, tmp_path, override, needle):
+def test_bad_quant_config_fails_at_start(tiny_model, tmp_path, monkeypatch, override, needle):
     """Unknown format / sparsity in the model's quantization_config: SGLang itself refuses to start."""
     from megatron_fp4.sglang_plugin.options import PluginOptions, quant_config_dict
 
@@ -186,6 +185,7 @@ def test_bad_quant_config_fails_at_start(tiny_model, tmp_path, override, needle)
     (dst / "config.json").write_text(json.dumps(cfg))
     import sglang as sgl
 
+    monkeypatch.setenv("SGLANG_USE_CPU_ENGINE", "1")  # SGLang's CPU switch (its processes read it at import)
     with pytest.raises(Exception) as info:
         eng = sgl.Engine(model_path=str(dst), quantization="megatron_fp4", device="cpu",
                          attention_backend="torch_native", disable_cuda_graph=True, skip_tokenizer_init=True,

@@ -386,3 +386,49 @@ def test_fused_module_kept_whole_or_not_at_all():
     with pytest.raises(ValueError, match="modules_not_quantized lists only some"):
         QKVParallelLinear(HIDDEN, HEAD_DIM, HEADS, KV_HEADS, bias=True, quant_config=cfg,
                           prefix="model.layers.0.self_attn.qkv_proj", params_dtype=torch.float32)
+
+
+def _tiny_hf_folder(path, quantization_config=None):
+    transformers = pytest.importorskip("transformers")
+    cfg = transformers.Qwen2Config(vocab_size=64, hidden_size=HIDDEN, intermediate_size=FFN, num_hidden_layers=1,
+                                   num_attention_heads=HEADS, num_key_value_heads=KV_HEADS, use_sliding_window=False)
+    cfg.architectures = ["Qwen2ForCausalLM"]
+    if quantization_config is not None:
+        cfg.quantization_config = quantization_config
+    cfg.save_pretrained(path)
+    return path
+
+
+@pytest.mark.parametrize("source", ["override", "config.json"])
+def test_sglang_start_path_resolves_the_method(tmp_path, source):
+    """What SGLang's scheduler does at start (ServerArgs -> ModelConfig -> get_quant_config): the method comes
+    from --quantization + json_model_override_args, or from an FP4 export's config.json alone; bad options
+    stop it there with the option named."""
+    import json
+
+    from sglang.srt.configs.load_config import LoadConfig
+    from sglang.srt.configs.model_config import ModelConfig
+    from sglang.srt.model_loader.weight_utils import get_quant_config
+    from sglang.srt.server_args import ServerArgs
+
+    from megatron_fp4.sglang_plugin.method import MegatronFP4Config
+
+    def resolve(qc):
+        if source == "override":
+            path = _tiny_hf_folder(tmp_path / "m")
+            sa = ServerArgs(model_path=str(path), quantization="megatron_fp4", device="cpu", dtype="float32",
+                            skip_tokenizer_init=True, json_model_override_args=json.dumps({"quantization_config": qc}))
+        else:
+            path = _tiny_hf_folder(tmp_path / f"m{len(list(tmp_path.iterdir()))}", qc)
+            sa = ServerArgs(model_path=str(path), device="cpu", dtype="float32", skip_tokenizer_init=True)
+        mc = ModelConfig.from_server_args(sa)
+        assert mc.quantization == "megatron_fp4"
+        return get_quant_config(mc, LoadConfig(), {"qkv_proj": ["q_proj", "k_proj", "v_proj"]})
+
+    cfg = resolve({"quant_method": "megatron_fp4", "format": "mxfp4", "resq": "2:4"})
+    assert isinstance(cfg, MegatronFP4Config)
+    assert cfg.options.precision == RolloutPrecision("w4a4", "mxfp4", "2:4")
+    for bad, needle in (({"format": "fp5"}, "format='fp5'"), ({"resq": "3:4"}, "resq='3:4'")):
+        with pytest.raises(ValueError) as info:
+            resolve({"quant_method": "megatron_fp4", **bad})
+        assert needle in str(info.value)
