@@ -432,3 +432,27 @@ def test_sglang_start_path_resolves_the_method(tmp_path, source):
         with pytest.raises(ValueError) as info:
             resolve({"quant_method": "megatron_fp4", **bad})
         assert needle in str(info.value)
+
+
+@pytest.mark.parametrize("precision", [RolloutPrecision("w4a4", "hif4", "2:4"), RolloutPrecision("bf16")])
+def test_engine_args_are_valid_server_args(tmp_path, precision):
+    """SGLangRolloutEngine's Engine arguments build SGLang's ServerArgs and ModelConfig with the intended method."""
+    from sglang.srt.configs.load_config import LoadConfig
+    from sglang.srt.configs.model_config import ModelConfig
+    from sglang.srt.model_loader.weight_utils import get_quant_config
+    from sglang.srt.server_args import ServerArgs
+
+    from megatron_fp4.rollout.sglang_engine import SGLangRolloutEngine
+    from megatron_fp4.sglang_plugin.loader import REQUANTIZING_LOADER
+
+    path = _tiny_hf_folder(tmp_path / "m")
+    kwargs = SGLangRolloutEngine.engine_args(path, precision, device="cpu", attention_backend="torch_native",
+                                             dtype="float32", disable_cuda_graph=True)
+    sa = ServerArgs(**kwargs)
+    assert sa.custom_weight_loader == [REQUANTIZING_LOADER] and sa.skip_tokenizer_init
+    mc = ModelConfig.from_server_args(sa)
+    if precision.mode == "bf16":
+        assert mc.quantization is None
+        return
+    cfg = get_quant_config(mc, LoadConfig(), {})
+    assert cfg.options.precision == precision

@@ -85,51 +85,57 @@ class SGLangRolloutEngine(RolloutEngine):
     """Rollout through an in-process ``sglang.Engine`` serving an HF model folder in a rollout precision."""
 
     def __init__(self, model_path: Union[str, os.PathLike], precision: RolloutPrecision = RolloutPrecision(),
-                 *, dtype: str = "bfloat16", device: Optional[str] = None, tp_size: int = 1,
-                 attention_backend: Optional[str] = None, random_seed: int = 0, mem_fraction_static: Optional[float] = None,
-                 enable_memory_saver: Optional[bool] = None, log_level: str = "error", **engine_kwargs: Any) -> None:
-        """``model_path``: HF folder (config.json, weights, tokenizer). ``precision``: "bf16" serves the model
-        unquantized; other modes use the ``megatron_fp4`` quantization method. ``device`` "cpu" wants
-        ``attention_backend="torch_native"``. Extra keyword arguments go to ``sglang.Engine``."""
-        if not isinstance(precision, RolloutPrecision):
-            raise TypeError(f"precision must be a RolloutPrecision, got {type(precision).__name__}")
+                 *, device: Optional[str] = None, tp_size: int = 1, enable_memory_saver: Optional[bool] = None,
+                 **engine_kwargs: Any) -> None:
+        """``model_path``: HF folder (config.json, weights). ``precision``: "bf16" serves the model unquantized;
+        other modes use the ``megatron_fp4`` quantization method. ``device="cpu"`` wants
+        ``attention_backend="torch_native"``; other keyword arguments go to ``sglang.Engine`` (see
+        :meth:`engine_args`)."""
         self.model_path = str(model_path)
         self.hf_config = json.loads((Path(model_path) / "config.json").read_text())
-        check_model_for_precision(self.hf_config, precision, tp_size)  # before any process starts
+        kwargs = self.engine_args(model_path, precision, device=device, tp_size=tp_size,
+                                  enable_memory_saver=enable_memory_saver, **engine_kwargs)  # validates first
         self._precision = precision
+        self._memory_saver = bool(kwargs.get("enable_memory_saver"))
         if device == "cpu":
             os.environ["SGLANG_USE_CPU_ENGINE"] = "1"  # SGLang's CPU switch (read by its processes at import)
-        import sglang  # noqa: F401 (a clear ImportError before the plug-in is needed)
+        import sglang as sgl
 
         from megatron_fp4.sglang_plugin import register
 
         register()  # this process too (SGLang's own processes load the entry point)
-        kwargs: dict[str, Any] = dict(model_path=self.model_path, dtype=dtype, tp_size=tp_size,
-                                      random_seed=random_seed, log_level=log_level, skip_tokenizer_init=True,
-                                      custom_weight_loader=[REQUANTIZING_LOADER])
-        if device is not None:
-            kwargs["device"] = device
-        if attention_backend is not None:
-            kwargs["attention_backend"] = attention_backend
-        if mem_fraction_static is not None:
-            kwargs["mem_fraction_static"] = mem_fraction_static
-        on_gpu = (device or "cuda") not in ("cpu",)
-        self._memory_saver = on_gpu if enable_memory_saver is None else enable_memory_saver
-        if self._memory_saver:
-            kwargs["enable_memory_saver"] = True
-        if precision.mode != "bf16":
-            opts = PluginOptions.from_precision(precision)
-            kwargs["quantization"] = QUANT_METHOD
-            overrides = json.loads(engine_kwargs.pop("json_model_override_args", None) or "{}")
-            overrides["quantization_config"] = opts.to_quant_config()
-            kwargs["json_model_override_args"] = json.dumps(overrides)
-        kwargs.update(engine_kwargs)
-        import sglang as sgl
-
         self.engine = sgl.Engine(**kwargs)
         self._released = False
         self.last_weight_sync: Optional[WeightSyncStats] = None
         self.last_generate_stats: dict[str, float] = {}
+
+    @staticmethod
+    def engine_args(model_path: Union[str, os.PathLike], precision: RolloutPrecision = RolloutPrecision(), *,
+                    dtype: str = "bfloat16", device: Optional[str] = None, tp_size: int = 1,
+                    random_seed: int = 0, enable_memory_saver: Optional[bool] = None, log_level: str = "error",
+                    **engine_kwargs: Any) -> dict[str, Any]:
+        """The ``sglang.Engine`` keyword arguments serving ``model_path`` in ``precision`` (token ids in and out,
+        the re-quantizing refit loader, the ``megatron_fp4`` method and its options); validates them first."""
+        if not isinstance(precision, RolloutPrecision):
+            raise TypeError(f"precision must be a RolloutPrecision, got {type(precision).__name__}")
+        hf_config = json.loads((Path(model_path) / "config.json").read_text())
+        check_model_for_precision(hf_config, precision, tp_size)  # before any process starts
+        kwargs: dict[str, Any] = dict(model_path=str(model_path), dtype=dtype, tp_size=tp_size,
+                                      random_seed=random_seed, log_level=log_level, skip_tokenizer_init=True,
+                                      custom_weight_loader=[REQUANTIZING_LOADER])
+        if device is not None:
+            kwargs["device"] = device
+        on_gpu = (device or "cuda") != "cpu"
+        if (on_gpu if enable_memory_saver is None else enable_memory_saver):
+            kwargs["enable_memory_saver"] = True  # release/resume of weights and KV cache (torch_memory_saver)
+        overrides = json.loads(engine_kwargs.pop("json_model_override_args", None) or "{}")
+        if precision.mode != "bf16":
+            kwargs["quantization"] = QUANT_METHOD
+            overrides["quantization_config"] = PluginOptions.from_precision(precision).to_quant_config()
+        if overrides:
+            kwargs["json_model_override_args"] = json.dumps(overrides)
+        kwargs.update(engine_kwargs)
+        return kwargs
 
     @property
     def precision(self) -> RolloutPrecision:
