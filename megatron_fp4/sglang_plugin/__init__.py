@@ -25,15 +25,6 @@ def register() -> None:
     sgl_quant.BASE_QUANTIZATION_METHODS[QUANT_METHOD] = MegatronFP4Config
     if QUANT_METHOD not in QUANTIZATION_CHOICES:
         add_quantization_method_choices([QUANT_METHOD])
-    import torch
-
-    if torch.cuda.is_available():  # the Triton kernels serve CUDA rollout GEMMs when usable (else the reference)
-        try:
-            from megatron_fp4.rollout.kernels_backend import register_kernel_backend
-
-            register_kernel_backend("cuda")
-        except Exception:  # pragma: no cover - kernels are optional
-            pass
 
 
 def is_registered() -> bool:

@@ -11,6 +11,7 @@ quantizer's operands bit for bit. On devices with a registered rollout backend (
 
 from __future__ import annotations
 
+import os
 import time
 from typing import Any, Dict, List, Optional
 
@@ -32,6 +33,24 @@ __all__ = ["MegatronFP4Config", "MegatronFP4LinearMethod", "requantize_stale_lay
 _BACKEND_CACHE = QuantizedWeightCache()
 #: Totals of this process's re-quantizations (count, seconds), for weight-sync timing.
 REQUANT_STATS = {"layers": 0, "seconds": 0.0}
+_BACKENDS_TRIED: set = set()
+
+
+def _ensure_backend(device_type: str) -> None:
+    """On first use of a CUDA device in this process, let the Triton kernels serve rollout GEMMs (when usable:
+    ``megatron_fp4.rollout.kernels_backend``; ``MEGATRON_FP4_KERNELS=0`` keeps the PyTorch reference)."""
+    if device_type in _BACKENDS_TRIED:
+        return
+    _BACKENDS_TRIED.add(device_type)
+    if device_type != "cuda" or os.environ.get("MEGATRON_FP4_KERNELS", "1") == "0":
+        return
+    if rollout_backend_for(device_type) is None:
+        try:
+            from megatron_fp4.rollout.kernels_backend import register_kernel_backend
+
+            register_kernel_backend(device_type)
+        except Exception:  # pragma: no cover - the kernels are optional; the reference serves
+            pass
 
 
 class MegatronFP4Config(QuantizationConfig):
@@ -157,6 +176,7 @@ class MegatronFP4LinearMethod(LinearMethodBase):
         with torch.no_grad():
             fmt = get_format(self.options.format)
             w = layer.weight.detach()
+            _ensure_backend(w.device.type)
             if self.precision.quantize_weights:
                 qt = fmt.quantize(w, dim=-1)
                 layer.weight_packed.data.copy_(qt.codes)
