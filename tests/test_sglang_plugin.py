@@ -456,3 +456,47 @@ def test_engine_args_are_valid_server_args(tmp_path, precision):
         return
     cfg = get_quant_config(mc, LoadConfig(), {})
     assert cfg.options.precision == precision
+
+
+@pytest.mark.parametrize("name", ["hif4+2:4", "mxfp4+2:4"])
+def test_sglang_qwen2_mlp_equals_native_mlp(name):
+    """SGLang's own Qwen2MLP (gate_up -> SiluAndMul -> down, the down_proj quantizing SGLang's activation) with the
+    plug-in equals the MLP of megatron-core's GPT layer in the native engine's rollout precision."""
+    from sglang.srt.models.qwen2 import Qwen2MLP
+
+    from megatron_fp4.models import GPTModelArgs, build_gpt_model
+    from megatron_fp4.parallel import initialize_parallel
+    from megatron_fp4.rollout.precision import rollout_precision
+
+    precision = PRECISIONS[name]
+    initialize_parallel(1, 1, seed=3)
+    model = build_gpt_model(GPTModelArgs(
+        num_layers=1, hidden_size=HIDDEN, ffn_hidden_size=FFN, num_attention_heads=HEADS, num_query_groups=KV_HEADS,
+        kv_channels=HEAD_DIM, vocab_size=64, max_seq_len=64, add_qkv_bias=True, swiglu=True,
+        normalization="RMSNorm")).eval()
+    w = _hf_weights(5)
+    mlp = model.decoder.layers[0].mlp
+    with torch.no_grad():
+        mlp.linear_fc1.weight.copy_(torch.cat([w["gate"], w["up"]]))
+        mlp.linear_fc2.weight.copy_(w["down"])
+    default = torch.get_default_dtype()
+    torch.set_default_dtype(torch.float32)
+    try:
+        sgl = Qwen2MLP(HIDDEN, FFN, "silu", quant_config=_config(precision), prefix="model.layers.0.mlp")
+    finally:
+        torch.set_default_dtype(default)
+    gu = sgl.gate_up_proj.weight
+    gu.weight_loader(gu, w["gate"], 0)
+    gu.weight_loader(gu, w["up"], 1)
+    sgl.down_proj.weight.weight_loader(sgl.down_proj.weight, w["down"])
+    for m in (sgl.gate_up_proj, sgl.down_proj):
+        m.quant_method.process_weights_after_loading(m)
+    x = _inputs(6)["qkv"]
+    with torch.no_grad(), rollout_precision(model, precision):
+        y_mg, b = mlp(x.unsqueeze(1))
+        y_sgl = sgl(x)
+    assert b is None
+    torch.testing.assert_close(y_sgl, y_mg.squeeze(1), rtol=0, atol=1e-5)
+    with torch.no_grad():  # and FP4 mattered: the bf16 MLP differs by far more
+        ref = torch.nn.functional.linear(torch.nn.functional.silu(x @ w["gate"].t()) * (x @ w["up"].t()), w["down"])
+    assert (ref - y_sgl).abs().max() > 1e-3
