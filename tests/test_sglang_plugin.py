@@ -120,6 +120,9 @@ def test_sglang_discovers_the_plugin():
     eps = [ep for ep in entry_points(group="sglang.srt.plugins") if ep.value.startswith("megatron_fp4")]
     assert eps, "megatron-fp4 is installed without its sglang.srt.plugins entry point (pip install -e .[sglang])"
     assert QUANTIZATION_METHODS["megatron_fp4"] is MegatronFP4Config
+    from sglang.srt.layers.quantization import CPU_QUANTIZATION_METHODS
+
+    assert CPU_QUANTIZATION_METHODS["megatron_fp4"] is MegatronFP4Config  # SGLang's CPU engine on AMX hosts
     assert get_quantization_config("megatron_fp4") is MegatronFP4Config
     assert "megatron_fp4" in QUANTIZATION_CHOICES
     cfg = MegatronFP4Config.from_config({"quant_method": "megatron_fp4", "format": "mxfp4", "resq": "2:4",

@@ -23,6 +23,8 @@ def register() -> None:
 
     sgl_quant.QUANTIZATION_METHODS[QUANT_METHOD] = MegatronFP4Config
     sgl_quant.BASE_QUANTIZATION_METHODS[QUANT_METHOD] = MegatronFP4Config
+    # SGLang's CPU engine on AMX machines only accepts methods listed here (the PyTorch reference serves CPU).
+    getattr(sgl_quant, "CPU_QUANTIZATION_METHODS", {})[QUANT_METHOD] = MegatronFP4Config
     if QUANT_METHOD not in QUANTIZATION_CHOICES:
         add_quantization_method_choices([QUANT_METHOD])
 
