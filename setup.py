@@ -21,6 +21,9 @@ setup(
     extras_require={
         "test": ["pytest", "hypothesis", "torchao>=0.13", "transformers>=4.45"],
         "triton": ["triton>=3.0"],
-        "sglang": [],  # pinned by the SGLang backend issue
+        # SGLang 0.5.23 pins torch==2.14.1 and transformers==5.19.0: install it in its own environment
+        # (see docs/dev/SGLANG.md); the plug-in registers through SGLang's own entry-point group.
+        "sglang": ["sglang==0.5.23"],
     },
+    entry_points={"sglang.srt.plugins": ["megatron_fp4 = megatron_fp4.sglang_plugin:register"]},
 )

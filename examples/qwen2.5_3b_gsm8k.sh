@@ -25,6 +25,6 @@ torchrun --nproc-per-node "$NPROC" ${NNODES:+--nnodes "$NNODES" --node-rank "$NO
   --fp4-format "$FORMAT" --rollout-precision "$ROLLOUT" --resq "$RESQ" \
   --group-size 16 --global-batch-size 32 --micro-batch-size 4 \
   --max-prompt-length 512 --max-response-length 1024 \
-  --lr 1e-6 --weight-decay 0.01 --kl-beta 0.001 --clip-low 0.2 --clip-high 0.2 --tis-cap 5.0 \
+  --lr 1e-6 --min-lr 1e-6 --weight-decay 0.01 --kl-beta 0.001 --clip-low 0.2 --clip-high 0.2 --tis-cap 5.0 \
   --temperature 1.0 --sft-iters 0 --train-iters 200 --seed 1234 \
   --log-jsonl "$RUN/metrics.jsonl" --results-json "$RUN/results.json"

@@ -21,6 +21,6 @@ torchrun --nproc-per-node 8 --nnodes "${NNODES:-2}" --node-rank "${NODE_RANK:-0}
   --fp4-format hif4 --rollout-precision w4a4 --resq 2:4 \
   --group-size 16 --global-batch-size 128 --micro-batch-size 2 \
   --max-prompt-length 2048 --max-response-length 4096 \
-  --lr 1e-6 --weight-decay 0.01 --kl-beta 0.001 --clip-low 0.2 --clip-high 0.28 --tis-cap 5.0 \
+  --lr 1e-6 --min-lr 1e-6 --weight-decay 0.01 --kl-beta 0.001 --clip-low 0.2 --clip-high 0.28 --tis-cap 5.0 \
   --dynamic-sampling --temperature 1.0 --sft-iters 0 --train-iters 300 --seed 1234 \
   --log-jsonl "$RUN/metrics.jsonl" --results-json "$RUN/results.json"

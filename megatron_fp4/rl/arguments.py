@@ -62,13 +62,13 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--eval-samples", type=int, default=256)
 
     g = p.add_argument_group("GRPO")
-    g.add_argument("--group-size", type=int, default=8)
-    g.add_argument("--global-batch-size", type=int, default=16, help="prompts per step")
-    g.add_argument("--micro-batch-size", type=int, default=64, help="sequences per training micro-batch")
+    g.add_argument("--group-size", type=int, default=16)
+    g.add_argument("--global-batch-size", type=int, default=32, help="prompts per step")
+    g.add_argument("--micro-batch-size", type=int, default=256, help="sequences per training micro-batch")
     g.add_argument("--max-prompt-length", type=int, default=16)
     g.add_argument("--max-response-length", type=int, default=8)
-    g.add_argument("--lr", type=float, default=1e-3)
-    g.add_argument("--min-lr", type=float, default=None, help="cosine decay floor (default: constant lr)")
+    g.add_argument("--lr", type=float, default=6e-4)
+    g.add_argument("--min-lr", type=float, default=1e-4, help="cosine decay floor (= --lr for a constant lr)")
     g.add_argument("--weight-decay", type=float, default=0.0)
     g.add_argument("--clip-grad", type=float, default=1.0, help="global gradient-norm clip (0 = off)")
     g.add_argument("--kl-beta", type=float, default=0.001)
@@ -81,11 +81,11 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--temperature", type=float, default=1.0)
     g.add_argument("--top-p", type=float, default=1.0)
     g.add_argument("--top-k", type=int, default=0)
-    g.add_argument("--train-iters", type=int, default=60)
+    g.add_argument("--train-iters", type=int, default=250)
     g.add_argument("--ppo-epochs", type=int, default=1, help="optimizer passes over each rollout batch")
 
     g = p.add_argument_group("warm-up (supervised on the examples' targets, before GRPO)")
-    g.add_argument("--sft-iters", type=int, default=150,
+    g.add_argument("--sft-iters", type=int, default=100,
                    help="supervised warm-up iterations for a randomly initialized model (use 0 with --load)")
     g.add_argument("--sft-lr", type=float, default=3e-3)
     g.add_argument("--sft-batch-size", type=int, default=64)
@@ -94,10 +94,10 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--seed", type=int, default=1234)
     g.add_argument("--load", default=None, help="checkpoint dir to resume from (or a converted HF checkpoint)")
     g.add_argument("--save", default=None, help="checkpoint dir (default: no checkpoints)")
-    g.add_argument("--save-interval", type=int, default=20)
+    g.add_argument("--save-interval", type=int, default=50)
     g.add_argument("--keep-last", type=int, default=2, help="checkpoints kept in --save")
     g.add_argument("--tensorboard-dir", default=None)
-    g.add_argument("--eval-interval", type=int, default=20)
+    g.add_argument("--eval-interval", type=int, default=50)
     g.add_argument("--log-interval", type=int, default=1)
     g.add_argument("--max-nonfinite-steps", type=int, default=3,
                    help="stop after this many consecutive steps with a non-finite loss or gradient")
@@ -132,6 +132,8 @@ def validate_args(args: argparse.Namespace, world_size: int = 1) -> argparse.Nam
                   "weight_decay", "clip_grad", "fp4_high_precision_first_layers", "fp4_high_precision_last_layers")
     if not 0 < args.top_p <= 1:
         raise ValueError(f"--top-p={args.top_p} is not valid; it must be in (0, 1]")
+    if args.min_lr is not None and not 0 <= args.min_lr <= args.lr:
+        raise ValueError(f"--min-lr={args.min_lr} is not valid; it must be in [0, --lr={args.lr}]")
     if args.clip_low >= 1:
         raise ValueError(f"--clip-low={args.clip_low} is not valid; it must be in [0, 1)")
     if args.group_size < 2:
