@@ -18,14 +18,11 @@ from dataclasses import dataclass
 from typing import Iterator, Optional
 
 from megatron_fp4.formats import Format, get_format, registered_formats
+from megatron_fp4.formats.base import choice_error
 
 ROLES = ("weight", "activation", "gradient")
 ROUNDINGS = ("nearest", "stochastic")
 HADAMARD_BLOCK_SIZES = (16, 32, 64)
-
-
-def _choice_error(field: str, value, allowed) -> ValueError:
-    return ValueError(f"{field}={value!r} is not valid; allowed values: {', '.join(map(repr, allowed))}")
 
 
 @dataclass(frozen=True)
@@ -63,11 +60,11 @@ class FP4Recipe:
         for role in ROLES:
             name = getattr(self, f"{role}_format")
             if not isinstance(name, str) or name not in valid:
-                raise _choice_error(f"{role}_format", name, valid)
+                raise choice_error(f"{role}_format", name, valid)
         if self.gradient_rounding not in ROUNDINGS:
-            raise _choice_error("gradient_rounding", self.gradient_rounding, ROUNDINGS)
+            raise choice_error("gradient_rounding", self.gradient_rounding, ROUNDINGS)
         if self.hadamard_block_size not in HADAMARD_BLOCK_SIZES:
-            raise _choice_error("hadamard_block_size", self.hadamard_block_size, HADAMARD_BLOCK_SIZES)
+            raise choice_error("hadamard_block_size", self.hadamard_block_size, HADAMARD_BLOCK_SIZES)
         for field in ("high_precision_first_layers", "high_precision_last_layers"):
             value = getattr(self, field)
             if not isinstance(value, int) or isinstance(value, bool) or value < 0:
@@ -79,13 +76,13 @@ class FP4Recipe:
     def format(self, role: str) -> Format:
         """The Format object for a tensor role: "weight", "activation" or "gradient"."""
         if role not in ROLES:
-            raise _choice_error("role", role, ROLES)
+            raise choice_error("role", role, ROLES)
         return get_format(getattr(self, f"{role}_format"))
 
     def rounding(self, role: str) -> str:
         """Rounding mode for a tensor role (only gradients may be stochastic)."""
         if role not in ROLES:
-            raise _choice_error("role", role, ROLES)
+            raise choice_error("role", role, ROLES)
         return self.gradient_rounding if role == "gradient" else "nearest"
 
     def keeps_layer_in_high_precision(self, layer_number: int, num_layers: int) -> bool:
@@ -124,7 +121,7 @@ class MXFP4BlockScaling(FP4Recipe):
 
     def __post_init__(self) -> None:
         if self.scale_mode not in ("floor", "rceil"):
-            raise _choice_error("scale_mode", self.scale_mode, ("floor", "rceil"))
+            raise choice_error("scale_mode", self.scale_mode, ("floor", "rceil"))
         if self.scale_mode == "rceil":
             for role in ROLES:
                 if getattr(self, f"{role}_format") == "mxfp4":
@@ -147,7 +144,7 @@ RECIPES = {"hif4": HiF4BlockScaling, "mxfp4": MXFP4BlockScaling, "nvfp4": NVFP4B
 def recipe_for_format(name: str, **fields) -> FP4Recipe:
     """The recipe class for a format name ("hif4", "mxfp4", "nvfp4"), built with ``fields``."""
     if name not in RECIPES:
-        raise _choice_error("format", name, tuple(RECIPES))
+        raise choice_error("format", name, tuple(RECIPES))
     return RECIPES[name](**fields)
 
 

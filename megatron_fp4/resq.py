@@ -31,6 +31,7 @@ import torch
 import torch.nn.functional as F
 
 from megatron_fp4.formats import Format, get_format, registered_formats
+from megatron_fp4.formats.base import choice_error
 
 __all__ = [
     "SPARSITIES",
@@ -62,13 +63,9 @@ ACTIVATION_METHODS = ("resq", "occ")
 FormatLike = Union[str, Format]
 
 
-def _choice_error(field: str, value, allowed) -> ValueError:
-    return ValueError(f"{field}={value!r} is not valid; allowed values: {', '.join(map(repr, allowed))}")
-
-
 def _check_sparsity(sparsity: str) -> None:
     if sparsity not in SPARSITIES:
-        raise _choice_error("sparsity", sparsity, SPARSITIES)
+        raise choice_error("sparsity", sparsity, SPARSITIES)
 
 
 def _as_tokens(x: torch.Tensor, dim: int) -> tuple[torch.Tensor, tuple]:
@@ -216,12 +213,12 @@ class RolloutPrecision:
 
     def __post_init__(self) -> None:
         if self.mode not in ROLLOUT_MODES:
-            raise _choice_error("mode", self.mode, ROLLOUT_MODES)
+            raise choice_error("mode", self.mode, ROLLOUT_MODES)
         if self.format not in registered_formats():
-            raise _choice_error("format", self.format, registered_formats())
+            raise choice_error("format", self.format, registered_formats())
         _check_sparsity(self.sparsity)
         if self.activation_method not in ACTIVATION_METHODS:
-            raise _choice_error("activation_method", self.activation_method, ACTIVATION_METHODS)
+            raise choice_error("activation_method", self.activation_method, ACTIVATION_METHODS)
         if not self.quantize_activations and (self.sparsity != "none" or self.activation_method != "resq"):
             raise ValueError(f"mode={self.mode!r} keeps activations in high precision; sparsity must be 'none' and "
                              f"activation_method 'resq' (got {self.sparsity!r}, {self.activation_method!r})")

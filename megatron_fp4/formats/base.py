@@ -21,6 +21,11 @@ FLOAT_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 ROUNDINGS = ("nearest", "stochastic")
 
 
+def choice_error(field: str, value, allowed) -> ValueError:
+    """The project's error for a bad choice: names the field, the value and the allowed values."""
+    return ValueError(f"{field}={value!r} is not valid; allowed values: {', '.join(map(repr, allowed))}")
+
+
 @dataclass
 class QuantizedTensor:
     """Packed FP4 data of a tensor quantized along ``dim``.
@@ -107,8 +112,12 @@ class Format(ABC):
                       generator: Optional[torch.Generator] = None) -> torch.Tensor:
         """dequantize(quantize(x)) without the packing round trip."""
         xb, dim, _ = self._to_blocks(x, dim, rounding)
-        values = self._decode(*self._encode(xb, rounding, generator))
-        return self._from_blocks(values, x.shape, dim, x.dtype)
+        return self._from_blocks(self._fake_quantize_blocks(xb, rounding, generator), x.shape, dim, x.dtype)
+
+    def _fake_quantize_blocks(self, xb: torch.Tensor, rounding: str, generator: Optional[torch.Generator]
+                              ) -> torch.Tensor:
+        """fp32 values of encode-then-decode of blocks; formats may override it with a direct computation."""
+        return self._decode(*self._encode(xb, rounding, generator))
 
     def from_bytes(self, data: bytes, shape, dim: int = -1, dtype: torch.dtype = torch.float32
                    ) -> QuantizedTensor:
@@ -143,7 +152,7 @@ class Format(ABC):
             got = x.dtype if isinstance(x, torch.Tensor) else type(x).__name__
             raise TypeError(f"{self.name}: x must be a float32/bfloat16/float16 tensor, got {got}")
         if rounding not in ROUNDINGS:
-            raise ValueError(f"rounding={rounding!r} is not valid; allowed values: {', '.join(map(repr, ROUNDINGS))}")
+            raise choice_error("rounding", rounding, ROUNDINGS)
         if x.dim() == 0:
             raise ValueError(f"{self.name}: cannot quantize a 0-d tensor along a dimension")
         dim = _normalize_dim(dim, x.dim())

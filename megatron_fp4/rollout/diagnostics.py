@@ -14,6 +14,7 @@ from __future__ import annotations
 import torch
 
 from megatron_fp4.formats import get_format
+from megatron_fp4.formats.base import choice_error
 from megatron_fp4.resq import SPARSITIES, resq_components
 from megatron_fp4.rollout.precision import rollout_linear_modules
 
@@ -33,7 +34,7 @@ class RolloutUnderflowMonitor:
     def __init__(self, model: torch.nn.Module, fmt: str = "hif4", sparsity: str = "2:4") -> None:
         get_format(fmt)  # validates
         if sparsity not in SPARSITIES:
-            raise ValueError(f"sparsity={sparsity!r} is not valid; allowed values: {', '.join(map(repr, SPARSITIES))}")
+            raise choice_error("sparsity", sparsity, SPARSITIES)
         self.fmt, self.sparsity = fmt, sparsity
         self.modules = rollout_linear_modules(model)
         self._handles: list = []
