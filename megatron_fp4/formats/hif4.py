@@ -77,14 +77,20 @@ class HiF4Format(Format):
     bits_per_value = 4.5
     scale_bytes = 4
 
-    def _encode(self, xb: torch.Tensor, rounding: str, generator: Optional[torch.Generator]):
+    def _unit_codes(self, xb: torch.Tensor, rounding: str, generator: Optional[torch.Generator]):
+        """The arithmetic shared by quantize and fake_quantize: per unit (E6M2 value and code, E1_8, E1_16 bools,
+        bad = NaN/Inf unit) and per element the magnitude code k (fp32, 0..7) and group shift."""
         R, B, _ = xb.shape
-        finite = torch.isfinite(xb)
-        bad = ~finite.all(-1)  # [R, B] units holding NaN/Inf
-        a = torch.where(finite, xb.abs(), torch.zeros((), dtype=xb.dtype, device=xb.device))
-        v16 = a.view(R, B, 16, 4).amax(-1)
+        a = xb.abs()
+        v16 = a.view(R, B, 16, 4).amax(-1)  # amax propagates NaN and Inf into the unit maxima
         v8 = v16.view(R, B, 8, 2).amax(-1)
         vmax = v8.amax(-1)
+        bad = ~torch.isfinite(vmax)  # [R, B] units holding NaN/Inf
+        if bool(bad.any()):  # keep the arithmetic of the other units clean; bad units are overwritten later
+            a = a.masked_fill(bad.unsqueeze(-1), 0.0)
+            v16 = v16.masked_fill(bad.unsqueeze(-1), 0.0)
+            v8 = v8.masked_fill(bad.unsqueeze(-1), 0.0)
+            vmax = vmax.masked_fill(bad, 0.0)
         stochastic = rounding == "stochastic"
         if stochastic:  # headroom encoding (see the module docstring): never saturates, so SR is unbiased
             e6m2, e6m2_code = e6m2_round((vmax / 7.0).clamp(E6M2_MIN, E6M2_MAX), up=True)
@@ -96,22 +102,24 @@ class HiF4Format(Format):
             r = bf16_rne(1.0 / e6m2)
             t8, t16 = 4.0, 2.0
         e1_8 = (v8 * r.unsqueeze(-1)) >= t8  # [R, B, 8]
-        e1_8_per16 = e1_8.repeat_interleave(2, dim=-1)  # [R, B, 16]
-        e1_16 = (v16 * r.unsqueeze(-1)) * torch.exp2(-e1_8_per16.to(torch.float32)) >= t16
-        shift = (e1_8_per16.to(torch.float32) + e1_16.to(torch.float32))  # [R, B, 16]
+        e1_8_per16 = e1_8.repeat_interleave(2, dim=-1).to(torch.float32)  # [R, B, 16]
+        e1_16 = (v16 * r.unsqueeze(-1)) * torch.exp2(-e1_8_per16) >= t16
+        shift = e1_8_per16 + e1_16.to(torch.float32)  # [R, B, 16]
         m4 = (a.view(R, B, 16, 4) * r.view(R, B, 1, 1)) * torch.exp2(2.0 - shift).unsqueeze(-1)  # 4m
-        m4 = m4.view(R, B, UNIT)
         k = torch.floor(m4)
         frac = m4 - k
         if stochastic:
             u = torch.rand(m4.shape, generator=generator, device=m4.device, dtype=torch.float32)
-            k = k + (u < frac).to(k.dtype)
+            k += (u < frac).to(k.dtype)
         else:
-            k = k + (frac >= 0.5).to(k.dtype)
-        k = k.clamp(max=7.0).to(torch.uint8)
-        sign = torch.signbit(xb).to(torch.uint8) << 3
-        codes = k | sign
-        if bad.any():
+            k += (frac >= 0.5).to(k.dtype)
+        k.clamp_(max=7.0)
+        return e6m2, e6m2_code, e1_8, e1_16, shift, k, bad
+
+    def _encode(self, xb: torch.Tensor, rounding: str, generator: Optional[torch.Generator]):
+        e6m2, e6m2_code, e1_8, e1_16, _, k, bad = self._unit_codes(xb, rounding, generator)
+        codes = k.view(xb.shape).to(torch.uint8) | (torch.signbit(xb).to(torch.uint8) << 3)
+        if bool(bad.any()):
             badx = bad.unsqueeze(-1)
             codes = codes.masked_fill(badx, 0)
             e6m2_code = e6m2_code.masked_fill(bad, E6M2_NAN_CODE)
@@ -120,6 +128,16 @@ class HiF4Format(Format):
         meta = torch.stack(
             (e6m2_code, _to_bits_byte(e1_8), _to_bits_byte(e1_16[..., :8]), _to_bits_byte(e1_16[..., 8:])), dim=-1)
         return codes, meta, None
+
+    def _fake_quantize_blocks(self, xb: torch.Tensor, rounding: str, generator: Optional[torch.Generator]
+                              ) -> torch.Tensor:
+        """dequantize(encode(xb)) computed directly from the magnitudes (no byte packing): same values."""
+        e6m2, _, _, _, shift, k, bad = self._unit_codes(xb, rounding, generator)
+        group_scale = torch.exp2(shift - 2.0) * e6m2.unsqueeze(-1)  # (k / 4) * 2^shift * E6M2
+        val = (k * group_scale.unsqueeze(-1)).view(xb.shape).copysign(xb)
+        if bool(bad.any()):
+            val = val.masked_fill(bad.unsqueeze(-1), float("nan"))
+        return val
 
     def _decode(self, codes: torch.Tensor, scales: torch.Tensor, global_scale: Optional[torch.Tensor]):
         R, B, _ = codes.shape
