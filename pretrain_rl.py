@@ -231,4 +231,10 @@ def main(argv=None) -> dict:
 
 
 if __name__ == "__main__":
-    main()
+    from megatron_fp4.rl.monitor import TrainingDivergedError
+
+    try:
+        main()
+    except TrainingDivergedError as e:  # the message names the step and the last good checkpoint
+        print(f"pretrain_rl.py: error: {e}", file=sys.stderr)
+        sys.exit(1)

@@ -124,6 +124,24 @@ def test_kill_and_resume_continues_exactly(tmp_path):
         assert _deterministic(row) == ref[row["step"]], row["step"]
 
 
+def test_nonfinite_loss_skips_updates_then_stops_naming_step_and_checkpoint(tmp_path):
+    # a GRPO loss that turns NaN (patched in, in the child process) makes every gradient non-finite: each update
+    # is skipped and logged, and the third in a row stops the run naming the step and the last good checkpoint
+    argv = TINY + ["--train-iters", "8", "--save", str(tmp_path / "c"), "--save-interval", "100",
+                   "--max-nonfinite-steps", "3"]
+    code = ("import sys, megatron_fp4.rl.grpo as g; orig = g.grpo_token_loss; "
+            "g.grpo_token_loss = lambda *a, **k: orig(*a, **k) * float('nan'); "
+            f"sys.argv = ['pretrain_rl.py'] + {argv!r}; import runpy; runpy.run_path('pretrain_rl.py', run_name='__main__')")
+    r = subprocess.run([sys.executable, "-c", code], env=_env(), cwd=ROOT, capture_output=True, text=True,
+                       timeout=600)
+    assert r.returncode == 1
+    assert ("pretrain_rl.py: error: stopping at step 3: 3 consecutive steps with a non-finite loss or gradient"
+            in r.stderr)
+    assert "last good checkpoint: " + str(tmp_path / "c" / "iter_0000000") in r.stderr
+    assert r.stderr.count("skipping the update") == 3
+    assert "Traceback" not in r.stderr
+
+
 @pytest.mark.slow
 def test_tensor_parallel_two_ranks_runs_three_steps(tmp_path):
     log = tmp_path / "tp2.jsonl"

@@ -143,6 +143,20 @@ class GRPOTrainer:
         ok, grad_norm, _ = self.optimizer.step()
         return ok, float(grad_norm) if grad_norm is not None else float("nan")
 
+    def _grads_finite(self) -> bool:
+        """Whether every (data-parallel reduced) gradient of this rank and its model-parallel peers is finite."""
+        from megatron.core import parallel_state as ps
+
+        bad = torch.zeros(1)
+        for p in self.policy.module.parameters():
+            g = getattr(p, "main_grad", None)
+            g = p.grad if g is None else g
+            if g is not None and not bool(torch.isfinite(g).all()):
+                bad.fill_(1.0)
+                break
+        torch.distributed.all_reduce(bad, op=torch.distributed.ReduceOp.MAX, group=ps.get_model_parallel_group())
+        return not bool(bad)
+
     def _global_sum(self, x: float, op=torch.distributed.ReduceOp.SUM) -> float:
         """Reduce a per-rank scalar over data parallel (model-parallel peers hold the same value)."""
         from megatron.core import parallel_state as ps
@@ -309,15 +323,13 @@ class GRPOTrainer:
             mbs = self._microbatches(seqs, {k: v for k, v in extra.items() if v is not None})
             store = self._run_schedule(self.policy, mbs, loss_fn, forward_only=False)
             stats = self._reduce_stats(store)
-            skip = self.guard.should_skip(self.step, stats.get("loss", 0.0), 0.0, self.last_checkpoint)
-            if skip:
-                metrics["skipped"] = 1.0
-                break
-            ok, grad_norm = self._optimizer_step()
-            if self.guard.should_skip(self.step, stats.get("loss", 0.0), grad_norm if ok else float("nan"),
+            # one decision per update, before the optimizer touches the weights
+            grads_ok = self._grads_finite()
+            if self.guard.should_skip(self.step + 1, stats.get("loss", 0.0), 0.0 if grads_ok else float("nan"),
                                       self.last_checkpoint):
                 metrics["skipped"] = 1.0
                 break
+            _, grad_norm = self._optimizer_step()
             metrics["grad_norm"] = grad_norm
         t_train = time.monotonic() - t1
         metrics.update(stats)
