@@ -44,19 +44,21 @@ if HAS_TRITON:
         return cfgs
 
     @triton.jit
+    def _grouped_tile(pid, M, N, BM: tl.constexpr, BN: tl.constexpr, GROUP_M: tl.constexpr):
+        """(pid_m, pid_n) of a program in GROUP_M-row super-tiles (L2 reuse of the B tiles)."""
+        num_m = tl.cdiv(M, BM)
+        num_n = tl.cdiv(N, BN)
+        group = GROUP_M * num_n
+        first_m = (pid // group) * GROUP_M
+        gsize = tl.minimum(num_m - first_m, GROUP_M)
+        return first_m + ((pid % group) % gsize), (pid % group) // gsize
+
+    @triton.jit
     def _gemm_body(a_ptr, r_ptr, b_ptr, c_ptr, sa_ptr, sb_ptr, M, N, K, stride_am, stride_rm, stride_bn,
                    stride_cm, HAS_RES: tl.constexpr, HAS_SCALE: tl.constexpr, PRECISE_ACC: tl.constexpr,
                    IEEE: tl.constexpr, EVEN_K: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr,
                    BK: tl.constexpr, GROUP_M: tl.constexpr):
-        pid = tl.program_id(0)
-        num_m = tl.cdiv(M, BM)
-        num_n = tl.cdiv(N, BN)
-        group = GROUP_M * num_n
-        gid = pid // group
-        first_m = gid * GROUP_M
-        gsize = tl.minimum(num_m - first_m, GROUP_M)
-        pid_m = first_m + ((pid % group) % gsize)
-        pid_n = (pid % group) // gsize
+        pid_m, pid_n = _grouped_tile(tl.program_id(0), M, N, BM, BN, GROUP_M)
         offs_am = (pid_m * BM + tl.arange(0, BM)) % M
         offs_bn = (pid_n * BN + tl.arange(0, BN)) % N
         offs_k = tl.arange(0, BK)
@@ -158,15 +160,7 @@ if HAS_TRITON:
                             BN: tl.constexpr, BKH: tl.constexpr, GROUP_M: tl.constexpr):
         """C = deq(A) . deq(B)^T with both operands read packed and dequantized to BF16 in the main loop. The
         even and odd elements of each 64-value slice form two dots, so no nibble interleaving is needed."""
-        pid = tl.program_id(0)
-        num_m = tl.cdiv(M, BM)
-        num_n = tl.cdiv(N, BN)
-        group = GROUP_M * num_n
-        gid = pid // group
-        first_m = gid * GROUP_M
-        gsize = tl.minimum(num_m - first_m, GROUP_M)
-        pid_m = first_m + ((pid % group) % gsize)
-        pid_n = (pid % group) // gsize
+        pid_m, pid_n = _grouped_tile(tl.program_id(0), M, N, BM, BN, GROUP_M)
         offs_m = pid_m * BM + tl.arange(0, BM)
         offs_n = pid_n * BN + tl.arange(0, BN)
         mmask = offs_m < M
