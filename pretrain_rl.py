@@ -168,12 +168,16 @@ def main(argv=None) -> dict:
     multiple = 16 * tp
     vocab = -(-tok.vocab_size // multiple) * multiple
     policy, optimizer, config, reference, engine, precision, recipe = build_models(args, vocab, init_checkpoint)
+    model_vocab = policy.module.vocab_size
+    if tok.vocab_size > model_vocab:
+        raise SystemExit(f"pretrain_rl.py: the tokenizer has {tok.vocab_size} tokens but the model's vocabulary has "
+                         f"only {model_vocab} (--load {args.load}): use the checkpoint's own tokenizer")
     trainer = GRPOTrainer(args, tok, train_examples, eval_examples, policy, optimizer, config, reference, engine,
                           args.rollout_precision)
     if rank == 0:
         n_params = sum(p.numel() for p in policy.module.parameters())
-        print(f"[setup] {args.dataset}: {len(train_examples)} train / {len(eval_examples)} held-out | vocab "
-              f"{tok.vocab_size} (padded {vocab}) | {n_params / 1e6:.2f}M params/rank | "
+        print(f"[setup] {args.dataset}: {len(train_examples)} train / {len(eval_examples)} held-out | tokenizer "
+              f"{tok.vocab_size} tokens, model vocab {model_vocab} | {n_params / 1e6:.2f}M params/rank | "
               f"{describe(args, recipe, precision)} | world {torch.distributed.get_world_size()} "
               f"(TP {tp})", flush=True)
 

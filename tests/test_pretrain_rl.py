@@ -154,3 +154,42 @@ def test_tensor_parallel_two_ranks_runs_three_steps(tmp_path):
     rows = [row for row in _read_jsonl(log) if row["kind"] == "train"]
     assert [row["step"] for row in rows] == [1, 2, 3]
     assert all(math.isfinite(row["loss"]) for row in rows)
+
+
+@pytest.mark.slow
+def test_grpo_from_converted_hf_checkpoint_on_gsm8k_jsonl(tmp_path):
+    """The GSM8K path end to end: a tiny HF Qwen2 + tokenizer converted with tools/, loaded with --load
+    (architecture, weights and tokenizer from the checkpoint), GSM8K-format jsonl data, 2 GRPO steps."""
+    pytest.importorskip("transformers")
+    from tokenizers import Tokenizer, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    from test_tools_helpers import make_hf_model
+
+    hf = tmp_path / "hf"
+    make_hf_model("qwen2_tied", hf)  # vocab 96
+    words = ["<pad>", "<s>", "<unk>", "</s>"] + [str(i) for i in range(10)] + [
+        "Question", ":", "Answer", "Let", "'", "s", "think", "step", "by", ".", "Tom", "has", "apples", "gets",
+        "more", "How", "many", "does", "have", "?", "####", "+", "="]
+    tok = Tokenizer(models.WordLevel({w: i for i, w in enumerate(words)}, unk_token="<unk>"))
+    tok.pre_tokenizer = pre_tokenizers.Whitespace()
+    PreTrainedTokenizerFast(tokenizer_object=tok, bos_token="<s>", eos_token="</s>", unk_token="<unk>",
+                            pad_token="<pad>").save_pretrained(hf)
+    data = tmp_path / "gsm8k.jsonl"
+    with open(data, "w") as f:
+        for a in range(1, 9):
+            f.write(json.dumps({"question": f"Tom has {a} apples . Tom gets 2 more . How many does Tom have ?",
+                                "answer": f"{a} + 2 = {a + 2}\n#### {a + 2}"}) + "\n")
+    ckpt = tmp_path / "ckpt"
+    r = subprocess.run([sys.executable, os.path.join(ROOT, "tools", "convert_hf_to_megatron.py"), "--hf-path",
+                        str(hf), "--save", str(ckpt), "--no-progress"], env=_env(), capture_output=True, text=True,
+                       timeout=300)
+    assert r.returncode == 0, r.stderr[-2000:]
+    log = tmp_path / "log.jsonl"
+    r = _run(["--load", str(ckpt), "--dataset", f"gsm8k:{data}", "--eval-samples", "2", "--sft-iters", "0",
+              "--global-batch-size", "2", "--group-size", "2", "--max-prompt-length", "32",
+              "--max-response-length", "6", "--train-iters", "2", "--eval-interval", "100", "--log-jsonl", str(log)])
+    assert r.returncode == 0, r.stderr[-3000:]
+    assert f"tokenizer {len(words)} tokens, model vocab 96" in r.stdout and "[result] held-out accuracy" in r.stdout
+    rows = [row for row in _read_jsonl(log) if row["kind"] == "train"]
+    assert [row["step"] for row in rows] == [1, 2]
