@@ -187,7 +187,10 @@ def main(argv=None) -> dict:
 
     resumed = resume_dir is not None and trainer.try_resume(resume_dir)
     if not resumed:
-        trainer.supervised_warmup(args.sft_iters, args.sft_lr, args.sft_batch_size)
+        if args.init_from:  # a shared warm start: its weights replace the warm-up
+            trainer.load_model_weights(args.init_from)
+        else:
+            trainer.supervised_warmup(args.sft_iters, args.sft_lr, args.sft_batch_size)
         if reference is not None:
             reference.load_state_dict(policy.module.state_dict())
     trainer.sync_rollout_weights()
@@ -203,6 +206,18 @@ def main(argv=None) -> dict:
             with open(args.log_jsonl, "a") as f:
                 f.write(json.dumps({"step": step, "kind": prefix, **metrics}) + "\n")
 
+    underflow_sparsity = args.resq if args.resq != "none" else "2:4"
+
+    def log_underflow(step):
+        if args.log_underflow_interval and (step % args.log_underflow_interval == 0 or step == args.train_iters):
+            rates = trainer.measure_rollout_underflow(underflow_sparsity)
+            log_jsonl(step, "underflow", {"format": precision.format, "sparsity": underflow_sparsity, **rates})
+            if trainer.logger.writer is not None:
+                for k, v in rates.items():
+                    trainer.logger.writer.add_scalar(f"underflow/{k}", v, step)
+
+    if not resumed:
+        log_underflow(0)
     last_eval = None
     for _ in range(trainer.step, args.train_iters):
         metrics = trainer.train_step()
@@ -214,11 +229,12 @@ def main(argv=None) -> dict:
             last_eval = trainer.evaluate(eval_precisions)
             log_jsonl(step, "eval", last_eval)
             trainer.logger.log(step, last_eval, prefix="eval")
+        log_underflow(step)
         if args.save and (step % args.save_interval == 0 or step == args.train_iters):
             trainer.save()
-    if last_eval is None:
-        last_eval = trainer.evaluate(eval_precisions)
     warm = trainer.state_extra.get("warm_start", {})
+    if last_eval is None:
+        last_eval = dict(warm) if args.train_iters == 0 and warm else trainer.evaluate(eval_precisions)
     result = {"warm_start": warm, "final": last_eval, "steps": trainer.step,
               "seconds": time.monotonic() - t_start, "setup": describe(args, recipe, precision)}
     if rank == 0:

@@ -81,7 +81,7 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--temperature", type=float, default=1.0)
     g.add_argument("--top-p", type=float, default=1.0)
     g.add_argument("--top-k", type=int, default=0)
-    g.add_argument("--train-iters", type=int, default=250)
+    g.add_argument("--train-iters", type=int, default=250, help="GRPO steps (0: warm-up, evaluate and save only)")
     g.add_argument("--ppo-epochs", type=int, default=1, help="optimizer passes over each rollout batch")
 
     g = p.add_argument_group("warm-up (supervised on the examples' targets, before GRPO)")
@@ -93,6 +93,9 @@ def build_parser() -> argparse.ArgumentParser:
     g = p.add_argument_group("run")
     g.add_argument("--seed", type=int, default=1234)
     g.add_argument("--load", default=None, help="checkpoint dir to resume from (or a converted HF checkpoint)")
+    g.add_argument("--init-from", default=None,
+                   help="RL checkpoint dir whose latest model weights start the policy and the reference (no "
+                        "optimizer, step or data state; skips the warm-up); ignored when --save/--load resumes")
     g.add_argument("--save", default=None, help="checkpoint dir (default: no checkpoints)")
     g.add_argument("--save-interval", type=int, default=50)
     g.add_argument("--keep-last", type=int, default=2, help="checkpoints kept in --save")
@@ -103,6 +106,9 @@ def build_parser() -> argparse.ArgumentParser:
                    help="stop after this many consecutive steps with a non-finite loss or gradient")
     g.add_argument("--results-json", default=None, help="write the final metrics and accuracy here")
     g.add_argument("--log-jsonl", default=None, help="append every step's metrics as one JSON line (rank 0)")
+    g.add_argument("--log-underflow-interval", type=int, default=0,
+                   help="every N GRPO steps (and at step 0) log the per-layer rollout FP4 underflow rate without "
+                        "and with ResQ (--resq, or 2:4 when --resq none) on up to 64 held-out prompts (0 = off)")
     return p
 
 
@@ -125,10 +131,11 @@ def validate_args(args: argparse.Namespace, world_size: int = 1) -> argparse.Nam
     _positive(args, "tensor_model_parallel_size", "pipeline_model_parallel_size", "num_layers", "hidden_size",
               "ffn_hidden_size", "num_attention_heads", "num_query_groups", "vocab_size", "group_size",
               "global_batch_size", "micro_batch_size", "max_prompt_length", "max_response_length", "lr",
-              "train_iters", "save_interval", "eval_interval", "log_interval", "max_nonfinite_steps",
+              "save_interval", "eval_interval", "log_interval", "max_nonfinite_steps",
               "temperature", "ppo_epochs", "sft_lr", "sft_batch_size", "num_synthetic_examples",
               "synthetic_digits", "synthetic_operands", "keep_last")
-    _non_negative(args, "kl_beta", "clip_low", "clip_high", "tis_cap", "sft_iters", "eval_samples", "top_k",
+    _non_negative(args, "train_iters", "log_underflow_interval", "kl_beta", "clip_low", "clip_high", "tis_cap",
+                  "sft_iters", "eval_samples", "top_k",
                   "weight_decay", "clip_grad", "fp4_high_precision_first_layers", "fp4_high_precision_last_layers")
     if not 0 < args.top_p <= 1:
         raise ValueError(f"--top-p={args.top_p} is not valid; it must be in (0, 1]")
@@ -161,6 +168,8 @@ def validate_args(args: argparse.Namespace, world_size: int = 1) -> argparse.Nam
     if kind not in ("gsm8k", "math", "synthetic") or not sep or not rest:
         raise ValueError(f"--dataset={args.dataset!r} is not valid; allowed: gsm8k:PATH, math:PATH, "
                          f"synthetic:add, synthetic:arith")
+    if args.init_from is not None and not os.path.isdir(args.init_from):
+        raise ValueError(f"--init-from={args.init_from!r}: no such directory")
     if kind in ("gsm8k", "math") and not os.path.isfile(rest):
         raise ValueError(f"--dataset={args.dataset!r}: no such file {rest!r}")
     if kind == "synthetic" and rest not in ("add", "arith"):

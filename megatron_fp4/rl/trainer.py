@@ -103,8 +103,10 @@ class GRPOTrainer:
 
         def forward_step(data_iterator, model_chunk):
             batch = next(data_iterator)
+            dev = next(model_chunk.parameters()).device  # batches are built on the CPU; the model may be on a GPU
+            batch = {k: v.to(dev) for k, v in batch.items()}
             T = batch["inputs"].shape[1]
-            pos = torch.arange(T).unsqueeze(0).expand_as(batch["inputs"])
+            pos = torch.arange(T, device=dev).unsqueeze(0).expand_as(batch["inputs"])
             out = model_chunk(batch["inputs"], pos, None)
             return out, partial(loss_fn, batch)
 
@@ -139,6 +141,13 @@ class GRPOTrainer:
             return None
         return torch.cat([d["logp"] for d in store], dim=0)
 
+    @staticmethod
+    def _collective_device() -> torch.device:
+        """Where scalars reduced across ranks live: the current GPU under NCCL, else the CPU (gloo)."""
+        if torch.distributed.get_backend() == "nccl":
+            return torch.device("cuda", torch.cuda.current_device())
+        return torch.device("cpu")
+
     def _optimizer_step(self) -> tuple[bool, float]:
         ok, grad_norm, _ = self.optimizer.step()
         return ok, float(grad_norm) if grad_norm is not None else float("nan")
@@ -147,7 +156,7 @@ class GRPOTrainer:
         """Whether every (data-parallel reduced) gradient of this rank and its model-parallel peers is finite."""
         from megatron.core import parallel_state as ps
 
-        bad = torch.zeros(1)
+        bad = torch.zeros(1, device=self._collective_device())
         for p in self.policy.module.parameters():
             g = getattr(p, "main_grad", None)
             g = p.grad if g is None else g
@@ -161,7 +170,7 @@ class GRPOTrainer:
         """Reduce a per-rank scalar over data parallel (model-parallel peers hold the same value)."""
         from megatron.core import parallel_state as ps
 
-        t = torch.tensor([x], dtype=torch.float64)
+        t = torch.tensor([x], dtype=torch.float64, device=self._collective_device())
         torch.distributed.all_reduce(t, op=op, group=ps.get_data_parallel_group())
         return float(t)
 
@@ -221,7 +230,8 @@ class GRPOTrainer:
         """A scalar known on the last pipeline stage, made known to every rank (mean over data parallel)."""
         from megatron.core import parallel_state as ps
 
-        t = torch.tensor([value if ps.is_pipeline_last_stage() else 0.0], dtype=torch.float64)
+        t = torch.tensor([value if ps.is_pipeline_last_stage() else 0.0], dtype=torch.float64,
+                         device=self._collective_device())
         torch.distributed.all_reduce(t, group=ps.get_pipeline_model_parallel_group())
         torch.distributed.all_reduce(t, group=ps.get_data_parallel_group())
         return float(t) / self.dp_size
@@ -371,7 +381,8 @@ class GRPOTrainer:
                                                 group=ps.get_pipeline_model_parallel_group())
         keys = obj[0]
         maxima = {"logp_abs_diff_max", "ratio_max"}
-        vals = torch.zeros(len(keys), dtype=torch.float64)
+        dev = self._collective_device()
+        vals = torch.zeros(len(keys), dtype=torch.float64, device=dev)
         for i, k in enumerate(keys):
             for d in store:
                 v = float(d[k])
@@ -381,7 +392,8 @@ class GRPOTrainer:
             torch.distributed.all_reduce(s, group=group)
             mx = vals.clone()
             torch.distributed.all_reduce(mx, op=torch.distributed.ReduceOp.MAX, group=group)
-            vals = torch.tensor([mx[i] if k in maxima else s[i] for i, k in enumerate(keys)], dtype=torch.float64)
+            vals = torch.tensor([float(mx[i]) if k in maxima else float(s[i]) for i, k in enumerate(keys)],
+                                dtype=torch.float64, device=dev)
         out = dict(zip(keys, vals.tolist()))
         n = max(out.pop("num_tokens", 1.0), 1.0)
         return {k: (v if k in maxima else v / n) for k, v in out.items()}
@@ -407,6 +419,23 @@ class GRPOTrainer:
         if self.rank == 0:
             print(f"[checkpoint] saved step {self.step} to {path}", flush=True)
         return str(path)
+
+    def load_model_weights(self, load_dir: str) -> int:
+        """Only the model weights of the latest RL checkpoint in ``load_dir`` (a warm start shared by several runs);
+        optimizer, step, data position and RNG stay fresh. Returns the checkpoint's iteration."""
+        it, state = load_checkpoint(load_dir, rank=self.rank)
+        self.policy.module.load_state_dict(state["model"])
+        if self.rank == 0:
+            print(f"[checkpoint] model weights from {os.path.join(load_dir, f'iter_{it:07d}')} (warm start)", flush=True)
+        return it
+
+    @torch.no_grad()
+    def measure_rollout_underflow(self, sparsity: str, max_prompts: int = 64) -> dict[str, float]:
+        """Per-layer rollout underflow on up to ``max_prompts`` held-out prompts (greedy), flat
+        ``{layer}/fp4`` and ``{layer}/resq`` rates in the engine's format (see RolloutUnderflowMonitor)."""
+        prompts = self._prompt_ids(self.eval_examples[:max_prompts])
+        rates = self.engine.measure_underflow(prompts, self.sampling_params(greedy=True, seed=0), sparsity)
+        return {f"{name}/{k}": v for name, d in sorted(rates.items()) for k, v in d.items()}
 
     def try_resume(self, load_dir: str) -> bool:
         """Load the latest RL checkpoint of ``load_dir``; False (start fresh) when it holds none."""

@@ -1,0 +1,331 @@
+"""SPEC §1's precision table at mini scale: one supervised warm start per seed, then the same GRPO schedule from
+it for every (training, rollout) row, in HiF4 and MXFP4. Each run is one ``pretrain_rl.py`` process.
+
+    python examples/mini_table/run_mini_table.py --tiny --out /tmp/mt --only bf16_bf16,fp4_fp4 --grpo-steps 2
+    python examples/mini_table/run_mini_table.py --out runs/mini_table --seeds 1 --shard 0/3 --time-budget 540
+    python examples/mini_table/run_mini_table.py --out runs/mini_table --list          # the runs and their status
+
+Layout under --out (small files only; checkpoints go to --ckpt-dir, default OUT_ckpt):
+    seed{S}/warm/results.json                 the warm start (warm-up only, BF16, --train-iters 0)
+    seed{S}/{FMT}/{ROW}/results.json          written last, when the run finished: resumable (a present file skips)
+    seed{S}/{FMT}/{ROW}/train.jsonl           per-step train metrics, eval rows, per-layer rollout underflow rows
+    seed{S}/{FMT}/{ROW}/cmd.txt, stdout.log   the exact command and its console output
+FMT is hif4 or mxfp4 (bf16 for the format-free BF16/BF16 row, shared by both columns). See README.md beside this
+file for GPU time estimates and how to split the table across 10-minute device calls.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shlex
+import subprocess
+import sys
+import threading
+import time
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
+
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+
+@dataclass(frozen=True)
+class Row:
+    """One row of SPEC §1's table: its id, the labels of its two columns, and pretrain_rl.py flags."""
+
+    id: str
+    training: str
+    rollout: str
+    flags: tuple[str, ...]
+    format_free: bool = False  # BF16/BF16 does not depend on the FP4 format: run once, shown in both columns
+
+
+ROWS = (
+    Row("bf16_bf16", "BF16", "BF16", ("--fp4-format", "none"), format_free=True),
+    Row("fp4_bf16", "FP4", "BF16", ("--rollout-precision", "bf16", "--resq", "none")),
+    Row("fp4_w4a16", "FP4", "W4A16 (only weights FP4)", ("--rollout-precision", "w4a16", "--resq", "none")),
+    Row("fp4_w16a4", "FP4", "W16A4 (only activations FP4)", ("--rollout-precision", "w16a4", "--resq", "none")),
+    Row("fp4_fp4", "FP4", "FP4", ("--rollout-precision", "w4a4", "--resq", "none")),
+    Row("bf16_fp4", "BF16", "FP4", ("--no-fp4-train", "--rollout-precision", "w4a4", "--resq", "none")),
+    Row("fp4_fp4_resq_2of4", "FP4", "FP4 + ResQ 2:4", ("--rollout-precision", "w4a4", "--resq", "2:4")),
+    Row("fp4_fp4_resq_channel", "FP4", "FP4 + ResQ channel", ("--rollout-precision", "w4a4", "--resq", "channel")),
+    Row("fp4_fp4_resq_tile32x64", "FP4", "FP4 + ResQ tile32x64",
+        ("--rollout-precision", "w4a4", "--resq", "tile32x64")),
+    Row("fp4_fp4_resq_dense", "FP4", "FP4 + ResQ dense", ("--rollout-precision", "w4a4", "--resq", "dense")),
+)
+ROW_IDS = tuple(r.id for r in ROWS)
+FORMATS = ("hif4", "mxfp4")
+
+# The model, task and schedule. "gpu": ~31M parameters (8 x 512, SwiGLU 2048), multi-step arithmetic word
+# problems (2-3 steps, GSM8K-style answers); "tiny": a CPU smoke test (2 x 64, one-digit addition).
+MODEL = {
+    "gpu": ["--num-layers", "8", "--hidden-size", "512", "--ffn-hidden-size", "2048", "--num-attention-heads", "8",
+            "--num-query-groups", "4", "--dataset", "synthetic:arith", "--vocab-size", "256",
+            "--num-synthetic-examples", "20000", "--eval-samples", "512", "--max-prompt-length", "56",
+            "--max-response-length", "48"],
+    "tiny": ["--num-layers", "2", "--hidden-size", "64", "--ffn-hidden-size", "128", "--num-attention-heads", "4",
+             "--num-query-groups", "2", "--dataset", "synthetic:add", "--synthetic-digits", "1",
+             "--synthetic-operands", "4", "--num-synthetic-examples", "600", "--eval-samples", "32",
+             "--max-response-length", "4"],
+}
+WARMUP = {
+    "gpu": ["--sft-iters", "400", "--sft-batch-size", "128", "--sft-lr", "1e-3"],
+    "tiny": ["--sft-iters", "3", "--sft-batch-size", "16"],
+}
+GRPO = {  # the same for every row; the paper's group size 16, batch 32 prompts, clip 0.2/0.2, TIS cap 5, KL
+    "gpu": ["--group-size", "16", "--global-batch-size", "32", "--micro-batch-size", "128", "--lr", "1e-4",
+            "--min-lr", "2e-5", "--kl-beta", "0.001", "--clip-low", "0.2", "--clip-high", "0.2", "--tis-cap", "5",
+            "--eval-interval", "25", "--log-underflow-interval", "25"],
+    "tiny": ["--group-size", "4", "--global-batch-size", "4", "--micro-batch-size", "16", "--eval-interval", "100",
+             "--log-underflow-interval", "1"],
+}
+DEFAULT_STEPS = {"gpu": 100, "tiny": 2}
+
+
+@dataclass(frozen=True)
+class Run:
+    seed: int
+    fmt: str  # hif4 | mxfp4 | bf16 (format-free row)
+    row: Row
+
+    @property
+    def name(self) -> str:
+        return f"seed{self.seed}/{self.fmt}/{self.row.id}"
+
+
+def plan(seeds: list[int], formats: list[str], only: list[str]) -> list[Run]:
+    """Every run of the table in a fixed order (seed, row, format)."""
+    runs = []
+    for seed in seeds:
+        for row in ROWS:
+            if row.id not in only:
+                continue
+            for fmt in (["bf16"] if row.format_free else formats):
+                runs.append(Run(seed, fmt, row))
+    return runs
+
+
+def shard(runs: list[Run], spec: str | None) -> list[Run]:
+    """Runs i, i+n, i+2n, ... for --shard i/n."""
+    if not spec:
+        return runs
+    try:
+        i, n = (int(x) for x in spec.split("/"))
+    except ValueError:
+        raise SystemExit(f"--shard={spec!r} is not valid; use i/n with 0 <= i < n")
+    if not 0 <= i < n:
+        raise SystemExit(f"--shard={spec!r} is not valid; use i/n with 0 <= i < n")
+    return runs[i::n]
+
+
+def base_flags(args, stage: dict) -> list[str]:
+    """The preset's model/task flags, its warm-up or GRPO flags, then the user's extra flags (which win)."""
+    preset = "tiny" if args.tiny else "gpu"
+    return MODEL[preset] + stage[preset] + list(args.extra)
+
+
+def run_command(cmd: list[str], log_path: str, env: dict) -> int:
+    """Run a pretrain_rl.py command, teeing its console output to log_path; returns the exit status."""
+    with open(log_path, "w") as log:
+        proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env, cwd=ROOT)
+        for line in proc.stdout:
+            log.write(line)
+            if args_verbose:
+                sys.stdout.write("    " + line)
+        return proc.wait()
+
+
+args_verbose = False
+
+
+def child_env() -> dict:
+    env = dict(os.environ)
+    env["PYTHONPATH"] = ROOT + os.pathsep + env.get("PYTHONPATH", "")
+    for k in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "MASTER_PORT"):
+        env.pop(k, None)  # each run is its own single-process world on a free port (several may run at once)
+    return env
+
+
+def ensure_warm(args, seed: int, env: dict) -> str:
+    """The warm-start checkpoint of ``seed`` (warm-up in BF16, then saved); made when missing."""
+    ckpt = os.path.join(args.ckpt_dir, f"seed{seed}", "warm")
+    rdir = os.path.join(args.out, f"seed{seed}", "warm")
+    if os.path.isfile(os.path.join(ckpt, "latest_checkpointed_iteration.txt")):
+        return ckpt
+    os.makedirs(rdir, exist_ok=True)
+    preset = "tiny" if args.tiny else "gpu"
+    res = os.path.join(rdir, "pretrain_result.json")
+    cmd = [sys.executable, os.path.join(ROOT, "pretrain_rl.py"), *base_flags(args, WARMUP),
+           "--fp4-format", "none", "--train-iters", "0", "--seed", str(seed), "--save", ckpt,
+           "--results-json", res]
+    with open(os.path.join(rdir, "cmd.txt"), "w") as f:
+        f.write(shlex.join(cmd) + "\n")
+    print(f"[mini_table] warm-up seed {seed} -> {ckpt}", flush=True)
+    t0 = time.monotonic()
+    rc = run_command(cmd, os.path.join(rdir, "stdout.log"), env)
+    if rc != 0:
+        raise SystemExit(f"[mini_table] warm-up of seed {seed} failed (exit {rc}); see {rdir}/stdout.log")
+    with open(res) as f:
+        result = json.load(f)
+    previous = os.path.join(rdir, "results.json")
+    regenerated = os.path.isfile(previous)  # a fresh machine lost the checkpoint: the warm start was redone
+    record = {"seed": seed, "seconds": time.monotonic() - t0, "warm_start": result.get("warm_start", {}),
+              "command": shlex.join(cmd), "regenerated": regenerated}
+    if regenerated:
+        with open(previous) as f:
+            record["previous"] = json.load(f).get("warm_start", {})
+    with open(previous, "w") as f:
+        json.dump(record, f, indent=2)
+    print(f"[mini_table] warm start seed {seed}: {record['warm_start']} ({record['seconds']:.0f}s)", flush=True)
+    return ckpt
+
+
+def run_one(args, run: Run, warm_ckpt: str, env: dict) -> dict:
+    preset = "tiny" if args.tiny else "gpu"
+    rdir = os.path.join(args.out, run.name)
+    os.makedirs(rdir, exist_ok=True)
+    jsonl, res = os.path.join(rdir, "train.jsonl"), os.path.join(rdir, "pretrain_result.json")
+    if os.path.exists(jsonl):
+        os.remove(jsonl)  # a run that did not finish starts over
+    fmt_flags = [] if run.row.format_free else ["--fp4-format", run.fmt]
+    cmd = [sys.executable, os.path.join(ROOT, "pretrain_rl.py"), *base_flags(args, GRPO), *fmt_flags,
+           *run.row.flags, "--train-iters", str(args.grpo_steps), "--seed", str(run.seed), "--init-from", warm_ckpt,
+           "--log-jsonl", jsonl, "--results-json", res]
+    if args.tensorboard:
+        cmd += ["--tensorboard-dir", os.path.join(rdir, "tb")]
+    with open(os.path.join(rdir, "cmd.txt"), "w") as f:
+        f.write(shlex.join(cmd) + "\n")
+    t0 = time.monotonic()
+    rc = run_command(cmd, os.path.join(rdir, "stdout.log"), env)
+    if rc != 0:
+        return {"status": "failed", "exit": rc, "seconds": time.monotonic() - t0}
+    with open(res) as f:
+        result = json.load(f)
+    record = {"seed": run.seed, "format": run.fmt, "row": run.row.id, "training": run.row.training,
+              "rollout": run.row.rollout, "grpo_steps": args.grpo_steps, "preset": preset,
+              "command": shlex.join(cmd), **result, "driver_seconds": result.get("seconds"),
+              "seconds": time.monotonic() - t0}  # wall time of the whole process (start-up included)
+    with open(os.path.join(rdir, "results.json"), "w") as f:  # written last: its presence marks the run done
+        json.dump(record, f, indent=2)
+    return {"status": "done", **record}
+
+
+def load_record(args, run: Run) -> dict | None:
+    path = os.path.join(args.out, run.name, "results.json")
+    if not os.path.isfile(path):
+        return None
+    with open(path) as f:
+        return json.load(f)
+
+
+def progress_table(args, runs: list[Run], status: dict[str, str]) -> str:
+    lines = [f"{'run':44s} {'status':8s} {'warm':>6s} {'final':>6s} {'bf16-eval':>9s} {'mismatch':>9s} {'sec':>6s}"]
+    for run in runs:
+        rec = load_record(args, run)
+        st = status.get(run.name, "done" if rec else "todo")
+        if rec:
+            warm, fin = rec.get("warm_start", {}), rec.get("final", {})
+            mism = "-"
+            jl = os.path.join(args.out, run.name, "train.jsonl")
+            if os.path.isfile(jl):
+                vals = [json.loads(x).get("logp_abs_diff_mean") for x in open(jl) if x.strip()]
+                vals = [v for v in vals if v is not None]
+                mism = f"{sum(vals) / len(vals):.4f}" if vals else "-"
+            lines.append(f"{run.name:44s} {st:8s} {warm.get('accuracy', float('nan')):6.3f} "
+                         f"{fin.get('accuracy', float('nan')):6.3f} {fin.get('accuracy_bf16', float('nan')):9.3f} "
+                         f"{mism:>9s} {rec.get('seconds', 0):6.0f}")
+        else:
+            lines.append(f"{run.name:44s} {st:8s}")
+    return "\n".join(lines)
+
+
+def parse(argv=None):
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0],
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--out", default="runs/mini_table", help="results directory (small JSON/jsonl files)")
+    p.add_argument("--ckpt-dir", default=None, help="warm-start checkpoints (default: OUT_ckpt)")
+    p.add_argument("--tiny", action="store_true", help="the CPU smoke-test preset (2 x 64 model, addition)")
+    p.add_argument("--seeds", default="1", help="comma-separated seeds (one warm start per seed)")
+    p.add_argument("--formats", default="hif4,mxfp4", help="comma-separated FP4 formats")
+    p.add_argument("--only", default=None, help=f"comma-separated row ids (default all): {','.join(ROW_IDS)}")
+    p.add_argument("--shard", default=None, help="i/n: run only runs i, i+n, ... of the planned list")
+    p.add_argument("--grpo-steps", type=int, default=None, help="GRPO steps per run (default: gpu 100, tiny 2)")
+    p.add_argument("--jobs", type=int, default=1,
+                   help="runs in parallel (separate processes; on one GPU a small model leaves it mostly idle)")
+    p.add_argument("--time-budget", type=float, default=0,
+                   help="seconds: do not start a run expected to end after this (0 = no limit)")
+    p.add_argument("--tensorboard", action="store_true", help="also write tensorboard logs per run")
+    p.add_argument("--list", action="store_true", help="print the planned runs and their status, run nothing")
+    p.add_argument("--verbose", action="store_true", help="echo the runs' console output")
+    p.add_argument("extra", nargs="*", help="after --: extra pretrain_rl.py flags for every run (e.g. -- --bf16)")
+    args = p.parse_args(argv)
+    args.ckpt_dir = args.ckpt_dir or args.out.rstrip("/") + "_ckpt"
+    args.seeds = [int(s) for s in args.seeds.split(",") if s]
+    args.formats = [f for f in args.formats.split(",") if f]
+    for f in args.formats:
+        if f not in FORMATS:
+            raise SystemExit(f"--formats: {f!r} is not valid; allowed: {', '.join(FORMATS)}")
+    args.only = [r for r in args.only.split(",") if r] if args.only else list(ROW_IDS)
+    for r in args.only:
+        if r not in ROW_IDS:
+            raise SystemExit(f"--only: {r!r} is not valid; allowed: {', '.join(ROW_IDS)}")
+    if args.grpo_steps is None:
+        args.grpo_steps = DEFAULT_STEPS["tiny" if args.tiny else "gpu"]
+    return args
+
+
+def main(argv=None) -> int:
+    global args_verbose
+    args = parse(argv)
+    args_verbose = args.verbose
+    runs = shard(plan(args.seeds, args.formats, args.only), args.shard)
+    if args.list:
+        print(progress_table(args, runs, {}))
+        return 0
+    os.makedirs(args.out, exist_ok=True)
+    env = child_env()
+    if args.jobs > 1:  # pretrain_rl.py uses cpu_count / LOCAL_WORLD_SIZE threads: share the cores between jobs
+        env["LOCAL_WORLD_SIZE"] = str(args.jobs)
+    t_start = time.monotonic()
+    status: dict[str, str] = {}
+    durations = [rec["seconds"] for r in runs if (rec := load_record(args, r))]
+    todo = [r for r in runs if load_record(args, r) is None]
+    warm = {seed: ensure_warm(args, seed, env) for seed in sorted({r.seed for r in todo})}
+    lock = threading.Lock()
+    stop = threading.Event()
+
+    def work(run: Run) -> None:
+        with lock:
+            estimate = max(durations) if durations else 0.0
+            if stop.is_set() or (args.time_budget and time.monotonic() - t_start + estimate > args.time_budget):
+                if not stop.is_set():
+                    print(f"[mini_table] time budget: not starting {run.name} or later runs (about {estimate:.0f}s "
+                          f"each); re-run the same command to continue", flush=True)
+                stop.set()
+                status[run.name] = "budget"
+                return
+            print(f"[mini_table] {run.name} ...", flush=True)
+        out = run_one(args, run, warm[run.seed], env)
+        with lock:
+            status[run.name] = out["status"]
+            if out["status"] == "done":
+                durations.append(out["seconds"])
+                print(f"[mini_table] {run.name}: accuracy {out['warm_start'].get('accuracy', 0):.3f} -> "
+                      f"{out['final'].get('accuracy', 0):.3f} ({out['seconds']:.0f}s)", flush=True)
+            else:
+                print(f"[mini_table] {run.name} FAILED (exit {out['exit']}); see {args.out}/{run.name}/stdout.log",
+                      flush=True)
+
+    with ThreadPoolExecutor(max_workers=args.jobs) as pool:
+        for f in [pool.submit(work, r) for r in todo]:
+            f.result()
+    failed = sum(1 for v in status.values() if v == "failed")
+    print(progress_table(args, runs, status), flush=True)
+    print(f"[mini_table] {sum(1 for r in runs if load_record(args, r))}/{len(runs)} runs done "
+          f"({time.monotonic() - t_start:.0f}s this call)", flush=True)
+    return 1 if failed else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
