@@ -26,14 +26,6 @@ from megatron_fp4.recipe import (
 FORMATS = ("hif4", "mxfp4", "nvfp4")
 
 
-@pytest.fixture(autouse=True)
-def _one_thread():
-    """Tiny matmuls: one intra-op thread is much faster when the machine is busy (no thread contention)."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
-
 
 def rel_err(a: torch.Tensor, ref: torch.Tensor) -> float:
     return float((a.detach().double() - ref).norm() / ref.norm())

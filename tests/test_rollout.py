@@ -29,14 +29,6 @@ VOCAB = 96
 STOP = (3, 4, 5)
 
 
-@pytest.fixture(scope="module", autouse=True)
-def _single_thread():
-    # tiny GEMMs: one thread avoids oversubscription stalls on a shared 2-core runner
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(n)
-
 
 def _args(**kw) -> GPTModelArgs:
     base = dict(num_layers=2, hidden_size=128, ffn_hidden_size=256, num_attention_heads=4, num_query_groups=2,

@@ -18,13 +18,6 @@ VOCAB = 96
 STOP = (3, 4, 5)
 
 
-@pytest.fixture(scope="module", autouse=True)
-def _single_thread():
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(n)
-
 
 @pytest.fixture(scope="module")
 def hf_and_engine():
