@@ -353,15 +353,16 @@ class GRPOTrainer:
     def _grpo_loss_fn(self, cfg, batch, logits):
         lp = grpo.token_logprobs(logits, batch["labels"])
         m = batch["mask"]
-        kw = dict(clip_low=cfg.clip_low, clip_high=cfg.clip_high, tis_cap=cfg.tis_cap if cfg.use_tis else None)
         logp_ref = batch.get("logp_ref")
-        beta = cfg.kl_beta if logp_ref is not None else 0.0
+        kw = cfg.loss_kwargs()
+        if logp_ref is None:  # no reference model (kl_beta == 0): no KL term
+            kw["kl_beta"] = 0.0
         tok = grpo.grpo_token_loss(lp, batch.get("logp_old"), batch["logp_rollout"], batch["advantages"], m,
-                                   logp_ref=logp_ref, kl_beta=beta, **kw)
+                                   logp_ref=logp_ref, **kw)
         with torch.no_grad():
             ent = grpo.entropy_from_logits(logits)
             mets = grpo.grpo_metrics(lp, batch.get("logp_old"), batch["logp_rollout"], batch["advantages"], m,
-                                     logp_ref=logp_ref, entropy=ent, kl_beta=beta, **kw)
+                                     logp_ref=logp_ref, entropy=ent, **kw)
         n = m.sum()
         mets = {k: torch.tensor(v * float(n)) for k, v in mets.items() if k != "num_tokens"}  # token-weighted
         mets["num_tokens"] = n.detach()
