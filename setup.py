@@ -19,7 +19,8 @@ setup(
         "safetensors",
     ],
     extras_require={
-        "test": ["pytest", "hypothesis", "torchao>=0.13", "transformers>=4.45", "matplotlib"],
+        "test": ["pytest", "hypothesis", "torchao>=0.13", "transformers>=4.45", "matplotlib",
+                 "triton>=3.0"],  # the kernels run in Triton's CPU interpreter in the tests
         "triton": ["triton>=3.0"],
         # SGLang 0.5.23 pins torch==2.14.1 and transformers==5.19.0: install it in its own environment
         # (see docs/dev/SGLANG.md); the plug-in registers through SGLang's own entry-point group.

@@ -9,6 +9,10 @@ import torch
 os.environ.setdefault("PYTHONHASHSEED", "0")
 # Small CPU matmuls are far faster on one intra-op thread than contending for both cores.
 torch.set_num_threads(1)
+# Without CUDA the Triton kernels can only run in Triton's interpreter, and the switch is read when triton is first
+# imported, which other test modules do indirectly (torchao, the ops dispatch): set it before any of them.
+if not torch.cuda.is_available():
+    os.environ.setdefault("TRITON_INTERPRET", "1")
 
 
 def pytest_configure(config):
