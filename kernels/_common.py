@@ -37,5 +37,10 @@ def kernels_usable(*tensors: torch.Tensor) -> bool:
     return interpreting() and all(t.device.type == "cpu" for t in tensors)
 
 
+def tune_bucket(n: int) -> int:
+    """The autotuning key of a size that changes from call to call (tokens per step): its next power of two."""
+    return 1 << max(n - 1, 0).bit_length()
+
+
 def cdiv(a: int, b: int) -> int:
     return -(-a // b)

@@ -23,7 +23,7 @@ from typing import Optional
 
 import torch
 
-from kernels._common import HAS_TRITON, cdiv, interpreting, kernels_usable, tl, triton
+from kernels._common import HAS_TRITON, cdiv, interpreting, kernels_usable, tl, triton, tune_bucket
 from kernels.quantize import Expanded
 from megatron_fp4.formats import QuantizedTensor
 from megatron_fp4.formats.packing import unpack_nibbles
@@ -105,13 +105,15 @@ if HAS_TRITON:
 
     @triton.jit
     def _gemm_kernel_fixed(a_ptr, r_ptr, b_ptr, c_ptr, sa_ptr, sb_ptr, M, N, K, stride_am, stride_rm, stride_bn,
-                           stride_cm, HAS_RES: tl.constexpr, HAS_SCALE: tl.constexpr, PRECISE_ACC: tl.constexpr,
+                           stride_cm, M_BUCKET, K_BUCKET, HAS_RES: tl.constexpr, HAS_SCALE: tl.constexpr, PRECISE_ACC: tl.constexpr,
                            IEEE: tl.constexpr, EVEN_K: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr,
                            BK: tl.constexpr, GROUP_M: tl.constexpr):
         _gemm_body(a_ptr, r_ptr, b_ptr, c_ptr, sa_ptr, sb_ptr, M, N, K, stride_am, stride_rm, stride_bn, stride_cm,
                    HAS_RES, HAS_SCALE, PRECISE_ACC, IEEE, EVEN_K, BM, BN, BK, GROUP_M)
 
-    _GEMM_KEY = ["M", "N", "K", "HAS_RES", "PRECISE_ACC"]
+    # Tune per power-of-two bucket of M and K, not per exact size: training and rollout see a new token count
+    # almost every step, and re-tuning each one costs far more than the GEMM (M_BUCKET/K_BUCKET are key-only).
+    _GEMM_KEY = ["M_BUCKET", "N", "K_BUCKET", "HAS_RES", "PRECISE_ACC"]
     _gemm_kernel_bf16 = triton.autotune(configs=_gemm_configs(64), key=_GEMM_KEY)(_gemm_kernel_fixed)
     _gemm_kernel_fp8 = triton.autotune(configs=_gemm_configs(128), key=_GEMM_KEY)(_gemm_kernel_fixed)
 
@@ -368,7 +370,8 @@ def mm_expanded(a: Expanded, b: Expanded, a_res: Optional[Expanded] = None,
     BK = 128 if fp8 else 64
     precise_acc = promote if (fp8 and not ieee) else 0
     even_k = K % BK == 0
-    args = (av, rv, bv, c, sa, sb, M, N, K, av.stride(0), rv.stride(0), bv.stride(0), c.stride(0))
+    args = (av, rv, bv, c, sa, sb, M, N, K, av.stride(0), rv.stride(0), bv.stride(0), c.stride(0),
+            tune_bucket(M), tune_bucket(K))
     kw = dict(HAS_RES=a_res is not None, HAS_SCALE=has_scale, PRECISE_ACC=precise_acc, IEEE=ieee, EVEN_K=even_k)
     if config is None and not ieee and M * N * K < 2 ** 31:  # small problems: no autotuning
         config = {"BM": 128, "BN": 128, "num_warps": 4, "num_stages": 3}

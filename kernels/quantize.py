@@ -16,7 +16,8 @@ from typing import NamedTuple, Optional
 
 import torch
 
-from kernels._common import HAS_TRITON, HIF4_RECIP, KERNEL_FORMATS, cdiv, interpreting, kernels_usable, tl, triton
+from kernels._common import (HAS_TRITON, HIF4_RECIP, KERNEL_FORMATS, cdiv, interpreting, kernels_usable, tl, triton,
+                             tune_bucket)
 from megatron_fp4.formats import QuantizedTensor, get_format
 
 __all__ = ["Expanded", "quantize", "expand_packed", "EXPAND_MODES"]
@@ -188,7 +189,7 @@ if HAS_TRITON:
 
     @triton.jit
     def _hif4_quant_kernel(x_ptr, codes_ptr, scales_ptr, ex_ptr, R, K, KP, stride_xr, stride_xk, stride_cr,
-                           stride_sr, stride_er, EXPAND: tl.constexpr, BR: tl.constexpr, BK: tl.constexpr,
+                           stride_sr, stride_er, K_BUCKET, EXPAND: tl.constexpr, BR: tl.constexpr, BK: tl.constexpr,
                            R1: tl.constexpr, R2: tl.constexpr, R3: tl.constexpr):
         rows = tl.program_id(0) * BR + tl.arange(0, BR)
         rmask = rows < R
@@ -206,7 +207,7 @@ if HAS_TRITON:
 
     @triton.jit
     def _mx_quant_kernel(x_ptr, codes_ptr, scales_ptr, ex_ptr, rexp_ptr, rok_ptr, R, K, KP, stride_xr,
-                         stride_xk, stride_cr, stride_sr, stride_er, RCEIL: tl.constexpr, EXPAND: tl.constexpr,
+                         stride_xk, stride_cr, stride_sr, stride_er, K_BUCKET, RCEIL: tl.constexpr, EXPAND: tl.constexpr,
                          BR: tl.constexpr, BK: tl.constexpr):
         """EXPAND: 0 none, 1 E5M2 + row scale (two passes over x), 2 bf16."""
         NB: tl.constexpr = BK // 32
@@ -250,7 +251,8 @@ if HAS_TRITON:
         keep = [c for c in configs if (c.kwargs["BR"], c.kwargs["BK"], c.num_warps) in want]
         return keep or configs
 
-    _TUNE = dict(configs=_qconfigs(), key=["K", "KP", "stride_xk", "EXPAND"],
+    # K_BUCKET (K's next power of two) rather than K: the column variants see a new token count every step.
+    _TUNE = dict(configs=_qconfigs(), key=["K_BUCKET", "stride_xk", "EXPAND"],
                  prune_configs_by={"early_config_prune": _prune})
     _hif4_quant_tuned = triton.autotune(**_TUNE)(_hif4_quant_kernel)
     _mx_quant_tuned = triton.autotune(**_TUNE)(_mx_quant_kernel)
@@ -313,7 +315,7 @@ def quantize(x: torch.Tensor, fmt, dim: int = -1, expand: Optional[str] = None,
             ex = Expanded(torch.empty((R, kp), dtype=torch.bfloat16, device=dev))
         exv = ex.values if ex is not None else codes
         args = (x2, codes, scales.view(torch.int32), exv, R, k, kp, x2.stride(0), x2.stride(1), codes.stride(0),
-                nblk, exv.stride(0))
+                nblk, exv.stride(0), tune_bucket(k))
         kw = dict(EXPAND=bool(expand), R1=HIF4_RECIP[1], R2=HIF4_RECIP[2], R3=HIF4_RECIP[3])
         if fixed:
             _hif4_quant_kernel[grid](*args, **kw, BR=BR, BK=BK, num_warps=warps)
@@ -335,7 +337,7 @@ def quantize(x: torch.Tensor, fmt, dim: int = -1, expand: Optional[str] = None,
         rexp = rexp if rexp is not None else scales
         rok = rok if rok is not None else scales
         args = (x2, codes, scales, exv, rexp, rok, R, k, kp, x2.stride(0), x2.stride(1), codes.stride(0),
-                scales.stride(0), exv.stride(0))
+                scales.stride(0), exv.stride(0), tune_bucket(k))
         kw = dict(RCEIL=f.name == "mxfp4_rceil", EXPAND=mode)
         if fixed:
             _mx_quant_kernel[grid](*args, **kw, BR=BR, BK=BK, num_warps=warps)

@@ -12,7 +12,8 @@ from typing import Optional
 
 import torch
 
-from kernels._common import HAS_TRITON, HIF4_RECIP, KERNEL_FORMATS, cdiv, interpreting, kernels_usable, tl, triton
+from kernels._common import (HAS_TRITON, HIF4_RECIP, KERNEL_FORMATS, cdiv, interpreting, kernels_usable, tl, triton,
+                             tune_bucket)
 from kernels.quantize import Expanded, _rows_view, expand_packed
 from megatron_fp4.formats import QuantizedTensor, get_format
 
@@ -59,7 +60,7 @@ if HAS_TRITON:
 
     @triton.jit
     def _resq_kernel(x_ptr, qc_ptr, qs_ptr, rc_ptr, rs_ptr, ex_ptr, exr_ptr, rexp_ptr, rok_ptr, R, K, KP,
-                     stride_xr, stride_xk, stride_cr, stride_sr, stride_er, FMT: tl.constexpr,
+                     stride_xr, stride_xk, stride_cr, stride_sr, stride_er, K_BUCKET, FMT: tl.constexpr,
                      EXPAND: tl.constexpr, BR: tl.constexpr, BK: tl.constexpr, R1: tl.constexpr,
                      R2: tl.constexpr, R3: tl.constexpr):
         """FMT 0 hif4, 1 mxfp4, 2 mxfp4_rceil. EXPAND 0 none, 1 native (HiF4 bf16, MXFP4 E5M2 + shared row
@@ -202,7 +203,7 @@ def resq_quantize(x: torch.Tensor, fmt, expand: Optional[str] = None):
 
     BR, BK, warps = _block_config(f.name, x2)
     args = (x2, qc, qs_arg, rc, rs_arg, ex, exr, rexp if rexp is not None else qc, rok if rok is not None else qc, R,
-            k, kp, x2.stride(0), x2.stride(1), qc.stride(0), nblk, ex.stride(0))
+            k, kp, x2.stride(0), x2.stride(1), qc.stride(0), nblk, ex.stride(0), tune_bucket(k))
     kw = dict(FMT=fmt_id, EXPAND=mode, R1=HIF4_RECIP[1], R2=HIF4_RECIP[2], R3=HIF4_RECIP[3])
     if interpreting() or R * k < (1 << 16):
         _resq_kernel[(cdiv(R, BR),)](*args, **kw, BR=BR, BK=BK, num_warps=warps)
