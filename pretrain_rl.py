@@ -110,6 +110,27 @@ def build_models(args, vocab_size, init_checkpoint=None):
     return ddp, optimizer, config, reference, engine, precision, recipe
 
 
+def warm_up(trainer, args, bf16_precision) -> None:
+    """Supervised warm-up: ``--sft-iters`` iterations, or fewer with ``--sft-target-accuracy`` (the first check,
+    every ``--sft-eval-interval`` iterations, whose greedy held-out BF16 accuracy reaches the target stops it)."""
+    if args.sft_target_accuracy is None:
+        trainer.supervised_warmup(args.sft_iters, args.sft_lr, args.sft_batch_size)
+        return
+    done = 0
+    while done < args.sft_iters:
+        chunk = min(args.sft_eval_interval, args.sft_iters - done)
+        trainer.supervised_warmup(chunk, args.sft_lr, args.sft_batch_size, progress=False)
+        done += chunk
+        trainer.sync_rollout_weights()
+        acc = trainer.evaluate({"accuracy": bf16_precision})["accuracy"]
+        if trainer.rank == 0:
+            print(f"[warmup] iter {done}/{args.sft_iters} | held-out accuracy {acc:.3f} "
+                  f"(target {args.sft_target_accuracy:.3f})", flush=True)
+        if acc >= args.sft_target_accuracy:
+            break
+    trainer.state_extra["sft_iters_done"] = done
+
+
 def describe(args, recipe, precision) -> str:
     train = "high precision" if recipe is None else f"FP4 {type(recipe).__name__}"
     roll = precision.mode if precision.mode == "bf16" else f"{precision.mode} {precision.format}"
@@ -190,7 +211,7 @@ def main(argv=None) -> dict:
         if args.init_from:  # a shared warm start: its weights replace the warm-up
             trainer.load_model_weights(args.init_from)
         else:
-            trainer.supervised_warmup(args.sft_iters, args.sft_lr, args.sft_batch_size)
+            warm_up(trainer, args, RolloutPrecision("bf16", precision.format, "none"))
         if reference is not None:
             reference.load_state_dict(policy.module.state_dict())
     trainer.sync_rollout_weights()

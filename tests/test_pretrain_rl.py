@@ -193,3 +193,21 @@ def test_grpo_from_converted_hf_checkpoint_on_gsm8k_jsonl(tmp_path):
     assert f"tokenizer {len(words)} tokens, model vocab 96" in r.stdout and "[result] held-out accuracy" in r.stdout
     rows = [row for row in _read_jsonl(log) if row["kind"] == "train"]
     assert [row["step"] for row in rows] == [1, 2]
+
+
+def test_warmup_to_target_accuracy_stops_early_and_chunks_change_nothing(tmp_path):
+    """--sft-target-accuracy checks held-out accuracy every --sft-eval-interval iterations and stops at the first
+    check that reaches it; warming up in chunks trains on the same batches as one uninterrupted warm-up."""
+    base = [*TINY, "--train-iters", "1", "--sft-iters", "6"]
+    early = _run([*base, "--sft-target-accuracy", "0", "--sft-eval-interval", "2"])
+    assert early.returncode == 0, early.stderr[-2000:]
+    assert "[warmup] iter 2/6 | held-out accuracy" in early.stdout
+    assert "iter 4/6" not in early.stdout
+
+    runs = {}
+    for name, extra in (("chunked", ["--sft-target-accuracy", "1", "--sft-eval-interval", "2"]), ("plain", [])):
+        log = tmp_path / f"{name}.jsonl"
+        r = _run([*base, *extra, "--log-jsonl", str(log)])
+        assert r.returncode == 0, r.stderr[-2000:]
+        runs[name] = [_deterministic(row) for row in _read_jsonl(log) if row["kind"] == "train"]
+    assert runs["chunked"] == runs["plain"] and runs["plain"]

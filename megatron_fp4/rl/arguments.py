@@ -89,6 +89,10 @@ def build_parser() -> argparse.ArgumentParser:
                    help="supervised warm-up iterations for a randomly initialized model (use 0 with --load)")
     g.add_argument("--sft-lr", type=float, default=3e-3)
     g.add_argument("--sft-batch-size", type=int, default=64)
+    g.add_argument("--sft-target-accuracy", type=float, default=None,
+                   help="stop the warm-up early once greedy held-out accuracy (BF16) reaches this fraction, checked "
+                        "every --sft-eval-interval iterations: sets the warm start to a level where GRPO matters")
+    g.add_argument("--sft-eval-interval", type=int, default=25)
 
     g = p.add_argument_group("run")
     g.add_argument("--seed", type=int, default=1234)
@@ -133,10 +137,12 @@ def validate_args(args: argparse.Namespace, world_size: int = 1) -> argparse.Nam
               "global_batch_size", "micro_batch_size", "max_prompt_length", "max_response_length", "lr",
               "save_interval", "eval_interval", "log_interval", "max_nonfinite_steps",
               "temperature", "ppo_epochs", "sft_lr", "sft_batch_size", "num_synthetic_examples",
-              "synthetic_digits", "synthetic_operands", "keep_last")
+              "synthetic_digits", "synthetic_operands", "keep_last", "sft_eval_interval")
     _non_negative(args, "train_iters", "log_underflow_interval", "kl_beta", "clip_low", "clip_high", "tis_cap",
                   "sft_iters", "eval_samples", "top_k",
                   "weight_decay", "clip_grad", "fp4_high_precision_first_layers", "fp4_high_precision_last_layers")
+    if args.sft_target_accuracy is not None and not 0 <= args.sft_target_accuracy <= 1:
+        raise ValueError(f"--sft-target-accuracy={args.sft_target_accuracy} is not valid; it must be in [0, 1]")
     if not 0 < args.top_p <= 1:
         raise ValueError(f"--top-p={args.top_p} is not valid; it must be in (0, 1]")
     if args.min_lr is not None and not 0 <= args.min_lr <= args.lr:

@@ -87,6 +87,7 @@ class GRPOTrainer:
         self.sampler = PromptSampler(len(train_examples), seed=args.seed)
         self.guard = NonFiniteGuard(args.max_nonfinite_steps)
         self.step = 0
+        self._sft_rng = None
         self.state_extra: dict[str, Any] = {}
         self.last_checkpoint: Optional[str] = None
         self.logger = MetricsLogger(args.tensorboard_dir, total_steps=args.train_iters, rank=self.rank)
@@ -195,7 +196,9 @@ class GRPOTrainer:
 
         if iters <= 0:
             return []
-        rng = random.Random(self.args.seed * 1000 + 17 + self.dp_rank)
+        if self._sft_rng is None:  # one stream over calls: warming up in chunks draws the same batches
+            self._sft_rng = random.Random(self.args.seed * 1000 + 17 + self.dp_rank)
+        rng = self._sft_rng
         self.set_lr(lr)
         losses = []
         per_rank = max(1, batch_size // self.dp_size)
