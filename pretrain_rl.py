@@ -3,6 +3,7 @@
     python pretrain_rl.py                                    # the tiny CPU default (synthetic addition, HiF4 + ResQ 2:4)
     python pretrain_rl.py --config examples/tiny_cpu.yaml    # the same, from a YAML file
     torchrun --nproc-per-node 2 pretrain_rl.py --tensor-model-parallel-size 2 ...
+    torchrun --nproc-per-node 2 pretrain_rl.py --pipeline-model-parallel-size 2 ...   # rollout on a full copy
 
 See ``python pretrain_rl.py --help`` for every argument and README.md for recipes.
 """
@@ -52,6 +53,9 @@ def load_examples(args):
 def build_models(args, vocab_size, init_checkpoint=None):
     """Policy (DDP + optimizer), frozen reference, and the rollout engine with its own copy of the weights.
 
+    With pipeline parallelism the policy and the reference hold this rank's stage, the rollout model the whole
+    model (every layer on every pipeline rank; GRPOTrainer.sync_rollout_weights gathers the stages into it).
+
     ``init_checkpoint``: a converted megatron checkpoint (tools/convert_hf_to_megatron.py) whose architecture and
     weights initialize all three models (any TP that divides the model; resharded on the fly).
     """
@@ -86,8 +90,37 @@ def build_models(args, vocab_size, init_checkpoint=None):
             load_checkpoint_into_model(model, init_checkpoint)
         return model
 
-    config = gpt_transformer_config(margs, calculate_per_token_loss=True)
-    policy = load_init(build_gpt_model(margs, config=config, parallel_output=False))
+    from megatron.core import parallel_state as ps
+
+    rollout_margs = GPTModelArgs(**{**margs.__dict__, "fp4_recipe": None})
+    full_model = None
+    pp = ps.get_pipeline_model_parallel_world_size()
+    if pp > 1:
+        # The rollout engine needs the whole model: every pipeline rank holds a full-depth copy, tensor-parallel
+        # sharded like the policy. Its config says PP = 1, so megatron builds all layers at offset 0 and sets up
+        # no embedding group for tied weights. It is built first, from the RNG state a PP = 1 run builds its
+        # policy from, and the policy stage takes its slice: PP > 1 starts from the same weights as PP = 1.
+        full_model = load_init(build_gpt_model(
+            rollout_margs, config=gpt_transformer_config(rollout_margs, pipeline_model_parallel_size=1),
+            pre_process=True, post_process=True, parallel_output=False))
+
+    def schedule_config():
+        """The config of a model run through megatron's schedule (the policy, the reference)."""
+        cfg = gpt_transformer_config(margs, calculate_per_token_loss=True)
+        if pp > 1:
+            # a short last micro-batch is fine when the stages exchange activation shapes before the tensors (set
+            # after construction: TransformerConfig rejects it with its default MoE token dispatcher, unused here)
+            cfg.variable_seq_lengths = True
+        return cfg
+
+    config = schedule_config()
+    if full_model is None:
+        policy = load_init(build_gpt_model(margs, config=config, parallel_output=False))
+    else:
+        from megatron_fp4.models.pp_gather import copy_stage_from_full_model
+
+        policy = build_gpt_model(margs, config=config, parallel_output=False)
+        copy_stage_from_full_model(policy, full_model)
     ddp = DistributedDataParallel(config, DistributedDataParallelConfig(grad_reduce_in_fp32=True,
                                                                         overlap_grad_reduce=False), policy)
     config.no_sync_func = ddp.no_sync
@@ -98,11 +131,10 @@ def build_models(args, vocab_size, init_checkpoint=None):
 
     reference = None
     if args.kl_beta > 0:
-        reference = load_init(build_gpt_model(
-            margs, config=gpt_transformer_config(margs, calculate_per_token_loss=True), parallel_output=False))
+        reference = load_init(build_gpt_model(margs, config=schedule_config(), parallel_output=False))
         reference.requires_grad_(False)
-    rollout_model = load_init(build_gpt_model(GPTModelArgs(**{**margs.__dict__, "fp4_recipe": None}),
-                                              parallel_output=False))
+    rollout_model = full_model if full_model is not None else load_init(build_gpt_model(rollout_margs,
+                                                                                      parallel_output=False))
     rollout_model.requires_grad_(False)
     fmt = args.fp4_format if args.fp4_format != "none" else "hif4"
     precision = RolloutPrecision(args.rollout_precision, fmt, args.resq)
@@ -155,9 +187,6 @@ def main(argv=None) -> dict:
     import torch
 
     args = parse(argv)
-    if args.pipeline_model_parallel_size > 1:
-        raise SystemExit("pretrain_rl.py: --pipeline-model-parallel-size > 1 is not supported by the rollout engines "
-                         "yet (training supports it; see docs). Use tensor or data parallelism.")
     if args.rollout_backend == "sglang":
         raise SystemExit("pretrain_rl.py: --rollout-backend sglang is not available yet; use --rollout-backend native")
     torch.set_num_threads(max(1, (os.cpu_count() or 1) // int(os.environ.get("LOCAL_WORLD_SIZE", "1"))))
@@ -197,10 +226,11 @@ def main(argv=None) -> dict:
                           args.rollout_precision)
     if rank == 0:
         n_params = sum(p.numel() for p in policy.module.parameters())
+        pp = args.pipeline_model_parallel_size
         print(f"[setup] {args.dataset}: {len(train_examples)} train / {len(eval_examples)} held-out | tokenizer "
               f"{tok.vocab_size} tokens, model vocab {model_vocab} | {n_params / 1e6:.2f}M params/rank | "
               f"{describe(args, recipe, precision)} | world {torch.distributed.get_world_size()} "
-              f"(TP {tp})", flush=True)
+              f"(TP {tp}{f', PP {pp}' if pp > 1 else ''})", flush=True)
 
     eval_precisions = {"accuracy": None}
     if precision.mode != "bf16":

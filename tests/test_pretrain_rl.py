@@ -1,5 +1,6 @@
-"""pretrain_rl.py end to end on CPU: argument validation, a tiny FP4 GRPO run, TP=2 under torchrun, and a
-kill -9 during training followed by a resume whose next steps equal an uninterrupted run's."""
+"""pretrain_rl.py end to end on CPU: argument validation, a tiny FP4 GRPO run, TP=2 under torchrun, PP=2 under
+torchrun against the single-process run, and a kill -9 during training followed by a resume whose next steps equal
+an uninterrupted run's."""
 
 from __future__ import annotations
 
@@ -157,9 +158,55 @@ def test_tensor_parallel_two_ranks_runs_three_steps(tmp_path):
 
 
 @pytest.mark.slow
+def test_pipeline_parallel_two_ranks_equals_single_process(tmp_path):
+    """PP=2 under torchrun (policy split in two stages, a full-depth rollout copy on each rank fed by the weight
+    gather) logs the same metrics as the single-process run with the same seed: same initial weights (the stages
+    take their slices of a full model built like the PP=1 policy), same samples, same updates.
+
+    The comparison is exact for every metric but grad_norm, under two settings that remove the only differences
+    in fp32 rounding: (1) one intra-op thread per process in both runs (pretrain_rl.py gives each process
+    cores / local world size threads, and the CPU matmuls round differently with a different thread count);
+    (2) --clip-grad 0: the gradient norm is the square root of a sum of squares that PP=2 all-reduces stage by
+    stage, in another order than PP=1 (it differs in the last bits, ~1e-7 relative); with clipping on, that
+    difference reaches the clip coefficient and so the weights, and the 40 warm-up steps at --sft-lr 3e-3 amplify
+    it to percent-level metric differences (a PP=1 run whose micro-batch size alone changes diverges as much;
+    with the default 3 warm-up steps the PP=2 metrics stay within ~1e-5 relative of PP=1's).
+    --micro-batch-size 6 makes ragged micro-batches (16 sequences: 6, 6, 4), which the stages must exchange
+    the activation shapes for; --sft-iters 40 gives non-zero rewards (a policy-gradient term besides the KL)."""
+    wrapper = tmp_path / "one_thread_per_process.py"
+    wrapper.write_text(
+        "import os, runpy, sys\n"
+        "os.cpu_count = lambda: int(os.environ.get('LOCAL_WORLD_SIZE', '1'))  # one torch thread per process\n"
+        f"sys.argv = [{os.path.join(ROOT, 'pretrain_rl.py')!r}] + sys.argv[1:]\n"
+        "runpy.run_path(sys.argv[0], run_name='__main__')\n")
+    common = TINY + ["--num-layers", "4", "--micro-batch-size", "6", "--sft-iters", "40", "--clip-grad", "0",
+                     "--train-iters", "3", "--eval-interval", "2"]
+    logs = {}
+    for pp, launcher in ((1, [sys.executable]),
+                         (2, [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2"])):
+        logs[pp] = tmp_path / f"pp{pp}.jsonl"
+        r = subprocess.run([*launcher, str(wrapper), *common, "--pipeline-model-parallel-size", str(pp),
+                            "--log-jsonl", str(logs[pp])], check=False, env=_env(), cwd=ROOT,
+                           capture_output=True, text=True, timeout=600)
+        assert r.returncode == 0, r.stderr[-3000:]
+    assert "(TP 1, PP 2)" in r.stdout and "[result] held-out accuracy" in r.stdout
+    ref, got = _read_jsonl(logs[1]), _read_jsonl(logs[2])
+    assert [(row["step"], row["kind"]) for row in got] == [(row["step"], row["kind"]) for row in ref]
+    assert [row["step"] for row in ref if row["kind"] == "train"] == [1, 2, 3]
+    assert any(row.get("reward_mean", 0) > 0 for row in ref)
+    assert all(row["rollout/weight_sync_gather_s"] >= 0 for row in got if row["kind"] == "train")
+    for a, b in zip(ref, got):
+        a, b = _deterministic(a), _deterministic(b)
+        assert set(a) == set(b)
+        assert math.isclose(a.pop("grad_norm", 0.0), b.pop("grad_norm", 0.0), rel_tol=1e-6, abs_tol=1e-12)
+        assert a == b
+
+
+@pytest.mark.slow
 def test_grpo_from_converted_hf_checkpoint_on_gsm8k_jsonl(tmp_path):
     """The GSM8K path end to end: a tiny HF Qwen2 + tokenizer converted with tools/, loaded with --load
-    (architecture, weights and tokenizer from the checkpoint), GSM8K-format jsonl data, 2 GRPO steps."""
+    (architecture, weights and tokenizer from the checkpoint), GSM8K-format jsonl data, 2 GRPO steps; then the
+    same at PP=2 (tied embeddings: the last stage's output layer and the full-depth rollout copy load from it)."""
     pytest.importorskip("transformers")
     from tokenizers import Tokenizer, models, pre_tokenizers
     from transformers import PreTrainedTokenizerFast
@@ -185,14 +232,25 @@ def test_grpo_from_converted_hf_checkpoint_on_gsm8k_jsonl(tmp_path):
                         str(hf), "--save", str(ckpt), "--no-progress"], env=_env(), capture_output=True, text=True,
                        timeout=300)
     assert r.returncode == 0, r.stderr[-2000:]
+    argv = ["--load", str(ckpt), "--dataset", f"gsm8k:{data}", "--eval-samples", "2", "--sft-iters", "0",
+            "--global-batch-size", "2", "--group-size", "2", "--max-prompt-length", "32", "--max-response-length",
+            "6", "--train-iters", "2", "--eval-interval", "100"]
     log = tmp_path / "log.jsonl"
-    r = _run(["--load", str(ckpt), "--dataset", f"gsm8k:{data}", "--eval-samples", "2", "--sft-iters", "0",
-              "--global-batch-size", "2", "--group-size", "2", "--max-prompt-length", "32",
-              "--max-response-length", "6", "--train-iters", "2", "--eval-interval", "100", "--log-jsonl", str(log)])
+    r = _run([*argv, "--log-jsonl", str(log)])
     assert r.returncode == 0, r.stderr[-3000:]
     assert f"tokenizer {len(words)} tokens, model vocab 96" in r.stdout and "[result] held-out accuracy" in r.stdout
     rows = [row for row in _read_jsonl(log) if row["kind"] == "train"]
     assert [row["step"] for row in rows] == [1, 2]
+
+    log = tmp_path / "pp2.jsonl"
+    r = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
+                        os.path.join(ROOT, "pretrain_rl.py"), *argv, "--pipeline-model-parallel-size", "2",
+                        "--log-jsonl", str(log)], check=False, env=_env(), cwd=ROOT, capture_output=True, text=True,
+                       timeout=600)
+    assert r.returncode == 0, r.stderr[-3000:]
+    assert "(TP 1, PP 2)" in r.stdout and "[result] held-out accuracy" in r.stdout
+    rows = [row for row in _read_jsonl(log) if row["kind"] == "train"]
+    assert [row["step"] for row in rows] == [1, 2] and all(math.isfinite(row["loss"]) for row in rows)
 
 
 def test_warmup_to_target_accuracy_stops_early_and_chunks_change_nothing(tmp_path):

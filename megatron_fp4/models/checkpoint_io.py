@@ -406,10 +406,14 @@ def load_checkpoint_into_model(model: Any, load_dir: PathLike, iteration: Option
     Reads only this rank's shard when the checkpoint's TP/PP equal the current ones; otherwise reshards (reads
     the pieces of each needed tensor from the checkpoint's shards and splits them for this rank). A model whose
     vocabulary is padded differently (but holds the checkpoint's real vocabulary) gets zero padding rows.
+    A model whose config has ``pipeline_model_parallel_size`` 1 holds every layer (megatron-core builds it that
+    way whatever parallel_state says) and is loaded as the full model, e.g. the rollout copy of a PP > 1 run.
     """
     module = _unwrap(model)
     ckpt = load_dir if isinstance(load_dir, MegatronCheckpoint) else MegatronCheckpoint(load_dir, iteration)
     tp_size, tp_rank, pp_size, pp_rank = _parallel_ranks()
+    if getattr(getattr(module, "config", None), "pipeline_model_parallel_size", pp_size) == 1:
+        pp_size, pp_rank = 1, 0  # a full-depth model (e.g. the rollout copy) under a PP > 1 parallel_state
     expected = _expected_state(module)
     offset = _model_layer_offset(module)
     _check_model_matches(ckpt, module)

@@ -1,5 +1,5 @@
 """The GRPO trainer: rollout -> reward -> advantages -> token-level clipped loss with TIS and KL -> optimizer step
--> weight sync, on megatron-core models (TP/DP; FP4 training recipe) and a rollout engine in its own precision.
+-> weight sync, on megatron-core models (TP/PP/DP; FP4 training recipe) and a rollout engine in its own precision.
 
 Roles, as in slime/verl: the *policy* is the megatron-core GPTModel wrapped in megatron DDP, trained through
 megatron's forward/backward schedule with per-token loss accounting (``calculate_per_token_loss``: the loss is a
@@ -7,6 +7,11 @@ token-level mean over the whole global batch, exactly, whatever the micro-batchi
 *reference* is a frozen copy of the warm-start weights (KL); the *rollout engine* holds its own copy of the
 weights, refreshed after every optimizer step and re-quantized once per update. Every rank of a tensor-parallel
 group generates the same samples in lockstep (same seed); data-parallel ranks generate different prompts.
+
+Pipeline parallelism: the policy and reference hold one stage per rank, but the rollout engine needs the whole
+model, so every pipeline rank keeps a full-depth rollout copy (tensor-parallel sharded like the policy). The weight
+sync gathers the stages' parameters over the pipeline group (megatron_fp4.models.pp_gather) into it; the stages
+generate in lockstep, and the first stage's samples are broadcast to the others so they all train on the same data.
 """
 
 from __future__ import annotations
@@ -241,9 +246,36 @@ class GRPOTrainer:
 
     # ------------------------------------------------------------------------------------------ rollout
     def sync_rollout_weights(self) -> dict[str, float]:
-        """Push the policy's weights into the rollout engine (re-quantized once); returns timing metrics."""
-        stats = self.engine.update_weights(self.policy.module.named_parameters())
-        return stats.as_metrics()
+        """Push the policy's weights into the rollout engine (re-quantized once); returns timing metrics.
+
+        With pipeline parallelism the rollout model is the full model: every stage's parameters are gathered
+        over the pipeline group first (a collective; ``rollout/weight_sync_gather_s`` times it)."""
+        from megatron.core import parallel_state as ps
+
+        if ps.get_pipeline_model_parallel_world_size() == 1:
+            return self.engine.update_weights(self.policy.module.named_parameters()).as_metrics()
+        from megatron_fp4.models.pp_gather import gather_pipeline_parameters
+
+        t0 = time.perf_counter()
+        rollout_model = getattr(self.engine, "model", None)
+        full_names = None if rollout_model is None else [n for n, _ in rollout_model.named_parameters()]
+        named = gather_pipeline_parameters(self.policy.module, full_names)
+        t_gather = time.perf_counter() - t0
+        metrics = self.engine.update_weights(named).as_metrics()
+        metrics["rollout/weight_sync_gather_s"] = t_gather
+        metrics["rollout/weight_sync_total_s"] += t_gather
+        return metrics
+
+    def _same_on_pipeline(self, obj):
+        """``obj`` of the first pipeline stage, on every stage (identity without pipeline parallelism)."""
+        from megatron.core import parallel_state as ps
+
+        if ps.get_pipeline_model_parallel_world_size() == 1:
+            return obj
+        box = [obj]
+        torch.distributed.broadcast_object_list(box, src=ps.get_pipeline_model_parallel_first_rank(),
+                                                group=ps.get_pipeline_model_parallel_group())
+        return box[0]
 
     def sampling_params(self, greedy: bool, seed: int):
         from megatron_fp4.rollout import SamplingParams
@@ -293,6 +325,9 @@ class GRPOTrainer:
         t0 = time.monotonic()
         seed = (a.seed * 1_000_003 + self.step * 9973 + self.dp_rank) % (2 ** 31)
         samples = self.engine.generate(group_prompts, self.sampling_params(greedy=False, seed=seed))
+        # pipeline stages generate in lockstep with the same seed; training on the first stage's samples
+        # everywhere keeps them consistent even if generation were not bitwise reproducible across ranks
+        samples = self._same_on_pipeline(samples)
         t_rollout = time.monotonic() - t0
         responses = [s.token_ids for s in samples]
         texts = [self.tok.decode(r) for r in responses]

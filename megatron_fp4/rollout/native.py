@@ -112,7 +112,9 @@ class NativeRolloutEngine(RolloutEngine):
         offload_on_release: bool = False,
         prefill: str = "padded",
     ) -> None:
-        """``model``: a GPTModel (tensor parallel is fine; pipeline parallel is not supported).
+        """``model``: a GPTModel holding the whole model (tensor parallel is fine; a pipeline stage is not: under
+        pipeline parallelism give every rank a full-depth copy built with ``pipeline_model_parallel_size=1`` and
+        feed it the stages' weights gathered by :func:`megatron_fp4.models.pp_gather.gather_pipeline_parameters`).
         ``max_batch_size``: prompts per forward (None: all at once). ``max_seq_len``: prompt + response cap
         (default: the model's max sequence length; with ``prefill="padded"`` it caps the padded length).
         ``offload_on_release``: move the weights to the CPU in :meth:`release_memory` (only for a model the
@@ -122,7 +124,8 @@ class NativeRolloutEngine(RolloutEngine):
         On CUDA the Triton kernel backend is registered for the rollout GEMMs it covers (``MEGATRON_FP4_KERNELS=0``
         keeps the PyTorch reference)."""
         if not (getattr(model, "pre_process", True) and getattr(model, "post_process", True)):
-            raise NotImplementedError("NativeRolloutEngine needs the whole model on one rank (no pipeline split)")
+            raise NotImplementedError("NativeRolloutEngine needs the whole model on one rank, not a pipeline "
+                                      "stage: build a full-depth copy (see megatron_fp4.models.pp_gather)")
         if prefill not in ("padded", "aligned"):
             raise ValueError(f"prefill={prefill!r} is not valid; allowed values: 'padded', 'aligned'")
         self.prefill = prefill
