@@ -22,6 +22,7 @@ from typing import Any
 import torch
 
 from megatron_fp4.models.checkpoint_io import to_global_name
+from megatron_fp4.parallel import collective_device
 
 __all__ = ["copy_stage_from_full_model", "gather_pipeline_parameters", "stage_layer_offset",
            "stage_named_parameters"]
@@ -51,12 +52,6 @@ def stage_named_parameters(model: Any) -> list[tuple[str, torch.Tensor]]:
     return [(to_global_name(n, offset), p) for n, p in module.named_parameters()]
 
 
-def _collective_device() -> torch.device:
-    if torch.distributed.get_backend() == "nccl":
-        return torch.device("cuda", torch.cuda.current_device())
-    return torch.device("cpu")
-
-
 @torch.no_grad()
 def gather_pipeline_parameters(model: Any, full_names: Collection[str] | None = None,
                                group: torch.distributed.ProcessGroup | None = None
@@ -75,7 +70,7 @@ def gather_pipeline_parameters(model: Any, full_names: Collection[str] | None = 
     keep = None if full_names is None else set(full_names)
     mine = [(n, p.detach()) for n, p in stage_named_parameters(model) if keep is None or n in keep]
     me = torch.distributed.get_rank()
-    device = _collective_device()
+    device = collective_device()
     out: list[tuple[str, torch.Tensor]] = []
     for src in torch.distributed.get_process_group_ranks(group):
         meta = [[(n, tuple(t.shape), t.dtype) for n, t in mine] if src == me else None]

@@ -24,6 +24,7 @@ tests/dist/gpt_parallel.py is a complete, tested example (TP/PP/DP, tied embeddi
 
 from megatron_fp4.parallel.cpu_compat import (
     apply_cpu_shims,
+    collective_device,
     cpu_config_overrides,
     destroy_parallel,
     initialize_parallel,
@@ -44,6 +45,7 @@ __all__ = [
     "FP4TransformerLayer",
     "get_gpt_layer_fp4_spec",
     "apply_cpu_shims",
+    "collective_device",
     "cpu_config_overrides",
     "initialize_parallel",
     "destroy_parallel",

@@ -129,6 +129,13 @@ def cpu_config_overrides() -> dict:
     )
 
 
+def collective_device() -> torch.device:
+    """Where tensors for collectives live: the current GPU under NCCL, else the CPU (gloo)."""
+    if torch.distributed.get_backend() == "nccl":
+        return torch.device("cuda", torch.cuda.current_device())
+    return torch.device("cpu")
+
+
 def _free_port() -> int:
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
         s.bind(("127.0.0.1", 0))

@@ -25,8 +25,9 @@ from typing import Any, Callable, Optional, Sequence
 
 import torch
 
+from megatron_fp4.parallel import collective_device
 from megatron_fp4.rl import grpo
-from megatron_fp4.rl.checkpoint import (CheckpointNotFoundError, capture_rng_state, latest_iteration,
+from megatron_fp4.rl.checkpoint import (capture_rng_state, latest_iteration,
                                         load_checkpoint, restore_rng_state, save_checkpoint)
 from megatron_fp4.rl.data import Example, PromptSampler
 from megatron_fp4.rl.monitor import MetricsLogger, NonFiniteGuard
@@ -147,12 +148,6 @@ class GRPOTrainer:
             return None
         return torch.cat([d["logp"] for d in store], dim=0)
 
-    @staticmethod
-    def _collective_device() -> torch.device:
-        """Where scalars reduced across ranks live: the current GPU under NCCL, else the CPU (gloo)."""
-        if torch.distributed.get_backend() == "nccl":
-            return torch.device("cuda", torch.cuda.current_device())
-        return torch.device("cpu")
 
     def _optimizer_step(self) -> tuple[bool, float]:
         ok, grad_norm, _ = self.optimizer.step()
@@ -162,7 +157,7 @@ class GRPOTrainer:
         """Whether every (data-parallel reduced) gradient of this rank and its model-parallel peers is finite."""
         from megatron.core import parallel_state as ps
 
-        bad = torch.zeros(1, device=self._collective_device())
+        bad = torch.zeros(1, device=collective_device())
         for p in self.policy.module.parameters():
             g = getattr(p, "main_grad", None)
             g = p.grad if g is None else g
@@ -176,7 +171,7 @@ class GRPOTrainer:
         """Reduce a per-rank scalar over data parallel (model-parallel peers hold the same value)."""
         from megatron.core import parallel_state as ps
 
-        t = torch.tensor([x], dtype=torch.float64, device=self._collective_device())
+        t = torch.tensor([x], dtype=torch.float64, device=collective_device())
         torch.distributed.all_reduce(t, op=op, group=ps.get_data_parallel_group())
         return float(t)
 
@@ -239,7 +234,7 @@ class GRPOTrainer:
         from megatron.core import parallel_state as ps
 
         t = torch.tensor([value if ps.is_pipeline_last_stage() else 0.0], dtype=torch.float64,
-                         device=self._collective_device())
+                         device=collective_device())
         torch.distributed.all_reduce(t, group=ps.get_pipeline_model_parallel_group())
         torch.distributed.all_reduce(t, group=ps.get_data_parallel_group())
         return float(t) / self.dp_size
@@ -420,7 +415,7 @@ class GRPOTrainer:
                                                 group=ps.get_pipeline_model_parallel_group())
         keys = obj[0]
         maxima = {"logp_abs_diff_max", "ratio_max"}
-        dev = self._collective_device()
+        dev = collective_device()
         vals = torch.zeros(len(keys), dtype=torch.float64, device=dev)
         for i, k in enumerate(keys):
             for d in store:
