@@ -11,6 +11,7 @@ See ``python pretrain_rl.py --help`` for every argument and README.md for recipe
 from __future__ import annotations
 
 import json
+import math
 import os
 import sys
 import time
@@ -92,6 +93,8 @@ def build_models(args, vocab_size, init_checkpoint=None):
 
     from megatron.core import parallel_state as ps
 
+    if args.use_cpu_initialization:  # the full weights from one CPU RNG stream, then split: TP-invariant on GPUs
+        margs.config_overrides = {**margs.config_overrides, "use_cpu_initialization": True}
     rollout_margs = GPTModelArgs(**{**margs.__dict__, "fp4_recipe": None})
     full_model = None
     pp = ps.get_pipeline_model_parallel_world_size()
@@ -142,16 +145,16 @@ def build_models(args, vocab_size, init_checkpoint=None):
     return ddp, optimizer, config, reference, engine, precision, recipe
 
 
-def warm_up(trainer, args, bf16_precision) -> None:
+def warm_up(trainer, args, bf16_precision) -> list[float]:
     """Supervised warm-up: ``--sft-iters`` iterations, or fewer with ``--sft-target-accuracy`` (the first check,
-    every ``--sft-eval-interval`` iterations, whose greedy held-out BF16 accuracy reaches the target stops it)."""
+    every ``--sft-eval-interval`` iterations, whose greedy held-out BF16 accuracy reaches the target stops it).
+    Returns the per-iteration NLL."""
     if args.sft_target_accuracy is None:
-        trainer.supervised_warmup(args.sft_iters, args.sft_lr, args.sft_batch_size)
-        return
-    done = 0
+        return trainer.supervised_warmup(args.sft_iters, args.sft_lr, args.sft_batch_size)
+    done, losses = 0, []
     while done < args.sft_iters:
         chunk = min(args.sft_eval_interval, args.sft_iters - done)
-        trainer.supervised_warmup(chunk, args.sft_lr, args.sft_batch_size, progress=False)
+        losses += trainer.supervised_warmup(chunk, args.sft_lr, args.sft_batch_size, progress=False)
         done += chunk
         trainer.sync_rollout_weights()
         acc = trainer.evaluate({"accuracy": bf16_precision})["accuracy"]
@@ -161,6 +164,7 @@ def warm_up(trainer, args, bf16_precision) -> None:
         if acc >= args.sft_target_accuracy:
             break
     trainer.state_extra["sft_iters_done"] = done
+    return losses
 
 
 def describe(args, recipe, precision) -> str:
@@ -215,7 +219,8 @@ def main(argv=None) -> dict:
     train_examples, eval_examples = load_examples(args)
     tok = build_tokenizer(args, train_examples + eval_examples)
     tp = args.tensor_model_parallel_size
-    multiple = 16 * tp
+    # pad to a multiple of 16 that TP divides, the same at every TP <= 16: the same random model at any TP
+    multiple = math.lcm(16, tp)
     vocab = -(-tok.vocab_size // multiple) * multiple
     policy, optimizer, config, reference, engine, precision, recipe = build_models(args, vocab, init_checkpoint)
     model_vocab = policy.module.vocab_size
@@ -241,7 +246,8 @@ def main(argv=None) -> dict:
         if args.init_from:  # a shared warm start: its weights replace the warm-up
             trainer.load_model_weights(args.init_from)
         else:
-            warm_up(trainer, args, RolloutPrecision("bf16", precision.format, "none"))
+            trainer.state_extra["warmup_losses"] = warm_up(trainer, args,
+                                                           RolloutPrecision("bf16", precision.format, "none"))
         if reference is not None:
             reference.load_state_dict(policy.module.state_dict())
     trainer.sync_rollout_weights()
@@ -287,6 +293,7 @@ def main(argv=None) -> dict:
     if last_eval is None:
         last_eval = dict(warm) if args.train_iters == 0 and warm else trainer.evaluate(eval_precisions)
     result = {"warm_start": warm, "final": last_eval, "steps": trainer.step,
+              "warmup_losses": trainer.state_extra.get("warmup_losses", []),
               "seconds": time.monotonic() - t_start, "setup": describe(args, recipe, precision)}
     if rank == 0:
         for key, value in last_eval.items():

@@ -28,6 +28,9 @@ def build_parser() -> argparse.ArgumentParser:
     g = p.add_argument_group("parallelism")
     g.add_argument("--tensor-model-parallel-size", type=int, default=1)
     g.add_argument("--pipeline-model-parallel-size", type=int, default=1)
+    g.add_argument("--use-cpu-initialization", action="store_true",
+                   help="initialize full weights on the CPU, then shard them: the same random model at any TP/PP "
+                        "(always the case on CPU; on GPUs megatron otherwise seeds each TP rank's shard itself)")
 
     g = p.add_argument_group("model (ignored with --load of a converted checkpoint, which carries its own)")
     g.add_argument("--num-layers", type=int, default=2)
