@@ -71,9 +71,13 @@ def test_mini_table_tiny_runs_resumes_and_reports(tmp_path):
     assert "0s this call" in p.stdout or "2/2 runs done" in p.stdout
     assert "warm-up" not in p.stdout and " ..." not in p.stdout
 
-    p = _run(os.path.join(ROOT, "tools", "plot_runs.py"), "--runs", str(out), "--out", str(md))
+    notes = tmp_path / "notes.md"
+    notes.write_text("## How these runs were made\n\nwith care\n")
+    p = _run(os.path.join(ROOT, "tools", "plot_runs.py"), "--runs", str(out), "--out", str(md), "--notes", str(notes))
     text = md.read_text()
-    assert "python tools/plot_runs.py --runs" in text.split("| training")[0]  # the command above the table
+    header = text.split("| training")[0]
+    assert "python tools/plot_runs.py --runs" in header  # the command above the table
+    assert "## How these runs were made\n\nwith care" in header and "\npython pretrain_rl.py --num-layers" in header
     assert "| FP4 | FP4 | " in text and "| BF16 | FP4 | " in text and "Agreement with the paper" in text
     assert "(b) BF16 training + FP4 rollout is worse than full FP4" in text
     for png in ("mini_table_rewards.png", "mini_table_underflow.png"):

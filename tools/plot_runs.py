@@ -278,7 +278,15 @@ def findings(runs: list[dict], n_eval: int) -> list[str]:
 
 
 # ---------------------------------------------------------------------------------------------------- report
-def write_report(runs_dir: str, out_md: str, command: str) -> str:
+def short_command(cmd: str) -> str:
+    """A run's command without the machine's interpreter and checkout paths: ``python pretrain_rl.py ...``."""
+    parts = shlex.split(cmd or "")
+    if len(parts) > 1 and parts[1].endswith("pretrain_rl.py"):
+        parts = ["python", "pretrain_rl.py", *parts[2:]]
+    return shlex.join(parts)
+
+
+def write_report(runs_dir: str, out_md: str, command: str, notes: str | None = None) -> str:
     runs = load_runs(runs_dir)
     if not runs:
         raise SystemExit(f"plot_runs.py: no finished runs (results.json) under {runs_dir}")
@@ -295,7 +303,8 @@ def write_report(runs_dir: str, out_md: str, command: str) -> str:
              f"; held-out greedy accuracy on {n_eval} problems (one run's binomial standard error at 50% is "
              f"{100 * math.sqrt(0.25 / max(n_eval, 1)):.1f} points). Model: {flag_value(ex.get('command'), '--num-layers')}"
              f" layers x {flag_value(ex.get('command'), '--hidden-size')} hidden, random init. Example run command:",
-             "", "```bash", ex.get("command", ""), "```", "",
+             "", "```bash", short_command(ex.get("command", "")), "```", "",
+             *([open(notes).read().rstrip(), ""] if notes else []),
              "## Accuracy (held-out greedy accuracy in %, mean ± std over seeds, after GRPO)", "",
              "Evaluated greedily in each run's own rollout precision; the warm start is the same weights for every "
              "row of a seed, evaluated in that row's rollout precision before GRPO. Paper = SPEC §1 (Qwen2.5-3B, "
@@ -364,9 +373,11 @@ def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--runs", default="runs/mini_table", help="the --out directory of run_mini_table.py")
     p.add_argument("--out", default="docs/results/mini_table.md", help="markdown report (PNGs beside it)")
+    p.add_argument("--notes", default=None, help="a markdown file inserted after the header (how the runs were made, "
+                                                   "what to read into them)")
     a = p.parse_args(argv)
     command = "python tools/plot_runs.py " + shlex.join(argv if argv is not None else sys.argv[1:])
-    write_report(a.runs, a.out, command)
+    write_report(a.runs, a.out, command, a.notes)
     print(f"wrote {a.out}")
     return 0
 
