@@ -277,6 +277,21 @@ if HAS_TRITON:
         return v, w
 
     @triton.jit
+    def _act_block_dot(w8, pw, a_ptr, as_ptr, offs_m, mmask, mlive, stride_am, stride_asm, j, jm, j0, jj,
+                       FMT: tl.constexpr, F32: tl.constexpr, C: tl.constexpr, BM: tl.constexpr, BKH: tl.constexpr):
+        """One unit's / block's W . A^T for a packed activation operand A (loaded, converted to FP8, dotted with
+        the FP8 weight tile w8), scaled into fp32 by both block scales: [BN, BM]."""
+        qa = tl.load(a_ptr + offs_m[:, None] * stride_am + j[None, :], mask=mmask[:, None] & jm,
+                     other=0).to(tl.int32)
+        pa, wa = _blk_scale(as_ptr, offs_m, mlive, stride_asm, j0, FMT)
+        a8 = tl.trans(_f8_operand(qa, wa[:, None], jj, FMT, F32, BM, BKH))
+        if F32:
+            d = tl.dot(w8, a8, input_precision="ieee")
+        else:
+            d = tl.dot(w8, a8)
+        return ((d * C) * pw[:, None]) * pa[None, :]
+
+    @triton.jit
     def _fp8_decode_kernel(x_ptr, xs_ptr, r_ptr, rs_ptr, b_ptr, bs_ptr, c_ptr, M, N, KH, stride_xm, stride_xsm,
                            stride_bn, stride_bsn, stride_cm, FMT: tl.constexpr, HAS_RES: tl.constexpr,
                            SPLIT_K: tl.constexpr, F32: tl.constexpr, BN: tl.constexpr, BM: tl.constexpr,
@@ -306,25 +321,11 @@ if HAS_TRITON:
                              other=0).to(tl.int32)
                 pw, ww = _blk_scale(bs_ptr, offs_n, nlive, stride_bsn, j0, FMT)
                 w8 = _f8_operand(qb, ww[:, None], jj, FMT, F32, BN, BKH)
-                qx = tl.load(x_ptr + offs_m[:, None] * stride_xm + j[None, :], mask=mmask[:, None] & jm,
-                             other=0).to(tl.int32)
-                px, wx = _blk_scale(xs_ptr, offs_m, mlive, stride_xsm, j0, FMT)
-                x8 = tl.trans(_f8_operand(qx, wx[:, None], jj, FMT, F32, BM, BKH))
-                if F32:
-                    d = tl.dot(w8, x8, input_precision="ieee")
-                else:
-                    d = tl.dot(w8, x8)
-                acc += ((d * C) * pw[:, None]) * px[None, :]
-                if HAS_RES:
-                    qr = tl.load(r_ptr + offs_m[:, None] * stride_xm + j[None, :], mask=mmask[:, None] & jm,
-                                 other=0).to(tl.int32)
-                    pr, wr = _blk_scale(rs_ptr, offs_m, mlive, stride_xsm, j0, FMT)
-                    r8 = tl.trans(_f8_operand(qr, wr[:, None], jj, FMT, F32, BM, BKH))
-                    if F32:
-                        d = tl.dot(w8, r8, input_precision="ieee")
-                    else:
-                        d = tl.dot(w8, r8)
-                    acc += ((d * C) * pw[:, None]) * pr[None, :]
+                acc += _act_block_dot(w8, pw, x_ptr, xs_ptr, offs_m, mmask, mlive, stride_xm, stride_xsm, j, jm, j0,
+                                      jj, FMT, F32, C, BM, BKH)
+                if HAS_RES:  # the residual shares the activations' strides and reuses the weight tile
+                    acc += _act_block_dot(w8, pw, r_ptr, rs_ptr, offs_m, mmask, mlive, stride_xm, stride_xsm, j, jm,
+                                          j0, jj, FMT, F32, C, BM, BKH)
         cptr = c_ptr + offs_m[None, :] * stride_cm + offs_n[:, None]
         cmask = nmask[:, None] & mmask[None, :]
         if SPLIT_K > 1:
