@@ -269,3 +269,23 @@ def test_warmup_to_target_accuracy_stops_early_and_chunks_change_nothing(tmp_pat
         assert r.returncode == 0, r.stderr[-2000:]
         runs[name] = [_deterministic(row) for row in _read_jsonl(log) if row["kind"] == "train"]
     assert runs["chunked"] == runs["plain"] and runs["plain"]
+
+
+def test_nonfinite_weights_stop_the_run_before_sampling(tmp_path):
+    # an optimizer step that leaves an inf weight (patched in) stops at the next weight sync with the step and
+    # the last good checkpoint, instead of crashing later inside torch.multinomial
+    argv = TINY + ["--train-iters", "4", "--save", str(tmp_path / "c"), "--save-interval", "100"]
+    code = ("import sys, torch, megatron_fp4.rl.trainer as t; orig = t.GRPOTrainer._optimizer_step\n"
+            "def step(self):\n"
+            "    out = orig(self)\n"
+            "    if self.step >= 1:\n"
+            "        next(self.policy.module.parameters()).data.view(-1)[0] = float('inf')\n"
+            "    return out\n"
+            "t.GRPOTrainer._optimizer_step = step\n"
+            f"sys.argv = ['pretrain_rl.py'] + {argv!r}; import runpy; runpy.run_path('pretrain_rl.py', run_name='__main__')")
+    r = subprocess.run([sys.executable, "-c", code], env=_env(), cwd=ROOT, capture_output=True, text=True,
+                       timeout=600)
+    assert r.returncode == 1, r.stderr[-2000:]
+    assert "pretrain_rl.py: error: stopping at step 2: the policy's weights are not finite" in r.stderr
+    assert "last good checkpoint: " + str(tmp_path / "c" / "iter_0000000") in r.stderr
+    assert "Traceback" not in r.stderr

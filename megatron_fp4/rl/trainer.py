@@ -30,7 +30,7 @@ from megatron_fp4.rl import grpo
 from megatron_fp4.rl.checkpoint import (capture_rng_state, latest_iteration,
                                         load_checkpoint, restore_rng_state, save_checkpoint)
 from megatron_fp4.rl.data import Example, PromptSampler
-from megatron_fp4.rl.monitor import MetricsLogger, NonFiniteGuard
+from megatron_fp4.rl.monitor import MetricsLogger, NonFiniteGuard, TrainingDivergedError
 from megatron_fp4.rl.rewards import score
 from megatron_fp4.rl.tokenizer import Tokenizer
 
@@ -244,9 +244,12 @@ class GRPOTrainer:
         """Push the policy's weights into the rollout engine (re-quantized once); returns timing metrics.
 
         With pipeline parallelism the rollout model is the full model: every stage's parameters are gathered
-        over the pipeline group first (a collective; ``rollout/weight_sync_gather_s`` times it)."""
+        over the pipeline group first (a collective; ``rollout/weight_sync_gather_s`` times it). Non-finite
+        weights on any rank stop the run (TrainingDivergedError naming the step and the last good checkpoint)
+        before they reach the sampler."""
         from megatron.core import parallel_state as ps
 
+        self._check_weights_finite()
         if ps.get_pipeline_model_parallel_world_size() == 1:
             return self.engine.update_weights(self.policy.module.named_parameters()).as_metrics()
         from megatron_fp4.models.pp_gather import gather_pipeline_parameters
@@ -260,6 +263,16 @@ class GRPOTrainer:
         metrics["rollout/weight_sync_gather_s"] = t_gather
         metrics["rollout/weight_sync_total_s"] += t_gather
         return metrics
+
+    def _check_weights_finite(self) -> None:
+        params = [p.detach() for p in self.policy.module.parameters()]
+        bad = torch.stack([~torch.isfinite(p).all() for p in params]).any().float().reshape(1)
+        bad = bad.to(collective_device())
+        torch.distributed.all_reduce(bad, op=torch.distributed.ReduceOp.MAX)  # every rank stops together
+        if bool(bad.item()):
+            raise TrainingDivergedError(
+                f"stopping at step {self.step}: the policy's weights are not finite after the update; last good "
+                f"checkpoint: {self.last_checkpoint or 'none saved'}")
 
     def _same_on_pipeline(self, obj):
         """``obj`` of the first pipeline stage, on every stage (identity without pipeline parallelism)."""
@@ -378,8 +391,8 @@ class GRPOTrainer:
         metrics.update(stats)
         metrics["train_tokens_per_s"] = num_tokens * a.ppo_epochs / max(t_train, 1e-9)
         metrics["lr"] = self.optimizer.param_groups[0]["lr"]
-        metrics.update(self.sync_rollout_weights())
         self.step += 1
+        metrics.update(self.sync_rollout_weights())
         self.set_lr(self.lr_at(self.step))
         return metrics
 
