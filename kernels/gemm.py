@@ -54,6 +54,16 @@ if HAS_TRITON:
         return first_m + ((pid % group) % gsize), (pid % group) // gsize
 
     @triton.jit
+    def _mma(a, b, acc, PRECISE_ACC: tl.constexpr, IEEE: tl.constexpr):
+        """acc + a . b: FP8 with promotion every PRECISE_ACC values (0: Hopper's default), fp32 in IEEE mode."""
+        if PRECISE_ACC > 0:
+            return tl.dot(a, b, acc, max_num_imprecise_acc=PRECISE_ACC)
+        elif IEEE:
+            return tl.dot(a, b, acc, input_precision="ieee")
+        else:
+            return tl.dot(a, b, acc)
+
+    @triton.jit
     def _gemm_body(a_ptr, r_ptr, b_ptr, c_ptr, sa_ptr, sb_ptr, M, N, K, stride_am, stride_rm, stride_bn,
                    stride_cm, HAS_RES: tl.constexpr, HAS_SCALE: tl.constexpr, PRECISE_ACC: tl.constexpr,
                    IEEE: tl.constexpr, EVEN_K: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr,
@@ -73,23 +83,13 @@ if HAS_TRITON:
             else:
                 a = tl.load(a_ptrs, mask=offs_k[None, :] < K - kk * BK, other=0.0)
                 b = tl.load(b_ptrs, mask=offs_k[:, None] < K - kk * BK, other=0.0)
-            if PRECISE_ACC > 0:
-                acc = tl.dot(a, b, acc, max_num_imprecise_acc=PRECISE_ACC)
-            elif IEEE:
-                acc = tl.dot(a, b, acc, input_precision="ieee")
-            else:
-                acc = tl.dot(a, b, acc)
+            acc = _mma(a, b, acc, PRECISE_ACC, IEEE)
             if HAS_RES:
                 if EVEN_K:
                     r = tl.load(r_ptrs)
                 else:
                     r = tl.load(r_ptrs, mask=offs_k[None, :] < K - kk * BK, other=0.0)
-                if PRECISE_ACC > 0:
-                    acc = tl.dot(r, b, acc, max_num_imprecise_acc=PRECISE_ACC)
-                elif IEEE:
-                    acc = tl.dot(r, b, acc, input_precision="ieee")
-                else:
-                    acc = tl.dot(r, b, acc)
+                acc = _mma(r, b, acc, PRECISE_ACC, IEEE)
                 r_ptrs += BK
             a_ptrs += BK
             b_ptrs += BK

@@ -289,18 +289,7 @@ class QuantizedWeightCache:
     def get(self, weight: torch.Tensor, fmt: FormatLike) -> torch.Tensor:
         """deq(Q(weight)) along its last dim (K), in ``weight.dtype`` (FP4 values are exact in bf16)."""
         f = get_format(fmt)
-        key = (id(weight), f.name)
-        stamp = (weight.data_ptr(), weight._version, tuple(weight.shape), weight.dtype, weight.device)
-        entry = self._entries.get(key)
-        if entry is not None and entry[0]() is weight and entry[1] == stamp:
-            return entry[2]
-        t0 = time.perf_counter()
-        with torch.no_grad():
-            wq = f.fake_quantize(weight.detach(), dim=-1)
-        self.quantize_seconds += time.perf_counter() - t0
-        self.quantize_calls += 1
-        self._entries[key] = (weakref.ref(weight), stamp, wq)
-        return wq
+        return self.get_prepared(weight, f.name, lambda w: f.fake_quantize(w, dim=-1))
 
     def get_prepared(self, weight: torch.Tensor, kind: str, build: Callable[[torch.Tensor], Any]) -> Any:
         """Any per-weight object (e.g. a kernel's packed weight) built by ``build(weight)`` once per weight version,
