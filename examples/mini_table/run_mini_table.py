@@ -61,12 +61,17 @@ FORMATS = ("hif4", "mxfp4")
 # (short answers keep decoding cheap). History: 48-token word problems started GRPO at 6-9% and did not learn in
 # 20 steps; sums of four 0-99 numbers reached only 4.1% in 2000 warm-up iterations (docs/results/mini_table.md);
 # five one-digit numbers reach 20-26% in 250-400 iterations on CPU (measured), so the 30% stop lands where GRPO
-# has room. "tiny": a CPU smoke test (2 x 64, one-digit addition).
+# has room. "cpu": pretrain_rl.py's default model and task (2 x 128, four one-digit numbers; its warm start sits
+# near 25% and GRPO lifts it a lot), 100 GRPO steps, for a table on a 2-core CPU. "tiny": a smoke test (2 x 64).
 MODEL = {
     "gpu": ["--num-layers", "8", "--hidden-size", "512", "--ffn-hidden-size", "2048", "--num-attention-heads", "8",
             "--num-query-groups", "4", "--dataset", "synthetic:add", "--synthetic-digits", "1",
             "--synthetic-operands", "5", "--vocab-size", "24", "--num-synthetic-examples", "20000",
             "--eval-samples", "512", "--max-prompt-length", "16", "--max-response-length", "8"],
+    "cpu": ["--num-layers", "2", "--hidden-size", "128", "--ffn-hidden-size", "512", "--num-attention-heads", "4",
+            "--num-query-groups", "2", "--dataset", "synthetic:add", "--synthetic-digits", "1",
+            "--synthetic-operands", "4", "--vocab-size", "24", "--num-synthetic-examples", "4000",
+            "--eval-samples", "256", "--max-prompt-length", "16", "--max-response-length", "8"],
     "tiny": ["--num-layers", "2", "--hidden-size", "64", "--ffn-hidden-size", "128", "--num-attention-heads", "4",
              "--num-query-groups", "2", "--dataset", "synthetic:add", "--synthetic-digits", "1",
              "--synthetic-operands", "4", "--num-synthetic-examples", "600", "--eval-samples", "32",
@@ -76,16 +81,20 @@ WARMUP = {
     # stop the warm-up at 30% held-out accuracy (checked every 25 iterations): room for GRPO to matter
     "gpu": ["--sft-iters", "2000", "--sft-batch-size", "64", "--sft-lr", "1e-3", "--sft-target-accuracy", "0.3",
             "--sft-eval-interval", "25"],
+    "cpu": ["--sft-iters", "100", "--sft-batch-size", "64", "--sft-lr", "3e-3"],
     "tiny": ["--sft-iters", "3", "--sft-batch-size", "16"],
 }
 GRPO = {  # the same for every row; the paper's group size 16, batch 32 prompts, clip 0.2/0.2, TIS cap 5, KL
     "gpu": ["--group-size", "16", "--global-batch-size", "32", "--micro-batch-size", "256", "--lr", "2e-4",
             "--min-lr", "5e-5", "--kl-beta", "0.001", "--clip-low", "0.2", "--clip-high", "0.2", "--tis-cap", "5",
             "--eval-interval", "25", "--log-underflow-interval", "25"],
+    "cpu": ["--group-size", "16", "--global-batch-size", "32", "--micro-batch-size", "256", "--lr", "6e-4",
+            "--min-lr", "1e-4", "--kl-beta", "0.001", "--clip-low", "0.2", "--clip-high", "0.2", "--tis-cap", "5",
+            "--eval-interval", "25", "--log-underflow-interval", "25"],
     "tiny": ["--group-size", "4", "--global-batch-size", "4", "--micro-batch-size", "16", "--eval-interval", "100",
              "--log-underflow-interval", "1"],
 }
-DEFAULT_STEPS = {"gpu": 100, "tiny": 2}
+DEFAULT_STEPS = {"gpu": 100, "cpu": 100, "tiny": 2}
 
 
 @dataclass(frozen=True)
@@ -126,8 +135,7 @@ def shard(runs: list[Run], spec: str | None) -> list[Run]:
 
 def base_flags(args, stage: dict) -> list[str]:
     """The preset's model/task flags, its warm-up or GRPO flags, then the user's extra flags (which win)."""
-    preset = "tiny" if args.tiny else "gpu"
-    return MODEL[preset] + stage[preset] + list(args.extra)
+    return MODEL[args.preset] + stage[args.preset] + list(args.extra)
 
 
 def run_command(cmd: list[str], log_path: str, env: dict) -> int:
@@ -159,7 +167,6 @@ def ensure_warm(args, seed: int, env: dict) -> str:
     if os.path.isfile(os.path.join(ckpt, "latest_checkpointed_iteration.txt")):
         return ckpt
     os.makedirs(rdir, exist_ok=True)
-    preset = "tiny" if args.tiny else "gpu"
     res = os.path.join(rdir, "pretrain_result.json")
     cmd = [sys.executable, os.path.join(ROOT, "pretrain_rl.py"), *base_flags(args, WARMUP),
            "--fp4-format", "none", "--train-iters", "0", "--seed", str(seed), "--save", ckpt,
@@ -187,7 +194,7 @@ def ensure_warm(args, seed: int, env: dict) -> str:
 
 
 def run_one(args, run: Run, warm_ckpt: str, env: dict) -> dict:
-    preset = "tiny" if args.tiny else "gpu"
+    preset = args.preset
     rdir = os.path.join(args.out, run.name)
     os.makedirs(rdir, exist_ok=True)
     jsonl, res = os.path.join(rdir, "train.jsonl"), os.path.join(rdir, "pretrain_result.json")
@@ -250,7 +257,10 @@ def parse(argv=None):
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--out", default="runs/mini_table", help="results directory (small JSON/jsonl files)")
     p.add_argument("--ckpt-dir", default=None, help="warm-start checkpoints (default: OUT_ckpt)")
-    p.add_argument("--tiny", action="store_true", help="the CPU smoke-test preset (2 x 64 model, addition)")
+    p.add_argument("--preset", choices=sorted(MODEL), default="gpu",
+                   help="gpu: the H200 table (31M model); cpu: pretrain_rl.py's tiny default model and task on a "
+                        "CPU; tiny: a smoke test")
+    p.add_argument("--tiny", action="store_const", const="tiny", dest="preset", help="same as --preset tiny")
     p.add_argument("--seeds", default="1", help="comma-separated seeds (one warm start per seed)")
     p.add_argument("--formats", default="hif4,mxfp4", help="comma-separated FP4 formats")
     p.add_argument("--only", default=None, help=f"comma-separated row ids (default all): {','.join(ROW_IDS)}")
@@ -276,7 +286,7 @@ def parse(argv=None):
         if r not in ROW_IDS:
             raise SystemExit(f"--only: {r!r} is not valid; allowed: {', '.join(ROW_IDS)}")
     if args.grpo_steps is None:
-        args.grpo_steps = DEFAULT_STEPS["tiny" if args.tiny else "gpu"]
+        args.grpo_steps = DEFAULT_STEPS[args.preset]
     return args
 
 
