@@ -195,6 +195,7 @@ def main(argv=None) -> dict:
         raise SystemExit("pretrain_rl.py: --rollout-backend sglang is not available yet; use --rollout-backend native")
     torch.set_num_threads(max(1, (os.cpu_count() or 1) // int(os.environ.get("LOCAL_WORLD_SIZE", "1"))))
 
+    from megatron_fp4.formats import get_format
     from megatron_fp4.parallel import initialize_parallel
     from megatron_fp4.resq import RolloutPrecision
     from megatron_fp4.rl.trainer import GRPOTrainer
@@ -236,6 +237,15 @@ def main(argv=None) -> dict:
               f"{tok.vocab_size} tokens, model vocab {model_vocab} | {n_params / 1e6:.2f}M params/rank | "
               f"{describe(args, recipe, precision)} | world {torch.distributed.get_world_size()} "
               f"(TP {tp}{f', PP {pp}' if pp > 1 else ''})", flush=True)
+
+    if rank == 0 and recipe is not None and tp > 1:
+        block = get_format(args.fp4_format).block_size
+        cfg = policy.module.config
+        split = {"hidden size": cfg.hidden_size, "ffn hidden size": cfg.ffn_hidden_size}
+        uneven = [f"{k} {v} / TP {tp}" for k, v in split.items() if (v // tp) % block]
+        if uneven:
+            print(f"[setup] note: {', '.join(uneven)} is not a multiple of the {args.fp4_format} block ({block}): "
+                  f"FP4 blocks along the sharded K differ from TP=1's, so results depend on TP", flush=True)
 
     eval_precisions = {"accuracy": None}
     if precision.mode != "bf16":
