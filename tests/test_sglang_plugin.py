@@ -99,6 +99,15 @@ def _load(layers, w) -> None:
     layers["down"].weight.weight_loader(layers["down"].weight, w["down"])
 
 
+def _loaded_layers(precision: RolloutPrecision, w) -> dict:
+    """:func:`_layers` with ``w`` loaded through SGLang's loaders and quantized (process_weights_after_loading)."""
+    layers = _layers(precision)
+    _load(layers, w)
+    for m in layers.values():
+        m.quant_method.process_weights_after_loading(m)
+    return layers
+
+
 def _fused(w):
     return {"qkv": (torch.cat([w["q"], w["k"], w["v"]]), torch.cat([w["qb"], w["kb"], w["vb"]])),
             "gate_up": (torch.cat([w["gate"], w["up"]]), None), "down": (w["down"], None)}
@@ -135,11 +144,8 @@ def test_sglang_discovers_the_plugin():
 def test_layers_equal_reference_bit_for_bit(name):
     precision = PRECISIONS[name]
     fmt = get_format(precision.format)
-    layers = _layers(precision)
     w = _hf_weights(0)
-    _load(layers, w)
-    for layer in layers.values():
-        layer.quant_method.process_weights_after_loading(layer)
+    layers = _loaded_layers(precision, w)
     xs, fused = _inputs(), _fused(w)
     with torch.no_grad():
         for key, layer in layers.items():
@@ -178,10 +184,7 @@ def test_layers_equal_native_megatron_linears(name):
         layer.self_attention.linear_qkv.bias.copy_(bq.reshape(-1))
         layer.mlp.linear_fc1.weight.copy_(torch.cat([w["gate"], w["up"]]))
         layer.mlp.linear_fc2.weight.copy_(w["down"])
-    sgl = _layers(precision)
-    _load(sgl, w)
-    for m in sgl.values():
-        m.quant_method.process_weights_after_loading(m)
+    sgl = _loaded_layers(precision, w)
     xs = _inputs(2)
     with torch.no_grad(), rollout_precision(model, precision):
         mg = {"qkv": layer.self_attention.linear_qkv, "gate_up": layer.mlp.linear_fc1, "down": layer.mlp.linear_fc2}
@@ -201,10 +204,7 @@ def test_refit_requantizes_in_place_twice():
     from megatron_fp4.sglang_plugin.method import requantize_stale_layers
 
     precision = PRECISIONS["hif4+2:4"]
-    layers = _layers(precision)
-    _load(layers, _hf_weights(0))
-    for m in layers.values():
-        m.quant_method.process_weights_after_loading(m)
+    layers = _loaded_layers(precision, _hf_weights(0))
     ids = {k: (id(m.weight), id(m.weight_packed), id(m.weight_scale)) for k, m in layers.items()}
     loaders = {k: m.weight.weight_loader for k, m in layers.items()}
     xs = _inputs()
@@ -247,10 +247,7 @@ def test_refit_requantizes_in_place_twice():
 def test_lazy_requantize_when_loader_bypassed():
     """A plain ``load_weights`` (no re-quantizing loader) still takes effect: apply() re-quantizes stale layers."""
     precision = PRECISIONS["mxfp4+2:4"]
-    layers = _layers(precision)
-    _load(layers, _hf_weights(0))
-    for m in layers.values():
-        m.quant_method.process_weights_after_loading(m)
+    layers = _loaded_layers(precision, _hf_weights(0))
     w = _hf_weights(7)
     _load(layers, w)
     assert all(m.megatron_fp4_stale for m in layers.values())
