@@ -163,7 +163,6 @@ def warm_up(trainer, args, bf16_precision) -> list[float]:
                   f"(target {args.sft_target_accuracy:.3f})", flush=True)
         if acc >= args.sft_target_accuracy:
             break
-    trainer.state_extra["sft_iters_done"] = done
     return losses
 
 

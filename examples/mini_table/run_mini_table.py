@@ -194,7 +194,6 @@ def ensure_warm(args, seed: int, env: dict) -> str:
 
 
 def run_one(args, run: Run, warm_ckpt: str, env: dict) -> dict:
-    preset = args.preset
     rdir = os.path.join(args.out, run.name)
     os.makedirs(rdir, exist_ok=True)
     jsonl, res = os.path.join(rdir, "train.jsonl"), os.path.join(rdir, "pretrain_result.json")
@@ -215,7 +214,7 @@ def run_one(args, run: Run, warm_ckpt: str, env: dict) -> dict:
     with open(res) as f:
         result = json.load(f)
     record = {"seed": run.seed, "format": run.fmt, "row": run.row.id, "training": run.row.training,
-              "rollout": run.row.rollout, "grpo_steps": args.grpo_steps, "preset": preset,
+              "rollout": run.row.rollout, "grpo_steps": args.grpo_steps, "preset": args.preset,
               "command": shlex.join(cmd), **result, "driver_seconds": result.get("seconds"),
               "seconds": time.monotonic() - t0}  # wall time of the whole process (start-up included)
     with open(os.path.join(rdir, "results.json"), "w") as f:  # written last: its presence marks the run done
