@@ -24,7 +24,6 @@ from __future__ import annotations
 
 import datetime
 import os
-import socket
 from typing import Any, Optional
 
 import torch
@@ -136,12 +135,6 @@ def collective_device() -> torch.device:
     return torch.device("cpu")
 
 
-def _free_port() -> int:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def initialize_parallel(
     tensor_model_parallel_size: int = 1,
     pipeline_model_parallel_size: int = 1,
@@ -151,7 +144,7 @@ def initialize_parallel(
 ) -> None:
     """Initialize torch.distributed (gloo on CPU, nccl on GPU) and megatron ``parallel_state``, then seed RNGs.
 
-    Works single-process (no ``torchrun`` environment: world size 1 on a free local port) and under
+    Works single-process (no ``torchrun`` environment: world size 1, in-memory store) and under
     ``torchrun`` (reads RANK / WORLD_SIZE / MASTER_ADDR / MASTER_PORT). Data-parallel size is what is left:
     world_size / (TP * PP). Idempotent for the same sizes.
     """
@@ -161,9 +154,11 @@ def initialize_parallel(
     if not cuda:
         apply_cpu_shims()
     if not torch.distributed.is_initialized():
+        store = None
         if "RANK" not in os.environ or "WORLD_SIZE" not in os.environ:
-            os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
-            os.environ.setdefault("MASTER_PORT", str(_free_port()))
+            # One process on its own: an in-memory store, no TCP port (several single-process runs started at
+            # once used to race for the same "free" port: EADDRINUSE)
+            store = torch.distributed.HashStore()
             os.environ["RANK"] = "0"
             os.environ["WORLD_SIZE"] = "1"
             os.environ.setdefault("LOCAL_RANK", "0")
@@ -172,6 +167,7 @@ def initialize_parallel(
             torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")) % torch.cuda.device_count())
         torch.distributed.init_process_group(
             backend=backend or ("nccl" if cuda else "gloo"),
+            store=store,
             rank=rank,
             world_size=world,
             timeout=datetime.timedelta(seconds=timeout_s),
