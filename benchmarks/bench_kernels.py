@@ -80,9 +80,25 @@ def bench_quantize(rows=16384, K=3584):
              2 + 2 * (0.5 + meta) + 2 * (2 if fmt == "hif4" else 1)),
         ]
         for name, fn, bpe in cases:
-            ms = bench([fn])
+            ms = bench([fn], graph=True)  # kernel time: host overhead (autotuner, allocations) replayed away
             out.append({"kernel": f"quantize {fmt} {name}", "rows": rows, "K": K, "ms": ms,
                         "GB/s": bpe * rows * K / ms / 1e6, "config": _best_config(fmt, name)})
+    return out
+
+
+def sweep_quantize(rows=16384, K=3584):
+    """GB/s of the row quantize kernel (pack only) for every tile config autotuning chooses from."""
+    from kernels import quantize as qm
+
+    x = torch.randn(rows, K, device="cuda", dtype=torch.bfloat16)
+    out = []
+    for fmt, meta in (("hif4", 4 / 64), ("mxfp4", 1 / 32)):
+        for cfg in qm._ROW_CFGS:
+            ms = bench([lambda: quantize(x, fmt, config=cfg)], graph=True)
+            gbs = (2 + 0.5 + meta) * rows * K / ms / 1e6
+            out.append({"fmt": fmt, "config": list(cfg), "us": ms * 1e3, "GB/s": gbs})
+            print(f"  quantize sweep {fmt} (rows, K step, warps, prefetch)={cfg}: {ms * 1e3:.1f} us {gbs:.0f} GB/s",
+                  flush=True)
     return out
 
 
@@ -254,6 +270,8 @@ def main():
     p.add_argument("--out", default="benchmarks/results/kernels_h200.json")
     p.add_argument("--quick", action="store_true", help="one shape, two M")
     p.add_argument("--sweep", action="store_true", help="also sweep the decode kernel's tile configs")
+    p.add_argument("--sweep-quantize", action="store_true", help="also time every quantize tile config")
+    p.add_argument("--quantize-only", action="store_true", help="only the quantize kernels (no GEMMs)")
     args = p.parse_args()
     if args.markdown:
         print(markdown(args.markdown))
@@ -263,13 +281,14 @@ def main():
     dev = torch.cuda.get_device_name()
     copy_gbs, bf16_peak = ceilings()
     print(f"GPU {dev}; copy {copy_gbs:.0f} GB/s; cuBLAS bf16 8192^3 {bf16_peak:.0f} TFLOP/s", flush=True)
+    qsweep = sweep_quantize() if args.sweep_quantize else []
     qrows = bench_quantize()
     sweep = sweep_decode() if args.sweep else []
-    shapes = SHAPES[:1] if args.quick else SHAPES
+    shapes = [] if args.quantize_only else SHAPES[:1] if args.quick else SHAPES
     ms_list = [16, 4096] if args.quick else MS
     result = {"gpu": dev, "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()), "torch": torch.__version__,
               "triton": triton.__version__, "copy_GBps": copy_gbs, "cublas_bf16_8192_TFLOPs": bf16_peak,
-              "quantize": qrows, "decode_sweep": sweep,
+              "quantize": qrows, "quantize_sweep": qsweep, "decode_sweep": sweep,
               "decode_defaults": {f"{k[0]}/{k[1]}": v for k, v in gm.DECODE_CONFIGS.items()}, "gemm": []}
     os.makedirs(os.path.dirname(args.out) or ".", exist_ok=True)
 

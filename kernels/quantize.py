@@ -177,6 +177,16 @@ if HAS_TRITON:
         return x.to(tl.float32)
 
     @triton.jit
+    def _first_tile(x_ptr, rows, rmask, K, stride_xr, stride_xk, BR: tl.constexpr, BK: tl.constexpr,
+                    PREFETCH: tl.constexpr):
+        """PREFETCH: the first K tile, loaded before the loop, whose steps then load tile i+1 before working on
+        tile i (keeps loads in flight while the ALU-heavy tile math runs); else a placeholder."""
+        if PREFETCH:
+            return _load_x(x_ptr, rows, rmask, tl.arange(0, BK), K, stride_xr, stride_xk)
+        else:
+            return tl.zeros((BR, BK), dtype=tl.float32)
+
+    @triton.jit
     def _row_amax(x_ptr, rows, rmask, K, stride_xr, stride_xk, BR: tl.constexpr, BK: tl.constexpr):
         am = tl.zeros((BR,), dtype=tl.float32)
         for k0 in range(0, K, BK):
@@ -190,12 +200,17 @@ if HAS_TRITON:
     @triton.jit
     def _hif4_quant_kernel(x_ptr, codes_ptr, scales_ptr, ex_ptr, R, K, KP, stride_xr, stride_xk, stride_cr,
                            stride_sr, stride_er, K_BUCKET, EXPAND: tl.constexpr, BR: tl.constexpr, BK: tl.constexpr,
-                           R1: tl.constexpr, R2: tl.constexpr, R3: tl.constexpr):
+                           R1: tl.constexpr, R2: tl.constexpr, R3: tl.constexpr, PREFETCH: tl.constexpr = 0):
         rows = tl.program_id(0) * BR + tl.arange(0, BR)
         rmask = rows < R
+        xn = _first_tile(x_ptr, rows, rmask, K, stride_xr, stride_xk, BR, BK, PREFETCH)
         for k0 in range(0, KP, BK):
             cols = k0 + tl.arange(0, BK)
-            x = _load_x(x_ptr, rows, rmask, cols, K, stride_xr, stride_xk)
+            if PREFETCH:
+                x = xn
+                xn = _load_x(x_ptr, rows, rmask, cols + BK, K, stride_xr, stride_xk)
+            else:
+                x = _load_x(x_ptr, rows, rmask, cols, K, stride_xr, stride_xk)
             codes, word, val, bad = _hif4_tile(x, BR, BK, R1, R2, R3)
             _store_packed(codes_ptr, codes, rows, rmask, k0, KP, stride_cr, BR, BK)
             ju = k0 // 64 + tl.arange(0, BK // 64)
@@ -208,7 +223,7 @@ if HAS_TRITON:
     @triton.jit
     def _mx_quant_kernel(x_ptr, codes_ptr, scales_ptr, ex_ptr, rexp_ptr, rok_ptr, R, K, KP, stride_xr,
                          stride_xk, stride_cr, stride_sr, stride_er, K_BUCKET, RCEIL: tl.constexpr, EXPAND: tl.constexpr,
-                         BR: tl.constexpr, BK: tl.constexpr):
+                         BR: tl.constexpr, BK: tl.constexpr, PREFETCH: tl.constexpr = 0):
         """EXPAND: 0 none, 1 E5M2 + row scale (two passes over x), 2 bf16."""
         NB: tl.constexpr = BK // 32
         rows = tl.program_id(0) * BR + tl.arange(0, BR)
@@ -218,9 +233,14 @@ if HAS_TRITON:
         if EXPAND == 1:
             am = _row_amax(x_ptr, rows, rmask, K, stride_xr, stride_xk, BR, BK)
             S = tl.minimum(tl.maximum(_mx_x(am, RCEIL) - 13, -126), 127)
+        xn = _first_tile(x_ptr, rows, rmask, K, stride_xr, stride_xk, BR, BK, PREFETCH)
         for k0 in range(0, KP, BK):
             cols = k0 + tl.arange(0, BK)
-            x = _load_x(x_ptr, rows, rmask, cols, K, stride_xr, stride_xk)
+            if PREFETCH:
+                x = xn
+                xn = _load_x(x_ptr, rows, rmask, cols + BK, K, stride_xr, stride_xk)
+            else:
+                x = _load_x(x_ptr, rows, rmask, cols, K, stride_xr, stride_xk)
             codes, X, bad, val = _mx_tile(x, BR, BK, RCEIL)
             _store_packed(codes_ptr, codes, rows, rmask, k0, KP, stride_cr, BR, BK)
             jb = k0 // 32 + tl.arange(0, NB)
@@ -239,20 +259,25 @@ if HAS_TRITON:
             tl.store(rok_ptr + rows, ok.to(tl.int8), mask=rmask)
 
 
-    _ROW_CFGS = [(8, 256, 4), (16, 128, 4), (4, 512, 4), (16, 256, 8), (32, 64, 4), (2, 1024, 4), (1, 1024, 4)]
-    _COL_CFGS = [(64, 64, 4), (128, 64, 4), (256, 64, 8), (128, 128, 8), (32, 64, 2)]
+    # (rows per program, K per step, warps, prefetch the next K tile). Measured on the H200 (docs/PERFORMANCE.md,
+    # run 6): prefetching wins for HiF4 (-18%) and is even for MXFP4; 32x256 and 16x512 tiles (with or without
+    # prefetch) and prefetching column tiles never won, so they are not tried.
+    _ROW_CFGS = [(8, 256, 4, 0), (16, 128, 4, 0), (4, 512, 4, 0), (16, 256, 8, 0), (32, 64, 4, 0), (2, 1024, 4, 0),
+                 (1, 1024, 4, 0), (8, 256, 4, 1), (16, 256, 8, 1), (4, 512, 4, 1)]
+    _COL_CFGS = [(64, 64, 4, 0), (128, 64, 4, 0), (256, 64, 8, 0), (128, 128, 8, 0), (32, 64, 2, 0)]
 
-    def _qconfigs():
-        return [triton.Config({"BR": br, "BK": bk}, num_warps=w) for br, bk, w in _ROW_CFGS + _COL_CFGS]
+    def _qconfig(br, bk, w, pf):
+        return triton.Config({"BR": br, "BK": bk, "PREFETCH": pf}, num_warps=w)
 
     def _prune(configs, named_args, **kwargs):
         row_major = named_args["stride_xk"] == 1
         want = _ROW_CFGS if row_major else _COL_CFGS
-        keep = [c for c in configs if (c.kwargs["BR"], c.kwargs["BK"], c.num_warps) in want]
+        keep = [c for c in configs
+                if (c.kwargs["BR"], c.kwargs["BK"], c.num_warps, c.kwargs["PREFETCH"]) in want]
         return keep or configs
 
     # K_BUCKET (K's next power of two) rather than K: the column variants see a new token count every step.
-    _TUNE = dict(configs=_qconfigs(), key=["K_BUCKET", "stride_xk", "EXPAND"],
+    _TUNE = dict(configs=[_qconfig(*c) for c in _ROW_CFGS + _COL_CFGS], key=["K_BUCKET", "stride_xk", "EXPAND"],
                  prune_configs_by={"early_config_prune": _prune})
     _hif4_quant_tuned = triton.autotune(**_TUNE)(_hif4_quant_kernel)
     _mx_quant_tuned = triton.autotune(**_TUNE)(_mx_quant_kernel)
@@ -287,7 +312,8 @@ def quantize(x: torch.Tensor, fmt, dim: int = -1, expand: Optional[str] = None,
 
     Returns a QuantizedTensor, or ``(QuantizedTensor, Expanded)`` when ``expand`` is "native" or "bf16".
     Falls back to the PyTorch reference where the kernels cannot run (no Triton, no GPU, other formats).
-    ``config`` = (rows per program, K per step, warps) skips autotuning (small inputs use a fixed one).
+    ``config`` = (rows per program, K per step, warps[, prefetch 0/1]) skips autotuning (small inputs use a fixed
+    one).
     """
     f = get_format(fmt)
     if expand not in EXPAND_MODES:
@@ -304,7 +330,8 @@ def quantize(x: torch.Tensor, fmt, dim: int = -1, expand: Optional[str] = None,
     nblk = kp // bs
     dev = x.device
     codes = torch.empty((R, kp // 2), dtype=torch.uint8, device=dev)
-    BR, BK, warps = config or _block_config(f.name, x2)
+    BR, BK, warps, *pf = config or _block_config(f.name, x2)
+    pf = pf[0] if pf else 0
     fixed = config is not None or interpreting() or R * k < (1 << 16)
     grid = (cdiv(R, BR),)
     tgrid = lambda meta: (cdiv(R, meta["BR"]),)  # noqa: E731
@@ -318,7 +345,7 @@ def quantize(x: torch.Tensor, fmt, dim: int = -1, expand: Optional[str] = None,
                 nblk, exv.stride(0), tune_bucket(k))
         kw = dict(EXPAND=bool(expand), R1=HIF4_RECIP[1], R2=HIF4_RECIP[2], R3=HIF4_RECIP[3])
         if fixed:
-            _hif4_quant_kernel[grid](*args, **kw, BR=BR, BK=BK, num_warps=warps)
+            _hif4_quant_kernel[grid](*args, **kw, BR=BR, BK=BK, PREFETCH=pf, num_warps=warps)
         else:
             _hif4_quant_tuned[tgrid](*args, **kw)
         scales_out = scales.reshape(*outer, nblk, 4)
@@ -340,7 +367,7 @@ def quantize(x: torch.Tensor, fmt, dim: int = -1, expand: Optional[str] = None,
                 scales.stride(0), exv.stride(0), tune_bucket(k))
         kw = dict(RCEIL=f.name == "mxfp4_rceil", EXPAND=mode)
         if fixed:
-            _mx_quant_kernel[grid](*args, **kw, BR=BR, BK=BK, num_warps=warps)
+            _mx_quant_kernel[grid](*args, **kw, BR=BR, BK=BK, PREFETCH=pf, num_warps=warps)
         else:
             _mx_quant_tuned[tgrid](*args, **kw)
         if mode == 1:

@@ -23,8 +23,8 @@ __all__ = ["resq_quantize", "resq_matmul", "DECODE_MAX_M"]
 DECODE_MAX_M = 64
 
 if HAS_TRITON:
-    from kernels.quantize import (_bcast, _hif4_tile, _load_x, _mx_e5m2, _mx_tile, _mx_x,  # noqa: F401
-                                  _store_packed)
+    from kernels.quantize import (_bcast, _first_tile, _hif4_tile, _load_x, _mx_e5m2, _mx_tile,  # noqa: F401
+                                  _mx_x, _store_packed)
 
     @triton.jit
     def _keep24(m, BR: tl.constexpr, BK: tl.constexpr):
@@ -62,7 +62,7 @@ if HAS_TRITON:
     def _resq_kernel(x_ptr, qc_ptr, qs_ptr, rc_ptr, rs_ptr, ex_ptr, exr_ptr, rexp_ptr, rok_ptr, R, K, KP,
                      stride_xr, stride_xk, stride_cr, stride_sr, stride_er, K_BUCKET, FMT: tl.constexpr,
                      EXPAND: tl.constexpr, BR: tl.constexpr, BK: tl.constexpr, R1: tl.constexpr,
-                     R2: tl.constexpr, R3: tl.constexpr):
+                     R2: tl.constexpr, R3: tl.constexpr, PREFETCH: tl.constexpr = 0):
         """FMT 0 hif4, 1 mxfp4, 2 mxfp4_rceil. EXPAND 0 none, 1 native (HiF4 bf16, MXFP4 E5M2 + shared row
         scale), 2 bf16."""
         BLK: tl.constexpr = 64 if FMT == 0 else 32
@@ -84,9 +84,14 @@ if HAS_TRITON:
                 xa = tl.where((xb & 0x7F800000) != 0x7F800000, tl.abs(x), 0.0)
                 am = tl.maximum(am, tl.max(tl.maximum(xa, ra), axis=1))
             S = tl.minimum(tl.maximum(_mx_x(am, FMT == 2) - 13, -126), 127)
+        xn = _first_tile(x_ptr, rows, rmask, K, stride_xr, stride_xk, BR, BK, PREFETCH)
         for k0 in range(0, KP, BK):
             cols = k0 + tl.arange(0, BK)
-            x = _load_x(x_ptr, rows, rmask, cols, K, stride_xr, stride_xk)
+            if PREFETCH:
+                x = xn
+                xn = _load_x(x_ptr, rows, rmask, cols + BK, K, stride_xr, stride_xk)
+            else:
+                x = _load_x(x_ptr, rows, rmask, cols, K, stride_xr, stride_xk)
             codes, X, bad, val, rcodes, RX, rbad, rval = _resq_tiles(x, FMT, BR, BK, R1, R2, R3)
             _store_packed(qc_ptr, codes, rows, rmask, k0, KP, stride_cr, BR, BK)
             _store_packed(rc_ptr, rcodes, rows, rmask, k0, KP, stride_cr, BR, BK)
@@ -157,12 +162,13 @@ def _rescale(qt: QuantizedTensor, S: torch.Tensor) -> Expanded:
     return Expanded(f8, S, ok)
 
 
-def resq_quantize(x: torch.Tensor, fmt, expand: Optional[str] = None):
+def resq_quantize(x: torch.Tensor, fmt, expand: Optional[str] = None, config: Optional[tuple] = None):
     """Fused Rollout-ResQ quantization of ``x [..., K]`` along K with 2:4 sparsity of the quantized residual.
 
     Returns ``(Q(X), S(Q(R)), expanded Q(X), expanded S(Q(R)))`` (the last two None without ``expand``); the
     residual's dropped elements have code 0. With ``expand="native"`` and MXFP4, both expansions share one row
-    scale so that the GEMM can add them in one accumulator.
+    scale so that the GEMM can add them in one accumulator. ``config``: a fixed tile, as for
+    :func:`kernels.quantize.quantize`.
     """
     f = get_format(fmt)
     if expand not in (None, "native", "bf16"):
@@ -201,12 +207,12 @@ def resq_quantize(x: torch.Tensor, fmt, expand: Optional[str] = None):
         exr = torch.empty_like(ex)
     from kernels.quantize import _block_config
 
-    BR, BK, warps = _block_config(f.name, x2)
+    BR, BK, warps, *pf = config or _block_config(f.name, x2)
     args = (x2, qc, qs_arg, rc, rs_arg, ex, exr, rexp if rexp is not None else qc, rok if rok is not None else qc, R,
             k, kp, x2.stride(0), x2.stride(1), qc.stride(0), nblk, ex.stride(0), tune_bucket(k))
     kw = dict(FMT=fmt_id, EXPAND=mode, R1=HIF4_RECIP[1], R2=HIF4_RECIP[2], R3=HIF4_RECIP[3])
-    if interpreting() or R * k < (1 << 16):
-        _resq_kernel[(cdiv(R, BR),)](*args, **kw, BR=BR, BK=BK, num_warps=warps)
+    if config is not None or interpreting() or R * k < (1 << 16):
+        _resq_kernel[(cdiv(R, BR),)](*args, **kw, BR=BR, BK=BK, PREFETCH=pf[0] if pf else 0, num_warps=warps)
     else:
         _resq_tuned[lambda meta: (cdiv(R, meta["BR"]),)](*args, **kw)
     sshape = (*outer, nblk, 4) if fmt_id == 0 else (*outer, nblk)

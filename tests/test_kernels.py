@@ -57,9 +57,9 @@ def _ref_mm(a, b, f):
     return f.fake_quantize(a.float().cpu()).double() @ f.fake_quantize(b.float().cpu()).double().t()
 
 
-def _check_pack(x, name, dim):
+def _check_pack(x, name, dim, config=None):
     f = get_format(name)
-    q, ex = quantize(x, name, dim=dim, expand="native")
+    q, ex = quantize(x, name, dim=dim, expand="native", config=config)
     r = f.quantize(x, dim=dim)
     assert q.codes.shape == r.codes.shape and q.scales.shape == r.scales.shape
     assert torch.equal(q.codes, r.codes), "codes differ"
@@ -88,6 +88,22 @@ def test_quantize_bit_exact_small(name, kind):
 
 
 @pytest.mark.parametrize("name", ["hif4", "mxfp4"])
+def test_quantize_prefetch_tiles_small(name):
+    """The prefetching loop (next K tile loaded before the current one is worked on) over several K steps."""
+    x = _inputs("outliers", (5, 700), device="cpu" if ON_CPU else DEV)
+    _check_pack(x, name, -1, config=(2, 128, 4, 1))
+    _check_pack(x.t().contiguous(), name, 0, config=(64, 64, 4, 1))
+    _check_resq(x, name, config=(2, 128, 4, 1))
+
+
+def _check_resq(x, name, config=None):
+    q, r, eq, er = resq_quantize(x, name, expand="bf16", config=config)
+    q2, r2, _, _ = _reference_resq_quantize(x, get_format(name), None)
+    for a, b in ((q, q2), (r, r2)):
+        assert torch.equal(a.codes, b.codes) and torch.equal(a.scales, b.scales)
+
+
+@pytest.mark.parametrize("name", ["hif4", "mxfp4"])
 def test_gemms_exact_small(name):
     f = get_format(name)
     a = _inputs("random", (40, 192), seed=1)
@@ -112,10 +128,8 @@ def test_resq_fused_matches_reference(name):
     f = get_format(name)
     x = _inputs("outliers", (72, 136), seed=3)
     w = _inputs("random", (24, 136), seed=4)
+    _check_resq(x, name)
     q, r, eq, er = resq_quantize(x, name, expand="bf16")
-    q2, r2, _, _ = _reference_resq_quantize(x, f, None)
-    assert torch.equal(q.codes, q2.codes) and torch.equal(q.scales, q2.scales)
-    assert torch.equal(r.codes, r2.codes) and torch.equal(r.scales, r2.scales)
     qq, ss = resq_components(x.cpu(), name, "2:4")
     assert torch.equal(eq.values.float()[:, :136].cpu(), qq)
     assert torch.equal(er.values.float()[:, :136].cpu(), ss)
@@ -157,6 +171,21 @@ def test_dispatch_registers_and_falls_back():
 def test_gpu_quantize_bit_exact(name, kind, dtype):
     for shape, dim in (((257, 1000), -1), ((1000, 257), 0), ((64, 2048), -1), ((3, 5, 96), -1), ((96, 33), 0)):
         _check_pack(_inputs(kind, shape, dtype=dtype), name, dim)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("name", ["hif4", "mxfp4"])
+def test_gpu_quantize_every_tuned_config(name):
+    """Autotuning may pick any of these tiles: each one is bit-exact (row and column variants)."""
+    from kernels import quantize as qm
+
+    x = _inputs("outliers", (300, 1100), dtype=torch.bfloat16)
+    for cfg in qm._ROW_CFGS:
+        _check_pack(x, name, -1, config=cfg)
+    for cfg in qm._COL_CFGS:
+        _check_pack(x, name, 0, config=cfg)
+    for cfg in qm._ROW_CFGS:  # the fused ResQ kernel autotunes over the same tiles
+        _check_resq(x, name, config=cfg)
 
 
 @pytest.mark.gpu
