@@ -123,6 +123,17 @@ if HAS_TRITON:
         return tl.minimum(tl.maximum(X, -127), 127)
 
     @triton.jit
+    def _e2m1_code(s):
+        """E2M1 magnitude code (0..7) of non-negative fp32 s < 8, round to nearest, ties to even. s >= 1: the fp32
+        mantissa rounded to one bit by an integer add (a carry moves the exponent), code = 2 (e + 1) + m, capped at 7
+        (6.0); s < 1: rint(2 s) in {0, 1, 2} from the low bits of 2 s + 2^23. A few integer ops instead of seven
+        compares: the quantize kernels are ALU-bound (docs/PERFORMANCE.md)."""
+        b = s.to(tl.int32, bitcast=True)
+        hi = tl.minimum(((b + 0x1FFFFF + ((b >> 22) & 1)) >> 22) - 252, 7)
+        lo = (s * 2.0 + 8388608.0).to(tl.int32, bitcast=True) & 3
+        return tl.where(s < 1.0, lo, hi)
+
+    @triton.jit
     def _mx_tile(x, BR: tl.constexpr, BK: tl.constexpr, RCEIL: tl.constexpr):
         """MXFP4 of an fp32 tile [BR, BK] (BK a multiple of 32): codes [BR,BK] int32, X [BR,BK/32] int32,
         bad-block flag [BR,BK/32], dequantized fp32 [BR,BK]."""
@@ -134,10 +145,7 @@ if HAS_TRITON:
         amax = tl.max(tl.reshape(a, (BR, NB, 32)), axis=2)
         X = _mx_x(amax, RCEIL)
         inv = ((127 - X) << 23).to(tl.float32, bitcast=True)  # 2^-X, X <= 126 for finite blocks
-        s = a * _bcast(inv, BR, NB, 32)
-        c = ((s > 0.25).to(tl.int32) + (s >= 0.75).to(tl.int32) + (s > 1.25).to(tl.int32)
-             + (s >= 1.75).to(tl.int32) + (s > 2.5).to(tl.int32) + (s >= 3.5).to(tl.int32)
-             + (s > 5.0).to(tl.int32))
+        c = _e2m1_code(a * _bcast(inv, BR, NB, 32))
         sign = (xb >> 31) & 1
         badx = _bcast(bad.to(tl.int32), BR, NB, 32) != 0
         codes = tl.where(badx, 0, c | (sign << 3))

@@ -87,6 +87,21 @@ def test_quantize_bit_exact_small(name, kind):
     _check_pack(_inputs(kind, (130, 5), device="cpu" if ON_CPU else DEV), name, 0)  # column variant
 
 
+@pytest.mark.parametrize("name", ["mxfp4", "mxfp4_rceil"])
+def test_mxfp4_rounding_every_bf16_value(name):
+    """Every bf16 value in [0, 6] (and fp32 values next to each rounding tie) in blocks whose maximum is 6.0, so the
+    kernel's E2M1 rounding sees each of them unscaled; rows of 7.99 blocks exercise the cap at 6.0."""
+    v = torch.arange(0, 0x40C1, dtype=torch.int32).to(torch.int16).view(torch.bfloat16).float()
+    ties = torch.tensor([0.25, 0.75, 1.25, 1.75, 2.5, 3.5, 5.0])
+    vals = torch.cat([v, ties, torch.nextafter(ties, torch.zeros(7)), torch.nextafter(ties, torch.full((7,), 8.0)),
+                      -v, torch.linspace(5.5, 7.99, 200)])
+    vals = torch.cat([vals, torch.zeros(-vals.numel() % 31)]).reshape(-1, 31)
+    top = torch.full((vals.shape[0], 1), 6.0)
+    top[-8:] = 7.99
+    x = torch.cat([top, vals], dim=1).to("cpu" if ON_CPU else DEV)
+    _check_pack(x, name, -1)
+
+
 @pytest.mark.parametrize("name", ["hif4", "mxfp4"])
 def test_quantize_prefetch_tiles_small(name):
     """The prefetching loop (next K tile loaded before the current one is worked on) over several K steps."""
