@@ -318,10 +318,11 @@ def main(argv=None) -> dict:
 
 
 if __name__ == "__main__":
+    from megatron_fp4.rl.checkpoint import CheckpointError
     from megatron_fp4.rl.monitor import TrainingDivergedError
 
     try:
         main()
-    except TrainingDivergedError as e:  # the message names the step and the last good checkpoint
+    except (TrainingDivergedError, CheckpointError) as e:  # the messages name the step / checkpoint and what to do
         print(f"pretrain_rl.py: error: {e}", file=sys.stderr)
         sys.exit(1)

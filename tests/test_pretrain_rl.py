@@ -292,3 +292,47 @@ def test_nonfinite_weights_stop_the_run_before_sampling(tmp_path):
     assert "pretrain_rl.py: error: stopping at step 2: the policy's weights are not finite" in r.stderr
     assert "last good checkpoint: " + str(tmp_path / "c" / "iter_0000000") in r.stderr
     assert "Traceback" not in r.stderr
+
+
+def _full_weights(ckpt_dir):
+    """{global name: full tensor} of the policy in a trainer checkpoint (merging its TP shards and PP stages)."""
+    from megatron_fp4.models.checkpoint_io import layer_offset, to_global_name
+    from megatron_fp4.rl.checkpoint_weights import TrainerCheckpointWeights
+
+    src = TrainerCheckpointWeights(ckpt_dir)
+    names = {to_global_name(k, layer_offset(src.model_args["num_layers"], p, src.pp))
+             for p in range(src.pp) for k in src.shard_keys(0, p)}
+    return {g: src.full_tensor(g) for g in sorted(names)}
+
+
+@pytest.mark.slow
+def test_init_from_reshards_a_checkpoint_across_tp_and_pp(tmp_path):
+    """A warm start saved at TP=2 starts a PP=2 run, whose checkpoint starts a single-process run: the same weights
+    at every layout (bit for bit), and resuming at another layout stops with a message saying what to do."""
+    import torch
+
+    torchrun = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2"]
+    common = [*TINY, "--fp4-format", "none", "--train-iters", "0"]
+    runs = [("tp2", torchrun, ["--tensor-model-parallel-size", "2"], None),
+            ("pp2", torchrun, ["--pipeline-model-parallel-size", "2"], "tp2"),
+            ("one", [sys.executable], [], "pp2")]
+    for name, launcher, layout, init in runs:
+        extra = ["--init-from", str(tmp_path / init)] if init else []
+        r = subprocess.run([*launcher, os.path.join(ROOT, "pretrain_rl.py"), *common, *layout, *extra,
+                            "--save", str(tmp_path / name)], env=_env(), cwd=ROOT, capture_output=True, text=True,
+                           timeout=600)
+        assert r.returncode == 0, r.stderr[-3000:]
+        if init == "tp2":
+            assert "resharded from TP=2, PP=1, DP=1 to TP=1, PP=2, DP=1" in r.stdout
+    assert "resharded from TP=1, PP=2, DP=1 to TP=1, PP=1, DP=1" in r.stdout
+    ref = _full_weights(tmp_path / "tp2")
+    assert len(ref) == 3 + 2 * 6  # embedding, final norm, output layer, 2 layers x (2 norms, qkv, proj, fc1, fc2)
+    for name in ("pp2", "one"):
+        got = _full_weights(tmp_path / name)
+        assert got.keys() == ref.keys()
+        assert all(torch.equal(got[k], ref[k]) for k in ref), name
+    r = subprocess.run([sys.executable, os.path.join(ROOT, "pretrain_rl.py"), *common, "--save", str(tmp_path / "tp2")],
+                       env=_env(), cwd=ROOT, capture_output=True, text=True, timeout=600)
+    assert r.returncode == 1
+    assert "saved with TP=2, PP=1, DP=1, this run has TP=1, PP=1, DP=1" in r.stderr
+    assert f"--init-from {tmp_path / 'tp2'}" in r.stderr and "Traceback" not in r.stderr

@@ -39,6 +39,7 @@ __all__ = [
     "CHECKPOINT_FORMAT_VERSION",
     "TRACKER_FILENAME",
     "MegatronCheckpoint",
+    "ShardedWeights",
     "is_megatron_checkpoint",
     "checkpoint_tokenizer_dir",
     "iteration_dirname",
@@ -264,7 +265,46 @@ def checkpoint_tokenizer_dir(path: PathLike) -> Optional[Path]:
 
 
 # -- reading ----------------------------------------------------------------------------------------------------------
-class MegatronCheckpoint:
+class ShardedWeights:
+    """A model's weights stored as (TP, PP) shards under stage-local names: the full (TP-merged) tensor of any
+    global name, whatever layout they were saved with. Subclasses set ``dir`` (for messages), ``args`` (dict;
+    ``hf_vocab_size`` = the real vocabulary when the stored one is padded), ``model_args`` (``num_layers``,
+    ``vocab_size``, ``tie_embeddings``, and the sizes :func:`load_checkpoint_into_model` checks), ``tp``, ``pp``,
+    and implement :meth:`shard_tensor` and :meth:`shard_keys`."""
+
+    dir: Path
+    args: dict
+    model_args: dict
+    tp: int
+    pp: int
+
+    def shard_tensor(self, tp_rank: int, pp_rank: int, local_name: str) -> torch.Tensor:
+        raise NotImplementedError
+
+    def shard_keys(self, tp_rank: int, pp_rank: int) -> list[str]:
+        raise NotImplementedError
+
+    def stage_of(self, global_name: str) -> int:
+        """Pipeline stage whose shards hold ``global_name``."""
+        m = _LAYER_RE.fullmatch(global_name)
+        if m:
+            return int(m.group(1)) // (self.model_args["num_layers"] // self.pp)
+        if global_name.startswith("embedding."):
+            return 0
+        return self.pp - 1
+
+    def full_tensor(self, global_name: str) -> torch.Tensor:
+        """The full (TP-merged) tensor of a global megatron name (tied output layer falls back to the embedding)."""
+        stage = self.stage_of(global_name)
+        offset = layer_offset(self.model_args["num_layers"], stage, self.pp)
+        local = to_local_name(global_name, offset)
+        if global_name == "output_layer.weight" and local not in self.shard_keys(0, stage):
+            if self.model_args.get("tie_embeddings"):
+                return self.full_tensor("embedding.word_embeddings.weight")
+        return merge_tp(global_name, [self.shard_tensor(r, stage, local) for r in range(self.tp)])
+
+
+class MegatronCheckpoint(ShardedWeights):
     """Read access to one iteration of a checkpoint: args, shard files, full (TP-merged) tensors by global name.
 
     Shards are opened lazily (memory-mapped); :meth:`full_tensor` reads only the pieces of one tensor.
@@ -328,15 +368,6 @@ class MegatronCheckpoint:
         """Drop the open shard handles."""
         self._handles.clear()
 
-    def stage_of(self, global_name: str) -> int:
-        """Pipeline stage whose shards hold ``global_name``."""
-        m = _LAYER_RE.fullmatch(global_name)
-        if m:
-            return int(m.group(1)) // (self.model_args["num_layers"] // self.pp)
-        if global_name.startswith("embedding."):
-            return 0
-        return self.pp - 1
-
     def shard_tensor(self, tp_rank: int, pp_rank: int, local_name: str) -> torch.Tensor:
         """One tensor of one shard, by its stage-local name."""
         h = self._handle(tp_rank, pp_rank)
@@ -353,16 +384,6 @@ class MegatronCheckpoint:
         """The whole state dict of one shard (stage-local names)."""
         h = self._handle(tp_rank, pp_rank)
         return {k: h.get_tensor(k) for k in h.keys()}
-
-    def full_tensor(self, global_name: str) -> torch.Tensor:
-        """The full (TP-merged) tensor of a global megatron name (tied output layer falls back to the embedding)."""
-        stage = self.stage_of(global_name)
-        offset = layer_offset(self.model_args["num_layers"], stage, self.pp)
-        local = to_local_name(global_name, offset)
-        if global_name == "output_layer.weight" and local not in self._handle(0, stage).keys():
-            if self.model_args.get("tie_embeddings"):
-                return self.full_tensor("embedding.word_embeddings.weight")
-        return merge_tp(global_name, [self.shard_tensor(r, stage, local) for r in range(self.tp)])
 
 
 # -- live models ------------------------------------------------------------------------------------------------------
@@ -399,8 +420,8 @@ def _expected_state(module: torch.nn.Module) -> dict[str, torch.Tensor]:
             if not k.endswith("_extra_state") and isinstance(v, torch.Tensor)}
 
 
-def load_checkpoint_into_model(model: Any, load_dir: PathLike, iteration: Optional[Union[int, str]] = None,
-                               strict: bool = True) -> MegatronCheckpoint:
+def load_checkpoint_into_model(model: Any, load_dir: Union[PathLike, ShardedWeights],
+                               iteration: Optional[Union[int, str]] = None, strict: bool = True) -> ShardedWeights:
     """Load this rank's part of a checkpoint into a built megatron-core GPTModel (DDP/Float16 wrappers unwrapped).
 
     Reads only this rank's shard when the checkpoint's TP/PP equal the current ones; otherwise reshards (reads
@@ -408,9 +429,10 @@ def load_checkpoint_into_model(model: Any, load_dir: PathLike, iteration: Option
     vocabulary is padded differently (but holds the checkpoint's real vocabulary) gets zero padding rows.
     A model whose config has ``pipeline_model_parallel_size`` 1 holds every layer (megatron-core builds it that
     way whatever parallel_state says) and is loaded as the full model, e.g. the rollout copy of a PP > 1 run.
+    ``load_dir``: a checkpoint directory of this format, or any :class:`ShardedWeights` (e.g. an RL checkpoint).
     """
     module = _unwrap(model)
-    ckpt = load_dir if isinstance(load_dir, MegatronCheckpoint) else MegatronCheckpoint(load_dir, iteration)
+    ckpt = load_dir if isinstance(load_dir, ShardedWeights) else MegatronCheckpoint(load_dir, iteration)
     tp_size, tp_rank, pp_size, pp_rank = _parallel_ranks()
     if getattr(getattr(module, "config", None), "pipeline_model_parallel_size", pp_size) == 1:
         pp_size, pp_rank = 1, 0  # a full-depth model (e.g. the rollout copy) under a PP > 1 parallel_state
@@ -425,8 +447,8 @@ def load_checkpoint_into_model(model: Any, load_dir: PathLike, iteration: Option
         missing = sorted(set(expected) - stored)
         unexpected = sorted(stored - set(expected))
         if strict and (missing or unexpected):
-            raise KeyError(f"checkpoint shard {ckpt.shard_path(tp_rank, pp_rank)} does not match the model: "
-                           f"missing {missing[:8]}, unexpected {unexpected[:8]}")
+            raise KeyError(f"checkpoint {ckpt.dir} shard (TP rank {tp_rank}, PP rank {pp_rank}) does not match "
+                           f"the model: missing {missing[:8]}, unexpected {unexpected[:8]}")
         state = {k: ckpt.shard_tensor(tp_rank, pp_rank, k) for k in expected if k in stored}
     else:
         state = {}

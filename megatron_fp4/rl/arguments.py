@@ -102,7 +102,8 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--load", default=None, help="checkpoint dir to resume from (or a converted HF checkpoint)")
     g.add_argument("--init-from", default=None,
                    help="RL checkpoint dir whose latest model weights start the policy and the reference (no "
-                        "optimizer, step or data state; skips the warm-up); ignored when --save/--load resumes")
+                        "optimizer, step or data state; skips the warm-up; saved at any TP/PP, resharded on load); "
+                        "ignored when --save/--load resumes")
     g.add_argument("--save", default=None, help="checkpoint dir (default: no checkpoints)")
     g.add_argument("--save-interval", type=int, default=50)
     g.add_argument("--keep-last", type=int, default=2, help="checkpoints kept in --save")

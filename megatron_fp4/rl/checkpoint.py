@@ -185,11 +185,12 @@ def save_checkpoint(save_dir: str | Path, iteration: int, state: dict, *, keep_l
 
 
 def load_checkpoint(load_dir: str | Path, iteration: int | None = None, *, rank: int = 0,
-                    map_location: str | torch.device = "cpu") -> tuple[int, dict]:
+                    map_location: str | torch.device = "cpu", mmap: bool = False) -> tuple[int, dict]:
     """(iteration, state) of this rank from the latest (or the given) complete checkpoint.
 
     Raises CheckpointNotFoundError when there is none, CheckpointError when the file is unreadable or holds
     anything torch.load(weights_only=True) refuses (pickled classes, functions): no code from it is executed.
+    ``mmap``: map the file instead of reading it (tensors are paged in when used; for reading a few of them).
     """
     root = Path(load_dir)
     if iteration is None:
@@ -206,7 +207,7 @@ def load_checkpoint(load_dir: str | Path, iteration: int | None = None, *, rank:
         raise CheckpointError(f"{path} missing: the checkpoint was saved with world_size={meta.get('world_size')}, "
                               f"this process is rank {rank}")
     try:
-        state = torch.load(path, map_location=map_location, weights_only=True)
+        state = torch.load(path, map_location=map_location, weights_only=True, mmap=mmap)
     except pickle.UnpicklingError as e:
         raise CheckpointError(f"{path}: refused to load (only tensors and plain containers are allowed, "
                               f"weights_only=True): {str(e).splitlines()[0]}") from e

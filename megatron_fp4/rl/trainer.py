@@ -27,8 +27,8 @@ import torch
 
 from megatron_fp4.parallel import collective_device
 from megatron_fp4.rl import grpo
-from megatron_fp4.rl.checkpoint import (capture_rng_state, latest_iteration,
-                                        load_checkpoint, restore_rng_state, save_checkpoint)
+from megatron_fp4.rl.checkpoint import (CheckpointError, capture_rng_state, latest_iteration, load_checkpoint,
+                                        restore_rng_state, save_checkpoint)
 from megatron_fp4.rl.data import Example, PromptSampler
 from megatron_fp4.rl.monitor import MetricsLogger, NonFiniteGuard, TrainingDivergedError
 from megatron_fp4.rl.rewards import score
@@ -456,7 +456,14 @@ class GRPOTrainer:
             "guard": self.guard.state_dict(),
             "rng": capture_rng_state(),
             "extra": self.state_extra,
+            "layout": self.layout(),
         }
+
+    def layout(self) -> dict:
+        """This rank's parallel layout and the model shape, stored with each checkpoint file."""
+        from megatron_fp4.rl.checkpoint_weights import layout_record
+
+        return layout_record(self.policy.module, self.tok.vocab_size)
 
     def save(self) -> str:
         a = self.args
@@ -469,11 +476,23 @@ class GRPOTrainer:
 
     def load_model_weights(self, load_dir: str) -> int:
         """Only the model weights of the latest RL checkpoint in ``load_dir`` (a warm start shared by several runs);
-        optimizer, step, data position and RNG stay fresh. Returns the checkpoint's iteration."""
-        it, state = load_checkpoint(load_dir, rank=self.rank)
-        self.policy.module.load_state_dict(state["model"])
+        optimizer, step, data position and RNG stay fresh. The checkpoint may come from another TP/PP/DP layout
+        (resharded on load). Returns the checkpoint's iteration."""
+        from megatron_fp4.models.checkpoint_io import load_checkpoint_into_model
+        from megatron_fp4.rl.checkpoint_weights import (TrainerCheckpointWeights, describe_layout, same_layout,
+                                                        saved_layout)
+
+        it, saved = saved_layout(load_dir)
+        mine = self.layout()
+        how = "warm start"
+        if saved is None or same_layout(saved, mine):
+            _, state = load_checkpoint(load_dir, it, rank=self.rank)
+            self.policy.module.load_state_dict(state["model"])
+        else:
+            load_checkpoint_into_model(self.policy, TrainerCheckpointWeights(load_dir, it))
+            how += f", resharded from {describe_layout(saved)} to {describe_layout(mine)}"
         if self.rank == 0:
-            print(f"[checkpoint] model weights from {os.path.join(load_dir, f'iter_{it:07d}')} (warm start)", flush=True)
+            print(f"[checkpoint] model weights from {os.path.join(load_dir, f'iter_{it:07d}')} ({how})", flush=True)
         return it
 
     @torch.no_grad()
@@ -490,7 +509,17 @@ class GRPOTrainer:
             if self.rank == 0:
                 print(f"[checkpoint] no checkpoint in {load_dir}: starting from scratch", flush=True)
             return False
-        it, state = load_checkpoint(load_dir, rank=self.rank)
+        from megatron_fp4.rl.checkpoint_weights import describe_layout, same_layout, saved_layout
+
+        it, saved = saved_layout(load_dir)
+        mine = self.layout()
+        if saved is not None and not same_layout(saved, mine):
+            raise CheckpointError(
+                f"cannot resume from {os.path.join(load_dir, f'iter_{it:07d}')}: it was saved with "
+                f"{describe_layout(saved)}, this run has {describe_layout(mine)}; resuming (optimizer state, data "
+                f"position, RNG) needs the same layout. To start from its weights at this layout, pass "
+                f"--init-from {load_dir} with a new --save directory (fresh optimizer and schedule)")
+        it, state = load_checkpoint(load_dir, it, rank=self.rank)
         self.policy.module.load_state_dict(state["model"])
         if self.reference is not None and state.get("reference") is not None:
             self.reference.load_state_dict(state["reference"])

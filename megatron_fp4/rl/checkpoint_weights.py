@@ -1,0 +1,87 @@
+"""The model weights of a GRPO trainer checkpoint, readable at any tensor/pipeline-parallel layout.
+
+Each rank file of a trainer checkpoint (:mod:`megatron_fp4.rl.checkpoint`) records the rank's place in the
+parallel layout (``layout``, see :func:`layout_record`). The data-parallel rank 0 file of every (TP, PP) position
+holds that shard of the policy under stage-local names, so :class:`TrainerCheckpointWeights` serves full tensors
+by global name, and ``megatron_fp4.models.checkpoint_io.load_checkpoint_into_model`` reshards them for a model
+built with another TP/PP (a warm start made on one GPU, used by a TP=2 run).
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import torch
+
+from megatron_fp4.models.checkpoint_io import ShardedWeights
+from megatron_fp4.rl.checkpoint import CheckpointError, iter_dir_name, latest_iteration, load_checkpoint
+
+__all__ = ["layout_record", "same_layout", "describe_layout", "saved_layout", "TrainerCheckpointWeights"]
+
+
+def layout_record(module: torch.nn.Module, real_vocab_size: int) -> dict:
+    """This rank's parallel layout and the model's shape, as stored with its checkpoint file."""
+    from megatron.core import parallel_state as ps
+
+    cfg = module.config
+    return {
+        "tp": ps.get_tensor_model_parallel_world_size(), "tp_rank": ps.get_tensor_model_parallel_rank(),
+        "pp": ps.get_pipeline_model_parallel_world_size(), "pp_rank": ps.get_pipeline_model_parallel_rank(),
+        "dp": ps.get_data_parallel_world_size(), "dp_rank": ps.get_data_parallel_rank(),
+        "model_args": {"num_layers": cfg.num_layers, "hidden_size": cfg.hidden_size,
+                       "num_attention_heads": cfg.num_attention_heads, "ffn_hidden_size": cfg.ffn_hidden_size,
+                       "vocab_size": int(module.vocab_size),
+                       "tie_embeddings": bool(module.share_embeddings_and_output_weights)},
+        "real_vocab_size": int(real_vocab_size),
+    }
+
+
+def same_layout(a: dict, b: dict) -> bool:
+    """Same TP, PP and DP sizes (then every rank finds its own state in its own file)."""
+    return all(a[k] == b[k] for k in ("tp", "pp", "dp"))
+
+
+def describe_layout(layout: dict) -> str:
+    return f"TP={layout['tp']}, PP={layout['pp']}, DP={layout['dp']}"
+
+
+def saved_layout(load_dir: str | Path, iteration: int | None = None) -> tuple[int, dict | None]:
+    """(iteration, layout of the checkpoint's rank 0) of the latest (or given) checkpoint; None for checkpoints
+    written before layouts were recorded."""
+    it, state = load_checkpoint(load_dir, iteration, rank=0, mmap=True)
+    return it, state.get("layout")
+
+
+class TrainerCheckpointWeights(ShardedWeights):
+    """The policy weights of one trainer checkpoint iteration, by (TP rank, PP rank) shard."""
+
+    def __init__(self, load_dir: str | Path, iteration: int | None = None) -> None:
+        if iteration is None:
+            iteration = latest_iteration(load_dir)
+        it, first = saved_layout(load_dir, iteration)
+        if first is None:
+            raise CheckpointError(f"{load_dir} ({iter_dir_name(it)}) records no parallel layout (written by an older "
+                                  f"version): it can only be loaded with the layout it was saved with")
+        self.dir = Path(load_dir) / iter_dir_name(it)
+        self.tp, self.pp = int(first["tp"]), int(first["pp"])
+        self.model_args = dict(first["model_args"])
+        self.args = {"hf_vocab_size": int(first["real_vocab_size"])}
+        self._shards: dict[tuple[int, int], dict] = {}
+        world = self.tp * self.pp * int(first["dp"])
+        for rank in range(world):
+            _, state = load_checkpoint(load_dir, it, rank=rank, mmap=True)
+            lay = state.get("layout") or {}
+            if lay.get("dp_rank") == 0:
+                self._shards[(int(lay["tp_rank"]), int(lay["pp_rank"]))] = state["model"]
+        missing = [(t, p) for t in range(self.tp) for p in range(self.pp) if (t, p) not in self._shards]
+        if missing:
+            raise CheckpointError(f"{self.dir}: no rank file holds the (TP rank, PP rank) shards {missing[:4]}")
+
+    def shard_tensor(self, tp_rank: int, pp_rank: int, local_name: str) -> torch.Tensor:
+        try:
+            return self._shards[(tp_rank, pp_rank)][local_name]
+        except KeyError:
+            raise KeyError(f"{local_name} not found in {self.dir} (TP rank {tp_rank}, PP rank {pp_rank})") from None
+
+    def shard_keys(self, tp_rank: int, pp_rank: int) -> list[str]:
+        return [k for k in self._shards[(tp_rank, pp_rank)] if not k.endswith("_extra_state")]
