@@ -83,3 +83,20 @@ def test_mini_table_tiny_runs_resumes_and_reports(tmp_path):
     for png in ("mini_table_rewards.png", "mini_table_underflow.png"):
         assert (md.parent / png).stat().st_size > 1000
         assert f"]({png})" in text
+
+
+def test_multi_gpu_seed_script_runs_every_shard(tmp_path):
+    """run_seeds_multi_gpu.sh (the H200 recipe) on CPU: two seeds over two "GPUs", each seed's warm start made once
+    by its shard 0 before the other shard starts; every run of both seeds finishes."""
+    out = tmp_path / "mt"
+    env = {**_env(), "PYTHON": sys.executable, "JOBS": "1",
+           "MINI_TABLE_FLAGS": "--tiny --only bf16_bf16,fp4_fp4 --formats hif4 --grpo-steps 1"}
+    p = subprocess.run(["bash", os.path.join(ROOT, "examples", "mini_table", "run_seeds_multi_gpu.sh"), "1 2", "2",
+                        str(out)], capture_output=True, text=True, env=env, cwd=ROOT, timeout=300)
+    assert p.returncode == 0, p.stdout[-3000:] + p.stderr[-3000:]
+    for seed in (1, 2):
+        assert (out / f"seed{seed}" / "warm" / "results.json").is_file()
+        assert "warm-up seed" in (out / "logs" / f"seed{seed}.shard0.log").read_text()
+        assert "warm-up seed" not in (out / "logs" / f"seed{seed}.shard1.log").read_text()  # reused, not remade
+        for run in ("bf16/bf16_bf16", "hif4/fp4_fp4"):
+            assert json.loads((out / f"seed{seed}" / run / "results.json").read_text())["grpo_steps"] == 1

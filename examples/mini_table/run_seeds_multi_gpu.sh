@@ -7,7 +7,8 @@
 #   examples/mini_table/run_seeds_multi_gpu.sh [SEEDS] [NGPU] [OUT]     # defaults: "1 2 3", 4, runs/mini_table
 #
 # Finished runs (results.json present) are skipped, so re-running the same command continues a table.
-# JOBS (default 5): runs at once per shard; MINI_TABLE_FLAGS: extra run_mini_table.py flags (e.g. "--tiny").
+# JOBS (default 5): runs at once per shard; MINI_TABLE_FLAGS: extra run_mini_table.py flags (e.g. "--tiny");
+# PYTHON (default python): the interpreter.
 set -euo pipefail
 SEEDS=${1:-"1 2 3"}
 NGPU=${2:-4}
@@ -18,7 +19,7 @@ mkdir -p "$LOGS"
 export CUDA_MPS_PIPE_DIRECTORY=${CUDA_MPS_PIPE_DIRECTORY:-/tmp/mps} CUDA_MPS_LOG_DIRECTORY=${CUDA_MPS_LOG_DIRECTORY:-/tmp/mpslog}
 mkdir -p "$CUDA_MPS_PIPE_DIRECTORY" "$CUDA_MPS_LOG_DIRECTORY"
 nvidia-cuda-mps-control -d 2>/dev/null || true  # already running is fine
-M="python examples/mini_table/run_mini_table.py --out $OUT --jobs ${JOBS:-5} ${MINI_TABLE_FLAGS:-}"
+M="${PYTHON:-python} examples/mini_table/run_mini_table.py --out $OUT --jobs ${JOBS:-5} ${MINI_TABLE_FLAGS:-}"
 
 one_seed() {  # $1 seed, $2 GPU for its warm start
   local s=$1 g=$2 warm_pid i
