@@ -195,6 +195,15 @@ if HAS_TRITON:
             return tl.zeros((BR, BK), dtype=tl.float32)
 
     @triton.jit
+    def _k_tile(x_ptr, rows, rmask, cols, xn, K, stride_xr, stride_xk, BK: tl.constexpr, PREFETCH: tl.constexpr):
+        """(the tile at ``cols``, the tile to carry into the next step). PREFETCH: the tile at ``cols`` is ``xn``,
+        loaded a step earlier, and the next one is loaded now, before the caller works on this one."""
+        if PREFETCH:
+            return xn, _load_x(x_ptr, rows, rmask, cols + BK, K, stride_xr, stride_xk)
+        else:
+            return _load_x(x_ptr, rows, rmask, cols, K, stride_xr, stride_xk), xn
+
+    @triton.jit
     def _row_amax(x_ptr, rows, rmask, K, stride_xr, stride_xk, BR: tl.constexpr, BK: tl.constexpr):
         am = tl.zeros((BR,), dtype=tl.float32)
         for k0 in range(0, K, BK):
@@ -214,11 +223,7 @@ if HAS_TRITON:
         xn = _first_tile(x_ptr, rows, rmask, K, stride_xr, stride_xk, BR, BK, PREFETCH)
         for k0 in range(0, KP, BK):
             cols = k0 + tl.arange(0, BK)
-            if PREFETCH:
-                x = xn
-                xn = _load_x(x_ptr, rows, rmask, cols + BK, K, stride_xr, stride_xk)
-            else:
-                x = _load_x(x_ptr, rows, rmask, cols, K, stride_xr, stride_xk)
+            x, xn = _k_tile(x_ptr, rows, rmask, cols, xn, K, stride_xr, stride_xk, BK, PREFETCH)
             codes, word, val, bad = _hif4_tile(x, BR, BK, R1, R2, R3)
             _store_packed(codes_ptr, codes, rows, rmask, k0, KP, stride_cr, BR, BK)
             ju = k0 // 64 + tl.arange(0, BK // 64)
@@ -244,11 +249,7 @@ if HAS_TRITON:
         xn = _first_tile(x_ptr, rows, rmask, K, stride_xr, stride_xk, BR, BK, PREFETCH)
         for k0 in range(0, KP, BK):
             cols = k0 + tl.arange(0, BK)
-            if PREFETCH:
-                x = xn
-                xn = _load_x(x_ptr, rows, rmask, cols + BK, K, stride_xr, stride_xk)
-            else:
-                x = _load_x(x_ptr, rows, rmask, cols, K, stride_xr, stride_xk)
+            x, xn = _k_tile(x_ptr, rows, rmask, cols, xn, K, stride_xr, stride_xk, BK, PREFETCH)
             codes, X, bad, val = _mx_tile(x, BR, BK, RCEIL)
             _store_packed(codes_ptr, codes, rows, rmask, k0, KP, stride_cr, BR, BK)
             jb = k0 // 32 + tl.arange(0, NB)

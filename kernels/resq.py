@@ -23,8 +23,8 @@ __all__ = ["resq_quantize", "resq_matmul", "DECODE_MAX_M"]
 DECODE_MAX_M = 64
 
 if HAS_TRITON:
-    from kernels.quantize import (_bcast, _first_tile, _hif4_tile, _load_x, _mx_e5m2, _mx_tile,  # noqa: F401
-                                  _mx_x, _store_packed)
+    from kernels.quantize import (_bcast, _first_tile, _hif4_tile, _k_tile, _load_x, _mx_e5m2,  # noqa: F401
+                                  _mx_tile, _mx_x, _store_packed)
 
     @triton.jit
     def _keep24(m, BR: tl.constexpr, BK: tl.constexpr):
@@ -87,11 +87,7 @@ if HAS_TRITON:
         xn = _first_tile(x_ptr, rows, rmask, K, stride_xr, stride_xk, BR, BK, PREFETCH)
         for k0 in range(0, KP, BK):
             cols = k0 + tl.arange(0, BK)
-            if PREFETCH:
-                x = xn
-                xn = _load_x(x_ptr, rows, rmask, cols + BK, K, stride_xr, stride_xk)
-            else:
-                x = _load_x(x_ptr, rows, rmask, cols, K, stride_xr, stride_xk)
+            x, xn = _k_tile(x_ptr, rows, rmask, cols, xn, K, stride_xr, stride_xk, BK, PREFETCH)
             codes, X, bad, val, rcodes, RX, rbad, rval = _resq_tiles(x, FMT, BR, BK, R1, R2, R3)
             _store_packed(qc_ptr, codes, rows, rmask, k0, KP, stride_cr, BR, BK)
             _store_packed(rc_ptr, rcodes, rows, rmask, k0, KP, stride_cr, BR, BK)

@@ -14,7 +14,7 @@ from pathlib import Path
 import torch
 
 from megatron_fp4.models.checkpoint_io import ShardedWeights
-from megatron_fp4.rl.checkpoint import CheckpointError, iter_dir_name, latest_iteration, load_checkpoint
+from megatron_fp4.rl.checkpoint import CheckpointError, iter_dir_name, load_checkpoint
 
 __all__ = ["layout_record", "same_layout", "describe_layout", "saved_layout", "TrainerCheckpointWeights"]
 
@@ -56,9 +56,8 @@ class TrainerCheckpointWeights(ShardedWeights):
     """The policy weights of one trainer checkpoint iteration, by (TP rank, PP rank) shard."""
 
     def __init__(self, load_dir: str | Path, iteration: int | None = None) -> None:
-        if iteration is None:
-            iteration = latest_iteration(load_dir)
-        it, first = saved_layout(load_dir, iteration)
+        it, state0 = load_checkpoint(load_dir, iteration, rank=0, mmap=True)
+        first = state0.get("layout")
         if first is None:
             raise CheckpointError(f"{load_dir} ({iter_dir_name(it)}) records no parallel layout (written by an older "
                                   f"version): it can only be loaded with the layout it was saved with")
@@ -69,7 +68,7 @@ class TrainerCheckpointWeights(ShardedWeights):
         self._shards: dict[tuple[int, int], dict] = {}
         world = self.tp * self.pp * int(first["dp"])
         for rank in range(world):
-            _, state = load_checkpoint(load_dir, it, rank=rank, mmap=True)
+            state = state0 if rank == 0 else load_checkpoint(load_dir, it, rank=rank, mmap=True)[1]
             lay = state.get("layout") or {}
             if lay.get("dp_rank") == 0:
                 self._shards[(int(lay["tp_rank"]), int(lay["pp_rank"]))] = state["model"]
