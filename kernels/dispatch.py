@@ -40,9 +40,12 @@ def _reference_gemm(a, b, fa: Format, fb: Format) -> torch.Tensor:
     return torch.matmul(aq, bq.t())
 
 
-#: GEMM modes for M > 64 (MXFP4; HiF4 always uses the exact BF16 path): "exact" BF16 tensor cores; "fp8" FP8
-#: E5M2 with partial sums promoted to fp32 every 32 K-elements (measured within ~2e-7 of fp32 accumulation);
-#: "fp8_fast" FP8 with Hopper's default FP8 accumulation (~1e-4 relative error, documented as approximate).
+#: GEMM modes for M > 64 (MXFP4; HiF4 always uses the exact BF16 path): "exact" BF16 tensor cores (cuBLAS on
+#: CUDA), fp32 accumulation, exact; "fp8" FP8 tensor cores with partial sums promoted to fp32: for prepared
+#: weights cuBLAS's FP8 GEMM of E5M2 activations x E4M3 weights (approximate: measured 1e-6 to 5e-5 relative to
+#: the exact product), for two on-the-fly operands the Triton E5M2 GEMM promoting every 32 K-elements (exact to
+#: ~2e-7, and slower than "exact"); "fp8_fast" FP8 with Hopper's default FP8 accumulation (~1e-4 relative error).
+#: All products are exact (E2M1 x block scale fits the FP8 operand); only the accumulation differs.
 MODES = ("exact", "fp8", "fp8_fast")
 PROMOTE = {"exact": 0, "fp8": 32, "fp8_fast": 0}
 
@@ -104,13 +107,18 @@ class PreparedWeight:
 
 
 def prepare_weight(w: torch.Tensor, fmt, mode: str = "exact") -> PreparedWeight:
-    """Quantize a weight once per weight update: packed codes + the GEMM-ready expansion (BF16, or FP8 E5M2
-    for MXFP4 with ``mode`` "fp8"/"fp8_fast")."""
-    from kernels.quantize import quantize
+    """Quantize a weight once per weight update: packed codes + the GEMM-ready expansion (BF16, or for MXFP4
+    with ``mode`` "fp8"/"fp8_fast" FP8: E4M3 for cuBLAS on CUDA where the width allows, else E5M2)."""
+    from kernels.gemm import _cublas_applies
+    from kernels.quantize import expand_packed, quantize
 
     _check_mode(mode)
     f = get_format(fmt)
     q, e = quantize(w, f, dim=-1, expand="bf16" if mode == "exact" else "native")
+    if e.values.dtype == torch.float8_e5m2:  # cuBLAS multiplies E5M2 activations by E4M3 (not E5M2) weights
+        e4 = expand_packed(q, "e4m3")
+        if _cublas_applies(e, e4):
+            e = e4
     return PreparedWeight(q, e, f, mode)
 
 
@@ -147,7 +155,7 @@ def linear(x: torch.Tensor, w: PreparedWeight, resq: str = "none", activations: 
         return resq_matmul(x, w.packed, w.expanded, out_dtype=out_dtype, promote=PROMOTE[w.mode])
     if x.shape[0] <= DECODE_MAX_M:
         return w4a4_decode_matmul(quantize(x, w.fmt), w.packed).to(out_dtype)
-    qx, ex = quantize(x, w.fmt, expand="native" if w.expanded.values.dtype == torch.float8_e5m2 else "bf16")
+    qx, ex = quantize(x, w.fmt, expand="bf16" if w.expanded.values.dtype == torch.bfloat16 else "native")
     return fp4_matmul(qx, ex, w.packed, w.expanded, out_dtype=out_dtype, promote=PROMOTE[w.mode])
 
 

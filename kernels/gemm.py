@@ -4,10 +4,11 @@ Two ways to feed the tensor cores, both exact with respect to ``Q(a) @ Q(b)^T`` 
 
 - pre-expanded (fast path for M > 64): operands dequantized once to a GEMM-ready :class:`Expanded` form (weights
   offline per weight update, activations inside the fused quantize kernel), then ONE plain tensor-core GEMM with
-  a single ``acc = tl.dot(a, b, acc)`` loop and the power-of-two row/column scales applied only in the epilogue:
-  BF16 for HiF4 (element x micro-exponents x E6M2 needs <= 6 significant bits), FP8 E5M2 for MXFP4 (E2M1 x
-  block scale fits E5M2 relative to a per-row power of two whenever the row's blocks span <= 27 binades; rows
-  that do not are flagged by the quantizer and recomputed exactly by :func:`_fix_rows`, never silently).
+  the power-of-two row/column scales applied only in the epilogue: cuBLAS where it applies (faster than our
+  Triton GEMM on the H200), else a Triton GEMM with a single ``acc = tl.dot(a, b, acc)`` loop. BF16 for HiF4
+  (element x micro-exponents x E6M2 needs <= 6 significant bits), FP8 for MXFP4 (E2M1 x block scale fits E5M2
+  relative to a per-row power of two whenever the row's blocks span <= 27 binades, E4M3 within 14; rows that do
+  not are flagged by the quantizer and recomputed exactly by :func:`_fix_rows`, never silently).
   Measured on the H200: Hopper's FP8 MMA does NOT accumulate in full fp32 (partial sums keep about 13-14 bits
   relative to the largest product), so the FP8 path is "exact products, approximate accumulation" (relative
   error ~1e-4; ``promote`` narrows it at a speed cost). The exact path for both formats is the BF16 expansion
@@ -19,16 +20,17 @@ Two ways to feed the tensor cores, both exact with respect to ``Q(a) @ Q(b)^T`` 
 
 from __future__ import annotations
 
+from contextlib import contextmanager
 from typing import Optional
 
 import torch
 
-from kernels._common import HAS_TRITON, cdiv, interpreting, kernels_usable, tl, triton, tune_bucket
+from kernels._common import HAS_TRITON, cdiv, interpreting, tl, triton, tune_bucket
 from kernels.quantize import Expanded
 from megatron_fp4.formats import QuantizedTensor
 from megatron_fp4.formats.packing import unpack_nibbles
 
-__all__ = ["mm_expanded", "fp4_matmul", "packed_matmul", "w4_matmul", "w4a4_decode_matmul", "dequantize_rows"]
+__all__ = ["IMPLS", "mm_expanded", "fp4_matmul", "packed_matmul", "w4_matmul", "w4a4_decode_matmul", "dequantize_rows"]
 
 if HAS_TRITON:
 
@@ -119,6 +121,13 @@ if HAS_TRITON:
 
     # --- packed operands: dequantize in the prologue ---------------------------------------------------------
     @triton.jit
+    def _e8m0_half(s):
+        """2^(X-1) for E8M0 bytes s (X = s - 127; NaN for 255), fp32."""
+        v = tl.where(s >= 2, ((s - 1) << 23).to(tl.float32, bitcast=True),
+                     tl.where(s == 1, 5.877471754111438e-39, 2.938735877055719e-39))
+        return tl.where(s == 255, float("nan"), v)
+
+    @triton.jit
     def _deq_bytes(q, s_ptr, rows, rmask, j0, j, stride_s, FMT: tl.constexpr):
         """Packed bytes q [R, 32] (byte columns j = j0 + 0..31, j0 a multiple of 32, i.e. 64 values) ->
         (even, odd) element values fp32 [R, 32] (exact). Scales are loaded once per row and broadcast."""
@@ -133,13 +142,10 @@ if HAS_TRITON:
             sc = tl.where(c == 255, float("nan"), sc)
             lo = ((q & 7) | 0x4B000000).to(tl.float32, bitcast=True) - 8388608.0
             hi = (((q >> 4) & 7) | 0x4B000000).to(tl.float32, bitcast=True) - 8388608.0
-        else:  # MXFP4: two E8M0 bytes per row; value = (2*e2m1) * 2^(X-1)
+        else:  # MXFP4: two E8M0 bytes per row; value = (2*e2m1) * 2^(X-1), the scale computed once per row
             s0 = tl.load(s_ptr + rows * stride_s + j0 // 16, mask=rmask, other=127).to(tl.int32)
             s1 = tl.load(s_ptr + rows * stride_s + j0 // 16 + 1, mask=rmask, other=127).to(tl.int32)
-            s = tl.where(jj < 16, s0[:, None], s1[:, None])
-            sc = tl.where(s >= 2, ((s - 1) << 23).to(tl.float32, bitcast=True),
-                          tl.where(s == 1, 5.877471754111438e-39, 2.938735877055719e-39))
-            sc = tl.where(s == 255, float("nan"), sc)
+            sc = tl.where(jj < 16, _e8m0_half(s0)[:, None], _e8m0_half(s1)[:, None])
             lut = tl.full(q.shape, -932957680, tl.int32)
             lo = ((lut >> ((q & 7) * 4)) & 0xF).to(tl.float32)
             hi = ((lut >> (((q >> 4) & 7) * 4)) & 0xF).to(tl.float32)
@@ -343,23 +349,83 @@ def _sm_count(device) -> int:
     return torch.cuda.get_device_properties(device).multi_processor_count
 
 
+#: GEMM implementations of :func:`mm_expanded` (None: cuBLAS where it applies, else Triton).
+IMPLS = (None, "cublas", "triton")
+_FP8 = (torch.float8_e5m2, torch.float8_e4m3fn)
+
+
+def _cublas_applies(a: Expanded, b: Expanded) -> bool:
+    """cuBLAS takes BF16 x BF16 (no row scales) and E5M2 x E4M3 with row scales (``torch._scaled_mm``: not
+    E5M2 x E5M2; K and N multiples of 16), on CUDA outside the interpreter."""
+    av, bv = a.values, b.values
+    if not (av.is_cuda and bv.is_cuda) or interpreting():
+        return False
+    if av.dtype == bv.dtype == torch.bfloat16:
+        return a.row_exp is None and b.row_exp is None
+    return ({av.dtype, bv.dtype} == set(_FP8) and a.row_exp is not None and b.row_exp is not None
+            and av.shape[1] % 16 == 0 and bv.shape[0] % 16 == 0)
+
+
+@contextmanager
+def _fp32_reductions():
+    """cuBLAS may reduce split-K partial sums of a BF16-output GEMM in BF16 (PyTorch's default allows it): not
+    here, so that the exact path rounds once, from fp32."""
+    m = torch.backends.cuda.matmul
+    old = m.allow_bf16_reduced_precision_reduction
+    m.allow_bf16_reduced_precision_reduction = False
+    try:
+        yield
+    finally:
+        m.allow_bf16_reduced_precision_reduction = old
+
+
+def _cublas_mm(a: Expanded, b: Expanded, out_dtype: torch.dtype, fast_accum: bool) -> torch.Tensor:
+    av, bv = a.values, b.values
+    if av.dtype == torch.bfloat16:  # fp32 accumulation, one rounding to out_dtype
+        if out_dtype == torch.bfloat16:
+            with _fp32_reductions():
+                return torch.mm(av, bv.t())
+        return torch.mm(av, bv.t(), out_dtype=torch.float32).to(out_dtype)
+    sa = (a.row_scale if a.row_scale is not None else torch.exp2(a.row_exp.float())).unsqueeze(1)
+    sb = (b.row_scale if b.row_scale is not None else torch.exp2(b.row_exp.float())).unsqueeze(0)
+    return torch._scaled_mm(av, bv.t(), scale_a=sa, scale_b=sb, out_dtype=out_dtype, use_fast_accum=fast_accum)
+
+
 def mm_expanded(a: Expanded, b: Expanded, a_res: Optional[Expanded] = None,
                 out_dtype: torch.dtype = torch.float32, promote: int = 0,
-                config: Optional[dict] = None) -> torch.Tensor:
-    """``(a [+ a_res along K]) @ b^T`` of expanded operands with one plain tensor-core GEMM (no row fallback).
+                config: Optional[dict] = None, impl: Optional[str] = None) -> torch.Tensor:
+    """``(a [+ a_res along K]) @ b^T`` of expanded operands on the tensor cores (no row fallback).
 
-    With ``a_res`` the product is the concatenated-K form [a | a_res] . [b | b]^T, reading each b tile once.
-    FP8 operands carry row exponents; ``a_res`` must then share ``a``'s row exponents (the fused ResQ quantizer
-    writes them so). ``config`` (BM, BN, num_warps, num_stages) skips autotuning. ``promote`` (FP8 only): add
-    the tensor cores' partial sums into an fp32 accumulator every ``promote`` K-elements (0: Hopper's default
-    FP8 accumulation, about 2^-13 relative to the largest partial product; see docs/PERFORMANCE.md).
+    ``impl`` (see :data:`IMPLS`): "cublas" runs the expansions through cuBLAS (BF16 x BF16 with fp32
+    accumulation; MXFP4 E5M2 activations x E4M3 weights through ``torch._scaled_mm`` with the power-of-two row
+    scales); "triton" runs our plain one-loop Triton GEMM; None picks cuBLAS where it applies, except for a
+    BF16 ``a_res``, where one Triton GEMM in concatenated-K form [a | a_res] . [b | b]^T reads each b tile once
+    (cuBLAS computes the two products into fp32 and adds them). FP8 operands carry row exponents; ``a_res``
+    must then share ``a``'s row exponents (the fused ResQ quantizer writes them so). ``config`` (BM, BN,
+    num_warps, num_stages) skips the Triton autotuning. ``promote`` (FP8 only): 0 is Hopper's default FP8
+    accumulation (about 2^-13 relative to the largest partial product; cuBLAS "fast accumulation"); > 0 adds
+    the tensor cores' partial sums into fp32 every ``promote`` K-elements (Triton; 32 is exact to ~2e-7) or
+    uses cuBLAS's promoted accumulation (not exact: measured 1e-6 to 5e-5 relative, docs/PERFORMANCE.md).
     """
+    if impl not in IMPLS:
+        raise ValueError(f"impl={impl!r} is not valid; allowed values: {', '.join(map(repr, IMPLS))}")
     av, bv = a.values, b.values
     M, K = av.shape
     N = bv.shape[0]
     if bv.shape[1] != K:
         raise ValueError(f"mm_expanded: K differs: {tuple(av.shape)} vs {tuple(bv.shape)}")
-    fp8 = av.dtype == torch.float8_e5m2
+    cublas = _cublas_applies(a, b)
+    if impl == "cublas" and not cublas:
+        raise ValueError(f"impl='cublas' needs CUDA BF16 x BF16 or E5M2 x E4M3 operands (K, N multiples of 16), "
+                         f"got {av.dtype} x {bv.dtype} of {tuple(av.shape)} x {tuple(bv.shape)}")
+    if cublas and impl != "triton" and (impl == "cublas" or a_res is None or av.dtype != torch.bfloat16):
+        if a_res is None:
+            return _cublas_mm(a, b, out_dtype, promote == 0)
+        c = _cublas_mm(a, b, torch.float32, promote == 0)
+        return c.add_(_cublas_mm(a_res, b, torch.float32, promote == 0)).to(out_dtype)
+    if av.dtype != bv.dtype and not interpreting():
+        raise ValueError(f"the Triton GEMM needs operands of one dtype, got {av.dtype} x {bv.dtype}")
+    fp8 = av.dtype in _FP8
     c = torch.empty((M, N), dtype=out_dtype, device=av.device)
     has_scale = a.row_exp is not None or b.row_exp is not None
     sa = a.row_exp if a.row_exp is not None else torch.zeros(M, dtype=torch.int32, device=av.device)
@@ -476,8 +542,9 @@ def packed_matmul(qa: QuantizedTensor, qb: QuantizedTensor, out_dtype: torch.dty
 
 #: Decode-kernel tile defaults per (kernel, format); benchmarks/bench_kernels.py --sweep measures alternatives.
 #: SPLIT: target programs per SM for split-K; NSUB: 64-value slices per loop step.
-DECODE_CONFIGS = {
-    ("bf16", "hif4"): {"BN": 256, "num_warps": 8, "num_stages": 3, "NSUB": 1, "SPLIT": 3},
+DECODE_CONFIGS = {  # HiF4 W4A16: the run-4 sweep's choice (run 7: 3-17% faster at M = 64, within 6% elsewhere);
+    # HiF4 FP8: that choice was faster at M = 16 on the large shapes but up to 2x slower at M = 64 (ResQ): not taken
+    ("bf16", "hif4"): {"BN": 128, "num_warps": 4, "num_stages": 3, "NSUB": 2, "SPLIT": 6},
     ("bf16", "mxfp4"): {"BN": 256, "num_warps": 8, "num_stages": 3, "NSUB": 1, "SPLIT": 3},
     ("fp8", "hif4"): {"BN": 256, "num_warps": 8, "num_stages": 3, "NSUB": 1, "SPLIT": 3},
     ("fp8", "mxfp4"): {"BN": 256, "num_warps": 8, "num_stages": 3, "NSUB": 1, "SPLIT": 3},

@@ -23,18 +23,22 @@ from megatron_fp4.formats import QuantizedTensor, get_format
 __all__ = ["Expanded", "quantize", "expand_packed", "EXPAND_MODES"]
 
 EXPAND_MODES = (None, "native", "bf16")
+#: expand_packed also writes MXFP4 weights as E4M3 (the cuBLAS FP8 GEMM's second operand).
+WEIGHT_EXPAND_MODES = ("native", "bf16", "e4m3")
 
 
 class Expanded(NamedTuple):
     """A dequantized GEMM operand ``[R, K_pad]``: value = values * 2^row_exp[r] (row_exp None means 0).
 
-    ``values`` is bfloat16 (exact for HiF4 and MXFP4) or float8_e5m2 (MXFP4 "native"); ``row_ok`` (bool [R], fp8
-    only) says which rows are exact in E5M2; rows where it is False hold no meaningful fp8 values.
+    ``values`` is bfloat16 (exact for HiF4 and MXFP4), float8_e5m2 (MXFP4 "native") or float8_e4m3fn (MXFP4
+    weights for cuBLAS, :func:`expand_packed` mode "e4m3"); ``row_ok`` (bool [R], fp8 only) says which rows are
+    exact in the fp8 format; rows where it is False hold no meaningful fp8 values.
     """
 
     values: torch.Tensor
     row_exp: Optional[torch.Tensor] = None
     row_ok: Optional[torch.Tensor] = None
+    row_scale: Optional[torch.Tensor] = None  # fp32 2^row_exp, kept with weights (cuBLAS takes scales as fp32)
 
 
 # ----------------------------------------------------------------------------------------------------------------
@@ -405,17 +409,22 @@ def expand_packed(qt: QuantizedTensor, mode: str = "native") -> Expanded:
     codes = unpack_nibbles(rows).reshape(rows.shape[0], nblk, f.block_size)
     scales = qt.scales.reshape(rows.shape[0], nblk, f.scale_bytes)
     vals = f._decode(codes, scales, qt.global_scale).reshape(rows.shape[0], -1)  # fp32, exact
+    if mode not in WEIGHT_EXPAND_MODES:
+        raise ValueError(f"mode={mode!r} is not valid; allowed values: {', '.join(map(repr, WEIGHT_EXPAND_MODES))}")
     if mode == "bf16" or f.name == "hif4":
         return Expanded(vals.to(torch.bfloat16))
-    # MXFP4 native: E5M2 relative to 2^S with S = clamp(max X - 13, -126, 127)
+    # MXFP4 native: E5M2 relative to 2^S with S = clamp(max X - 13, -126, 127) (what the quantize kernel writes);
+    # e4m3 (weights for cuBLAS, which multiplies E5M2 only by E4M3): the largest block maps to 6 * 2^6 = 384 <= 448,
+    # so blocks down to 2^-14 of it are exact (subnormals included; the round trip below checks every value).
     X = scales[..., 0].to(torch.int32) - 127
     bad = scales[..., 0] == 255
     xmax = torch.where(bad, torch.full_like(X, -127), X).amax(-1)
-    S = (xmax - 13).clamp(-126, 127)
+    e4m3 = mode == "e4m3"
+    S = (xmax - (6 if e4m3 else 13)).clamp(-126, 127)
     scaled = vals * torch.exp2(-S.to(torch.float32))[:, None]
-    f8 = scaled.to(torch.float8_e5m2)
+    f8 = scaled.to(torch.float8_e4m3fn if e4m3 else torch.float8_e5m2)
     exact = (f8.to(torch.float32) == scaled) | (scaled == 0)
-    # also require normal range (matches the kernel's check): |v| >= 2^-14 for nonzero values
-    exact &= (scaled.abs() >= 2.0 ** -14) | (scaled == 0)
+    if not e4m3:  # also require normal range (matches the kernel's check): |v| >= 2^-14 for nonzero values
+        exact &= (scaled.abs() >= 2.0 ** -14) | (scaled == 0)
     ok = exact.all(-1) & ~bad.any(-1)
-    return Expanded(f8, S.to(torch.int32), ok)
+    return Expanded(f8, S.to(torch.int32), ok, torch.exp2(S.to(torch.float32)))

@@ -228,7 +228,8 @@ def resq_matmul(x: torch.Tensor, qw: QuantizedTensor, ew: Optional[Expanded] = N
 
     M <= DECODE_MAX_M: the packed FP8 decode kernel, the residual riding on the same weight read. Larger M: the
     pre-expanded GEMM in concatenated-K form; ``ew`` (from ``expand_packed``/``quantize(..., expand=...)``,
-    once per weight update) picks the mode: BF16 (exact, the default when None) or FP8 E5M2 (MXFP4 fast mode).
+    once per weight update) picks the mode: BF16 (exact, the default when None) or FP8 (MXFP4: E5M2, or E4M3
+    for cuBLAS; ``promote`` as in :func:`kernels.gemm.mm_expanded`).
     """
     from kernels.gemm import fp4_matmul, w4a4_decode_matmul
 
@@ -244,6 +245,6 @@ def resq_matmul(x: torch.Tensor, qw: QuantizedTensor, ew: Optional[Expanded] = N
         return w4a4_decode_matmul(q, qw, r).to(out_dtype)
     if ew is None:
         ew = expand_packed(qw, "bf16")
-    mode = "native" if ew.values.dtype == torch.float8_e5m2 else "bf16"
+    mode = "bf16" if ew.values.dtype == torch.bfloat16 else "native"
     q, r, eq, er = resq_quantize(x, qw.fmt, expand=mode)
     return fp4_matmul(q, eq, qw, ew, qr=r, er=er, out_dtype=out_dtype, promote=promote)

@@ -151,8 +151,33 @@ def test_resq_fused_matches_reference(name):
     wq = f.fake_quantize(w.float().cpu()).double()
     ref = qq.double() @ wq.t() + ss.double() @ wq.t()
     qw, ew = quantize(w, name, expand="native")
-    for m in (16, 72):  # decode kernel, then the pre-expanded concatenated-K GEMM
-        assert _rel(resq_matmul(x[:m], qw, ew).cpu(), ref[:m]) < 1e-6
+    for m in (16, 72):  # decode kernel, then the pre-expanded concatenated-K GEMM (FP8 promoted: exact mode)
+        assert _rel(resq_matmul(x[:m], qw, ew, promote=32).cpu(), ref[:m]) < 1e-6
+
+
+def test_e4m3_weight_expansion_and_row_fallback():
+    """MXFP4 weights as E4M3 (cuBLAS's FP8 weight operand): exact relative to the row's power of two, rows whose
+    blocks span more than E4M3's window flagged, and the GEMM recomputes those output columns exactly."""
+    f = get_format("mxfp4")
+    w = _inputs("random", (32, 136), seed=5)  # 32 rows: cuBLAS takes it on a GPU
+    w[3] *= 1e-6
+    w[3, 2] = 10.0  # row 3's blocks span ~27 binades: E5M2 may hold it, E4M3 (14) cannot
+    qw = f.quantize(w)
+    e4 = expand_packed(qw, "e4m3")
+    assert e4.values.dtype == torch.float8_e4m3fn
+    keep = torch.arange(32, device=w.device) != 3
+    assert not bool(e4.row_ok[3]) and bool(e4.row_ok[keep].all())
+    rows = qw.dequantize().float()
+    got = e4.values.float()[:, :136] * torch.exp2(e4.row_exp.float())[:, None]
+    assert torch.equal(got[keep], rows[keep])
+    x = _inputs("outliers", (20, 136), seed=6)
+    qx, ex = quantize(x, "mxfp4", expand="native")
+    # exact in the interpreter (fp32 dots); on a GPU cuBLAS's FP8 accumulation is approximate (see PERFORMANCE.md)
+    assert _rel(fp4_matmul(qx, ex, qw, e4, promote=32).cpu(), _ref_mm(x, w, f)) < (1e-6 if ON_CPU else 1e-4)
+    with pytest.raises(ValueError, match="mode='e5m3'"):
+        expand_packed(qw, "e5m3")
+    with pytest.raises(ValueError, match="impl='cuda'"):
+        mm_expanded(ex, e4, impl="cuda")
 
 
 def test_dispatch_registers_and_falls_back():
@@ -254,6 +279,42 @@ def test_gpu_resq_and_w4a16(name):
     xb = x[:64].to(torch.bfloat16)
     ref16 = xb.double() @ wq.t()
     assert _rel(w4_matmul(xb, qw), ref16) < 1e-5
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("name", ["hif4", "mxfp4"])
+def test_gpu_cublas_paths(name):
+    """The expansions through cuBLAS: BF16 exact like our Triton GEMM (plain and ResQ); MXFP4 FP8 (E5M2
+    activations x E4M3 weights) approximate (cuBLAS's promoted accumulation measured 4.6e-5 here, fast ~1e-4);
+    flagged activation rows and weight rows beyond E4M3's window recomputed exactly."""
+    f = get_format(name)
+    x = _inputs("outliers", (300, 2048), seed=21)
+    x[5] *= 1e-12
+    x[5, 9] = 1e8  # an activation row beyond E5M2's window
+    w = _inputs("random", (384, 2048), seed=22) * 0.02
+    w[7] *= 1e-6
+    w[7, 3] = 10.0  # a weight row beyond E4M3's window
+    ref = _ref_mm(x, w, f).cuda()
+    qq, ss = resq_components(x, name, "2:4")
+    wq = f.fake_quantize(w.float()).double()
+    ref_resq = qq.double() @ wq.t() + ss.double() @ wq.t()
+    _, ex = quantize(x, name, expand="bf16")
+    _, ew = quantize(w, name, expand="bf16")
+    _, _, eq, er = resq_quantize(x, name, expand="bf16")
+    for impl in ("cublas", "triton"):
+        assert _rel(mm_expanded(ex, ew, impl=impl), ref) < 1e-5
+        assert _rel(mm_expanded(ex, ew, out_dtype=torch.bfloat16, impl=impl), ref) < 4e-3
+        assert _rel(mm_expanded(eq, ew, er, impl=impl), ref_resq) < 1e-5
+    pw = dispatch.prepare_weight(w, name)  # exact mode: BF16 expansions, cuBLAS
+    assert _rel(dispatch.linear(x, pw), ref) < 1e-5
+    if name == "mxfp4":
+        pw8 = dispatch.prepare_weight(w, name, mode="fp8")
+        assert pw8.expanded.values.dtype == torch.float8_e4m3fn
+        assert not bool(pw8.expanded.row_ok[7]) and int(pw8.expanded.row_ok.sum()) == 383
+        errs = {m: _rel(dispatch.linear(x, dispatch.prepare_weight(w, name, mode=m)), ref) for m in ("fp8", "fp8_fast")}
+        errs["resq fp8"] = _rel(dispatch.linear(x, pw8, resq="2:4"), ref_resq)
+        print(f"cuBLAS FP8 relative errors: {errs}")
+        assert errs["fp8"] < 1e-4 and errs["resq fp8"] < 1e-4 and errs["fp8_fast"] < 1e-3
 
 
 @pytest.mark.gpu
