@@ -137,7 +137,7 @@ def bench_gemms(shapes, ms_list, skip_packed_large=False, on_row=None):
             def rec(name, ms):
                 res[name] = {"ms": ms, "TFLOP/s": flops / ms / 1e9}
 
-            g = M <= 64
+            g = True  # kernel time by CUDA-graph replay (the e2e prefill columns sync on row flags: not captured)
             rec("cublas_bf16", bench([lambda i=i: xs[i % len(xs)] @ ws[i].t() for i in range(len(ws))], graph=g))
             x8 = x.to(torch.float8_e4m3fn)
             sa = torch.ones(M, 1, device="cuda", dtype=torch.float32)
@@ -163,24 +163,33 @@ def bench_gemms(shapes, ms_list, skip_packed_large=False, on_row=None):
                                               graph=True))
                 else:
                     q0 = qs[0][0]
+                    # weights expanded once per update: BF16 (exact) or, for MXFP4 FP8, E4M3 (cuBLAS's FP8 GEMM
+                    # multiplies the kernel's E5M2 activations by E4M3, promoting partial sums unless fast)
                     modes = [("exact", "bf16", 0)]
                     if fmt == "mxfp4":
-                        modes += [("fp8", "native", 32), ("fp8fast", "native", 0)]
-                    for mode, ex_mode, promote in modes:
-                        e0 = qs[0][1] if ex_mode == "native" else expand_packed(q0, "bf16")
+                        modes += [("fp8", "e4m3", 32), ("fp8fast", "e4m3", 0)]
+                    for mode, w_mode, promote in modes:
+                        e0 = expand_packed(q0, w_mode)
+                        ex_mode = "bf16" if w_mode == "bf16" else "native"
                         qx, ex = quantize(x, fmt, expand=ex_mode)
                         rec(f"{fmt}_w4a4_gemm_{mode}", bench([lambda: mm_expanded(
-                            ex, e0, out_dtype=torch.bfloat16, promote=promote)]))
+                            ex, e0, out_dtype=torch.bfloat16, promote=promote)], graph=True))
                         rec(f"{fmt}_w4a4_e2e_{mode}", bench([lambda: fp4_matmul(
                             *quantize(x, fmt, expand=ex_mode), q0, e0, out_dtype=torch.bfloat16, promote=promote)]))
                         q, r, eq, er = resq_quantize(x, fmt, expand=ex_mode)
                         rec(f"{fmt}_resq24_gemm_{mode}", bench([lambda: mm_expanded(
-                            eq, e0, er, out_dtype=torch.bfloat16, promote=promote)]))
+                            eq, e0, er, out_dtype=torch.bfloat16, promote=promote)], graph=True))
                         rec(f"{fmt}_resq24_e2e_{mode}", bench([lambda: (lambda t: fp4_matmul(
                             t[0], t[2], q0, e0, qr=t[1], er=t[3], out_dtype=torch.bfloat16, promote=promote))(
                             resq_quantize(x, fmt, expand=ex_mode))]))
                         if mode == "exact":
-                            rec(f"{fmt}_w4a16", bench([lambda: mm_expanded(Expanded(x), e0, out_dtype=torch.bfloat16)]))
+                            rec(f"{fmt}_w4a16", bench([lambda: mm_expanded(Expanded(x), e0, out_dtype=torch.bfloat16)],
+                                                      graph=True))
+                        if mode == "exact" and fmt == "hif4":  # the other implementation of the same BF16 GEMMs
+                            rec("bf16_gemm_triton", bench([lambda: mm_expanded(ex, e0, out_dtype=torch.bfloat16,
+                                                                               impl="triton")], graph=True))
+                            rec("bf16_resq24_gemm_cublas", bench([lambda: mm_expanded(
+                                eq, e0, er, out_dtype=torch.bfloat16, impl="cublas")], graph=True))
                     if not skip_packed_large and M == 4096:
                         qx = quantize(x, fmt)
                         rec(f"{fmt}_w4a4_packed_prologue", bench([lambda: packed_matmul(qx, q0,
@@ -239,11 +248,13 @@ def markdown(path):
     for r in d["quantize"]:
         lines.append(f"| {r['kernel']} | {r['ms'] * 1e3:.1f} | {r['GB/s']:.0f} | {100 * r['GB/s'] / d['copy_GBps']:.0f}% |")
     big = [("cublas_bf16", "cuBLAS bf16"), ("cublas_fp8_rowwise", "cuBLAS fp8 rowwise"),
-           ("mxfp4_w4a4_gemm_exact", "MXFP4 exact (bf16 MMA)"), ("mxfp4_w4a4_gemm_fp8", "MXFP4 fp8 promote-32"),
-           ("mxfp4_w4a4_gemm_fp8fast", "MXFP4 fp8 fast-acc"), ("hif4_w4a4_gemm_exact", "HiF4 exact (bf16 MMA)"),
-           ("mxfp4_resq24_gemm_exact", "MXFP4 ResQ 2:4 exact"), ("mxfp4_resq24_gemm_fp8fast", "MXFP4 ResQ fp8 fast"),
-           ("hif4_resq24_gemm_exact", "HiF4 ResQ 2:4 exact"), ("hif4_w4a16", "W4A16 (HiF4)"),
-           ("hif4_w4a4_e2e_exact", "HiF4 quant+GEMM"), ("mxfp4_w4a4_e2e_fp8fast", "MXFP4 quant+fp8 fast"),
+           ("mxfp4_w4a4_gemm_exact", "MXFP4 exact (bf16)"), ("mxfp4_w4a4_gemm_fp8", "MXFP4 fp8"),
+           ("mxfp4_w4a4_gemm_fp8fast", "MXFP4 fp8 fast-acc"), ("hif4_w4a4_gemm_exact", "HiF4 exact (bf16)"),
+           ("bf16_gemm_triton", "HiF4 exact, Triton GEMM"),
+           ("mxfp4_resq24_gemm_exact", "MXFP4 ResQ 2:4 exact"), ("mxfp4_resq24_gemm_fp8", "MXFP4 ResQ fp8"),
+           ("hif4_resq24_gemm_exact", "HiF4 ResQ 2:4 exact"), ("bf16_resq24_gemm_cublas", "HiF4 ResQ, 2 cuBLAS"),
+           ("hif4_w4a16", "W4A16 (HiF4)"),
+           ("hif4_w4a4_e2e_exact", "HiF4 quant+GEMM"), ("mxfp4_w4a4_e2e_fp8", "MXFP4 quant+fp8"),
            ("hif4_w4a4_packed_prologue", "HiF4 packed-prologue"),
            ("mxfp4_w4a4_packed_prologue", "MXFP4 packed-prologue")]
     small = [("cublas_bf16", "cuBLAS bf16"), ("cublas_fp8_rowwise", "cuBLAS fp8 rowwise"),
@@ -272,9 +283,21 @@ def main():
     p.add_argument("--sweep", action="store_true", help="also sweep the decode kernel's tile configs")
     p.add_argument("--sweep-quantize", action="store_true", help="also time every quantize tile config")
     p.add_argument("--quantize-only", action="store_true", help="only the quantize kernels (no GEMMs)")
+    p.add_argument("--no-quantize", action="store_true", help="skip the quantize kernels (GEMMs only)")
+    p.add_argument("--shapes", help="comma-separated KxN subset of the default shapes, e.g. 2048x2048,3584x18944")
+    p.add_argument("--merge", nargs="+", metavar="JSON",
+                   help="write --out as these results files' GEMM rows in one file (runs split over GPUs), exit")
     args = p.parse_args()
     if args.markdown:
         print(markdown(args.markdown))
+        return
+    if args.merge:
+        parts = [json.load(open(f)) for f in args.merge]
+        merged = dict(parts[0], gemm=[r for d in parts for r in d["gemm"]], merged_from=args.merge)
+        merged["quantize"] = next((d["quantize"] for d in parts if d["quantize"]), [])
+        with open(args.out, "w") as fh:
+            json.dump(merged, fh, indent=1)
+        print(f"wrote {args.out} ({len(merged['gemm'])} GEMM rows from {len(parts)} files)")
         return
     torch.manual_seed(0)
     t0 = time.time()
@@ -282,9 +305,15 @@ def main():
     copy_gbs, bf16_peak = ceilings()
     print(f"GPU {dev}; copy {copy_gbs:.0f} GB/s; cuBLAS bf16 8192^3 {bf16_peak:.0f} TFLOP/s", flush=True)
     qsweep = sweep_quantize() if args.sweep_quantize else []
-    qrows = bench_quantize()
+    qrows = [] if args.no_quantize else bench_quantize()
     sweep = sweep_decode() if args.sweep else []
     shapes = [] if args.quantize_only else SHAPES[:1] if args.quick else SHAPES
+    if args.shapes:
+        wanted = [tuple(int(v) for v in s.split("x")) for s in args.shapes.split(",")]
+        unknown = [w for w in wanted if w not in SHAPES]
+        if unknown:
+            p.error(f"--shapes: {unknown} not among the benchmark shapes {['%dx%d' % s for s in SHAPES]}")
+        shapes = [s for s in shapes if s in wanted]
     ms_list = [16, 4096] if args.quick else MS
     result = {"gpu": dev, "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()), "torch": torch.__version__,
               "triton": triton.__version__, "copy_GBps": copy_gbs, "cublas_bf16_8192_TFLOPs": bf16_peak,
