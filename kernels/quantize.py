@@ -64,6 +64,15 @@ if HAS_TRITON:
         return tl.reshape(tl.broadcast_to(v[:, :, None], (BR, N, REP)), (BR, N * REP))
 
     @triton.jit
+    def _abs_bits(xb, BR: tl.constexpr, BK: tl.constexpr):
+        """|x| (fp32) of fp32 bit patterns xb [BR, BK], and the maxima of groups of 4 as bits [BR, BK/4]: on the
+        bits of |x| integer order is value order with Inf and NaN above every finite value, so one integer max
+        per group finds both the group maximum and (>= 0x7F800000) a non-finite value, with no per-value
+        finiteness test (the quantize kernels are ALU-bound)."""
+        ab = xb & 0x7FFFFFFF
+        return ab.to(tl.float32, bitcast=True), tl.max(tl.reshape(ab, (BR, BK // 4, 4)), axis=2)
+
+    @triton.jit
     def _hif4_tile(x, BR: tl.constexpr, BK: tl.constexpr, R1: tl.constexpr, R2: tl.constexpr,
                    R3: tl.constexpr):
         """HiF4 of an fp32 tile [BR, BK] (BK a multiple of 64): codes [BR,BK] int32, scale word [BR,BK/64] int32
@@ -72,12 +81,13 @@ if HAS_TRITON:
         G8: tl.constexpr = BK // 8
         G16: tl.constexpr = BK // 4
         xb = x.to(tl.int32, bitcast=True)
-        finite = (xb & 0x7F800000) != 0x7F800000
-        a = tl.where(finite, tl.abs(x), 0.0)
-        bad = tl.max(tl.reshape(tl.where(finite, 0, 1), (BR, NU, 64)), axis=2) > 0
-        v16 = tl.max(tl.reshape(a, (BR, G16, 4)), axis=2)
-        v8 = tl.max(tl.reshape(v16, (BR, G8, 2)), axis=2)
-        vmax = tl.max(tl.reshape(v8, (BR, NU, 8)), axis=2)
+        a, b16 = _abs_bits(xb, BR, BK)
+        b8 = tl.max(tl.reshape(b16, (BR, G8, 2)), axis=2)
+        bmax = tl.max(tl.reshape(b8, (BR, NU, 8)), axis=2)
+        bad = bmax >= 0x7F800000  # a NaN or Inf in the unit (its other values do not matter then)
+        v16 = b16.to(tl.float32, bitcast=True)
+        v8 = b8.to(tl.float32, bitcast=True)
+        vmax = tl.where(bad, 0.0, bmax.to(tl.float32, bitcast=True))
         sf = _bf16_rne(vmax * 0.142578125)
         sf = tl.minimum(tl.maximum(sf, 3.552713678800501e-15), 49152.0)
         sb = sf.to(tl.int32, bitcast=True)
@@ -99,14 +109,13 @@ if HAS_TRITON:
         kf = tl.where(m4 - kf >= 0.5, kf + 1.0, kf)
         kf = tl.minimum(kf, 7.0)
         k = kf.to(tl.int32)
-        sign = (xb >> 31) & 1
         badx = _bcast(bad.to(tl.int32), BR, NU, 64) != 0
-        codes = tl.where(badx, 0, k | (sign << 3))
+        codes = tl.where(badx, 0, k | ((xb >> 28) & 8))
         p2 = tl.where(shift == 0, 1.0, tl.where(shift == 1, 2.0, 4.0))
         gs = e6m2[:, :, None] * tl.reshape(p2, (BR, NU, 16))  # E6M2 * 2^shift
         gsx = _bcast(tl.reshape(gs * 0.25, (BR, G16)), BR, G16, 4)
         val = kf * gsx
-        val = tl.where(sign != 0, -val, val)
+        val = tl.where(xb < 0, -val, val)
         val = tl.where(badx, float("nan"), val)
         j8 = tl.arange(0, 8)[None, None, :]
         j16 = tl.arange(0, 16)[None, None, :]
@@ -143,21 +152,19 @@ if HAS_TRITON:
         bad-block flag [BR,BK/32], dequantized fp32 [BR,BK]."""
         NB: tl.constexpr = BK // 32
         xb = x.to(tl.int32, bitcast=True)
-        finite = (xb & 0x7F800000) != 0x7F800000
-        a = tl.where(finite, tl.abs(x), 0.0)
-        bad = tl.max(tl.reshape(tl.where(finite, 0, 1), (BR, NB, 32)), axis=2) > 0
-        amax = tl.max(tl.reshape(a, (BR, NB, 32)), axis=2)
-        X = _mx_x(amax, RCEIL)
+        a, bq = _abs_bits(xb, BR, BK)
+        bmax = tl.max(tl.reshape(bq, (BR, NB, 8)), axis=2)
+        bad = bmax >= 0x7F800000  # a NaN or Inf in the block (its other values do not matter then)
+        X = _mx_x(tl.where(bad, 0.0, bmax.to(tl.float32, bitcast=True)), RCEIL)
         inv = ((127 - X) << 23).to(tl.float32, bitcast=True)  # 2^-X, X <= 126 for finite blocks
         c = _e2m1_code(a * _bcast(inv, BR, NB, 32))
-        sign = (xb >> 31) & 1
         badx = _bcast(bad.to(tl.int32), BR, NB, 32) != 0
-        codes = tl.where(badx, 0, c | (sign << 3))
+        codes = tl.where(badx, 0, c | ((xb >> 28) & 8))
         # value = (2 * e2m1) * 0.5 * 2^X; 2*e2m1 of code c is nibble c of 0xC8643210
         v2 = ((tl.full(c.shape, -932957680, tl.int32) >> (c * 4)) & 0xF).to(tl.float32)
         px = tl.where(X == -127, 5.877471754111438e-39, ((X + 127) << 23).to(tl.float32, bitcast=True))
         val = (v2 * 0.5) * _bcast(px, BR, NB, 32)
-        val = tl.where(sign != 0, -val, val)
+        val = tl.where(xb < 0, -val, val)
         val = tl.where(badx, float("nan"), val)
         return codes, X, bad, val
 
