@@ -219,3 +219,59 @@ def test_multi_rank_save_with_barrier(tmp_path, monkeypatch):
     monkeypatch.setattr(torch.distributed, "is_initialized", lambda: False)
     with pytest.raises(ValueError, match="barrier"):
         save_checkpoint(tmp_path, 8, {}, rank=0, world_size=2)
+
+
+def _save_layout_checkpoint(root, rank_order):
+    """A trainer-style checkpoint of TP=2, PP=2, DP=2 (8 rank files, saved by 8 threads): rank_order[r] is the
+    (tp_rank, pp_rank, dp_rank) of rank r; each DP-rank-0 file holds one tensor naming its (TP, PP) shard."""
+    world = len(rank_order)
+    bar = threading.Barrier(world)
+    errors = []
+
+    def worker(rank):
+        t, p, d = rank_order[rank]
+        layout = {"tp": 2, "tp_rank": t, "pp": 2, "pp_rank": p, "dp": 2, "dp_rank": d, "real_vocab_size": 10,
+                  "model_args": {"num_layers": 2, "vocab_size": 16, "tie_embeddings": False}}
+        state = {"layout": layout, "model": {"decoder.layers.0.w": torch.tensor([float(t), float(p), float(d)])}}
+        try:
+            save_checkpoint(root, 3, state, rank=rank, world_size=world, barrier=bar.wait)
+        except Exception as e:  # pragma: no cover - surfaced below
+            errors.append(e)
+            bar.abort()
+
+    threads = [threading.Thread(target=worker, args=(r,)) for r in range(world)]
+    for th in threads:
+        th.start()
+    for th in threads:
+        th.join(timeout=60)
+    assert not errors
+
+
+@pytest.mark.parametrize("order", ["megatron", "shuffled"])
+def test_trainer_weights_open_only_the_files_they_need(tmp_path, monkeypatch, order):
+    """Resharding reads a shard's DP-rank-0 file when the shard is first needed: under Megatron's rank order
+    (TP fastest, then DP, then PP) just that file; under any other order one scan of the layouts, and the right
+    shards either way."""
+    from megatron_fp4.rl import checkpoint_weights as cw
+
+    ranks = [(t, p, d) for p in range(2) for d in range(2) for t in range(2)]  # rank = t + 2 * (d + 2 * p)
+    if order == "shuffled":
+        rest = ranks[1:]
+        random.Random(1).shuffle(rest)
+        ranks = ranks[:1] + rest  # rank 0 stays (0, 0, 0): it records the layout
+    _save_layout_checkpoint(tmp_path, ranks)
+    opened = []
+    real = cw.load_checkpoint
+    monkeypatch.setattr(cw, "load_checkpoint", lambda *a, rank=0, **k: opened.append(rank) or real(*a, rank=rank, **k))
+    src = cw.TrainerCheckpointWeights(tmp_path)
+    assert (src.tp, src.pp, src.dp) == (2, 2, 2) and opened == [0]
+    assert torch.equal(src.shard_tensor(1, 1, "decoder.layers.0.w"), torch.tensor([1.0, 1.0, 0.0]))
+    if order == "megatron":
+        assert opened == [0, 1 + 2 * 2 * 1]  # rank 0 for the layout, then only the file of shard (1, 1)
+    else:
+        assert len(opened) > 2  # a scan of the layouts
+    for t in range(2):
+        for p in range(2):
+            assert torch.equal(src.shard_tensor(t, p, "decoder.layers.0.w"), torch.tensor([float(t), float(p), 0.0]))
+    with pytest.raises(KeyError, match="no shard"):
+        src.shard_keys(2, 0)

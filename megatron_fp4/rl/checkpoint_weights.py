@@ -53,7 +53,12 @@ def saved_layout(load_dir: str | Path, iteration: int | None = None) -> tuple[in
 
 
 class TrainerCheckpointWeights(ShardedWeights):
-    """The policy weights of one trainer checkpoint iteration, by (TP rank, PP rank) shard."""
+    """The policy weights of one trainer checkpoint iteration, by (TP rank, PP rank) shard.
+
+    Rank files are opened (memory-mapped) when a shard is first needed, so a loading rank reads the few files that
+    hold its layers, not all of them: under Megatron's rank order (TP fastest, then DP, then PP) the DP-rank-0 file
+    of shard (t, p) is rank t + TP * DP * p; the file's own layout record confirms it, and only a checkpoint saved
+    with another rank order costs one scan of every file's layout."""
 
     def __init__(self, load_dir: str | Path, iteration: int | None = None) -> None:
         it, state0 = load_checkpoint(load_dir, iteration, rank=0, mmap=True)
@@ -62,25 +67,49 @@ class TrainerCheckpointWeights(ShardedWeights):
             raise CheckpointError(f"{load_dir} ({iter_dir_name(it)}) records no parallel layout (written by an older "
                                   f"version): it can only be loaded with the layout it was saved with")
         self.dir = Path(load_dir) / iter_dir_name(it)
-        self.tp, self.pp = int(first["tp"]), int(first["pp"])
+        self.tp, self.pp, self.dp = int(first["tp"]), int(first["pp"]), int(first["dp"])
         self.model_args = dict(first["model_args"])
         self.args = {"hf_vocab_size": int(first["real_vocab_size"])}
+        self._load_dir, self._iteration = load_dir, it
         self._shards: dict[tuple[int, int], dict] = {}
-        world = self.tp * self.pp * int(first["dp"])
-        for rank in range(world):
-            state = state0 if rank == 0 else load_checkpoint(load_dir, it, rank=rank, mmap=True)[1]
-            lay = state.get("layout") or {}
-            if lay.get("dp_rank") == 0:
-                self._shards[(int(lay["tp_rank"]), int(lay["pp_rank"]))] = state["model"]
-        missing = [(t, p) for t in range(self.tp) for p in range(self.pp) if (t, p) not in self._shards]
-        if missing:
-            raise CheckpointError(f"{self.dir}: no rank file holds the (TP rank, PP rank) shards {missing[:4]}")
+        self._rank_of: dict[tuple[int, int], int] | None = None  # filled by a scan if the rank order is not Megatron's
+        self._keep_if_dp0(state0)
+
+    def _keep_if_dp0(self, state: dict) -> tuple[int, int] | None:
+        lay = state.get("layout") or {}
+        if lay.get("dp_rank") != 0:
+            return None
+        pos = (int(lay["tp_rank"]), int(lay["pp_rank"]))
+        self._shards.setdefault(pos, state["model"])
+        return pos
+
+    def _open(self, rank: int) -> dict:
+        return load_checkpoint(self._load_dir, self._iteration, rank=rank, mmap=True)[1]
+
+    def _shard(self, tp_rank: int, pp_rank: int) -> dict:
+        pos = (tp_rank, pp_rank)
+        if pos in self._shards:
+            return self._shards[pos]
+        if not (0 <= tp_rank < self.tp and 0 <= pp_rank < self.pp):
+            raise KeyError(f"{self.dir} has TP={self.tp}, PP={self.pp}: no shard (TP rank {tp_rank}, PP rank {pp_rank})")
+        if self._rank_of is None and self._keep_if_dp0(self._open(tp_rank + self.tp * self.dp * pp_rank)) == pos:
+            return self._shards[pos]
+        if self._rank_of is None:  # another rank order: read every file's layout once
+            self._rank_of = {}
+            for rank in range(self.tp * self.pp * self.dp):
+                lay = self._open(rank).get("layout") or {}
+                if lay.get("dp_rank") == 0:
+                    self._rank_of[(int(lay["tp_rank"]), int(lay["pp_rank"]))] = rank
+        if pos not in self._rank_of:
+            raise CheckpointError(f"{self.dir}: no rank file holds the (TP rank, PP rank) shard {pos}")
+        self._keep_if_dp0(self._open(self._rank_of[pos]))
+        return self._shards[pos]
 
     def shard_tensor(self, tp_rank: int, pp_rank: int, local_name: str) -> torch.Tensor:
         try:
-            return self._shards[(tp_rank, pp_rank)][local_name]
+            return self._shard(tp_rank, pp_rank)[local_name]
         except KeyError:
             raise KeyError(f"{local_name} not found in {self.dir} (TP rank {tp_rank}, PP rank {pp_rank})") from None
 
     def shard_keys(self, tp_rank: int, pp_rank: int) -> list[str]:
-        return [k for k in self._shards[(tp_rank, pp_rank)] if not k.endswith("_extra_state")]
+        return [k for k in self._shard(tp_rank, pp_rank) if not k.endswith("_extra_state")]
