@@ -190,6 +190,23 @@ if HAS_TRITON:
 
 
     @triton.jit
+    def _decode_tile(M, N, BN: tl.constexpr, BM: tl.constexpr):
+        """A decode program's split-K index, its BN weight rows (N side) and the BM token columns, with masks."""
+        offs_n = tl.program_id(0) * BN + tl.arange(0, BN)
+        offs_m = tl.arange(0, BM)
+        return tl.program_id(1), offs_n, offs_m, offs_n < N, offs_m < M
+
+    @triton.jit
+    def _store_decode(c_ptr, acc, offs_n, offs_m, nmask, mmask, stride_cm, SPLIT_K: tl.constexpr):
+        """out[m, n] = acc[n, m] (the swapped accumulator); split-K programs add theirs atomically."""
+        cptr = c_ptr + offs_m[None, :] * stride_cm + offs_n[:, None]
+        cmask = nmask[:, None] & mmask[None, :]
+        if SPLIT_K > 1:
+            tl.atomic_add(cptr, acc, mask=cmask)
+        else:
+            tl.store(cptr, acc.to(c_ptr.dtype.element_ty), mask=cmask)
+
+    @triton.jit
     def _w4_decode_kernel(x_ptr, r_ptr, b_ptr, bs_ptr, c_ptr, M, N, KH, stride_xm, stride_rm, stride_bn,
                           stride_bsn, stride_cm, FMT: tl.constexpr, HAS_RES: tl.constexpr, SPLIT_K: tl.constexpr,
                           F32: tl.constexpr, BN: tl.constexpr, BM: tl.constexpr, BKH: tl.constexpr,
@@ -197,12 +214,7 @@ if HAS_TRITON:
         """out[M, N] (+)= x[M, K] . deq(W[N, K])^T for M <= BM, computed swapped (acc = W . x^T, [BN, BM]) so the
         dequantized weight tile is the MMA's M-side operand and the few tokens its N side. Each loop step handles
         NSUB independent 64-value slices (more loads in flight)."""
-        pid_n = tl.program_id(0)
-        pid_k = tl.program_id(1)
-        offs_n = pid_n * BN + tl.arange(0, BN)
-        offs_m = tl.arange(0, BM)
-        nmask = offs_n < N
-        mmask = offs_m < M
+        pid_k, offs_n, offs_m, nmask, mmask = _decode_tile(M, N, BN, BM)
         acc = tl.zeros((BN, BM), dtype=tl.float32)
         for j00 in range(pid_k * BKH * NSUB, KH, SPLIT_K * BKH * NSUB):
             for sb in tl.static_range(NSUB):
@@ -224,12 +236,7 @@ if HAS_TRITON:
                     rhi = tl.load(rp + 1, mask=xmask, other=0.0)
                     acc = _dot(wlo, rlo, acc, F32)
                     acc = _dot(whi, rhi, acc, F32)
-        cptr = c_ptr + offs_m[None, :] * stride_cm + offs_n[:, None]
-        cmask = nmask[:, None] & mmask[None, :]
-        if SPLIT_K > 1:
-            tl.atomic_add(cptr, acc, mask=cmask)
-        else:
-            tl.store(cptr, acc.to(c_ptr.dtype.element_ty), mask=cmask)
+        _store_decode(c_ptr, acc, offs_n, offs_m, nmask, mmask, stride_cm, SPLIT_K)
 
     @triton.jit
     def _f8_operand(q, w, jj, FMT: tl.constexpr, F32: tl.constexpr, R: tl.constexpr, BKH: tl.constexpr):
@@ -307,12 +314,7 @@ if HAS_TRITON:
         the two block scales. acc = W . X^T ([BN, BM], swapped); the ResQ residual X_r reuses each W tile."""
         BKH: tl.constexpr = 32 if FMT == 0 else 16
         C: tl.constexpr = 0.0625 if FMT == 0 else 268435456.0  # (1/4)^2 for k/4, (2^14)^2 for e2m1*2^-14
-        pid_n = tl.program_id(0)
-        pid_k = tl.program_id(1)
-        offs_n = pid_n * BN + tl.arange(0, BN)
-        offs_m = tl.arange(0, BM)
-        nmask = offs_n < N
-        mmask = offs_m < M
+        pid_k, offs_n, offs_m, nmask, mmask = _decode_tile(M, N, BN, BM)
         jj = tl.arange(0, BKH)[None, :] % 32
         acc = tl.zeros((BN, BM), dtype=tl.float32)
         for j00 in range(pid_k * BKH * NSUB, KH, SPLIT_K * BKH * NSUB):
@@ -332,12 +334,7 @@ if HAS_TRITON:
                 if HAS_RES:  # the residual shares the activations' strides and reuses the weight tile
                     acc += _act_block_dot(w8, pw, r_ptr, rs_ptr, offs_m, mmask, mlive, stride_xm, stride_xsm, j, jm,
                                           j0, jj, FMT, F32, C, BM, BKH)
-        cptr = c_ptr + offs_m[None, :] * stride_cm + offs_n[:, None]
-        cmask = nmask[:, None] & mmask[None, :]
-        if SPLIT_K > 1:
-            tl.atomic_add(cptr, acc, mask=cmask)
-        else:
-            tl.store(cptr, acc.to(c_ptr.dtype.element_ty), mask=cmask)
+        _store_decode(c_ptr, acc, offs_n, offs_m, nmask, mmask, stride_cm, SPLIT_K)
 
 
 # ----------------------------------------------------------------------------------------------------------------

@@ -189,15 +189,15 @@ def test_keep_last_k_and_tracker(tmp_path):
         save_checkpoint(tmp_path, 50, {}, keep_last=0)
 
 
-def test_multi_rank_save_with_barrier(tmp_path, monkeypatch):
-    world = 3
+def _save_by_threads(root, iteration, states):
+    """Save ``states[r]`` as rank r's file of one checkpoint, one thread per rank (a threading barrier)."""
+    world = len(states)
     bar = threading.Barrier(world)
     errors = []
 
     def worker(rank):
         try:
-            save_checkpoint(tmp_path, 7, {"rank": rank, "w": torch.full((2,), float(rank))}, rank=rank,
-                            world_size=world, barrier=bar.wait)
+            save_checkpoint(root, iteration, states[rank], rank=rank, world_size=world, barrier=bar.wait)
         except Exception as e:  # pragma: no cover - surfaced below
             errors.append(e)
             bar.abort()
@@ -208,6 +208,11 @@ def test_multi_rank_save_with_barrier(tmp_path, monkeypatch):
     for t in threads:
         t.join(timeout=60)
     assert not errors
+
+
+def test_multi_rank_save_with_barrier(tmp_path, monkeypatch):
+    world = 3
+    _save_by_threads(tmp_path, 7, [{"rank": r, "w": torch.full((2,), float(r))} for r in range(world)])
     meta = json.loads((tmp_path / "iter_0000007" / "metadata.json").read_text())
     assert meta["world_size"] == 3
     for r in range(world):
@@ -222,29 +227,14 @@ def test_multi_rank_save_with_barrier(tmp_path, monkeypatch):
 
 
 def _save_layout_checkpoint(root, rank_order):
-    """A trainer-style checkpoint of TP=2, PP=2, DP=2 (8 rank files, saved by 8 threads): rank_order[r] is the
-    (tp_rank, pp_rank, dp_rank) of rank r; each DP-rank-0 file holds one tensor naming its (TP, PP) shard."""
-    world = len(rank_order)
-    bar = threading.Barrier(world)
-    errors = []
-
-    def worker(rank):
-        t, p, d = rank_order[rank]
+    """A trainer-style checkpoint of TP=2, PP=2, DP=2 (8 rank files): rank_order[r] is the (tp_rank, pp_rank,
+    dp_rank) of rank r; each file holds one tensor naming its (TP, PP, DP) position."""
+    states = []
+    for t, p, d in rank_order:
         layout = {"tp": 2, "tp_rank": t, "pp": 2, "pp_rank": p, "dp": 2, "dp_rank": d, "real_vocab_size": 10,
                   "model_args": {"num_layers": 2, "vocab_size": 16, "tie_embeddings": False}}
-        state = {"layout": layout, "model": {"decoder.layers.0.w": torch.tensor([float(t), float(p), float(d)])}}
-        try:
-            save_checkpoint(root, 3, state, rank=rank, world_size=world, barrier=bar.wait)
-        except Exception as e:  # pragma: no cover - surfaced below
-            errors.append(e)
-            bar.abort()
-
-    threads = [threading.Thread(target=worker, args=(r,)) for r in range(world)]
-    for th in threads:
-        th.start()
-    for th in threads:
-        th.join(timeout=60)
-    assert not errors
+        states.append({"layout": layout, "model": {"decoder.layers.0.w": torch.tensor([float(t), float(p), float(d)])}})
+    _save_by_threads(root, 3, states)
 
 
 @pytest.mark.parametrize("order", ["megatron", "shuffled"])
