@@ -135,6 +135,9 @@ def test_gemms_exact_small(name):
     _, eab = quantize(a, name, expand="bf16")
     assert _rel(w4_matmul(eab.values, qb).cpu(), ref) < 1e-6
     assert _rel(w4a4_decode_matmul(qa, qb).cpu(), ref) < 1e-6
+    split = {"BN": 16, "num_warps": 4, "num_stages": 1, "NSUB": 1, "SPLIT_K": 3}  # split-K: fp32 atomic adds
+    assert _rel(w4_matmul(eab.values, qb, config=split).cpu(), ref) < 1e-6
+    assert _rel(w4a4_decode_matmul(qa, qb, config=split).cpu(), ref) < 1e-6
     assert _rel(dispatch.fp4_gemm(a, b, name).cpu(), ref) < 1e-6
 
 
