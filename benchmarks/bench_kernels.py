@@ -137,12 +137,12 @@ def bench_gemms(shapes, ms_list, skip_packed_large=False, on_row=None):
             def rec(name, ms):
                 res[name] = {"ms": ms, "TFLOP/s": flops / ms / 1e9}
 
-            g = True  # kernel time by CUDA-graph replay (the e2e prefill columns sync on row flags: not captured)
-            rec("cublas_bf16", bench([lambda i=i: xs[i % len(xs)] @ ws[i].t() for i in range(len(ws))], graph=g))
+            # kernel time by CUDA-graph replay (the e2e prefill columns sync on row flags: not captured)
+            rec("cublas_bf16", bench([lambda i=i: xs[i % len(xs)] @ ws[i].t() for i in range(len(ws))], graph=True))
             x8 = x.to(torch.float8_e4m3fn)
             sa = torch.ones(M, 1, device="cuda", dtype=torch.float32)
             rec("cublas_fp8_rowwise", bench([lambda i=i: _cublas_fp8(x8, w8[i], sa, sbw) for i in range(len(ws))],
-                                            graph=g))
+                                            graph=True))
             for fmt in ("mxfp4", "hif4"):
                 qs = prep[fmt]
                 if M <= 64:

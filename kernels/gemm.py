@@ -415,7 +415,8 @@ def mm_expanded(a: Expanded, b: Expanded, a_res: Optional[Expanded] = None,
     if impl == "cublas" and not cublas:
         raise ValueError(f"impl='cublas' needs CUDA BF16 x BF16 or E5M2 x E4M3 operands (K, N multiples of 16), "
                          f"got {av.dtype} x {bv.dtype} of {tuple(av.shape)} x {tuple(bv.shape)}")
-    if cublas and impl != "triton" and (impl == "cublas" or a_res is None or av.dtype != torch.bfloat16):
+    bf16_resq = a_res is not None and av.dtype == torch.bfloat16  # one Triton GEMM in concatenated-K form
+    if impl == "cublas" or (impl is None and cublas and not bf16_resq):
         if a_res is None:
             return _cublas_mm(a, b, out_dtype, promote == 0)
         c = _cublas_mm(a, b, torch.float32, promote == 0)
