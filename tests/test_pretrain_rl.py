@@ -8,6 +8,7 @@ import json
 import math
 import os
 import re
+import shutil
 import signal
 import subprocess
 import sys
@@ -16,6 +17,7 @@ import time
 import pytest
 
 from megatron_fp4.rl.arguments import parse_args
+from megatron_fp4.rl.checkpoint import TRACKER_FILE
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 TINY = ["--num-layers", "2", "--hidden-size", "64", "--ffn-hidden-size", "128", "--num-attention-heads", "4",
@@ -294,12 +296,13 @@ def test_nonfinite_weights_stop_the_run_before_sampling(tmp_path):
     assert "Traceback" not in r.stderr
 
 
-def _full_weights(ckpt_dir):
-    """{global name: full tensor} of the policy in a trainer checkpoint (merging its TP shards and PP stages)."""
+def _full_weights(ckpt_dir, part="model"):
+    """{global name: full tensor} of the policy (or another ``part``, e.g. an optimizer state by parameter name)
+    in a trainer checkpoint, merging its TP shards and PP stages."""
     from megatron_fp4.models.checkpoint_io import layer_offset, to_global_name
     from megatron_fp4.rl.checkpoint_weights import TrainerCheckpointWeights
 
-    src = TrainerCheckpointWeights(ckpt_dir)
+    src = TrainerCheckpointWeights(ckpt_dir, part=part)
     names = {to_global_name(k, layer_offset(src.model_args["num_layers"], p, src.pp))
              for p in range(src.pp) for k in src.shard_keys(0, p)}
     return {g: src.full_tensor(g) for g in sorted(names)}
@@ -331,8 +334,53 @@ def test_init_from_reshards_a_checkpoint_across_tp_and_pp(tmp_path):
         got = _full_weights(tmp_path / name)
         assert got.keys() == ref.keys()
         assert all(torch.equal(got[k], ref[k]) for k in ref), name
+    # resuming at another layout reshards; a checkpoint without the optimizer state by name cannot be
+    for f in (tmp_path / "tp2").glob("iter_*/rank_*.pt"):
+        state = torch.load(f, weights_only=True)
+        state["optimizer"] = state.pop("optimizer_named")  # what older versions wrote
+        torch.save(state, f)
     r = subprocess.run([sys.executable, os.path.join(ROOT, "pretrain_rl.py"), *common, "--save", str(tmp_path / "tp2")],
                        env=_env(), cwd=ROOT, capture_output=True, text=True, timeout=600)
     assert r.returncode == 1
-    assert "saved with TP=2, PP=1, DP=1, this run has TP=1, PP=1, DP=1" in r.stderr
+    assert "saved with TP=2, PP=1, DP=1 (this run has TP=1, PP=1, DP=1)" in r.stderr
     assert f"--init-from {tmp_path / 'tp2'}" in r.stderr and "Traceback" not in r.stderr
+
+
+@pytest.mark.slow
+def test_resume_at_another_layout_continues_exactly(tmp_path):
+    """A run's step-2 checkpoint (one process) resumes under PP=2 (weights and Adam state resharded, data
+    position, step and RNG from rank 0) and its step 3 equals the uninterrupted single-process run's: the same
+    metrics and bit-identical weights after the update (PP=2 computes exactly what one process does, see
+    test_pipeline_parallel_two_ranks_equals_single_process; wrong optimizer state would change the update)."""
+    import torch
+
+    wrapper = tmp_path / "one_thread_per_process.py"
+    wrapper.write_text(
+        "import os, runpy, sys\n"
+        "os.cpu_count = lambda: int(os.environ.get('LOCAL_WORLD_SIZE', '1'))  # one torch thread per process\n"
+        f"sys.argv = [{os.path.join(ROOT, 'pretrain_rl.py')!r}] + sys.argv[1:]\n"
+        "runpy.run_path(sys.argv[0], run_name='__main__')\n")
+    common = TINY + ["--num-layers", "4", "--clip-grad", "0", "--fp4-format", "none"]
+    torchrun = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2"]
+    # the uninterrupted run's step-2 checkpoint, alone in a directory, is what the PP=2 run resumes from
+    runs = [("ref", [sys.executable], ["--save-interval", "1"]),
+            ("pp2", torchrun, ["--pipeline-model-parallel-size", "2", "--load", str(tmp_path / "first")])]
+    for name, launcher, extra in runs:
+        r = subprocess.run([*launcher, str(wrapper), *common, "--train-iters", "3", *extra,
+                            "--save", str(tmp_path / name), "--log-jsonl", str(tmp_path / f"{name}.jsonl")],
+                           env=_env(), cwd=ROOT, capture_output=True, text=True, timeout=600)
+        assert r.returncode == 0, r.stderr[-3000:]
+        if name == "ref":
+            shutil.copytree(tmp_path / "ref" / "iter_0000002", tmp_path / "first" / "iter_0000002")
+            (tmp_path / "first" / TRACKER_FILE).write_text("2\n")
+    assert "(step 2, resharded from TP=1, PP=1, DP=1 to TP=1, PP=2, DP=1)" in r.stdout
+    ref = {row["step"]: _deterministic(row) for row in _read_jsonl(tmp_path / "ref.jsonl") if row["kind"] == "train"}
+    got = [_deterministic(row) for row in _read_jsonl(tmp_path / "pp2.jsonl") if row["kind"] == "train"]
+    assert [row["step"] for row in got] == [3]
+    a, b = ref[3], got[0]
+    assert math.isclose(a.pop("grad_norm"), b.pop("grad_norm"), rel_tol=1e-6)
+    assert a == b
+    for part in ("model", ("optimizer_named", "exp_avg"), ("optimizer_named", "exp_avg_sq")):
+        want, have = _full_weights(tmp_path / "ref", part), _full_weights(tmp_path / "pp2", part)
+        assert len(want) == 3 + 4 * 6 and want.keys() == have.keys(), part
+        assert all(torch.equal(want[k], have[k]) for k in want), part

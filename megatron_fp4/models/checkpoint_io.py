@@ -56,6 +56,7 @@ __all__ = [
     "write_checkpoint_metadata",
     "save_model_checkpoint",
     "load_checkpoint_into_model",
+    "rank_state",
     "gpt_model_args_from_checkpoint",
     "load_gpt",
 ]
@@ -433,10 +434,26 @@ def load_checkpoint_into_model(model: Any, load_dir: Union[PathLike, ShardedWeig
     """
     module = _unwrap(model)
     ckpt = load_dir if isinstance(load_dir, ShardedWeights) else MegatronCheckpoint(load_dir, iteration)
+    state = rank_state(module, ckpt, strict=strict)
+    missing, unexpected = module.load_state_dict(state, strict=False)
+    missing = [k for k in missing if not k.endswith("_extra_state")]
+    if strict and (missing or unexpected):
+        raise KeyError(f"load_state_dict: missing {missing[:8]}, unexpected {unexpected[:8]}")
+    return ckpt
+
+
+def rank_state(model: Any, ckpt: ShardedWeights, names: Optional[list[str]] = None,
+               strict: bool = True) -> dict[str, torch.Tensor]:
+    """{local name: this rank's tensor} of ``ckpt`` for the built ``model`` (its state-dict names, or ``names``,
+    e.g. only the parameters for optimizer state), resharded when the checkpoint's TP/PP differ (see
+    :func:`load_checkpoint_into_model`)."""
+    module = _unwrap(model)
     tp_size, tp_rank, pp_size, pp_rank = _parallel_ranks()
     if getattr(getattr(module, "config", None), "pipeline_model_parallel_size", pp_size) == 1:
         pp_size, pp_rank = 1, 0  # a full-depth model (e.g. the rollout copy) under a PP > 1 parallel_state
     expected = _expected_state(module)
+    if names is not None:
+        expected = {k: expected[k] for k in names}
     offset = _model_layer_offset(module)
     _check_model_matches(ckpt, module)
     vocab = getattr(module, "vocab_size", None)
@@ -445,7 +462,7 @@ def load_checkpoint_into_model(model: Any, load_dir: Union[PathLike, ShardedWeig
     if ckpt.tp == tp_size and ckpt.pp == pp_size and same_vocab:
         stored = set(ckpt.shard_keys(tp_rank, pp_rank))
         missing = sorted(set(expected) - stored)
-        unexpected = sorted(stored - set(expected))
+        unexpected = sorted(stored - set(expected)) if names is None else []
         if strict and (missing or unexpected):
             raise KeyError(f"checkpoint {ckpt.dir} shard (TP rank {tp_rank}, PP rank {pp_rank}) does not match "
                            f"the model: missing {missing[:8]}, unexpected {unexpected[:8]}")
@@ -461,11 +478,7 @@ def load_checkpoint_into_model(model: Any, load_dir: Union[PathLike, ShardedWeig
                     if "word_embeddings" in k or "output_layer" in k else "")
             raise ValueError(f"shape mismatch for {k}: checkpoint {tuple(v.shape)} vs model "
                              f"{tuple(expected[k].shape)}{hint}")
-    missing, unexpected = module.load_state_dict(state, strict=False)
-    missing = [k for k in missing if not k.endswith("_extra_state")]
-    if strict and (missing or unexpected):
-        raise KeyError(f"load_state_dict: missing {missing[:8]}, unexpected {unexpected[:8]}")
-    return ckpt
+    return state
 
 
 def _check_model_matches(ckpt: MegatronCheckpoint, module: torch.nn.Module) -> None:

@@ -53,14 +53,17 @@ def saved_layout(load_dir: str | Path, iteration: int | None = None) -> tuple[in
 
 
 class TrainerCheckpointWeights(ShardedWeights):
-    """The policy weights of one trainer checkpoint iteration, by (TP rank, PP rank) shard.
+    """The policy weights of one trainer checkpoint iteration, by (TP rank, PP rank) shard; with ``part`` another
+    dict of tensors named like them: ``"reference"``, or ``("optimizer_named", "exp_avg")`` (optimizer state by
+    parameter name, :mod:`megatron_fp4.rl.optimizer_state`).
 
     Rank files are opened (memory-mapped) when a shard is first needed, so a loading rank reads the few files that
     hold its layers, not all of them: under Megatron's rank order (TP fastest, then DP, then PP) the DP-rank-0 file
     of shard (t, p) is rank t + TP * DP * p; the file's own layout record confirms it, and only a checkpoint saved
     with another rank order costs one scan of every file's layout."""
 
-    def __init__(self, load_dir: str | Path, iteration: int | None = None) -> None:
+    def __init__(self, load_dir: str | Path, iteration: int | None = None, part: str | tuple[str, ...] = "model"
+                 ) -> None:
         it, state0 = load_checkpoint(load_dir, iteration, rank=0, mmap=True)
         first = state0.get("layout")
         if first is None:
@@ -71,6 +74,7 @@ class TrainerCheckpointWeights(ShardedWeights):
         self.model_args = dict(first["model_args"])
         self.args = {"hf_vocab_size": int(first["real_vocab_size"])}
         self._load_dir, self._iteration = load_dir, it
+        self._part = (part,) if isinstance(part, str) else tuple(part)
         self._shards: dict[tuple[int, int], dict] = {}
         self._rank_of: dict[tuple[int, int], int] | None = None  # filled by a scan if the rank order is not Megatron's
         self._keep_if_dp0(state0)
@@ -80,7 +84,10 @@ class TrainerCheckpointWeights(ShardedWeights):
         if lay.get("dp_rank") != 0:
             return None
         pos = (int(lay["tp_rank"]), int(lay["pp_rank"]))
-        self._shards.setdefault(pos, state["model"])
+        tensors = state
+        for key in self._part:
+            tensors = tensors[key]
+        self._shards.setdefault(pos, tensors)
         return pos
 
     def _open(self, rank: int) -> dict:

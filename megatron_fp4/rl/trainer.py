@@ -31,6 +31,7 @@ from megatron_fp4.rl.checkpoint import (CheckpointError, capture_rng_state, late
                                         restore_rng_state, save_checkpoint)
 from megatron_fp4.rl.data import Example, PromptSampler
 from megatron_fp4.rl.monitor import MetricsLogger, NonFiniteGuard, TrainingDivergedError
+from megatron_fp4.rl.optimizer_state import load_named_optimizer_state, named_optimizer_state, parameter_names
 from megatron_fp4.rl.rewards import score
 from megatron_fp4.rl.tokenizer import Tokenizer
 
@@ -451,7 +452,7 @@ class GRPOTrainer:
             "step": self.step,
             "model": self.policy.module.state_dict(),
             "reference": self.reference.state_dict() if self.reference is not None else None,
-            "optimizer": self.optimizer.state_dict(),
+            "optimizer_named": named_optimizer_state(self.optimizer, self.policy.module),
             "sampler": self.sampler.state_dict(),
             "guard": self.guard.state_dict(),
             "rng": capture_rng_state(),
@@ -504,7 +505,10 @@ class GRPOTrainer:
         return {f"{name}/{k}": v for name, d in sorted(rates.items()) for k, v in d.items()}
 
     def try_resume(self, load_dir: str) -> bool:
-        """Load the latest RL checkpoint of ``load_dir``; False (start fresh) when it holds none."""
+        """Load the latest RL checkpoint of ``load_dir``; False (start fresh) when it holds none. A checkpoint
+        saved at another TP/PP/DP layout is resharded: weights and optimizer state exactly, the data position,
+        step and monitors from its rank 0 (they are global), and every rank takes rank 0's RNG state (sampling
+        seeds derive from the step and the data-parallel rank, not from it)."""
         if latest_iteration(load_dir) is None:
             if self.rank == 0:
                 print(f"[checkpoint] no checkpoint in {load_dir}: starting from scratch", flush=True)
@@ -513,17 +517,19 @@ class GRPOTrainer:
 
         it, saved = saved_layout(load_dir)
         mine = self.layout()
-        if saved is not None and not same_layout(saved, mine):
-            raise CheckpointError(
-                f"cannot resume from {os.path.join(load_dir, f'iter_{it:07d}')}: it was saved with "
-                f"{describe_layout(saved)}, this run has {describe_layout(mine)}; resuming (optimizer state, data "
-                f"position, RNG) needs the same layout. To start from its weights at this layout, pass "
-                f"--init-from {load_dir} with a new --save directory (fresh optimizer and schedule)")
-        it, state = load_checkpoint(load_dir, it, rank=self.rank)
-        self.policy.module.load_state_dict(state["model"])
-        if self.reference is not None and state.get("reference") is not None:
-            self.reference.load_state_dict(state["reference"])
-        self.optimizer.load_state_dict(state["optimizer"])
+        how = ""
+        if saved is None or same_layout(saved, mine):
+            it, state = load_checkpoint(load_dir, it, rank=self.rank)
+            self.policy.module.load_state_dict(state["model"])
+            if self.reference is not None and state.get("reference") is not None:
+                self.reference.load_state_dict(state["reference"])
+            if "optimizer_named" in state:
+                load_named_optimizer_state(self.optimizer, self.policy.module, state["optimizer_named"])
+            else:  # written before optimizer state was stored by name
+                self.optimizer.load_state_dict(state["optimizer"])
+        else:
+            state = self._load_resharded(load_dir, it, saved, mine)
+            how = f", resharded from {describe_layout(saved)} to {describe_layout(mine)}"
         self.sampler.load_state_dict(state["sampler"])
         self.guard.load_state_dict(state["guard"])
         restore_rng_state(state["rng"])
@@ -532,5 +538,36 @@ class GRPOTrainer:
         self.last_checkpoint = os.path.join(load_dir, f"iter_{it:07d}")
         self.set_lr(self.lr_at(self.step))
         if self.rank == 0:
-            print(f"[checkpoint] resumed from {self.last_checkpoint} (step {self.step})", flush=True)
+            print(f"[checkpoint] resumed from {self.last_checkpoint} (step {self.step}{how})", flush=True)
         return True
+
+    def _load_resharded(self, load_dir: str, it: int, saved: dict, mine: dict) -> dict:
+        """Weights, reference and optimizer state of checkpoint ``it`` resharded to this rank; returns rank 0's
+        state (the global parts)."""
+        from megatron_fp4.models.checkpoint_io import load_checkpoint_into_model, rank_state
+        from megatron_fp4.rl.checkpoint_weights import TrainerCheckpointWeights, describe_layout
+
+        _, state0 = load_checkpoint(load_dir, it, rank=0, mmap=True)
+        if "optimizer_named" not in state0:
+            raise CheckpointError(
+                f"cannot resume from {os.path.join(load_dir, f'iter_{it:07d}')} at another layout: it was saved "
+                f"with {describe_layout(saved)} (this run has {describe_layout(mine)}) by a version that did not "
+                f"store the optimizer state by parameter name. To start from its weights at this layout, pass "
+                f"--init-from {load_dir} with a new --save directory (fresh optimizer and schedule)")
+        module = self.policy.module
+        load_checkpoint_into_model(self.policy, TrainerCheckpointWeights(load_dir, it))
+        if self.reference is not None and state0.get("reference") is not None:
+            load_checkpoint_into_model(self.reference, TrainerCheckpointWeights(load_dir, it, "reference"))
+        saved_opt = state0["optimizer_named"]
+        steps = {float(v) for v in saved_opt.get("step", {}).values()}
+        if len(steps) > 1:
+            raise CheckpointError(f"{load_dir}: parameters at different optimizer steps {sorted(steps)}: cannot "
+                                  f"reshard the optimizer state")
+        if steps:  # (no step: saved before the first update, the optimizer state stays fresh)
+            names = parameter_names(self.optimizer, module)
+            named = {kind: rank_state(module, TrainerCheckpointWeights(load_dir, it, ("optimizer_named", kind)),
+                                      names=names) for kind in saved_opt if kind != "step"}
+            step = next(iter(saved_opt["step"].values()))
+            named["step"] = {n: step for n in names}
+            load_named_optimizer_state(self.optimizer, module, named)
+        return state0
