@@ -39,6 +39,18 @@ def _read_jsonl(path):
         return [json.loads(line) for line in f if line.strip()]
 
 
+def _one_thread_per_process(tmp_path):
+    """A launcher script for pretrain_rl.py that gives every process one torch thread (exact comparisons across
+    process counts: CPU matmuls round differently with another thread count)."""
+    wrapper = tmp_path / "one_thread_per_process.py"
+    wrapper.write_text(
+        "import os, runpy, sys\n"
+        "os.cpu_count = lambda: int(os.environ.get('LOCAL_WORLD_SIZE', '1'))  # one torch thread per process\n"
+        f"sys.argv = [{os.path.join(ROOT, 'pretrain_rl.py')!r}] + sys.argv[1:]\n"
+        "runpy.run_path(sys.argv[0], run_name='__main__')\n")
+    return wrapper
+
+
 def _deterministic(row: dict) -> dict:
     return {k: v for k, v in row.items() if not k.endswith(TIMING_KEYS) and "weight_sync" not in k}
 
@@ -178,12 +190,7 @@ def test_pipeline_parallel_two_ranks_equals_single_process(tmp_path):
     with the default 3 warm-up steps the PP=2 metrics stay within ~1e-5 relative of PP=1's).
     --micro-batch-size 6 makes ragged micro-batches (16 sequences: 6, 6, 4), which the stages must exchange
     the activation shapes for; --sft-iters 40 gives non-zero rewards (a policy-gradient term besides the KL)."""
-    wrapper = tmp_path / "one_thread_per_process.py"
-    wrapper.write_text(
-        "import os, runpy, sys\n"
-        "os.cpu_count = lambda: int(os.environ.get('LOCAL_WORLD_SIZE', '1'))  # one torch thread per process\n"
-        f"sys.argv = [{os.path.join(ROOT, 'pretrain_rl.py')!r}] + sys.argv[1:]\n"
-        "runpy.run_path(sys.argv[0], run_name='__main__')\n")
+    wrapper = _one_thread_per_process(tmp_path)
     common = TINY + ["--num-layers", "4", "--micro-batch-size", "6", "--sft-iters", "40", "--clip-grad", "0",
                      "--train-iters", "3", "--eval-interval", "2"]
     logs = {}
@@ -354,12 +361,7 @@ def test_resume_at_another_layout_continues_exactly(tmp_path):
     test_pipeline_parallel_two_ranks_equals_single_process; wrong optimizer state would change the update)."""
     import torch
 
-    wrapper = tmp_path / "one_thread_per_process.py"
-    wrapper.write_text(
-        "import os, runpy, sys\n"
-        "os.cpu_count = lambda: int(os.environ.get('LOCAL_WORLD_SIZE', '1'))  # one torch thread per process\n"
-        f"sys.argv = [{os.path.join(ROOT, 'pretrain_rl.py')!r}] + sys.argv[1:]\n"
-        "runpy.run_path(sys.argv[0], run_name='__main__')\n")
+    wrapper = _one_thread_per_process(tmp_path)
     common = TINY + ["--num-layers", "4", "--clip-grad", "0", "--fp4-format", "none"]
     torchrun = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2"]
     # the uninterrupted run's step-2 checkpoint, alone in a directory, is what the PP=2 run resumes from
