@@ -265,3 +265,40 @@ def test_trainer_weights_open_only_the_files_they_need(tmp_path, monkeypatch, or
             assert torch.equal(src.shard_tensor(t, p, "decoder.layers.0.w"), torch.tensor([float(t), float(p), 0.0]))
     with pytest.raises(KeyError, match="no shard"):
         src.shard_keys(2, 0)
+
+
+def test_named_optimizer_state_round_trip_and_main_copies():
+    """Adam's state by parameter name round-trips exactly; under mixed precision (fp32 main copies beside bf16
+    weights, as megatron's Float16 optimizer keeps them in ``param.main_param``) the main copies come back even
+    from a checkpoint saved before the first step, when there is no per-parameter state yet."""
+    from megatron_fp4.rl.optimizer_state import load_named_optimizer_state, named_optimizer_state
+
+    def build():
+        torch.manual_seed(0)
+        model = torch.nn.Sequential(torch.nn.Linear(4, 3), torch.nn.Linear(3, 2)).to(torch.bfloat16)
+        for p in model.parameters():
+            p.main_param = p.detach().float().clone()
+        return model, torch.optim.Adam([p.main_param for p in model.parameters()], lr=0.1)
+
+    def snapshot(named):
+        return {kind: {n: t.clone() for n, t in d.items()} for kind, d in named.items()}
+
+    model, opt = build()
+    before = snapshot(named_optimizer_state(opt, model))  # no step yet: the main copies only
+    assert set(before) == {"main"} and len(before["main"]) == 4
+    for p in model.parameters():
+        p.main_param.grad = torch.randn_like(p.main_param)
+    opt.step()
+    saved = snapshot(named_optimizer_state(opt, model))
+    assert set(saved) == {"main", "step", "exp_avg", "exp_avg_sq"}
+    model2, opt2 = build()
+    assert load_named_optimizer_state(opt2, model2, saved) == 4
+    for p, p2 in zip(model.parameters(), model2.parameters()):
+        assert torch.equal(p.main_param, p2.main_param)
+        for kind in ("exp_avg", "exp_avg_sq", "step"):
+            assert torch.equal(opt.state[p.main_param][kind], opt2.state[p2.main_param][kind])
+    model3, opt3 = build()
+    for p in model3.parameters():
+        p.main_param.data.zero_()  # stale main copies
+    assert load_named_optimizer_state(opt3, model3, before) == 0  # no per-parameter state to restore ...
+    assert all(torch.equal(p.main_param, before["main"][n]) for n, p in model3.named_parameters())  # mains back

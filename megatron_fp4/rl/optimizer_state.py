@@ -61,13 +61,15 @@ def named_optimizer_state(optimizer: Any, module: torch.nn.Module) -> dict[str, 
 def load_named_optimizer_state(optimizer: Any, module: torch.nn.Module,
                                state: dict[str, dict[str, torch.Tensor]]) -> int:
     """Put :func:`named_optimizer_state`'s dicts (this rank's tensors, e.g. resharded) back into ``optimizer``
-    (copies). Parameters with no saved step keep a fresh state. Returns how many parameters got state."""
+    (copies): the fp32 main copies wherever saved (also before the first step: the optimizer steps them, not the
+    model's bf16 weights), the per-parameter state where a step was saved (else it stays fresh). Returns how many
+    parameters got per-parameter state."""
     loaded = 0
     for name, p, main, opt in _slots(optimizer, module):
+        if main is not p and name in state.get(MAIN, {}):
+            main.data.copy_(state[MAIN][name])
         if name not in state.get(STEP, {}):
             continue
-        if main is not p:
-            main.data.copy_(state[MAIN][name])
         slot = opt.state[main]
         for kind, tensors in state.items():
             if kind == MAIN:

@@ -492,6 +492,9 @@ class GRPOTrainer:
         else:
             load_checkpoint_into_model(self.policy, TrainerCheckpointWeights(load_dir, it))
             how += f", resharded from {describe_layout(saved)} to {describe_layout(mine)}"
+        # with --bf16 the optimizer steps fp32 main copies made when it was built: refresh them from the new
+        # weights (a no-op for fp32 parameters), or the first update would start from the old weights
+        self.optimizer.reload_model_params()
         if self.rank == 0:
             print(f"[checkpoint] model weights from {os.path.join(load_dir, f'iter_{it:07d}')} ({how})", flush=True)
         return it
@@ -521,6 +524,7 @@ class GRPOTrainer:
         if saved is None or same_layout(saved, mine):
             it, state = load_checkpoint(load_dir, it, rank=self.rank)
             self.policy.module.load_state_dict(state["model"])
+            self.optimizer.reload_model_params()  # main copies from the weights, then the saved ones where stored
             if self.reference is not None and state.get("reference") is not None:
                 self.reference.load_state_dict(state["reference"])
             if "optimizer_named" in state:
@@ -556,6 +560,7 @@ class GRPOTrainer:
                 f"--init-from {load_dir} with a new --save directory (fresh optimizer and schedule)")
         module = self.policy.module
         load_checkpoint_into_model(self.policy, TrainerCheckpointWeights(load_dir, it))
+        self.optimizer.reload_model_params()  # main copies from the weights, then the saved ones where stored
         if self.reference is not None and state0.get("reference") is not None:
             load_checkpoint_into_model(self.reference, TrainerCheckpointWeights(load_dir, it, "reference"))
         saved_opt = state0["optimizer_named"]
@@ -563,11 +568,11 @@ class GRPOTrainer:
         if len(steps) > 1:
             raise CheckpointError(f"{load_dir}: parameters at different optimizer steps {sorted(steps)}: cannot "
                                   f"reshard the optimizer state")
-        if steps:  # (no step: saved before the first update, the optimizer state stays fresh)
-            names = parameter_names(self.optimizer, module)
-            named = {kind: rank_state(module, TrainerCheckpointWeights(load_dir, it, ("optimizer_named", kind)),
-                                      names=names) for kind in saved_opt if kind != "step"}
+        names = parameter_names(self.optimizer, module)
+        named = {kind: rank_state(module, TrainerCheckpointWeights(load_dir, it, ("optimizer_named", kind)),
+                                  names=names) for kind in saved_opt if kind != "step"}
+        if steps:  # (no step: saved before the first update, the per-parameter state stays fresh)
             step = next(iter(saved_opt["step"].values()))
             named["step"] = {n: step for n in names}
-            load_named_optimizer_state(self.optimizer, module, named)
+        load_named_optimizer_state(self.optimizer, module, named)
         return state0
