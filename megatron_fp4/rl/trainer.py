@@ -479,25 +479,35 @@ class GRPOTrainer:
         """Only the model weights of the latest RL checkpoint in ``load_dir`` (a warm start shared by several runs);
         optimizer, step, data position and RNG stay fresh. The checkpoint may come from another TP/PP/DP layout
         (resharded on load). Returns the checkpoint's iteration."""
-        from megatron_fp4.models.checkpoint_io import load_checkpoint_into_model
-        from megatron_fp4.rl.checkpoint_weights import (TrainerCheckpointWeights, describe_layout, same_layout,
-                                                        saved_layout)
+        from megatron_fp4.rl.checkpoint_weights import describe_layout, same_layout, saved_layout
 
         it, saved = saved_layout(load_dir)
         mine = self.layout()
         how = "warm start"
-        if saved is None or same_layout(saved, mine):
+        same = saved is None or same_layout(saved, mine)
+        self._load_policy_weights(load_dir, it, same)
+        if not same:
+            how += f", resharded from {describe_layout(saved)} to {describe_layout(mine)}"
+        if self.rank == 0:
+            print(f"[checkpoint] model weights from {os.path.join(load_dir, f'iter_{it:07d}')} ({how})", flush=True)
+        return it
+
+    def _load_policy_weights(self, load_dir: str, it: int, same_layout: bool) -> dict | None:
+        """Load the policy weights of checkpoint ``it``: from this rank's file under the layout it was saved with
+        (whose whole state is returned), else resharded (None returned). Either way the optimizer's main copies
+        are refreshed from them: with --bf16 it steps fp32 copies made when it was built (a no-op for fp32
+        parameters), or the first update would start from the old weights."""
+        from megatron_fp4.models.checkpoint_io import load_checkpoint_into_model
+        from megatron_fp4.rl.checkpoint_weights import TrainerCheckpointWeights
+
+        state = None
+        if same_layout:
             _, state = load_checkpoint(load_dir, it, rank=self.rank)
             self.policy.module.load_state_dict(state["model"])
         else:
             load_checkpoint_into_model(self.policy, TrainerCheckpointWeights(load_dir, it))
-            how += f", resharded from {describe_layout(saved)} to {describe_layout(mine)}"
-        # with --bf16 the optimizer steps fp32 main copies made when it was built: refresh them from the new
-        # weights (a no-op for fp32 parameters), or the first update would start from the old weights
         self.optimizer.reload_model_params()
-        if self.rank == 0:
-            print(f"[checkpoint] model weights from {os.path.join(load_dir, f'iter_{it:07d}')} ({how})", flush=True)
-        return it
+        return state
 
     @torch.no_grad()
     def measure_rollout_underflow(self, sparsity: str, max_prompts: int = 64) -> dict[str, float]:
@@ -522,9 +532,7 @@ class GRPOTrainer:
         mine = self.layout()
         how = ""
         if saved is None or same_layout(saved, mine):
-            it, state = load_checkpoint(load_dir, it, rank=self.rank)
-            self.policy.module.load_state_dict(state["model"])
-            self.optimizer.reload_model_params()  # main copies from the weights, then the saved ones where stored
+            state = self._load_policy_weights(load_dir, it, True)  # then the saved main copies where stored
             if self.reference is not None and state.get("reference") is not None:
                 self.reference.load_state_dict(state["reference"])
             if "optimizer_named" in state:
@@ -559,8 +567,7 @@ class GRPOTrainer:
                 f"store the optimizer state by parameter name. To start from its weights at this layout, pass "
                 f"--init-from {load_dir} with a new --save directory (fresh optimizer and schedule)")
         module = self.policy.module
-        load_checkpoint_into_model(self.policy, TrainerCheckpointWeights(load_dir, it))
-        self.optimizer.reload_model_params()  # main copies from the weights, then the saved ones where stored
+        self._load_policy_weights(load_dir, it, False)  # then the saved main copies where stored
         if self.reference is not None and state0.get("reference") is not None:
             load_checkpoint_into_model(self.reference, TrainerCheckpointWeights(load_dir, it, "reference"))
         saved_opt = state0["optimizer_named"]
