@@ -23,7 +23,7 @@ import triton  # noqa: E402
 
 from kernels import gemm as gm  # noqa: E402
 
-from kernels.gemm import fp4_matmul, mm_expanded, packed_matmul, w4_matmul, w4a4_decode_matmul  # noqa: E402
+from kernels.gemm import fp4_matmul, mm_expanded, packed_matmul, w4_matmul  # noqa: E402
 from kernels.quantize import Expanded, expand_packed, quantize  # noqa: E402
 from kernels.resq import resq_quantize  # noqa: E402
 
@@ -145,22 +145,24 @@ def bench_gemms(shapes, ms_list, skip_packed_large=False, on_row=None):
                                             graph=True))
             for fmt in ("mxfp4", "hif4"):
                 qs = prep[fmt]
-                if M <= 64:
-                    qxs = [quantize(xi, fmt) for xi in xs]
-                    rr = [resq_quantize(xi, fmt) for xi in xs]
+                if M <= 64:  # the decode kernel: packed weights x BF16 (W4A16) or the exact BF16 expansions of
+                    # the FP4 activations (W4A4; ResQ adds the residual's on the same weight read)
+                    exs = [quantize(xi, fmt, expand="bf16")[1].values for xi in xs]
+                    rr = [resq_quantize(xi, fmt, expand="bf16") for xi in xs]
                     n = len(qs)
-                    rec(f"{fmt}_w4a4_gemm", bench([lambda i=i: w4a4_decode_matmul(qxs[i % len(xs)], qs[i][0])
+                    rec(f"{fmt}_w4a4_gemm", bench([lambda i=i: w4_matmul(exs[i % len(xs)], qs[i][0], wide=False)
                                                    for i in range(n)], graph=True))
-                    rec(f"{fmt}_w4a4_e2e", bench([lambda i=i: w4a4_decode_matmul(quantize(xs[i % len(xs)], fmt),
-                                                                                 qs[i][0]) for i in range(n)],
-                                                 graph=True))
-                    rec(f"{fmt}_resq24_gemm", bench([lambda i=i: w4a4_decode_matmul(rr[i % len(xs)][0], qs[i][0],
-                                                                                     rr[i % len(xs)][1])
+                    rec(f"{fmt}_w4a4_e2e", bench([lambda i=i: w4_matmul(quantize(xs[i % len(xs)], fmt, expand="bf16")[1]
+                                                                        .values, qs[i][0], wide=False)
+                                                  for i in range(n)], graph=True))
+                    rec(f"{fmt}_resq24_gemm", bench([lambda i=i: w4_matmul(rr[i % len(xs)][2].values, qs[i][0],
+                                                                           rr[i % len(xs)][3].values, wide=False)
                                                      for i in range(n)], graph=True))
-                    rec(f"{fmt}_resq24_e2e", bench([lambda i=i: (lambda t: w4a4_decode_matmul(t[0], qs[i][0], t[1]))(
-                        resq_quantize(xs[i % len(xs)], fmt)) for i in range(n)], graph=True))
-                    rec(f"{fmt}_w4a16", bench([lambda i=i: w4_matmul(xs[i % len(xs)], qs[i][0]) for i in range(n)],
-                                              graph=True))
+                    rec(f"{fmt}_resq24_e2e", bench([lambda i=i: (lambda t: w4_matmul(t[2].values, qs[i][0], t[3].values,
+                                                                                      wide=False))(
+                        resq_quantize(xs[i % len(xs)], fmt, expand="bf16")) for i in range(n)], graph=True))
+                    rec(f"{fmt}_w4a16", bench([lambda i=i: w4_matmul(xs[i % len(xs)], qs[i][0], wide=False)
+                                               for i in range(n)], graph=True))
                 else:
                     q0 = qs[0][0]
                     # weights expanded once per update: BF16 (exact) or, for MXFP4 FP8, E4M3 (cuBLAS's FP8 GEMM
@@ -202,40 +204,34 @@ def bench_gemms(shapes, ms_list, skip_packed_large=False, on_row=None):
 
 
 def sweep_decode():
-    """Time the two decode kernels over tile configs (largest 7B shape, M=16) and make the fastest the default
-    (kernels.gemm.DECODE_CONFIGS) for the table that follows."""
+    """Time the decode kernel over tile configs (largest 7B shape, M = 16 and 64, both formats) and make the
+    fastest per M (summed over the formats) the default (kernels.gemm.DECODE_CONFIGS) for the table."""
     from kernels import gemm as gm
 
     out = []
     K, N = 3584, 18944
-    ws = [torch.randn(N, K, device="cuda", dtype=torch.bfloat16) * 0.02 for _ in range(4)]
-    cands = [(256, 8, 3, 1, 3), (256, 8, 3, 2, 3), (256, 8, 3, 4, 3), (128, 4, 3, 2, 6), (128, 4, 3, 4, 6),
-             (256, 8, 2, 2, 6)]
-    for fmt in ("hif4", "mxfp4"):
-        qs = [quantize(w, fmt) for w in ws]
-        M = 16
+    ws = [torch.randn(N, K, device="cuda", dtype=torch.bfloat16) * 0.02 for _ in range(8)]
+    cands = [{"BN": bn, "num_warps": w, "num_stages": st, "NSUB": ns, "SPLIT": sp} for bn, w, st, ns, sp in (
+        (64, 4, 1, 1, 8), (64, 4, 2, 1, 8), (64, 4, 3, 2, 4), (64, 4, 4, 1, 4), (128, 4, 3, 1, 4), (128, 8, 3, 2, 4),
+        (64, 4, 1, 1, 4), (64, 4, 4, 1, 8))]
+    qs = {fmt: [quantize(w, fmt) for w in ws] for fmt in ("hif4", "mxfp4")}
+    for M in (16, 64):
         x = torch.randn(M, K, device="cuda", dtype=torch.bfloat16)
-        qx = quantize(x, fmt)
-        for kern in ("fp8", "bf16"):
-            best = None
-            for bn, w, st, nsub, split in cands:
-                cfg = {"BN": bn, "num_warps": w, "num_stages": st, "NSUB": nsub, "SPLIT": split}
+        tot = [0.0] * len(cands)
+        for ci, cfg in enumerate(cands):
+            for fmt in ("hif4", "mxfp4"):
                 try:
-                    if kern == "fp8":
-                        fns = [lambda i=i: w4a4_decode_matmul(qx, qs[i], config=cfg) for i in range(len(qs))]
-                    else:
-                        fns = [lambda i=i: w4_matmul(x, qs[i], config=cfg) for i in range(len(qs))]
-                    ms = bench(fns, graph=True)
+                    ms = bench([lambda i=i: w4_matmul(x, qs[fmt][i], config=cfg, wide=False) for i in range(len(ws))],
+                               graph=True)
                 except Exception as e:  # noqa: BLE001
                     ms = float("nan")
                     print("config failed", cfg, type(e).__name__, str(e)[:200])
-                out.append({"fmt": fmt, "M": M, "kernel": kern, **cfg, "us": ms * 1e3})
-                print(f"  decode sweep {fmt} {kern} M={M} {cfg}: {ms * 1e3:.1f} us", flush=True)
-                if ms == ms and (best is None or ms < best[0]):
-                    best = (ms, cfg)
-            if best is not None:
-                gm.DECODE_CONFIGS[(kern, fmt)] = best[1]
-                print(f"  decode default {kern} {fmt}: {best[1]}", flush=True)
+                out.append({"fmt": fmt, "M": M, **cfg, "us": ms * 1e3})
+                tot[ci] += ms if ms == ms else float("inf")
+                print(f"  decode sweep {fmt} M={M} {cfg}: {ms * 1e3:.1f} us", flush=True)
+        best = min(range(len(cands)), key=lambda c: tot[c])
+        gm.DECODE_CONFIGS[M] = cands[best]
+        print(f"  decode default M<={M}: {cands[best]}", flush=True)
     return out
 
 
@@ -318,7 +314,7 @@ def main():
     result = {"gpu": dev, "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()), "torch": torch.__version__,
               "triton": triton.__version__, "copy_GBps": copy_gbs, "cublas_bf16_8192_TFLOPs": bf16_peak,
               "quantize": qrows, "quantize_sweep": qsweep, "decode_sweep": sweep,
-              "decode_defaults": {f"{k[0]}/{k[1]}": v for k, v in gm.DECODE_CONFIGS.items()}, "gemm": []}
+              "decode_defaults": {f"M<={k}": v for k, v in gm.DECODE_CONFIGS.items()}, "gemm": []}
     os.makedirs(os.path.dirname(args.out) or ".", exist_ok=True)
 
     def dump(rows):

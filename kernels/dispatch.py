@@ -58,11 +58,11 @@ def _check_mode(mode: str) -> None:
 def fp4_gemm(a: torch.Tensor, b: torch.Tensor, a_format, b_format=None, mode: str = "exact") -> torch.Tensor:
     """fp32 ``Q(a) @ Q(b)^T`` for ``a [m, K]``, ``b [n, K]`` quantized along K (nearest rounding).
 
-    M <= 64: the packed FP8 decode kernel (exact). Larger M: see :data:`MODES` ("exact": BF16 tensor cores,
-    equal to the reference up to fp32 summation order).
+    M <= 64: the decode kernel (packed b, the exact BF16 expansion of Q(a)). Larger M: see :data:`MODES`
+    ("exact": BF16 tensor cores, equal to the reference up to fp32 summation order).
     """
     _check_mode(mode)
-    from kernels.gemm import fp4_matmul, w4a4_decode_matmul
+    from kernels.gemm import fp4_matmul, w4_matmul
     from kernels.quantize import quantize
 
     fa = get_format(a_format)
@@ -70,7 +70,7 @@ def fp4_gemm(a: torch.Tensor, b: torch.Tensor, a_format, b_format=None, mode: st
     if fa.name != fb.name or fa.name not in KERNEL_FORMATS or not kernels_usable(a, b):
         return _reference_gemm(a, b, fa, fb)
     if a.shape[0] <= DECODE_MAX_M:
-        return w4a4_decode_matmul(quantize(a, fa), quantize(b, fb))
+        return w4_matmul(quantize(a, fa, expand="bf16")[1].values, quantize(b, fb))
     ex = "bf16" if mode == "exact" else "native"
     qa, ea = quantize(a, fa, expand=ex)
     qb, eb = quantize(b, fb, expand=ex)
@@ -98,18 +98,20 @@ def register(device_type: str = "cuda") -> bool:
 
 @dataclass
 class PreparedWeight:
-    """A weight ``[n, K]`` quantized along K: packed (decode kernels) and expanded (prefill GEMM)."""
+    """A weight ``[n, K]`` quantized along K: packed (decode kernels) and expanded (prefill GEMM); ``wide``:
+    the decode kernel needs its two-factor MXFP4 path (:func:`kernels.gemm.needs_wide_decode`)."""
 
     packed: QuantizedTensor
     expanded: object  # kernels.quantize.Expanded or None
     fmt: Format
     mode: str = "exact"
+    wide: bool = False
 
 
 def prepare_weight(w: torch.Tensor, fmt, mode: str = "exact") -> PreparedWeight:
     """Quantize a weight once per weight update: packed codes + the GEMM-ready expansion (BF16, or for MXFP4
     with ``mode`` "fp8"/"fp8_fast" FP8: E4M3 for cuBLAS on CUDA where the width allows, else E5M2)."""
-    from kernels.gemm import _cublas_applies
+    from kernels.gemm import _cublas_applies, needs_wide_decode
     from kernels.quantize import expand_packed, quantize
 
     _check_mode(mode)
@@ -119,7 +121,7 @@ def prepare_weight(w: torch.Tensor, fmt, mode: str = "exact") -> PreparedWeight:
         e4 = expand_packed(q, "e4m3")
         if _cublas_applies(e, e4):
             e = e4
-    return PreparedWeight(q, e, f, mode)
+    return PreparedWeight(q, e, f, mode, needs_wide_decode(q))
 
 
 def linear(x: torch.Tensor, w: PreparedWeight, resq: str = "none", activations: str = "fp4",
@@ -128,7 +130,7 @@ def linear(x: torch.Tensor, w: PreparedWeight, resq: str = "none", activations: 
 
     ``activations``: "fp4" (W4A4) or "bf16" (W4A16: x used as is, rounded to bf16); ``resq``: "none" or "2:4".
     """
-    from kernels.gemm import fp4_matmul, w4_matmul, w4a4_decode_matmul
+    from kernels.gemm import fp4_matmul, w4_matmul
     from kernels.quantize import expand_packed, quantize
     from kernels.resq import resq_matmul
 
@@ -145,16 +147,16 @@ def linear(x: torch.Tensor, w: PreparedWeight, resq: str = "none", activations: 
         if kp != K:
             xb = torch.nn.functional.pad(xb, (0, kp - K))
         if x.shape[0] <= DECODE_MAX_M:
-            return w4_matmul(xb, w.packed).to(out_dtype)
+            return w4_matmul(xb, w.packed, wide=w.wide).to(out_dtype)
         from kernels.gemm import mm_expanded
         from kernels.quantize import Expanded
 
         wb = w.expanded if w.expanded.values.dtype == torch.bfloat16 else expand_packed(w.packed, "bf16")
         return mm_expanded(Expanded(xb), wb, out_dtype=out_dtype)
     if resq == "2:4":
-        return resq_matmul(x, w.packed, w.expanded, out_dtype=out_dtype, promote=PROMOTE[w.mode])
+        return resq_matmul(x, w.packed, w.expanded, out_dtype=out_dtype, promote=PROMOTE[w.mode], wide=w.wide)
     if x.shape[0] <= DECODE_MAX_M:
-        return w4a4_decode_matmul(quantize(x, w.fmt), w.packed).to(out_dtype)
+        return w4_matmul(quantize(x, w.fmt, expand="bf16")[1].values, w.packed, wide=w.wide).to(out_dtype)
     qx, ex = quantize(x, w.fmt, expand="bf16" if w.expanded.values.dtype == torch.bfloat16 else "native")
     return fp4_matmul(qx, ex, w.packed, w.expanded, out_dtype=out_dtype, promote=PROMOTE[w.mode])
 

@@ -14,8 +14,9 @@ Two ways to feed the tensor cores, both exact with respect to ``Q(a) @ Q(b)^T`` 
   error ~1e-4; ``promote`` narrows it at a speed cost). The exact path for both formats is the BF16 expansion
   (MXFP4 values are exact in BF16 too), whose tensor cores accumulate in fp32.
 - packed (``packed_matmul``/``w4_matmul``): the kernel reads the 4-bit codes and scales and dequantizes to BF16
-  in its prologue. ``w4_matmul`` is the decode/W4A16 kernel: packed weights x BF16 activations, optionally with
-  a second activation (the ResQ residual) that rides on the same weight read.
+  in its prologue. ``w4_matmul`` is the decode kernel (M <= 64): packed weights x BF16 activations (W4A16, or
+  the exact BF16 expansions of FP4 activations for W4A4), optionally with a second activation (the ResQ
+  residual) that rides on the same weight read.
 """
 
 from __future__ import annotations
@@ -30,7 +31,7 @@ from kernels.quantize import Expanded
 from megatron_fp4.formats import QuantizedTensor
 from megatron_fp4.formats.packing import unpack_nibbles
 
-__all__ = ["IMPLS", "mm_expanded", "fp4_matmul", "packed_matmul", "w4_matmul", "w4a4_decode_matmul", "dequantize_rows"]
+__all__ = ["IMPLS", "mm_expanded", "fp4_matmul", "packed_matmul", "w4_matmul", "needs_wide_decode", "dequantize_rows"]
 
 if HAS_TRITON:
 
@@ -206,134 +207,124 @@ if HAS_TRITON:
         else:
             tl.store(cptr, acc.to(c_ptr.dtype.element_ty), mask=cmask)
 
+    # --- W4A16 decode: unpack 32-bit pairs of 16-bit code lanes with a few bit operations per value ----------
+    # One asm instance takes two 16-bit code lanes (4 codes each) and returns, per nibble position j, a bf16x2
+    # register with both lanes' values (Marlin-style: both lanes go through the same bit operations).
+    # MXFP4: sign | (e2m1 magnitude << 6) is the bf16 of e2m1 * 2^-126 (subnormal for e = 0 codes, as bf16
+    # arithmetic supports), times f = 2^(X + 126) (and, WIDE: a second factor for X > 1) is e2m1 * 2^X exactly.
+    # HiF4: k | magic is the bf16 128 + k (j even) or 8 + k (j odd, k four bits up); fma(v, F, -128F / -8F) = k F
+    # exactly (k F has <= 6 significant bits), then the sign is xor-ed in. F = E6M2 x 2^micro per 16-bit lane.
     @triton.jit
-    def _w4_decode_kernel(x_ptr, r_ptr, b_ptr, bs_ptr, c_ptr, M, N, KH, stride_xm, stride_rm, stride_bn,
+    def _nibble_pure(hw, f, g, J: tl.constexpr, FMT: tl.constexpr, WIDE: tl.constexpr):
+        """The same numbers as the asm below, in fp32 (CPU interpreter)."""
+        n = (hw.to(tl.int32) >> (4 * J)) & 0xF
+        ff = (f << 16).to(tl.float32, bitcast=True)
+        if FMT == 1:
+            v = (((n & 7) << 22) | ((n & 8) << 28)).to(tl.float32, bitcast=True) * ff
+            if WIDE:
+                v = v * (g << 16).to(tl.float32, bitcast=True)
+        else:
+            v = (n & 7).to(tl.float32) * ff
+            v = tl.where((n & 8) != 0, -v, v)
+        return v.to(tl.bfloat16)
+
+    def _asm_unpack(fmt: int, wide: bool) -> str:
+        lines = [".reg .b32 t, a, s, f;", "prmt.b32 f, $5, $6, 0x5410;"]
+        if fmt == 1:
+            if wide:
+                lines += [".reg .b32 g;", "prmt.b32 g, $7, $8, 0x5410;"]
+            for j in (3, 2, 1, 0):
+                src = "$4" if j == 3 else "t"
+                if j != 3:
+                    lines.append(f"shl.b32 t, $4, {4 * (3 - j)};")
+                lines.append(f"and.b32 a, {src}, 0x70007000; shr.b32 a, a, 6; and.b32 s, {src}, 0x80008000; "
+                             f"or.b32 a, a, s; mul.rn.bf16x2 ${j}, a, f;")
+                if wide:
+                    lines.append(f"mul.rn.bf16x2 ${j}, ${j}, g;")
+        else:
+            lines += [".reg .b32 n128, n8;", "mov.b32 n128, 0xC300C300; mul.rn.bf16x2 n128, f, n128;",
+                      "mov.b32 n8, 0xC100C100; mul.rn.bf16x2 n8, f, n8;", "shr.b32 t, $4, 8;"]
+            for j in range(4):
+                src = "$4" if j < 2 else "t"
+                mask, magic, neg = ("0x00070007", "0x43004300", "n128") if j % 2 == 0 else \
+                    ("0x00700070", "0x41004100", "n8")
+                lines.append(f"and.b32 a, {src}, {mask}; or.b32 a, a, {magic}; fma.rn.bf16x2 a, a, f, {neg};")
+                lines.append(f"shl.b32 s, $4, {12 - 4 * j}; and.b32 s, s, 0x80008000; xor.b32 ${j}, a, s;")
+        return "{\n" + "\n".join(lines) + "\n}"
+
+    _ASM_MX = tl.constexpr(_asm_unpack(1, False))
+    _ASM_MX_WIDE = tl.constexpr(_asm_unpack(1, True))
+    _ASM_HIF4 = tl.constexpr(_asm_unpack(0, False))
+
+    @triton.jit
+    def _unpack_planes(hw, f, g, FMT: tl.constexpr, WIDE: tl.constexpr, ASM: tl.constexpr):
+        """int16 code lanes hw [R, H] (4 codes each) and int32 factors (low 16 bits: bf16 f, g) -> bf16 values of
+        nibble j = 0..3 of each lane (K index 4h + j), four [R, H] tensors."""
+        if ASM:
+            if FMT == 1:
+                if WIDE:
+                    return tl.inline_asm_elementwise(_ASM_MX_WIDE, "=r,=r,=r,=r,r,r,r,r,r", [hw, f, g],
+                                                     dtype=(tl.bfloat16,) * 4, is_pure=True, pack=2)
+                return tl.inline_asm_elementwise(_ASM_MX, "=r,=r,=r,=r,r,r,r", [hw, f],
+                                                 dtype=(tl.bfloat16,) * 4, is_pure=True, pack=2)
+            return tl.inline_asm_elementwise(_ASM_HIF4, "=r,=r,=r,=r,r,r,r", [hw, f], dtype=(tl.bfloat16,) * 4,
+                                             is_pure=True, pack=2)
+        return (_nibble_pure(hw, f, g, 0, FMT, WIDE), _nibble_pure(hw, f, g, 1, FMT, WIDE),
+                _nibble_pure(hw, f, g, 2, FMT, WIDE), _nibble_pure(hw, f, g, 3, FMT, WIDE))
+
+    @triton.jit
+    def _permuted_x(x_ptr, offs_m, mmask, stride_xm, k0, KP, BM: tl.constexpr):
+        """Activations [64 (K from k0), BM] in the weight tile's K order (8w + 2j + e holds K = 8w + j + 4e)."""
+        kk = k0 + tl.arange(0, 64)
+        xt = tl.load(x_ptr + offs_m[:, None] * stride_xm + kk[None, :], mask=mmask[:, None] & (kk < KP)[None, :],
+                     other=0.0)
+        return tl.trans(tl.reshape(tl.permute(tl.reshape(xt, (BM, 8, 2, 4)), (0, 1, 3, 2)), (BM, 64)))
+
+    @triton.jit
+    def _w4_decode_kernel(x_ptr, r_ptr, b_ptr, bs_ptr, c_ptr, M, N, KH2, stride_xm, stride_rm, stride_bn,
                           stride_bsn, stride_cm, FMT: tl.constexpr, HAS_RES: tl.constexpr, SPLIT_K: tl.constexpr,
-                          F32: tl.constexpr, BN: tl.constexpr, BM: tl.constexpr, BKH: tl.constexpr,
-                          NSUB: tl.constexpr):
-        """out[M, N] (+)= x[M, K] . deq(W[N, K])^T for M <= BM, computed swapped (acc = W . x^T, [BN, BM]) so the
-        dequantized weight tile is the MMA's M-side operand and the few tokens its N side. Each loop step handles
-        NSUB independent 64-value slices (more loads in flight)."""
+                          WIDE: tl.constexpr, ASM: tl.constexpr, F32: tl.constexpr, BN: tl.constexpr,
+                          BM: tl.constexpr, NSUB: tl.constexpr):
+        """out[M, N] (+)= x[M, K] . deq(W[N, K])^T for M <= BM, computed swapped (acc = W . x^T, [BN, BM]): the
+        weight tile, dequantized to BF16 in registers (exact), is the MMA's M side, the few tokens its N side.
+        A step is 64 values (one HiF4 unit, two MXFP4 blocks): 16 code lanes of 16 bits per row (b_ptr: int16
+        view, KH2 lanes per row); NSUB steps per loop iteration; the ResQ residual reuses the weight tile."""
         pid_k, offs_n, offs_m, nmask, mmask = _decode_tile(M, N, BN, BM)
+        i = tl.arange(0, 16)[None, :]
+        KP = 4 * KH2
         acc = tl.zeros((BN, BM), dtype=tl.float32)
-        for j00 in range(pid_k * BKH * NSUB, KH, SPLIT_K * BKH * NSUB):
+        for s00 in range(pid_k * NSUB, tl.cdiv(KH2, 16), SPLIT_K * NSUB):
             for sb in tl.static_range(NSUB):
-                j0 = j00 + sb * BKH
-                j = j0 + tl.arange(0, BKH)
-                jm = j < KH
-                qb = tl.load(b_ptr + offs_n[:, None] * stride_bn + j[None, :], mask=nmask[:, None] & jm[None, :],
-                             other=0)
-                wlo, whi = _deq_bytes(qb, bs_ptr, offs_n, nmask & ((offs_n * 0 + j0) < KH), j0, j, stride_bsn, FMT)
-                xmask = jm[:, None] & mmask[None, :]
-                xp = x_ptr + offs_m[None, :] * stride_xm + 2 * j[:, None]
-                xlo = tl.load(xp, mask=xmask, other=0.0)
-                xhi = tl.load(xp + 1, mask=xmask, other=0.0)
-                acc = _dot(wlo, xlo, acc, F32)
-                acc = _dot(whi, xhi, acc, F32)
+                st = s00 + sb
+                live = nmask & ((offs_n * 0 + st * 16) < KH2)
+                hw = tl.load(b_ptr + offs_n[:, None] * stride_bn + st * 16 + i,
+                             mask=live[:, None] & (st * 16 + i < KH2), other=0)
+                if FMT == 1:  # two E8M0 blocks: f = 2^(X + 126) (WIDE: min(., 127), g = the rest)
+                    s0 = tl.load(bs_ptr + offs_n * stride_bsn + 2 * st, mask=live, other=127).to(tl.int32)
+                    s1 = tl.load(bs_ptr + offs_n * stride_bsn + 2 * st + 1, mask=live & ((offs_n * 0 + st * 16 + 8) < KH2),
+                                 other=127).to(tl.int32)
+                    sx = tl.where(i < 8, s0[:, None], s1[:, None]) + 126
+                    if WIDE:
+                        f = tl.where(sx == 381, 0x7FC0, tl.minimum(sx, 254) << 7)
+                        g = (tl.maximum(sx - 254, 0) + 127) << 7
+                    else:
+                        f = tl.where(sx == 381, 0x7FC0, sx << 7)
+                        g = f
+                else:  # HiF4 unit: F = E6M2 x 2^(E1_8 + E1_16) per 16-bit lane; NaN units (0xFF) -> NaN
+                    w = tl.load(bs_ptr + offs_n * stride_bsn + st, mask=live, other=0)
+                    c = w & 0xFF
+                    base = tl.where(c == 255, 0x7FC0, (((c >> 2) + 77) << 7) | ((c & 3) << 5))[:, None]
+                    w = tl.where(c == 255, 0, w)[:, None]
+                    f = base + ((((w >> (8 + i // 2)) & 1) + ((w >> (16 + i)) & 1)) << 7)
+                    g = f
+                v0, v1, v2, v3 = _unpack_planes(hw, f, g, FMT, WIDE, ASM)
+                # keep each asm output pair (K 8w + j, 8w + 4 + j) adjacent; x takes the same K order
+                t = tl.join(tl.join(tl.reshape(v0, (BN, 8, 2)), tl.reshape(v1, (BN, 8, 2))),
+                            tl.join(tl.reshape(v2, (BN, 8, 2)), tl.reshape(v3, (BN, 8, 2))))
+                wt = tl.reshape(tl.permute(t, (0, 1, 4, 3, 2)), (BN, 64))
+                acc = _dot(wt, _permuted_x(x_ptr, offs_m, mmask, stride_xm, 64 * st, KP, BM), acc, F32)
                 if HAS_RES:
-                    rp = r_ptr + offs_m[None, :] * stride_rm + 2 * j[:, None]
-                    rlo = tl.load(rp, mask=xmask, other=0.0)
-                    rhi = tl.load(rp + 1, mask=xmask, other=0.0)
-                    acc = _dot(wlo, rlo, acc, F32)
-                    acc = _dot(whi, rhi, acc, F32)
-        _store_decode(c_ptr, acc, offs_n, offs_m, nmask, mmask, stride_cm, SPLIT_K)
-
-    @triton.jit
-    def _f8_operand(q, w, jj, FMT: tl.constexpr, F32: tl.constexpr, R: tl.constexpr, BKH: tl.constexpr):
-        """Packed bytes q [R, BKH] (int32) -> elements [R, 2*BKH] in order, as FP8 (F32: the same values in fp32):
-        MXFP4 E5M2 = e2m1 * 2^-14 (pure bit placement); HiF4 E4M3 = k * 2^(E1_8 + E1_16) (w: scale word [R, 1])."""
-        if FMT == 0:
-            mic = ((w >> (8 + jj // 4)) & 1) + ((w >> (16 + jj // 2)) & 1)
-            klo = q & 7
-            khi = (q >> 4) & 7
-            if F32:
-                lo = klo.to(tl.float32) * (1 << mic).to(tl.float32)
-                hi = khi.to(tl.float32) * (1 << mic).to(tl.float32)
-                lo = tl.where((q & 8) != 0, -lo, lo)
-                hi = tl.where((q & 0x80) != 0, -hi, hi)
-            else:
-                lo = tl.where(klo < 4, 1145059328 >> (klo * 8), 1313622600 >> ((klo - 4) * 8)) & 0xFF
-                hi = tl.where(khi < 4, 1145059328 >> (khi * 8), 1313622600 >> ((khi - 4) * 8)) & 0xFF
-                lo = tl.where(klo != 0, lo + (mic << 3), 0) | ((q & 8) << 4)
-                hi = tl.where(khi != 0, hi + (mic << 3), 0) | (q & 0x80)
-        else:
-            if F32:
-                lut = tl.full(q.shape, -932957680, tl.int32)
-                lo = ((lut >> ((q & 7) * 4)) & 0xF).to(tl.float32) * 3.0517578125e-05
-                hi = ((lut >> (((q >> 4) & 7) * 4)) & 0xF).to(tl.float32) * 3.0517578125e-05
-                lo = tl.where((q & 8) != 0, -lo, lo)
-                hi = tl.where((q & 0x80) != 0, -hi, hi)
-            else:
-                lo = ((q & 8) << 4) | ((q & 7) << 1)
-                hi = (q & 0x80) | ((q >> 3) & 0xE)
-        v = tl.reshape(tl.join(lo, hi), (R, 2 * BKH))
-        if not F32:
-            if FMT == 0:
-                v = v.to(tl.uint8).to(tl.float8e4nv, bitcast=True)
-            else:
-                v = v.to(tl.uint8).to(tl.float8e5, bitcast=True)
-        return v
-
-    @triton.jit
-    def _blk_scale(s_ptr, rows, rmask, stride_s, j0, FMT: tl.constexpr):
-        """fp32 [R] scale of the block/unit starting at byte j0 (MXFP4 2^X, HiF4 E6M2), NaN for NaN codes; for
-        HiF4 also the raw scale word (micro-exponent bits)."""
-        if FMT == 0:
-            w = tl.load(s_ptr + rows * stride_s + j0 // 32, mask=rmask, other=0)
-            c = w & 0xFF
-            v = ((((c >> 2) + 79) << 23) | ((c & 3) << 21)).to(tl.float32, bitcast=True)
-            v = tl.where(c == 255, float("nan"), v)
-        else:
-            w = tl.load(s_ptr + rows * stride_s + j0 // 16, mask=rmask, other=127).to(tl.int32)
-            v = tl.where(w >= 1, (w << 23).to(tl.float32, bitcast=True), 5.877471754111438e-39)
-            v = tl.where(w == 255, float("nan"), v)
-        return v, w
-
-    @triton.jit
-    def _act_block_dot(w8, pw, a_ptr, as_ptr, offs_m, mmask, mlive, stride_am, stride_asm, j, jm, j0, jj,
-                       FMT: tl.constexpr, F32: tl.constexpr, C: tl.constexpr, BM: tl.constexpr, BKH: tl.constexpr):
-        """One unit's / block's W . A^T for a packed activation operand A (loaded, converted to FP8, dotted with
-        the FP8 weight tile w8), scaled into fp32 by both block scales: [BN, BM]."""
-        qa = tl.load(a_ptr + offs_m[:, None] * stride_am + j[None, :], mask=mmask[:, None] & jm,
-                     other=0).to(tl.int32)
-        pa, wa = _blk_scale(as_ptr, offs_m, mlive, stride_asm, j0, FMT)
-        a8 = tl.trans(_f8_operand(qa, wa[:, None], jj, FMT, F32, BM, BKH))
-        if F32:
-            d = tl.dot(w8, a8, input_precision="ieee")
-        else:
-            d = tl.dot(w8, a8)
-        return ((d * C) * pw[:, None]) * pa[None, :]
-
-    @triton.jit
-    def _fp8_decode_kernel(x_ptr, xs_ptr, r_ptr, rs_ptr, b_ptr, bs_ptr, c_ptr, M, N, KH, stride_xm, stride_xsm,
-                           stride_bn, stride_bsn, stride_cm, FMT: tl.constexpr, HAS_RES: tl.constexpr,
-                           SPLIT_K: tl.constexpr, F32: tl.constexpr, BN: tl.constexpr, BM: tl.constexpr,
-                           NSUB: tl.constexpr):
-        """W4A4 decode on FP8 tensor cores, both operands read PACKED: per HiF4 unit / MXFP4 block one dot of its
-        64 / 32 elements (exact: FP8 holds every element x micro-exponent), scaled into the fp32 accumulator by
-        the two block scales. acc = W . X^T ([BN, BM], swapped); the ResQ residual X_r reuses each W tile."""
-        BKH: tl.constexpr = 32 if FMT == 0 else 16
-        C: tl.constexpr = 0.0625 if FMT == 0 else 268435456.0  # (1/4)^2 for k/4, (2^14)^2 for e2m1*2^-14
-        pid_k, offs_n, offs_m, nmask, mmask = _decode_tile(M, N, BN, BM)
-        jj = tl.arange(0, BKH)[None, :] % 32
-        acc = tl.zeros((BN, BM), dtype=tl.float32)
-        for j00 in range(pid_k * BKH * NSUB, KH, SPLIT_K * BKH * NSUB):
-            for sb in tl.static_range(NSUB):
-                j0 = j00 + sb * BKH
-                j = j0 + tl.arange(0, BKH)
-                # masked-off slices load zero codes (and finite scales): they add exactly 0
-                jm = (j < KH)[None, :]
-                nlive = nmask & ((offs_n * 0 + j0) < KH)
-                mlive = mmask & ((offs_m * 0 + j0) < KH)
-                qb = tl.load(b_ptr + offs_n[:, None] * stride_bn + j[None, :], mask=nmask[:, None] & jm,
-                             other=0).to(tl.int32)
-                pw, ww = _blk_scale(bs_ptr, offs_n, nlive, stride_bsn, j0, FMT)
-                w8 = _f8_operand(qb, ww[:, None], jj, FMT, F32, BN, BKH)
-                acc += _act_block_dot(w8, pw, x_ptr, xs_ptr, offs_m, mmask, mlive, stride_xm, stride_xsm, j, jm, j0,
-                                      jj, FMT, F32, C, BM, BKH)
-                if HAS_RES:  # the residual shares the activations' strides and reuses the weight tile
-                    acc += _act_block_dot(w8, pw, r_ptr, rs_ptr, offs_m, mmask, mlive, stride_xm, stride_xsm, j, jm,
-                                          j0, jj, FMT, F32, C, BM, BKH)
+                    acc = _dot(wt, _permuted_x(r_ptr, offs_m, mmask, stride_rm, 64 * st, KP, BM), acc, F32)
         _store_decode(c_ptr, acc, offs_n, offs_m, nmask, mmask, stride_cm, SPLIT_K)
 
 
@@ -538,32 +529,39 @@ def packed_matmul(qa: QuantizedTensor, qb: QuantizedTensor, out_dtype: torch.dty
     return c
 
 
-#: Decode-kernel tile defaults per (kernel, format); benchmarks/bench_kernels.py --sweep measures alternatives.
-#: SPLIT: target programs per SM for split-K; NSUB: 64-value slices per loop step.
-DECODE_CONFIGS = {  # HiF4 W4A16: the run-4 sweep's choice (run 7: 3-17% faster at M = 64, within 6% elsewhere);
-    # HiF4 FP8: that choice was faster at M = 16 on the large shapes but up to 2x slower at M = 64 (ResQ): not taken
-    ("bf16", "hif4"): {"BN": 128, "num_warps": 4, "num_stages": 3, "NSUB": 2, "SPLIT": 6},
-    ("bf16", "mxfp4"): {"BN": 256, "num_warps": 8, "num_stages": 3, "NSUB": 1, "SPLIT": 3},
-    ("fp8", "hif4"): {"BN": 256, "num_warps": 8, "num_stages": 3, "NSUB": 1, "SPLIT": 3},
-    ("fp8", "mxfp4"): {"BN": 256, "num_warps": 8, "num_stages": 3, "NSUB": 1, "SPLIT": 3},
+#: Decode-kernel tiles by token count (both formats; run 8's sweep on the 3584 x 18944 weight, H200): for M <= 16
+#: no software pipelining (smaller shared memory, more programs per SM) and split-K 8 per SM; above, four stages.
+#: SPLIT: target programs per SM for split-K; NSUB: 64-value steps per loop iteration.
+#: benchmarks/bench_kernels.py --sweep measures alternatives.
+DECODE_CONFIGS = {
+    16: {"BN": 64, "num_warps": 4, "num_stages": 1, "NSUB": 1, "SPLIT": 8},
+    64: {"BN": 64, "num_warps": 4, "num_stages": 4, "NSUB": 1, "SPLIT": 4},
 }
 
 
-def _decode_config(kernel: str, qt: QuantizedTensor, config: Optional[dict]) -> dict:
+def _decode_config(M: int, config: Optional[dict]) -> dict:
     if config is not None:
         return {"NSUB": 1, "SPLIT": 3, **config}
     if interpreting():
         return {"BN": 16, "num_warps": 4, "num_stages": 1, "NSUB": 2, "SPLIT": 3}
-    return dict(DECODE_CONFIGS[(kernel, "hif4" if qt.fmt.name == "hif4" else "mxfp4")])
+    return dict(DECODE_CONFIGS[16 if M <= 16 else 64])
+
+
+def needs_wide_decode(qb: QuantizedTensor) -> bool:
+    """Whether the W4A16 decode kernel needs its two-factor MXFP4 path for ``qb`` (a block scale above 2^1,
+    i.e. weights of magnitude >= 16; never for HiF4). A device reduction and host sync: callers that decode
+    often keep the answer with the weight (``kernels.dispatch.PreparedWeight.wide``)."""
+    return qb.fmt.name != "hif4" and bool((qb.scales.reshape(-1) > 128).any())
 
 
 def w4_matmul(a: torch.Tensor, qb: QuantizedTensor, a_res: Optional[torch.Tensor] = None,
-              config: Optional[dict] = None) -> torch.Tensor:
-    """fp32 ``(a [+ a_res along K]) @ Q(b)^T`` for BF16 ``a [M, K_pad]`` (M <= 64) and packed weights (W4A16 and
-    decode W4A4).
+              config: Optional[dict] = None, wide: Optional[bool] = None) -> torch.Tensor:
+    """fp32 ``(a [+ a_res along K]) @ Q(b)^T`` for BF16 ``a [M, K_pad]`` (M <= 64) and packed weights: W4A16,
+    and the decode W4A4/ResQ GEMMs with the activations' exact BF16 expansions.
 
-    Each weight tile is read once and dequantized in registers; the optional residual activation (ResQ)
-    multiplies the same dequantized tile. Split-K with fp32 atomics fills the GPU.
+    Each weight tile is read once and dequantized in registers (exact in BF16); the optional residual
+    activation (ResQ) multiplies the same dequantized tile. Split-K with fp32 atomics fills the GPU. ``wide``:
+    see :func:`needs_wide_decode` (computed here when None).
     """
     b = qb.codes.reshape(-1, qb.codes.shape[-1])
     N, KH = b.shape
@@ -572,56 +570,25 @@ def w4_matmul(a: torch.Tensor, qb: QuantizedTensor, a_res: Optional[torch.Tensor
         raise ValueError(f"w4_matmul: activation K {a.shape[1]} != weight K_pad {2 * KH}")
     if M > 64:
         raise ValueError(f"w4_matmul is the decode kernel (M <= 64), got M={M}; use mm_expanded")
+    if wide is None:
+        wide = needs_wide_decode(qb)
     sb = _scale_arg(qb)
     f32 = interpreting()
     if f32:
         a = a.float()
         a_res = a_res.float() if a_res is not None else None
     r = a_res if a_res is not None else a
-    bm = 16 if M <= 16 else (32 if M <= 32 else 64)
-    config = _decode_config("bf16", qb, config)
+    config = _decode_config(M, config)
     tiles = cdiv(N, config["BN"])
     ksteps = cdiv(KH, 32 * config["NSUB"])
     split = config.get("SPLIT_K") or max(1, min(ksteps // 2 or 1,
                                                 (config["SPLIT"] * _sm_count(a.device)) // max(tiles, 1)))
     c = (torch.zeros if split > 1 else torch.empty)((M, N), dtype=torch.float32, device=a.device)
-    _w4_decode_kernel[(tiles, split)](a, r, b, sb, c, M, N, KH, a.stride(0), r.stride(0), b.stride(0), sb.stride(0),
-                                      c.stride(0), FMT=_fmt_id(qb), HAS_RES=a_res is not None, SPLIT_K=split, F32=f32,
-                                      BN=config["BN"], BM=config.get("BM", bm), BKH=32, NSUB=config["NSUB"],
-                                      num_warps=config["num_warps"], num_stages=config["num_stages"])
-    return c
-
-
-def w4a4_decode_matmul(qa: QuantizedTensor, qb: QuantizedTensor, qr: Optional[QuantizedTensor] = None,
-                       config: Optional[dict] = None) -> torch.Tensor:
-    """fp32 ``Q(a) [+ S(Q(r)) along K] @ Q(b)^T`` for M <= 64 on FP8 tensor cores, reading all operands packed.
-
-    Exact: FP8 holds every element (MXFP4: E5M2 e2m1 * 2^-14; HiF4: E4M3 k * 2^micro) and each HiF4 unit /
-    MXFP4 block is one dot whose fp32 result is scaled by the two block scales (no row-range condition).
-    """
-    if qa.fmt.name != qb.fmt.name:
-        raise ValueError(f"w4a4_decode_matmul: formats differ ({qa.fmt.name}, {qb.fmt.name})")
-    a = qa.codes.reshape(-1, qa.codes.shape[-1])
-    b = qb.codes.reshape(-1, qb.codes.shape[-1])
-    M, KH = a.shape
-    N = b.shape[0]
-    if b.shape[1] != KH or M > 64:
-        raise ValueError(f"w4a4_decode_matmul: needs M <= 64 and equal K, got {tuple(a.shape)}, {tuple(b.shape)}")
-    sa, sb = _scale_arg(qa), _scale_arg(qb)
-    r = qr.codes.reshape(-1, KH) if qr is not None else a
-    sr = _scale_arg(qr) if qr is not None else sa
-    f32 = interpreting()
-    bm = 16 if M <= 16 else (32 if M <= 32 else 64)
-    config = _decode_config("fp8", qb, config)
-    bkh = 32 if qa.fmt.name == "hif4" else 16
-    tiles = cdiv(N, config["BN"])
-    ksteps = cdiv(KH, bkh * config["NSUB"])
-    split = config.get("SPLIT_K") or max(1, min(ksteps // 4 or 1,
-                                                (config["SPLIT"] * _sm_count(a.device)) // max(tiles, 1)))
-    c = (torch.zeros if split > 1 else torch.empty)((M, N), dtype=torch.float32, device=a.device)
-    _fp8_decode_kernel[(tiles, split)](a, sa, r, sr, b, sb, c, M, N, KH, a.stride(0), sa.stride(0), b.stride(0),
-                                       sb.stride(0), c.stride(0), FMT=_fmt_id(qa), HAS_RES=qr is not None,
-                                       SPLIT_K=split, F32=f32, BN=config["BN"], BM=config.get("BM", bm),
-                                       NSUB=config["NSUB"], num_warps=config["num_warps"],
-                                       num_stages=config["num_stages"])
+    b16 = b.view(torch.int16)  # 16-bit lanes of four codes each
+    _w4_decode_kernel[(tiles, split)](a, r, b16, sb, c, M, N, KH // 2, a.stride(0), r.stride(0), b16.stride(0),
+                                      sb.stride(0), c.stride(0), FMT=_fmt_id(qb), HAS_RES=a_res is not None,
+                                      SPLIT_K=split, WIDE=bool(wide), ASM=not f32, F32=f32, BN=config["BN"],
+                                      BM=config.get("BM", 16 if M <= 16 else (32 if M <= 32 else 64)),
+                                      NSUB=config["NSUB"], num_warps=config["num_warps"],
+                                      num_stages=config["num_stages"])
     return c

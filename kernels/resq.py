@@ -223,15 +223,17 @@ def resq_quantize(x: torch.Tensor, fmt, expand: Optional[str] = None, config: Op
 
 
 def resq_matmul(x: torch.Tensor, qw: QuantizedTensor, ew: Optional[Expanded] = None,
-                out_dtype: torch.dtype = torch.float32, promote: int = 0) -> torch.Tensor:
+                out_dtype: torch.dtype = torch.float32, promote: int = 0,
+                wide: Optional[bool] = None) -> torch.Tensor:
     """``Q(X) Q(W)^T + S(Q(X - Q(X))) Q(W)^T`` (2:4 ResQ) for ``x [M, K]`` and a packed weight ``qw [N, K]``.
 
-    M <= DECODE_MAX_M: the packed FP8 decode kernel, the residual riding on the same weight read. Larger M: the
+    M <= DECODE_MAX_M: the decode kernel on the packed weight and the BF16 expansions of both activation
+    operands, the residual riding on the same weight read (``wide``: see :func:`kernels.gemm.w4_matmul`). Larger M: the
     pre-expanded GEMM in concatenated-K form; ``ew`` (from ``expand_packed``/``quantize(..., expand=...)``,
     once per weight update) picks the mode: BF16 (exact, the default when None) or FP8 (MXFP4: E5M2, or E4M3
     for cuBLAS; ``promote`` as in :func:`kernels.gemm.mm_expanded`).
     """
-    from kernels.gemm import fp4_matmul, w4a4_decode_matmul
+    from kernels.gemm import fp4_matmul, w4_matmul
 
     if not kernels_usable(x) or qw.fmt.name not in KERNEL_FORMATS:  # PyTorch twin (fp32)
         from megatron_fp4.resq import resq_components
@@ -241,8 +243,8 @@ def resq_matmul(x: torch.Tensor, qw: QuantizedTensor, ew: Optional[Expanded] = N
         return (q @ wq.t() + s @ wq.t()).to(out_dtype)
     M = x.shape[0]
     if M <= DECODE_MAX_M:
-        q, r, _, _ = resq_quantize(x, qw.fmt)
-        return w4a4_decode_matmul(q, qw, r).to(out_dtype)
+        _, _, eq, er = resq_quantize(x, qw.fmt, expand="bf16")
+        return w4_matmul(eq.values, qw, er.values, wide=wide).to(out_dtype)
     if ew is None:
         ew = expand_packed(qw, "bf16")
     mode = "bf16" if ew.values.dtype == torch.bfloat16 else "native"

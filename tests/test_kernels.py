@@ -15,7 +15,7 @@ if not torch.cuda.is_available():
 triton = pytest.importorskip("triton")
 
 from kernels import dispatch  # noqa: E402
-from kernels.gemm import fp4_matmul, mm_expanded, packed_matmul, w4_matmul, w4a4_decode_matmul  # noqa: E402,F401
+from kernels.gemm import fp4_matmul, mm_expanded, packed_matmul, w4_matmul  # noqa: E402
 from kernels.quantize import expand_packed, quantize  # noqa: E402
 from kernels.resq import _reference_resq_quantize, resq_matmul, resq_quantize  # noqa: E402
 from megatron_fp4.formats import get_format  # noqa: E402
@@ -132,13 +132,48 @@ def test_gemms_exact_small(name):
         assert not bool(ea.row_ok[3]) and bool(ea.row_ok.sum() == 39)
     assert _rel(fp4_matmul(qa, ea, qb, eb).cpu(), ref) < 1e-6
     assert _rel(packed_matmul(qa, qb).cpu(), ref) < 1e-6
-    _, eab = quantize(a, name, expand="bf16")
+    _, eab = quantize(a, name, expand="bf16")  # decode W4A4: the activations' exact BF16 expansion
     assert _rel(w4_matmul(eab.values, qb).cpu(), ref) < 1e-6
-    assert _rel(w4a4_decode_matmul(qa, qb).cpu(), ref) < 1e-6
     split = {"BN": 16, "num_warps": 4, "num_stages": 1, "NSUB": 1, "SPLIT_K": 3}  # split-K: fp32 atomic adds
     assert _rel(w4_matmul(eab.values, qb, config=split).cpu(), ref) < 1e-6
-    assert _rel(w4a4_decode_matmul(qa, qb, config=split).cpu(), ref) < 1e-6
     assert _rel(dispatch.fp4_gemm(a, b, name).cpu(), ref) < 1e-6
+
+
+@pytest.mark.parametrize("name", FORMATS)
+def test_w4_decode_edge_cases(name):
+    """The decode kernel's bit-level unpack on the values that stress it: weights needing MXFP4 block scales
+    above 2^1 (the two-factor path), scales at the bottom of E8M0 (subnormal products), NaN blocks/units, zero
+    rows, a K that ends half-way through a 64-value step, N not a multiple of the tile, and the ResQ residual."""
+    from kernels.gemm import needs_wide_decode
+
+    f = get_format(name)
+    w = _inputs("outliers", (40, 200), seed=8)
+    x = _inputs("random", (5, 200), seed=9).to(torch.bfloat16)
+    xr = _inputs("random", (5, 200), seed=10).to(torch.bfloat16)
+    qn = f.quantize(w)
+    assert not needs_wide_decode(qn) or name != "hif4"
+    w[0, :40] *= 1e3  # magnitudes >= 16: MXFP4 block scales above 2^1
+    w[1] = w[1] * (1e-38 if name != "hif4" else 1e-14)  # E8M0 scale bytes 0-1; HiF4's smallest E6M2 codes
+    w[2, 70] = float("nan")
+    w[3] = 0.0
+    qw = f.quantize(w)
+    assert needs_wide_decode(qw) == (name != "hif4")
+    kp = qw.codes.shape[-1] * 2
+    wq = qw.dequantize().double().cpu()
+    xp = torch.nn.functional.pad(x, (0, kp - 200))
+    rp = torch.nn.functional.pad(xr, (0, kp - 200))
+    ref = xp.double().cpu()[:, :200] @ wq.t() + rp.double().cpu()[:, :200] @ wq.t()
+    for cfg in (None, {"BN": 16, "num_warps": 4, "num_stages": 1, "NSUB": 1, "SPLIT_K": 3}):
+        got = w4_matmul(xp, qw, rp, config=cfg).double().cpu()
+        assert torch.equal(got.isnan(), ref.isnan()) and bool(got[:, 2].isnan().all())
+        keep = ~ref.isnan()
+        assert _rel(got[keep], ref[keep]) < 1e-6
+        assert bool((got[:, 3] == 0).all())
+        tiny = got[:, 1] / ref[:, 1]  # the smallest weights, relative to their own size
+        assert bool(((tiny - 1).abs() < 1e-6).all())
+    if name != "hif4":  # without the two-factor path the large blocks come out wrong: the flag is needed
+        bad = w4_matmul(xp, qw, rp, wide=False)[:, 0].double().cpu()
+        assert not torch.allclose(bad, ref[:, 0], rtol=1e-3)
 
 
 @pytest.mark.parametrize("name", FORMATS)
@@ -257,7 +292,6 @@ def test_gpu_gemm_exact(name, m):
     _, eab = quantize(a, name, expand="bf16")
     if m <= 64:
         assert _rel(w4_matmul(eab.values, qb), ref) < 1e-5
-        assert _rel(w4a4_decode_matmul(qa, qb), ref) < 1e-5
     assert _rel(dispatch.fp4_gemm(a, b, name), ref) < 1e-5
 
 
