@@ -211,9 +211,12 @@ def sweep_decode():
     out = []
     K, N = 3584, 18944
     ws = [torch.randn(N, K, device="cuda", dtype=torch.bfloat16) * 0.02 for _ in range(8)]
-    cands = [{"BN": bn, "num_warps": w, "num_stages": st, "NSUB": ns, "SPLIT": sp} for bn, w, st, ns, sp in (
-        (64, 4, 1, 1, 8), (64, 4, 2, 1, 8), (64, 4, 3, 2, 4), (64, 4, 4, 1, 4), (128, 4, 3, 1, 4), (128, 8, 3, 2, 4),
-        (64, 4, 1, 1, 4), (64, 4, 4, 1, 8))]
+    cands = [{"BN": bn, "num_warps": w, "num_stages": st, "SPLIT": sp, "PREFETCH": pf, "XPERM": xp}
+             for bn, w, st, sp, pf, xp in ((64, 4, 1, 8, False, False), (64, 4, 1, 8, True, False),
+                                           (64, 4, 1, 4, True, False), (128, 4, 1, 4, True, False),
+                                           (64, 4, 4, 4, False, True), (64, 4, 1, 4, True, True),
+                                           (64, 4, 1, 8, True, True), (128, 8, 1, 4, True, True),
+                                           (64, 4, 1, 16, True, False), (64, 4, 2, 4, True, True))]
     qs = {fmt: [quantize(w, fmt) for w in ws] for fmt in ("hif4", "mxfp4")}
     for M in (16, 64):
         x = torch.randn(M, K, device="cuda", dtype=torch.bfloat16)

@@ -273,58 +273,91 @@ if HAS_TRITON:
                 _nibble_pure(hw, f, g, 2, FMT, WIDE), _nibble_pure(hw, f, g, 3, FMT, WIDE))
 
     @triton.jit
-    def _permuted_x(x_ptr, offs_m, mmask, stride_xm, k0, KP, BM: tl.constexpr):
-        """Activations [64 (K from k0), BM] in the weight tile's K order (8w + 2j + e holds K = 8w + j + 4e)."""
-        kk = k0 + tl.arange(0, 64)
-        xt = tl.load(x_ptr + offs_m[:, None] * stride_xm + kk[None, :], mask=mmask[:, None] & (kk < KP)[None, :],
-                     other=0.0)
+    def _step_loads(x_ptr, r_ptr, b_ptr, bs_ptr, offs_n, nmask, offs_m, mmask, st, KH2, stride_xm, stride_rm,
+                    stride_bn, stride_bsn, FMT: tl.constexpr, HAS_RES: tl.constexpr, BM: tl.constexpr):
+        """Everything decode step ``st`` reads (zeros beyond K): codes [BN, 16] (int16 lanes), the raw scales
+        (MXFP4: the two blocks' E8M0 bytes; HiF4: the unit's word, twice) and activations [BM, 64] (+ residual)."""
+        i = tl.arange(0, 16)[None, :]
+        live = nmask & ((offs_n * 0 + st * 16) < KH2)
+        hw = tl.load(b_ptr + offs_n[:, None] * stride_bn + st * 16 + i, mask=live[:, None] & (st * 16 + i < KH2),
+                     other=0)
+        if FMT == 1:
+            sa = tl.load(bs_ptr + offs_n * stride_bsn + 2 * st, mask=live, other=127).to(tl.int32)
+            sb = tl.load(bs_ptr + offs_n * stride_bsn + 2 * st + 1, mask=live & ((offs_n * 0 + st * 16 + 8) < KH2),
+                         other=127).to(tl.int32)
+        else:
+            sa = tl.load(bs_ptr + offs_n * stride_bsn + st, mask=live, other=0)
+            sb = sa
+        kk = 64 * st + tl.arange(0, 64)
+        xm = mmask[:, None] & (kk < 4 * KH2)[None, :]
+        xt = tl.load(x_ptr + offs_m[:, None] * stride_xm + kk[None, :], mask=xm, other=0.0)
+        rt = xt
+        if HAS_RES:
+            rt = tl.load(r_ptr + offs_m[:, None] * stride_rm + kk[None, :], mask=xm, other=0.0)
+        return hw, sa, sb, xt, rt
+
+    @triton.jit
+    def _step_factors(sa, sb, FMT: tl.constexpr, WIDE: tl.constexpr):
+        """Per 16-bit code lane [BN, 16]: the bf16 bits of f (and g) that _unpack_planes multiplies by."""
+        i = tl.arange(0, 16)[None, :]
+        if FMT == 1:  # two E8M0 blocks: f = 2^(X + 126) (WIDE: min(., 127), g = the rest)
+            sx = tl.where(i < 8, sa[:, None], sb[:, None]) + 126
+            if WIDE:
+                f = tl.where(sx == 381, 0x7FC0, tl.minimum(sx, 254) << 7)
+                g = (tl.maximum(sx - 254, 0) + 127) << 7
+            else:
+                f = tl.where(sx == 381, 0x7FC0, sx << 7)
+                g = f
+        else:  # HiF4 unit: F = E6M2 x 2^(E1_8 + E1_16) per 16-bit lane; NaN units (0xFF) -> NaN
+            c = sa & 0xFF
+            base = tl.where(c == 255, 0x7FC0, (((c >> 2) + 77) << 7) | ((c & 3) << 5))[:, None]
+            w = tl.where(c == 255, 0, sa)[:, None]
+            f = base + ((((w >> (8 + i // 2)) & 1) + ((w >> (16 + i)) & 1)) << 7)
+            g = f
+        return f, g
+
+    @triton.jit
+    def _permute_k(xt, BM: tl.constexpr, XPERM: tl.constexpr):
+        """Activations [BM, 64] -> [64, BM] in the weight tile's K order (8w + 2j + e holds K = 8w + j + 4e);
+        XPERM: stored in that order already (:func:`permute_decode_activations`)."""
+        if XPERM:
+            return tl.trans(xt)
         return tl.trans(tl.reshape(tl.permute(tl.reshape(xt, (BM, 8, 2, 4)), (0, 1, 3, 2)), (BM, 64)))
 
     @triton.jit
     def _w4_decode_kernel(x_ptr, r_ptr, b_ptr, bs_ptr, c_ptr, M, N, KH2, stride_xm, stride_rm, stride_bn,
                           stride_bsn, stride_cm, FMT: tl.constexpr, HAS_RES: tl.constexpr, SPLIT_K: tl.constexpr,
-                          WIDE: tl.constexpr, ASM: tl.constexpr, F32: tl.constexpr, BN: tl.constexpr,
-                          BM: tl.constexpr, NSUB: tl.constexpr):
+                          WIDE: tl.constexpr, ASM: tl.constexpr, F32: tl.constexpr, XPERM: tl.constexpr,
+                          PREFETCH: tl.constexpr, BN: tl.constexpr, BM: tl.constexpr):
         """out[M, N] (+)= x[M, K] . deq(W[N, K])^T for M <= BM, computed swapped (acc = W . x^T, [BN, BM]): the
         weight tile, dequantized to BF16 in registers (exact), is the MMA's M side, the few tokens its N side.
         A step is 64 values (one HiF4 unit, two MXFP4 blocks): 16 code lanes of 16 bits per row (b_ptr: int16
-        view, KH2 lanes per row); NSUB steps per loop iteration; the ResQ residual reuses the weight tile."""
+        view, KH2 lanes per row); split-K programs take every SPLIT_K-th step. PREFETCH: the next step's loads are
+        issued before this step's math (registers, no shared-memory stages). The ResQ residual reuses the tile."""
         pid_k, offs_n, offs_m, nmask, mmask = _decode_tile(M, N, BN, BM)
-        i = tl.arange(0, 16)[None, :]
-        KP = 4 * KH2
         acc = tl.zeros((BN, BM), dtype=tl.float32)
-        for s00 in range(pid_k * NSUB, tl.cdiv(KH2, 16), SPLIT_K * NSUB):
-            for sb in tl.static_range(NSUB):
-                st = s00 + sb
-                live = nmask & ((offs_n * 0 + st * 16) < KH2)
-                hw = tl.load(b_ptr + offs_n[:, None] * stride_bn + st * 16 + i,
-                             mask=live[:, None] & (st * 16 + i < KH2), other=0)
-                if FMT == 1:  # two E8M0 blocks: f = 2^(X + 126) (WIDE: min(., 127), g = the rest)
-                    s0 = tl.load(bs_ptr + offs_n * stride_bsn + 2 * st, mask=live, other=127).to(tl.int32)
-                    s1 = tl.load(bs_ptr + offs_n * stride_bsn + 2 * st + 1, mask=live & ((offs_n * 0 + st * 16 + 8) < KH2),
-                                 other=127).to(tl.int32)
-                    sx = tl.where(i < 8, s0[:, None], s1[:, None]) + 126
-                    if WIDE:
-                        f = tl.where(sx == 381, 0x7FC0, tl.minimum(sx, 254) << 7)
-                        g = (tl.maximum(sx - 254, 0) + 127) << 7
-                    else:
-                        f = tl.where(sx == 381, 0x7FC0, sx << 7)
-                        g = f
-                else:  # HiF4 unit: F = E6M2 x 2^(E1_8 + E1_16) per 16-bit lane; NaN units (0xFF) -> NaN
-                    w = tl.load(bs_ptr + offs_n * stride_bsn + st, mask=live, other=0)
-                    c = w & 0xFF
-                    base = tl.where(c == 255, 0x7FC0, (((c >> 2) + 77) << 7) | ((c & 3) << 5))[:, None]
-                    w = tl.where(c == 255, 0, w)[:, None]
-                    f = base + ((((w >> (8 + i // 2)) & 1) + ((w >> (16 + i)) & 1)) << 7)
-                    g = f
-                v0, v1, v2, v3 = _unpack_planes(hw, f, g, FMT, WIDE, ASM)
-                # keep each asm output pair (K 8w + j, 8w + 4 + j) adjacent; x takes the same K order
-                t = tl.join(tl.join(tl.reshape(v0, (BN, 8, 2)), tl.reshape(v1, (BN, 8, 2))),
-                            tl.join(tl.reshape(v2, (BN, 8, 2)), tl.reshape(v3, (BN, 8, 2))))
-                wt = tl.reshape(tl.permute(t, (0, 1, 4, 3, 2)), (BN, 64))
-                acc = _dot(wt, _permuted_x(x_ptr, offs_m, mmask, stride_xm, 64 * st, KP, BM), acc, F32)
-                if HAS_RES:
-                    acc = _dot(wt, _permuted_x(r_ptr, offs_m, mmask, stride_rm, 64 * st, KP, BM), acc, F32)
+        if PREFETCH:
+            hw, sa, sb, xt, rt = _step_loads(x_ptr, r_ptr, b_ptr, bs_ptr, offs_n, nmask, offs_m, mmask, pid_k, KH2,
+                                             stride_xm, stride_rm, stride_bn, stride_bsn, FMT, HAS_RES, BM)
+        for st in range(pid_k, tl.cdiv(KH2, 16), SPLIT_K):
+            if PREFETCH:
+                hw2, sa2, sb2, xt2, rt2 = _step_loads(x_ptr, r_ptr, b_ptr, bs_ptr, offs_n, nmask, offs_m, mmask,
+                                                      st + SPLIT_K, KH2, stride_xm, stride_rm, stride_bn, stride_bsn,
+                                                      FMT, HAS_RES, BM)
+            else:
+                hw, sa, sb, xt, rt = _step_loads(x_ptr, r_ptr, b_ptr, bs_ptr, offs_n, nmask, offs_m, mmask, st, KH2,
+                                                 stride_xm, stride_rm, stride_bn, stride_bsn, FMT, HAS_RES, BM)
+            f, g = _step_factors(sa, sb, FMT, WIDE)
+            v0, v1, v2, v3 = _unpack_planes(hw, f, g, FMT, WIDE, ASM)
+            # keep each asm output pair (K 8w + j, 8w + 4 + j) adjacent; x takes the same K order
+            t = tl.join(tl.join(tl.reshape(v0, (BN, 8, 2)), tl.reshape(v1, (BN, 8, 2))),
+                        tl.join(tl.reshape(v2, (BN, 8, 2)), tl.reshape(v3, (BN, 8, 2))))
+            wt = tl.reshape(tl.permute(t, (0, 1, 4, 3, 2)), (BN, 64))
+            acc = _dot(wt, _permute_k(xt, BM, XPERM), acc, F32)
+            if HAS_RES:
+                acc = _dot(wt, _permute_k(rt, BM, XPERM), acc, F32)
+            if PREFETCH:
+                hw, sa, sb, xt, rt = hw2, sa2, sb2, xt2, rt2
         _store_decode(c_ptr, acc, offs_n, offs_m, nmask, mmask, stride_cm, SPLIT_K)
 
 
@@ -529,21 +562,24 @@ def packed_matmul(qa: QuantizedTensor, qb: QuantizedTensor, out_dtype: torch.dty
     return c
 
 
-#: Decode-kernel tiles by token count (both formats; run 8's sweep on the 3584 x 18944 weight, H200): for M <= 16
-#: no software pipelining (smaller shared memory, more programs per SM) and split-K 8 per SM; above, four stages.
-#: SPLIT: target programs per SM for split-K; NSUB: 64-value steps per loop iteration.
+#: Decode-kernel tiles by token count (both formats), the choice of run 8's sweep on the 3584 x 18944 weight (H200,
+#: benchmarks/results/kernels_h200.json "decode_sweep"): 64-row tiles; for M <= 16 no shared-memory stages but the
+#: next step's loads prefetched into registers, split-K 8 programs per SM; above, four pipeline stages and the
+#: activations permuted once (XPERM; measured equal to prefetching without it, 52.0 vs 52.5 us).
+#: SPLIT: target programs per SM for split-K; PREFETCH: register double-buffering of the next step's loads;
+#: XPERM: activations permuted to the kernel's K order first (one small copy), no register permute per tile.
 #: benchmarks/bench_kernels.py --sweep measures alternatives.
 DECODE_CONFIGS = {
-    16: {"BN": 64, "num_warps": 4, "num_stages": 1, "NSUB": 1, "SPLIT": 8},
-    64: {"BN": 64, "num_warps": 4, "num_stages": 4, "NSUB": 1, "SPLIT": 4},
+    16: {"BN": 64, "num_warps": 4, "num_stages": 1, "SPLIT": 8, "PREFETCH": True, "XPERM": False},
+    64: {"BN": 64, "num_warps": 4, "num_stages": 4, "SPLIT": 4, "PREFETCH": False, "XPERM": True},
 }
 
 
 def _decode_config(M: int, config: Optional[dict]) -> dict:
     if config is not None:
-        return {"NSUB": 1, "SPLIT": 3, **config}
+        return {"SPLIT": 3, "PREFETCH": False, "XPERM": False, **config}
     if interpreting():
-        return {"BN": 16, "num_warps": 4, "num_stages": 1, "NSUB": 2, "SPLIT": 3}
+        return {"BN": 16, "num_warps": 4, "num_stages": 1, "SPLIT": 3, "PREFETCH": True, "XPERM": False}
     return dict(DECODE_CONFIGS[16 if M <= 16 else 64])
 
 
@@ -552,6 +588,13 @@ def needs_wide_decode(qb: QuantizedTensor) -> bool:
     i.e. weights of magnitude >= 16; never for HiF4). A device reduction and host sync: callers that decode
     often keep the answer with the weight (``kernels.dispatch.PreparedWeight.wide``)."""
     return qb.fmt.name != "hif4" and bool((qb.scales.reshape(-1) > 128).any())
+
+
+def permute_decode_activations(x: torch.Tensor) -> torch.Tensor:
+    """``x [M, K_pad]`` in the decode kernel's K order: within each 8 values, K = j + 4e goes to 2j + e (the
+    order in which its bit-level unpack leaves the weights)."""
+    M, K = x.shape
+    return x.reshape(M, K // 8, 2, 4).transpose(-1, -2).reshape(M, K)
 
 
 def w4_matmul(a: torch.Tensor, qb: QuantizedTensor, a_res: Optional[torch.Tensor] = None,
@@ -577,18 +620,21 @@ def w4_matmul(a: torch.Tensor, qb: QuantizedTensor, a_res: Optional[torch.Tensor
     if f32:
         a = a.float()
         a_res = a_res.float() if a_res is not None else None
-    r = a_res if a_res is not None else a
     config = _decode_config(M, config)
+    if config["XPERM"]:
+        a = permute_decode_activations(a)
+        a_res = permute_decode_activations(a_res) if a_res is not None else None
+    r = a_res if a_res is not None else a
     tiles = cdiv(N, config["BN"])
-    ksteps = cdiv(KH, 32 * config["NSUB"])
+    ksteps = cdiv(KH, 32)
     split = config.get("SPLIT_K") or max(1, min(ksteps // 2 or 1,
                                                 (config["SPLIT"] * _sm_count(a.device)) // max(tiles, 1)))
     c = (torch.zeros if split > 1 else torch.empty)((M, N), dtype=torch.float32, device=a.device)
     b16 = b.view(torch.int16)  # 16-bit lanes of four codes each
     _w4_decode_kernel[(tiles, split)](a, r, b16, sb, c, M, N, KH // 2, a.stride(0), r.stride(0), b16.stride(0),
                                       sb.stride(0), c.stride(0), FMT=_fmt_id(qb), HAS_RES=a_res is not None,
-                                      SPLIT_K=split, WIDE=bool(wide), ASM=not f32, F32=f32, BN=config["BN"],
+                                      SPLIT_K=split, WIDE=bool(wide), ASM=not f32, F32=f32,
+                                      XPERM=config["XPERM"], PREFETCH=config["PREFETCH"], BN=config["BN"],
                                       BM=config.get("BM", 16 if M <= 16 else (32 if M <= 32 else 64)),
-                                      NSUB=config["NSUB"], num_warps=config["num_warps"],
-                                      num_stages=config["num_stages"])
+                                      num_warps=config["num_warps"], num_stages=config["num_stages"])
     return c

@@ -134,7 +134,7 @@ def test_gemms_exact_small(name):
     assert _rel(packed_matmul(qa, qb).cpu(), ref) < 1e-6
     _, eab = quantize(a, name, expand="bf16")  # decode W4A4: the activations' exact BF16 expansion
     assert _rel(w4_matmul(eab.values, qb).cpu(), ref) < 1e-6
-    split = {"BN": 16, "num_warps": 4, "num_stages": 1, "NSUB": 1, "SPLIT_K": 3}  # split-K: fp32 atomic adds
+    split = {"BN": 16, "num_warps": 4, "num_stages": 1, "SPLIT_K": 3}  # split-K: fp32 atomic adds
     assert _rel(w4_matmul(eab.values, qb, config=split).cpu(), ref) < 1e-6
     assert _rel(dispatch.fp4_gemm(a, b, name).cpu(), ref) < 1e-6
 
@@ -163,7 +163,7 @@ def test_w4_decode_edge_cases(name):
     xp = torch.nn.functional.pad(x, (0, kp - 200))
     rp = torch.nn.functional.pad(xr, (0, kp - 200))
     ref = xp.double().cpu()[:, :200] @ wq.t() + rp.double().cpu()[:, :200] @ wq.t()
-    for cfg in (None, {"BN": 16, "num_warps": 4, "num_stages": 1, "NSUB": 1, "SPLIT_K": 3}):
+    for cfg in (None, {"BN": 16, "num_warps": 4, "num_stages": 1, "SPLIT_K": 3, "XPERM": True}):
         got = w4_matmul(xp, qw, rp, config=cfg).double().cpu()
         assert torch.equal(got.isnan(), ref.isnan()) and bool(got[:, 2].isnan().all())
         keep = ~ref.isnan()
