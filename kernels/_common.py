@@ -44,3 +44,17 @@ def tune_bucket(n: int) -> int:
 
 def cdiv(a: int, b: int) -> int:
     return -(-a // b)
+
+
+def sm_count(device: torch.device) -> int:
+    """Streaming multiprocessors of a CUDA device (4 stands in for the CPU interpreter)."""
+    if device.type != "cuda":
+        return 4
+    return torch.cuda.get_device_properties(device).multi_processor_count
+
+
+def k_split(row_programs: int, k_tiles: int, device: torch.device, per_sm: int = 4) -> int:
+    """How many programs share one row block's K tiles when there are few row blocks (decode-sized
+    activations): enough for ``per_sm`` programs per SM, at most one per tile."""
+    return max(1, min(k_tiles, (per_sm * sm_count(device)) // max(row_programs, 1)))
+

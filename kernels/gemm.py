@@ -26,7 +26,7 @@ from typing import Optional
 
 import torch
 
-from kernels._common import HAS_TRITON, cdiv, interpreting, tl, triton, tune_bucket
+from kernels._common import HAS_TRITON, cdiv, interpreting, sm_count, tl, triton, tune_bucket
 from kernels.quantize import Expanded
 from megatron_fp4.formats import QuantizedTensor
 from megatron_fp4.formats.packing import unpack_nibbles
@@ -364,12 +364,6 @@ if HAS_TRITON:
 # ----------------------------------------------------------------------------------------------------------------
 # Host wrappers
 # ----------------------------------------------------------------------------------------------------------------
-def _sm_count(device) -> int:
-    if device.type != "cuda":
-        return 4
-    return torch.cuda.get_device_properties(device).multi_processor_count
-
-
 #: GEMM implementations of :func:`mm_expanded` (None: cuBLAS where it applies, else Triton).
 IMPLS = (None, "cublas", "triton")
 _FP8 = (torch.float8_e5m2, torch.float8_e4m3fn)
@@ -628,7 +622,7 @@ def w4_matmul(a: torch.Tensor, qb: QuantizedTensor, a_res: Optional[torch.Tensor
     tiles = cdiv(N, config["BN"])
     ksteps = cdiv(KH, 32)
     split = config.get("SPLIT_K") or max(1, min(ksteps // 2 or 1,
-                                                (config["SPLIT"] * _sm_count(a.device)) // max(tiles, 1)))
+                                                (config["SPLIT"] * sm_count(a.device)) // max(tiles, 1)))
     c = (torch.zeros if split > 1 else torch.empty)((M, N), dtype=torch.float32, device=a.device)
     b16 = b.view(torch.int16)  # 16-bit lanes of four codes each
     _w4_decode_kernel[(tiles, split)](a, r, b16, sb, c, M, N, KH // 2, a.stride(0), r.stride(0), b16.stride(0),

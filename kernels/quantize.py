@@ -16,8 +16,8 @@ from typing import NamedTuple, Optional
 
 import torch
 
-from kernels._common import (HAS_TRITON, HIF4_RECIP, KERNEL_FORMATS, cdiv, interpreting, kernels_usable, tl, triton,
-                             tune_bucket)
+from kernels._common import (HAS_TRITON, HIF4_RECIP, KERNEL_FORMATS, cdiv, interpreting, k_split, kernels_usable, tl,
+                             triton, tune_bucket)
 from megatron_fp4.formats import QuantizedTensor, get_format
 
 __all__ = ["Expanded", "quantize", "expand_packed", "EXPAND_MODES"]
@@ -25,6 +25,9 @@ __all__ = ["Expanded", "quantize", "expand_packed", "EXPAND_MODES"]
 EXPAND_MODES = (None, "native", "bf16")
 #: expand_packed also writes MXFP4 weights as E4M3 (the cuBLAS FP8 GEMM's second operand).
 WEIGHT_EXPAND_MODES = ("native", "bf16", "e4m3")
+#: Row counts up to this (decode-sized activations) take a fixed one-row tile with the K tiles split over
+#: programs instead of the autotuned tiles (which parallelize over rows only).
+DECODE_ROWS = 64
 
 
 class Expanded(NamedTuple):
@@ -198,10 +201,11 @@ if HAS_TRITON:
     @triton.jit
     def _first_tile(x_ptr, rows, rmask, K, stride_xr, stride_xk, BR: tl.constexpr, BK: tl.constexpr,
                     PREFETCH: tl.constexpr):
-        """PREFETCH: the first K tile, loaded before the loop, whose steps then load tile i+1 before working on
-        tile i (keeps loads in flight while the ALU-heavy tile math runs); else a placeholder."""
+        """PREFETCH: this program's first K tile, loaded before the loop, whose steps then load tile i+1 before
+        working on tile i (keeps loads in flight while the ALU-heavy tile math runs); else a placeholder.
+        A program takes every num_programs(1)-th K tile from tile program_id(1) (K split for few rows)."""
         if PREFETCH:
-            return _load_x(x_ptr, rows, rmask, tl.arange(0, BK), K, stride_xr, stride_xk)
+            return _load_x(x_ptr, rows, rmask, tl.program_id(1) * BK + tl.arange(0, BK), K, stride_xr, stride_xk)
         else:
             return tl.zeros((BR, BK), dtype=tl.float32)
 
@@ -210,7 +214,7 @@ if HAS_TRITON:
         """(the tile at ``cols``, the tile to carry into the next step). PREFETCH: the tile at ``cols`` is ``xn``,
         loaded a step earlier, and the next one is loaded now, before the caller works on this one."""
         if PREFETCH:
-            return xn, _load_x(x_ptr, rows, rmask, cols + BK, K, stride_xr, stride_xk)
+            return xn, _load_x(x_ptr, rows, rmask, cols + tl.num_programs(1) * BK, K, stride_xr, stride_xk)
         else:
             return _load_x(x_ptr, rows, rmask, cols, K, stride_xr, stride_xk), xn
 
@@ -232,7 +236,7 @@ if HAS_TRITON:
         rows = tl.program_id(0) * BR + tl.arange(0, BR)
         rmask = rows < R
         xn = _first_tile(x_ptr, rows, rmask, K, stride_xr, stride_xk, BR, BK, PREFETCH)
-        for k0 in range(0, KP, BK):
+        for k0 in range(tl.program_id(1) * BK, KP, tl.num_programs(1) * BK):
             cols = k0 + tl.arange(0, BK)
             x, xn = _k_tile(x_ptr, rows, rmask, cols, xn, K, stride_xr, stride_xk, BK, PREFETCH)
             codes, word, val, bad = _hif4_tile(x, BR, BK, R1, R2, R3)
@@ -258,7 +262,7 @@ if HAS_TRITON:
             am = _row_amax(x_ptr, rows, rmask, K, stride_xr, stride_xk, BR, BK)
             S = tl.minimum(tl.maximum(_mx_x(am, RCEIL) - 13, -126), 127)
         xn = _first_tile(x_ptr, rows, rmask, K, stride_xr, stride_xk, BR, BK, PREFETCH)
-        for k0 in range(0, KP, BK):
+        for k0 in range(tl.program_id(1) * BK, KP, tl.num_programs(1) * BK):
             cols = k0 + tl.arange(0, BK)
             x, xn = _k_tile(x_ptr, rows, rmask, cols, xn, K, stride_xr, stride_xk, BK, PREFETCH)
             codes, X, bad, val = _mx_tile(x, BR, BK, RCEIL)
@@ -321,7 +325,7 @@ def _block_config(fmt_name: str, x2: torch.Tensor):
     transposed = x2.stride(1) != 1 and x2.stride(0) == 1
     if transposed:
         return (64, 64, 4)
-    if x2.shape[0] <= 64:  # decode-sized activations: one row per program, long K steps
+    if x2.shape[0] <= DECODE_ROWS:  # decode-sized activations: one row per program, long K steps
         return (1, 1024, 4)
     return (8, 256, 4)
 
@@ -352,9 +356,12 @@ def quantize(x: torch.Tensor, fmt, dim: int = -1, expand: Optional[str] = None,
     codes = torch.empty((R, kp // 2), dtype=torch.uint8, device=dev)
     BR, BK, warps, *pf = config or _block_config(f.name, x2)
     pf = pf[0] if pf else 0
-    fixed = config is not None or interpreting() or R * k < (1 << 16)
-    grid = (cdiv(R, BR),)
-    tgrid = lambda meta: (cdiv(R, meta["BR"]),)  # noqa: E731
+    # few rows (decode activations): a fixed tile and the K tiles shared out over programs; MXFP4's "native"
+    # expansion needs one program per row (its row scale is a pass over the whole row first)
+    fixed = config is not None or interpreting() or R * k < (1 << 16) or R <= DECODE_ROWS
+    row_pass = f.name != "hif4" and expand == "native"
+    grid = (cdiv(R, BR), 1 if row_pass else k_split(cdiv(R, BR), cdiv(kp, BK), dev))
+    tgrid = lambda meta: (cdiv(R, meta["BR"]), 1)  # noqa: E731
     ex = None
     if f.name == "hif4":
         scales = torch.empty((R, nblk, 4), dtype=torch.uint8, device=dev)

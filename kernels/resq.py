@@ -12,9 +12,9 @@ from typing import Optional
 
 import torch
 
-from kernels._common import (HAS_TRITON, HIF4_RECIP, KERNEL_FORMATS, cdiv, interpreting, kernels_usable, tl, triton,
-                             tune_bucket)
-from kernels.quantize import Expanded, _rows_view, expand_packed
+from kernels._common import (HAS_TRITON, HIF4_RECIP, KERNEL_FORMATS, cdiv, interpreting, k_split, kernels_usable, tl,
+                             triton, tune_bucket)
+from kernels.quantize import DECODE_ROWS, Expanded, _block_config, _rows_view, expand_packed
 from megatron_fp4.formats import QuantizedTensor, get_format
 
 __all__ = ["resq_quantize", "resq_matmul", "DECODE_MAX_M"]
@@ -85,7 +85,7 @@ if HAS_TRITON:
                 am = tl.maximum(am, tl.max(tl.maximum(xa, ra), axis=1))
             S = tl.minimum(tl.maximum(_mx_x(am, FMT == 2) - 13, -126), 127)
         xn = _first_tile(x_ptr, rows, rmask, K, stride_xr, stride_xk, BR, BK, PREFETCH)
-        for k0 in range(0, KP, BK):
+        for k0 in range(tl.program_id(1) * BK, KP, tl.num_programs(1) * BK):
             cols = k0 + tl.arange(0, BK)
             x, xn = _k_tile(x_ptr, rows, rmask, cols, xn, K, stride_xr, stride_xk, BK, PREFETCH)
             codes, X, bad, val, rcodes, RX, rbad, rval = _resq_tiles(x, FMT, BR, BK, R1, R2, R3)
@@ -201,16 +201,17 @@ def resq_quantize(x: torch.Tensor, fmt, expand: Optional[str] = None, config: Op
     else:
         ex = torch.empty((R, kp), dtype=torch.bfloat16, device=dev)
         exr = torch.empty_like(ex)
-    from kernels.quantize import _block_config
-
     BR, BK, warps, *pf = config or _block_config(f.name, x2)
     args = (x2, qc, qs_arg, rc, rs_arg, ex, exr, rexp if rexp is not None else qc, rok if rok is not None else qc, R,
             k, kp, x2.stride(0), x2.stride(1), qc.stride(0), nblk, ex.stride(0), tune_bucket(k))
     kw = dict(FMT=fmt_id, EXPAND=mode, R1=HIF4_RECIP[1], R2=HIF4_RECIP[2], R3=HIF4_RECIP[3])
-    if config is not None or interpreting() or R * k < (1 << 16):
-        _resq_kernel[(cdiv(R, BR),)](*args, **kw, BR=BR, BK=BK, PREFETCH=pf[0] if pf else 0, num_warps=warps)
+    if config is not None or interpreting() or R * k < (1 << 16) or R <= DECODE_ROWS:
+        # MXFP4's "native" expansion first scans whole rows for the row scale: one program per row block
+        split = 1 if (mode == 1 and fmt_id != 0) else k_split(cdiv(R, BR), cdiv(kp, BK), dev)
+        _resq_kernel[(cdiv(R, BR), split)](*args, **kw, BR=BR, BK=BK, PREFETCH=pf[0] if pf else 0,
+                                           num_warps=warps)
     else:
-        _resq_tuned[lambda meta: (cdiv(R, meta["BR"]),)](*args, **kw)
+        _resq_tuned[lambda meta: (cdiv(R, meta["BR"]), 1)](*args, **kw)
     sshape = (*outer, nblk, 4) if fmt_id == 0 else (*outer, nblk)
     q = QuantizedTensor(f, qc.reshape(*outer, kp // 2), qs.reshape(sshape), x.shape, x.dim() - 1, x.dtype)
     r = QuantizedTensor(f, rc.reshape(*outer, kp // 2), rs.reshape(sshape), x.shape, x.dim() - 1, x.dtype)

@@ -102,6 +102,30 @@ def test_mxfp4_rounding_every_bf16_value(name):
     _check_pack(x, name, -1)
 
 
+@pytest.mark.parametrize("name", FORMATS)
+def test_quantize_few_rows_split_along_k(name):
+    """Decode-sized activations (few rows): programs share out each row's K tiles (with and without prefetch);
+    codes, scales and the BF16 expansions stay bit-identical, for the plain and the fused ResQ kernel."""
+    from kernels._common import cdiv, k_split
+
+    f = get_format(name)
+    x = _inputs("outliers", (2, 3000), device="cpu" if ON_CPU else DEV)
+    assert k_split(2, cdiv(3000, 256), x.device) > 1
+    ref = f.quantize(x)
+    qq, ss = resq_components(x.cpu(), name, "2:4")
+    for cfg in (None, (1, 256, 4, 0), (1, 256, 4, 1)):
+        for expand in (None, "bf16"):
+            out = quantize(x, name, expand=expand, config=cfg)
+            q = out[0] if expand else out
+            assert torch.equal(q.codes, ref.codes) and torch.equal(q.scales, ref.scales)
+            if expand:
+                assert torch.equal(out[1].values.float()[:, :3000].cpu(), ref.dequantize().float().cpu())
+        q, r, eq, er = resq_quantize(x, name, expand="bf16", config=cfg)
+        assert torch.equal(q.codes, ref.codes) and torch.equal(q.scales, ref.scales)
+        assert torch.equal(eq.values.float()[:, :3000].cpu(), qq) and torch.equal(er.values.float()[:, :3000].cpu(), ss)
+    _check_pack(x, name, -1)  # MXFP4 "native": one program per row (the row scale scans the whole row)
+
+
 @pytest.mark.parametrize("name", ["hif4", "mxfp4"])
 def test_quantize_prefetch_tiles_small(name):
     """The prefetching loop (next K tile loaded before the current one is worked on) over several K steps."""
