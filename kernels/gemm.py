@@ -611,9 +611,9 @@ def w4_matmul(a: torch.Tensor, qb: QuantizedTensor, a_res: Optional[torch.Tensor
         wide = needs_wide_decode(qb)
     sb = _scale_arg(qb)
     f32 = interpreting()
-    if f32:
-        a = a.float()
-        a_res = a_res.float() if a_res is not None else None
+    a = (a.float() if f32 else a).contiguous()  # the kernel reads rows with unit stride along K
+    if a_res is not None:
+        a_res = (a_res.float() if f32 else a_res).contiguous()
     config = _decode_config(M, config)
     if config["XPERM"]:
         a = permute_decode_activations(a)
@@ -624,7 +624,7 @@ def w4_matmul(a: torch.Tensor, qb: QuantizedTensor, a_res: Optional[torch.Tensor
     split = config.get("SPLIT_K") or max(1, min(ksteps // 2 or 1,
                                                 (config["SPLIT"] * sm_count(a.device)) // max(tiles, 1)))
     c = (torch.zeros if split > 1 else torch.empty)((M, N), dtype=torch.float32, device=a.device)
-    b16 = b.view(torch.int16)  # 16-bit lanes of four codes each
+    b16 = b.contiguous().view(torch.int16)  # 16-bit lanes of four codes each
     _w4_decode_kernel[(tiles, split)](a, r, b16, sb, c, M, N, KH // 2, a.stride(0), r.stride(0), b16.stride(0),
                                       sb.stride(0), c.stride(0), FMT=_fmt_id(qb), HAS_RES=a_res is not None,
                                       SPLIT_K=split, WIDE=bool(wide), ASM=not f32, F32=f32,

@@ -195,6 +195,8 @@ def test_w4_decode_edge_cases(name):
         assert bool((got[:, 3] == 0).all())
         tiny = got[:, 1] / ref[:, 1]  # the smallest weights, relative to their own size
         assert bool(((tiny - 1).abs() < 1e-6).all())
+    nc = w4_matmul(xp.t().contiguous().t(), qw, rp.t().contiguous().t()).double().cpu()  # column-major inputs
+    assert _rel(nc[~ref.isnan()], ref[~ref.isnan()]) < 1e-6
     if name != "hif4":  # without the two-factor path the large blocks come out wrong: the flag is needed
         bad = w4_matmul(xp, qw, rp, wide=False)[:, 0].double().cpu()
         assert not torch.allclose(bad, ref[:, 0], rtol=1e-3)
