@@ -330,6 +330,16 @@ def _block_config(fmt_name: str, x2: torch.Tensor):
     return (8, 256, 4)
 
 
+def _fixed_launch(x2: torch.Tensor, kp: int, BR: int, BK: int, config, row_pass: bool):
+    """(whether a quantize kernel runs a fixed tile rather than autotuning, the fixed tile's grid). Small inputs,
+    the interpreter, a given ``config`` and few rows (decode activations) take the fixed tile; with few row
+    blocks the K tiles are shared out over programs too, unless a first pass scans whole rows (``row_pass``:
+    MXFP4's "native" expansion computes its row scale)."""
+    R, k = x2.shape
+    fixed = config is not None or interpreting() or R * k < (1 << 16) or R <= DECODE_ROWS
+    return fixed, (cdiv(R, BR), 1 if row_pass else k_split(cdiv(R, BR), cdiv(kp, BK), x2.device))
+
+
 def quantize(x: torch.Tensor, fmt, dim: int = -1, expand: Optional[str] = None,
              config: Optional[tuple] = None):
     """Quantize+pack ``x`` along ``dim`` with the Triton kernel (bit-exact with ``fmt.quantize``).
@@ -356,11 +366,7 @@ def quantize(x: torch.Tensor, fmt, dim: int = -1, expand: Optional[str] = None,
     codes = torch.empty((R, kp // 2), dtype=torch.uint8, device=dev)
     BR, BK, warps, *pf = config or _block_config(f.name, x2)
     pf = pf[0] if pf else 0
-    # few rows (decode activations): a fixed tile and the K tiles shared out over programs; MXFP4's "native"
-    # expansion needs one program per row (its row scale is a pass over the whole row first)
-    fixed = config is not None or interpreting() or R * k < (1 << 16) or R <= DECODE_ROWS
-    row_pass = f.name != "hif4" and expand == "native"
-    grid = (cdiv(R, BR), 1 if row_pass else k_split(cdiv(R, BR), cdiv(kp, BK), dev))
+    fixed, grid = _fixed_launch(x2, kp, BR, BK, config, row_pass=f.name != "hif4" and expand == "native")
     tgrid = lambda meta: (cdiv(R, meta["BR"]), 1)  # noqa: E731
     ex = None
     if f.name == "hif4":

@@ -12,9 +12,8 @@ from typing import Optional
 
 import torch
 
-from kernels._common import (HAS_TRITON, HIF4_RECIP, KERNEL_FORMATS, cdiv, interpreting, k_split, kernels_usable, tl,
-                             triton, tune_bucket)
-from kernels.quantize import DECODE_ROWS, Expanded, _block_config, _rows_view, expand_packed
+from kernels._common import HAS_TRITON, HIF4_RECIP, KERNEL_FORMATS, cdiv, kernels_usable, tl, triton, tune_bucket
+from kernels.quantize import Expanded, _block_config, _fixed_launch, _rows_view, expand_packed
 from megatron_fp4.formats import QuantizedTensor, get_format
 
 __all__ = ["resq_quantize", "resq_matmul", "DECODE_MAX_M"]
@@ -205,11 +204,9 @@ def resq_quantize(x: torch.Tensor, fmt, expand: Optional[str] = None, config: Op
     args = (x2, qc, qs_arg, rc, rs_arg, ex, exr, rexp if rexp is not None else qc, rok if rok is not None else qc, R,
             k, kp, x2.stride(0), x2.stride(1), qc.stride(0), nblk, ex.stride(0), tune_bucket(k))
     kw = dict(FMT=fmt_id, EXPAND=mode, R1=HIF4_RECIP[1], R2=HIF4_RECIP[2], R3=HIF4_RECIP[3])
-    if config is not None or interpreting() or R * k < (1 << 16) or R <= DECODE_ROWS:
-        # MXFP4's "native" expansion first scans whole rows for the row scale: one program per row block
-        split = 1 if (mode == 1 and fmt_id != 0) else k_split(cdiv(R, BR), cdiv(kp, BK), dev)
-        _resq_kernel[(cdiv(R, BR), split)](*args, **kw, BR=BR, BK=BK, PREFETCH=pf[0] if pf else 0,
-                                           num_warps=warps)
+    fixed, grid = _fixed_launch(x2, kp, BR, BK, config, row_pass=mode == 1 and fmt_id != 0)
+    if fixed:
+        _resq_kernel[grid](*args, **kw, BR=BR, BK=BK, PREFETCH=pf[0] if pf else 0, num_warps=warps)
     else:
         _resq_tuned[lambda meta: (cdiv(R, meta["BR"]), 1)](*args, **kw)
     sshape = (*outer, nblk, 4) if fmt_id == 0 else (*outer, nblk)
