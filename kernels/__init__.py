@@ -3,8 +3,9 @@
 Modules (import them directly; importing the package loads nothing heavy):
 
 - ``kernels.quantize``: fused quantize+pack along any dim (row or column variant), optional GEMM-ready expansion.
-- ``kernels.gemm``: exact pre-expanded GEMMs (BF16; MXFP4 FP8 modes), the FP8 decode GEMM reading packed
-  operands, the W4A16 decode GEMM, the packed-prologue GEMM.
+- ``kernels.gemm``: exact pre-expanded GEMMs (BF16; MXFP4 FP8 modes), the decode GEMM (packed weights
+  dequantized in registers x BF16 activations or the activations' exact expansions; ResQ on the same weight
+  read), the packed-prologue GEMM.
 - ``kernels.resq``: the fused Rollout-ResQ quantizer (Q(X), 2:4-sparse Q(X - Q(X))) and its GEMM.
 - ``kernels.dispatch``: what the rest of the project calls (``fp4_gemm``, ``prepare_weight``, ``linear``,
   ``register`` for ``megatron_fp4.ops``); falls back to the PyTorch reference without Triton or a GPU.
