@@ -1,0 +1,111 @@
+"""Count the SASS instructions of a Triton kernel's main loop for Hopper (sm_90), on a machine without a GPU.
+
+Device time is scarce; instruction counts are not. Triton compiles for any target without a GPU, and its wheel
+ships ptxas and nvdisasm, so an idea for an ALU-bound kernel (the quantize kernels, the decode unpack) can be
+checked here before it costs a device call:
+
+    python benchmarks/kernel_sass.py decode --fmt mxfp4 --BN 64 --BM 16 --num-warps 4
+    python benchmarks/kernel_sass.py decode --fmt hif4 --res --histogram
+
+Prints the instructions per loop iteration, per weight value and the busiest opcodes. The loop is the longest
+backward branch in the disassembly. Pointers and sizes get Triton's ``divisibility=16`` specialization (what a
+real launch with aligned shapes compiles to; without it loads do not vectorize and counts mislead). A count is a
+proxy: run 8's decode kernel was latency-bound, so fewer instructions stopped helping (docs/PERFORMANCE.md).
+"""
+
+from __future__ import annotations
+
+import argparse
+import collections
+import os
+import re
+import subprocess
+import sys
+import tempfile
+
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
+
+
+def compile_sm90(fn, signature: dict, constexprs: dict, divisible: list, num_warps: int, num_stages: int):
+    """The compiled kernel for sm_90 (no GPU needed)."""
+    import triton
+    from triton.backends.compiler import GPUTarget
+    from triton.compiler import ASTSource
+
+    sig = dict(signature, **{k: "constexpr" for k in constexprs})
+    attrs = {(fn.arg_names.index(n),): [["tt.divisibility", 16]] for n in divisible}
+    src = ASTSource(fn=fn, signature=sig, constexprs={(fn.arg_names.index(k),): v for k, v in constexprs.items()},
+                    attrs=attrs)
+    return triton.compile(src, target=GPUTarget("cuda", 90, 32),
+                          options={"num_warps": num_warps, "num_stages": num_stages})
+
+
+def loop_opcodes(cubin: bytes) -> collections.Counter:
+    """Opcode counts of the longest loop (label .. backward branch) in a cubin's disassembly."""
+    import triton
+
+    nvdisasm = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "nvdisasm")
+    with tempfile.NamedTemporaryFile(suffix=".cubin") as fh:
+        fh.write(cubin)
+        fh.flush()
+        sass = subprocess.run([nvdisasm, "-c", fh.name], capture_output=True, text=True, check=True).stdout
+    lines = sass.splitlines()
+    labels = {ln.strip()[:-1]: i for i, ln in enumerate(lines) if re.match(r"^\.L_x_\d+:$", ln.strip())}
+    start, end = 0, -1
+    for i, ln in enumerate(lines):
+        m = re.search(r"BRA `\((\.L_x_\d+)\)", ln)
+        if m and labels.get(m.group(1), i) < i and i - labels[m.group(1)] > end - start:
+            start, end = labels[m.group(1)], i
+    ops = collections.Counter()
+    for ln in lines[start:end + 1]:
+        m = re.search(r"\*/\s+(?:@!?U?P\w+\s+)?([A-Z][A-Z0-9_]*)", ln)
+        if m and not ln.strip().startswith("/* 0x"):
+            ops[m.group(1)] += 1
+    return ops
+
+
+def decode_case(fmt: str, BN: int, BM: int, res: bool, wide: bool, prefetch: bool, xperm: bool):
+    """(kernel, signature, constexprs, divisible args, weight values per loop iteration) of the decode GEMM."""
+    from kernels import gemm
+
+    fn = gemm._w4_decode_kernel
+    signature = {"x_ptr": "*bf16", "r_ptr": "*bf16", "b_ptr": "*i16", "bs_ptr": "*i32" if fmt == "hif4" else "*u8",
+                 "c_ptr": "*fp32", "M": "i32", "N": "i32", "KH2": "i32", "stride_xm": "i32", "stride_rm": "i32",
+                 "stride_bn": "i32", "stride_bsn": "i32", "stride_cm": "i32"}
+    constexprs = dict(FMT=0 if fmt == "hif4" else 1, HAS_RES=res, SPLIT_K=2, WIDE=wide, ASM=True, F32=False,
+                      XPERM=xperm, PREFETCH=prefetch, BN=BN, BM=BM)
+    divisible = [k for k in signature if k not in ("M",)]
+    return fn, signature, constexprs, divisible, BN * 64
+
+
+def main(argv=None):
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("kernel", choices=["decode"], help="which kernel (the decode GEMM, kernels.gemm.w4_matmul)")
+    p.add_argument("--fmt", choices=["hif4", "mxfp4"], default="mxfp4")
+    p.add_argument("--BN", type=int, default=64, help="weight rows per program")
+    p.add_argument("--BM", type=int, default=16, help="token columns (16, 32 or 64)")
+    p.add_argument("--num-warps", type=int, default=4)
+    p.add_argument("--num-stages", type=int, default=1)
+    p.add_argument("--res", action="store_true", help="with the ResQ residual operand")
+    p.add_argument("--wide", action="store_true", help="MXFP4 two-factor path (block scales above 2^1)")
+    p.add_argument("--prefetch", action="store_true")
+    p.add_argument("--xperm", action="store_true")
+    p.add_argument("--histogram", action="store_true", help="print every opcode's count")
+    args = p.parse_args(argv)
+    if args.BM not in (16, 32, 64):
+        p.error(f"--BM {args.BM} is not valid; allowed values: 16, 32, 64")
+    fn, sig, const, div, values = decode_case(args.fmt, args.BN, args.BM, args.res, args.wide, args.prefetch,
+                                              args.xperm)
+    compiled = compile_sm90(fn, sig, const, div, args.num_warps, args.num_stages)
+    ops = loop_opcodes(compiled.asm["cubin"])
+    n = sum(ops.values())
+    per_thread = values / (32 * args.num_warps)
+    print(f"{args.kernel} {const}: {n} instructions per loop iteration, {values} weight values "
+          f"-> {n / per_thread:.2f} per value per thread; shared memory {compiled.metadata.shared} bytes")
+    top = ops.most_common() if args.histogram else ops.most_common(12)
+    print("  " + ", ".join(f"{k} {v}" for k, v in top))
+    return n / per_thread
+
+
+if __name__ == "__main__":
+    main()
