@@ -6,11 +6,15 @@ checked here before it costs a device call:
 
     python benchmarks/kernel_sass.py decode --fmt mxfp4 --BN 64 --BM 16 --num-warps 4
     python benchmarks/kernel_sass.py decode --fmt hif4 --res --histogram
+    python benchmarks/kernel_sass.py quantize --fmt hif4 --BR 4 --BK 512 --expand 1 --prefetch --num-stages 3
 
 Prints the instructions per loop iteration, per weight value and the busiest opcodes. The loop is the longest
 backward branch in the disassembly. Pointers and sizes get Triton's ``divisibility=16`` specialization (what a
 real launch with aligned shapes compiles to; without it loads do not vectorize and counts mislead). A count is a
-proxy: run 8's decode kernel was latency-bound, so fewer instructions stopped helping (docs/PERFORMANCE.md).
+proxy: run 8's decode kernel was latency-bound, so fewer instructions stopped helping (docs/PERFORMANCE.md); and
+it comes from the Triton installed here, which may pick other layouts than the GPU machine's (3.9 here, 3.6
+there: the HiF4 pack-only quantize tile counts 106 per value here, 2.8x its expanding twin, yet ran faster on the
+H200), so confirm on the GPU before trusting a difference.
 """
 
 from __future__ import annotations
@@ -78,9 +82,31 @@ def decode_case(fmt: str, BN: int, BM: int, res: bool, wide: bool, prefetch: boo
     return fn, signature, constexprs, divisible, BN * 64
 
 
+def quantize_case(fmt: str, BR: int, BK: int, expand: int, prefetch: bool):
+    """(kernel, signature, constexprs, divisible args, values per loop iteration) of the row quantize kernel."""
+    from kernels import quantize as qm
+    from kernels._common import HIF4_RECIP
+
+    sig = {"x_ptr": "*bf16", "codes_ptr": "*u8", "scales_ptr": "*i32" if fmt == "hif4" else "*u8",
+           "ex_ptr": "*bf16" if expand != 1 else "*u8"}
+    if fmt == "hif4":
+        fn = qm._hif4_quant_kernel
+        const = dict(EXPAND=bool(expand), BR=BR, BK=BK, R1=HIF4_RECIP[1], R2=HIF4_RECIP[2], R3=HIF4_RECIP[3],
+                     PREFETCH=int(prefetch))
+    else:
+        fn = qm._mx_quant_kernel
+        sig.update({"rexp_ptr": "*i32", "rok_ptr": "*i8"})
+        const = dict(RCEIL=False, EXPAND=expand, BR=BR, BK=BK, PREFETCH=int(prefetch))
+    sig.update({k: "i32" for k in ("R", "K", "KP", "stride_xr", "stride_xk", "stride_cr", "stride_sr", "stride_er",
+                                   "K_BUCKET")})
+    divisible = [k for k in sig if k not in ("R", "stride_xk", "K_BUCKET")]
+    return fn, sig, const, divisible, BR * BK
+
+
 def main(argv=None):
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("kernel", choices=["decode"], help="which kernel (the decode GEMM, kernels.gemm.w4_matmul)")
+    p.add_argument("kernel", choices=["decode", "quantize"],
+                   help="decode: the decode GEMM (kernels.gemm.w4_matmul); quantize: the row quantize kernel")
     p.add_argument("--fmt", choices=["hif4", "mxfp4"], default="mxfp4")
     p.add_argument("--BN", type=int, default=64, help="weight rows per program")
     p.add_argument("--BM", type=int, default=16, help="token columns (16, 32 or 64)")
@@ -90,17 +116,24 @@ def main(argv=None):
     p.add_argument("--wide", action="store_true", help="MXFP4 two-factor path (block scales above 2^1)")
     p.add_argument("--prefetch", action="store_true")
     p.add_argument("--xperm", action="store_true")
+    p.add_argument("--BR", type=int, default=8, help="quantize: rows per program")
+    p.add_argument("--BK", type=int, default=256, help="quantize: K values per step")
+    p.add_argument("--expand", type=int, choices=[0, 1, 2], default=0,
+                   help="quantize: 0 none, 1 native, 2 bf16 (HiF4: any nonzero is its bf16 expansion)")
     p.add_argument("--histogram", action="store_true", help="print every opcode's count")
     args = p.parse_args(argv)
     if args.BM not in (16, 32, 64):
         p.error(f"--BM {args.BM} is not valid; allowed values: 16, 32, 64")
-    fn, sig, const, div, values = decode_case(args.fmt, args.BN, args.BM, args.res, args.wide, args.prefetch,
-                                              args.xperm)
+    if args.kernel == "decode":
+        fn, sig, const, div, values = decode_case(args.fmt, args.BN, args.BM, args.res, args.wide, args.prefetch,
+                                                  args.xperm)
+    else:
+        fn, sig, const, div, values = quantize_case(args.fmt, args.BR, args.BK, args.expand, args.prefetch)
     compiled = compile_sm90(fn, sig, const, div, args.num_warps, args.num_stages)
     ops = loop_opcodes(compiled.asm["cubin"])
     n = sum(ops.values())
     per_thread = values / (32 * args.num_warps)
-    print(f"{args.kernel} {const}: {n} instructions per loop iteration, {values} weight values "
+    print(f"{args.kernel} {const}: {n} instructions per loop iteration, {values} values "
           f"-> {n / per_thread:.2f} per value per thread; shared memory {compiled.metadata.shared} bytes")
     top = ops.most_common() if args.histogram else ops.most_common(12)
     print("  " + ", ".join(f"{k} {v}" for k, v in top))
