@@ -23,6 +23,11 @@ KERNEL_FORMATS = ("hif4", "mxfp4", "mxfp4_rceil")
 HIF4_RECIP = (1.0, 0.80078125, 0.66796875, 0.5703125)
 
 
+#: Token counts (activation rows) at or below this are decode-sized: the decode GEMM (kernels.gemm.w4_matmul)
+#: serves them, and the quantize kernels split such rows along K instead of autotuning over rows.
+DECODE_MAX_M = 64
+
+
 def interpreting() -> bool:
     """True when Triton runs kernels in its CPU interpreter (TRITON_INTERPRET=1)."""
     return os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")

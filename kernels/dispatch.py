@@ -17,13 +17,10 @@ from typing import Optional
 
 import torch
 
-from kernels._common import KERNEL_FORMATS, kernels_usable
+from kernels._common import DECODE_MAX_M, KERNEL_FORMATS, kernels_usable
 from megatron_fp4.formats import Format, QuantizedTensor, get_format
 
 __all__ = ["available", "register", "ops_backend", "fp4_gemm", "PreparedWeight", "prepare_weight", "linear"]
-
-#: Token counts at or below this use the packed-weight (memory-bound) kernels.
-DECODE_MAX_M = 64
 
 
 def available(device: Optional[torch.device] = None) -> bool:

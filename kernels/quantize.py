@@ -16,8 +16,8 @@ from typing import NamedTuple, Optional
 
 import torch
 
-from kernels._common import (HAS_TRITON, HIF4_RECIP, KERNEL_FORMATS, cdiv, interpreting, k_split, kernels_usable, tl,
-                             triton, tune_bucket)
+from kernels._common import (DECODE_MAX_M, HAS_TRITON, HIF4_RECIP, KERNEL_FORMATS, cdiv, interpreting, k_split,
+                             kernels_usable, tl, triton, tune_bucket)
 from megatron_fp4.formats import QuantizedTensor, get_format
 
 __all__ = ["Expanded", "quantize", "expand_packed", "EXPAND_MODES"]
@@ -25,9 +25,6 @@ __all__ = ["Expanded", "quantize", "expand_packed", "EXPAND_MODES"]
 EXPAND_MODES = (None, "native", "bf16")
 #: expand_packed also writes MXFP4 weights as E4M3 (the cuBLAS FP8 GEMM's second operand).
 WEIGHT_EXPAND_MODES = ("native", "bf16", "e4m3")
-#: Row counts up to this (decode-sized activations) take a fixed one-row tile with the K tiles split over
-#: programs instead of the autotuned tiles (which parallelize over rows only).
-DECODE_ROWS = 64
 
 
 class Expanded(NamedTuple):
@@ -325,7 +322,7 @@ def _block_config(fmt_name: str, x2: torch.Tensor):
     transposed = x2.stride(1) != 1 and x2.stride(0) == 1
     if transposed:
         return (64, 64, 4)
-    if x2.shape[0] <= DECODE_ROWS:  # decode-sized activations: one row per program, long K steps
+    if x2.shape[0] <= DECODE_MAX_M:  # decode-sized activations: one row per program, long K steps
         return (1, 1024, 4)
     return (8, 256, 4)
 
@@ -336,7 +333,7 @@ def _fixed_launch(x2: torch.Tensor, kp: int, BR: int, BK: int, config, row_pass:
     blocks the K tiles are shared out over programs too, unless a first pass scans whole rows (``row_pass``:
     MXFP4's "native" expansion computes its row scale)."""
     R, k = x2.shape
-    fixed = config is not None or interpreting() or R * k < (1 << 16) or R <= DECODE_ROWS
+    fixed = config is not None or interpreting() or R * k < (1 << 16) or R <= DECODE_MAX_M
     return fixed, (cdiv(R, BR), 1 if row_pass else k_split(cdiv(R, BR), cdiv(kp, BK), x2.device))
 
 

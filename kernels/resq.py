@@ -12,14 +12,12 @@ from typing import Optional
 
 import torch
 
-from kernels._common import HAS_TRITON, HIF4_RECIP, KERNEL_FORMATS, cdiv, kernels_usable, tl, triton, tune_bucket
+from kernels._common import (DECODE_MAX_M, HAS_TRITON, HIF4_RECIP, KERNEL_FORMATS, cdiv, kernels_usable, tl, triton,
+                             tune_bucket)
 from kernels.quantize import Expanded, _block_config, _fixed_launch, _rows_view, expand_packed
 from megatron_fp4.formats import QuantizedTensor, get_format
 
 __all__ = ["resq_quantize", "resq_matmul", "DECODE_MAX_M"]
-
-#: At or below this many tokens the GEMMs read packed weights (memory-bound decode).
-DECODE_MAX_M = 64
 
 if HAS_TRITON:
     from kernels.quantize import (_bcast, _first_tile, _hif4_tile, _k_tile, _load_x, _mx_e5m2,  # noqa: F401
