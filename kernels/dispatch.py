@@ -67,7 +67,9 @@ def fp4_gemm(a: torch.Tensor, b: torch.Tensor, a_format, b_format=None, mode: st
     if fa.name != fb.name or fa.name not in KERNEL_FORMATS or not kernels_usable(a, b):
         return _reference_gemm(a, b, fa, fb)
     if a.shape[0] <= DECODE_MAX_M:
-        return w4_matmul(quantize(a, fa, expand="bf16")[1].values, quantize(b, fb))
+        # b is quantized here, so its scales are unknown to the host: the two-factor MXFP4 path is exact for every
+        # scale and costs less than the device reduction and host sync that would decide it (needs_wide_decode)
+        return w4_matmul(quantize(a, fa, expand="bf16")[1].values, quantize(b, fb), wide=True)
     ex = "bf16" if mode == "exact" else "native"
     qa, ea = quantize(a, fa, expand=ex)
     qb, eb = quantize(b, fb, expand=ex)
