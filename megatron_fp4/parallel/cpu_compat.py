@@ -157,12 +157,12 @@ def initialize_parallel(
         store = None
         if "RANK" not in os.environ or "WORLD_SIZE" not in os.environ:
             # One process on its own: an in-memory store, no TCP port (several single-process runs started at
-            # once used to race for the same "free" port: EADDRINUSE)
+            # once used to race for the same "free" port: EADDRINUSE). os.environ stays as it is: RANK set here
+            # would leak into subprocesses this process starts (they would wait for a torchrun rendezvous).
             store = torch.distributed.HashStore()
-            os.environ["RANK"] = "0"
-            os.environ["WORLD_SIZE"] = "1"
-            os.environ.setdefault("LOCAL_RANK", "0")
-        rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
+            rank, world = 0, 1
+        else:
+            rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
         if cuda:
             torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")) % torch.cuda.device_count())
         torch.distributed.init_process_group(
