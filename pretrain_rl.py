@@ -140,7 +140,7 @@ def build_models(args, vocab_size, init_checkpoint=None):
                                                                                       parallel_output=False))
     rollout_model.requires_grad_(False)
     fmt = args.fp4_format if args.fp4_format != "none" else "hif4"
-    precision = RolloutPrecision(args.rollout_precision, fmt, args.resq)
+    precision = RolloutPrecision(args.rollout_precision, fmt, args.resq, resq_combine=args.resq_combine)
     engine = NativeRolloutEngine(rollout_model, precision)
     return ddp, optimizer, config, reference, engine, precision, recipe
 
@@ -170,7 +170,7 @@ def describe(args, recipe, precision) -> str:
     train = "high precision" if recipe is None else f"FP4 {type(recipe).__name__}"
     roll = precision.mode if precision.mode == "bf16" else f"{precision.mode} {precision.format}"
     if precision.quantize_activations and precision.sparsity != "none":
-        roll += f" + ResQ {precision.sparsity}"
+        roll += f" + ResQ {precision.sparsity}" + (" (bf16 sum)" if precision.resq_combine == "bf16" else "")
     return f"training: {train} | rollout: {roll} ({args.rollout_backend})"
 
 

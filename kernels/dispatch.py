@@ -7,6 +7,7 @@ elsewhere, with the same numbers (SPEC §3/§4; fp32 summation order aside).
     w = dispatch.prepare_weight(W, "mxfp4")  # packed + pre-expanded weight, once per weight update
                                              # (mode="fp8": MXFP4 FP8 fast path, approximate accumulation)
     y = dispatch.linear(x, w)                # W4A4 rollout GEMM (decode or prefill), optional resq="2:4"
+    y = dispatch.linear(x, w, resq="2:4", resq_combine="bf16")   # ResQ as one GEMM on bf16(Q(x) + S(Q(r)))
     y = dispatch.linear(x, w, activations="bf16")   # W4A16
 """
 
@@ -124,23 +125,28 @@ def prepare_weight(w: torch.Tensor, fmt, mode: str = "exact") -> PreparedWeight:
 
 
 def linear(x: torch.Tensor, w: PreparedWeight, resq: str = "none", activations: str = "fp4",
-           out_dtype: torch.dtype = torch.float32) -> torch.Tensor:
+           out_dtype: torch.dtype = torch.float32, resq_combine: str = "exact") -> torch.Tensor:
     """Rollout GEMM ``x [M, K] -> [M, n]`` against a prepared FP4 weight.
 
-    ``activations``: "fp4" (W4A4) or "bf16" (W4A16: x used as is, rounded to bf16); ``resq``: "none" or "2:4".
+    ``activations``: "fp4" (W4A4) or "bf16" (W4A16: x used as is, rounded to bf16); ``resq``: "none" or "2:4";
+    ``resq_combine`` (2:4 only): "exact" (the residual product added exactly) or "bf16" (one GEMM on
+    bf16(Q(x) + S(Q(r))), as ``megatron_fp4.resq.RolloutPrecision.resq_combine``).
     """
     from kernels.gemm import fp4_matmul, w4_matmul
     from kernels.quantize import expand_packed, quantize
-    from kernels.resq import resq_matmul
+    from kernels.resq import COMBINES, resq_matmul
 
     if resq not in ("none", "2:4"):
         raise ValueError(f"resq={resq!r} is not valid; allowed values: 'none', '2:4'")
+    if resq_combine not in COMBINES:
+        raise ValueError(f"resq_combine={resq_combine!r} is not valid; allowed values: "
+                         f"{', '.join(map(repr, COMBINES))}")
     if activations not in ("fp4", "bf16"):
         raise ValueError(f"activations={activations!r} is not valid; allowed values: 'fp4', 'bf16'")
     K = x.shape[-1]
     kp = w.packed.codes.shape[-1] * 2
     if not kernels_usable(x) or w.fmt.name not in KERNEL_FORMATS:
-        return _reference_linear(x, w, resq, activations).to(out_dtype)
+        return _reference_linear(x, w, resq, activations, resq_combine).to(out_dtype)
     if activations == "bf16":
         xb = x.to(torch.bfloat16)
         if kp != K:
@@ -153,21 +159,22 @@ def linear(x: torch.Tensor, w: PreparedWeight, resq: str = "none", activations: 
         wb = w.expanded if w.expanded.values.dtype == torch.bfloat16 else expand_packed(w.packed, "bf16")
         return mm_expanded(Expanded(xb), wb, out_dtype=out_dtype)
     if resq == "2:4":
-        return resq_matmul(x, w.packed, w.expanded, out_dtype=out_dtype, promote=PROMOTE[w.mode], wide=w.wide)
+        return resq_matmul(x, w.packed, w.expanded, out_dtype=out_dtype, promote=PROMOTE[w.mode], wide=w.wide,
+                           combine=resq_combine)
     if x.shape[0] <= DECODE_MAX_M:
         return w4_matmul(quantize(x, w.fmt, expand="bf16")[1].values, w.packed, wide=w.wide).to(out_dtype)
     qx, ex = quantize(x, w.fmt, expand="bf16" if w.expanded.values.dtype == torch.bfloat16 else "native")
     return fp4_matmul(qx, ex, w.packed, w.expanded, out_dtype=out_dtype, promote=PROMOTE[w.mode])
 
 
-def _reference_linear(x: torch.Tensor, w: PreparedWeight, resq: str, activations: str) -> torch.Tensor:
+def _reference_linear(x: torch.Tensor, w: PreparedWeight, resq: str, activations: str,
+                      resq_combine: str = "exact") -> torch.Tensor:
     """PyTorch twin of :func:`linear` (fp32 results)."""
+    if resq == "2:4" and activations == "fp4":
+        from kernels.resq import resq_matmul
+
+        return resq_matmul(x, w.packed, combine=resq_combine)  # its PyTorch twin where the kernels cannot run
     wq = w.packed.dequantize().float()
     if activations == "bf16":
         return x.to(torch.bfloat16).float() @ wq.t()
-    if resq == "2:4":
-        from megatron_fp4.resq import resq_components
-
-        q, s = resq_components(x, w.fmt, "2:4")
-        return q @ wq.t() + s @ wq.t()
     return w.fmt.fake_quantize(x.float(), dim=-1) @ wq.t()

@@ -48,10 +48,12 @@ if HAS_TRITON:
 
     @triton.jit
     def _bf16_rne(v):
-        """Round non-negative finite fp32 to bf16 (ties to even), result in fp32."""
+        """Round fp32 to bf16 (ties to even; either sign; Inf and NaN kept), result in fp32. Explicit because
+        Triton's CPU interpreter converts fp32 to bf16 by truncation; NaN is passed through (the GPU's canonical
+        NaN 0x7FFFFFFF would carry into the sign bit)."""
         b = v.to(tl.int32, bitcast=True)
         b = (b + 0x7FFF + ((b >> 16) & 1)) & -65536
-        return b.to(tl.float32, bitcast=True)
+        return tl.where(v == v, b.to(tl.float32, bitcast=True), v)
 
     @triton.jit
     def _pow2(e):

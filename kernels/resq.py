@@ -3,7 +3,9 @@
 reading each Q(W) tile once (concatenated-K form). PyTorch twin: ``megatron_fp4.resq.resq_components``.
 
     q, s, eq, es = resq_quantize(x, "hif4", expand="native")      # packed Q(X), packed S(Q(R)), GEMM operands
-    y = resq_linear(x, weight, expanded_weight)                     # decode (M <= 64) or pre-expanded GEMM
+    q, s, ea, _ = resq_quantize(x, "hif4", expand="sum")          # one BF16 operand bf16(Q(X) + S(Q(R)))
+    y = resq_matmul(x, packed_weight, expanded_weight)              # decode (M <= 64) or pre-expanded GEMM
+    y = resq_matmul(x, packed_weight, expanded_weight, combine="bf16")   # one GEMM on the BF16 sum
 """
 
 from __future__ import annotations
@@ -17,11 +19,16 @@ from kernels._common import (DECODE_MAX_M, HAS_TRITON, HIF4_RECIP, KERNEL_FORMAT
 from kernels.quantize import Expanded, _block_config, _fixed_launch, _rows_view, expand_packed
 from megatron_fp4.formats import QuantizedTensor, get_format
 
-__all__ = ["resq_quantize", "resq_matmul", "DECODE_MAX_M"]
+__all__ = ["resq_quantize", "resq_matmul", "DECODE_MAX_M", "RESQ_EXPAND_MODES", "COMBINES"]
+
+RESQ_EXPAND_MODES = (None, "native", "bf16", "sum")
+#: How resq_matmul joins the residual (megatron_fp4.resq.RESQ_COMBINES): "exact" two products, "bf16" one GEMM on
+#: the BF16 sum.
+COMBINES = ("exact", "bf16")
 
 if HAS_TRITON:
-    from kernels.quantize import (_bcast, _first_tile, _hif4_tile, _k_tile, _load_x, _mx_e5m2,  # noqa: F401
-                                  _mx_tile, _mx_x, _store_packed)
+    from kernels.quantize import (_bcast, _bf16_rne, _first_tile, _hif4_tile, _k_tile, _load_x,  # noqa: F401
+                                  _mx_e5m2, _mx_tile, _mx_x, _store_packed)
 
     @triton.jit
     def _keep24(m, BR: tl.constexpr, BK: tl.constexpr):
@@ -61,7 +68,7 @@ if HAS_TRITON:
                      EXPAND: tl.constexpr, BR: tl.constexpr, BK: tl.constexpr, R1: tl.constexpr,
                      R2: tl.constexpr, R3: tl.constexpr, PREFETCH: tl.constexpr = 0):
         """FMT 0 hif4, 1 mxfp4, 2 mxfp4_rceil. EXPAND 0 none, 1 native (HiF4 bf16, MXFP4 E5M2 + shared row
-        scale), 2 bf16."""
+        scale), 2 bf16, 3 sum: bf16(deq Q(X) + deq S(Q(R))) (the fp32 sum rounded once, as the reference)."""
         BLK: tl.constexpr = 64 if FMT == 0 else 32
         NB: tl.constexpr = BK // BLK
         rows = tl.program_id(0) * BR + tl.arange(0, BR)
@@ -102,6 +109,8 @@ if HAS_TRITON:
             if EXPAND == 2 or (EXPAND == 1 and FMT == 0):
                 tl.store(ex_ptr + eptr, val.to(tl.bfloat16), mask=emask)
                 tl.store(exr_ptr + eptr, rval.to(tl.bfloat16), mask=emask)
+            if EXPAND == 3:
+                tl.store(ex_ptr + eptr, _bf16_rne(val + rval).to(tl.bfloat16), mask=emask)
             if EXPAND == 1 and FMT != 0:
                 bits, okt = _mx_e5m2(codes, X, S, BR, BK)
                 rbits, rokt = _mx_e5m2(rcodes, RX, S, BR, BK)
@@ -121,7 +130,8 @@ if HAS_TRITON:
 
 
 def _reference_resq_quantize(x: torch.Tensor, f, expand: Optional[str]):
-    """PyTorch twin: Q(X) and S(Q(R)) as packed tensors (2:4 zeroes dropped codes), plus expansions."""
+    """PyTorch twin: Q(X) and S(Q(R)) as packed tensors (2:4 zeroes dropped codes), plus expansions (for "sum":
+    the BF16 sum and None)."""
     from megatron_fp4.resq import _two_of_four_mask
 
     q = f.quantize(x, dim=-1)
@@ -136,6 +146,8 @@ def _reference_resq_quantize(x: torch.Tensor, f, expand: Optional[str]):
     rq = QuantizedTensor(f, pack_nibbles(codes).reshape(rq.codes.shape), rq.scales, rq.shape, rq.dim, rq.dtype)
     if not expand:
         return q, rq, None, None
+    if expand == "sum":
+        return q, rq, Expanded((xq + rq.dequantize().float()).to(torch.bfloat16)), None
     eq, er = expand_packed(q, expand), expand_packed(rq, expand)
     if eq.row_exp is not None:  # share one row scale (as the kernel does): recompute both relative to it
         S = torch.maximum(eq.row_exp, er.row_exp)
@@ -160,12 +172,14 @@ def resq_quantize(x: torch.Tensor, fmt, expand: Optional[str] = None, config: Op
 
     Returns ``(Q(X), S(Q(R)), expanded Q(X), expanded S(Q(R)))`` (the last two None without ``expand``); the
     residual's dropped elements have code 0. With ``expand="native"`` and MXFP4, both expansions share one row
-    scale so that the GEMM can add them in one accumulator. ``config``: a fixed tile, as for
-    :func:`kernels.quantize.quantize`.
+    scale so that the GEMM can add them in one accumulator. ``expand="sum"``: the third item is the one BF16
+    operand bf16(Q(X) + S(Q(R))) (``resq_combine="bf16"`` of ``megatron_fp4.resq``), the fourth None.
+    ``config``: a fixed tile, as for :func:`kernels.quantize.quantize`.
     """
     f = get_format(fmt)
-    if expand not in (None, "native", "bf16"):
-        raise ValueError(f"expand={expand!r} is not valid; allowed values: None, 'native', 'bf16'")
+    if expand not in RESQ_EXPAND_MODES:
+        raise ValueError(f"expand={expand!r} is not valid; allowed values: "
+                         f"{', '.join(map(repr, RESQ_EXPAND_MODES))}")
     if f.name not in KERNEL_FORMATS or not kernels_usable(x) or x.numel() == 0:
         return _reference_resq_quantize(x, f, expand)
     x2, outer, k = _rows_view(x, x.dim() - 1)
@@ -186,10 +200,13 @@ def resq_quantize(x: torch.Tensor, fmt, expand: Optional[str] = None, config: Op
         rs = torch.empty_like(qs)
         qs_arg, rs_arg = qs, rs
         fmt_id = 1 if f.name == "mxfp4" else 2
-    mode = {None: 0, "native": 1, "bf16": 2}[expand]
+    mode = {None: 0, "native": 1, "bf16": 2, "sum": 3}[expand]
     rexp = rok = None
     if mode == 0:
         ex = exr = qc
+    elif mode == 3:
+        ex = torch.empty((R, kp), dtype=torch.bfloat16, device=dev)
+        exr = ex
     elif mode == 1 and fmt_id != 0:
         ex = torch.empty((R, kp), dtype=torch.uint8, device=dev)
         exr = torch.empty_like(ex)
@@ -212,6 +229,8 @@ def resq_quantize(x: torch.Tensor, fmt, expand: Optional[str] = None, config: Op
     r = QuantizedTensor(f, rc.reshape(*outer, kp // 2), rs.reshape(sshape), x.shape, x.dim() - 1, x.dtype)
     if mode == 0:
         return q, r, None, None
+    if mode == 3:
+        return q, r, Expanded(ex), None
     if mode == 1 and fmt_id != 0:
         return (q, r, Expanded(ex.view(torch.float8_e5m2), rexp, rok.bool()),
                 Expanded(exr.view(torch.float8_e5m2), rexp, rok.bool()))
@@ -220,24 +239,37 @@ def resq_quantize(x: torch.Tensor, fmt, expand: Optional[str] = None, config: Op
 
 def resq_matmul(x: torch.Tensor, qw: QuantizedTensor, ew: Optional[Expanded] = None,
                 out_dtype: torch.dtype = torch.float32, promote: int = 0,
-                wide: Optional[bool] = None) -> torch.Tensor:
+                wide: Optional[bool] = None, combine: str = "exact") -> torch.Tensor:
     """``Q(X) Q(W)^T + S(Q(X - Q(X))) Q(W)^T`` (2:4 ResQ) for ``x [M, K]`` and a packed weight ``qw [N, K]``.
 
-    M <= DECODE_MAX_M: the decode kernel on the packed weight and the BF16 expansions of both activation
-    operands, the residual riding on the same weight read (``wide``: see :func:`kernels.gemm.w4_matmul`). Larger M: the
-    pre-expanded GEMM in concatenated-K form; ``ew`` (from ``expand_packed``/``quantize(..., expand=...)``,
-    once per weight update) picks the mode: BF16 (exact, the default when None) or FP8 (MXFP4: E5M2, or E4M3
-    for cuBLAS; ``promote`` as in :func:`kernels.gemm.mm_expanded`).
+    ``combine="exact"``: M <= DECODE_MAX_M: the decode kernel on the packed weight and the BF16 expansions of both
+    activation operands, the residual riding on the same weight read (``wide``: see
+    :func:`kernels.gemm.w4_matmul`). Larger M: the pre-expanded GEMM in concatenated-K form; ``ew`` (from
+    ``expand_packed``/``quantize(..., expand=...)``, once per weight update) picks the mode: BF16 (exact, the
+    default when None) or FP8 (MXFP4: E5M2, or E4M3 for cuBLAS; ``promote`` as in
+    :func:`kernels.gemm.mm_expanded`). ``combine="bf16"``: ``bf16(Q(X) + S(Q(R))) Q(W)^T``, one GEMM of the
+    plain W4A4 size (decode kernel, or BF16 GEMM against ``ew`` if it is BF16, else the weight's BF16 expansion).
     """
-    from kernels.gemm import fp4_matmul, w4_matmul
+    from kernels.gemm import fp4_matmul, mm_expanded, w4_matmul
 
+    if combine not in COMBINES:
+        raise ValueError(f"combine={combine!r} is not valid; allowed values: {', '.join(map(repr, COMBINES))}")
     if not kernels_usable(x) or qw.fmt.name not in KERNEL_FORMATS:  # PyTorch twin (fp32)
         from megatron_fp4.resq import resq_components
 
         q, s = resq_components(x, qw.fmt, "2:4")
         wq = qw.dequantize().float()
+        if combine == "bf16":
+            return ((q + s).to(torch.bfloat16).float() @ wq.t()).to(out_dtype)
         return (q @ wq.t() + s @ wq.t()).to(out_dtype)
     M = x.shape[0]
+    if combine == "bf16":
+        a = resq_quantize(x, qw.fmt, expand="sum")[2]
+        if M <= DECODE_MAX_M:
+            return w4_matmul(a.values, qw, wide=wide).to(out_dtype)
+        if ew is None or ew.values.dtype != torch.bfloat16:
+            ew = expand_packed(qw, "bf16")
+        return mm_expanded(a, ew, out_dtype=out_dtype)
     if M <= DECODE_MAX_M:
         _, _, eq, er = resq_quantize(x, qw.fmt, expand="bf16")
         return w4_matmul(eq.values, qw, er.values, wide=wide).to(out_dtype)

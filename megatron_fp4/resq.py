@@ -12,7 +12,9 @@ index), "channel" (the ceil(K/2) K-channels of largest L2 norm over the tokens o
 ceil(n/2) of the n 32-token x 64-channel tiles with largest L2 norm), "dense" (identity: the two-tensor split
 Q(X) + Q(X - Q(X))), "none" (no residual: plain FP4). Ties in "channel"/"tile32x64" go to the lower index.
 "2:4" and "dense" are token-local (a token's result does not depend on the other tokens of the call);
-"channel" and "tile32x64" are not, by definition.
+"channel" and "tile32x64" are not, by definition. ``RolloutPrecision(..., resq_combine="bf16")`` rounds
+Q(X) + S(Q(R)) once to BF16, so that one BF16 GEMM computes both products (the Hopper fast path of
+``kernels.dispatch``); the default "exact" keeps the sum in fp32.
 
 Baselines of the paper: W4A16 (weights only), W16A4 (activations only), BF16, OCC-style clipping with sparse
 high-precision compensation (:func:`occ_activation`) and the two-tensor split (:func:`split_activation`).
@@ -37,6 +39,7 @@ __all__ = [
     "SPARSITIES",
     "ROLLOUT_MODES",
     "ACTIVATION_METHODS",
+    "RESQ_COMBINES",
     "RolloutPrecision",
     "QuantizedWeightCache",
     "sparsify",
@@ -59,6 +62,11 @@ SPARSITIES = ("none", "2:4", "channel", "tile32x64", "dense")
 ROLLOUT_MODES = ("bf16", "w4a16", "w16a4", "w4a4")
 #: How quantized activations are corrected: ResQ residual (with ``sparsity``) or OCC clipping + compensation.
 ACTIVATION_METHODS = ("resq", "occ")
+#: How the ResQ residual joins the main operand: "exact" (Q(X) + S(Q(R)) kept in fp32: the residual product is added
+#: exactly, two GEMMs on hardware without an fp32 operand) or "bf16" (the sum rounded once to one BF16 operand: one
+#: GEMM, so the residual costs no tensor-core time on Hopper; values round only where Q(X) and S(Q(R)) are both
+#: nonzero and need more than bf16's 8 significant bits together, see docs/PERFORMANCE.md).
+RESQ_COMBINES = ("exact", "bf16")
 
 FormatLike = Union[str, Format]
 
@@ -210,6 +218,8 @@ class RolloutPrecision:
     activation_method: str = "resq"
     #: OCC: fraction of each token's K values treated as outliers (clipped, compensated in high precision).
     occ_outlier_fraction: float = 1 / 64
+    #: ResQ: "exact" or "bf16" (:data:`RESQ_COMBINES`): whether Q(X) + S(Q(R)) is rounded to one BF16 operand.
+    resq_combine: str = "exact"
 
     def __post_init__(self) -> None:
         if self.mode not in ROLLOUT_MODES:
@@ -226,6 +236,12 @@ class RolloutPrecision:
             raise ValueError("activation_method='occ' does not use a ResQ residual; set sparsity='none'")
         if not 0.0 <= self.occ_outlier_fraction <= 1.0:
             raise ValueError(f"occ_outlier_fraction={self.occ_outlier_fraction!r} must be in [0, 1]")
+        if self.resq_combine not in RESQ_COMBINES:
+            raise choice_error("resq_combine", self.resq_combine, RESQ_COMBINES)
+        if self.resq_combine != "exact" and (self.sparsity == "none" or self.activation_method != "resq"):
+            raise ValueError(f"resq_combine={self.resq_combine!r} combines a ResQ residual with Q(X); it needs "
+                             f"activation_method 'resq' and a sparsity other than 'none' (got "
+                             f"{self.activation_method!r}, {self.sparsity!r})")
 
     @property
     def quantize_weights(self) -> bool:
@@ -244,7 +260,7 @@ class RolloutPrecision:
         if self.activation_method == "occ":
             extra = "+occ"
         elif self.sparsity != "none":
-            extra = f"+resq{self.sparsity}"
+            extra = f"+resq{self.sparsity}" + ("+bf16sum" if self.resq_combine == "bf16" else "")
         return f"{self.mode}{extra}" + ("" if self.mode == "bf16" else f"/{self.format}")
 
 
@@ -365,12 +381,14 @@ def rollout_backend_for(device_type: str) -> Optional[Callable]:
 
 
 def rollout_activation(x: torch.Tensor, precision: RolloutPrecision) -> torch.Tensor:
-    """The activation a rollout linear multiplies (fp32 when quantized; ``x`` itself otherwise)."""
+    """The activation a rollout linear multiplies (fp32, or bf16 for ``resq_combine="bf16"``, when quantized;
+    ``x`` itself otherwise)."""
     if not precision.quantize_activations:
         return x
     if precision.activation_method == "occ":
         return occ_activation(x, precision.format, precision.occ_outlier_fraction, dim=-1, out_dtype=torch.float32)
-    return resq_activation(x, precision.format, precision.sparsity, dim=-1, out_dtype=torch.float32)
+    out_dtype = torch.bfloat16 if precision.resq_combine == "bf16" else torch.float32
+    return resq_activation(x, precision.format, precision.sparsity, dim=-1, out_dtype=out_dtype)
 
 
 def rollout_linear(

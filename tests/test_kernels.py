@@ -19,7 +19,7 @@ from kernels.gemm import fp4_matmul, mm_expanded, packed_matmul, w4_matmul  # no
 from kernels.quantize import expand_packed, quantize  # noqa: E402
 from kernels.resq import _reference_resq_quantize, resq_matmul, resq_quantize  # noqa: E402
 from megatron_fp4.formats import get_format  # noqa: E402
-from megatron_fp4.resq import resq_components  # noqa: E402
+from megatron_fp4.resq import resq_activation, resq_components  # noqa: E402
 
 FORMATS = ["hif4", "mxfp4", "mxfp4_rceil"]
 DEV = "cuda" if torch.cuda.is_available() else "cpu"
@@ -84,6 +84,7 @@ def _check_pack(x, name, dim, config=None):
 @pytest.mark.parametrize("kind", ["random", "outliers", "special"])
 def test_quantize_bit_exact_small(name, kind):
     _check_pack(_inputs(kind, (6, 200), device="cpu" if ON_CPU else DEV), name, -1)
+    _check_resq(_inputs(kind, (6, 200), device="cpu" if ON_CPU else DEV), name)
     _check_pack(_inputs(kind, (130, 5), device="cpu" if ON_CPU else DEV), name, 0)  # column variant
 
 
@@ -136,10 +137,16 @@ def test_quantize_prefetch_tiles_small(name):
 
 
 def _check_resq(x, name, config=None):
+    """Packed Q(X), S(Q(R)) and the one-operand BF16 sum (resq_combine="bf16") equal the reference bit for bit."""
     q, r, eq, er = resq_quantize(x, name, expand="bf16", config=config)
     q2, r2, _, _ = _reference_resq_quantize(x, get_format(name), None)
     for a, b in ((q, q2), (r, r2)):
         assert torch.equal(a.codes, b.codes) and torch.equal(a.scales, b.scales)
+    q3, r3, es, none = resq_quantize(x, name, expand="sum", config=config)
+    assert none is None and torch.equal(q3.codes, q2.codes) and torch.equal(r3.codes, r2.codes)
+    want = resq_activation(x, name, "2:4", out_dtype=torch.bfloat16)
+    got = es.values[:, :x.shape[1]]
+    assert torch.equal(got.isnan(), want.isnan()) and torch.equal(got.nan_to_num(), want.nan_to_num())
 
 
 @pytest.mark.parametrize("name", ["hif4", "mxfp4"])
@@ -215,8 +222,15 @@ def test_resq_fused_matches_reference(name):
     wq = f.fake_quantize(w.float().cpu()).double()
     ref = qq.double() @ wq.t() + ss.double() @ wq.t()
     qw, ew = quantize(w, name, expand="native")
+    ref_sum = (qq + ss).to(torch.bfloat16).double() @ wq.t()
     for m in (16, 72):  # decode kernel, then the pre-expanded concatenated-K GEMM (FP8 promoted: exact mode)
         assert _rel(resq_matmul(x[:m], qw, ew, promote=32).cpu(), ref[:m]) < 1e-6
+        # one GEMM on the BF16 sum (for the E5M2 weight expansion, against the weight's BF16 expansion)
+        assert _rel(resq_matmul(x[:m], qw, ew, combine="bf16").cpu(), ref_sum[:m]) < 1e-6
+    with pytest.raises(ValueError, match="combine='fp16'.*'exact', 'bf16'"):
+        resq_matmul(x, qw, combine="fp16")
+    with pytest.raises(ValueError, match="expand='fp8'.*'sum'"):
+        resq_quantize(x, name, expand="fp8")
 
 
 def test_e4m3_weight_expansion_and_row_fallback():
@@ -265,6 +279,8 @@ def test_dispatch_registers_and_falls_back():
                 continue
             y = dispatch.linear(a, w, resq=rq, activations=act)
             assert y.shape == (8, 4) and torch.isfinite(y).all()
+    with pytest.raises(ValueError, match="resq_combine='sum'.*'exact', 'bf16'"):
+        dispatch.linear(a, w, resq="2:4", resq_combine="sum")
 
 
 # ---------------------------------------------------------------------------------------------- GPU
@@ -275,6 +291,7 @@ def test_dispatch_registers_and_falls_back():
 def test_gpu_quantize_bit_exact(name, kind, dtype):
     for shape, dim in (((257, 1000), -1), ((1000, 257), 0), ((64, 2048), -1), ((3, 5, 96), -1), ((96, 33), 0)):
         _check_pack(_inputs(kind, shape, dtype=dtype), name, dim)
+    _check_resq(_inputs(kind, (257, 1000), dtype=dtype), name)
 
 
 @pytest.mark.gpu
@@ -334,8 +351,10 @@ def test_gpu_resq_and_w4a16(name):
     wq = f.fake_quantize(w.float()).double()
     ref = qq.double() @ wq.t() + ss.double() @ wq.t()
     qw, ew = quantize(w, name, expand="bf16")
+    ref_sum = (qq + ss).to(torch.bfloat16).double() @ wq.t()
     for m in (16, 64, 512):
         assert _rel(resq_matmul(x[:m], qw, ew), ref[:m]) < 1e-5
+        assert _rel(resq_matmul(x[:m], qw, ew, combine="bf16"), ref_sum[:m]) < 1e-5
     if name == "mxfp4":  # FP8 E5M2 operands, partial sums promoted to fp32 every 32 K-elements
         _, ew8 = quantize(w, name, expand="native")
         assert _rel(resq_matmul(x, qw, ew8, promote=32), ref) < 1e-5
@@ -370,6 +389,8 @@ def test_gpu_cublas_paths(name):
         assert _rel(mm_expanded(eq, ew, er, impl=impl), ref_resq) < 1e-5
     pw = dispatch.prepare_weight(w, name)  # exact mode: BF16 expansions, cuBLAS
     assert _rel(dispatch.linear(x, pw), ref) < 1e-5
+    ref_sum = (qq + ss).to(torch.bfloat16).double() @ wq.t()
+    assert _rel(dispatch.linear(x, pw, resq="2:4", resq_combine="bf16"), ref_sum) < 1e-5
     if name == "mxfp4":
         pw8 = dispatch.prepare_weight(w, name, mode="fp8")
         assert pw8.expanded.values.dtype == torch.float8_e4m3fn
@@ -419,6 +440,8 @@ def test_fallback_without_triton_is_the_reference(monkeypatch, name):
     wq = f.fake_quantize(b)
     assert torch.equal(dispatch.linear(a, w, resq="2:4"), qq @ wq.t() + ss @ wq.t())
     assert torch.equal(resq_matmul(a, w.packed), qq @ wq.t() + ss @ wq.t())
+    ref_sum = (qq + ss).to(torch.bfloat16).float() @ wq.t()
+    assert torch.equal(dispatch.linear(a, w, resq="2:4", resq_combine="bf16"), ref_sum)
     q1, r1, _, _ = resq_quantize(a, name)
     q2, r2, _, _ = _reference_resq_quantize(a, f, None)
     assert torch.equal(r1.codes, r2.codes)

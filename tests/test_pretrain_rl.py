@@ -64,6 +64,8 @@ def _deterministic(row: dict) -> dict:
     (["--dataset", "gsm8k:/no/such/file.jsonl"], "no such file"),
     (["--dataset", "synthetic:sub"], "synthetic tasks: add, arith"),
     (["--rollout-precision", "w4a16", "--resq", "2:4"], "--resq='2:4' needs FP4 rollout activations"),
+    (["--resq-combine", "fp16"], "resq-combine"),
+    (["--resq", "none", "--resq-combine", "bf16"], "--resq-combine='bf16' needs a ResQ residual"),
     (["--num-attention-heads", "4", "--num-query-groups", "3"], "num-query-groups"),
     (["--seq-length", "4"], "--seq-length=4"),
 ])

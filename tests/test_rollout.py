@@ -57,6 +57,7 @@ PRECISIONS = [
     RolloutPrecision("w4a4", "mxfp4"),
     RolloutPrecision("w4a4", "hif4", "2:4"),
     RolloutPrecision("w4a4", "mxfp4", "2:4"),
+    RolloutPrecision("w4a4", "hif4", "2:4", resq_combine="bf16"),
     RolloutPrecision("w4a4", "hif4", "dense"),
     RolloutPrecision("w4a4", "mxfp4", activation_method="occ"),
 ]
@@ -292,9 +293,12 @@ def test_kernel_backend_adapter_plan_and_fallback(model, prompts):
     from megatron_fp4.rollout.kernels_backend import _plan, register_kernel_backend, unregister_kernel_backend
 
     fmts = ("hif4", "mxfp4")
-    assert _plan(RolloutPrecision("w4a4", "hif4", "2:4"), torch.bfloat16, fmts) == ("fp4", "2:4")
-    assert _plan(RolloutPrecision("w4a4", "mxfp4"), torch.float32, fmts) == ("fp4", "none")
-    assert _plan(RolloutPrecision("w4a16", "hif4"), torch.bfloat16, fmts) == ("bf16", "none")
+    fp4 = dict(activations="fp4", resq_combine="exact")
+    assert _plan(RolloutPrecision("w4a4", "hif4", "2:4"), torch.bfloat16, fmts) == dict(fp4, resq="2:4")
+    assert _plan(RolloutPrecision("w4a4", "hif4", "2:4", resq_combine="bf16"), torch.bfloat16, fmts) == dict(
+        fp4, resq="2:4", resq_combine="bf16")
+    assert _plan(RolloutPrecision("w4a4", "mxfp4"), torch.float32, fmts) == dict(fp4, resq="none")
+    assert _plan(RolloutPrecision("w4a16", "hif4"), torch.bfloat16, fmts) == dict(activations="bf16")
     assert _plan(RolloutPrecision("w4a16", "hif4"), torch.float32, fmts) is None  # kernel would round x to bf16
     for p in (RolloutPrecision("w16a4", "hif4"), RolloutPrecision("w4a4", "hif4", "dense"),
               RolloutPrecision("w4a4", "hif4", activation_method="occ"), RolloutPrecision("w4a4", "nvfp4")):

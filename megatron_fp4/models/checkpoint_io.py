@@ -30,7 +30,7 @@ import os
 import re
 import shutil
 from pathlib import Path
-from typing import Any, Iterable, Optional, Union
+from typing import Any, Optional, Union
 
 import torch
 

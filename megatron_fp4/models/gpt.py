@@ -12,7 +12,6 @@ decoder holds only that stage's layers; ``pre_process`` / ``post_process`` defau
 
 from __future__ import annotations
 
-import dataclasses
 from dataclasses import dataclass, field
 from typing import Any, Optional
 

@@ -13,6 +13,7 @@ from typing import Any, Optional, Sequence
 FP4_FORMATS = ("hif4", "mxfp4", "nvfp4", "none")
 ROLLOUT_PRECISIONS = ("bf16", "w4a16", "w16a4", "w4a4")
 RESQ_SPARSITIES = ("none", "2:4", "channel", "tile32x64", "dense")
+RESQ_COMBINES = ("exact", "bf16")  # megatron_fp4.resq.RESQ_COMBINES (kept import-free here: the parser loads fast)
 ROLLOUT_BACKENDS = ("native", "sglang")
 ADVANTAGES = ("grpo", "drgrpo")
 
@@ -52,6 +53,9 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--no-fp4-train", dest="fp4_train", action="store_false", help="train in high precision")
     g.add_argument("--rollout-precision", default="w4a4", choices=ROLLOUT_PRECISIONS)
     g.add_argument("--resq", default="2:4", choices=RESQ_SPARSITIES, help="Rollout-ResQ residual sparsity")
+    g.add_argument("--resq-combine", default="exact", choices=RESQ_COMBINES,
+                   help="exact: add the residual's product exactly; bf16: round Q(X) + S(Q(R)) once to one BF16 "
+                        "operand (one GEMM: the fast path on Hopper, see docs/PERFORMANCE.md)")
     g.add_argument("--rollout-backend", default="native", choices=ROLLOUT_BACKENDS)
     g.add_argument("--fp4-high-precision-first-layers", type=int, default=0)
     g.add_argument("--fp4-high-precision-last-layers", type=int, default=0)
@@ -194,6 +198,8 @@ def validate_args(args: argparse.Namespace, world_size: int = 1) -> argparse.Nam
     if args.rollout_precision not in ("w4a4", "w16a4") and args.resq != "none":
         raise ValueError(f"--resq={args.resq!r} needs FP4 rollout activations (--rollout-precision w4a4 or w16a4); "
                          f"got --rollout-precision {args.rollout_precision!r}")
+    if args.resq_combine != "exact" and args.resq == "none":
+        raise ValueError(f"--resq-combine={args.resq_combine!r} needs a ResQ residual (--resq other than 'none')")
     if args.rollout_backend == "sglang" and (tp * pp) > 1:
         raise ValueError("--rollout-backend sglang currently runs with TP=PP=1 trainers only")
     if args.seq_length is None:

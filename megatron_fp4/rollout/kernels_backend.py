@@ -3,7 +3,8 @@
     from megatron_fp4.rollout.kernels_backend import register_kernel_backend
     register_kernel_backend()     # True when CUDA + Triton kernels are usable; rollout_linear then uses them
 
-Covered: W4A4 with ResQ "none" / "2:4" and W4A16 with bf16 activations, formats hif4 / mxfp4 / mxfp4_rceil.
+Covered: W4A4 with ResQ "none" / "2:4" (either ``resq_combine``) and W4A16 with bf16 activations, formats
+hif4 / mxfp4 / mxfp4_rceil.
 Everything else (W16A4, "channel"/"tile32x64"/"dense" residuals, OCC, fp32 W4A16) falls back to the reference
 in :func:`megatron_fp4.resq.rollout_linear`. Weights are prepared (packed + expanded) once per weight version in
 the model's :class:`~megatron_fp4.resq.QuantizedWeightCache`. The kernels' numbers equal the reference's up to
@@ -21,14 +22,15 @@ from megatron_fp4.resq import QuantizedWeightCache, RolloutPrecision, register_r
 __all__ = ["register_kernel_backend", "unregister_kernel_backend"]
 
 
-def _plan(precision: RolloutPrecision, x_dtype: Optional[torch.dtype], formats) -> Optional[tuple[str, str]]:
-    """(activations, resq) arguments of ``dispatch.linear`` for ``precision``, or None when not covered."""
+def _plan(precision: RolloutPrecision, x_dtype: Optional[torch.dtype], formats) -> Optional[dict]:
+    """Keyword arguments (activations, resq, resq_combine) of ``dispatch.linear`` for ``precision``, or None
+    when not covered."""
     if precision.format not in formats or precision.activation_method != "resq":
         return None
     if precision.mode == "w4a4" and precision.sparsity in ("none", "2:4"):
-        return "fp4", precision.sparsity
+        return dict(activations="fp4", resq=precision.sparsity, resq_combine=precision.resq_combine)
     if precision.mode == "w4a16" and (x_dtype is None or x_dtype == torch.bfloat16):
-        return "bf16", "none"  # the kernel reads bf16 activations: exact only when they already are bf16
+        return dict(activations="bf16")  # the kernel reads bf16 activations: exact only when they already are bf16
     return None
 
 
@@ -52,9 +54,8 @@ def register_kernel_backend(device_type: str = "cuda") -> bool:
         plan = _plan(precision, x2.dtype, KERNEL_FORMATS)
         if plan is None or not kernels_usable(x2, weight):
             return NotImplemented
-        activations, resq = plan
-        return dispatch.linear(x2.contiguous(), prepared(weight, precision.format, cache), resq=resq,
-                               activations=activations, out_dtype=torch.float32)
+        return dispatch.linear(x2.contiguous(), prepared(weight, precision.format, cache), **plan,
+                               out_dtype=torch.float32)
 
     def prepare_weight(weight: torch.Tensor, precision: RolloutPrecision, cache: QuantizedWeightCache):
         if _plan(precision, None, KERNEL_FORMATS) is None or not kernels_usable(weight):
