@@ -78,6 +78,7 @@ def bench_quantize(rows=16384, K=3584):
             ("pack dim0", lambda: quantize(xt, fmt, dim=0), 2 + 0.5 + meta),
             ("resq 2:4 pack+expand", lambda: resq_quantize(x, fmt, expand="native"),
              2 + 2 * (0.5 + meta) + 2 * (2 if fmt == "hif4" else 1)),
+            ("resq 2:4 pack+bf16 sum", lambda: resq_quantize(x, fmt, expand="sum"), 2 + 2 * (0.5 + meta) + 2),
         ]
         for name, fn, bpe in cases:
             ms = bench([fn], graph=True)  # kernel time: host overhead (autotuner, allocations) replayed away
@@ -161,6 +162,9 @@ def bench_gemms(shapes, ms_list, skip_packed_large=False, on_row=None):
                     rec(f"{fmt}_resq24_e2e", bench([lambda i=i: (lambda t: w4_matmul(t[2].values, qs[i][0], t[3].values,
                                                                                       wide=False))(
                         resq_quantize(xs[i % len(xs)], fmt, expand="bf16")) for i in range(n)], graph=True))
+                    rec(f"{fmt}_resq24sum_e2e", bench([lambda i=i: w4_matmul(resq_quantize(
+                        xs[i % len(xs)], fmt, expand="sum")[2].values, qs[i][0], wide=False) for i in range(n)],
+                        graph=True))  # ResQ as one GEMM on bf16(Q(X) + S(Q(R))): the W4A4 GEMM's size
                     rec(f"{fmt}_w4a16", bench([lambda i=i: w4_matmul(xs[i % len(xs)], qs[i][0], wide=False)
                                                for i in range(n)], graph=True))
                 else:
@@ -185,6 +189,8 @@ def bench_gemms(shapes, ms_list, skip_packed_large=False, on_row=None):
                             t[0], t[2], q0, e0, qr=t[1], er=t[3], out_dtype=torch.bfloat16, promote=promote))(
                             resq_quantize(x, fmt, expand=ex_mode))]))
                         if mode == "exact":
+                            rec(f"{fmt}_resq24sum_e2e", bench([lambda: mm_expanded(resq_quantize(
+                                x, fmt, expand="sum")[2], e0, out_dtype=torch.bfloat16)]))
                             rec(f"{fmt}_w4a16", bench([lambda: mm_expanded(Expanded(x), e0, out_dtype=torch.bfloat16)],
                                                       graph=True))
                         if mode == "exact" and fmt == "hif4":  # the other implementation of the same BF16 GEMMs
@@ -205,7 +211,7 @@ def bench_gemms(shapes, ms_list, skip_packed_large=False, on_row=None):
 
 def sweep_decode():
     """Time the decode kernel over tile configs (largest 7B shape, M = 16 and 64, both formats) and make the
-    fastest per M (summed over the formats) the default (kernels.gemm.DECODE_CONFIGS) for the table."""
+    fastest per format and M the default (kernels.gemm.DECODE_CONFIGS) for the table."""
     from kernels import gemm as gm
 
     out = []
@@ -220,7 +226,7 @@ def sweep_decode():
     qs = {fmt: [quantize(w, fmt) for w in ws] for fmt in ("hif4", "mxfp4")}
     for M in (16, 64):
         x = torch.randn(M, K, device="cuda", dtype=torch.bfloat16)
-        tot = [0.0] * len(cands)
+        tot = {fmt: [0.0] * len(cands) for fmt in ("hif4", "mxfp4")}
         for ci, cfg in enumerate(cands):
             for fmt in ("hif4", "mxfp4"):
                 try:
@@ -230,11 +236,12 @@ def sweep_decode():
                     ms = float("nan")
                     print("config failed", cfg, type(e).__name__, str(e)[:200])
                 out.append({"fmt": fmt, "M": M, **cfg, "us": ms * 1e3})
-                tot[ci] += ms if ms == ms else float("inf")
+                tot[fmt][ci] = ms if ms == ms else float("inf")
                 print(f"  decode sweep {fmt} M={M} {cfg}: {ms * 1e3:.1f} us", flush=True)
-        best = min(range(len(cands)), key=lambda c: tot[c])
-        gm.DECODE_CONFIGS[M] = cands[best]
-        print(f"  decode default M<={M}: {cands[best]}", flush=True)
+        for fmt, t in tot.items():
+            best = min(range(len(cands)), key=lambda c: t[c])
+            gm.DECODE_CONFIGS[fmt, M] = cands[best]
+            print(f"  decode default {fmt} M<={M}: {cands[best]}", flush=True)
     return out
 
 
@@ -253,14 +260,18 @@ def markdown(path):
            ("mxfp4_resq24_gemm_exact", "MXFP4 ResQ 2:4 exact"), ("mxfp4_resq24_gemm_fp8", "MXFP4 ResQ fp8"),
            ("hif4_resq24_gemm_exact", "HiF4 ResQ 2:4 exact"), ("bf16_resq24_gemm_cublas", "HiF4 ResQ, 2 cuBLAS"),
            ("hif4_w4a16", "W4A16 (HiF4)"),
-           ("hif4_w4a4_e2e_exact", "HiF4 quant+GEMM"), ("mxfp4_w4a4_e2e_fp8", "MXFP4 quant+fp8"),
+           ("hif4_w4a4_e2e_exact", "HiF4 quant+GEMM"), ("hif4_resq24_e2e_exact", "HiF4 ResQ quant+GEMM"),
+           ("hif4_resq24sum_e2e", "HiF4 ResQ bf16-sum quant+GEMM"), ("mxfp4_w4a4_e2e_exact", "MXFP4 quant+GEMM"),
+           ("mxfp4_resq24sum_e2e", "MXFP4 ResQ bf16-sum quant+GEMM"), ("mxfp4_w4a4_e2e_fp8", "MXFP4 quant+fp8"),
            ("hif4_w4a4_packed_prologue", "HiF4 packed-prologue"),
            ("mxfp4_w4a4_packed_prologue", "MXFP4 packed-prologue")]
     small = [("cublas_bf16", "cuBLAS bf16"), ("cublas_fp8_rowwise", "cuBLAS fp8 rowwise"),
              ("mxfp4_w4a4_gemm", "MXFP4 W4A4"), ("mxfp4_resq24_gemm", "MXFP4 ResQ 2:4"),
              ("mxfp4_w4a16", "MXFP4 W4A16"), ("hif4_w4a4_gemm", "HiF4 W4A4"), ("hif4_resq24_gemm", "HiF4 ResQ 2:4"),
              ("hif4_w4a16", "HiF4 W4A16"), ("mxfp4_w4a4_e2e", "MXFP4 quant+W4A4"),
-             ("hif4_w4a4_e2e", "HiF4 quant+W4A4"), ("hif4_resq24_e2e", "HiF4 ResQ quant+GEMM")]
+             ("hif4_w4a4_e2e", "HiF4 quant+W4A4"), ("hif4_resq24_e2e", "HiF4 ResQ quant+GEMM"),
+             ("hif4_resq24sum_e2e", "HiF4 ResQ bf16-sum quant+GEMM"), ("mxfp4_resq24_e2e", "MXFP4 ResQ quant+GEMM"),
+             ("mxfp4_resq24sum_e2e", "MXFP4 ResQ bf16-sum quant+GEMM")]
     for title, cols, sel in (("Prefill/training sizes (M >= 4096)", big, lambda m: m > 64),
                              ("Decode sizes (M <= 64, CUDA-graph replay)", small, lambda m: m <= 64)):
         lines += ["", f"{title}: time in us (speedup over cuBLAS bf16)", "",
@@ -317,7 +328,7 @@ def main():
     result = {"gpu": dev, "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()), "torch": torch.__version__,
               "triton": triton.__version__, "copy_GBps": copy_gbs, "cublas_bf16_8192_TFLOPs": bf16_peak,
               "quantize": qrows, "quantize_sweep": qsweep, "decode_sweep": sweep,
-              "decode_defaults": {f"M<={k}": v for k, v in gm.DECODE_CONFIGS.items()}, "gemm": []}
+              "decode_defaults": {f"{f} M<={m}": v for (f, m), v in gm.DECODE_CONFIGS.items()}, "gemm": []}
     os.makedirs(os.path.dirname(args.out) or ".", exist_ok=True)
 
     def dump(rows):

@@ -556,25 +556,29 @@ def packed_matmul(qa: QuantizedTensor, qb: QuantizedTensor, out_dtype: torch.dty
     return c
 
 
-#: Decode-kernel tiles by token count (both formats), the choice of run 8's sweep on the 3584 x 18944 weight (H200,
-#: benchmarks/results/kernels_h200.json "decode_sweep"): 64-row tiles; for M <= 16 no shared-memory stages but the
-#: next step's loads prefetched into registers, split-K 8 programs per SM; above, four pipeline stages and the
-#: activations permuted once (XPERM; measured equal to prefetching without it, 52.0 vs 52.5 us).
+_PREFETCH = {"BN": 64, "num_warps": 4, "num_stages": 1, "PREFETCH": True, "XPERM": False}
+#: Decode-kernel tiles by (format family, token bucket), measured on the H200 over the five benchmark shapes
+#: (docs/PERFORMANCE.md, runs 9 and 10): 64-row weight tiles. M <= 16, both formats: no shared-memory stages, the next
+#: step's loads prefetched into registers, split-K to 8 programs per SM. M <= 64: MXFP4 the same with 4 programs
+#: per SM (run 10: 13-47 us against 17-56 us for the HiF4 tile); HiF4 four pipeline stages with the activations
+#: permuted once (run 9: 17-55 us against 19-68 us for the MXFP4 tile in run 10).
 #: SPLIT: target programs per SM for split-K; PREFETCH: register double-buffering of the next step's loads;
 #: XPERM: activations permuted to the kernel's K order first (one small copy), no register permute per tile.
 #: benchmarks/bench_kernels.py --sweep measures alternatives.
 DECODE_CONFIGS = {
-    16: {"BN": 64, "num_warps": 4, "num_stages": 1, "SPLIT": 8, "PREFETCH": True, "XPERM": False},
-    64: {"BN": 64, "num_warps": 4, "num_stages": 4, "SPLIT": 4, "PREFETCH": False, "XPERM": True},
+    ("hif4", 16): {**_PREFETCH, "SPLIT": 8},
+    ("mxfp4", 16): {**_PREFETCH, "SPLIT": 8},
+    ("hif4", 64): {"BN": 64, "num_warps": 4, "num_stages": 4, "SPLIT": 4, "PREFETCH": False, "XPERM": True},
+    ("mxfp4", 64): {**_PREFETCH, "SPLIT": 4},
 }
 
 
-def _decode_config(M: int, config: Optional[dict]) -> dict:
+def _decode_config(M: int, fmt_name: str, config: Optional[dict]) -> dict:
     if config is not None:
         return {"SPLIT": 3, "PREFETCH": False, "XPERM": False, **config}
     if interpreting():
         return {"BN": 16, "num_warps": 4, "num_stages": 1, "SPLIT": 3, "PREFETCH": True, "XPERM": False}
-    return dict(DECODE_CONFIGS[16 if M <= 16 else 64])
+    return dict(DECODE_CONFIGS["hif4" if fmt_name == "hif4" else "mxfp4", 16 if M <= 16 else 64])
 
 
 def needs_wide_decode(qb: QuantizedTensor) -> bool:
@@ -614,7 +618,7 @@ def w4_matmul(a: torch.Tensor, qb: QuantizedTensor, a_res: Optional[torch.Tensor
     a = (a.float() if f32 else a).contiguous()  # the kernel reads rows with unit stride along K
     if a_res is not None:
         a_res = (a_res.float() if f32 else a_res).contiguous()
-    config = _decode_config(M, config)
+    config = _decode_config(M, qb.fmt.name, config)
     if config["XPERM"]:
         a = permute_decode_activations(a)
         a_res = permute_decode_activations(a_res) if a_res is not None else None
