@@ -134,13 +134,14 @@ def linear(x: torch.Tensor, w: PreparedWeight, resq: str = "none", activations: 
     """
     from kernels.gemm import fp4_matmul, w4_matmul
     from kernels.quantize import expand_packed, quantize
-    from kernels.resq import COMBINES, resq_matmul
+    from kernels.resq import resq_matmul
+    from megatron_fp4.resq import RESQ_COMBINES
 
     if resq not in ("none", "2:4"):
         raise ValueError(f"resq={resq!r} is not valid; allowed values: 'none', '2:4'")
-    if resq_combine not in COMBINES:
+    if resq_combine not in RESQ_COMBINES:
         raise ValueError(f"resq_combine={resq_combine!r} is not valid; allowed values: "
-                         f"{', '.join(map(repr, COMBINES))}")
+                         f"{', '.join(map(repr, RESQ_COMBINES))}")
     if activations not in ("fp4", "bf16"):
         raise ValueError(f"activations={activations!r} is not valid; allowed values: 'fp4', 'bf16'")
     K = x.shape[-1]

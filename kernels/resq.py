@@ -18,13 +18,11 @@ from kernels._common import (DECODE_MAX_M, HAS_TRITON, HIF4_RECIP, KERNEL_FORMAT
                              tune_bucket)
 from kernels.quantize import Expanded, _block_config, _fixed_launch, _rows_view, expand_packed
 from megatron_fp4.formats import QuantizedTensor, get_format
+from megatron_fp4.resq import RESQ_COMBINES
 
-__all__ = ["resq_quantize", "resq_matmul", "DECODE_MAX_M", "RESQ_EXPAND_MODES", "COMBINES"]
+__all__ = ["resq_quantize", "resq_matmul", "DECODE_MAX_M", "RESQ_EXPAND_MODES"]
 
 RESQ_EXPAND_MODES = (None, "native", "bf16", "sum")
-#: How resq_matmul joins the residual (megatron_fp4.resq.RESQ_COMBINES): "exact" two products, "bf16" one GEMM on
-#: the BF16 sum.
-COMBINES = ("exact", "bf16")
 
 if HAS_TRITON:
     from kernels.quantize import (_bcast, _bf16_rne, _first_tile, _hif4_tile, _k_tile, _load_x,  # noqa: F401
@@ -252,8 +250,8 @@ def resq_matmul(x: torch.Tensor, qw: QuantizedTensor, ew: Optional[Expanded] = N
     """
     from kernels.gemm import fp4_matmul, mm_expanded, w4_matmul
 
-    if combine not in COMBINES:
-        raise ValueError(f"combine={combine!r} is not valid; allowed values: {', '.join(map(repr, COMBINES))}")
+    if combine not in RESQ_COMBINES:
+        raise ValueError(f"combine={combine!r} is not valid; allowed values: {', '.join(map(repr, RESQ_COMBINES))}")
     if not kernels_usable(x) or qw.fmt.name not in KERNEL_FORMATS:  # PyTorch twin (fp32)
         from megatron_fp4.resq import resq_components
 

@@ -55,6 +55,16 @@ def _deterministic(row: dict) -> dict:
     return {k: v for k, v in row.items() if not k.endswith(TIMING_KEYS) and "weight_sync" not in k}
 
 
+def test_argument_choices_match_the_library():
+    """arguments.py keeps its choice lists import-free: they must stay equal to the library's."""
+    from megatron_fp4.resq import RESQ_COMBINES, ROLLOUT_MODES, SPARSITIES
+    from megatron_fp4.rl import arguments
+
+    assert arguments.RESQ_SPARSITIES == SPARSITIES
+    assert arguments.RESQ_COMBINES == RESQ_COMBINES
+    assert arguments.ROLLOUT_PRECISIONS == ROLLOUT_MODES
+
+
 @pytest.mark.parametrize("argv,match", [
     (["--fp4-format", "fp8"], "fp4-format"),
     (["--resq", "3:4"], "resq"),
