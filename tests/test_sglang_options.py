@@ -29,6 +29,8 @@ def _qwen2_config(**kw) -> dict:
     ({"format": "mxfp4", "activation_format": "none"}, RolloutPrecision("w4a16", "mxfp4")),
     ({"format": "hif4", "activation_format": "hif4", "resq": "dense"}, RolloutPrecision("w4a4", "hif4", "dense")),
     ({"format": "hif4", "mode": "w16a4", "resq": "channel"}, RolloutPrecision("w16a4", "hif4", "channel")),
+    ({"format": "hif4", "resq": "2:4", "resq_combine": "bf16"},
+     RolloutPrecision("w4a4", "hif4", "2:4", resq_combine="bf16")),
 ])
 def test_options_parse_to_precision(config, precision):
     opts = PluginOptions.from_quant_config({"quant_method": "megatron_fp4", **config})
@@ -49,6 +51,8 @@ def test_exporter_quantization_config_is_accepted():
     ({"format": "fp5"}, "format='fp5'"), ({"resq": "3:4"}, "resq='3:4'"), ({"mode": "w8a8"}, "mode='w8a8'"),
     ({"resq": "2:4", "sparsity": "dense"}, "resq='2:4' and sparsity='dense'"),
     ({"mode": "w4a16", "resq": "2:4"}, "resq='2:4'"),
+    ({"resq": "2:4", "resq_combine": "fp16"}, "resq_combine='fp16'"),
+    ({"resq": "none", "resq_combine": "bf16"}, "resq_combine='bf16' needs a ResQ residual"),
 ])
 def test_bad_options_name_the_option(config, needle):
     with pytest.raises(ValueError) as info:

@@ -32,6 +32,7 @@ HIDDEN, FFN, HEADS, KV_HEADS, HEAD_DIM = 128, 256, 4, 2, 32
 PRECISIONS = {
     "hif4": RolloutPrecision("w4a4", "hif4"),
     "hif4+2:4": RolloutPrecision("w4a4", "hif4", "2:4"),
+    "hif4+2:4/bf16sum": RolloutPrecision("w4a4", "hif4", "2:4", resq_combine="bf16"),
     "mxfp4+2:4": RolloutPrecision("w4a4", "mxfp4", "2:4"),
     "hif4+channel": RolloutPrecision("w4a4", "hif4", "channel"),
     "mxfp4+tile32x64": RolloutPrecision("w4a4", "mxfp4", "tile32x64"),

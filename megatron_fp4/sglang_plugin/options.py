@@ -1,4 +1,5 @@
-"""The plug-in's options (format, Rollout-ResQ sparsity, mode) parsed from a ``quantization_config``; no SGLang.
+"""The plug-in's options (format, Rollout-ResQ sparsity and combine, mode) parsed from a ``quantization_config``;
+no SGLang.
 
     opts = PluginOptions.from_quant_config({"quant_method": "megatron_fp4", "format": "hif4", "resq": "2:4"})
     opts.precision            # RolloutPrecision("w4a4", "hif4", "2:4"): what every quantized linear computes
@@ -6,7 +7,8 @@
 
 Keys (those of :mod:`megatron_fp4.models.fp4_checkpoint`'s ``quantization_config``, plus ``mode``):
 ``format`` (hif4 | mxfp4 | mxfp4_rceil), ``resq`` or ``sparsity`` (none | 2:4 | channel | tile32x64 | dense),
-``activation_format`` (the format, or "none" for weight-only W4A16), ``mode`` (w4a4 | w4a16 | w16a4).
+``activation_format`` (the format, or "none" for weight-only W4A16), ``mode`` (w4a4 | w4a16 | w16a4),
+``resq_combine`` (exact | bf16: ResQ as one GEMM on bf16(Q(X) + S(Q(R))), see ``RolloutPrecision.resq_combine``).
 """
 
 from __future__ import annotations
@@ -15,7 +17,7 @@ from dataclasses import dataclass
 from typing import Any, Mapping, Optional
 
 from megatron_fp4.formats import get_format
-from megatron_fp4.resq import SPARSITIES, RolloutPrecision
+from megatron_fp4.resq import RESQ_COMBINES, SPARSITIES, RolloutPrecision
 
 __all__ = ["QUANT_METHOD", "PLUGIN_FORMATS", "PLUGIN_MODES", "PluginOptions", "quant_config_dict"]
 
@@ -39,6 +41,7 @@ class PluginOptions:
     format: str = "hif4"
     sparsity: str = "none"
     mode: str = "w4a4"
+    resq_combine: str = "exact"
 
     def __post_init__(self) -> None:
         if self.format not in PLUGIN_FORMATS:
@@ -50,11 +53,16 @@ class PluginOptions:
         if self.mode == "w4a16" and self.sparsity != "none":
             raise ValueError(f"{QUANT_METHOD} quantization_config: resq={self.sparsity!r} needs quantized "
                              f"activations; mode='w4a16' keeps them in high precision (use resq='none')")
+        if self.resq_combine not in RESQ_COMBINES:
+            raise _bad("resq_combine", self.resq_combine, RESQ_COMBINES)
+        if self.resq_combine != "exact" and self.sparsity == "none":
+            raise ValueError(f"{QUANT_METHOD} quantization_config: resq_combine={self.resq_combine!r} needs a ResQ "
+                             f"residual (resq other than 'none')")
 
     @property
     def precision(self) -> RolloutPrecision:
         """The reference rollout form (megatron_fp4.resq.rollout_linear) these options select."""
-        return RolloutPrecision(self.mode, self.format, self.sparsity)
+        return RolloutPrecision(self.mode, self.format, self.sparsity, resq_combine=self.resq_combine)
 
     @property
     def block_size(self) -> int:
@@ -69,7 +77,7 @@ class PluginOptions:
         if precision.activation_method != "resq":
             raise ValueError(f"activation_method={precision.activation_method!r} is not served by the SGLang "
                              f"plug-in; allowed values: 'resq'")
-        return cls(precision.format, precision.sparsity, precision.mode)
+        return cls(precision.format, precision.sparsity, precision.mode, precision.resq_combine)
 
     @classmethod
     def from_quant_config(cls, config: Optional[Mapping[str, Any]]) -> "PluginOptions":
@@ -90,7 +98,7 @@ class PluginOptions:
         elif act is not None and act != fmt:
             raise ValueError(f"{QUANT_METHOD} quantization_config: activation_format={act!r} is not valid; "
                              f"allowed values: {fmt!r} (the weight format) or 'none'")
-        return cls(fmt, sparsity, mode or "w4a4")
+        return cls(fmt, sparsity, mode or "w4a4", config.get("resq_combine", "exact"))
 
     def check_linear(self, prefix: str, in_features: int) -> None:
         """Raise unless a linear with ``in_features`` per rank (K) can be stored packed: whole blocks per row."""
@@ -103,9 +111,11 @@ class PluginOptions:
 
     def to_quant_config(self) -> dict:
         """The ``quantization_config`` dict that selects these options."""
-        return quant_config_dict(self.format, self.sparsity, self.mode)
+        return quant_config_dict(self.format, self.sparsity, self.mode, self.resq_combine)
 
 
-def quant_config_dict(format: str = "hif4", sparsity: str = "none", mode: str = "w4a4") -> dict:
+def quant_config_dict(format: str = "hif4", sparsity: str = "none", mode: str = "w4a4",
+                      resq_combine: str = "exact") -> dict:
     """A minimal ``quantization_config`` for an HF config.json (or SGLang's ``json_model_override_args``)."""
-    return {"quant_method": QUANT_METHOD, "format": format, "resq": sparsity, "mode": mode}
+    return {"quant_method": QUANT_METHOD, "format": format, "resq": sparsity, "mode": mode,
+            "resq_combine": resq_combine}
