@@ -132,15 +132,20 @@ def test_bf16_source_and_high_precision_layers(hf_models, tmp_path):
 
 def test_cli_and_errors(hf_models, tmp_path):
     r = run_tool("export_fp4_checkpoint.py", "--hf-path", str(hf_models["qwen2_tied"]), "--save",
-                 str(tmp_path / "fp4"), "--format", "hif4", "--resq", "2:4")
+                 str(tmp_path / "fp4"), "--format", "hif4", "--resq", "2:4", "--resq-combine", "bf16")
     assert r.returncode == 0, r.stderr
     assert "export hif4" in r.stderr  # progress bar
+    qc = json.loads((tmp_path / "fp4" / "config.json").read_text())["quantization_config"]
+    assert (qc["resq"], qc["resq_combine"]) == ("2:4", "bf16")
     assert isinstance(FP4FolderSource(tmp_path / "fp4"), FP4FolderSource)
     r = run_tool("export_fp4_checkpoint.py", "--hf-path", str(hf_models["qwen2_tied"]), "--save",
                  str(tmp_path / "x"), "--format", "hif4", "--resq", "3:4")
     assert r.returncode == 2 and "--resq" in r.stderr and "2:4" in r.stderr
     with pytest.raises(ValueError, match=r"--resq '1:2' is not valid; allowed values: none, 2:4, channel"):
         export_fp4_checkpoint(hf_models["qwen2_tied"], tmp_path / "y", "hif4", "1:2", progress=False)
+    with pytest.raises(ValueError, match=r"--resq-combine 'bf16' needs a ResQ residual"):
+        export_fp4_checkpoint(hf_models["qwen2_tied"], tmp_path / "y", "hif4", "none", resq_combine="bf16",
+                              progress=False)
     with pytest.raises(ValueError, match=r"--format 'fp3' is not valid; allowed values: hif4, mxfp4"):
         export_fp4_checkpoint(hf_models["qwen2_tied"], tmp_path / "y", "fp3", "none", progress=False)
     with pytest.raises(ValueError, match="already an FP4 export"):

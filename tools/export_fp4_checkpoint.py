@@ -6,8 +6,8 @@
 
 Every linear of every transformer block (q/k/v/o, gate/up/down) is stored as the reference quantizer's packed
 codes and scales (``megatron_fp4.formats``), grouped along in_features; embeddings, norms, biases and lm_head stay
-in the source dtype. --resq and --activation-format are recorded for the rollout engine (they do not change the
-weights). Load with ``megatron_fp4.models.fp4_checkpoint.load_fp4_checkpoint`` or ``load_gpt``.
+in the source dtype. --resq, --resq-combine and --activation-format are recorded for the rollout engine (they do
+not change the weights). Load with ``megatron_fp4.models.fp4_checkpoint.load_fp4_checkpoint`` or ``load_gpt``.
 """
 
 from __future__ import annotations
@@ -18,6 +18,7 @@ import _common  # noqa: F401
 from _common import parse_size, run_cli
 
 RESQ = ("none", "2:4", "channel", "tile32x64", "dense")  # == megatron_fp4.models.fp4_checkpoint.RESQ_SPARSITIES
+RESQ_COMBINES = ("exact", "bf16")  # == megatron_fp4.resq.RESQ_COMBINES (the parser stays import-free)
 
 
 def parse_args(argv=None) -> argparse.Namespace:
@@ -28,6 +29,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--save", required=True, help="output folder")
     p.add_argument("--format", required=True, choices=("hif4", "mxfp4"), help="FP4 weight format")
     p.add_argument("--resq", required=True, choices=RESQ, help="Rollout-ResQ sparsity the rollout engine uses")
+    p.add_argument("--resq-combine", default="exact", choices=RESQ_COMBINES,
+                   help="exact, or bf16: the rollout engine rounds Q(X) + S(Q(R)) to one BF16 operand (one GEMM)")
     p.add_argument("--activation-format", default=None,
                    help="rollout activation format (default: --format; 'none' for W4A16)")
     p.add_argument("--high-precision-first-layers", type=int, default=0,
@@ -45,7 +48,7 @@ def main(argv=None) -> None:
     from megatron_fp4.models.fp4_checkpoint import export_fp4_checkpoint
 
     out = export_fp4_checkpoint(
-        args.hf_path or args.load, args.save, format=args.format, resq=args.resq,
+        args.hf_path or args.load, args.save, format=args.format, resq=args.resq, resq_combine=args.resq_combine,
         activation_format=args.activation_format, high_precision_first_layers=args.high_precision_first_layers,
         high_precision_last_layers=args.high_precision_last_layers,
         max_shard_bytes=parse_size(args.max_shard_size), progress=not args.no_progress,

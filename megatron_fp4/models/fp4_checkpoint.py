@@ -13,11 +13,11 @@ in the source dtype under their HF names. ``config.json`` carries::
 
     "quantization_config": {"quant_method": "megatron_fp4", "version": 1, "format": "hif4", "block_size": 64,
       "bits_per_value": 4.5, "scale_bytes_per_block": 4, "group_dim": "in_features", "activation_format": "hif4",
-      "resq": "2:4", "weight_tensors": {...}, "quantized_modules": {name: {"shape": [N, K], "dtype": "bfloat16"}},
+      "resq": "2:4", "resq_combine": "exact", "weight_tensors": {...}, "quantized_modules": {name: {"shape": [N, K], "dtype": "bfloat16"}},
       "modules_not_quantized": [...], "high_precision_first_layers": 0, "high_precision_last_layers": 0}
 
-``resq`` and ``activation_format`` do not change the stored weights: they tell the rollout engine how to quantize
-activations (SPEC §4). :func:`load_fp4_checkpoint` returns the dequantized HF state dict (== fake-quantized
+``resq``, ``resq_combine`` and ``activation_format`` do not change the stored weights: they tell the rollout engine
+how to quantize activations (SPEC §4; ``megatron_fp4.resq.RolloutPrecision``). :func:`load_fp4_checkpoint` returns the dequantized HF state dict (== fake-quantized
 weights) and the packed tensors; ``load_gpt(folder)`` builds the megatron-core model from it.
 
 HiF4 fake quantization is not idempotent (re-quantizing dequantized HiF4 weights can change them; MXFP4's is the
@@ -36,6 +36,7 @@ from typing import Optional, Union
 import torch
 
 from megatron_fp4.formats import QuantizedTensor, get_format, registered_formats
+from megatron_fp4.resq import RESQ_COMBINES, SPARSITIES
 from megatron_fp4.models.checkpoint_io import dtype_from_name, dtype_name, is_megatron_checkpoint, MegatronCheckpoint
 from megatron_fp4.models.hf_conversion import (
     HFFolderSource,
@@ -64,7 +65,7 @@ __all__ = [
 QUANT_METHOD = "megatron_fp4"
 QUANT_CONFIG_VERSION = 1
 #: Rollout-ResQ sparsity patterns (SPEC §4).
-RESQ_SPARSITIES = ("none", "2:4", "channel", "tile32x64", "dense")
+RESQ_SPARSITIES = SPARSITIES
 #: Formats the exporter offers on the command line (any registered format works from Python).
 EXPORT_FORMATS = ("hif4", "mxfp4")
 #: Linear modules of a transformer block that are stored in FP4 (HF names, relative to model.layers.i).
@@ -117,7 +118,7 @@ def _hf_order(margs: dict) -> list[str]:
 
 
 def export_fp4_checkpoint(source: Union[str, os.PathLike], save_dir: Union[str, os.PathLike], format: str = "hif4",
-                          resq: str = "none", activation_format: Optional[str] = None,
+                          resq: str = "none", activation_format: Optional[str] = None, resq_combine: str = "exact",
                           high_precision_first_layers: int = 0, high_precision_last_layers: int = 0,
                           max_shard_bytes: int = 5 * 2**30, progress: bool = True, overwrite: bool = False
                           ) -> Path:
@@ -127,6 +128,10 @@ def export_fp4_checkpoint(source: Union[str, os.PathLike], save_dir: Union[str, 
                          f"(or a registered format: {', '.join(registered_formats())})")
     if resq not in RESQ_SPARSITIES:
         raise ValueError(f"--resq {resq!r} is not valid; allowed values: {', '.join(RESQ_SPARSITIES)}")
+    if resq_combine not in RESQ_COMBINES:
+        raise ValueError(f"--resq-combine {resq_combine!r} is not valid; allowed values: {', '.join(RESQ_COMBINES)}")
+    if resq_combine != "exact" and resq == "none":
+        raise ValueError(f"--resq-combine {resq_combine!r} needs a ResQ residual (--resq other than 'none')")
     activation_format = activation_format or format
     if activation_format not in registered_formats() + ("none",):
         raise ValueError(f"--activation-format {activation_format!r} is not valid; allowed values: none, "
@@ -172,6 +177,7 @@ def export_fp4_checkpoint(source: Union[str, os.PathLike], save_dir: Union[str, 
         "group_dim": "in_features",
         "activation_format": activation_format,
         "resq": resq,
+        "resq_combine": resq_combine,
         "weight_tensors": {
             "packed": f"{PACKED}: uint8 [out_features, ceil(in_features / block_size) * block_size / 2], two "
                       f"4-bit codes per byte, element 2i in the low nibble",
