@@ -253,12 +253,12 @@ def resq_matmul(x: torch.Tensor, qw: QuantizedTensor, ew: Optional[Expanded] = N
     if combine not in RESQ_COMBINES:
         raise ValueError(f"combine={combine!r} is not valid; allowed values: {', '.join(map(repr, RESQ_COMBINES))}")
     if not kernels_usable(x) or qw.fmt.name not in KERNEL_FORMATS:  # PyTorch twin (fp32)
-        from megatron_fp4.resq import resq_components
+        from megatron_fp4.resq import resq_activation, resq_components
 
-        q, s = resq_components(x, qw.fmt, "2:4")
         wq = qw.dequantize().float()
         if combine == "bf16":
-            return ((q + s).to(torch.bfloat16).float() @ wq.t()).to(out_dtype)
+            return (resq_activation(x, qw.fmt, "2:4", out_dtype=torch.bfloat16).float() @ wq.t()).to(out_dtype)
+        q, s = resq_components(x, qw.fmt, "2:4")
         return (q @ wq.t() + s @ wq.t()).to(out_dtype)
     M = x.shape[0]
     if combine == "bf16":

@@ -13,12 +13,14 @@ in the source dtype under their HF names. ``config.json`` carries::
 
     "quantization_config": {"quant_method": "megatron_fp4", "version": 1, "format": "hif4", "block_size": 64,
       "bits_per_value": 4.5, "scale_bytes_per_block": 4, "group_dim": "in_features", "activation_format": "hif4",
-      "resq": "2:4", "resq_combine": "exact", "weight_tensors": {...}, "quantized_modules": {name: {"shape": [N, K], "dtype": "bfloat16"}},
-      "modules_not_quantized": [...], "high_precision_first_layers": 0, "high_precision_last_layers": 0}
+      "resq": "2:4", "resq_combine": "exact", "weight_tensors": {...},
+      "quantized_modules": {name: {"shape": [N, K], "dtype": "bfloat16"}}, "modules_not_quantized": [...],
+      "high_precision_first_layers": 0, "high_precision_last_layers": 0}
 
 ``resq``, ``resq_combine`` and ``activation_format`` do not change the stored weights: they tell the rollout engine
-how to quantize activations (SPEC §4; ``megatron_fp4.resq.RolloutPrecision``). :func:`load_fp4_checkpoint` returns the dequantized HF state dict (== fake-quantized
-weights) and the packed tensors; ``load_gpt(folder)`` builds the megatron-core model from it.
+how to quantize activations (SPEC §4; ``megatron_fp4.resq.RolloutPrecision``). :func:`load_fp4_checkpoint` returns
+the dequantized HF state dict (== fake-quantized weights) and the packed tensors; ``load_gpt(folder)`` builds the
+megatron-core model from it.
 
 HiF4 fake quantization is not idempotent (re-quantizing dequantized HiF4 weights can change them; MXFP4's is the
 identity), so an engine serving this folder must take the stored weights as its FP4 weights, not quantize again.
@@ -36,7 +38,6 @@ from typing import Optional, Union
 import torch
 
 from megatron_fp4.formats import QuantizedTensor, get_format, registered_formats
-from megatron_fp4.resq import RESQ_COMBINES, SPARSITIES
 from megatron_fp4.models.checkpoint_io import dtype_from_name, dtype_name, is_megatron_checkpoint, MegatronCheckpoint
 from megatron_fp4.models.hf_conversion import (
     HFFolderSource,
@@ -50,6 +51,7 @@ from megatron_fp4.models.hf_conversion import (
     prepare_output_dir,
     check_hf_shapes,
 )
+from megatron_fp4.resq import RESQ_COMBINES, SPARSITIES
 
 __all__ = [
     "QUANT_METHOD",
