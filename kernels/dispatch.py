@@ -13,7 +13,7 @@ elsewhere, with the same numbers (SPEC §3/§4; fp32 summation order aside).
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Optional
 
 import torch
@@ -106,6 +106,18 @@ class PreparedWeight:
     fmt: Format
     mode: str = "exact"
     wide: bool = False
+    _bf16: object = field(default=None, repr=False)
+
+    def bf16_expanded(self):
+        """The BF16 expansion (W4A16 and bf16-sum ResQ prefill GEMMs): ``expanded`` in exact mode; for FP8-mode
+        weights made on first use and kept, not redone per call."""
+        if self.expanded.values.dtype == torch.bfloat16:
+            return self.expanded
+        if self._bf16 is None:
+            from kernels.quantize import expand_packed
+
+            self._bf16 = expand_packed(self.packed, "bf16")
+        return self._bf16
 
 
 def prepare_weight(w: torch.Tensor, fmt, mode: str = "exact") -> PreparedWeight:
@@ -133,7 +145,7 @@ def linear(x: torch.Tensor, w: PreparedWeight, resq: str = "none", activations: 
     bf16(Q(x) + S(Q(r))), as ``megatron_fp4.resq.RolloutPrecision.resq_combine``).
     """
     from kernels.gemm import fp4_matmul, w4_matmul
-    from kernels.quantize import expand_packed, quantize
+    from kernels.quantize import quantize
     from kernels.resq import resq_matmul
     from megatron_fp4.resq import RESQ_COMBINES
 
@@ -157,11 +169,11 @@ def linear(x: torch.Tensor, w: PreparedWeight, resq: str = "none", activations: 
         from kernels.gemm import mm_expanded
         from kernels.quantize import Expanded
 
-        wb = w.expanded if w.expanded.values.dtype == torch.bfloat16 else expand_packed(w.packed, "bf16")
-        return mm_expanded(Expanded(xb), wb, out_dtype=out_dtype)
+        return mm_expanded(Expanded(xb), w.bf16_expanded(), out_dtype=out_dtype)
     if resq == "2:4":
-        return resq_matmul(x, w.packed, w.expanded, out_dtype=out_dtype, promote=PROMOTE[w.mode], wide=w.wide,
-                           combine=resq_combine)
+        sum_prefill = resq_combine == "bf16" and x.shape[0] > DECODE_MAX_M  # one BF16 GEMM: BF16 weight operand
+        return resq_matmul(x, w.packed, w.bf16_expanded() if sum_prefill else w.expanded, out_dtype=out_dtype,
+                           promote=PROMOTE[w.mode], wide=w.wide, combine=resq_combine)
     if x.shape[0] <= DECODE_MAX_M:
         return w4_matmul(quantize(x, w.fmt, expand="bf16")[1].values, w.packed, wide=w.wide).to(out_dtype)
     qx, ex = quantize(x, w.fmt, expand="bf16" if w.expanded.values.dtype == torch.bfloat16 else "native")

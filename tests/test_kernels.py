@@ -229,6 +229,11 @@ def test_resq_fused_matches_reference(name):
         assert _rel(resq_matmul(x[:m], qw, ew, combine="bf16").cpu(), ref_sum[:m]) < 1e-6
     with pytest.raises(ValueError, match="combine='fp16'.*'exact', 'bf16'"):
         resq_matmul(x, qw, combine="fp16")
+    # through dispatch with an FP8-mode MXFP4 weight: its BF16 expansion is made once, on the first prefill call
+    pw = dispatch.prepare_weight(w, name, mode="fp8" if name != "hif4" else "exact")
+    for _ in range(2):
+        assert _rel(dispatch.linear(x, pw, resq="2:4", resq_combine="bf16").cpu(), ref_sum) < 1e-6
+    assert pw.bf16_expanded() is (pw._bf16 if name != "hif4" else pw.expanded)
     with pytest.raises(ValueError, match="expand='fp8'.*'sum'"):
         resq_quantize(x, name, expand="fp8")
 
