@@ -23,6 +23,7 @@ Only the rollout model uses this module; training is unchanged.
 
 from __future__ import annotations
 
+import dataclasses
 import math
 import time
 import weakref
@@ -288,6 +289,30 @@ def gemm_cost_vs_bf16(precision: RolloutPrecision) -> float:
     return 2.0 / cost
 
 
+def copy_into(dst: Any, src: Any) -> bool:
+    """Copy ``src`` into ``dst`` in place where both are the same structure of tensors (same shapes and dtypes)
+    and equal plain values (dataclasses, named tuples, lists, dicts); False, with ``dst`` possibly partly
+    written, where they differ."""
+    if isinstance(dst, torch.Tensor) or isinstance(src, torch.Tensor):
+        if not (isinstance(dst, torch.Tensor) and isinstance(src, torch.Tensor) and dst.shape == src.shape
+                and dst.dtype == src.dtype and dst.device == src.device):
+            return False
+        dst.copy_(src)
+        return True
+    if type(dst) is not type(src):
+        return False
+    if isinstance(dst, tuple) or isinstance(dst, list):
+        return len(dst) == len(src) and all(copy_into(a, b) for a, b in zip(dst, src))
+    if isinstance(dst, dict):
+        return dst.keys() == src.keys() and all(copy_into(dst[k], src[k]) for k in dst)
+    if dataclasses.is_dataclass(dst):
+        return all(copy_into(getattr(dst, f.name), getattr(src, f.name)) for f in dataclasses.fields(dst))
+    try:
+        return bool(dst == src)
+    except Exception:
+        return dst is src
+
+
 class QuantizedWeightCache:
     """Dequantized FP4 weights, quantized once per weight version instead of once per call.
 
@@ -301,6 +326,11 @@ class QuantizedWeightCache:
         #: Number of weight quantizations performed, and their total wall time in seconds.
         self.quantize_calls = 0
         self.quantize_seconds = 0.0
+        #: Whether the last :meth:`refresh` with ``in_place=True`` kept every entry's tensors.
+        self.last_refresh_in_place = True
+        #: Incremented whenever an entry is replaced by a new object or dropped (not by in-place refreshes):
+        #: users that captured entries by address (CUDA graphs) compare it to know they must recapture.
+        self.generation = 0
 
     def get(self, weight: torch.Tensor, fmt: FormatLike) -> torch.Tensor:
         """deq(Q(weight)) along its last dim (K), in ``weight.dtype`` (FP4 values are exact in bf16)."""
@@ -318,32 +348,57 @@ class QuantizedWeightCache:
         t0 = time.perf_counter()
         with torch.no_grad():
             obj = build(weight.detach())
+        if entry is not None:
+            self.generation += 1
         self.quantize_seconds += time.perf_counter() - t0
         self.quantize_calls += 1
         self._entries[key] = (weakref.ref(weight), stamp, obj)
         return obj
 
-    def refresh(self, weights, fmt: FormatLike, precision: Optional["RolloutPrecision"] = None) -> float:
+    def refresh(self, weights, fmt: FormatLike, precision: Optional["RolloutPrecision"] = None,
+                in_place: bool = False) -> float:
         """Re-quantize ``weights`` (an iterable of tensors) now; returns the seconds it took. With ``precision``,
-        a registered rollout backend for the weights' device prepares its own weight form instead."""
+        a registered rollout backend for the weights' device prepares its own weight form instead.
+
+        ``in_place``: write each new form into the tensors of the entry it replaces (same shapes, dtypes and
+        flags), one weight at a time, so that captured CUDA graphs that read them stay valid;
+        :attr:`last_refresh_in_place` says whether every entry could be (else its new object replaced it)."""
         t0 = time.perf_counter()
         get_format(fmt)  # validates
         weights = list(weights)
-        ids = {id(w) for w in weights}
-        for key in [k for k in self._entries if k[0] in ids]:
-            del self._entries[key]  # every cached form of these weights (reference and backend-prepared)
+        self.last_refresh_in_place = True
         for w in weights:
+            old = {k: e[2] for k, e in self._entries.items() if k[0] == id(w)}
+            for key in old:
+                del self._entries[key]  # every cached form of this weight (reference and backend-prepared)
+            generation = self.generation
             backend = _ROLLOUT_BACKENDS.get(w.device.type)
             prepare = getattr(backend, "prepare_weight", None)
-            if precision is not None and prepare is not None and prepare(w, precision, self) is not NotImplemented:
-                continue
-            self.get(w, fmt)
+            if not (precision is not None and prepare is not None
+                    and prepare(w, precision, self) is not NotImplemented):
+                self.get(w, fmt)
+            if in_place:
+                for key, (ref, stamp, obj) in list(self._entries.items()):
+                    if key[0] != id(w):
+                        continue
+                    if key in old and copy_into(old[key], obj):
+                        self._entries[key] = (ref, stamp, old[key])
+                    else:
+                        self.last_refresh_in_place = False
+                if set(old) - {k for k in self._entries if k[0] == id(w)}:
+                    self.last_refresh_in_place = False
+                if self.last_refresh_in_place:
+                    self.generation = generation
+            if old and not in_place:
+                self.generation += 1
         if torch.cuda.is_available():
             torch.cuda.synchronize()
         return time.perf_counter() - t0
 
     def clear(self) -> None:
         """Drop every cached weight (frees their memory)."""
+        if self._entries:
+            self.generation += 1
         self._entries.clear()
 
     def __len__(self) -> int:
