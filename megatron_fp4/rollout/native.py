@@ -29,11 +29,20 @@ from megatron_fp4.rollout.base import RolloutEngine, RolloutSample, SamplingPara
 from megatron_fp4.rollout.precision import (
     get_weight_cache,
     quantized_weights,
+    rollout_linear_modules,
     rollout_precision,
+)
+from megatron_fp4.rollout.static_decode import (
+    StaticCacheGenerator,
+    precision_is_token_local,
+    static_decode_support,
 )
 from megatron_fp4.rollout.sampling import sample_tokens, token_logprobs
 
-__all__ = ["NativeRolloutEngine", "teacher_forced_logprobs", "full_forward_logits"]
+__all__ = ["NativeRolloutEngine", "teacher_forced_logprobs", "full_forward_logits", "DECODE_MODES"]
+
+#: Generation paths of :class:`NativeRolloutEngine` (its ``decode`` argument).
+DECODE_MODES = ("megatron", "static", "graph", "auto")
 
 
 def _model_device(model: torch.nn.Module) -> torch.device:
@@ -111,6 +120,8 @@ class NativeRolloutEngine(RolloutEngine):
         pad_token_id: int = 0,
         offload_on_release: bool = False,
         prefill: str = "padded",
+        decode: Optional[str] = None,
+        graph_chunk: int = 16,
     ) -> None:
         """``model``: a GPTModel holding the whole model (tensor parallel is fine; a pipeline stage is not: under
         pipeline parallelism give every rank a full-depth copy built with ``pipeline_model_parallel_size=1`` and
@@ -121,6 +132,13 @@ class NativeRolloutEngine(RolloutEngine):
         engine owns, not one shared with the trainer).
         ``prefill``: "padded" (one prefill of all prompts, left padding masked) or "aligned" (prefill of the
         shortest prompt length, longer prompts fed one token per step; no padding at all).
+        ``decode``: "megatron" (the reference: megatron-core's forward with its KV cache, as before), "static"
+        (:mod:`megatron_fp4.rollout.static_decode`: static KV cache, SDPA prefill, eager decode steps), "graph"
+        (the same with each decode step a CUDA-graph replay; CUDA only) or "auto" ("graph" on CUDA, "megatron"
+        elsewhere); None reads ``MEGATRON_FP4_ROLLOUT_DECODE`` (default "megatron"). The static paths serve
+        token-local precisions (all but ResQ "channel"/"tile32x64") on supported models without forward hooks;
+        other calls take the megatron path. On them ``max_batch_size`` caps the concurrent sequences, finished
+        ones being replaced by waiting prompts, and ``graph_chunk`` decode steps run between host checks.
         On CUDA the Triton kernel backend is registered for the rollout GEMMs it covers (``MEGATRON_FP4_KERNELS=0``
         keeps the PyTorch reference)."""
         if not (getattr(model, "pre_process", True) and getattr(model, "post_process", True)):
@@ -129,6 +147,14 @@ class NativeRolloutEngine(RolloutEngine):
         if prefill not in ("padded", "aligned"):
             raise ValueError(f"prefill={prefill!r} is not valid; allowed values: 'padded', 'aligned'")
         self.prefill = prefill
+        if decode is None:
+            decode = os.environ.get("MEGATRON_FP4_ROLLOUT_DECODE", "megatron") or "megatron"
+        if decode not in DECODE_MODES:
+            raise ValueError(f"decode={decode!r} is not valid; allowed values: "
+                             f"{', '.join(map(repr, DECODE_MODES))}")
+        if graph_chunk < 1:
+            raise ValueError(f"graph_chunk={graph_chunk!r} must be >= 1")
+        self.graph_chunk = graph_chunk
         if max_batch_size is not None and max_batch_size < 1:
             raise ValueError(f"max_batch_size={max_batch_size!r} must be >= 1 or None")
         self.model = model
@@ -142,6 +168,17 @@ class NativeRolloutEngine(RolloutEngine):
         self._precision = precision
         self._offloaded_device: Optional[torch.device] = None
         device = _model_device(model)
+        if decode == "auto":
+            decode = "graph" if device.type == "cuda" else "megatron"
+        if decode == "graph" and device.type != "cuda":
+            raise ValueError("decode='graph' needs the model on a CUDA device; use 'static' or 'megatron'")
+        self.decode = decode
+        self._static: Optional[StaticCacheGenerator] = None
+        if decode in ("static", "graph"):
+            why = static_decode_support(model)
+            if why is not None:
+                raise ValueError(f"decode={decode!r} cannot run this model ({why}); use 'megatron' or 'auto'")
+            self._static = StaticCacheGenerator(model)
         if (device.type == "cuda" and rollout_backend_for("cuda") is None
                 and os.environ.get("MEGATRON_FP4_KERNELS", "1") != "0"):
             register_kernel_backend("cuda")  # Triton FP4 GEMMs where they apply (same numbers as the reference)
@@ -167,12 +204,15 @@ class NativeRolloutEngine(RolloutEngine):
             raise TypeError(f"precision must be a RolloutPrecision, got {type(precision).__name__}")
         self._precision = precision
         self.weight_cache.clear()
+        if self._static is not None:
+            self._static.invalidate()
         return self._quantize_weights()
 
-    def _quantize_weights(self) -> float:
+    def _quantize_weights(self, in_place: bool = False) -> float:
         if not self._precision.quantize_weights:
             return 0.0
-        return self.weight_cache.refresh(quantized_weights(self.model), self._precision.format, self._precision)
+        return self.weight_cache.refresh(quantized_weights(self.model), self._precision.format, self._precision,
+                                         in_place=in_place)
 
     # -- weights and memory ----------------------------------------------------------------------------------------
     def update_weights(self, named_tensors: Optional[Iterable[tuple[str, torch.Tensor]]]) -> WeightSyncStats:
@@ -201,8 +241,14 @@ class NativeRolloutEngine(RolloutEngine):
             if torch.cuda.is_available():
                 torch.cuda.synchronize()
         t1 = time.perf_counter()
-        self.weight_cache.clear()
-        stats.quantize_seconds = self._quantize_weights()
+        if self._static is not None and self._static.has_graphs:
+            # captured decode graphs read the prepared weights: rewrite them in place so the graphs stay valid
+            stats.quantize_seconds = self._quantize_weights(in_place=True)
+            if not self.weight_cache.last_refresh_in_place:
+                self._static.invalidate()
+        else:
+            self.weight_cache.clear()
+            stats.quantize_seconds = self._quantize_weights()
         stats.copy_seconds = t1 - t0
         stats.total_seconds = time.perf_counter() - t0
         stats.extra["quantized_weights"] = len(self.weight_cache)
@@ -210,8 +256,11 @@ class NativeRolloutEngine(RolloutEngine):
         return stats
 
     def release_memory(self) -> None:
-        """Drop the quantized weights (the KV cache lives only inside generate); offload weights if configured."""
+        """Drop the quantized weights, the static paths' KV cache and CUDA graphs (the megatron path's cache lives
+        only inside generate); offload weights if configured."""
         self.weight_cache.clear()
+        if self._static is not None:
+            self._static.reset()  # the KV cache and the graphs
         if self.offload_on_release:
             device = _model_device(self.model)
             if device.type != "cpu":
@@ -259,13 +308,21 @@ class NativeRolloutEngine(RolloutEngine):
         self.model.eval()
         results: list[RolloutSample] = []
         steps = 0
+        path = self._path()
         try:
-            with rollout_precision(self.model, self._precision):
-                bs = self.max_batch_size or len(prompts)
-                for start in range(0, len(prompts), bs):
-                    chunk, n = self._generate_batch(prompts[start:start + bs], sampling_params, generator, device)
-                    results.extend(chunk)
-                    steps += n
+            if path != "megatron":
+                results, steps = self._static.generate(
+                    prompts, sampling_params, self._precision, self.weight_cache, self.max_seq_len,
+                    use_graphs=path == "graph", max_concurrent=self.max_batch_size, chunk=self.graph_chunk,
+                    generator=generator)
+            else:
+                with rollout_precision(self.model, self._precision):
+                    bs = self.max_batch_size or len(prompts)
+                    for start in range(0, len(prompts), bs):
+                        chunk, n = self._generate_batch(prompts[start:start + bs], sampling_params, generator,
+                                                        device)
+                        results.extend(chunk)
+                        steps += n
         finally:
             self.model.train(was_training)
         if torch.cuda.is_available():
@@ -274,9 +331,42 @@ class NativeRolloutEngine(RolloutEngine):
         n_tokens = sum(len(r.token_ids) for r in results)
         self.last_generate_stats = {
             "samples": len(results), "generated_tokens": n_tokens, "seconds": seconds,
-            "tokens_per_s": n_tokens / seconds if seconds > 0 else 0.0, "forward_steps": steps,
+            "tokens_per_s": n_tokens / seconds if seconds > 0 else 0.0, "forward_steps": steps, "path": path,
         }
+        if path != "megatron":
+            self.last_generate_stats.update(self._static.last_stats)
         return results
+
+    @torch.no_grad()
+    def forced_logprobs(self, prompts: Sequence[Sequence[int]], responses: Sequence[Sequence[int]],
+                        temperature: float = 1.0) -> list[list[float]]:
+        """Logprobs of given non-empty ``responses`` (log_softmax(logits / T); T = 1 when 0) computed by the path
+        :meth:`generate` takes, teacher-forced token by token: on the static / graph paths the decode steps
+        themselves (to compare them with the megatron reference on the same tokens); on the megatron path one
+        full forward (:func:`teacher_forced_logprobs`)."""
+        prompts = _check_prompts(prompts, self.vocab_size)
+        path = self._path()
+        if path == "megatron":
+            return teacher_forced_logprobs(self.model, prompts, responses, self._precision, temperature)
+        params = SamplingParams(temperature=temperature, max_new_tokens=max(len(r) for r in responses))
+        was_training = self.model.training
+        self.model.eval()
+        try:
+            samples, _ = self._static.generate(prompts, params, self._precision, self.weight_cache,
+                                               self.max_seq_len, use_graphs=path == "graph",
+                                               max_concurrent=self.max_batch_size, chunk=self.graph_chunk,
+                                               forced=responses)
+        finally:
+            self.model.train(was_training)
+        return [s.logprobs for s in samples]
+
+    def _path(self) -> str:
+        """Which generation path serves the next call: the configured static one where it applies, else megatron."""
+        if self._static is None or not precision_is_token_local(self._precision):
+            return "megatron"
+        if any(m._forward_pre_hooks or m._forward_hooks for m in rollout_linear_modules(self.model).values()):
+            return "megatron"  # e.g. RolloutUnderflowMonitor counts inputs in module hooks
+        return self.decode
 
     def _forward(self, ids: torch.Tensor, start: int, ctx: StaticInferenceContext,
                  mask: Optional[torch.Tensor] = None) -> torch.Tensor:

@@ -1,0 +1,476 @@
+"""Static-KV-cache generation for the native engine: fused prefill, one decode step per CUDA-graph replay.
+
+    gen = StaticCacheGenerator(model)                       # a megatron-core GPTModel (TP = 1, whole model)
+    samples, stats = gen.generate(prompts, params, precision, cache, use_graphs=True, max_concurrent=64)
+
+The megatron-core forward (:mod:`megatron_fp4.rollout.native`'s reference path) launches hundreds of small kernels
+per token from Python. This path computes the same decoder layer by layer on the model's own parameters and
+modules (norms, the rollout linears through :func:`megatron_fp4.resq.rollout_linear`, so FP4 kernels included):
+
+- a static KV cache ``[layers, slots, kv heads, S, head dim]`` (one slot per concurrent sequence);
+- prefill of new prompts, right-padded, through PyTorch SDPA (causal; right padding never reaches a real token);
+- one decode step for all slots of a batch-size bucket, sampling and logprobs included, that updates its own
+  inputs (token, position, counters, done flags) on the device: captured once per bucket as a CUDA graph and
+  replayed ``chunk`` times between host checks (no host sync per token);
+- at most ``max_concurrent`` sequences at once; finished slots are refilled with waiting prompts, and when none
+  are left the live slots are compacted into the smallest bucket that holds them.
+
+Sampling draws uniforms from a seeded generator once per chunk (outside the graph) and inverts the CDF of
+softmax(filtered logits / T) inside it: the same distribution as :func:`~megatron_fp4.rollout.sampling.sample_tokens`
+but another random stream, so seeded samples differ from the reference path's (greedy ones agree up to rounding).
+Supported models: megatron-core GPTModels with RoPE, a gated-SiLU (SwiGLU) or plain MLP, GQA, optional qkv bias,
+torch norms, tensor-parallel size 1 (:func:`static_decode_support` says why not otherwise).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+import time
+from dataclasses import dataclass
+from typing import Optional, Sequence
+
+import torch
+import torch.nn.functional as F
+
+from megatron_fp4.resq import QuantizedWeightCache, RolloutPrecision, rollout_linear
+from megatron_fp4.rollout.base import RolloutSample, SamplingParams
+from megatron_fp4.rollout.sampling import filter_logits
+
+__all__ = ["StaticCacheGenerator", "static_decode_support", "precision_is_token_local", "BUCKETS"]
+
+#: Batch-size buckets of the decode graphs (a bucket runs all its slots; idle ones are masked).
+BUCKETS = (1, 2, 4, 8, 16, 24, 32, 48, 64, 96, 128, 192, 256, 384, 512)
+
+
+def precision_is_token_local(precision: RolloutPrecision) -> bool:
+    """Whether each token's rollout linear output depends on that token alone (not on the batch): all forms but
+    the ResQ "channel" / "tile32x64" selectors. Only those run on the static path (padding and batch composition
+    then cannot change a result)."""
+    return precision.sparsity not in ("channel", "tile32x64")
+
+
+def static_decode_support(model: torch.nn.Module) -> Optional[str]:
+    """None if :class:`StaticCacheGenerator` can run ``model``, else the reason it cannot."""
+    cfg = getattr(model, "config", None)
+    if cfg is None or not hasattr(model, "decoder"):
+        return "not a megatron-core GPTModel"
+    if getattr(cfg, "tensor_model_parallel_size", 1) != 1:
+        return "tensor parallel size > 1"
+    if not (getattr(model, "pre_process", True) and getattr(model, "post_process", True)):
+        return "a pipeline stage, not the whole model"
+    if getattr(model, "position_embedding_type", "rope") != "rope" or getattr(model, "rotary_pos_emb", None) is None:
+        return "position embedding is not RoPE"
+    if getattr(cfg, "num_moe_experts", None):
+        return "mixture of experts"
+    if getattr(cfg, "qk_layernorm", False) or getattr(cfg, "multi_latent_attention", False):
+        return "qk layernorm / MLA"
+    if getattr(cfg, "rotary_interleaved", False) or getattr(model.rotary_pos_emb, "seq_len_interpolation_factor",
+                                                               None):
+        return "interleaved or interpolated RoPE"
+    if getattr(cfg, "gated_linear_unit", False) and cfg.activation_func is not F.silu:
+        return "gated MLP with an activation other than SiLU"
+    if getattr(cfg, "sequence_parallel", False) or getattr(cfg, "context_parallel_size", 1) != 1:
+        return "sequence / context parallel"
+    if getattr(model, "mtp_process", False):
+        return "multi-token prediction"
+    return None
+
+
+def _round_up(n: int, m: int) -> int:
+    return -(-n // m) * m
+
+
+def _bucket(n: int, cap: int) -> int:
+    for b in BUCKETS:
+        if b >= n:
+            return min(b, cap)
+    return cap
+
+
+def graph_sample(logits: torch.Tensor, u: torch.Tensor, params: SamplingParams
+                 ) -> tuple[torch.Tensor, torch.Tensor]:
+    """(tokens [B], logprobs [B]) of fp32 ``logits [B, V]`` given uniforms ``u [B]`` in [0, 1): the token is
+    the first whose CDF of softmax(filter(logits / T)) reaches (1 - u) x total (never a zero-probability token).
+    No host sync (capturable). Logprob: log_softmax(logits / T) at the token (T = 1 when greedy)."""
+    if params.greedy:
+        tok = logits.argmax(dim=-1)
+        t = 1.0
+    else:
+        t = params.temperature
+        scaled = filter_logits(logits / t, params.top_k, params.top_p)
+        cdf = torch.softmax(scaled, dim=-1).cumsum(dim=-1)
+        x = (1.0 - u.to(cdf.dtype)) * cdf[:, -1]
+        tok = torch.searchsorted(cdf, x.unsqueeze(-1)).squeeze(-1).clamp_(max=logits.shape[-1] - 1)
+    lp = torch.log_softmax(logits / t, dim=-1).gather(-1, tok.unsqueeze(-1)).squeeze(-1)
+    return tok, lp
+
+
+def _forced(logits: torch.Tensor, tok: torch.Tensor, params: SamplingParams) -> tuple[torch.Tensor, torch.Tensor]:
+    t = params.temperature if params.temperature > 0 else 1.0
+    return tok, torch.log_softmax(logits / t, dim=-1).gather(-1, tok.unsqueeze(-1)).squeeze(-1)
+
+
+@dataclass
+class _Layer:
+    ln1: torch.nn.Module
+    qkv: torch.nn.Module
+    proj: torch.nn.Module
+    ln2: torch.nn.Module
+    fc1: torch.nn.Module
+    fc2: torch.nn.Module
+
+
+class StaticCacheGenerator:
+    """Generation with a static KV cache, SDPA prefill and (on CUDA) CUDA-graph decode steps; see the module doc."""
+
+    def __init__(self, model: torch.nn.Module) -> None:
+        why = static_decode_support(model)
+        if why is not None:
+            raise NotImplementedError(f"StaticCacheGenerator cannot run this model: {why}")
+        self.model = model
+        cfg = model.config
+        self.heads = cfg.num_attention_heads
+        self.kv_heads = cfg.num_query_groups or cfg.num_attention_heads
+        self.head_dim = cfg.kv_channels or cfg.hidden_size // cfg.num_attention_heads
+        self.group = self.heads // self.kv_heads
+        self.gated = bool(cfg.gated_linear_unit)
+        self.act = cfg.activation_func
+        self.layers = []
+        for layer in model.decoder.layers:
+            att, mlp = layer.self_attention, layer.mlp
+            self.layers.append(_Layer(layer.input_layernorm, att.linear_qkv, att.linear_proj, layer.pre_mlp_layernorm,
+                                      mlp.linear_fc1, mlp.linear_fc2))
+        self.final_norm = model.decoder.final_layernorm
+        self.embedding = model.embedding.word_embeddings
+        self.output_weight = (model.shared_embedding_or_output_weight() if model.share_embeddings_and_output_weights
+                              else model.output_layer.weight)
+        self.output_bias = getattr(model.output_layer, "bias", None)
+        self.scale = 1.0 / math.sqrt(self.head_dim)
+        self._precision = RolloutPrecision()
+        self._cache: Optional[QuantizedWeightCache] = None
+        self._graphs: dict = {}
+        self._pool = None
+        self._state: Optional[dict] = None
+        self._forcing = False
+        self._generation = 0
+        self.last_stats: dict = {}
+
+    # -- buffers -----------------------------------------------------------------------------------------------------
+    @property
+    def has_graphs(self) -> bool:
+        """Whether captured decode graphs exist (they read the weights and prepared weights by address)."""
+        return bool(self._graphs)
+
+    def invalidate(self) -> None:
+        """Drop the captured graphs (weights re-prepared into new tensors); the KV cache is kept."""
+        self._graphs.clear()
+        self._pool = None  # a pool whose graphs are gone cannot be captured into again
+
+    def reset(self) -> None:
+        """Drop the KV cache, the state and every captured graph (weights moved, precision changed, memory freed)."""
+        self._graphs.clear()
+        self._state = None
+        self._pool = None
+
+    def _ensure_state(self, slots: int, seq: int, max_new: int, chunk: int, device, dtype) -> dict:
+        st = self._state
+        if (st is not None and st["slots"] >= slots and st["seq"] == seq and st["max_new"] == max_new
+                and st["rand"].shape[0] == chunk and st["device"] == device and st["dtype"] == dtype):
+            return st
+        self.reset()
+        L = len(self.layers)
+        kv = (L, slots, self.kv_heads, seq, self.head_dim)
+        rot = self.model.rotary_pos_emb
+        inv = rot.inv_freq.to(device=device, dtype=torch.float32)
+        freqs = torch.outer(torch.arange(seq, device=device, dtype=torch.float32), inv)
+        emb = torch.cat((freqs, freqs), dim=-1)
+        st = dict(
+            slots=slots, seq=seq, max_new=max_new, device=device, dtype=dtype,
+            k=torch.zeros(kv, device=device, dtype=dtype), v=torch.zeros(kv, device=device, dtype=dtype),
+            cos=torch.cos(emb).to(dtype), sin=torch.sin(emb).to(dtype),
+            ar_seq=torch.arange(seq, device=device),
+            tok=torch.zeros(slots, dtype=torch.long, device=device),
+            pos=torch.zeros(slots, dtype=torch.long, device=device),
+            n_gen=torch.zeros(slots, dtype=torch.long, device=device),
+            done=torch.ones(slots, dtype=torch.bool, device=device),
+            stopped=torch.zeros(slots, dtype=torch.bool, device=device),
+            out_tok=torch.zeros((slots, max_new), dtype=torch.long, device=device),
+            out_lp=torch.zeros((slots, max_new), dtype=torch.float32, device=device),
+            limit=torch.zeros(slots, dtype=torch.long, device=device),  # per-slot max tokens (length cap)
+            forced=torch.zeros((slots, max_new), dtype=torch.long, device=device),  # teacher-forced tokens
+            step=torch.zeros((), dtype=torch.long, device=device),
+            rand=torch.zeros((chunk, slots), dtype=torch.float32, device=device),
+        )
+        self._state = st
+        return st
+
+    # -- the model -----------------------------------------------------------------------------------------------------
+    def _linear(self, mod: torch.nn.Module, x: torch.Tensor) -> torch.Tensor:
+        return rollout_linear(x, mod.weight, getattr(mod, "bias", None), self._precision, cache=self._cache)
+
+    def _rope(self, t: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+        h = t.shape[-1] // 2
+        rot = torch.cat((-t[..., h:], t[..., :h]), dim=-1)
+        return t * cos + rot * sin
+
+    def _mlp(self, layer: _Layer, x: torch.Tensor) -> torch.Tensor:
+        a = self._linear(layer.fc1, layer.ln2(x))
+        if self.gated:
+            a0, a1 = torch.chunk(a, 2, dim=-1)
+            a = self.act(a0) * a1
+        else:
+            a = self.act(a)
+        return self._linear(layer.fc2, a)
+
+    def _split_qkv(self, qkv: torch.Tensor):
+        """[..., ng * (G + 2) * hd] -> q [..., ng, G, hd], k [..., ng, hd], v [..., ng, hd] (megatron's layout)."""
+        qkv = qkv.view(*qkv.shape[:-1], self.kv_heads, self.group + 2, self.head_dim)
+        return qkv[..., : self.group, :], qkv[..., self.group, :], qkv[..., self.group + 1, :]
+
+    def _logits(self, h: torch.Tensor) -> torch.Tensor:
+        return F.linear(self.final_norm(h), self.output_weight, self.output_bias).float()
+
+    def _prefill(self, st: dict, ids: torch.Tensor, lens: torch.Tensor, slots: torch.Tensor) -> torch.Tensor:
+        """Run right-padded prompts ``ids [b, L]`` (lengths ``lens``) and write their K/V into cache ``slots``;
+        returns fp32 logits [b, V] at each prompt's last token."""
+        b, L = ids.shape
+        x = F.embedding(ids, self.embedding.weight)  # [b, L, h]
+        cos, sin = st["cos"][:L][None, :, None], st["sin"][:L][None, :, None]
+        for i, layer in enumerate(self.layers):
+            q, k, v = self._split_qkv(self._linear(layer.qkv, layer.ln1(x)))  # q [b, L, ng, G, hd]
+            q = self._rope(q.reshape(b, L, self.heads, self.head_dim), cos, sin)
+            k = self._rope(k, cos, sin)
+            st["k"][i, slots, :, :L] = k.transpose(1, 2)
+            st["v"][i, slots, :, :L] = v.transpose(1, 2)
+            kk = k.transpose(1, 2).repeat_interleave(self.group, dim=1)
+            vv = v.transpose(1, 2).repeat_interleave(self.group, dim=1)
+            o = F.scaled_dot_product_attention(q.transpose(1, 2), kk, vv, is_causal=True, scale=self.scale)
+            x = x + self._linear(layer.proj, o.transpose(1, 2).reshape(b, L, self.heads * self.head_dim))
+            x = x + self._mlp(layer, x)
+        last = x[torch.arange(b, device=x.device), lens - 1]
+        return self._logits(last)
+
+    def _decode(self, st: dict, B: int) -> torch.Tensor:
+        """One token for slots [0, B): reads st tok/pos, writes K/V at pos, returns fp32 logits [B, V]."""
+        tok, pos = st["tok"][:B], st["pos"][:B]
+        x = F.embedding(tok, self.embedding.weight)  # [B, h]
+        cos, sin = st["cos"][pos][:, None], st["sin"][pos][:, None]  # [B, 1, hd]
+        valid = (st["ar_seq"][None, :] <= pos[:, None]).view(B, 1, 1, -1)
+        rows = torch.arange(B, device=tok.device)
+        for i, layer in enumerate(self.layers):
+            q, k, v = self._split_qkv(self._linear(layer.qkv, layer.ln1(x)))  # q [B, ng, G, hd], k/v [B, ng, hd]
+            q = self._rope(q, cos[:, None], sin[:, None])
+            k = self._rope(k, cos, sin)
+            kc, vc = st["k"][i, :B], st["v"][i, :B]  # [B, ng, S, hd]
+            kc[rows, :, pos] = k
+            vc[rows, :, pos] = v
+            o = F.scaled_dot_product_attention(q, kc, vc, attn_mask=valid, scale=self.scale)  # [B, ng, G, hd]
+            x = x + self._linear(layer.proj, o.reshape(B, self.heads * self.head_dim))
+            x = x + self._mlp(layer, x)
+        return self._logits(x)
+
+    def _record(self, st: dict, B: int, tok: torch.Tensor, lp: torch.Tensor, params: SamplingParams,
+                stop_ids: torch.Tensor) -> None:
+        """Store the sampled tokens of live slots [0, B) and update their counters and done flags (on device)."""
+        done, n_gen = st["done"][:B], st["n_gen"][:B]
+        idx = n_gen.clamp(max=st["max_new"] - 1).unsqueeze(1)
+        live = ~done
+        ot, ol = st["out_tok"][:B], st["out_lp"][:B]
+        ot.scatter_(1, idx, torch.where(live, tok, ot.gather(1, idx).squeeze(1)).unsqueeze(1))
+        ol.scatter_(1, idx, torch.where(live, lp, ol.gather(1, idx).squeeze(1)).unsqueeze(1))
+        stop = (tok.unsqueeze(1) == stop_ids.unsqueeze(0)).any(dim=1) & live
+        n_gen.add_(live.long())
+        st["stopped"][:B] |= stop
+        done |= stop | (n_gen >= st["limit"][:B])
+        st["tok"][:B] = torch.where(live, tok, st["tok"][:B])
+
+    def _step(self, st: dict, B: int, params: SamplingParams, stop_ids: torch.Tensor) -> None:
+        """Decode step of bucket B: forward, sample (uniforms st['rand'][step]), record, advance (device only)."""
+        live = ~st["done"][:B]
+        logits = self._decode(st, B)
+        u = st["rand"].index_select(0, st["step"].view(1)).view(-1)[:B]
+        tok, lp = graph_sample(logits, u, params)
+        if self._forcing:
+            idx = st["n_gen"][:B].clamp(max=st["max_new"] - 1).unsqueeze(1)
+            tok, lp = _forced(logits, st["forced"][:B].gather(1, idx).squeeze(1), params)
+        self._record(st, B, tok, lp, params, stop_ids)
+        st["pos"][:B] += live.long()  # finished slots keep their position
+        st["step"].add_(1)
+
+    # -- generation ----------------------------------------------------------------------------------------------------
+    @torch.no_grad()
+    def generate(self, prompts: Sequence[Sequence[int]], params: SamplingParams, precision: RolloutPrecision,
+                 cache: Optional[QuantizedWeightCache], max_seq_len: int, *, use_graphs: bool,
+                 max_concurrent: Optional[int] = None, chunk: int = 16,
+                 generator: Optional[torch.Generator] = None, forced: Optional[Sequence[Sequence[int]]] = None,
+                 ) -> tuple[list[RolloutSample], int]:
+        """One response per prompt (see the module doc); returns the samples and the number of decode steps.
+        ``forced``: teacher forcing, one non-empty response per prompt, fed instead of sampled tokens (their
+        logprobs are reported; ``params.max_new_tokens`` must cover them)."""
+        generation = cache.generation if cache is not None else 0
+        if precision != self._precision or cache is not self._cache or generation != self._generation:
+            self.invalidate()  # the graphs read the prepared weights of another precision / cache version
+        self._precision, self._cache, self._generation = precision, cache, generation
+        self._forcing = forced is not None
+        device = self.embedding.weight.device
+        dtype = self.embedding.weight.dtype
+        P = len(prompts)
+        lens_all = [len(p) for p in prompts]
+        seq = _round_up(min(max(lens_all) + params.max_new_tokens, max_seq_len), 64)
+        cap = min(max_concurrent or P, P)
+        prev = self._state["slots"] if self._state is not None else 0
+        st = self._ensure_state(max(cap, prev), seq, params.max_new_tokens, chunk, device, dtype)
+        nslots = st["slots"]
+        stop_ids = torch.tensor(params.stop_token_ids or [-1], dtype=torch.long, device=device)
+        limits = [min(params.max_new_tokens, max_seq_len - n, seq - n) for n in lens_all]
+        if forced is not None:
+            if len(forced) != P or any(not 0 < len(r) <= lim for r, lim in zip(forced, limits)):
+                raise ValueError("forced: one non-empty response per prompt, within the length limits")
+            limits = [len(r) for r in forced]
+        results: list[Optional[RolloutSample]] = [None] * P
+        owner = [-1] * nslots  # prompt index held by each slot
+        pending = list(range(P))[::-1]
+        st["done"].fill_(True)
+        key_params = (dataclasses.replace(params, seed=None), self._forcing)
+        t_capture = 0.0
+        steps = 0
+
+        def draw(n: int) -> torch.Tensor:
+            if generator is not None and generator.device.type != torch.device(device).type:
+                return torch.rand((n, nslots), generator=generator).to(device)
+            return torch.rand((n, nslots), generator=generator, device=device)
+
+        def admit(free: list[int]) -> None:
+            take = []
+            while pending and len(take) < len(free):
+                take.append(pending.pop())
+            for s, p in zip(free, take):
+                owner[s] = p
+            i = 0
+            while i < len(take):  # prefill pieces of at most ~16k padded tokens
+                j, L = i + 1, lens_all[take[i]]
+                while j < len(take) and max(L, lens_all[take[j]]) * (j + 1 - i) <= 16384:
+                    L = max(L, lens_all[take[j]])
+                    j += 1
+                part, sl = take[i:j], free[i:j]
+                ids = torch.zeros((len(part), L), dtype=torch.long)
+                for r, k in enumerate(part):
+                    ids[r, : lens_all[k]] = torch.tensor(prompts[k], dtype=torch.long)
+                ids = ids.to(device)
+                lens = torch.tensor([lens_all[k] for k in part], dtype=torch.long, device=device)
+                limit = torch.tensor([limits[k] for k in part], dtype=torch.long, device=device)
+                sl_t = torch.tensor(sl, dtype=torch.long, device=device)
+                logits = self._prefill(st, ids, lens, sl_t)
+                tok, lp = graph_sample(logits, draw(1)[0, : len(part)], params)
+                if forced is not None:
+                    ft = torch.zeros((len(part), st["max_new"]), dtype=torch.long)
+                    for r, k in enumerate(part):
+                        ft[r, : len(forced[k])] = torch.tensor(list(forced[k]), dtype=torch.long)
+                    st["forced"][sl_t] = ft.to(device)
+                    tok, lp = _forced(logits, st["forced"][sl_t, 0], params)
+                st["out_tok"][sl_t, 0] = tok
+                st["out_lp"][sl_t, 0] = lp
+                st["tok"][sl_t] = tok
+                st["pos"][sl_t] = lens
+                st["n_gen"][sl_t] = 1
+                st["limit"][sl_t] = limit
+                stopped = (tok.unsqueeze(1) == stop_ids.unsqueeze(0)).any(dim=1)
+                st["stopped"][sl_t] = stopped
+                st["done"][sl_t] = stopped | (limit <= 1)
+                i = j
+
+        admit(list(range(cap)))
+        n_host = [0] * nslots  # tokens generated per slot as of the last check (host copy)
+        for s in range(nslots):
+            if owner[s] >= 0:
+                n_host[s] = 1
+        while True:
+            used = [s for s in range(nslots) if owner[s] >= 0]
+            if not used:
+                break
+            B = _bucket(max(used) + 1, nslots)
+            n = max(1, min(chunk, max(limits[owner[s]] - n_host[s] for s in used)))
+            if use_graphs:
+                key = (B, key_params)
+                g = self._graphs.get(key)
+                if g is None:
+                    t0 = time.perf_counter()
+                    g = self._capture(st, B, params, stop_ids)
+                    self._graphs[key] = g
+                    t_capture += time.perf_counter() - t0
+                st["rand"].copy_(draw(chunk))
+                st["step"].zero_()
+                for _ in range(n):
+                    g.replay()
+            else:
+                st["rand"].copy_(draw(chunk))
+                st["step"].zero_()
+                for _ in range(n):
+                    self._step(st, B, params, stop_ids)
+            steps += n
+            flags = torch.stack([st["done"][:B].long(), st["n_gen"][:B], st["stopped"][:B].long()]).cpu()
+            done_cpu, n_cpu, stopped_cpu = (flags[0] != 0).tolist(), flags[1].tolist(), (flags[2] != 0).tolist()
+            for s in range(B):
+                n_host[s] = n_cpu[s]
+            fin = [s for s in range(B) if owner[s] >= 0 and done_cpu[s]]
+            if fin:
+                idx = torch.tensor(fin, dtype=torch.long, device=device)
+                toks, lps = st["out_tok"][idx].cpu(), st["out_lp"][idx].cpu()
+                for r, s in enumerate(fin):
+                    p, k = owner[s], n_cpu[s]
+                    results[p] = RolloutSample(token_ids=toks[r, :k].tolist(), logprobs=lps[r, :k].tolist(),
+                                               finish_reason="stop" if stopped_cpu[s] else "length",
+                                               prompt_length=lens_all[p])
+                    owner[s] = -1
+                if pending:
+                    admit(fin)
+                    for s in fin:
+                        n_host[s] = 1 if owner[s] >= 0 else 0
+                else:
+                    self._compact(st, owner, n_host)
+        self.last_stats = {"capture_seconds": t_capture, "graphs": len(self._graphs)}
+        return list(results), steps
+
+    def _compact(self, st: dict, owner: list[int], n_host: list[int]) -> None:
+        """Move live slots to the front when that lets a smaller bucket run them."""
+        live = [s for s in range(len(owner)) if owner[s] >= 0]
+        if not live or _bucket(len(live), st["slots"]) >= _bucket(max(live) + 1, st["slots"]):
+            return
+        src = torch.tensor(live, dtype=torch.long, device=st["tok"].device)
+        n = len(live)
+        for name in ("tok", "pos", "n_gen", "done", "stopped", "out_tok", "out_lp", "limit", "forced"):
+            st[name][:n] = st[name][src].clone()
+        st["k"][:, :n] = st["k"][:, src].clone()
+        st["v"][:, :n] = st["v"][:, src].clone()
+        st["done"][n:] = True
+        moved, counts = [owner[s] for s in live], [n_host[s] for s in live]
+        for s in range(len(owner)):
+            owner[s] = moved[s] if s < n else -1
+            n_host[s] = counts[s] if s < n else 0
+
+    def _capture(self, st: dict, B: int, params: SamplingParams, stop_ids: torch.Tensor):
+        """Warm up (kernel autotuning, lazy weight forms) and capture one decode step of bucket B."""
+        saved = {k: st[k].clone() for k in ("tok", "pos", "n_gen", "done", "stopped", "out_tok", "out_lp", "step")}
+        kv_saved = None
+        stream = torch.cuda.Stream()
+        stream.wait_stream(torch.cuda.current_stream())
+        st["step"].zero_()  # the steps index the chunk's uniforms
+        with torch.cuda.stream(stream):
+            # warm-up steps write K/V at the live slots' next position: restored below with the state
+            kv_saved = (st["k"][:, :B].clone(), st["v"][:, :B].clone())
+            for _ in range(2):
+                self._step(st, B, params, stop_ids)
+        torch.cuda.current_stream().wait_stream(stream)
+        for k, v in saved.items():
+            st[k].copy_(v)
+        if self._pool is None:
+            self._pool = torch.cuda.graph_pool_handle()
+        g = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(g, pool=self._pool):
+            self._step(st, B, params, stop_ids)
+        for k, v in saved.items():
+            st[k].copy_(v)
+        st["k"][:, :B].copy_(kv_saved[0])
+        st["v"][:, :B].copy_(kv_saved[1])
+        return g
