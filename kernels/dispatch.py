@@ -13,6 +13,7 @@ elsewhere, with the same numbers (SPEC §3/§4; fp32 summation order aside).
 
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass, field
 from typing import Optional
 
@@ -21,7 +22,8 @@ import torch
 from kernels._common import DECODE_MAX_M, KERNEL_FORMATS, kernels_usable
 from megatron_fp4.formats import Format, QuantizedTensor, get_format
 
-__all__ = ["available", "register", "ops_backend", "fp4_gemm", "PreparedWeight", "prepare_weight", "linear"]
+__all__ = ["available", "register", "ops_backend", "fp4_gemm", "PreparedWeight", "prepare_weight", "linear",
+           "decode_matmul"]
 
 
 def available(device: Optional[torch.device] = None) -> bool:
@@ -107,6 +109,8 @@ class PreparedWeight:
     mode: str = "exact"
     wide: bool = False
     _bf16: object = field(default=None, repr=False)
+    #: The CUDA decode kernel's layout of ``packed`` (:mod:`kernels.cuda_decode`), or None where it cannot run.
+    decode: object = None
 
     def bf16_expanded(self):
         """The BF16 expansion (W4A16 and bf16-sum ResQ prefill GEMMs): ``expanded`` in exact mode; for FP8-mode
@@ -133,7 +137,34 @@ def prepare_weight(w: torch.Tensor, fmt, mode: str = "exact") -> PreparedWeight:
         e4 = expand_packed(q, "e4m3")
         if _cublas_applies(e, e4):
             e = e4
-    return PreparedWeight(q, e, f, mode, needs_wide_decode(q))
+    wide = needs_wide_decode(q)
+    return PreparedWeight(q, e, f, mode, wide, decode=_decode_layout(q, wide))
+
+
+def _decode_layout(q: QuantizedTensor, wide: bool):
+    from kernels import cuda_decode
+
+    if q.codes.is_cuda and q.codes.dim() == 2 and cuda_decode.available():
+        return cuda_decode.to_decode_layout(q, wide)
+    return None
+
+
+def decode_matmul(a: torch.Tensor, w: PreparedWeight) -> torch.Tensor:
+    """fp32 ``a [M, K_pad] . deq(W)^T`` for BF16 ``a`` (M <= 64): the CUDA decode kernel where the weight has its
+    layout, else the Triton one (:func:`kernels.gemm.w4_matmul`)."""
+    from kernels import cuda_decode
+    from kernels.gemm import w4_matmul
+
+    if w.decode is not None and a.is_cuda and a.shape[0] <= cuda_decode.MAX_M and cuda_decode.available():
+        return cuda_decode.w4_decode(a, w.decode)
+    return w4_matmul(a, w.packed, wide=w.wide)
+
+
+#: Token counts up to which :func:`linear` runs a decode kernel (packed weights read once, dequantized in registers);
+#: above, the activations' expansion times the weight's pre-expanded BF16 copy in one cuBLAS GEMM (the same exact
+#: numbers; at M = 64 cuBLAS on BF16 is faster than either decode kernel on the H200, docs/PERFORMANCE.md).
+#: ResQ's exact (two-operand) form keeps the Triton decode kernel up to DECODE_MAX_M.
+DECODE_KERNEL_MAX_M = int(os.environ.get("MEGATRON_FP4_DECODE_KERNEL_MAX_M", "32"))
 
 
 def linear(x: torch.Tensor, w: PreparedWeight, resq: str = "none", activations: str = "fp4",
@@ -144,7 +175,7 @@ def linear(x: torch.Tensor, w: PreparedWeight, resq: str = "none", activations: 
     ``resq_combine`` (2:4 only): "exact" (the residual product added exactly) or "bf16" (one GEMM on
     bf16(Q(x) + S(Q(r))), as ``megatron_fp4.resq.RolloutPrecision.resq_combine``).
     """
-    from kernels.gemm import fp4_matmul, w4_matmul
+    from kernels.gemm import fp4_matmul
     from kernels.quantize import quantize
     from kernels.resq import resq_matmul
     from megatron_fp4.resq import RESQ_COMBINES
@@ -164,18 +195,26 @@ def linear(x: torch.Tensor, w: PreparedWeight, resq: str = "none", activations: 
         xb = x.to(torch.bfloat16)
         if kp != K:
             xb = torch.nn.functional.pad(xb, (0, kp - K))
-        if x.shape[0] <= DECODE_MAX_M:
-            return w4_matmul(xb, w.packed, wide=w.wide).to(out_dtype)
+        if x.shape[0] <= DECODE_KERNEL_MAX_M:
+            return decode_matmul(xb, w).to(out_dtype)
         from kernels.gemm import mm_expanded
         from kernels.quantize import Expanded
 
         return mm_expanded(Expanded(xb), w.bf16_expanded(), out_dtype=out_dtype)
     if resq == "2:4":
         sum_prefill = resq_combine == "bf16" and x.shape[0] > DECODE_MAX_M  # one BF16 GEMM: BF16 weight operand
+        if resq_combine == "bf16" and x.shape[0] <= DECODE_MAX_M:
+            from kernels.gemm import mm_expanded
+            from kernels.resq import resq_quantize
+
+            a = resq_quantize(x, w.fmt, expand="sum")[2]
+            if x.shape[0] <= DECODE_KERNEL_MAX_M:
+                return decode_matmul(a.values, w).to(out_dtype)
+            return mm_expanded(a, w.bf16_expanded(), out_dtype=out_dtype)
         return resq_matmul(x, w.packed, w.bf16_expanded() if sum_prefill else w.expanded, out_dtype=out_dtype,
                            promote=PROMOTE[w.mode], wide=w.wide, combine=resq_combine)
-    if x.shape[0] <= DECODE_MAX_M:
-        return w4_matmul(quantize(x, w.fmt, expand="bf16")[1].values, w.packed, wide=w.wide).to(out_dtype)
+    if x.shape[0] <= DECODE_KERNEL_MAX_M:
+        return decode_matmul(quantize(x, w.fmt, expand="bf16")[1].values, w).to(out_dtype)
     qx, ex = quantize(x, w.fmt, expand="bf16" if w.expanded.values.dtype == torch.bfloat16 else "native")
     return fp4_matmul(qx, ex, w.packed, w.expanded, out_dtype=out_dtype, promote=PROMOTE[w.mode])
 

@@ -1,0 +1,307 @@
+// Decode GEMM for packed FP4 weights (HiF4 / MXFP4) on Hopper: out[M, N] (+)= x[M, K] . deq(W[N, K])^T, M <= 64.
+//
+// Built per configuration by kernels/cuda_decode.py (nvcc, cached): -DFMT=0 (HiF4) | 1 (MXFP4), -DWIDE (MXFP4
+// block scales above 2^1), -DNT (token tiles of 8), -DSPW (16-row weight slabs per warp), -DDEPTH (chunks of
+// weights in flight per warp, in registers), -DWARPS (warps per block).
+//
+// The weight is stored in a decode layout (kernels/cuda_decode.py: to_decode_layout), made once per weight update:
+// for each 16-row slab and 64-value chunk of K, 32 lanes x 16 bytes, lane (g = lane / 4, t = lane % 4) holding
+// for each k16 step s the 32-bit word of its mma.m16n8k16 A fragment: nibble j of the low half and nibble j of the
+// high half are one bf16x2 register a_j (j = 0: row g, K 16s + 4t + {0, 1}; j = 1: row g + 8, same K; j = 2: row g,
+// K 16s + 4t + {2, 3}; j = 3: row g + 8). The MMA's K order is thus permuted (MMA k 2t + i <-> K 4t + i, MMA k
+// 2t + 8 + i <-> K 4t + 2 + i); the B fragment (activations, token n = g) takes the same order, which is the
+// natural one: one 8-byte load of x[n][16s + 4t .. 16s + 4t + 3]. Each thread's four K per row and step are one
+// HiF4 4-group (one micro-exponent) and lie in one MXFP4 block.
+// Dequantization (exact in BF16, as the Triton kernel's asm): MXFP4 sign | e2m1 << 6 is the bf16 of
+// e2m1 x 2^-126, times f = 2^(X + 126) (WIDE: a second factor); HiF4 (k | magic) fma F - magic F = k F, sign
+// xor-ed in, F = E6M2 x 2^(E1_8 + E1_16) / 4.
+// The warps of a block (WARPS x SPW slabs) share each activation chunk, staged in shared memory by cp.async
+// (XST stages), so that activations are read from L2 once per block rather than once per warp.
+// Split-K: blockIdx.y takes chunks [y * cps, (y + 1) * cps); with gridDim.y > 1 partial sums are added atomically
+// into a zeroed fp32 output.
+#include <cuda_runtime.h>
+#include <stdint.h>
+
+#ifndef FMT
+#define FMT 1
+#endif
+#ifndef WIDE
+#define WIDE 0
+#endif
+#ifndef NT
+#define NT 2
+#endif
+#ifndef SPW
+#define SPW 1
+#endif
+#ifndef DEPTH
+#define DEPTH 4
+#endif
+#ifndef WARPS
+#define WARPS 4
+#endif
+#ifndef XST
+#define XST 4  // shared-memory stages of activation chunks
+#endif
+
+#define DINL __device__ __forceinline__
+
+DINL uint32_t bmul(uint32_t a, uint32_t b) {
+  uint32_t d;
+  asm("mul.rn.bf16x2 %0, %1, %2;" : "=r"(d) : "r"(a), "r"(b));
+  return d;
+}
+DINL uint32_t bfma(uint32_t a, uint32_t b, uint32_t c) {
+  uint32_t d;
+  asm("fma.rn.bf16x2 %0, %1, %2, %3;" : "=r"(d) : "r"(a), "r"(b), "r"(c));
+  return d;
+}
+DINL uint32_t dup_lo(uint32_t v) { return __byte_perm(v, 0, 0x1010); }
+DINL uint32_t dup_hi(uint32_t v) { return __byte_perm(v, 0, 0x3232); }
+
+DINL void mma(float* c, uint32_t a0, uint32_t a1, uint32_t a2, uint32_t a3, uint32_t b0, uint32_t b1) {
+  asm volatile(
+      "mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, "
+      "{%0,%1,%2,%3};"
+      : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])
+      : "r"(a0), "r"(a1), "r"(a2), "r"(a3), "r"(b0), "r"(b1));
+}
+
+#if FMT == 1
+// MXFP4 chunk state: bf16x2 factors per (row g / g + 8, block 0 / 1), duplicated in both halves.
+struct Scales {
+  uint32_t f[2][2];
+#if WIDE
+  uint32_t h[2][2];
+#endif
+};
+DINL uint32_t mx_pair(uint32_t p) {  // two E8M0 bytes in the 16-bit halves -> bf16 bits of 2^(s - 1), NaN for 255
+#if WIDE
+  uint32_t lo = p & 0xFFFF, hi = p >> 16;
+  lo = lo == 255 ? 0x7FC0u : (min(lo + 126u, 254u) << 7);
+  hi = hi == 255 ? 0x7FC0u : (min(hi + 126u, 254u) << 7);
+  return lo | (hi << 16);
+#else
+  uint32_t f = (p + 0x007E007Eu) << 7;
+  if (__builtin_expect((p & 0xFFu) == 0xFFu, 0)) f = (f & 0xFFFF0000u) | 0x7FC0u;
+  if (__builtin_expect((p & 0x00FF0000u) == 0x00FF0000u, 0)) f = (f & 0xFFFFu) | 0x7FC00000u;
+  return f;
+#endif
+}
+#if WIDE
+DINL uint32_t mx_pair2(uint32_t p) {  // the second factor 2^(max(s + 126 - 254, 0)) (bf16 bits)
+  uint32_t lo = p & 0xFFFF, hi = p >> 16;
+  lo = ((lo + 126u > 254u ? lo + 126u - 254u : 0u) + 127u) << 7;
+  hi = ((hi + 126u > 254u ? hi + 126u - 254u : 0u) + 127u) << 7;
+  return lo | (hi << 16);
+}
+#endif
+DINL Scales make_scales(uint32_t m) {  // m: bytes [s(g, b0), s(g, b1), s(g + 8, b0), s(g + 8, b1)]
+  Scales S;
+  const uint32_t p0 = __byte_perm(m, 0, 0x7270);  // lo = byte 0, hi = byte 2 (16-bit halves, zero-extended)
+  const uint32_t p1 = __byte_perm(m, 0, 0x7371);  // lo = byte 1, hi = byte 3
+  const uint32_t f0 = mx_pair(p0), f1 = mx_pair(p1);
+  S.f[0][0] = dup_lo(f0); S.f[1][0] = dup_hi(f0); S.f[0][1] = dup_lo(f1); S.f[1][1] = dup_hi(f1);
+#if WIDE
+  const uint32_t h0 = mx_pair2(p0), h1 = mx_pair2(p1);
+  S.h[0][0] = dup_lo(h0); S.h[1][0] = dup_hi(h0); S.h[0][1] = dup_lo(h1); S.h[1][1] = dup_hi(h1);
+#endif
+  return S;
+}
+template <int J>
+DINL uint32_t mx_val(uint32_t w, const Scales& S, int blk) {
+  const uint32_t src = w << (12 - 4 * J);
+  uint32_t a = ((src >> 6) & 0x01C001C0u) | (src & 0x80008000u);
+  a = bmul(a, S.f[J & 1][blk]);
+#if WIDE
+  a = bmul(a, S.h[J & 1][blk]);
+#endif
+  return a;
+}
+DINL void dequant(uint32_t w, const Scales& S, int s, uint32_t* a) {
+  const int blk = s >> 1;
+  a[0] = mx_val<0>(w, S, blk);
+  a[1] = mx_val<1>(w, S, blk);
+  a[2] = mx_val<2>(w, S, blk);
+  a[3] = mx_val<3>(w, S, blk);
+}
+#else
+// HiF4 chunk state: E (2-bit exponent sums e(row g, step s) at bits 2s, e(row g + 8, s) at 16 + 2s) and the
+// bf16 bits of E6M2 / 4 for rows g (low half) and g + 8 (high half).
+struct Scales {
+  uint32_t e, base;
+};
+DINL Scales make_scales(uint32_t m) {  // m: low 16 bits: e bits (lane); high 16 bits: E6M2 codes of rows g, g + 8
+  Scales S;
+  S.e = __byte_perm(m, 0, 0x7170);      // e bits of row g -> low half, row g + 8 -> high half
+  const uint32_t cp = __byte_perm(m, 0, 0x7372);  // E6M2 codes in the two halves
+  uint32_t base = ((((cp >> 2) & 0x003F003Fu) + 0x004D004Du) << 7) | ((cp & 0x00030003u) << 5);
+  if (__builtin_expect((cp & 0xFFu) == 0xFFu, 0)) base = (base & 0xFFFF0000u) | 0x7FC0u;
+  if (__builtin_expect((cp & 0x00FF0000u) == 0x00FF0000u, 0)) base = (base & 0xFFFFu) | 0x7FC00000u;
+  S.base = base;
+  return S;
+}
+DINL void dequant(uint32_t w, const Scales& S, int s, uint32_t* a) {
+  const uint32_t fp = S.base + (((S.e >> (2 * s)) & 0x00030003u) << 7);
+  const uint32_t fg = dup_lo(fp), fh = dup_hi(fp);
+  const uint32_t n128 = bmul(fg, 0xC300C300u), n8 = bmul(fh, 0xC100C100u);
+  const uint32_t t = w >> 8;
+  a[0] = bfma((w & 0x00070007u) | 0x43004300u, fg, n128) ^ ((w << 12) & 0x80008000u);
+  a[1] = bfma((w & 0x00700070u) | 0x41004100u, fh, n8) ^ ((w << 8) & 0x80008000u);
+  a[2] = bfma((t & 0x00070007u) | 0x43004300u, fg, n128) ^ ((w << 4) & 0x80008000u);
+  a[3] = bfma((t & 0x00700070u) | 0x41004100u, fh, n8) ^ (w & 0x80008000u);
+}
+#endif
+
+#if FMT == 1
+#define META_WORDS 8  // 32-bit words per (slab, chunk)
+DINL uint32_t load_meta(const uint32_t* __restrict__ p, int lane) { return __ldg(p + (lane >> 2)); }
+#else
+#define META_WORDS 20  // 80 bytes: 32 x 16-bit e bits (per lane), 8 x 16-bit E6M2 codes (per g)
+DINL uint32_t load_meta(const uint32_t* __restrict__ p, int lane) {
+  const uint16_t* q = reinterpret_cast<const uint16_t*>(p);
+  return (uint32_t)__ldg(q + lane) | ((uint32_t)__ldg(q + 32 + (lane >> 2)) << 16);
+}
+#endif
+
+#define XS 80  // bf16 per staged activation row: 64 values + 16 padding (LDS.64 of a warp conflict-free)
+#define MT (8 * NT)
+
+DINL void cp_async16(void* smem, const void* gmem) {
+  const uint32_t s = (uint32_t)__cvta_generic_to_shared(smem);
+  asm volatile("cp.async.cg.shared.global [%0], [%1], 16;" ::"r"(s), "l"(gmem));
+}
+DINL void cp_commit() { asm volatile("cp.async.commit_group;"); }
+template <int N_>
+DINL void cp_wait() { asm volatile("cp.async.wait_group %0;" ::"n"(N_)); }
+
+// Stage activation chunk c (MT rows x 64 values; rows past M repeat row M - 1) into a shared-memory tile.
+DINL void stage_x(uint16_t* tile, const uint16_t* __restrict__ x, int M, int ldx, int c) {
+  for (int idx = threadIdx.x; idx < MT * 8; idx += WARPS * 32) {
+    const int r = idx >> 3, seg = idx & 7;
+    const int m = min(r, M - 1);
+    cp_async16(tile + r * XS + seg * 8, x + (size_t)m * ldx + (size_t)c * 64 + seg * 8);
+  }
+}
+
+extern "C" __global__ void __launch_bounds__(WARPS * 32)
+w4_decode_kernel(const uint4* __restrict__ codes, const uint32_t* __restrict__ meta, const uint16_t* __restrict__ x,
+                 float* __restrict__ out, int M, int N, int S, int C, int ldx, int ldo, int cps) {
+  __shared__ __align__(16) uint16_t xs[XST][MT * XS];
+  const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
+  const int g = lane >> 2, t = lane & 3;
+  const int slab0 = (blockIdx.x * WARPS + warp) * SPW;
+  const bool active = slab0 < S;  // idle warps still stage activations and meet the barriers
+  const int c0 = blockIdx.y * cps;
+  const int nch = min(C, c0 + cps) - c0;
+  if (nch <= 0) return;  // block-uniform
+
+  const uint4* wp[SPW];
+  const uint32_t* mp[SPW];
+#pragma unroll
+  for (int j = 0; j < SPW; ++j) {
+    const size_t unit = (size_t)min(slab0 + j, S - 1) * C + c0;
+    wp[j] = codes + unit * 32 + lane;
+    mp[j] = meta + unit * META_WORDS;
+  }
+  float acc[SPW][NT][4];
+#pragma unroll
+  for (int j = 0; j < SPW; ++j)
+#pragma unroll
+    for (int i = 0; i < NT; ++i)
+#pragma unroll
+      for (int r = 0; r < 4; ++r) acc[j][i][r] = 0.f;
+
+#pragma unroll
+  for (int st = 0; st < XST - 1; ++st) {
+    if (st < nch) stage_x(xs[st], x, M, ldx, c0 + st);
+    cp_commit();
+  }
+  uint4 wq[DEPTH][SPW];
+  uint32_t mq[DEPTH][SPW];
+#pragma unroll
+  for (int d = 0; d < DEPTH; ++d) {
+    if (active && d < nch) {
+#pragma unroll
+      for (int j = 0; j < SPW; ++j) {
+        wq[d][j] = __ldg(wp[j] + d * 32);
+        mq[d][j] = load_meta(mp[j] + d * META_WORDS, lane);
+      }
+    }
+  }
+
+  for (int k = 0; k < nch; k += DEPTH) {
+#pragma unroll
+    for (int d = 0; d < DEPTH; ++d) {
+      const int kk = k + d;
+      if (kk < nch) {  // block-uniform
+        cp_wait<XST - 2>();
+        __syncthreads();  // chunk kk staged by all threads; the stage refilled next was read by everyone
+        if (kk + XST - 1 < nch) stage_x(xs[(kk + XST - 1) % XST], x, M, ldx, c0 + kk + XST - 1);
+        cp_commit();
+        if (active) {
+          uint4 w[SPW];
+          uint32_t mt[SPW];
+#pragma unroll
+          for (int j = 0; j < SPW; ++j) { w[j] = wq[d][j]; mt[j] = mq[d][j]; }
+          if (kk + DEPTH < nch) {
+#pragma unroll
+            for (int j = 0; j < SPW; ++j) {
+              wq[d][j] = __ldg(wp[j] + (d + DEPTH) * 32);
+              mq[d][j] = load_meta(mp[j] + (d + DEPTH) * META_WORDS, lane);
+            }
+          }
+          const uint16_t* tile = xs[kk % XST] + g * XS + 4 * t;
+          Scales sc[SPW];
+#pragma unroll
+          for (int j = 0; j < SPW; ++j) sc[j] = make_scales(mt[j]);
+#pragma unroll
+          for (int s = 0; s < 4; ++s) {
+            uint2 b[NT];
+#pragma unroll
+            for (int i = 0; i < NT; ++i) b[i] = *reinterpret_cast<const uint2*>(tile + i * 8 * XS + 16 * s);
+#pragma unroll
+            for (int j = 0; j < SPW; ++j) {
+              const uint32_t word = s == 0 ? w[j].x : (s == 1 ? w[j].y : (s == 2 ? w[j].z : w[j].w));
+              uint32_t a[4];
+              dequant(word, sc[j], s, a);
+#pragma unroll
+              for (int i = 0; i < NT; ++i) mma(acc[j][i], a[0], a[1], a[2], a[3], b[i].x, b[i].y);
+            }
+          }
+        }
+      }
+    }
+#pragma unroll
+    for (int j = 0; j < SPW; ++j) { wp[j] += DEPTH * 32; mp[j] += DEPTH * META_WORDS; }
+  }
+  cp_wait<0>();
+  if (!active) return;
+
+  const bool atomic = gridDim.y > 1;
+#pragma unroll
+  for (int j = 0; j < SPW; ++j) {
+    const int n0 = (slab0 + j) * 16 + g;
+#pragma unroll
+    for (int i = 0; i < NT; ++i) {
+      const int m0 = 8 * i + 2 * t;
+#pragma unroll
+      for (int r = 0; r < 4; ++r) {
+        const int n = n0 + (r >> 1) * 8, m = m0 + (r & 1);
+        if (n < N && m < M) {
+          float* p = out + (size_t)m * ldo + n;
+          if (atomic) atomicAdd(p, acc[j][i][r]);
+          else *p = acc[j][i][r];
+        }
+      }
+    }
+  }
+}
+
+extern "C" int w4_decode_launch(const void* codes, const void* meta, const void* x, void* out, int M, int N, int S,
+                                int C, int ldx, int ldo, int split, int cps, void* stream) {
+  dim3 grid((S + WARPS * SPW - 1) / (WARPS * SPW), split);
+  w4_decode_kernel<<<grid, WARPS * 32, 0, (cudaStream_t)stream>>>(
+      (const uint4*)codes, (const uint32_t*)meta, (const uint16_t*)x, (float*)out, M, N, S, C, ldx, ldo, cps);
+  return (int)cudaGetLastError();
+}

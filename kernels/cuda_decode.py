@@ -1,0 +1,329 @@
+"""The CUDA C++ decode GEMM (``kernels/csrc/w4_decode.cu``): packed HiF4/MXFP4 weights x BF16 activations, M <= 64.
+
+    dw = to_decode_layout(qt, wide)        # once per weight update (PreparedWeight.decode)
+    y = w4_decode(x_bf16, dw)              # fp32 [M, N] = x . deq(W)^T, exact products, fp32 accumulation
+
+The weight is re-laid out once so that each lane of a warp reads, with one 16-byte load per 64 values of K, the
+codes of its mma.m16n8k16 A fragments (the .cu file says how); the kernel dequantizes them in registers with a few
+bit operations per pair of values (the same bit-exact tricks as the Triton decode kernel) and multiplies on the
+BF16 tensor cores with fp32 accumulation. W4A4 and ResQ's bf16 sum call it on the activations' exact BF16
+expansion. Built with nvcc per configuration on first use (sm_90a), cached in ``kernels/_build`` (or
+``MEGATRON_FP4_BUILD_DIR``), loaded with ctypes; ``MEGATRON_FP4_CUDA_DECODE=0`` turns it off (the Triton kernel
+serves). Without CUDA or nvcc nothing here runs but :func:`to_decode_layout` and :func:`decode_layout_dequantize`
+(its PyTorch emulation, what the CPU tests check bit for bit against the reference quantizer).
+"""
+
+from __future__ import annotations
+
+import ctypes
+import hashlib
+import os
+import shutil
+import subprocess
+import tempfile
+import threading
+from dataclasses import dataclass
+from typing import Optional
+
+import torch
+
+from megatron_fp4.formats import QuantizedTensor
+
+__all__ = ["DecodeWeight", "to_decode_layout", "decode_layout_dequantize", "available", "w4_decode",
+           "DECODE_TILES", "build", "prebuild"]
+
+_SRC = os.path.join(os.path.dirname(os.path.abspath(__file__)), "csrc", "w4_decode.cu")
+_META_BYTES = {0: 80, 1: 32}  # per (16-row slab, 64-value chunk): HiF4, MXFP4
+_SLAB_PAD = 4  # slabs padded to a multiple of this (the largest slabs-per-warp tile)
+
+
+@dataclass
+class DecodeWeight:
+    """A packed weight ``[N, K]`` in the decode kernel's layout: ``codes`` int32 ``[S, C, 32, 4]`` (S 16-row slabs,
+    C 64-value chunks), ``meta`` uint8 ``[S, C, 80 | 32]``; ``wide``: MXFP4 block scales above 2^1 present."""
+
+    codes: torch.Tensor
+    meta: torch.Tensor
+    n: int
+    k: int
+    fmt_id: int  # 0 HiF4, 1 MXFP4
+    wide: bool
+
+    @property
+    def slabs(self) -> int:
+        return self.codes.shape[0]
+
+    @property
+    def chunks(self) -> int:
+        return self.codes.shape[1]
+
+
+def _nibbles(codes: torch.Tensor) -> torch.Tensor:
+    c = codes.to(torch.int32)
+    return torch.stack((c & 15, c >> 4), dim=-1).reshape(*codes.shape[:-1], codes.shape[-1] * 2)
+
+
+def _to_int32(v: torch.Tensor) -> torch.Tensor:
+    """int64 holding 32-bit patterns -> int32 with the same bits."""
+    return torch.where(v >= 2 ** 31, v - 2 ** 32, v).to(torch.int32)
+
+
+def to_decode_layout(qt: QuantizedTensor, wide: bool = False) -> DecodeWeight:
+    """Re-lay a packed 2-D weight ``[N, K]`` (quantized along K, HiF4 or MXFP4) out for :func:`w4_decode`."""
+    name = qt.fmt.name
+    if name not in ("hif4", "mxfp4", "mxfp4_rceil") or qt.codes.dim() != 2:
+        raise ValueError(f"to_decode_layout takes a 2-D HiF4/MXFP4 weight, got {name} {tuple(qt.codes.shape)}")
+    fmt_id = 0 if name == "hif4" else 1
+    N, kh = qt.codes.shape
+    C = -(-2 * kh // 64)
+    S = -(-(-(-N // 16)) // _SLAB_PAD) * _SLAB_PAD
+    dev = qt.codes.device
+    nib = torch.zeros((S * 16, C * 64), dtype=torch.int64, device=dev)
+    nib[:N, : 2 * kh] = _nibbles(qt.codes)
+    # [S, h, g, C, s, t, i]: row = 16 slab + 8 h + g, K = 64 c + 16 s + 4 t + i
+    nib = nib.view(S, 2, 8, C, 4, 4, 4).permute(0, 3, 2, 5, 4, 1, 6)  # [S, C, g, t, s, h, i]
+    h = torch.arange(2, device=dev).view(2, 1)
+    i = torch.arange(4, device=dev).view(1, 4)
+    shift = 4 * (h + 2 * (i >> 1) + 4 * (i & 1))  # nibble position of (h, i) in the 32-bit word
+    words = (nib << shift).sum(dim=(-1, -2))  # [S, C, g, t, s]
+    codes = _to_int32(words).reshape(S, C, 32, 4).contiguous()
+    if fmt_id == 1:
+        sc = torch.full((S * 16, 2 * C), 127, dtype=torch.uint8, device=dev)
+        sc[:N, : qt.scales.shape[1]] = qt.scales.reshape(N, -1)
+        meta = sc.view(S, 2, 8, C, 2).permute(0, 3, 2, 1, 4).reshape(S, C, 32).contiguous()
+    else:
+        sc = torch.zeros((S * 16, C, 4), dtype=torch.uint8, device=dev)
+        sc[:N, : qt.scales.shape[1]] = qt.scales
+        sc = sc.to(torch.int64)
+        code, e8, e16 = sc[..., 0], sc[..., 1], sc[..., 2] | (sc[..., 3] << 8)
+        q = torch.arange(16, device=dev)
+        e = ((e8.unsqueeze(-1) >> (q // 2)) & 1) + ((e16.unsqueeze(-1) >> q) & 1)  # [rows, C, 16]
+        e = torch.where((code == 255).unsqueeze(-1), torch.zeros_like(e), e)
+        e = e.view(S, 2, 8, C, 4, 4).permute(0, 3, 2, 5, 1, 4)  # [S, C, g, t, h, s]
+        eb = (e << (2 * torch.arange(4, device=dev))).sum(-1)  # [S, C, g, t, h]
+        ebits = (eb[..., 0] | (eb[..., 1] << 8)).reshape(S, C, 32)
+        cb = code.view(S, 2, 8, C).permute(0, 3, 2, 1).reshape(S, C, 8, 2)  # bytes c(g), c(g + 8)
+        meta = torch.cat((torch.stack((ebits & 255, ebits >> 8), -1).reshape(S, C, 64), cb.reshape(S, C, 16)), -1)
+        meta = meta.to(torch.uint8).contiguous()
+    return DecodeWeight(codes, meta, N, qt.shape[-1], fmt_id, bool(wide) and fmt_id == 1)
+
+
+# --------------------------------------------------------------------------------------------------------------------
+# PyTorch emulation of the kernel's dequantization (bit for bit), for CPU tests
+# --------------------------------------------------------------------------------------------------------------------
+def _bf(bits: torch.Tensor) -> torch.Tensor:
+    """16-bit patterns (int64) -> float64 values of those bf16 numbers."""
+    b = torch.where(bits >= 2 ** 15, bits - 2 ** 16, bits).to(torch.int16)
+    return b.view(torch.bfloat16).double()
+
+
+def _bits(v: torch.Tensor) -> torch.Tensor:
+    """float64 values (exact in bf16 after one rounding) -> bf16 bits (int64)."""
+    return v.to(torch.float32).to(torch.bfloat16).view(torch.int16).to(torch.int64) & 0xFFFF
+
+
+def _halves(v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    return v & 0xFFFF, (v >> 16) & 0xFFFF
+
+
+def decode_layout_dequantize(dw: DecodeWeight) -> torch.Tensor:
+    """The fp32 weight ``[N, K]`` the kernel multiplies, computed with its bit operations in PyTorch (CPU tests)."""
+    S, C = dw.slabs, dw.chunks
+    w = dw.codes.to(torch.int64) & 0xFFFFFFFF  # [S, C, 32, 4]
+    lane = torch.arange(32, device=w.device)
+    g = (lane >> 2).view(1, 1, 32, 1)
+    s = torch.arange(4, device=w.device).view(1, 1, 1, 4)
+    vals = []
+    if dw.fmt_id == 1:
+        m = dw.meta.to(torch.int64).view(S, C, 8, 4)
+        m = m[:, :, (lane >> 2)]  # [S, C, 32, 4]: per lane its g's bytes
+        blk = (s >> 1)
+        for j in range(4):
+            src = (w << (12 - 4 * j)) & 0xFFFFFFFF
+            a = ((src >> 6) & 0x01C001C0) | (src & 0x80008000)
+            row = j & 1
+            sbyte = torch.gather(m, 3, (2 * row + blk).expand_as(w))
+            sx = sbyte + 126
+            if dw.wide:
+                f = torch.where(sbyte == 255, 0x7FC0, torch.clamp(sx, max=254) << 7)
+                f2 = (torch.clamp(sx - 254, min=0) + 127) << 7
+            else:
+                f = torch.where(sbyte == 255, 0x7FC0, (sx << 7) & 0xFFFF)
+            out = []
+            for half in _halves(a):
+                v = _bits(_bf(half) * _bf(f))
+                if dw.wide:
+                    v = _bits(_bf(v) * _bf(f2))
+                out.append(v)
+            vals.append(out)
+    else:
+        m = dw.meta.to(torch.int64)
+        ee = m[:, :, 0:64:2] | (m[:, :, 1:64:2] << 8)  # [S, C, 32]
+        cc = m[:, :, 64:80:2] | (m[:, :, 65:80:2] << 8)  # [S, C, 8]
+        cc = cc[:, :, (lane >> 2)]
+        for j in range(4):
+            row = j & 1
+            c = (cc >> (8 * row)) & 255
+            e = (ee.unsqueeze(-1) >> (8 * row + 2 * s)) & 3
+            base = ((((c >> 2) & 63) + 77) << 7) | ((c & 3) << 5)
+            base = torch.where(c == 255, 0x7FC0, base).unsqueeze(-1)
+            F = base + (e << 7)
+            mag_shift = 8 if j >= 2 else 0
+            t = w >> mag_shift
+            mask, magic, mv = ((0x00070007, 0x43004300, 128.0) if j % 2 == 0 else (0x00700070, 0x41004100, 8.0))
+            a = (t & mask) | magic
+            sign = (w << (12 - 4 * j)) & 0x80008000
+            neg = _bits(_bf(F) * -mv)
+            out = []
+            for ha, hs in zip(_halves(a), _halves(sign)):
+                v = _bits(_bf(ha) * _bf(F) + _bf(neg))
+                out.append(v ^ hs)
+            vals.append(out)
+    # place pair j (lo, hi) of lane (g, t), step s at row 8 (j & 1) + g, K 16 s + 4 t + 2 (j >> 1) + {0, 1}
+    full = torch.zeros((S, C, 2, 8, 4, 4, 2, 2), dtype=torch.float64)  # [S, C, h, g, s, t, pair, i]
+    for j in range(4):
+        for i_, half in enumerate(vals[j]):
+            v = _bf(half).view(S, C, 8, 4, 4)  # [S, C, g, t, s]
+            full[:, :, j & 1, :, :, :, j >> 1, i_] = v.permute(0, 1, 2, 4, 3)
+    full = full.permute(0, 2, 3, 1, 4, 5, 6, 7).reshape(S * 16, C * 64)
+    return full[: dw.n, : dw.k].float()
+
+
+# --------------------------------------------------------------------------------------------------------------------
+# Build, load, launch
+# --------------------------------------------------------------------------------------------------------------------
+#: Default tiles by (format id, token bucket): SPW slabs of 16 weight rows per warp, DEPTH chunks of 64 values in
+#: flight per warp (registers), WARPS per block (sharing each staged activation chunk), PER_SM target blocks per
+#: SM (split-K fills the GPU up to it).
+DECODE_TILES = {  # from --decode-sweep on the 7B MLP shapes (docs/PERFORMANCE.md)
+    **{(f, m): dict(SPW=2, DEPTH=2, WARPS=8, PER_SM=4) for f in (0, 1) for m in (8, 16)},
+    **{(f, m): dict(SPW=1, DEPTH=4, WARPS=4, PER_SM=4) for f in (0, 1) for m in (32, 64)},
+}
+#: Token counts up to which :func:`kernels.dispatch.decode_matmul` prefers this kernel to the Triton one.
+MAX_M = int(os.environ.get("MEGATRON_FP4_CUDA_DECODE_MAX_M", "64"))
+_LIBS: dict = {}
+_LOCK = threading.Lock()
+_ERR: Optional[str] = None
+
+
+def _nvcc() -> Optional[str]:
+    for cand in (shutil.which("nvcc"), os.path.join(os.environ.get("CUDA_HOME", "/usr/local/cuda"), "bin", "nvcc")):
+        if cand and os.path.exists(cand):
+            return cand
+    return None
+
+
+def _build_dir() -> str:
+    d = os.environ.get("MEGATRON_FP4_BUILD_DIR") or os.path.join(os.path.dirname(os.path.abspath(__file__)),
+                                                                 "_build")
+    try:
+        os.makedirs(d, exist_ok=True)
+        if os.access(d, os.W_OK):
+            return d
+    except OSError:
+        pass
+    d = os.path.join(tempfile.gettempdir(), "megatron_fp4_build")
+    os.makedirs(d, exist_ok=True)
+    return d
+
+
+def available() -> bool:
+    """Whether the CUDA decode kernel can serve: a Hopper GPU (sm_90), nvcc to build it, not disabled by
+    ``MEGATRON_FP4_CUDA_DECODE=0``, and no earlier build failure."""
+    if os.environ.get("MEGATRON_FP4_CUDA_DECODE", "1") == "0" or _ERR is not None:
+        return False
+    if not torch.cuda.is_available() or torch.cuda.get_device_capability() != (9, 0):
+        return False
+    return _nvcc() is not None
+
+
+def _compile(key: tuple) -> str:
+    """Path of the shared library of configuration ``key`` (fmt, wide, NT, SPW, DEPTH, WARPS), built if missing."""
+    global _ERR
+    fmt_id, wide, nt, spw, depth, warps = key
+    src = open(_SRC, "rb").read()
+    tag = hashlib.sha1(src + repr(tuple(int(v) for v in key)).encode()).hexdigest()[:16]
+    path = os.path.join(_build_dir(), f"w4_decode_{tag}.so")
+    if not os.path.exists(path):
+        tmp = f"{path}.{os.getpid()}.{threading.get_ident()}.tmp"
+        cmd = [_nvcc() or "nvcc", "-O3", "-std=c++17", "-gencode", "arch=compute_90a,code=sm_90a", "-shared",
+               "-Xcompiler", "-fPIC", f"-DFMT={fmt_id}", f"-DWIDE={int(wide)}", f"-DNT={nt}", f"-DSPW={spw}",
+               f"-DDEPTH={depth}", f"-DWARPS={warps}", _SRC, "-o", tmp]
+        r = subprocess.run(cmd, capture_output=True, text=True)
+        if r.returncode != 0:
+            _ERR = r.stderr[-2000:]
+            raise RuntimeError(f"building the CUDA decode kernel failed:\n{_ERR}")
+        os.replace(tmp, path)
+    return path
+
+
+def build(fmt_id: int, wide: bool, nt: int, spw: int, depth: int, warps: int):
+    """The compiled launcher of one configuration (built on first use; returns the ctypes function)."""
+    key = (fmt_id, int(wide), nt, spw, depth, warps)
+    fn = _LIBS.get(key)
+    if fn is not None:
+        return fn
+    path = _compile(key)
+    with _LOCK:
+        fn = _LIBS.get(key)
+        if fn is None:
+            fn = ctypes.CDLL(path).w4_decode_launch
+            fn.restype = ctypes.c_int
+            fn.argtypes = [ctypes.c_void_p] * 4 + [ctypes.c_int] * 8 + [ctypes.c_void_p]  # w4_decode_launch
+            _LIBS[key] = fn
+    return fn
+
+
+def prebuild(tiles: Optional[list] = None, nts=(2, 8), workers: int = 0) -> int:
+    """Compile configurations in parallel ahead of use: every default tile for both formats, the wide MXFP4
+    variant and every token bucket, plus ``tiles`` (dicts with SPW / DEPTH / WARPS) for token buckets ``nts``
+    (NT = tokens / 8). Returns how many."""
+    keys = {(f, w, nt, t["SPW"], t["DEPTH"], t["WARPS"]) for t in DECODE_TILES.values()
+            for f, w in ((0, 0), (1, 0), (1, 1)) for nt in (1, 2, 4, 8)}
+    keys |= {(f, 0, nt, t["SPW"], t["DEPTH"], t["WARPS"]) for t in tiles or [] for f in (0, 1) for nt in nts}
+    from concurrent.futures import ThreadPoolExecutor
+
+    with ThreadPoolExecutor(max_workers=workers or os.cpu_count() or 4) as ex:
+        list(ex.map(_compile, sorted(keys)))
+    return len(keys)
+
+
+def _nt(M: int) -> int:
+    return 1 if M <= 8 else 2 if M <= 16 else 4 if M <= 32 else 8
+
+
+def w4_decode(x: torch.Tensor, dw: DecodeWeight, config: Optional[dict] = None,
+              out: Optional[torch.Tensor] = None) -> torch.Tensor:
+    """fp32 ``x [M, K] . deq(W)^T`` for BF16 ``x`` (M <= 64) and a :class:`DecodeWeight` (CUDA, sm_90)."""
+    M = x.shape[0]
+    if not 0 < M <= 64:
+        raise ValueError(f"w4_decode is the decode kernel (0 < M <= 64), got M={M}")
+    kc = dw.chunks * 64
+    if x.dtype != torch.bfloat16:
+        x = x.to(torch.bfloat16)
+    if x.shape[1] != kc:
+        if x.shape[1] > kc:
+            raise ValueError(f"w4_decode: activation K {x.shape[1]} > weight K {kc}")
+        x = torch.nn.functional.pad(x, (0, kc - x.shape[1]))
+    if not x.is_contiguous() or x.data_ptr() % 16:
+        x = x.contiguous()
+    nt = _nt(M)
+    cfg = dict(DECODE_TILES[(dw.fmt_id, 8 * nt)])
+    if config:
+        cfg.update(config)
+    fn = build(dw.fmt_id, dw.wide, nt, cfg["SPW"], cfg["DEPTH"], cfg["WARPS"])
+    S, C = dw.slabs, dw.chunks
+    row_blocks = -(-S // (cfg["WARPS"] * cfg["SPW"]))
+    sms = torch.cuda.get_device_properties(x.device).multi_processor_count
+    split = cfg.get("SPLIT") or max(1, min(C, round(cfg["PER_SM"] * sms / row_blocks)))
+    cps = -(-C // split)
+    split = -(-C // cps)
+    if out is None:
+        out = (torch.zeros if split > 1 else torch.empty)((M, dw.n), dtype=torch.float32, device=x.device)
+    elif split > 1:
+        out.zero_()
+    err = fn(dw.codes.data_ptr(), dw.meta.data_ptr(), x.data_ptr(), out.data_ptr(), M, dw.n, S, C, x.stride(0),
+             out.stride(0), split, cps, torch.cuda.current_stream(x.device).cuda_stream)
+    if err:
+        raise RuntimeError(f"w4_decode launch failed (cudaError {err})")
+    return out

@@ -1,0 +1,127 @@
+"""The CUDA decode GEMM (kernels/cuda_decode.py, kernels/csrc/w4_decode.cu).
+
+CPU: the decode layout, read back with a PyTorch emulation of the kernel's bit operations, gives the reference
+quantizer's dequantized weight bit for bit (HiF4 and MXFP4, NaN units/blocks, MXFP4 wide scales, ragged N and K).
+GPU (``gpu``): the kernel itself, bit-exact on one-hot activations (each output is one weight value) and equal to
+the fp64 product of the same operands within fp32 summation error; the rollout dispatch path.
+"""
+
+import pytest
+import torch
+
+from kernels.cuda_decode import decode_layout_dequantize, to_decode_layout
+from megatron_fp4.formats import get_format
+
+
+def _weight(N, K, name, seed=0, specials=True):
+    g = torch.Generator().manual_seed(seed)
+    w = torch.randn(N, K, generator=g) * torch.exp(torch.randn(N, K, generator=g) * 2)
+    if specials:
+        w[1, : min(K, 70)] = float("nan")
+        w[2] = 0.0
+        w[min(4, N - 1), 5] = float("inf")
+        if name != "hif4":
+            w[min(6, N - 1), 10] = 3e5  # an MXFP4 block scale above 2^1: the two-factor path
+    return w
+
+
+def _same(a, b):
+    return torch.equal(torch.nan_to_num(a, nan=0.123), torch.nan_to_num(b, nan=0.123)) and torch.equal(
+        torch.isnan(a), torch.isnan(b))
+
+
+def _wide(qt):
+    return qt.fmt.name != "hif4" and bool((qt.scales.reshape(-1) > 128).any())
+
+
+@pytest.mark.parametrize("name", ["hif4", "mxfp4", "mxfp4_rceil"])
+@pytest.mark.parametrize("N,K", [(16, 64), (40, 192), (33, 96), (8, 32)])
+def test_decode_layout_reads_back_the_reference(name, N, K):
+    qt = get_format(name).quantize(_weight(N, K, name).to(torch.bfloat16), dim=-1)
+    dw = to_decode_layout(qt, _wide(qt))
+    assert dw.codes.shape[0] % 4 == 0 and dw.codes.shape[2:] == (32, 4)
+    assert _same(decode_layout_dequantize(dw), qt.dequantize().float())
+
+
+def test_decode_layout_mxfp4_without_wide_scales():
+    qt = get_format("mxfp4").quantize(_weight(24, 128, "mxfp4", specials=False) * 1e-3, dim=-1)
+    assert not _wide(qt)
+    assert _same(decode_layout_dequantize(to_decode_layout(qt, False)), qt.dequantize().float())
+
+
+def test_decode_layout_rejects_other_formats():
+    with pytest.raises(ValueError, match="HiF4/MXFP4"):
+        to_decode_layout(get_format("nvfp4").quantize(torch.randn(16, 64), dim=-1))
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# GPU
+# ---------------------------------------------------------------------------------------------------------------
+def _cuda_ready():
+    from kernels import cuda_decode
+
+    if not cuda_decode.available():
+        pytest.skip("CUDA decode kernel not available (needs sm_90 and nvcc)")
+    return cuda_decode
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("name", ["hif4", "mxfp4"])
+@pytest.mark.parametrize("tile", [None, dict(SPW=2, DEPTH=2, WARPS=4, PER_SM=2), dict(SPW=1, DEPTH=8, WARPS=8,
+                                                                                      PER_SM=4)])
+def test_gpu_decode_bit_exact_one_hot(name, tile):
+    cd = _cuda_ready()
+    N, K = 72, 320
+    qt = get_format(name).quantize(_weight(N, K, name).to(torch.bfloat16).cuda(), dim=-1)
+    dw = to_decode_layout(qt, _wide(qt))
+    ref = qt.dequantize().float()
+    ref[ref.isnan().any(dim=1)] = float("nan")  # a NaN weight times the zero activations: NaN outputs
+    for M in (64, 16, 5):
+        got = torch.empty_like(ref)
+        for k0 in range(0, K, M):
+            ks = torch.arange(k0, min(K, k0 + M), device="cuda")
+            x = torch.zeros(len(ks), dw.chunks * 64, dtype=torch.bfloat16, device="cuda")
+            x[torch.arange(len(ks)), ks] = 1.0
+            got[:, ks] = cd.w4_decode(x, dw, config=tile).t()
+        assert _same(got, ref), (name, M)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("name", ["hif4", "mxfp4", "mxfp4_rceil"])
+@pytest.mark.parametrize("M", [1, 7, 16, 33, 64])
+def test_gpu_decode_matches_fp64_product(name, M):
+    cd = _cuda_ready()
+    N, K = 1000, 1056  # ragged slabs; K a multiple of 32, not of 64
+    w = (torch.randn(N, K, device="cuda") * 0.05).to(torch.bfloat16)
+    qt = get_format(name).quantize(w, dim=-1)
+    dw = to_decode_layout(qt, _wide(qt))
+    x = torch.randn(M, K, device="cuda").to(torch.bfloat16)
+    ref = x.double() @ qt.dequantize().double().t()
+    for tile in (None, dict(SPW=2, DEPTH=4, WARPS=4, PER_SM=4), dict(SPLIT=1)):
+        got = cd.w4_decode(x, dw, config=tile)
+        assert got.shape == (M, N) and got.dtype == torch.float32
+        assert ((got.double() - ref).norm() / ref.norm()).item() < 1e-5
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("name", ["hif4", "mxfp4"])
+def test_gpu_dispatch_decode_uses_cuda_kernel(name):
+    _cuda_ready()
+    from kernels import dispatch
+    from megatron_fp4.resq import resq_activation
+
+    f = get_format(name)
+    w = (torch.randn(512, 768, device="cuda") * 0.05).to(torch.bfloat16)
+    pw = dispatch.prepare_weight(w, name)
+    assert pw.decode is not None
+    wq = f.fake_quantize(w.float(), dim=-1).double()
+    for M in (8, 24, 48, 64):  # the decode kernel up to DECODE_KERNEL_MAX_M, cuBLAS on the expansions above
+        x = torch.randn(M, 768, device="cuda").to(torch.bfloat16)
+        cases = [(dict(activations="bf16"), x.double()),
+                 (dict(activations="fp4"), f.fake_quantize(x.float(), dim=-1).double()),
+                 (dict(resq="2:4", resq_combine="bf16"),
+                  resq_activation(x, name, "2:4", out_dtype=torch.bfloat16).double())]
+        for kw, a in cases:
+            ref = a @ wq.t()
+            got = dispatch.linear(x, pw, **kw).double()
+            assert ((got - ref).norm() / ref.norm()).item() < 1e-5, (M, kw)
