@@ -245,6 +245,90 @@ def sweep_decode():
     return out
 
 
+#: (SPW, DEPTH, WARPS, PER_SM) tiles of the CUDA decode kernel timed by --decode-sweep.
+SWEEP_TILES = ((2, 2, 8, 2), (2, 2, 8, 1), (2, 2, 8, 4), (1, 2, 8, 2), (1, 4, 8, 2), (2, 4, 8, 2), (2, 2, 4, 4),
+               (1, 2, 4, 4), (1, 4, 4, 4), (2, 4, 4, 2), (4, 2, 4, 2), (4, 2, 8, 1))
+DECODE_SHAPES = [(3584, 18944), (18944, 3584), (1536, 8960), (8960, 1536), (1536, 2048), (1536, 1536)]  # (K, N)
+
+
+def bench_decode(shapes, ms_list=(16, 64), sweep=False):
+    """Issue 20's decode table: the CUDA decode kernel (kernels.cuda_decode) against cuBLAS BF16 (and the Triton
+    decode kernel), W4A16, W4A4 on the exact BF16 expansion (GEMM alone and quantize + GEMM) and ResQ 2:4 in its
+    bf16-sum form (quantize + GEMM), both formats; every column a CUDA-graph replay with weights rotated through
+    more than the L2. Each CUDA result is checked against the fp64 product of the same operands."""
+    from kernels import cuda_decode as cd
+    from kernels.dispatch import prepare_weight
+
+    rows, sweep_rows = [], []
+    for (K, N) in shapes:
+        nw = copies_for(N * K // 2)
+        ws = [torch.randn(N, K, device="cuda", dtype=torch.bfloat16) * 0.02 for _ in range(max(2, nw))]
+        wb = ws[: min(len(ws), copies_for(N * K * 2))]
+        preps = {fmt: [prepare_weight(w, fmt) for w in ws] for fmt in ("hif4", "mxfp4")}
+        for M in ms_list:
+            xs = [torch.randn(M, K, device="cuda", dtype=torch.bfloat16) for _ in range(len(ws))]
+            res = {"K": K, "N": N, "M": M}
+
+            def rec(name, ms):
+                res[name] = {"ms": ms, "TFLOP/s": 2 * M * N * K / ms / 1e9}
+
+            rec("cublas_bf16", bench([lambda i=i: xs[i] @ wb[i % len(wb)].t() for i in range(len(ws))], graph=True))
+            for fmt in ("hif4", "mxfp4"):
+                ps = preps[fmt]
+                n = len(ps)
+                exs = [quantize(xi, fmt, expand="bf16")[1].values for xi in xs]
+                sums = [resq_quantize(xi, fmt, expand="sum")[2].values for xi in xs]
+                # exactness: the CUDA kernel against the fp64 product of the same operands
+                ref = exs[0].double() @ ps[0].packed.dequantize().double().t()
+                got = cd.w4_decode(exs[0], ps[0].decode).double()
+                res[f"{fmt}_cuda_relerr"] = float((got - ref).norm() / ref.norm())
+                rec(f"{fmt}_w4a16_cuda", bench([lambda i=i: cd.w4_decode(xs[i], ps[i].decode) for i in range(n)],
+                                               graph=True))
+                rec(f"{fmt}_w4a4_gemm_cuda", bench([lambda i=i: cd.w4_decode(exs[i], ps[i].decode)
+                                                    for i in range(n)], graph=True))
+                rec(f"{fmt}_w4a4_e2e_cuda", bench([lambda i=i: cd.w4_decode(
+                    quantize(xs[i], fmt, expand="bf16")[1].values, ps[i].decode) for i in range(n)], graph=True))
+                rec(f"{fmt}_resq24sum_e2e_cuda", bench([lambda i=i: cd.w4_decode(
+                    resq_quantize(xs[i], fmt, expand="sum")[2].values, ps[i].decode) for i in range(n)], graph=True))
+                rec(f"{fmt}_resq24sum_gemm_cuda", bench([lambda i=i: cd.w4_decode(sums[i], ps[i].decode)
+                                                         for i in range(n)], graph=True))
+                rec(f"{fmt}_w4a16_triton", bench([lambda i=i: w4_matmul(xs[i], ps[i].packed, wide=ps[i].wide)
+                                                  for i in range(n)], graph=True))
+                if sweep and (K, N) in ((3584, 18944), (18944, 3584)):
+                    for spw, depth, warps, per_sm in SWEEP_TILES:
+                        cfg = dict(SPW=spw, DEPTH=depth, WARPS=warps, PER_SM=per_sm)
+                        try:
+                            ms = bench([lambda i=i: cd.w4_decode(exs[i], ps[i].decode, config=cfg)
+                                        for i in range(n)], graph=True)
+                        except Exception as e:  # noqa: BLE001
+                            ms = float("nan")
+                            print("  config failed", cfg, type(e).__name__, str(e)[:300], flush=True)
+                        sweep_rows.append({"K": K, "N": N, "M": M, "fmt": fmt, **cfg, "us": ms * 1e3})
+                        print(f"  cuda decode sweep {fmt} {K}x{N} M={M} {cfg}: {ms * 1e3:.1f} us", flush=True)
+            rows.append(res)
+            base = res["cublas_bf16"]["ms"]
+            print(f"  K={K} N={N} M={M}: " + " ".join(
+                f"{k}={v['ms'] * 1e3:.1f}({base / v['ms']:.2f}x)" for k, v in res.items() if isinstance(v, dict)),
+                flush=True)
+    return rows, sweep_rows
+
+
+def decode_markdown(d):
+    """Markdown of a decode results JSON (bench_decode), with issue 20's targets."""
+    cols = [("cublas_bf16", "cuBLAS bf16"), ("hif4_w4a16_cuda", "HiF4 W4A16"), ("hif4_w4a4_gemm_cuda", "HiF4 W4A4"),
+            ("hif4_w4a4_e2e_cuda", "HiF4 quant+W4A4"), ("hif4_resq24sum_e2e_cuda", "HiF4 ResQ bf16-sum quant+GEMM"),
+            ("mxfp4_w4a16_cuda", "MXFP4 W4A16"), ("mxfp4_w4a4_gemm_cuda", "MXFP4 W4A4"),
+            ("mxfp4_w4a4_e2e_cuda", "MXFP4 quant+W4A4"),
+            ("mxfp4_resq24sum_e2e_cuda", "MXFP4 ResQ bf16-sum quant+GEMM"),
+            ("hif4_w4a16_triton", "HiF4 W4A16 (Triton)"), ("mxfp4_w4a16_triton", "MXFP4 W4A16 (Triton)")]
+    lines = ["| K x N | M | " + " | ".join(c[1] for c in cols) + " |", "|---|---|" + "---|" * len(cols)]
+    for r in d["decode"]:
+        base = r["cublas_bf16"]["ms"]
+        cells = [f"{r[k]['ms'] * 1e3:.1f} ({base / r[k]['ms']:.2f}x)" if k in r else "" for k, _ in cols]
+        lines.append(f"| {r['K']}x{r['N']} | {r['M']} | " + " | ".join(cells) + " |")
+    return "\n".join(lines)
+
+
 def markdown(path):
     """Render a results JSON as the markdown tables of docs/PERFORMANCE.md (no GPU needed)."""
     d = json.load(open(path))
@@ -295,11 +379,36 @@ def main():
     p.add_argument("--quantize-only", action="store_true", help="only the quantize kernels (no GEMMs)")
     p.add_argument("--no-quantize", action="store_true", help="skip the quantize kernels (GEMMs only)")
     p.add_argument("--shapes", help="comma-separated KxN subset of the default shapes, e.g. 2048x2048,3584x18944")
+    p.add_argument("--decode", action="store_true",
+                   help="only issue 20's decode table (CUDA decode kernel vs cuBLAS BF16 at M = 16 and 64) "
+                        "-> --out (default benchmarks/results/decode_h200.json)")
+    p.add_argument("--decode-sweep", action="store_true", help="with --decode: also sweep the CUDA kernel's tiles")
     p.add_argument("--merge", nargs="+", metavar="JSON",
                    help="write --out as these results files' GEMM rows in one file (runs split over GPUs), exit")
     args = p.parse_args()
     if args.markdown:
-        print(markdown(args.markdown))
+        d = json.load(open(args.markdown))
+        print(decode_markdown(d) if "decode" in d else markdown(args.markdown))
+        return
+    if args.decode:
+        out = args.out if args.out != p.get_default("out") else "benchmarks/results/decode_h200.json"
+        t0 = time.time()
+        dev = torch.cuda.get_device_name()
+        copy_gbs, bf16_peak = ceilings()
+        shapes = DECODE_SHAPES
+        if args.shapes:
+            shapes = [tuple(int(v) for v in s.split("x")) for s in args.shapes.split(",")]
+        rows, sweep_rows = bench_decode(shapes, sweep=args.decode_sweep)
+        from kernels import cuda_decode as cd
+        d = {"gpu": dev, "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()), "torch": torch.__version__,
+             "triton": triton.__version__, "copy_GBps": copy_gbs, "cublas_bf16_8192_TFLOPs": bf16_peak,
+             "tiles": {f"{f} M<={m}": v for (f, m), v in cd.DECODE_TILES.items()}, "decode": rows,
+             "sweep": sweep_rows, "wall_s": time.time() - t0}
+        os.makedirs(os.path.dirname(out) or ".", exist_ok=True)
+        with open(out, "w") as fh:
+            json.dump(d, fh, indent=1)
+        print(decode_markdown(d))
+        print(f"wrote {out} in {time.time() - t0:.0f} s")
         return
     if args.merge:
         parts = [json.load(open(f)) for f in args.merge]

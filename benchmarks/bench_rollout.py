@@ -1,10 +1,22 @@
-"""Native rollout engine benchmark: tokens/s, weight-sync time and rollout/teacher-forced logprob mismatch for
-every rollout precision of the paper's table, on a randomly initialized Qwen2.5-shaped megatron-core GPTModel.
+"""Rollout engine benchmark: generation tokens/s at a fixed batch, prompt and response length, per model shape and
+rollout precision, with the rollout-vs-eager logprob check; one table, JSON under benchmarks/results/.
 
-    python benchmarks/bench_rollout.py --shape qwen2.5-0.5b --batch 64 --new-tokens 256
+    PYTHONPATH=. python benchmarks/bench_rollout.py --backend native --shapes qwen2.5-1.5b,qwen2.5-7b \\
+        --batch 64 --prompt-len 128 --new-tokens 128 --out benchmarks/results/rollout_h200.json
 
-Prints a table and writes benchmarks/results/bench_rollout.json. Numbers use the PyTorch reference quantizers
-(fake-quantize + dense GEMM), not FP4 kernels: they measure the engine, not FP4 GEMM speed.
+Models are randomly initialized Qwen2.5-shaped megatron-core GPTModels in bf16 (weights std 0.02); prompts are
+random token ids of exactly --prompt-len tokens; no stop tokens, so every sample has --new-tokens tokens.
+Each row: one warm-up generate (graph capture, kernel autotuning), then --repeats timed generates (median). The
+logprob checks, max and mean over --check-samples samples: the graph path's logprobs against the same decode steps
+run eagerly (the engine's "static" path) teacher-forced on the same tokens, and against one teacher-forced full
+forward in the same precision (megatron-core, :func:`megatron_fp4.rollout.teacher_forced_logprobs`); ``--eager-baseline`` also times the engine's megatron path (the reference) on the first
+shape in BF16 and scores its tokens through the graph path (teacher-forced), and ``--hf-anchor`` times HF
+transformers' ``generate`` with a static cache on the same shape.
+
+Backends: "native" (:class:`megatron_fp4.rollout.NativeRolloutEngine`; ``--decode`` picks its path). Another
+backend adds a ``make_engine`` branch returning an object with ``generate(prompts, SamplingParams)`` and, for the
+logprob check, the model whose teacher-forced logprobs are the reference (rows keep the same schema:
+``{"backend", "shape", "precision", "batch", "tokens_per_s", ...}``).
 """
 
 from __future__ import annotations
@@ -12,9 +24,13 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import statistics
+import sys
 import time
 
 import torch
+
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
 
 SHAPES = {
     "tiny": dict(num_layers=2, hidden_size=128, ffn_hidden_size=256, num_attention_heads=4, num_query_groups=2,
@@ -23,110 +39,198 @@ SHAPES = {
                          num_query_groups=2, vocab_size=151936),
     "qwen2.5-1.5b": dict(num_layers=28, hidden_size=1536, ffn_hidden_size=8960, num_attention_heads=12,
                          num_query_groups=2, vocab_size=151936),
+    "qwen2.5-7b": dict(num_layers=28, hidden_size=3584, ffn_hidden_size=18944, num_attention_heads=28,
+                       num_query_groups=4, vocab_size=152064),
 }
+
+#: --precisions names -> RolloutPrecision arguments.
+PRECISIONS = {
+    "bf16": ("bf16",),
+    "w4a16/hif4": ("w4a16", "hif4"), "w4a16/mxfp4": ("w4a16", "mxfp4"),
+    "w4a4/hif4": ("w4a4", "hif4"), "w4a4/mxfp4": ("w4a4", "mxfp4"),
+    "w4a4+resq2:4+bf16sum/hif4": ("w4a4", "hif4", "2:4", "resq", 1 / 64, "bf16"),
+    "w4a4+resq2:4+bf16sum/mxfp4": ("w4a4", "mxfp4", "2:4", "resq", 1 / 64, "bf16"),
+    "w4a4+resq2:4/hif4": ("w4a4", "hif4", "2:4"), "w4a4+resq2:4/mxfp4": ("w4a4", "mxfp4", "2:4"),
+}
+DEFAULT_PRECISIONS = "bf16,w4a16/hif4,w4a16/mxfp4,w4a4+resq2:4+bf16sum/hif4,w4a4+resq2:4+bf16sum/mxfp4"
+
+
+def _diffs(a, b):
+    d = torch.tensor([abs(x - y) for s, r in zip(a, b) for x, y in zip(s, r)], dtype=torch.float64)
+    return float(d.max()), float(d.mean())
+
+
+def hf_anchor(shape: dict, batch: int, prompt_len: int, new_tokens: int, repeats: int) -> dict:
+    """tokens/s of HF transformers' Qwen2 ``generate`` with a static KV cache (random weights, sampling)."""
+    import transformers
+
+    cfg = transformers.Qwen2Config(vocab_size=shape["vocab_size"], hidden_size=shape["hidden_size"],
+                                   intermediate_size=shape["ffn_hidden_size"],
+                                   num_hidden_layers=shape["num_layers"],
+                                   num_attention_heads=shape["num_attention_heads"],
+                                   num_key_value_heads=shape["num_query_groups"],
+                                   max_position_embeddings=prompt_len + new_tokens + 64)
+    torch.set_default_dtype(torch.bfloat16)
+    try:
+        with torch.device("cuda"):
+            model = transformers.Qwen2ForCausalLM(cfg).eval()
+    finally:
+        torch.set_default_dtype(torch.float32)
+    ids = torch.randint(10, shape["vocab_size"], (batch, prompt_len), device="cuda")
+    kw = dict(max_new_tokens=new_tokens, min_new_tokens=new_tokens, do_sample=True, cache_implementation="static",
+              attention_mask=torch.ones_like(ids), pad_token_id=0)
+    times = []
+    with torch.no_grad():
+        for i in range(repeats + 1):
+            torch.cuda.synchronize()
+            t0 = time.perf_counter()
+            out = model.generate(ids, **kw)
+            torch.cuda.synchronize()
+            if i:
+                times.append(time.perf_counter() - t0)
+    n = (out.shape[1] - prompt_len) * batch
+    del model
+    torch.cuda.empty_cache()
+    return dict(tokens_per_s=n / statistics.median(times), seconds=statistics.median(times),
+                transformers=transformers.__version__)
 
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--shape", default="tiny", choices=sorted(SHAPES))
-    ap.add_argument("--batch", type=int, default=16)
-    ap.add_argument("--prompt-len", type=int, default=64)
-    ap.add_argument("--new-tokens", type=int, default=64)
-    ap.add_argument("--formats", default="hif4,mxfp4")
-    ap.add_argument("--dtype", default="bf16", choices=("bf16", "fp32"))
-    ap.add_argument("--kernels", action="store_true", help="serve covered rollout GEMMs with the Triton kernels")
-    ap.add_argument("--out", default=os.path.join(os.path.dirname(__file__), "results", "bench_rollout.json"))
+    ap.add_argument("--backend", default="native", choices=("native",))
+    ap.add_argument("--shapes", default="qwen2.5-1.5b")
+    ap.add_argument("--precisions", default=DEFAULT_PRECISIONS,
+                    help=f"comma-separated, of: {', '.join(PRECISIONS)}")
+    ap.add_argument("--batch", type=int, default=64)
+    ap.add_argument("--prompt-len", type=int, default=128)
+    ap.add_argument("--new-tokens", type=int, default=128)
+    ap.add_argument("--decode", default="auto", help="native engine path: auto, graph, static, megatron")
+    ap.add_argument("--repeats", type=int, default=2)
+    ap.add_argument("--check-samples", type=int, default=16)
+    ap.add_argument("--eager-baseline", action="store_true",
+                    help="also time the megatron path (BF16, first shape) and score its tokens via the graph path")
+    ap.add_argument("--hf-anchor", action="store_true", help="also time HF transformers generate (static cache)")
+    ap.add_argument("--out", default=os.path.join(os.path.dirname(__file__), "results", "rollout.json"))
     a = ap.parse_args()
+    unknown = [p for p in a.precisions.split(",") if p not in PRECISIONS]
+    if unknown:
+        ap.error(f"--precisions: unknown {unknown}; allowed: {', '.join(PRECISIONS)}")
 
     from megatron_fp4.models import GPTModelArgs, build_gpt_model
     from megatron_fp4.parallel import initialize_parallel
-    from megatron_fp4.resq import RolloutPrecision, paper_rollout_precisions
-    from megatron_fp4.rollout import (NativeRolloutEngine, RolloutUnderflowMonitor, SamplingParams,
-                                      teacher_forced_logprobs)
+    from megatron_fp4.resq import RolloutPrecision
+    from megatron_fp4.rollout import NativeRolloutEngine, SamplingParams, teacher_forced_logprobs
 
     initialize_parallel(1, 1, seed=0)
-    kernels_on = False
-    if a.kernels:
-        from megatron_fp4.rollout.kernels_backend import register_kernel_backend
-        kernels_on = register_kernel_backend()
-        print(f"kernel backend registered: {kernels_on}")
-    dtype = torch.bfloat16 if a.dtype == "bf16" else torch.float32
-    args = GPTModelArgs(**SHAPES[a.shape], max_seq_len=a.prompt_len + a.new_tokens + 8, add_qkv_bias=True,
-                        params_dtype=dtype, init_method_std=0.02)
-    model = build_gpt_model(args)
-    device = next(model.parameters()).device
-    g = torch.Generator().manual_seed(0)
-    lens = torch.randint(a.prompt_len // 2, a.prompt_len + 1, (a.batch,), generator=g).tolist()
-    prompts = [torch.randint(10, args.vocab_size, (n,), generator=g).tolist() for n in lens]
-    params = SamplingParams(temperature=1.0, max_new_tokens=a.new_tokens, seed=0)
-
-    precisions = {"BF16": RolloutPrecision("bf16")}
-    for fmt in a.formats.split(","):
-        for name, p in paper_rollout_precisions(fmt).items():
-            if p.mode != "bf16":
-                precisions[f"{name} [{fmt}]"] = p
-        precisions[f"FP4 + ResQ dense [{fmt}]"] = RolloutPrecision("w4a4", fmt, "dense")
-        precisions[f"FP4 + OCC [{fmt}]"] = RolloutPrecision("w4a4", fmt, activation_method="occ")
-
-    rows = []
-    engine = NativeRolloutEngine(model, RolloutPrecision("bf16"))
-    engine.generate(prompts[:2], SamplingParams(max_new_tokens=4, seed=0))  # warm-up
-    for name, p in precisions.items():
-        engine.set_precision(p)
-        sync = engine.update_weights(model.named_parameters())
-        samples = engine.generate(prompts, params)
-        st = dict(engine.last_generate_stats)
-        sub = list(range(min(8, len(prompts))))
-        ref = teacher_forced_logprobs(model, [prompts[i] for i in sub], [samples[i].token_ids for i in sub], p)
-        diffs = torch.tensor([abs(x - y) for i, r in zip(sub, ref) for x, y in zip(samples[i].logprobs, r)])
-        row = dict(name=name, precision=p.label, tokens_per_s=st["tokens_per_s"], seconds=st["seconds"],
-                   generated_tokens=st["generated_tokens"], weight_sync_s=sync.total_seconds,
-                   weight_quantize_s=sync.quantize_seconds, logp_mismatch_mean=float(diffs.mean()),
-                   logp_mismatch_max=float(diffs.max()))
-        rows.append(row)
-        print(f"{name:28s} {st['tokens_per_s']:10.1f} tok/s  sync {sync.total_seconds:7.3f}s "
-              f"(quant {sync.quantize_seconds:6.3f}s)  |dlogp| mean {row['logp_mismatch_mean']:.2e} "
-              f"max {row['logp_mismatch_max']:.2e}", flush=True)
-
-    kernel_check = []
-    if kernels_on:
-        # kernels vs the PyTorch reference on the same model: greedy tokens and logprobs
-        from megatron_fp4.rollout.kernels_backend import unregister_kernel_backend, register_kernel_backend
-        greedy = SamplingParams(temperature=0.0, max_new_tokens=32)
-        sub = prompts[:8]
-        for fmt in a.formats.split(","):
-            for p in (RolloutPrecision("w4a4", fmt), RolloutPrecision("w4a4", fmt, "2:4"),
-                      RolloutPrecision("w4a16", fmt)):
-                engine.set_precision(p)
-                t0 = time.perf_counter(); ker = engine.generate(sub, greedy); tk = time.perf_counter() - t0
-                unregister_kernel_backend()
-                engine.set_precision(p)
-                t0 = time.perf_counter(); ref = engine.generate(sub, greedy); tr = time.perf_counter() - t0
-                tf = teacher_forced_logprobs(model, sub, [s.token_ids for s in ker], p)
-                register_kernel_backend()
-                same = sum(x.token_ids == y.token_ids for x, y in zip(ker, ref)) / len(sub)
-                d = max(abs(x - y) for s, r in zip(ker, tf) for x, y in zip(s.logprobs, r))
-                kernel_check.append(dict(precision=p.label, identical_greedy=same, max_logp_diff_vs_reference=d,
-                                         kernel_s=tk, reference_s=tr))
-                print(f"kernels {p.label:22s} identical greedy {same:.2f}  max|dlogp| vs reference {d:.2e}  "
-                      f"{tk:.2f}s vs {tr:.2f}s", flush=True)
-
-    underflow = {}
-    for fmt in a.formats.split(","):
-        engine.set_precision(RolloutPrecision("w4a4", fmt))
-        with RolloutUnderflowMonitor(model, fmt, "2:4") as mon:
-            engine.generate(prompts[:8], SamplingParams(max_new_tokens=16, seed=0))
-        underflow[fmt] = mon.collect()
-        worst = sorted(underflow[fmt].items(), key=lambda kv: -kv[1]["fp4"])[:4]
-        for n, r in worst:
-            print(f"underflow {fmt} {n:45s} fp4 {r['fp4']:.3f}  resq2:4 {r['resq']:.3f}")
-
-    info = dict(shape=a.shape, batch=a.batch, prompt_len=a.prompt_len, new_tokens=a.new_tokens, dtype=a.dtype,
-                device=torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu",
-                date=time.strftime("%Y-%m-%d"), torch=torch.__version__, kernels=kernels_on)
-    os.makedirs(os.path.dirname(a.out), exist_ok=True)
+    rows, anchors, checks = [], [], []
+    t_start = time.time()
+    for si, shape in enumerate(a.shapes.split(",")):
+        torch.manual_seed(0)
+        args = GPTModelArgs(**SHAPES[shape], max_seq_len=a.prompt_len + a.new_tokens + 64, add_qkv_bias=True,
+                            params_dtype=torch.bfloat16, init_method_std=0.02)
+        model = build_gpt_model(args).eval()
+        g = torch.Generator().manual_seed(0)
+        prompts = [torch.randint(10, args.vocab_size, (a.prompt_len,), generator=g).tolist() for _ in range(a.batch)]
+        params = SamplingParams(temperature=1.0, max_new_tokens=a.new_tokens, seed=0)
+        engine = NativeRolloutEngine(model, RolloutPrecision("bf16"), decode=a.decode, max_batch_size=a.batch)
+        sub = list(range(min(a.check_samples, a.batch)))
+        for name in a.precisions.split(","):
+            p = RolloutPrecision(*PRECISIONS[name])
+            engine.set_precision(p)
+            t0 = time.perf_counter()
+            samples = engine.generate(prompts, params)
+            first = time.perf_counter() - t0
+            warm = dict(engine.last_generate_stats)
+            times = []
+            for _ in range(a.repeats):
+                samples = engine.generate(prompts, params)
+                times.append(engine.last_generate_stats["seconds"])
+            st = dict(engine.last_generate_stats)
+            sync = engine.update_weights(model.named_parameters())
+            samples2 = engine.generate(prompts, params)
+            after_sync = dict(engine.last_generate_stats)
+            ref = teacher_forced_logprobs(model, [prompts[i] for i in sub], [samples[i].token_ids for i in sub], p)
+            dmax, dmean = _diffs([samples[i].logprobs for i in sub], ref)
+            gmax = gmean = None
+            if st.get("path") == "graph":  # the same decode steps run eagerly, teacher-forced on the graph's tokens
+                engine.decode = "static"
+                eager_lp = engine.forced_logprobs([prompts[i] for i in sub], [samples[i].token_ids for i in sub])
+                engine.decode = "graph"
+                gmax, gmean = _diffs([samples[i].logprobs for i in sub], eager_lp)
+            n_tok = sum(len(s.token_ids) for s in samples)
+            row = dict(backend=a.backend, shape=shape, precision=p.label, batch=a.batch, prompt_len=a.prompt_len,
+                       new_tokens=a.new_tokens, tokens_per_s=n_tok / statistics.median(times),
+                       seconds=statistics.median(times), generated_tokens=n_tok, path=st.get("path"),
+                       first_call_s=first, capture_s=warm.get("capture_seconds", 0.0), graphs=st.get("graphs"),
+                       weight_sync_s=sync.total_seconds, weight_quantize_s=sync.quantize_seconds,
+                       tokens_per_s_after_sync=after_sync["tokens_per_s"],
+                       capture_s_after_sync=after_sync.get("capture_seconds", 0.0),
+                       logp_graph_vs_eager_max=gmax, logp_graph_vs_eager_mean=gmean,
+                       logp_vs_teacher_forced_max=dmax, logp_vs_teacher_forced_mean=dmean, check_samples=len(sub))
+            rows.append(row)
+            print(f"{a.backend} {shape} {p.label:28s} {row['tokens_per_s']:9.0f} tok/s ({row['seconds']:.2f} s; "
+                  f"first {first:.1f} s, capture {row['capture_s']:.1f} s; after sync "
+                  f"{row['tokens_per_s_after_sync']:.0f} tok/s, recapture {row['capture_s_after_sync']:.2f} s) "
+                  f"|dlogp| graph vs eager steps max {gmax or 0:.2e} mean {gmean or 0:.2e}; vs teacher-forced full "
+                  f"forward max {dmax:.2e} mean {dmean:.2e}", flush=True)
+            del samples2
+        if a.eager_baseline and si == 0:
+            engine.set_precision(RolloutPrecision("bf16"))
+            eager = NativeRolloutEngine(model, RolloutPrecision("bf16"), decode="megatron")
+            eager.generate(prompts[:4], SamplingParams(max_new_tokens=4, seed=0))
+            es = eager.generate(prompts, params)
+            st = eager.last_generate_stats
+            rows.append(dict(backend=a.backend, shape=shape, precision="bf16", batch=a.batch,
+                             prompt_len=a.prompt_len, new_tokens=a.new_tokens, tokens_per_s=st["tokens_per_s"],
+                             seconds=st["seconds"], generated_tokens=st["generated_tokens"], path="megatron"))
+            forced = engine.forced_logprobs(prompts, [s.token_ids for s in es])
+            dmax, dmean = _diffs([s.logprobs for s in es], forced)
+            tf = teacher_forced_logprobs(model, [prompts[i] for i in sub], [es[i].token_ids for i in sub],
+                                         RolloutPrecision("bf16"))
+            tmax, tmean = _diffs([es[i].logprobs for i in sub], tf)
+            checks.append(dict(shape=shape, precision="bf16", what="megatron-path samples against the teacher-forced "
+                               "full forward (the reference's own bf16 noise)", max=tmax, mean=tmean,
+                               samples=len(sub)))
+            checks.append(dict(shape=shape, precision="bf16", what="megatron-path samples, logprobs of the same "
+                               "tokens through the graph path (teacher-forced decode steps)",
+                               max=dmax, mean=dmean, samples=len(es)))
+            print(f"{a.backend} {shape} bf16 megatron path {st['tokens_per_s']:9.0f} tok/s; graph path forced on its "
+                  f"tokens: |dlogp| max {dmax:.2e} mean {dmean:.2e}; megatron path vs teacher-forced forward: "
+                  f"max {tmax:.2e} mean {tmean:.2e}", flush=True)
+        del engine, model
+        torch.cuda.empty_cache()
+        if a.hf_anchor and si == 0:
+            try:
+                r = hf_anchor(SHAPES[shape], a.batch, a.prompt_len, a.new_tokens, a.repeats)
+                anchors.append(dict(backend="hf-transformers-static", shape=shape, precision="bf16", batch=a.batch,
+                                    prompt_len=a.prompt_len, new_tokens=a.new_tokens, **r))
+                print(f"hf transformers static cache {shape} bf16 {r['tokens_per_s']:9.0f} tok/s", flush=True)
+            except Exception as e:  # noqa: BLE001
+                anchors.append(dict(backend="hf-transformers-static", shape=shape, error=f"{type(e).__name__}: {e}"))
+                print(f"hf anchor failed: {type(e).__name__}: {str(e)[:300]}", flush=True)
+    info = dict(device=torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu",
+                date=time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()), torch=torch.__version__,
+                batch=a.batch, prompt_len=a.prompt_len, new_tokens=a.new_tokens, decode=a.decode,
+                sampling="temperature 1, no stop tokens", wall_s=time.time() - t_start)
+    os.makedirs(os.path.dirname(a.out) or ".", exist_ok=True)
     with open(a.out, "w") as f:
-        json.dump(dict(info=info, rows=rows, kernel_check=kernel_check, underflow=underflow), f, indent=1)
+        json.dump(dict(info=info, rows=rows + anchors, checks=checks), f, indent=1)
+    print("\n| backend | shape | precision | path | batch | tok/s | vs engine BF16 | |dlogp| graph vs eager max / mean "
+          "| |dlogp| vs teacher-forced max / mean |")
+    print("|---|---|---|---|---|---|---|---|---|")
+    for r in rows + anchors:
+        base = next((b["tokens_per_s"] for b in rows if b["shape"] == r.get("shape") and b["precision"] == "bf16"
+                     and b.get("path") != "megatron"), None)
+        tps = r.get("tokens_per_s")
+        rel = f"{tps / base:.2f}x" if tps and base else ""
+        ge = (f"{r['logp_graph_vs_eager_max']:.1e} / {r['logp_graph_vs_eager_mean']:.1e}"
+              if r.get("logp_graph_vs_eager_max") is not None else "")
+        lp = (f"{r['logp_vs_teacher_forced_max']:.1e} / {r['logp_vs_teacher_forced_mean']:.1e}"
+              if "logp_vs_teacher_forced_max" in r else "")
+        print(f"| {r['backend']} | {r.get('shape')} | {r.get('precision')} | {r.get('path', '')} | {r.get('batch')} | "
+              f"{tps or float('nan'):.0f} | {rel} | {ge} | {lp} |")
+    for c in checks:
+        print(f"check {c['shape']} {c['precision']}: {c['what']}: max {c['max']:.2e} mean {c['mean']:.2e}")
     print(f"wrote {a.out}")
 
 
