@@ -25,8 +25,9 @@ from typing import Any, Callable
 import numpy as np
 import torch
 
-__all__ = ["TRACKER_FILE", "CheckpointError", "CheckpointNotFoundError", "iter_dir_name", "save_checkpoint",
-           "load_checkpoint", "latest_iteration", "list_checkpoints", "capture_rng_state", "restore_rng_state"]
+__all__ = ["TRACKER_FILE", "CheckpointError", "CheckpointNotFoundError", "iter_dir_name", "inspect_checkpoint_dir",
+           "save_checkpoint", "load_checkpoint", "latest_iteration", "list_checkpoints", "capture_rng_state",
+           "restore_rng_state"]
 
 TRACKER_FILE = "latest_checkpointed_iteration.txt"
 _METADATA = "metadata.json"
@@ -122,6 +123,44 @@ def latest_iteration(save_dir: str | Path) -> int | None:
             return int(text)
     its = list_checkpoints(root)
     return its[-1] if its else None
+
+
+def inspect_checkpoint_dir(path: str | Path) -> int | None:
+    """The iteration a resume from ``path`` loads, checked before any model is built: None when ``path`` does not
+    exist or holds no checkpoint (no tracker file, no iter_* directory); CheckpointError naming the file when the
+    checkpoint it holds is incomplete or damaged (a tracker that names no complete iteration, metadata that does
+    not parse, rank files missing or empty)."""
+    root = Path(path)
+    if not root.exists():
+        return None
+    if not root.is_dir():
+        raise CheckpointError(f"{root} is not a directory")
+    tracker = root / TRACKER_FILE
+    iters = sorted(int(d.name[5:]) for d in root.iterdir() if d.name.startswith("iter_") and d.name[5:].isdigit())
+    if not tracker.exists() and not iters:
+        return None
+    if tracker.exists():
+        text = tracker.read_text(errors="replace").strip()
+        if not text.isdigit():
+            raise CheckpointError(f"{tracker}: expected an iteration number, found {text[:40]!r}")
+        it = int(text)
+    else:
+        it = iters[-1]
+    d = root / iter_dir_name(it)
+    meta_path = d / _METADATA
+    if not d.is_dir():
+        raise CheckpointError(f"{tracker} names iteration {it}, but {d} does not exist")
+    if not meta_path.is_file():
+        raise CheckpointError(f"{d} is incomplete: {_METADATA} is missing (not written by a finished save)")
+    try:
+        meta = json.loads(meta_path.read_text())
+        files = [str(f) for f in meta["files"]]
+    except (ValueError, KeyError, TypeError) as e:
+        raise CheckpointError(f"{meta_path} is damaged: {e}") from None
+    for f in files:
+        if not (d / f).is_file() or (d / f).stat().st_size == 0:
+            raise CheckpointError(f"{d / f} is missing or empty: the checkpoint in {d} is incomplete")
+    return it
 
 
 def save_checkpoint(save_dir: str | Path, iteration: int, state: dict, *, keep_last: int | None = None,
