@@ -114,3 +114,21 @@ def test_trainer_step_is_rollout_then_update_then_sync():
     assert trainer.step == 1
     assert {"reward_mean", "loss", "lr", "rollout/weight_sync_total_s"} <= set(metrics)
     assert trainer.actor.optimizer.param_groups[0]["lr"] == trainer.actor.lr_at(1)
+
+
+def test_a_step_with_nothing_to_learn_keeps_the_weights_and_advances_the_lr():
+    trainer = _trainer("--fp4-format", "none", "--dynamic-sampling")
+    real = trainer.rollout.rollout
+
+    def all_filtered(step):  # every group's rewards equal: dynamic sampling leaves no token
+        seqs, metrics = real(step)
+        seqs.mask.zero_()
+        seqs.num_tokens = 0.0
+        return seqs, metrics
+
+    trainer.rollout.rollout = all_filtered
+    before = _weights(trainer.actor.module)
+    metrics = trainer.train_step()
+    assert metrics["skipped"] == 1.0 and trainer.step == 1
+    assert all(torch.equal(before[k], v) for k, v in _weights(trainer.actor.module).items())
+    assert trainer.actor.optimizer.param_groups[0]["lr"] == trainer.actor.lr_at(1)
