@@ -25,8 +25,9 @@ from typing import Any, Optional
 import torch
 
 from megatron_fp4.rl.actor import Actor
-from megatron_fp4.rl.checkpoint import (CheckpointError, capture_rng_state, inspect_checkpoint_dir, iter_dir_name,
-                                        load_checkpoint, restore_rng_state, save_checkpoint)
+from megatron_fp4.rl.checkpoint import (CheckpointError, capture_rng_state, check_save_dir, claim_save_dir,
+                                        inspect_checkpoint_dir, iter_dir_name, load_checkpoint, restore_rng_state,
+                                        save_checkpoint, verify_checksums)
 from megatron_fp4.rl.config import CheckpointConfig
 from megatron_fp4.rl.data import PromptSampler
 from megatron_fp4.rl.optimizer_state import load_named_optimizer_state, named_optimizer_state, parameter_names
@@ -69,8 +70,11 @@ def plan_start(cfg: CheckpointConfig) -> StartPlan:
     given = load is not None
     own = not given or (cfg.save is not None and Path(load).resolve() == Path(cfg.save).resolve())
     load = load if given else cfg.save
-    if load is not None and inspect_checkpoint_dir(load) is not None:
-        return StartPlan(load, ref_load, cfg.init_from, tuple(notes))
+    resume = load if load is not None and inspect_checkpoint_dir(load) is not None else None
+    if cfg.save is not None:
+        check_save_dir(cfg.save)  # another tool's folder or a converted model is refused before any work
+    if resume is not None:
+        return StartPlan(resume, ref_load, cfg.init_from, tuple(notes))
     if own and given:
         notes.insert(0, f"--load {load} (= --save) holds no checkpoint yet: a new run")
     if not own:
@@ -101,6 +105,8 @@ class Checkpointer:
         self.cfg, self.real_vocab_size = cfg, real_vocab_size
         self.rank, self.world_size = torch.distributed.get_rank(), torch.distributed.get_world_size()
         self.last_checkpoint: Optional[str] = None
+        if cfg.save and self.rank == 0:  # before anything (tensorboard, logs) writes into it
+            claim_save_dir(cfg.save)
 
     def layout(self, actor: Actor) -> dict:
         """This rank's parallel layout and the model shape, stored with each checkpoint file."""
@@ -199,6 +205,8 @@ class Checkpointer:
         from megatron_fp4.rl.checkpoint_weights import TrainerCheckpointWeights, describe_layout
 
         _, state0 = load_checkpoint(load_dir, it, rank=0, mmap=True)
+        # the global parts taken from rank 0's file (the sharded ones are verified as they are read)
+        verify_checksums(state0, Path(load_dir) / iter_dir_name(it) / "rank_00000.pt", ("rng/", "sampler/", "guard/"))
         if "optimizer_named" not in state0:
             raise CheckpointError(
                 f"cannot resume from {os.path.join(load_dir, iter_dir_name(it))} at another layout: it was saved "
