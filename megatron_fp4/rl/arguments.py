@@ -192,6 +192,12 @@ def validate_args(args: argparse.Namespace, world_size: int = 1) -> argparse.Nam
                          f"size {dp} (world {world_size} / (TP {tp} x PP {pp}))")
     _check_dataset(args)
     _check_start(args)
+    for flag, path in (("--results-json", args.results_json), ("--log-jsonl", args.log_jsonl)):
+        _check_writable(flag, path)
+    for flag, path in (("--save", args.save), ("--tensorboard-dir", args.tensorboard_dir)):
+        _check_writable(flag, path, is_dir=True)
+    if args.tokenizer_model is not None and not os.path.exists(args.tokenizer_model):
+        raise ValueError(f"--tokenizer-model={args.tokenizer_model!r}: no such file or directory")
     if args.fp4_format == "none" and args.rollout_precision != "bf16":
         # FP4 rollout needs a format; "none" means everything in high precision
         args.rollout_precision = "bf16"
@@ -227,6 +233,22 @@ def _check_dataset(args: argparse.Namespace) -> None:
     if kind != "synthetic" and args.tokenizer_model is None and args.ref_load is None and args.load is None:
         raise ValueError(f"--dataset={args.dataset!r} needs --tokenizer-model (or --ref-load of a converted "
                          "checkpoint that holds one)")
+
+
+def _check_writable(flag: str, path: Optional[str], is_dir: bool = False) -> None:
+    """An output path that can be written: not a directory (for a file) and under a writable directory (the
+    nearest existing one: missing ones are created when the run writes)."""
+    if path is None:
+        return
+    p = os.path.abspath(path)
+    if os.path.exists(p) and os.path.isdir(p) != is_dir:
+        raise ValueError(f"{flag}={path!r} is {'a file' if is_dir else 'a directory'}; expected "
+                         f"{'a directory' if is_dir else 'a file path'}")
+    parent = p if is_dir and os.path.isdir(p) else os.path.dirname(p)
+    while not os.path.exists(parent):
+        parent = os.path.dirname(parent)
+    if not os.path.isdir(parent) or not os.access(parent, os.W_OK | os.X_OK):
+        raise ValueError(f"{flag}={path!r} cannot be written: {parent!r} is not a writable directory")
 
 
 def _check_start(args: argparse.Namespace) -> None:

@@ -197,7 +197,9 @@ def build_trainer(cfg: RLConfig, plan: StartPlan):
     rollout = RolloutManager(cfg.rollout, engine, tok, train_examples, seed=run.seed)
     trainer = GRPOTrainer(cfg, rollout, actor, Evaluator(rollout, eval_examples, eval_precisions),
                           Checkpointer(cfg.checkpoint, tok.vocab_size),
-                          SupervisedWarmup(cfg.warmup, actor, tok, train_examples, seed=run.seed),
+                          SupervisedWarmup(cfg.warmup, actor, tok, train_examples, seed=run.seed,
+                                           max_prompt_length=cfg.rollout.max_prompt_length,
+                                           max_response_length=cfg.rollout.max_response_length),
                           MetricsLogger(run.tensorboard_dir, total_steps=run.train_iters, rank=rank,
                                         jsonl_path=run.log_jsonl), bf16_precision=bf16)
     setup = describe(cfg, models.recipe, precision)

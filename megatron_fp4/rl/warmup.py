@@ -23,8 +23,9 @@ class SupervisedWarmup:
     one uninterrupted warm-up) and takes supervised steps of the actor at --sft-lr."""
 
     def __init__(self, cfg: WarmupConfig, actor: Actor, tokenizer: Tokenizer, examples: list[Example],
-                 seed: int) -> None:
+                 seed: int, max_prompt_length: int, max_response_length: int) -> None:
         self.cfg, self.actor, self.tokenizer, self.examples = cfg, actor, tokenizer, examples
+        self.max_prompt_length, self.max_response_length = max_prompt_length, max_response_length
         self.dp_rank, self.dp_size = dp_rank_and_size()
         self.rng = random.Random(seed * 1000 + 17 + self.dp_rank)
 
@@ -39,8 +40,9 @@ class SupervisedWarmup:
         t0 = time.monotonic()
         for it in range(iters):
             exs = self.rng.sample(self.examples, min(per_rank, len(self.examples)))
-            prompts = [tok.encode(e.prompt) for e in exs]
-            targets = [tok.encode(e.target) + [tok.eos_id] for e in exs]
+            # the lengths a rollout has: a prompt keeps its end, a target its start (a long record costs no more)
+            prompts = [tok.encode(e.prompt)[-self.max_prompt_length:] for e in exs]
+            targets = [(tok.encode(e.target) + [tok.eos_id])[:self.max_response_length] for e in exs]
             seqs = pack_sequences(prompts, targets, [[0.0] * len(t) for t in targets], torch.zeros(len(exs)),
                                   tok.pad_id)
             losses.append(actor.supervised_update(seqs))
