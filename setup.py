@@ -18,6 +18,7 @@ setup(
         "pyyaml",
         "tqdm",
         "safetensors",
+        "xxhash",  # checkpoint checksums (xxh3-128: fast enough to verify every load)
     ],
     extras_require={
         "test": ["pytest", "hypothesis", "torchao>=0.13", "transformers>=4.45", "matplotlib",

@@ -19,7 +19,8 @@ export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVL
 
 torchrun --nproc-per-node "$NPROC" ${NNODES:+--nnodes "$NNODES" --node-rank "$NODE_RANK" \
     --master-addr "$MASTER_ADDR" --master-port "${MASTER_PORT:-29500}"} pretrain_rl.py \
-  --load "$CKPT" --save "$RUN/checkpoints" --save-interval 20 --tensorboard-dir "$RUN/tensorboard" \
+  --ref-load "$CKPT" --load "$RUN/checkpoints" --save "$RUN/checkpoints" --save-interval 20 \
+  --tensorboard-dir "$RUN/tensorboard" \
   --tensor-model-parallel-size 2 --bf16 \
   --dataset "gsm8k:$GSM8K/train.jsonl" --eval-dataset "gsm8k:$GSM8K/test.jsonl" --eval-interval 20 \
   --fp4-format "$FORMAT" --rollout-precision "$ROLLOUT" --resq "$RESQ" \

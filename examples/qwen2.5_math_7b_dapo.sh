@@ -15,7 +15,8 @@ export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVL
 
 torchrun --nproc-per-node 8 --nnodes "${NNODES:-2}" --node-rank "${NODE_RANK:-0}" \
     --master-addr "${MASTER_ADDR:-localhost}" --master-port "${MASTER_PORT:-29500}" pretrain_rl.py \
-  --load "$CKPT" --save "$RUN/checkpoints" --save-interval 10 --tensorboard-dir "$RUN/tensorboard" \
+  --ref-load "$CKPT" --load "$RUN/checkpoints" --save "$RUN/checkpoints" --save-interval 10 \
+  --tensorboard-dir "$RUN/tensorboard" \
   --tensor-model-parallel-size 4 --bf16 \
   --dataset "math:$DATA" --eval-dataset "math:$EVAL" --eval-interval 10 \
   --fp4-format hif4 --rollout-precision w4a4 --resq 2:4 \

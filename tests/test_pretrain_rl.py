@@ -55,14 +55,17 @@ def _deterministic(row: dict) -> dict:
     return {k: v for k, v in row.items() if not k.endswith(TIMING_KEYS) and "weight_sync" not in k}
 
 
-def test_argument_choices_match_the_library():
-    """arguments.py keeps its choice lists import-free: they must stay equal to the library's."""
+def test_flag_choices_are_the_library_constants():
+    """Every choice flag offers exactly the library's own tuple (one definition per knob)."""
+    from megatron_fp4.recipe import RECIPES
     from megatron_fp4.resq import RESQ_COMBINES, ROLLOUT_MODES, SPARSITIES
-    from megatron_fp4.rl import arguments
+    from megatron_fp4.rl.arguments import build_parser
 
-    assert arguments.RESQ_SPARSITIES == SPARSITIES
-    assert arguments.RESQ_COMBINES == RESQ_COMBINES
-    assert arguments.ROLLOUT_PRECISIONS == ROLLOUT_MODES
+    choices = {a.dest: a.metavar for a in build_parser()._actions}
+    assert choices["resq"] == "{" + ",".join(SPARSITIES) + "}"
+    assert choices["resq_combine"] == "{" + ",".join(RESQ_COMBINES) + "}"
+    assert choices["rollout_precision"] == "{" + ",".join(ROLLOUT_MODES) + "}"
+    assert choices["fp4_format"] == "{" + ",".join([*RECIPES, "none"]) + "}"
 
 
 @pytest.mark.parametrize("argv,match", [
@@ -105,9 +108,18 @@ def test_yaml_config_is_overridden_by_flags(tmp_path):
         parse_args(["--config", str(cfg)])
 
 
-def test_default_config_file_matches_builtin_defaults():
-    assert vars(parse_args(["--config", os.path.join(ROOT, "examples", "tiny_cpu.yaml")])) == {
-        **vars(parse_args([])), "config": os.path.join(ROOT, "examples", "tiny_cpu.yaml")}
+def test_print_config_round_trips_through_config(tmp_path):
+    """--print-config writes every knob (value and help) as YAML that --config reads back to the same arguments."""
+    from megatron_fp4.rl.arguments import config_yaml, load_args
+
+    text = config_yaml(load_args(["--group-size", "4", "--resq", "dense", "--no-overlong-filter"]))
+    assert "# responses sampled per prompt (G)\ngroup-size: 4\n" in text and "resq: dense" in text
+    cfg = tmp_path / "c.yaml"
+    cfg.write_text(text)
+    want = vars(parse_args(["--group-size", "4", "--resq", "dense", "--no-overlong-filter"]))
+    assert vars(parse_args(["--config", str(cfg)])) == {**want, "config": str(cfg)}
+    r = _run(["--print-config", "--lr", "0.01"])
+    assert r.returncode == 0 and "\nlr: 0.01\n" in r.stdout and r.stderr == ""
 
 
 def _run(args, **kw):
@@ -299,13 +311,13 @@ def test_nonfinite_weights_stop_the_run_before_sampling(tmp_path):
     # an optimizer step that leaves an inf weight (patched in) stops at the next weight sync with the step and
     # the last good checkpoint, instead of crashing later inside torch.multinomial
     argv = TINY + ["--train-iters", "4", "--save", str(tmp_path / "c"), "--save-interval", "100"]
-    code = ("import sys, torch, megatron_fp4.rl.trainer as t; orig = t.GRPOTrainer._optimizer_step\n"
-            "def step(self):\n"
-            "    out = orig(self)\n"
-            "    if self.step >= 1:\n"
-            "        next(self.policy.module.parameters()).data.view(-1)[0] = float('inf')\n"
+    code = ("import sys, torch, megatron_fp4.rl.actor as a; orig = a.Actor.update\n"
+            "def update(self, seqs, step, last_checkpoint):\n"
+            "    out = orig(self, seqs, step, last_checkpoint)\n"
+            "    if step >= 2:\n"
+            "        next(self.module.parameters()).data.view(-1)[0] = float('inf')\n"
             "    return out\n"
-            "t.GRPOTrainer._optimizer_step = step\n"
+            "a.Actor.update = update\n"
             f"sys.argv = ['pretrain_rl.py'] + {argv!r}; import runpy; runpy.run_path('pretrain_rl.py', run_name='__main__')")
     r = subprocess.run([sys.executable, "-c", code], env=_env(), cwd=ROOT, capture_output=True, text=True,
                        timeout=600)
@@ -406,3 +418,107 @@ def test_resume_at_another_layout_continues_exactly(tmp_path):
     want, have = _full_weights(tmp_path / "ref"), _full_weights(tmp_path / "tp2")
     assert want.keys() == have.keys()
     assert max(((want[k] - have[k]).abs().max() / want[k].abs().max()).item() for k in want) < 1e-6
+
+
+def test_load_cases_end_to_end(tmp_path):
+    """--load naming nothing: an error before any model is built, or (with starting weights or --init random) a
+    run whose first line says where it starts from; a damaged --load: an error naming the file."""
+    quick = [*TINY, "--sft-iters", "0", "--train-iters", "0"]
+    missing = tmp_path / "missing"
+    r = _run([*quick, "--load", str(missing)])
+    assert r.returncode == 2 and "Traceback" not in r.stderr and "[setup]" not in r.stdout
+    assert r.stderr.strip() == (f"pretrain_rl.py: error: --load {missing} does not exist and no starting weights "
+                                f"are named: pass --ref-load CONVERTED_CHECKPOINT or --init-from RUN_DIR, or --init "
+                                f"random for a randomly initialized model")
+    r = _run([*quick, "--load", str(missing), "--init", "random", "--save", str(tmp_path / "run")])
+    assert r.returncode == 0, r.stderr[-2000:]
+    assert r.stdout.splitlines()[0] == (f"[checkpoint] --load {missing} does not exist: starting from a random model "
+                                        f"(--init random)")
+    r = _run([*quick, "--load", str(tmp_path / "run"), "--init", "random"])  # now it holds one: resumed
+    assert r.returncode == 0 and f"resumed from {tmp_path / 'run' / 'iter_0000000'} (step 0)" in r.stdout
+    (tmp_path / "run" / "iter_0000000" / "metadata.json").unlink()
+    r = _run([*quick, "--load", str(tmp_path / "run")])
+    assert r.returncode == 1 and "Traceback" not in r.stderr
+    assert f"{tmp_path / 'run' / 'iter_0000000'} is incomplete: metadata.json is missing" in r.stderr
+
+
+def _kill_tree(pid: int) -> None:
+    """SIGKILL a process and all its descendants (torchrun's workers run in sessions of their own)."""
+    rows = subprocess.run(["ps", "-eo", "pid=,ppid="], capture_output=True, text=True).stdout.split("\n")
+    children: dict[int, list[int]] = {}
+    for row in rows:
+        if row.strip():
+            child, parent = map(int, row.split())
+            children.setdefault(parent, []).append(child)
+    doomed, todo = [], [pid]
+    while todo:
+        doomed.append(todo.pop())
+        todo += children.get(doomed[-1], [])
+    for p in doomed:
+        try:
+            os.kill(p, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+
+
+def _free_port() -> int:
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@pytest.mark.slow
+def test_two_node_launch_saves_and_resumes_after_both_are_killed(tmp_path):
+    """Multi-node launch simulated on one host: two torchrun invocations (--nnodes 2, --node-rank 0 and 1, gloo,
+    rendezvous on localhost) run TP=2 x DP=2 GRPO with --save; both are killed with SIGKILL after a checkpoint and
+    the same two commands resume it. Only global rank 0 logs (not node 1's local rank 0), every global rank writes
+    its own file with its place in the layout, and the resumed run continues from the saved step."""
+    import torch
+
+    ckpt, log = tmp_path / "ckpt", tmp_path / "run.jsonl"
+    argv = [*TINY, "--tensor-model-parallel-size", "2", "--train-iters", "6", "--save-interval", "1",
+            "--save", str(ckpt), "--log-jsonl", str(log)]
+
+    def launch(port):
+        procs = []
+        for node in (0, 1):
+            cmd = [sys.executable, "-m", "torch.distributed.run", "--nnodes", "2", "--node-rank", str(node),
+                   "--nproc-per-node", "2", "--master-addr", "127.0.0.1", "--master-port", str(port),
+                   os.path.join(ROOT, "pretrain_rl.py"), *argv]
+            out = open(tmp_path / f"node{node}_{port}.log", "w")
+            procs.append((subprocess.Popen(cmd, env=_env(), cwd=ROOT, stdout=out, stderr=subprocess.STDOUT,
+                                           start_new_session=True), out))
+        return procs
+
+    procs = launch(_free_port())
+    deadline = time.monotonic() + 600
+    while not (ckpt / "iter_0000002").exists() and all(p.poll() is None for p, _ in procs) \
+            and time.monotonic() < deadline:
+        time.sleep(0.05)
+    for p, out in procs:
+        _kill_tree(p.pid)
+        p.wait()
+        out.close()
+    killed_at = max(row["step"] for row in _read_jsonl(log) if row["kind"] == "train")
+    assert 2 <= killed_at < 6, killed_at
+
+    port = _free_port()
+    procs = launch(port)
+    for p, out in procs:
+        assert p.wait(timeout=600) == 0, (tmp_path / f"node{procs.index((p, out))}_{port}.log").read_text()[-3000:]
+        out.close()
+    node0, node1 = ((tmp_path / f"node{n}_{port}.log").read_text() for n in (0, 1))
+    resume_step = int(re.search(r"resumed from .* \(step (\d+)\)", node0).group(1))
+    assert 2 <= resume_step <= killed_at
+    assert "(TP 2)" in node0 and "world 4" in node0 and "[result] held-out accuracy" in node0
+    for line in ("[setup]", "[train]", "[checkpoint]", "[result]"):
+        assert line not in node1, line  # node 1 holds global ranks 2 and 3: they never log
+    rows = [row for row in _read_jsonl(log) if row["kind"] == "train"]
+    assert [row["step"] for row in rows][-(6 - resume_step):] == list(range(resume_step + 1, 7))
+    # each global rank wrote its own file, recording its place in Megatron's order (TP fastest, then DP)
+    final = ckpt / "iter_0000006"
+    for rank in range(4):
+        layout = torch.load(final / f"rank_{rank:05d}.pt", weights_only=True, mmap=True)["layout"]
+        assert (layout["tp"], layout["dp"], layout["tp_rank"], layout["dp_rank"]) == (2, 2, rank % 2, rank // 2)

@@ -13,9 +13,9 @@ import pytest
 import torch
 
 from megatron_fp4.rl import checkpoint as ckpt
-from megatron_fp4.rl.checkpoint import (TRACKER_FILE, CheckpointError, CheckpointNotFoundError, capture_rng_state,
-                                        latest_iteration, list_checkpoints, load_checkpoint, restore_rng_state,
-                                        save_checkpoint)
+from megatron_fp4.rl.checkpoint import (TRACKER_FILE, WRITER_FILE, CheckpointError, CheckpointNotFoundError,
+                                        capture_rng_state, latest_iteration, list_checkpoints, load_checkpoint,
+                                        restore_rng_state, save_checkpoint)
 from megatron_fp4.rl.data import PromptSampler
 
 REPO = Path(__file__).resolve().parents[1]
@@ -123,7 +123,8 @@ def test_crash_inside_writer_keeps_previous_checkpoint_and_tracker(tmp_path, mon
     # The next save cleans the stale temp directory and succeeds.
     save_checkpoint(tmp_path, 2, _state(model, opt, sampler, step=2))
     assert load_checkpoint(tmp_path)[1]["step"] == 2
-    assert sorted(p.name for p in tmp_path.iterdir()) == ["iter_0000001", "iter_0000002", TRACKER_FILE]
+    assert sorted(p.name for p in tmp_path.iterdir()) == sorted(["iter_0000001", "iter_0000002", TRACKER_FILE,
+                                                                 WRITER_FILE])
 
 
 _HARD_CRASH = r"""
@@ -302,3 +303,72 @@ def test_named_optimizer_state_round_trip_and_main_copies():
         p.main_param.data.zero_()  # stale main copies
     assert load_named_optimizer_state(opt3, model3, before) == 0  # no per-parameter state to restore ...
     assert all(torch.equal(p.main_param, before["main"][n]) for n, p in model3.named_parameters())  # mains back
+
+
+# -- ownership and integrity ---------------------------------------------------------------------------------------
+def _flip_byte_inside(path: Path, tensor: torch.Tensor) -> None:
+    """Flip one bit inside ``tensor``'s stored bytes in a torch.save file (the zip entry is stored uncompressed)."""
+    raw = bytearray(path.read_bytes())
+    at = raw.find(tensor.numpy().tobytes()[:64])
+    assert at >= 0
+    raw[at + 13] ^= 0x10
+    path.write_bytes(bytes(raw))
+
+
+def test_flipped_bytes_in_a_tensor_are_found_naming_file_tensor_and_previous_checkpoint(tmp_path):
+    w = torch.arange(4096, dtype=torch.float32)
+    save_checkpoint(tmp_path, 1, {"model": {"w": w * 2}, "step": 1})
+    save_checkpoint(tmp_path, 2, {"model": {"w": w}, "step": 2})
+    damaged = tmp_path / "iter_0000002" / "rank_00000.pt"
+    _flip_byte_inside(damaged, w)
+    assert not torch.equal(torch.load(damaged, weights_only=True)["model"]["w"], w)  # torch.load alone: silent
+    with pytest.raises(CheckpointError) as e:
+        load_checkpoint(tmp_path)
+    assert str(e.value) == (f"{damaged}: tensor model/w does not match its checksum: the file is damaged. The "
+                            f"previous checkpoint is {tmp_path / 'iter_0000001'}: move {tmp_path / 'iter_0000002'} "
+                            f"out of {tmp_path} to resume from it.")
+    assert torch.equal(load_checkpoint(tmp_path, 1)[1]["model"]["w"], w * 2)
+    # a memory-mapped read (what resharding does) verifies the part it reads
+    _, mapped = load_checkpoint(tmp_path, mmap=True)
+    ckpt.verify_checksums(mapped, damaged, ("extra/",))
+    with pytest.raises(CheckpointError, match="tensor model/w does not match"):
+        ckpt.verify_checksums(mapped, damaged, ("model/",))
+
+
+def test_save_refuses_another_tools_folder_and_leaves_it_alone(tmp_path):
+    other = tmp_path / "megatron_lm_run"
+    (other / "iter_0000100" / "mp_rank_00").mkdir(parents=True)
+    (other / "iter_0000100" / "mp_rank_00" / "model_optim_rng.pt").write_bytes(b"someone else's weights")
+    (other / TRACKER_FILE).write_text("100")
+    before = sorted(str(p) for p in other.rglob("*"))
+    with pytest.raises(CheckpointError, match=r"holds files this trainer did not write \(iter_0000100\)"):
+        save_checkpoint(other, 1, {"step": 1}, keep_last=1)
+    assert sorted(str(p) for p in other.rglob("*")) == before and (other / TRACKER_FILE).read_text() == "100"
+    converted = tmp_path / "converted"
+    (converted / "release").mkdir(parents=True)
+    (converted / "release" / "args.json").write_text("{}")
+    with pytest.raises(CheckpointError, match=f"Pass it as --ref-load {converted} and --save a new directory"):
+        save_checkpoint(converted, 1, {"step": 1})
+    (tmp_path / "notes").mkdir()
+    (tmp_path / "notes" / "todo.txt").write_text("mine")
+    with pytest.raises(CheckpointError, match=r"\(todo.txt\)"):
+        save_checkpoint(tmp_path / "notes", 1, {"step": 1})
+
+
+def test_own_folder_keeps_other_files_and_never_prunes_foreign_checkpoints(tmp_path):
+    save_checkpoint(tmp_path, 1, {"step": 1})
+    assert json.loads((tmp_path / WRITER_FILE).read_text())["format"] == "torch.save/weights_only"
+    (tmp_path / "tensorboard").mkdir()  # files beside the checkpoints of a folder the saver owns are fine
+    save_checkpoint(tmp_path, 2, {"step": 2}, keep_last=1)
+    assert list_checkpoints(tmp_path) == [2] and (tmp_path / "tensorboard").is_dir()
+    (tmp_path / "iter_0000000").mkdir()  # but a checkpoint it did not write is never pruned or replaced
+    with pytest.raises(CheckpointError, match=r"\(iter_0000000\)"):
+        save_checkpoint(tmp_path, 3, {"step": 3}, keep_last=1)
+    assert (tmp_path / "iter_0000000").is_dir()
+
+
+def test_folder_of_checkpoints_written_before_the_marker_is_adopted(tmp_path):
+    save_checkpoint(tmp_path, 1, {"step": 1})
+    (tmp_path / WRITER_FILE).unlink()  # as an older version left it
+    save_checkpoint(tmp_path, 2, {"step": 2})
+    assert list_checkpoints(tmp_path) == [1, 2] and (tmp_path / WRITER_FILE).is_file()

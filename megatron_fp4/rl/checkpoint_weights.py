@@ -14,7 +14,7 @@ from pathlib import Path
 import torch
 
 from megatron_fp4.models.checkpoint_io import ShardedWeights
-from megatron_fp4.rl.checkpoint import CheckpointError, iter_dir_name, load_checkpoint
+from megatron_fp4.rl.checkpoint import CheckpointError, iter_dir_name, load_checkpoint, verify_checksums
 
 __all__ = ["layout_record", "same_layout", "describe_layout", "saved_layout", "TrainerCheckpointWeights"]
 
@@ -77,13 +77,15 @@ class TrainerCheckpointWeights(ShardedWeights):
         self._part = (part,) if isinstance(part, str) else tuple(part)
         self._shards: dict[tuple[int, int], dict] = {}
         self._rank_of: dict[tuple[int, int], int] | None = None  # filled by a scan if the rank order is not Megatron's
-        self._keep_if_dp0(state0)
+        self._keep_if_dp0(state0, 0)
 
-    def _keep_if_dp0(self, state: dict) -> tuple[int, int] | None:
+    def _keep_if_dp0(self, state: dict, rank: int) -> tuple[int, int] | None:
         lay = state.get("layout") or {}
         if lay.get("dp_rank") != 0:
             return None
         pos = (int(lay["tp_rank"]), int(lay["pp_rank"]))
+        if pos not in self._shards:  # the tensors this reader serves, verified once against their checksums
+            verify_checksums(state, self.dir / f"rank_{rank:05d}.pt", ("/".join(self._part) + "/",))
         tensors = state
         for key in self._part:
             tensors = tensors[key]
@@ -99,7 +101,8 @@ class TrainerCheckpointWeights(ShardedWeights):
             return self._shards[pos]
         if not (0 <= tp_rank < self.tp and 0 <= pp_rank < self.pp):
             raise KeyError(f"{self.dir} has TP={self.tp}, PP={self.pp}: no shard (TP rank {tp_rank}, PP rank {pp_rank})")
-        if self._rank_of is None and self._keep_if_dp0(self._open(tp_rank + self.tp * self.dp * pp_rank)) == pos:
+        guess = tp_rank + self.tp * self.dp * pp_rank
+        if self._rank_of is None and self._keep_if_dp0(self._open(guess), guess) == pos:
             return self._shards[pos]
         if self._rank_of is None:  # another rank order: read every file's layout once
             self._rank_of = {}
@@ -109,7 +112,7 @@ class TrainerCheckpointWeights(ShardedWeights):
                     self._rank_of[(int(lay["tp_rank"]), int(lay["pp_rank"]))] = rank
         if pos not in self._rank_of:
             raise CheckpointError(f"{self.dir}: no rank file holds the (TP rank, PP rank) shard {pos}")
-        self._keep_if_dp0(self._open(self._rank_of[pos]))
+        self._keep_if_dp0(self._open(self._rank_of[pos]), self._rank_of[pos])
         return self._shards[pos]
 
     def shard_tensor(self, tp_rank: int, pp_rank: int, local_name: str) -> torch.Tensor:

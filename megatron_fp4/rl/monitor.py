@@ -3,6 +3,7 @@ metrics to tensorboard and a one-line console summary."""
 
 from __future__ import annotations
 
+import json
 import logging
 import math
 import sys
@@ -76,15 +77,17 @@ def format_metrics(step: int, metrics: Mapping[str, Any], total_steps: int | Non
 
 
 class MetricsLogger:
-    """Per-step scalar metrics to tensorboard (when log_dir is given; only on rank 0) and one console line."""
+    """Per-step scalar metrics to tensorboard (when log_dir is given; only on rank 0), one console line, and with
+    ``jsonl_path`` one JSON line per record (rank 0)."""
 
     CONSOLE_KEYS = ("reward_mean", "accuracy", "loss", "kl_mean", "ppo_clip_frac", "tis_clip_frac",
                     "logp_abs_diff_mean", "entropy_mean", "grad_norm", "response_length_mean", "rollout_tokens_per_s",
                     "train_tokens_per_s")
 
     def __init__(self, log_dir: str | None = None, total_steps: int | None = None, rank: int = 0,
-                 stream: IO[str] | None = None, console_keys: tuple[str, ...] | None = None) -> None:
-        self.rank, self.total_steps = rank, total_steps
+                 stream: IO[str] | None = None, console_keys: tuple[str, ...] | None = None,
+                 jsonl_path: str | None = None) -> None:
+        self.rank, self.total_steps, self.jsonl_path = rank, total_steps, jsonl_path
         self.stream = stream if stream is not None else sys.stdout
         self.console_keys = console_keys if console_keys is not None else self.CONSOLE_KEYS
         self.writer = None
@@ -93,14 +96,29 @@ class MetricsLogger:
             self.writer = SummaryWriter(log_dir=log_dir)
         self._t0 = time.monotonic()
 
-    def log(self, step: int, metrics: Mapping[str, Any], prefix: str = "train") -> None:
+    def record(self, step: int, kind: str, metrics: Mapping[str, Any], console: bool = True,
+               tensorboard: bool | None = None, fields: Mapping[str, Any] | None = None) -> None:
+        """One JSON line ``{"step", "kind", **fields, **metrics}`` (with ``jsonl_path``), then tensorboard under
+        ``kind/`` and the console line where asked (tensorboard follows ``console`` unless given); rank 0 only."""
+        if self.rank != 0:
+            return
+        if self.jsonl_path:
+            with open(self.jsonl_path, "a") as f:
+                f.write(json.dumps({"step": step, "kind": kind, **(fields or {}), **metrics}) + "\n")
+        self.log(step, metrics, prefix=kind, console=console,
+                 tensorboard=console if tensorboard is None else tensorboard)
+
+    def log(self, step: int, metrics: Mapping[str, Any], prefix: str = "train", console: bool = True,
+            tensorboard: bool = True) -> None:
         """Write every scalar under prefix/name and print the console line (rank 0 only)."""
         if self.rank != 0:
             return
-        if self.writer is not None:
+        if self.writer is not None and tensorboard:
             for k, v in metrics.items():
                 self.writer.add_scalar(f"{prefix}/{k}", _as_float(v), step)
             self.writer.flush()
+        if not console:
+            return
         line = format_metrics(step, metrics, self.total_steps, self.console_keys)
         elapsed = time.monotonic() - self._t0
         eta = ""

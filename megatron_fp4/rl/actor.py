@@ -1,0 +1,200 @@
+"""The actor: the policy being trained (megatron-core GPTModel in megatron DDP), its optimizer and LR schedule, and
+the frozen reference; computes advantages and runs the GRPO loss through megatron's forward/backward schedule.
+
+Megatron's per-token loss accounting (``calculate_per_token_loss``) makes the loss a token-level mean over the
+whole global batch, exactly, whatever the micro-batching and data parallelism. With pipeline parallelism the
+policy and the reference hold this rank's stage; loss statistics come from the last stage.
+"""
+
+from __future__ import annotations
+
+import math
+import time
+from functools import partial
+from typing import Any, Callable, Optional
+
+import torch
+
+from megatron_fp4.rl import grpo
+from megatron_fp4.rl.config import ActorConfig
+from megatron_fp4.rl.distributed import any_on_model_parallel, from_last_stage, reduce_token_stats
+from megatron_fp4.rl.monitor import NonFiniteGuard
+from megatron_fp4.rl.sequences import Sequences
+
+__all__ = ["Actor", "run_schedule", "microbatches"]
+
+
+def run_schedule(model, batches: list[dict], loss_fn: Callable, forward_only: bool) -> list[dict]:
+    """Megatron's forward(/backward) schedule over micro-batches; returns the last stage's loss dicts."""
+    from megatron.core.pipeline_parallel import get_forward_backward_func
+
+    def forward_step(data_iterator, model_chunk):
+        batch = next(data_iterator)
+        dev = next(model_chunk.parameters()).device  # batches are built on the CPU; the model may be on a GPU
+        batch = {k: v.to(dev) for k, v in batch.items()}
+        T = batch["inputs"].shape[1]
+        pos = torch.arange(T, device=dev).unsqueeze(0).expand_as(batch["inputs"])
+        out = model_chunk(batch["inputs"], pos, None)
+        return out, partial(loss_fn, batch)
+
+    fb = get_forward_backward_func()
+    return fb(forward_step_func=forward_step, data_iterator=iter(batches), model=[model],
+              num_microbatches=len(batches), seq_length=batches[0]["inputs"].shape[1],
+              micro_batch_size=batches[0]["inputs"].shape[0], forward_only=forward_only)
+
+
+def microbatches(seqs: Sequences, size: int, extra: Optional[dict[str, torch.Tensor]] = None) -> list[dict]:
+    """``seqs`` (and per-sequence ``extra`` tensors) cut into micro-batch dicts of ``size`` sequences."""
+    out = []
+    for start in range(0, len(seqs), size):
+        sl = slice(start, start + size)
+        mb = {"inputs": seqs.inputs[sl], "labels": seqs.labels[sl], "mask": seqs.mask[sl],
+              "logp_rollout": seqs.logp_rollout[sl], "advantages": seqs.advantages[sl]}
+        for k, v in (extra or {}).items():
+            mb[k] = v[sl]
+        out.append(mb)
+    return out
+
+
+def _nll_loss(batch, logits):
+    """Cross-entropy of the masked labels (supervised warm-up), summed; megatron divides by the token count."""
+    lp = grpo.token_logprobs(logits, batch["labels"])
+    m = batch["mask"]
+    return -(lp * m).sum(), m.sum().to(torch.int), {"nll_sum": (-(lp * m).sum()).detach(), "tokens": m.sum().detach()}
+
+
+def _grpo_loss(cfg: grpo.GRPOConfig, batch, logits):
+    """The GRPO token loss of one micro-batch (summed) and its token-weighted statistics."""
+    lp = grpo.token_logprobs(logits, batch["labels"])
+    m = batch["mask"]
+    logp_ref = batch.get("logp_ref")
+    kw = cfg.loss_kwargs()
+    if logp_ref is None:  # no reference model (kl_beta == 0): no KL term
+        kw["kl_beta"] = 0.0
+    tok = grpo.grpo_token_loss(lp, batch.get("logp_old"), batch["logp_rollout"], batch["advantages"], m,
+                               logp_ref=logp_ref, **kw)
+    with torch.no_grad():
+        ent = grpo.entropy_from_logits(logits)
+        mets = grpo.grpo_metrics(lp, batch.get("logp_old"), batch["logp_rollout"], batch["advantages"], m,
+                                 logp_ref=logp_ref, entropy=ent, **kw)
+    n = m.sum()
+    mets = {k: torch.tensor(v * float(n)) for k, v in mets.items() if k != "num_tokens"}  # token-weighted
+    mets["num_tokens"] = n.detach()
+    for k in ("logp_abs_diff_max", "ratio_max"):  # maxima are not token-weighted
+        if k in mets:
+            mets[k] = mets[k] / max(float(n), 1.0)
+    return tok.sum(), n.to(torch.int), mets
+
+
+class Actor:
+    """Policy + optimizer + reference: ``update(sequences)`` is one GRPO update (``ppo_epochs`` optimizer steps)."""
+
+    def __init__(self, cfg: ActorConfig, policy, optimizer, reference, *, group_size: int, train_iters: int,
+                 max_nonfinite_steps: int) -> None:
+        self.cfg, self.policy, self.optimizer, self.reference = cfg, policy, optimizer, reference
+        self.train_iters = train_iters
+        self.guard = NonFiniteGuard(max_nonfinite_steps)
+        self.grpo = grpo.GRPOConfig(
+            group_size=group_size, clip_low=cfg.clip_low, clip_high=cfg.clip_high,
+            tis_cap=cfg.tis_cap if cfg.tis_cap > 0 else 5.0, use_tis=cfg.tis_cap > 0, kl_beta=cfg.kl_beta,
+            normalize_std=cfg.advantage == "grpo")
+
+    @property
+    def module(self) -> torch.nn.Module:
+        """The policy's megatron-core model (unwrapped from DDP)."""
+        return self.policy.module
+
+    # -- LR schedule ------------------------------------------------------------------------------------------------
+    def lr_at(self, step: int) -> float:
+        """Cosine decay from --lr to --min-lr over --train-iters (constant without --min-lr)."""
+        c = self.cfg
+        if c.min_lr is None:
+            return c.lr
+        frac = min(step / max(self.train_iters, 1), 1.0)
+        return c.min_lr + 0.5 * (c.lr - c.min_lr) * (1 + math.cos(math.pi * frac))
+
+    def set_lr(self, lr: float) -> None:
+        for g in self.optimizer.param_groups:
+            g["lr"] = lr
+
+    # -- one optimizer step -----------------------------------------------------------------------------------------
+    def optimizer_step(self) -> tuple[bool, float]:
+        """Megatron's optimizer step (gradient clipping included); (applied, grad norm)."""
+        ok, grad_norm, _ = self.optimizer.step()
+        return ok, float(grad_norm) if grad_norm is not None else float("nan")
+
+    def grads_finite(self) -> bool:
+        """Whether every (data-parallel reduced) gradient of this rank and its model-parallel peers is finite."""
+        bad = False
+        for p in self.module.parameters():
+            g = getattr(p, "main_grad", None)
+            g = p.grad if g is None else g
+            if g is not None and not bool(torch.isfinite(g).all()):
+                bad = True
+                break
+        return not any_on_model_parallel(bad)
+
+    def _backward(self, batches: list[dict], loss_fn: Callable) -> list[dict]:
+        self.policy.zero_grad_buffer()
+        self.optimizer.zero_grad()
+        return run_schedule(self.policy, batches, loss_fn, forward_only=False)
+
+    @torch.no_grad()
+    def logprobs(self, model, seqs: Sequences) -> Optional[torch.Tensor]:
+        """Next-token logprobs [N, T] of the labels under ``model`` (on the last pipeline stage; None elsewhere)."""
+
+        def loss_fn(batch, logits):
+            lp = grpo.token_logprobs(logits, batch["labels"])
+            return lp.sum() * 0, torch.tensor(1, dtype=torch.int), {"logp": lp}
+
+        store = run_schedule(model, microbatches(seqs, self.cfg.micro_batch_size), loss_fn, forward_only=True)
+        if not store:
+            return None
+        return torch.cat([d["logp"] for d in store], dim=0)
+
+    # -- the two kinds of update ------------------------------------------------------------------------------------
+    def supervised_update(self, seqs: Sequences) -> float:
+        """One cross-entropy step on the masked labels; returns the NLL per token (on every rank)."""
+        store = self._backward(microbatches(seqs, self.cfg.micro_batch_size), _nll_loss)
+        self.optimizer_step()
+        nll = sum(float(d["nll_sum"]) for d in store) if store else 0.0
+        ntok = sum(float(d["tokens"]) for d in store) if store else 0.0
+        return from_last_stage(nll / max(ntok, 1.0))
+
+    def update(self, seqs: Sequences, step: int, last_checkpoint: Optional[str]) -> dict[str, float]:
+        """One GRPO update on a rollout batch: advantages, reference/old logprobs, ``ppo_epochs`` optimizer steps
+        (each skipped when the loss or a gradient is not finite). ``step`` is the step being made, 1-based."""
+        seqs.advantages = grpo.group_advantages(seqs.rewards, **self.grpo.advantage_kwargs())
+        metrics: dict[str, Any] = {}
+        t0 = time.monotonic()
+        extra = {}
+        if self.reference is not None and self.cfg.kl_beta > 0:
+            extra["logp_ref"] = self.logprobs(self.reference, seqs)
+        if self.cfg.ppo_epochs > 1:
+            extra["logp_old"] = self.logprobs(self.policy, seqs)
+        loss_fn = partial(_grpo_loss, self.grpo)
+        stats: dict[str, float] = {}
+        for _ in range(self.cfg.ppo_epochs):
+            batches = microbatches(seqs, self.cfg.micro_batch_size, {k: v for k, v in extra.items() if v is not None})
+            stats = reduce_token_stats(self._backward(batches, loss_fn))
+            # one decision per update, before the optimizer touches the weights
+            grads_ok = self.grads_finite()
+            if self.guard.should_skip(step, stats.get("loss", 0.0), 0.0 if grads_ok else float("nan"),
+                                      last_checkpoint):
+                metrics["skipped"] = 1.0
+                break
+            _, metrics["grad_norm"] = self.optimizer_step()
+        t_train = time.monotonic() - t0
+        metrics.update(stats)
+        metrics["train_tokens_per_s"] = seqs.num_tokens * self.cfg.ppo_epochs / max(t_train, 1e-9)
+        metrics["lr"] = self.optimizer.param_groups[0]["lr"]
+        return metrics
+
+    def copy_policy_to_reference(self) -> None:
+        """The reference becomes a frozen copy of the policy's current weights (the warm start)."""
+        if self.reference is not None:
+            self.reference.load_state_dict(self.module.state_dict())
+
+    def reload_main_params(self) -> None:
+        """Refresh the optimizer's main (fp32) copies from the model weights after loading them."""
+        self.optimizer.reload_model_params()

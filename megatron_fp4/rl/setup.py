@@ -1,0 +1,221 @@
+"""Wiring a GRPO run from its configuration: data, tokenizer, models (policy + optimizer, reference, rollout copy),
+the rollout engine, and the roles the trainer loops over. Call after ``initialize_parallel``."""
+
+from __future__ import annotations
+
+import math
+import os
+from dataclasses import dataclass
+from typing import Any, Optional
+
+import torch
+
+from megatron_fp4.rl.checkpointer import StartPlan
+from megatron_fp4.rl.config import RLConfig
+
+__all__ = ["load_examples", "build_tokenizer", "Models", "build_models", "describe", "build_trainer"]
+
+
+def load_examples(cfg: RLConfig) -> tuple[list, list]:
+    """(train, held-out) examples of --dataset (held out: --eval-dataset, or --eval-samples split off)."""
+    from megatron_fp4.rl.data import load_dataset, split_heldout
+
+    d, seed = cfg.data, cfg.run.seed
+    task_kwargs = {}
+    if d.dataset == "synthetic:add":
+        task_kwargs = {"digits": d.synthetic_digits, "num_operands": d.synthetic_operands}
+    examples = load_dataset(d.dataset, seed=seed, num_examples=d.num_synthetic_examples, **task_kwargs)
+    if d.eval_dataset:
+        return examples, load_dataset(d.eval_dataset, seed=seed + 1)
+    if d.eval_samples >= len(examples):
+        raise ValueError(f"--eval-samples={d.eval_samples} leaves no training data ({len(examples)} examples)")
+    return split_heldout(examples, d.eval_samples, seed=seed)
+
+
+def build_tokenizer(cfg: RLConfig, tokenizer_model: Optional[str], examples: list):
+    """The tokenizer of ``tokenizer_model`` (sentencepiece file or HF folder), or one built on the examples."""
+    from megatron_fp4.rl.tokenizer import HFTokenizer, SentencePieceTokenizer, build_sentencepiece
+
+    if tokenizer_model is None:
+        return build_sentencepiece([e.prompt + e.target for e in examples], vocab_size=cfg.model.vocab_size)
+    if os.path.isdir(tokenizer_model):
+        return HFTokenizer(tokenizer_model)
+    return SentencePieceTokenizer(model_file=tokenizer_model)
+
+
+@dataclass
+class Models:
+    """The models of a run: the policy (megatron DDP) with its optimizer and schedule config, the frozen reference
+    (None without KL), the rollout copy (the whole model, also under pipeline parallelism) and the FP4 recipe."""
+
+    policy: Any
+    optimizer: Any
+    config: Any
+    reference: Optional[torch.nn.Module]
+    rollout_model: torch.nn.Module
+    recipe: Any
+
+
+def build_models(cfg: RLConfig, vocab_size: int, init_checkpoint: Optional[str] = None) -> Models:
+    """Policy (DDP + optimizer), frozen reference, and the rollout model with its own copy of the weights.
+
+    With pipeline parallelism the policy and the reference hold this rank's stage, the rollout model the whole
+    model (every layer on every pipeline rank; the rollout manager's weight sync gathers the stages into it).
+
+    ``init_checkpoint``: a converted megatron checkpoint (tools/convert_hf_to_megatron.py) whose architecture and
+    weights initialize all three models (any TP that divides the model; resharded on the fly).
+    """
+    from megatron.core import parallel_state as ps
+    from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig, finalize_model_grads
+    from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
+
+    from megatron_fp4.models import GPTModelArgs, build_gpt_model, gpt_transformer_config
+    from megatron_fp4.recipe import recipe_for_format
+
+    m, prec, act = cfg.model, cfg.precision, cfg.actor
+    recipe = None
+    if prec.fp4_train and prec.fp4_format != "none":
+        recipe = recipe_for_format(prec.fp4_format, high_precision_first_layers=prec.fp4_high_precision_first_layers,
+                                   high_precision_last_layers=prec.fp4_high_precision_last_layers)
+    dtype = torch.bfloat16 if m.bf16 else torch.float32
+    if init_checkpoint is not None:
+        from megatron_fp4.models.checkpoint_io import gpt_model_args_from_checkpoint, load_checkpoint_into_model
+
+        margs = gpt_model_args_from_checkpoint(init_checkpoint, fp4_recipe=recipe, params_dtype=dtype)
+        margs.max_seq_len = max(margs.max_seq_len, m.seq_length)
+    else:
+        margs = GPTModelArgs(num_layers=m.num_layers, hidden_size=m.hidden_size, ffn_hidden_size=m.ffn_hidden_size,
+                             num_attention_heads=m.num_attention_heads, num_query_groups=m.num_query_groups,
+                             vocab_size=vocab_size, max_seq_len=m.seq_length, fp4_recipe=recipe, params_dtype=dtype)
+
+    def load_init(model):
+        if init_checkpoint is not None:
+            load_checkpoint_into_model(model, init_checkpoint)
+        return model
+
+    if cfg.parallel.use_cpu_initialization:  # the full weights from one CPU RNG stream, then split: TP-invariant
+        margs.config_overrides = {**margs.config_overrides, "use_cpu_initialization": True}
+    rollout_margs = GPTModelArgs(**{**margs.__dict__, "fp4_recipe": None})
+    full_model = None
+    pp = ps.get_pipeline_model_parallel_world_size()
+    if pp > 1:
+        # The rollout engine needs the whole model: every pipeline rank holds a full-depth copy, tensor-parallel
+        # sharded like the policy. Its config says PP = 1, so megatron builds all layers at offset 0 and sets up
+        # no embedding group for tied weights. It is built first, from the RNG state a PP = 1 run builds its
+        # policy from, and the policy stage takes its slice: PP > 1 starts from the same weights as PP = 1.
+        full_model = load_init(build_gpt_model(
+            rollout_margs, config=gpt_transformer_config(rollout_margs, pipeline_model_parallel_size=1),
+            pre_process=True, post_process=True, parallel_output=False))
+
+    def schedule_config():
+        """The config of a model run through megatron's schedule (the policy, the reference)."""
+        c = gpt_transformer_config(margs, calculate_per_token_loss=True)
+        if pp > 1:
+            # a short last micro-batch is fine when the stages exchange activation shapes before the tensors (set
+            # after construction: TransformerConfig rejects it with its default MoE token dispatcher, unused here)
+            c.variable_seq_lengths = True
+        return c
+
+    config = schedule_config()
+    if full_model is None:
+        policy = load_init(build_gpt_model(margs, config=config, parallel_output=False))
+    else:
+        from megatron_fp4.models.pp_gather import copy_stage_from_full_model
+
+        policy = build_gpt_model(margs, config=config, parallel_output=False)
+        copy_stage_from_full_model(policy, full_model)
+    ddp = DistributedDataParallel(config, DistributedDataParallelConfig(grad_reduce_in_fp32=True,
+                                                                        overlap_grad_reduce=False), policy)
+    config.no_sync_func = ddp.no_sync
+    config.finalize_model_grads_func = finalize_model_grads
+    optimizer = get_megatron_optimizer(
+        OptimizerConfig(optimizer="adam", lr=act.lr, weight_decay=act.weight_decay, clip_grad=act.clip_grad,
+                        bf16=m.bf16, params_dtype=dtype, adam_beta1=0.9, adam_beta2=0.98), [ddp])
+
+    reference = None
+    if act.kl_beta > 0:
+        reference = load_init(build_gpt_model(margs, config=schedule_config(), parallel_output=False))
+        reference.requires_grad_(False)
+    rollout_model = full_model if full_model is not None else load_init(build_gpt_model(rollout_margs,
+                                                                                      parallel_output=False))
+    rollout_model.requires_grad_(False)
+    return Models(ddp, optimizer, config, reference, rollout_model, recipe)
+
+
+def describe(cfg: RLConfig, recipe, precision) -> str:
+    """'training: FP4 HiF4BlockScaling | rollout: w4a4 hif4 + ResQ 2:4 (native)'."""
+    train = "high precision" if recipe is None else f"FP4 {type(recipe).__name__}"
+    roll = precision.mode if precision.mode == "bf16" else f"{precision.mode} {precision.format}"
+    if precision.quantize_activations and precision.sparsity != "none":
+        roll += f" + ResQ {precision.sparsity}" + (" (bf16 sum)" if precision.resq_combine == "bf16" else "")
+    return f"training: {train} | rollout: {roll} ({cfg.rollout.rollout_backend})"
+
+
+def build_trainer(cfg: RLConfig, plan: StartPlan):
+    """The trainer and its roles for ``cfg``, with the models built from ``plan``'s starting weights (a converted
+    checkpoint's architecture, weights and tokenizer when it names one). Returns (trainer, description)."""
+    from megatron_fp4.formats import get_format
+    from megatron_fp4.models.checkpoint_io import checkpoint_tokenizer_dir
+    from megatron_fp4.resq import RolloutPrecision
+    from megatron_fp4.rl.actor import Actor
+    from megatron_fp4.rl.checkpointer import Checkpointer
+    from megatron_fp4.rl.evaluator import Evaluator
+    from megatron_fp4.rl.monitor import MetricsLogger
+    from megatron_fp4.rl.rollout_manager import RolloutManager, make_engine
+    from megatron_fp4.rl.trainer import GRPOTrainer
+    from megatron_fp4.rl.warmup import SupervisedWarmup
+
+    rank = torch.distributed.get_rank()
+    tokenizer_model = cfg.model.tokenizer_model
+    if plan.ref_load and tokenizer_model is None:
+        tok_dir = checkpoint_tokenizer_dir(plan.ref_load)
+        if tok_dir is None:
+            raise ValueError(f"--ref-load {plan.ref_load} has no tokenizer files (hf_assets/): pass --tokenizer-model")
+        tokenizer_model = str(tok_dir)
+    train_examples, eval_examples = load_examples(cfg)
+    tok = build_tokenizer(cfg, tokenizer_model, train_examples + eval_examples)
+    tp = cfg.parallel.tensor_model_parallel_size
+    # pad to a multiple of 16 that TP divides, the same at every TP <= 16: the same random model at any TP
+    multiple = math.lcm(16, tp)
+    models = build_models(cfg, -(-tok.vocab_size // multiple) * multiple, plan.ref_load)
+    model_vocab = models.policy.module.vocab_size
+    if tok.vocab_size > model_vocab:
+        raise ValueError(f"the tokenizer has {tok.vocab_size} tokens but the model's vocabulary has only "
+                         f"{model_vocab} (--ref-load {plan.ref_load}): use the checkpoint's own tokenizer")
+    prec = cfg.precision
+    fmt = prec.fp4_format if prec.fp4_format != "none" else "hif4"
+    precision = RolloutPrecision(prec.rollout_precision, fmt, prec.resq, resq_combine=prec.resq_combine)
+    bf16 = RolloutPrecision("bf16", fmt, "none")
+    eval_precisions = {"accuracy": None}
+    if precision.mode != "bf16":
+        eval_precisions["accuracy_bf16"] = bf16
+    engine = make_engine(cfg.rollout.rollout_backend, models.rollout_model, precision)
+
+    run = cfg.run
+    actor = Actor(cfg.actor, models.policy, models.optimizer, models.reference, group_size=cfg.rollout.group_size,
+                  train_iters=run.train_iters, max_nonfinite_steps=run.max_nonfinite_steps)
+    rollout = RolloutManager(cfg.rollout, engine, tok, train_examples, seed=run.seed)
+    trainer = GRPOTrainer(cfg, rollout, actor, Evaluator(rollout, eval_examples, eval_precisions),
+                          Checkpointer(cfg.checkpoint, tok.vocab_size),
+                          SupervisedWarmup(cfg.warmup, actor, tok, train_examples, seed=run.seed,
+                                           max_prompt_length=cfg.rollout.max_prompt_length,
+                                           max_response_length=cfg.rollout.max_response_length),
+                          MetricsLogger(run.tensorboard_dir, total_steps=run.train_iters, rank=rank,
+                                        jsonl_path=run.log_jsonl), bf16_precision=bf16)
+    setup = describe(cfg, models.recipe, precision)
+    if rank == 0:
+        n_params = sum(p.numel() for p in models.policy.module.parameters())
+        pp = cfg.parallel.pipeline_model_parallel_size
+        print(f"[setup] {cfg.data.dataset}: {len(train_examples)} train / {len(eval_examples)} held-out | tokenizer "
+              f"{tok.vocab_size} tokens, model vocab {model_vocab} | {n_params / 1e6:.2f}M params/rank | {setup} | "
+              f"world {torch.distributed.get_world_size()} (TP {tp}{f', PP {pp}' if pp > 1 else ''})", flush=True)
+        if models.recipe is not None and tp > 1:
+            block = get_format(prec.fp4_format).block_size
+            mcfg = models.policy.module.config
+            split = {"hidden size": mcfg.hidden_size, "ffn hidden size": mcfg.ffn_hidden_size}
+            uneven = [f"{k} {v} / TP {tp}" for k, v in split.items() if (v // tp) % block]
+            if uneven:
+                print(f"[setup] note: {', '.join(uneven)} is not a multiple of the {prec.fp4_format} block "
+                      f"({block}): FP4 blocks along the sharded K differ from TP=1's, so results depend on TP",
+                      flush=True)
+    return trainer, setup

@@ -1,0 +1,134 @@
+"""The GRPO roles, each on its own in one gloo process: the distributed helpers, the rollout manager, the actor,
+the checkpointer, the evaluator, and the trainer's step over them."""
+
+from __future__ import annotations
+
+import torch
+
+from megatron_fp4.parallel import initialize_parallel
+from megatron_fp4.rl import distributed as dist
+from megatron_fp4.rl.arguments import parse_args, rl_config
+from megatron_fp4.rl.checkpointer import plan_start
+from megatron_fp4.rl.grpo import group_advantages
+from megatron_fp4.rl.rewards import score
+from megatron_fp4.rl.setup import build_trainer
+
+TINY = ["--num-layers", "2", "--hidden-size", "64", "--ffn-hidden-size", "128", "--num-attention-heads", "4",
+        "--num-query-groups", "2", "--num-synthetic-examples", "300", "--eval-samples", "16",
+        "--global-batch-size", "4", "--group-size", "4", "--micro-batch-size", "8", "--sft-iters", "0",
+        "--max-response-length", "4", "--seed", "3", "--train-iters", "5"]
+
+
+def _trainer(*extra):
+    cfg = rl_config(parse_args([*TINY, *extra]))
+    initialize_parallel(1, 1, seed=cfg.run.seed)
+    trainer, _ = build_trainer(cfg, plan_start(cfg.checkpoint))
+    return trainer
+
+
+def _weights(module):
+    return {k: v.detach().clone() for k, v in module.state_dict().items() if not k.endswith("_extra_state")}
+
+
+def test_distributed_helpers_in_one_process():
+    initialize_parallel(1, 1, seed=0)
+    assert dist.dp_rank_and_size() == (0, 1)
+    assert dist.dp_sum(2.5) == 2.5 and dist.dp_max(-1.0) == -1.0 and dist.from_last_stage(4.0) == 4.0
+    obj = {"a": [1, 2]}
+    assert dist.from_first_stage(obj) is obj
+    assert dist.any_rank(True) and not dist.any_rank(False) and dist.any_on_model_parallel(torch.tensor(True))
+    store = [{"loss": torch.tensor(2.0), "num_tokens": torch.tensor(2.0), "ratio_max": torch.tensor(1.5)},
+             {"loss": torch.tensor(4.0), "num_tokens": torch.tensor(2.0), "ratio_max": torch.tensor(1.2)}]
+    assert dist.reduce_token_stats(store) == {"loss": 1.5, "ratio_max": 1.5}
+
+
+def test_rollout_manager_returns_scored_filtered_sequences():
+    trainer = _trainer("--dynamic-sampling", "--fp4-format", "none")
+    rollout = trainer.rollout
+    seqs, metrics = rollout.rollout(step=0)
+    n, G = 4 * 4, 4
+    assert len(seqs) == n and seqs.rewards.shape == (n,) and set(seqs.rewards.tolist()) <= {0.0, 1.0}
+    assert rollout.sampler.position == (0, 4)
+    # the loss mask covers response tokens only, and none of a group whose rewards are all equal
+    equal = (seqs.rewards.view(-1, G).amax(1) == seqs.rewards.view(-1, G).amin(1)).repeat_interleave(G)
+    assert float(seqs.mask[equal].sum()) == 0.0
+    assert seqs.num_tokens == float(seqs.mask.sum())
+    assert metrics["kept_groups_frac"] == 1 - float(equal.float().mean())
+    assert 0 <= metrics["reward_mean"] <= 1 and metrics["rollout_tokens_per_s"] > 0
+    # the logprobs the actor weights tokens with are the engine's, at the response positions
+    assert bool((seqs.logp_rollout[seqs.mask > 0] <= 0).all())
+
+
+def test_actor_update_computes_advantages_and_steps_or_skips():
+    trainer = _trainer("--fp4-format", "none", "--lr", "1e-2")
+    actor = trainer.actor
+    seqs, _ = trainer.rollout.rollout(step=0)
+    seqs.rewards = torch.arange(len(seqs), dtype=torch.float32) % 3  # groups with different rewards: a gradient
+    seqs.mask = torch.ones_like(seqs.mask) * (seqs.logp_rollout != 0)
+    seqs.num_tokens = float(seqs.mask.sum())
+    before = _weights(actor.module)
+    metrics = actor.update(seqs, step=1, last_checkpoint=None)
+    assert torch.equal(seqs.advantages, group_advantages(seqs.rewards, group_size=4))
+    assert "skipped" not in metrics and metrics["grad_norm"] > 0 and metrics["lr"] == 1e-2
+    assert any(not torch.equal(before[k], v) for k, v in _weights(actor.module).items())
+
+    seqs.rewards = seqs.rewards * float("nan")  # a non-finite loss: the update is skipped, the weights kept
+    before = _weights(actor.module)
+    metrics = actor.update(seqs, step=2, last_checkpoint=None)
+    assert metrics["skipped"] == 1.0 and actor.guard.consecutive == 1
+    assert all(torch.equal(before[k], v) for k, v in _weights(actor.module).items())
+
+
+def test_lr_schedule_is_cosine_to_min_lr():
+    actor = _trainer("--fp4-format", "none", "--lr", "1e-3", "--min-lr", "1e-4").actor
+    assert actor.lr_at(0) == 1e-3 and abs(actor.lr_at(5) - 1e-4) < 1e-12
+    assert abs(actor.lr_at(2) - (1e-4 + 0.45e-3 * (1 + torch.cos(torch.tensor(torch.pi * 0.4)).item()))) < 1e-9
+
+
+def test_checkpointer_saves_and_resumes_the_roles_state(tmp_path):
+    trainer = _trainer("--fp4-format", "none", "--save", str(tmp_path / "run"))
+    trainer.start(plan_start(trainer.cfg.checkpoint))  # warm start: evaluated and saved as step 0
+    trainer.train_step()
+    path = trainer.save()
+    saved, position = _weights(trainer.actor.module), trainer.rollout.sampler.position
+    trainer.train_step()
+    assert trainer.rollout.sampler.position != position
+    resumed = trainer.checkpointer.resume(str(tmp_path / "run"), trainer.actor, trainer.rollout.sampler)
+    assert (resumed.step, resumed.path) == (1, path) and "warm_start" in resumed.extra
+    assert trainer.rollout.sampler.position == position
+    assert all(torch.equal(saved[k], v) for k, v in _weights(trainer.actor.module).items())
+
+
+def test_evaluator_scores_greedy_responses():
+    trainer = _trainer("--fp4-format", "none")
+    ev = trainer.evaluator
+    samples = trainer.rollout.generate_greedy(ev.examples)
+    want = sum(score(trainer.rollout.tokenizer.decode(s.token_ids), e.reference, e.kind)
+               for s, e in zip(samples, ev.examples)) / len(ev.examples)
+    assert ev.evaluate() == {"accuracy": want}
+
+
+def test_trainer_step_is_rollout_then_update_then_sync():
+    trainer = _trainer()  # HiF4 training, W4A4 + ResQ 2:4 rollout
+    metrics = trainer.train_step()
+    assert trainer.step == 1
+    assert {"reward_mean", "loss", "lr", "rollout/weight_sync_total_s"} <= set(metrics)
+    assert trainer.actor.optimizer.param_groups[0]["lr"] == trainer.actor.lr_at(1)
+
+
+def test_a_step_with_nothing_to_learn_keeps_the_weights_and_advances_the_lr():
+    trainer = _trainer("--fp4-format", "none", "--dynamic-sampling")
+    real = trainer.rollout.rollout
+
+    def all_filtered(step):  # every group's rewards equal: dynamic sampling leaves no token
+        seqs, metrics = real(step)
+        seqs.mask.zero_()
+        seqs.num_tokens = 0.0
+        return seqs, metrics
+
+    trainer.rollout.rollout = all_filtered
+    before = _weights(trainer.actor.module)
+    metrics = trainer.train_step()
+    assert metrics["skipped"] == 1.0 and trainer.step == 1
+    assert all(torch.equal(before[k], v) for k, v in _weights(trainer.actor.module).items())
+    assert trainer.actor.optimizer.param_groups[0]["lr"] == trainer.actor.lr_at(1)
