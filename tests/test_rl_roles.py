@@ -23,6 +23,7 @@ def _trainer(*extra):
     cfg = rl_config(parse_args([*TINY, *extra]))
     initialize_parallel(1, 1, seed=cfg.run.seed)
     trainer, _ = build_trainer(cfg, plan_start(cfg.checkpoint))
+    trainer.sync_weights()  # the rollout copy was built with its own random weights: give it the policy's
     return trainer
 
 
@@ -132,3 +133,11 @@ def test_a_step_with_nothing_to_learn_keeps_the_weights_and_advances_the_lr():
     assert metrics["skipped"] == 1.0 and trainer.step == 1
     assert all(torch.equal(before[k], v) for k, v in _weights(trainer.actor.module).items())
     assert trainer.actor.optimizer.param_groups[0]["lr"] == trainer.actor.lr_at(1)
+
+
+def test_the_static_decode_path_runs_a_grpo_step():
+    """--rollout-decode static (the graph path's eager twin, which CPU can run) serves the rollout manager."""
+    trainer = _trainer("--rollout-decode", "static", "--fp4-format", "none")
+    assert trainer.rollout.engine.decode == "static"
+    metrics = trainer.train_step()
+    assert trainer.step == 1 and metrics["response_length_mean"] > 0 and metrics["logp_abs_diff_mean"] < 1e-3

@@ -20,12 +20,13 @@ from typing import Any, Callable, Optional, get_type_hints
 
 from megatron_fp4.recipe import RECIPES
 from megatron_fp4.resq import RESQ_COMBINES, ROLLOUT_MODES, SPARSITIES
+from megatron_fp4.rollout.native import DECODE_MODES
 from megatron_fp4.rl.grpo import GRPOConfig
 
 __all__ = ["knob", "positive", "non_negative", "at_least", "in_range", "ParallelConfig", "ModelConfig",
            "PrecisionConfig", "DataConfig", "RolloutConfig", "ActorConfig", "WarmupConfig", "CheckpointConfig",
-           "RunConfig", "RLConfig", "SECTIONS", "section_fields", "FP4_FORMATS", "ROLLOUT_BACKENDS", "ADVANTAGES",
-           "INITS"]
+           "RunConfig", "RLConfig", "SECTIONS", "section_fields", "FP4_FORMATS", "ROLLOUT_BACKENDS",
+           "ADVANTAGES", "INITS"]
 
 FP4_FORMATS = (*RECIPES, "none")
 ROLLOUT_BACKENDS = ("native", "sglang")
@@ -131,6 +132,11 @@ class RolloutConfig:
     """rollout (sampling and filtering)"""
 
     rollout_backend: str = knob("native", "rollout engine", choices=ROLLOUT_BACKENDS)
+    rollout_decode: str = knob("auto", "the native engine's decode path: megatron (megatron-core's forward, the "
+                                       "reference), static (static KV cache), graph (static KV cache, CUDA-graph "
+                                       "decode steps; ~9x faster on an H200, see docs/PERFORMANCE.md), auto (graph "
+                                       "on CUDA, megatron elsewhere; models the static path does not serve, e.g. "
+                                       "TP > 1, take megatron)", choices=DECODE_MODES)
     group_size: int = knob(_GRPO.group_size, "responses sampled per prompt (G)", check=at_least(2))
     global_batch_size: int = knob(32, "prompts per step (all data-parallel ranks together)", check=positive)
     max_prompt_length: int = knob(16, "prompt tokens kept (longer prompts keep their end)", check=positive)

@@ -29,12 +29,13 @@ from megatron_fp4.rollout import RolloutEngine, RolloutSample, SamplingParams
 __all__ = ["RolloutManager", "make_engine"]
 
 
-def make_engine(backend: str, rollout_model: torch.nn.Module, precision) -> RolloutEngine:
+def make_engine(cfg: RolloutConfig, rollout_model: torch.nn.Module, precision) -> RolloutEngine:
     """The rollout engine of ``--rollout-backend`` serving ``rollout_model`` in ``precision``."""
+    backend = cfg.rollout_backend
     if backend == "native":
         from megatron_fp4.rollout import NativeRolloutEngine
 
-        return NativeRolloutEngine(rollout_model, precision)
+        return NativeRolloutEngine(rollout_model, precision, decode=cfg.rollout_decode)
     raise ValueError(f"--rollout-backend {backend!r} is not available in pretrain_rl.py yet; allowed: native")
 
 

@@ -189,7 +189,7 @@ def build_trainer(cfg: RLConfig, plan: StartPlan):
     eval_precisions = {"accuracy": None}
     if precision.mode != "bf16":
         eval_precisions["accuracy_bf16"] = bf16
-    engine = make_engine(cfg.rollout.rollout_backend, models.rollout_model, precision)
+    engine = make_engine(cfg.rollout, models.rollout_model, precision)
 
     run = cfg.run
     actor = Actor(cfg.actor, models.policy, models.optimizer, models.reference, group_size=cfg.rollout.group_size,
