@@ -614,12 +614,14 @@ def gpt_model_args_from_checkpoint(path: PathLike, iteration: Optional[Union[int
 
 
 def load_gpt(path: PathLike, iteration: Optional[Union[int, str]] = None, fp4_recipe: Any = None,
-             params_dtype: Optional[torch.dtype] = None, eval_mode: bool = True, **model_arg_changes: Any):
+             params_dtype: Optional[torch.dtype] = None, eval_mode: bool = True, gguf_file: Optional[str] = None,
+             **model_arg_changes: Any):
     """A megatron-core GPTModel (TP=PP=1, this process) with the weights of ``path``.
 
-    ``path`` is a megatron-fp4 checkpoint (any TP/PP; merged on load), a Hugging Face Qwen2/Llama folder, or an
-    FP4 export of ``tools/export_fp4_checkpoint.py`` (weights dequantized). Initializes a single-process
-    parallel_state if none exists. ``fp4_recipe`` sets the model's FP4 recipe (None: high precision).
+    ``path`` is a megatron-fp4 checkpoint (any TP/PP; merged on load), a Hugging Face Qwen2/Llama folder, an
+    FP4 export of ``tools/export_fp4_checkpoint.py`` (weights dequantized), or with ``gguf_file`` the folder holding
+    that GGUF file (read by transformers' GGUF loader). Initializes a single-process parallel_state if none exists.
+    ``fp4_recipe`` sets the model's FP4 recipe (None: high precision).
     """
     from megatron_fp4.models.gpt import GPTModelArgs, build_gpt_model
     from megatron_fp4.parallel import initialize_parallel
@@ -635,7 +637,7 @@ def load_gpt(path: PathLike, iteration: Optional[Union[int, str]] = None, fp4_re
 
     if not parallel_state.model_parallel_is_initialized():
         initialize_parallel(1, 1)  # (re-initializing would also re-seed the RNGs)
-    if is_megatron_checkpoint(path):
+    if is_megatron_checkpoint(path) and gguf_file is None:
         ckpt = MegatronCheckpoint(path, iteration)
         margs = model_args_from_json(ckpt.model_args)
         margs["hf_info"] = hf_info_of(ckpt)
@@ -643,13 +645,18 @@ def load_gpt(path: PathLike, iteration: Optional[Union[int, str]] = None, fp4_re
     else:
         from megatron_fp4.models.hf_conversion import SUPPORTED_ARCHITECTURES, open_hf_source
 
-        source = open_hf_source(path)
+        if gguf_file is not None:
+            from megatron_fp4.models.gguf import GGUFSource
+
+            source = GGUFSource(path, gguf_file)
+        else:
+            source = open_hf_source(path)
         margs = source.model_args(tp=1)
         config = {k: v for k, v in source.config.items() if k != "quantization_config"}
         arch = (config.get("architectures") or [None])[0] or {
             v: k for k, v in SUPPORTED_ARCHITECTURES.items()}[config["model_type"]]
         margs["hf_info"] = {"config": config, "architecture": arch, "vocab_size": int(config["vocab_size"]),
-                            "assets_dir": str(path)}
+                            "assets_dir": None if gguf_file else str(path)}
         ckpt = None
     margs.update(model_arg_changes)
     if params_dtype is not None:

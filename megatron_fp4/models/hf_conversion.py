@@ -425,17 +425,24 @@ def prepare_output_dir(path: PathLike, overwrite: bool, megatron_iteration: Opti
 def convert_hf_to_megatron(hf_path: PathLike, save_dir: PathLike, tensor_model_parallel_size: int = 1,
                            pipeline_model_parallel_size: int = 1, make_vocab_size_divisible_by: int = 1,
                            iteration: Union[int, str] = "release", progress: bool = True,
-                           overwrite: bool = False) -> Path:
+                           overwrite: bool = False, gguf_file: Optional[str] = None) -> Path:
     """Convert an HF Qwen2/Llama folder to a TP x PP sharded megatron-fp4 checkpoint; returns the iteration dir.
 
-    Shards are written one at a time (each holds one TP rank of one PP stage); the tracker file last.
+    ``gguf_file``: read the model from this GGUF file inside ``hf_path`` instead (through transformers' GGUF
+    loader, dequantized to fp32; its tokenizer and chat template go to hf_assets/). Shards are written one at a
+    time (each holds one TP rank of one PP stage); the tracker file last.
     """
     from safetensors.torch import save_file
 
     tp, pp = tensor_model_parallel_size, pipeline_model_parallel_size
     iteration_dirname(iteration)  # validates
     iteration = iteration if iteration == "release" else int(iteration)
-    source = open_hf_source(hf_path)
+    if gguf_file is not None:
+        from megatron_fp4.models.gguf import GGUFSource
+
+        source = GGUFSource(hf_path, gguf_file)
+    else:
+        source = open_hf_source(hf_path)
     margs = model_args_from_hf_config(source.config)
     check_parallel_sizes(margs, tp, pp)
     hf_vocab = margs["vocab_size"]
@@ -459,6 +466,8 @@ def convert_hf_to_megatron(hf_path: PathLike, save_dir: PathLike, tensor_model_p
                 del state
     if isinstance(source, HFFolderSource):
         copy_hf_assets(source.path, save_dir / HF_ASSETS_DIRNAME)
+    elif hasattr(source, "write_assets"):  # a GGUF file: its tokenizer
+        source.write_assets(save_dir / HF_ASSETS_DIRNAME)
     archs = source.config.get("architectures") or [
         {v: k for k, v in SUPPORTED_ARCHITECTURES.items()}[source.config["model_type"]]]
     hf_config = {k: v for k, v in source.config.items() if k != "quantization_config"}
