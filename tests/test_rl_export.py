@@ -61,17 +61,19 @@ def workdir(tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def runs(workdir):
-    """pretrain_rl.py --save runs, made on first use: "tp1" (fp32) and "tp2" (TP=2 under torchrun, --bf16)."""
+    """pretrain_rl.py --save runs, made on first use: "tp1" (fp32), "tp2" (TP=2 under torchrun, --bf16) and "pp2"
+    (PP=2 under torchrun, fp32)."""
     made = {}
+    layouts = {"tp1": [], "tp2": ["--tensor-model-parallel-size", "2", "--bf16"],
+               "pp2": ["--pipeline-model-parallel-size", "2"]}
 
     def get(name: str):
         if name not in made:
             launcher = [sys.executable]
-            extra = []
-            if name == "tp2":
+            extra = layouts[name]
+            if extra:
                 launcher += ["-m", "torch.distributed.run", "--nproc-per-node", "2", "--master-addr", "127.0.0.1",
                              "--master-port", str(free_port())]
-                extra = ["--tensor-model-parallel-size", "2", "--bf16"]
             run = workdir / f"run_{name}"
             r = subprocess.run([*launcher, str(REPO / "pretrain_rl.py"), "--load", str(workdir / "converted"),
                                 "--dataset", f"gsm8k:{workdir / 'gsm8k.jsonl'}", *RUN_ARGS, *extra,
@@ -127,6 +129,7 @@ def test_rl_run_exports_to_transformers_tp1(workdir, runs, tmp_path):
     ids = _ids()
     got, want = _hf_logits(tmp_path / "hf", ids), _policy_logits(workdir, run, ids)
     assert want.std() > 0.5 and got.shape == want.shape == (2, 12, 96)
+    print(f"TP=1 export: max |logit diff| {(got - want).abs().max().item():.2e} (logit std {want.std():.2f})")
     assert (got - want).abs().max().item() <= ATOL
     # the export is the trained policy, not the converted model it started from
     assert (got - _hf_logits(workdir / "hf", ids)).abs().max().item() > 1e-2
@@ -146,13 +149,13 @@ def test_rl_run_exports_to_transformers_tp1(workdir, runs, tmp_path):
                  str(tmp_path / "hf1"), "--no-progress")
     assert r.returncode == 0, r.stderr
     assert (_hf_logits(tmp_path / "hf1", ids) - _policy_logits(workdir, run, ids, 1)).abs().max().item() <= ATOL
-    r = run_tool("convert_megatron_to_hf.py", "--load", str(run / "iter_0000001"), "--save", str(tmp_path / "hf1b"),
-                 "--no-progress")
-    assert r.returncode == 0, r.stderr
+    from megatron_fp4.rl.export import export_hf
+
+    export_hf(run / "iter_0000001", tmp_path / "hf1b")
     assert (tmp_path / "hf1b" / "model.safetensors").read_bytes() == (tmp_path / "hf1" / "model.safetensors"
                                                                         ).read_bytes()
-    r = run_tool("convert_megatron_to_hf.py", "--load", str(run), "--iteration", "7", "--save", str(tmp_path / "x"))
-    assert r.returncode == 2 and "error: --iteration 7" in r.stderr and "allowed values: [1, 2]" in r.stderr
+    with pytest.raises(ValueError, match=r"--iteration 7: .* allowed values: \[1, 2\]"):
+        export_hf(run, tmp_path / "x", iteration=7)
 
 
 @pytest.mark.slow
@@ -170,7 +173,9 @@ def test_rl_run_exports_at_tp2_bf16_master_weights_and_fp4(workdir, runs, tmp_pa
     ids = _ids()
     want = _policy_logits(workdir, run, ids, master=True)
     assert want.std() > 0.5
-    assert (_hf_logits(tmp_path / "master", ids) - want).abs().max().item() <= ATOL
+    diff = (_hf_logits(tmp_path / "master", ids) - want).abs().max().item()
+    print(f"TP=2 --bf16 run, fp32 master export: max |logit diff| {diff:.2e} (logit std {want.std():.2f})")
+    assert diff <= ATOL
     assert json.loads((tmp_path / "master" / "config.json").read_text())["dtype"] == "float32"
 
     r = run_tool("convert_megatron_to_hf.py", "--load", str(run), "--save", str(tmp_path / "bf16"), "--no-progress")
@@ -195,6 +200,18 @@ def test_rl_run_exports_at_tp2_bf16_master_weights_and_fp4(workdir, runs, tmp_pa
 
 
 @pytest.mark.slow
+def test_rl_run_exports_at_pp2(workdir, runs, tmp_path):
+    """PP=2 (tied embeddings: the last stage's copy of the embedding is not exported as lm_head)."""
+    run = runs("pp2")
+    r = run_tool("convert_megatron_to_hf.py", "--load", str(run), "--save", str(tmp_path / "hf"), "--no-progress")
+    assert r.returncode == 0, r.stderr
+    ids = _ids()
+    got, want = _hf_logits(tmp_path / "hf", ids), _policy_logits(workdir, run, ids)
+    print(f"PP=2 export: max |logit diff| {(got - want).abs().max().item():.2e} (logit std {want.std():.2f})")
+    assert want.std() > 0.5 and (got - want).abs().max().item() <= ATOL
+
+
+@pytest.mark.slow
 def test_live_tp2_model_exports_collectively(workdir, tmp_path):
     """export_hf(model) on both ranks of a TP=2 job: transformers' logits equal the live sharded model's."""
     r = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", "--master-addr",
@@ -205,7 +222,9 @@ def test_live_tp2_model_exports_collectively(workdir, tmp_path):
     assert r.returncode == 0, r.stderr[-3000:]
     d = torch.load(tmp_path / "logits.pt", weights_only=True)
     assert d["logits"].std() > 0.5
-    assert (_hf_logits(tmp_path / "hf", d["ids"]) - d["logits"]).abs().max().item() <= ATOL
+    diff = (_hf_logits(tmp_path / "hf", d["ids"]) - d["logits"]).abs().max().item()
+    print(f"live TP=2 export: max |logit diff| {diff:.2e} (logit std {d['logits'].std():.2f})")
+    assert diff <= ATOL
     assert sorted(p.name for p in tmp_path.iterdir()) == ["hf", "logits.pt"]  # the temporary shards are gone
     assert (tmp_path / "hf" / "tokenizer.json").is_file()
 
@@ -234,8 +253,29 @@ def test_checkpoint_without_model_record_names_what_is_missing(runs, tmp_path):
 
 
 def test_load_that_is_no_checkpoint_is_one_error_line(tmp_path):
+    from megatron_fp4.rl.export import open_checkpoint
+
+    with pytest.raises(FileNotFoundError, match="does not exist"):
+        open_checkpoint(tmp_path / "missing")
     (tmp_path / "empty").mkdir()
-    for load, msg in ((tmp_path / "missing", "does not exist"),
-                      (tmp_path / "empty", "is neither a pretrain_rl.py --save directory")):
-        r = run_tool("convert_megatron_to_hf.py", "--load", str(load), "--save", str(tmp_path / "out"))
-        assert r.returncode == 2 and r.stderr.strip().splitlines()[-1].startswith("error: ") and msg in r.stderr
+    r = run_tool("convert_megatron_to_hf.py", "--load", str(tmp_path / "empty"), "--save", str(tmp_path / "out"))
+    assert r.returncode == 2 and r.stderr.strip().splitlines()[-1].startswith("error: ")
+    assert "is neither a pretrain_rl.py --save directory" in r.stderr
+
+
+def test_live_bf16_model_exports_in_one_dtype(workdir, tmp_path):
+    """A single-process bf16 model (megatron keeps its norms in fp32 on the CPU) exports every tensor in bf16, with
+    the tokenizer of the checkpoint it was loaded from."""
+    from megatron_fp4.models.checkpoint_io import load_gpt
+    from megatron_fp4.models.hf_conversion import HFFolderSource
+    from megatron_fp4.rl.export import export_hf
+
+    model = load_gpt(workdir / "converted", params_dtype=torch.bfloat16)
+    assert {p.dtype for p in model.parameters()} == {torch.bfloat16, torch.float32}
+    export_hf(model, tmp_path / "hf")
+    src = HFFolderSource(tmp_path / "hf")
+    assert src.config["dtype"] == "bfloat16" and {src.get(k).dtype for k in src.keys()} == {torch.bfloat16}
+    assert torch.equal(src.get("model.norm.weight"), model.decoder.final_layernorm.weight.bfloat16())
+    assert (tmp_path / "hf" / "tokenizer.json").is_file()
+    with pytest.raises(FileExistsError, match="--overwrite"):
+        export_hf(model, tmp_path / "hf")

@@ -123,8 +123,9 @@ def _hf_order(margs: dict) -> list[str]:
     return names + ["model.norm.weight", "lm_head.weight"]
 
 
-def export_fp4_checkpoint(source: Union[str, os.PathLike, ShardedWeights], save_dir: Union[str, os.PathLike], format: str = "hif4",
-                          resq: str = "none", activation_format: Optional[str] = None, resq_combine: str = "exact",
+def export_fp4_checkpoint(source: Union[str, os.PathLike, ShardedWeights], save_dir: Union[str, os.PathLike],
+                          format: str = "hif4", resq: str = "none", activation_format: Optional[str] = None,
+                          resq_combine: str = "exact",
                           high_precision_first_layers: int = 0, high_precision_last_layers: int = 0,
                           max_shard_bytes: int = 5 * 2**30, progress: bool = True, overwrite: bool = False
                           ) -> Path:

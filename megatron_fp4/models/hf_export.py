@@ -56,7 +56,8 @@ def export_model_hf(model: Any, save_dir: PathLike, *, dtype: Optional[torch.dty
                     max_shard_bytes: int = 5 * 2**30, overwrite: bool = False, progress: bool = False) -> Path:
     """Write the HF folder of a live GPTModel (DDP / Float16 wrappers unwrapped); collective over all ranks.
 
-    ``dtype``: cast the weights (default: the model's parameter dtype). ``vocab_size``: rows of the exported
+    ``dtype``: cast the weights (default: the model's parameter dtype, for every tensor: on the CPU megatron keeps
+    norms in fp32 beside bf16 weights). ``vocab_size``: rows of the exported
     vocabulary (default: the HF model's the weights came from, else the model's, padding included).
     ``hf_assets``: a folder of tokenizer files to copy instead of ``model.hf_info['assets_dir']``. An existing
     model in ``save_dir`` is replaced only with ``overwrite``. Returns ``save_dir``.
@@ -75,7 +76,7 @@ def export_model_hf(model: Any, save_dir: PathLike, *, dtype: Optional[torch.dty
     def convert() -> None:
         try:
             convert_megatron_to_hf(tmp, save_dir, max_shard_bytes=max_shard_bytes, progress=progress,
-                                   overwrite=True, dtype=dtype)
+                                   overwrite=True, dtype=dtype or margs.params_dtype)
             if assets is not None:
                 if not Path(assets).is_dir():
                     raise FileNotFoundError(f"hf_assets folder {assets} does not exist")

@@ -134,7 +134,8 @@ def export_hf(source: Any, save_dir: PathLike, *, iteration: Optional[Union[int,
     opened :class:`ShardedWeights`, or a live GPTModel (DDP-wrapped or not), in which case every rank must call
     this (collective; see ``megatron_fp4.models.hf_export.export_model_hf``; ``vocab_size`` applies there
     only). ``dtype``: cast the weights (default: the run's parameter dtype); ``torch.float32`` from a path exports
-    the fp32 master weights of a bf16 run. ``hf_assets``: a folder of tokenizer files to write too (default: those recorded).
+    the fp32 master weights of a bf16 run. ``hf_assets``: a folder of tokenizer files to write too (default: the
+    ones recorded with the weights).
     """
     if isinstance(source, torch.nn.Module):
         return export_model_hf(source, save_dir, dtype=dtype, vocab_size=vocab_size, hf_assets=hf_assets,
