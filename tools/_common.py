@@ -22,11 +22,21 @@ def parse_size(text: str) -> int:
     return int(float(m.group(1)) * mult)
 
 
+#: --dtype choices of the tools (torch attribute names).
+DTYPES = ("float32", "bfloat16", "float16")
+
+
 def run_cli(main: Callable[[], object]) -> None:
-    """Run ``main``; configuration/data errors print one clear line and exit with status 2."""
+    """Run ``main``; configuration/data errors (and unreadable RL checkpoints) print one clear line and exit with
+    status 2."""
     try:
         main()
-    except (ValueError, KeyError, FileNotFoundError, FileExistsError, NotImplementedError) as e:
+    except Exception as e:
+        from megatron_fp4.rl.checkpoint import CheckpointError
+
+        if not isinstance(e, (ValueError, KeyError, FileNotFoundError, FileExistsError, NotImplementedError,
+                              ImportError, CheckpointError)):
+            raise
         msg = e.args[0] if isinstance(e, KeyError) and e.args else str(e)
         print(f"error: {msg}", file=sys.stderr)
         sys.exit(2)

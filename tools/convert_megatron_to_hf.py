@@ -1,7 +1,9 @@
 #!/usr/bin/env python
-"""Convert a megatron-fp4 checkpoint (any TP/PP) into a Hugging Face folder that transformers can load.
+"""Convert a megatron-fp4 checkpoint or a pretrain_rl.py run (any TP/PP) into a Hugging Face folder that
+transformers can load.
 
-    python tools/convert_megatron_to_hf.py --load ckpt/qwen2.5-3b-tp2 --save hf/qwen2.5-3b-rl [--iteration 100]
+    python tools/convert_megatron_to_hf.py --load ckpt/qwen2.5-3b-tp2 --save hf/qwen2.5-3b [--iteration 100]
+    python tools/convert_megatron_to_hf.py --load runs/grpo --save hf/grpo      # a pretrain_rl.py --save directory
 
 Writes config.json (the source model's config, dims checked), the tokenizer files saved with the checkpoint and
 safetensors files of at most --max-shard-size each (+ model.safetensors.index.json when there are several).
@@ -12,14 +14,18 @@ from __future__ import annotations
 import argparse
 
 import _common  # noqa: F401
-from _common import parse_size, run_cli
+from _common import DTYPES, parse_size, run_cli
 
 
 def parse_args(argv=None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--load", required=True, help="megatron-fp4 checkpoint directory (or one iteration directory)")
+    p.add_argument("--load", required=True, help="a pretrain_rl.py --save directory or a megatron-fp4 checkpoint "
+                                                 "directory (or one iteration directory of either)")
     p.add_argument("--save", required=True, help="output HF folder")
-    p.add_argument("--iteration", default=None, help="iteration to convert (default: the tracker file's)")
+    p.add_argument("--iteration", default=None, help="iteration to convert (default: the latest)")
+    p.add_argument("--dtype", default=None, choices=tuple(DTYPES),
+                   help="cast the weights (default: as stored; float32 from a --bf16 RL run exports its fp32 master "
+                        "weights)")
     p.add_argument("--max-shard-size", default="5GB", help="largest safetensors file (default 5GB)")
     p.add_argument("--no-progress", action="store_true", help="no progress bar")
     p.add_argument("--overwrite", action="store_true", help="replace an existing output in --save")
@@ -28,11 +34,14 @@ def parse_args(argv=None) -> argparse.Namespace:
 
 def main(argv=None) -> None:
     args = parse_args(argv)
-    from megatron_fp4.models.hf_conversion import convert_megatron_to_hf
+    import torch
 
-    out = convert_megatron_to_hf(args.load, args.save, iteration=args.iteration,
-                                 max_shard_bytes=parse_size(args.max_shard_size), progress=not args.no_progress,
-                                 overwrite=args.overwrite)
+    from megatron_fp4.rl.export import export_hf
+
+    out = export_hf(args.load, args.save, iteration=args.iteration,
+                    dtype=getattr(torch, args.dtype) if args.dtype else None,
+                    max_shard_bytes=parse_size(args.max_shard_size), progress=not args.no_progress,
+                    overwrite=args.overwrite)
     print(f"wrote {out}")
 
 

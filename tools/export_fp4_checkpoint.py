@@ -3,6 +3,7 @@
 
     python tools/export_fp4_checkpoint.py --hf-path Qwen2.5-3B --save fp4/qwen2.5-3b-hif4 --format hif4 --resq 2:4
     python tools/export_fp4_checkpoint.py --load ckpt/run1 --save fp4/run1-mxfp4 --format mxfp4 --resq none
+    python tools/export_fp4_checkpoint.py --load runs/grpo --iteration 100 --save fp4/grpo --format hif4 --resq 2:4
 
 Every linear of every transformer block (q/k/v/o, gate/up/down) is stored as the reference quantizer's packed
 codes and scales (``megatron_fp4.formats``), grouped along in_features; embeddings, norms, biases and lm_head stay
@@ -25,7 +26,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     src = p.add_mutually_exclusive_group(required=True)
     src.add_argument("--hf-path", help="high-precision HF folder")
-    src.add_argument("--load", help="megatron-fp4 checkpoint directory (latest iteration)")
+    src.add_argument("--load", help="a pretrain_rl.py --save directory or a megatron-fp4 checkpoint directory")
+    p.add_argument("--iteration", default=None, help="with --load: the iteration to export (default: the latest)")
     p.add_argument("--save", required=True, help="output folder")
     p.add_argument("--format", required=True, choices=("hif4", "mxfp4"), help="FP4 weight format")
     p.add_argument("--resq", required=True, choices=RESQ, help="Rollout-ResQ sparsity the rollout engine uses")
@@ -47,8 +49,15 @@ def main(argv=None) -> None:
     args = parse_args(argv)
     from megatron_fp4.models.fp4_checkpoint import export_fp4_checkpoint
 
+    if args.iteration is not None and args.load is None:
+        raise ValueError("--iteration needs --load (an --hf-path folder has no iterations)")
+    source = args.hf_path
+    if args.load is not None:
+        from megatron_fp4.rl.export import open_checkpoint
+
+        source = open_checkpoint(args.load, args.iteration)
     out = export_fp4_checkpoint(
-        args.hf_path or args.load, args.save, format=args.format, resq=args.resq, resq_combine=args.resq_combine,
+        source, args.save, format=args.format, resq=args.resq, resq_combine=args.resq_combine,
         activation_format=args.activation_format, high_precision_first_layers=args.high_precision_first_layers,
         high_precision_last_layers=args.high_precision_last_layers,
         max_shard_bytes=parse_size(args.max_shard_size), progress=not args.no_progress,

@@ -42,6 +42,9 @@ __all__ = [
     "ShardedWeights",
     "is_megatron_checkpoint",
     "checkpoint_tokenizer_dir",
+    "hf_asset_files",
+    "copy_hf_assets",
+    "hf_info_of",
     "iteration_dirname",
     "shard_dirname",
     "layer_offset",
@@ -71,6 +74,8 @@ HF_ASSETS_DIRNAME = "hf_assets"
 PathLike = Union[str, os.PathLike]
 
 _LAYER_RE = re.compile(r"decoder\.layers\.(\d+)\.(.+)")
+#: File suffixes of model weights: never copied as tokenizer / config assets.
+WEIGHT_SUFFIXES = (".safetensors", ".bin", ".pt", ".pth", ".h5", ".msgpack", ".gguf", ".onnx", ".ckpt")
 
 
 # -- names and layout ----------------------------------------------------------------------------------------------
@@ -196,6 +201,7 @@ def model_args_to_json(model_args: Any) -> dict:
     d = dataclasses.asdict(model_args) if dataclasses.is_dataclass(model_args) else dict(model_args)
     d.pop("fp4_recipe", None)
     d.pop("config_overrides", None)
+    d.pop("hf_info", None)
     if isinstance(d.get("params_dtype"), torch.dtype):
         d["params_dtype"] = dtype_name(d["params_dtype"])
     return d
@@ -256,6 +262,33 @@ def is_megatron_checkpoint(path: PathLike) -> bool:
     return False
 
 
+def hf_asset_files(folder: PathLike) -> list[Path]:
+    """The non-weight files of an HF folder that travel with a model (tokenizer, chat template, generation config,
+    ...): every regular file except weights, ``config.json`` and weight index files, sorted by name."""
+    return [p for p in sorted(Path(folder).iterdir())
+            if p.is_file() and p.suffix not in WEIGHT_SUFFIXES and p.name != "config.json"
+            and not p.name.endswith(".index.json")]
+
+
+def copy_hf_assets(src_dir: PathLike, dst_dir: PathLike) -> list[str]:
+    """Copy the non-weight files of an HF folder (tokenizer, generation_config, ...) except config.json."""
+    dst_dir = Path(dst_dir)
+    copied = []
+    for p in hf_asset_files(src_dir):
+        dst_dir.mkdir(parents=True, exist_ok=True)
+        shutil.copy2(p, dst_dir / p.name)
+        copied.append(p.name)
+    return copied
+
+
+def hf_info_of(ckpt: "ShardedWeights") -> dict:
+    """``GPTModelArgs.hf_info`` for a model loaded from ``ckpt``: its HF config, architecture, unpadded vocabulary
+    and tokenizer folder (None where the checkpoint has none)."""
+    assets = getattr(ckpt, "hf_assets_dir", None)
+    return {"config": ckpt.args.get("hf_config"), "architecture": ckpt.args.get("hf_architecture"),
+            "vocab_size": ckpt.args.get("hf_vocab_size"), "assets_dir": str(assets) if assets else None}
+
+
 def checkpoint_tokenizer_dir(path: PathLike) -> Optional[Path]:
     """The ``hf_assets/`` folder (tokenizer files copied from the HF model) of a checkpoint, if it has one."""
     path = Path(path)
@@ -284,6 +317,11 @@ class ShardedWeights:
 
     def shard_keys(self, tp_rank: int, pp_rank: int) -> list[str]:
         raise NotImplementedError
+
+    def write_hf_assets(self, dst: PathLike) -> list[str]:
+        """Write the tokenizer / generation-config files stored with the weights into ``dst``; the names written
+        (none by default)."""
+        return []
 
     def stage_of(self, global_name: str) -> int:
         """Pipeline stage whose shards hold ``global_name``."""
@@ -348,6 +386,11 @@ class MegatronCheckpoint(ShardedWeights):
             if d.is_dir():
                 return d
         return None
+
+    def write_hf_assets(self, dst: PathLike) -> list[str]:
+        """Copy the files of :attr:`hf_assets_dir` into ``dst``."""
+        src = self.hf_assets_dir
+        return [] if src is None else copy_hf_assets(src, dst)
 
     def shard_path(self, tp_rank: int, pp_rank: int) -> Path:
         """Path of the safetensors file of shard (tp_rank, pp_rank)."""
@@ -567,16 +610,18 @@ def gpt_model_args_from_checkpoint(path: PathLike, iteration: Optional[Union[int
     from megatron_fp4.models.gpt import GPTModelArgs
 
     ckpt = path if isinstance(path, MegatronCheckpoint) else MegatronCheckpoint(path, iteration)
-    return GPTModelArgs(**{**model_args_from_json(ckpt.model_args), **changes})
+    return GPTModelArgs(**{**model_args_from_json(ckpt.model_args), "hf_info": hf_info_of(ckpt), **changes})
 
 
 def load_gpt(path: PathLike, iteration: Optional[Union[int, str]] = None, fp4_recipe: Any = None,
-             params_dtype: Optional[torch.dtype] = None, eval_mode: bool = True, **model_arg_changes: Any):
+             params_dtype: Optional[torch.dtype] = None, eval_mode: bool = True, gguf_file: Optional[str] = None,
+             **model_arg_changes: Any):
     """A megatron-core GPTModel (TP=PP=1, this process) with the weights of ``path``.
 
-    ``path`` is a megatron-fp4 checkpoint (any TP/PP; merged on load), a Hugging Face Qwen2/Llama folder, or an
-    FP4 export of ``tools/export_fp4_checkpoint.py`` (weights dequantized). Initializes a single-process
-    parallel_state if none exists. ``fp4_recipe`` sets the model's FP4 recipe (None: high precision).
+    ``path`` is a megatron-fp4 checkpoint (any TP/PP; merged on load), a Hugging Face Qwen2/Llama folder, an
+    FP4 export of ``tools/export_fp4_checkpoint.py`` (weights dequantized), or with ``gguf_file`` the folder holding
+    that GGUF file (read by transformers' GGUF loader). Initializes a single-process parallel_state if none exists.
+    ``fp4_recipe`` sets the model's FP4 recipe (None: high precision).
     """
     from megatron_fp4.models.gpt import GPTModelArgs, build_gpt_model
     from megatron_fp4.parallel import initialize_parallel
@@ -592,15 +637,26 @@ def load_gpt(path: PathLike, iteration: Optional[Union[int, str]] = None, fp4_re
 
     if not parallel_state.model_parallel_is_initialized():
         initialize_parallel(1, 1)  # (re-initializing would also re-seed the RNGs)
-    if is_megatron_checkpoint(path):
+    if is_megatron_checkpoint(path) and gguf_file is None:
         ckpt = MegatronCheckpoint(path, iteration)
         margs = model_args_from_json(ckpt.model_args)
+        margs["hf_info"] = hf_info_of(ckpt)
         source = None
     else:
-        from megatron_fp4.models.hf_conversion import open_hf_source
+        from megatron_fp4.models.hf_conversion import SUPPORTED_ARCHITECTURES, open_hf_source
 
-        source = open_hf_source(path)
+        if gguf_file is not None:
+            from megatron_fp4.models.gguf import GGUFSource
+
+            source = GGUFSource(path, gguf_file)
+        else:
+            source = open_hf_source(path)
         margs = source.model_args(tp=1)
+        config = {k: v for k, v in source.config.items() if k != "quantization_config"}
+        arch = (config.get("architectures") or [None])[0] or {
+            v: k for k, v in SUPPORTED_ARCHITECTURES.items()}[config["model_type"]]
+        margs["hf_info"] = {"config": config, "architecture": arch, "vocab_size": int(config["vocab_size"]),
+                            "assets_dir": None if gguf_file else str(path)}
         ckpt = None
     margs.update(model_arg_changes)
     if params_dtype is not None:

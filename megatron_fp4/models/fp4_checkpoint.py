@@ -38,9 +38,11 @@ from typing import Optional, Union
 import torch
 
 from megatron_fp4.formats import QuantizedTensor, get_format, registered_formats
-from megatron_fp4.models.checkpoint_io import dtype_from_name, dtype_name, is_megatron_checkpoint, MegatronCheckpoint
+from megatron_fp4.models.checkpoint_io import (dtype_from_name, dtype_name, is_megatron_checkpoint, MegatronCheckpoint,
+                                              ShardedWeights)
 from megatron_fp4.models.hf_conversion import (
     HFFolderSource,
+    check_hf_exportable,
     ShardedSafetensorsWriter,
     progress_bar,
     copy_hf_assets,
@@ -89,13 +91,15 @@ def _quantized_module(name: str, num_layers: int, first_hp: int, last_hp: int) -
     return m.group(1)
 
 
-def _source_for(path: Union[str, os.PathLike]):
-    """(config dict, iterator of (HF name, tensor), tensor count, assets dir) for an HF folder or a megatron ckpt."""
-    path = Path(path)
-    if is_megatron_checkpoint(path):
-        ckpt = MegatronCheckpoint(path)
+def _source_for(path: Union[str, os.PathLike, ShardedWeights]):
+    """(config dict, iterator of (HF name, tensor), tensor count, writer of the tokenizer files into a folder) for an
+    HF folder, a megatron checkpoint or any :class:`ShardedWeights` (e.g. an RL checkpoint)."""
+    if isinstance(path, ShardedWeights) or is_megatron_checkpoint(path):
+        ckpt = path if isinstance(path, ShardedWeights) else MegatronCheckpoint(path)
+        check_hf_exportable(ckpt)
         return (hf_config_from_checkpoint(ckpt), iter_hf_tensors_from_megatron(ckpt),
-                num_hf_tensors(ckpt.model_args), ckpt.hf_assets_dir)
+                num_hf_tensors(ckpt.model_args), ckpt.write_hf_assets)
+    path = Path(path)
     src = HFFolderSource(path)
     if (src.config.get("quantization_config") or {}).get("quant_method") == QUANT_METHOD:
         raise ValueError(f"{path} is already an FP4 export; export from the high-precision checkpoint")
@@ -104,7 +108,7 @@ def _source_for(path: Union[str, os.PathLike]):
     keys = src.keys()
     order = {k: i for i, k in enumerate(_hf_order(margs))}
     keys = sorted(keys, key=lambda k: (order.get(k, len(order)), k))
-    return src.config, ((k, src.get(k)) for k in keys), len(keys), path
+    return src.config, ((k, src.get(k)) for k in keys), len(keys), lambda dst: copy_hf_assets(path, dst)
 
 
 def _hf_order(margs: dict) -> list[str]:
@@ -119,12 +123,14 @@ def _hf_order(margs: dict) -> list[str]:
     return names + ["model.norm.weight", "lm_head.weight"]
 
 
-def export_fp4_checkpoint(source: Union[str, os.PathLike], save_dir: Union[str, os.PathLike], format: str = "hif4",
-                          resq: str = "none", activation_format: Optional[str] = None, resq_combine: str = "exact",
+def export_fp4_checkpoint(source: Union[str, os.PathLike, ShardedWeights], save_dir: Union[str, os.PathLike],
+                          format: str = "hif4", resq: str = "none", activation_format: Optional[str] = None,
+                          resq_combine: str = "exact",
                           high_precision_first_layers: int = 0, high_precision_last_layers: int = 0,
                           max_shard_bytes: int = 5 * 2**30, progress: bool = True, overwrite: bool = False
                           ) -> Path:
-    """Write the FP4 rollout checkpoint of ``source`` (an HF folder or a megatron-fp4 checkpoint) to ``save_dir``."""
+    """Write the FP4 rollout checkpoint of ``source`` (an HF folder, a megatron-fp4 checkpoint, or any
+    :class:`ShardedWeights`: an RL run through ``megatron_fp4.rl.export.open_checkpoint``) to ``save_dir``."""
     if format not in registered_formats():
         raise ValueError(f"--format {format!r} is not valid; allowed values: {', '.join(EXPORT_FORMATS)} "
                          f"(or a registered format: {', '.join(registered_formats())})")
@@ -143,7 +149,7 @@ def export_fp4_checkpoint(source: Union[str, os.PathLike], save_dir: Union[str, 
         if v < 0:
             raise ValueError(f"{name} must be >= 0, got {v}")
     fmt = get_format(format)
-    config, tensors, count, assets = _source_for(source)
+    config, tensors, count, write_assets = _source_for(source)
     margs = model_args_from_hf_config(config)
     num_layers = margs["num_layers"]
     save_dir = prepare_output_dir(save_dir, overwrite)
@@ -166,8 +172,7 @@ def export_fp4_checkpoint(source: Union[str, os.PathLike], save_dir: Union[str, 
                 quantized[module] = {"shape": list(w.shape), "dtype": dtype_name(w.dtype)}
             bar.update(1)
     writer.close()
-    if assets is not None:
-        copy_hf_assets(assets, save_dir)
+    write_assets(save_dir)
     qc = {
         "quant_method": QUANT_METHOD,
         "version": QUANT_CONFIG_VERSION,

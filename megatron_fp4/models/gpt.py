@@ -60,6 +60,11 @@ class GPTModelArgs:
     attention_dropout: float = 0.0
     #: Extra TransformerConfig fields (e.g. sequence_parallel=True, recompute_granularity="full").
     config_overrides: dict[str, Any] = field(default_factory=dict)
+    #: Not architecture: the Hugging Face model the weights come from, ``{"config": config.json dict,
+    #: "architecture": name, "vocab_size": unpadded vocabulary, "assets_dir": tokenizer files folder}`` (any may be
+    #: None). Set by ``gpt_model_args_from_checkpoint`` / ``load_gpt``; ``build_gpt_model`` keeps it on the model
+    #: (``model.hf_info``) so that RL checkpoints and HF exports know what to write.
+    hf_info: Optional[dict] = None
 
     @classmethod
     def from_hf_config(cls, hf_config: Any, **changes: Any) -> "GPTModelArgs":
@@ -90,6 +95,25 @@ class GPTModelArgs:
         )
         args.update(changes)
         return cls(**args)
+
+    @classmethod
+    def from_model(cls, model: Any) -> "GPTModelArgs":
+        """The args of a built megatron-core GPTModel (DDP / Float16 wrappers unwrapped), read from its config and
+        attributes (a pipeline stage gives the whole model's args); ``hf_info`` from ``model.hf_info``."""
+        while hasattr(model, "module") and isinstance(model.module, torch.nn.Module):
+            model = model.module
+        cfg = model.config
+        return cls(
+            num_layers=cfg.num_layers, hidden_size=cfg.hidden_size, ffn_hidden_size=cfg.ffn_hidden_size,
+            num_attention_heads=cfg.num_attention_heads, vocab_size=int(model.vocab_size),
+            max_seq_len=int(model.max_sequence_length), num_query_groups=cfg.num_query_groups,
+            kv_channels=cfg.kv_channels, add_qkv_bias=bool(cfg.add_qkv_bias),
+            tie_embeddings=bool(model.share_embeddings_and_output_weights), swiglu=bool(cfg.gated_linear_unit),
+            normalization=cfg.normalization, norm_epsilon=float(cfg.layernorm_epsilon),
+            rotary_base=float(model.rotary_base), rotary_percent=float(model.rotary_percent),
+            qk_layernorm=bool(cfg.qk_layernorm), fp4_recipe=getattr(cfg, "fp4_recipe", None),
+            params_dtype=cfg.params_dtype, init_method_std=cfg.init_method_std, hidden_dropout=cfg.hidden_dropout,
+            attention_dropout=cfg.attention_dropout, hf_info=getattr(model, "hf_info", None))
 
 
 def gpt_transformer_config(args: GPTModelArgs, **overrides: Any) -> FP4TransformerConfig:
@@ -172,6 +196,7 @@ def build_gpt_model(
         rotary_base=args.rotary_base,
         vp_stage=vp_stage,
     )
+    model.hf_info = args.hf_info
     if torch.cuda.is_available():
         model.cuda(torch.cuda.current_device())  # some modules (e.g. torch norms) are built on the CPU
     return model

@@ -35,6 +35,8 @@ from megatron_fp4.models.checkpoint_io import (
     HF_ASSETS_DIRNAME,
     SHARD_FILENAME,
     MegatronCheckpoint,
+    ShardedWeights,
+    copy_hf_assets,
     iteration_dirname,
     layer_offset,
     shard_dirname,
@@ -56,6 +58,8 @@ __all__ = [
     "megatron_tensor_from_hf",
     "iter_hf_tensors_from_megatron",
     "hf_config_from_checkpoint",
+    "HF_EXPORT_FIELDS",
+    "check_hf_exportable",
     "ShardedSafetensorsWriter",
     "check_hf_shapes",
     "num_hf_tensors",
@@ -72,7 +76,6 @@ PathLike = Union[str, os.PathLike]
 SUPPORTED_ARCHITECTURES = {"Qwen2ForCausalLM": "qwen2", "LlamaForCausalLM": "llama"}
 _SUPPORTED_MSG = ("supported: Qwen2ForCausalLM (model_type 'qwen2': Qwen2, Qwen2.5) and LlamaForCausalLM "
                   "(model_type 'llama': Llama 2/3 with default RoPE)")
-_WEIGHT_SUFFIXES = (".safetensors", ".bin", ".pt", ".pth", ".h5", ".msgpack", ".gguf", ".onnx", ".ckpt")
 _HF_LAYER_RE = re.compile(r"model\.layers\.(\d+)\.(.+)")
 _MG_LAYER_RE = re.compile(r"decoder\.layers\.(\d+)\.(.+)")
 
@@ -419,34 +422,27 @@ def prepare_output_dir(path: PathLike, overwrite: bool, megatron_iteration: Opti
     return path
 
 
-def copy_hf_assets(src_dir: PathLike, dst_dir: PathLike) -> list[str]:
-    """Copy the non-weight files of an HF folder (tokenizer, generation_config, ...) except config.json."""
-    src_dir, dst_dir = Path(src_dir), Path(dst_dir)
-    copied = []
-    for p in sorted(src_dir.iterdir()):
-        if (not p.is_file() or p.suffix in _WEIGHT_SUFFIXES or p.name == "config.json"
-                or p.name.endswith(".index.json")):
-            continue
-        dst_dir.mkdir(parents=True, exist_ok=True)
-        shutil.copy2(p, dst_dir / p.name)
-        copied.append(p.name)
-    return copied
-
-
 def convert_hf_to_megatron(hf_path: PathLike, save_dir: PathLike, tensor_model_parallel_size: int = 1,
                            pipeline_model_parallel_size: int = 1, make_vocab_size_divisible_by: int = 1,
                            iteration: Union[int, str] = "release", progress: bool = True,
-                           overwrite: bool = False) -> Path:
+                           overwrite: bool = False, gguf_file: Optional[str] = None) -> Path:
     """Convert an HF Qwen2/Llama folder to a TP x PP sharded megatron-fp4 checkpoint; returns the iteration dir.
 
-    Shards are written one at a time (each holds one TP rank of one PP stage); the tracker file last.
+    ``gguf_file``: read the model from this GGUF file inside ``hf_path`` instead (through transformers' GGUF
+    loader, dequantized to fp32; its tokenizer and chat template go to hf_assets/). Shards are written one at a
+    time (each holds one TP rank of one PP stage); the tracker file last.
     """
     from safetensors.torch import save_file
 
     tp, pp = tensor_model_parallel_size, pipeline_model_parallel_size
     iteration_dirname(iteration)  # validates
     iteration = iteration if iteration == "release" else int(iteration)
-    source = open_hf_source(hf_path)
+    if gguf_file is not None:
+        from megatron_fp4.models.gguf import GGUFSource
+
+        source = GGUFSource(hf_path, gguf_file)
+    else:
+        source = open_hf_source(hf_path)
     margs = model_args_from_hf_config(source.config)
     check_parallel_sizes(margs, tp, pp)
     hf_vocab = margs["vocab_size"]
@@ -470,6 +466,8 @@ def convert_hf_to_megatron(hf_path: PathLike, save_dir: PathLike, tensor_model_p
                 del state
     if isinstance(source, HFFolderSource):
         copy_hf_assets(source.path, save_dir / HF_ASSETS_DIRNAME)
+    elif hasattr(source, "write_assets"):  # a GGUF file: its tokenizer
+        source.write_assets(save_dir / HF_ASSETS_DIRNAME)
     archs = source.config.get("architectures") or [
         {v: k for k, v in SUPPORTED_ARCHITECTURES.items()}[source.config["model_type"]]]
     hf_config = {k: v for k, v in source.config.items() if k != "quantization_config"}
@@ -479,8 +477,30 @@ def convert_hf_to_megatron(hf_path: PathLike, save_dir: PathLike, tensor_model_p
 
 
 # -- megatron -> HF --------------------------------------------------------------------------------------------------
-def iter_hf_tensors_from_megatron(ckpt: MegatronCheckpoint) -> Iterator[tuple[str, torch.Tensor]]:
-    """(HF name, tensor) pairs of a megatron-fp4 checkpoint in HF order (embedding, layers, norm, lm_head).
+#: model_args fields an HF export needs (an RL checkpoint written before they were recorded lacks some).
+HF_EXPORT_FIELDS = ("num_layers", "hidden_size", "ffn_hidden_size", "num_attention_heads", "num_query_groups",
+                    "kv_channels", "vocab_size", "max_seq_len", "add_qkv_bias", "tie_embeddings", "norm_epsilon",
+                    "rotary_base")
+
+
+def check_hf_exportable(ckpt: ShardedWeights) -> None:
+    """Fail (ValueError naming the field) when ``ckpt`` does not record what an HF Qwen2/Llama export needs, or
+    records a model that has no such HF form (LayerNorm, GELU MLP, QK norm, partial RoPE)."""
+    ma = ckpt.model_args
+    missing = [f for f in HF_EXPORT_FIELDS if f not in ma]
+    if missing:
+        raise ValueError(f"{ckpt.dir} does not record {', '.join(missing)} (model_args has only "
+                         f"{', '.join(sorted(ma))}): the HF config cannot be written")
+    for field, want in (("swiglu", True), ("normalization", "RMSNorm"), ("qk_layernorm", False),
+                        ("rotary_percent", 1.0)):
+        if ma.get(field, want) != want:
+            raise ValueError(f"{ckpt.dir}: model_args {field}={ma[field]!r} has no Qwen2/Llama form (needs "
+                             f"{field}={want!r}); {_SUPPORTED_MSG}")
+
+
+def iter_hf_tensors_from_megatron(ckpt: ShardedWeights) -> Iterator[tuple[str, torch.Tensor]]:
+    """(HF name, tensor) pairs of a megatron-fp4 checkpoint (or any :class:`ShardedWeights`, e.g. an RL
+    checkpoint) in HF order (embedding, layers, norm, lm_head).
 
     Reads one full megatron tensor at a time; vocabulary padding is dropped.
     """
@@ -518,7 +538,7 @@ def num_hf_tensors(model_args: dict) -> int:
     return 2 + per_layer * model_args["num_layers"] + (0 if model_args.get("tie_embeddings") else 1)
 
 
-def hf_config_from_checkpoint(ckpt: MegatronCheckpoint) -> dict:
+def hf_config_from_checkpoint(ckpt: ShardedWeights) -> dict:
     """config.json for a checkpoint: the stored source config (dims checked) or one synthesized from model_args."""
     ma = ckpt.model_args
     vocab = int(ckpt.args.get("hf_vocab_size") or ma["vocab_size"])
@@ -538,9 +558,10 @@ def hf_config_from_checkpoint(ckpt: MegatronCheckpoint) -> dict:
         hidden_size=ma["hidden_size"], intermediate_size=ma["ffn_hidden_size"],
         num_hidden_layers=ma["num_layers"], num_attention_heads=ma["num_attention_heads"],
         num_key_value_heads=ma["num_query_groups"] or ma["num_attention_heads"],
-        vocab_size=vocab, max_position_embeddings=ma["max_seq_len"], rms_norm_eps=ma["norm_epsilon"],
-        tie_word_embeddings=bool(ma.get("tie_embeddings")),
+        vocab_size=vocab, rms_norm_eps=ma["norm_epsilon"], tie_word_embeddings=bool(ma.get("tie_embeddings")),
     )
+    if not stored or "max_position_embeddings" not in cfg:  # (a trainer may build a longer-context model: RoPE
+        cfg["max_position_embeddings"] = ma["max_seq_len"]  # takes any length, keep the source model's value)
     if "head_dim" in cfg or head_dim != ma["hidden_size"] // ma["num_attention_heads"]:
         cfg["head_dim"] = head_dim
     theta = ma["rotary_base"]
@@ -607,21 +628,33 @@ class ShardedSafetensorsWriter:
         return names
 
 
-def convert_megatron_to_hf(load_dir: PathLike, save_dir: PathLike, iteration: Optional[Union[int, str]] = None,
-                           max_shard_bytes: int = 5 * 2**30, progress: bool = True, overwrite: bool = False
+def convert_megatron_to_hf(load_dir: Union[PathLike, ShardedWeights], save_dir: PathLike,
+                           iteration: Optional[Union[int, str]] = None, max_shard_bytes: int = 5 * 2**30,
+                           progress: bool = True, overwrite: bool = False, dtype: Optional[torch.dtype] = None
                            ) -> Path:
-    """Convert a megatron-fp4 checkpoint (any TP/PP) to an HF folder transformers can load; returns ``save_dir``."""
-    ckpt = MegatronCheckpoint(load_dir, iteration)
+    """Convert a megatron-fp4 checkpoint (any TP/PP; or any :class:`ShardedWeights`, e.g. an RL checkpoint opened
+    by ``megatron_fp4.rl.export.open_checkpoint``) to an HF folder transformers can load; returns ``save_dir``.
+
+    ``dtype``: cast the floating-point tensors (default: keep the stored dtype); config.json's ``dtype`` names the
+    dtype written.
+    """
+    ckpt = load_dir if isinstance(load_dir, ShardedWeights) else MegatronCheckpoint(load_dir, iteration)
+    check_hf_exportable(ckpt)
     cfg = hf_config_from_checkpoint(ckpt)
     save_dir = prepare_output_dir(save_dir, overwrite)
     writer = ShardedSafetensorsWriter(save_dir, max_shard_bytes)
+    written_dtype = None
     with progress_bar(num_hf_tensors(ckpt.model_args), "megatron->hf", progress) as bar:
         for name, t in iter_hf_tensors_from_megatron(ckpt):
+            if dtype is not None and t.is_floating_point():
+                t = t.to(dtype)
+            written_dtype = written_dtype or t.dtype
             writer.add(name, t)
             bar.update(1)
     writer.close()
-    assets = ckpt.hf_assets_dir
-    if assets is not None:
-        copy_hf_assets(assets, save_dir)
+    ckpt.write_hf_assets(save_dir)
+    if written_dtype is not None:
+        for key in [k for k in ("dtype", "torch_dtype") if k in cfg] or ["dtype"]:
+            cfg[key] = str(written_dtype).replace("torch.", "")
     (save_dir / "config.json").write_text(json.dumps(cfg, indent=2) + "\n")
     return save_dir

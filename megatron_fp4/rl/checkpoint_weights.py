@@ -5,35 +5,67 @@ parallel layout (``layout``, see :func:`layout_record`). The data-parallel rank 
 holds that shard of the policy under stage-local names, so :class:`TrainerCheckpointWeights` serves full tensors
 by global name, and ``megatron_fp4.models.checkpoint_io.load_checkpoint_into_model`` reshards them for a model
 built with another TP/PP (a warm start made on one GPU, used by a TP=2 run).
+
+The layout record also describes the model, so that a run directory alone can be exported to Hugging Face
+(``megatron_fp4.rl.export``): every ``GPTModelArgs`` field, and, for a model converted from HF, its config.json,
+architecture and vocabulary (``hf``) and, in global rank 0's file, its tokenizer files (``hf_assets``).
 """
 
 from __future__ import annotations
 
+import warnings
 from pathlib import Path
 
 import torch
 
-from megatron_fp4.models.checkpoint_io import ShardedWeights
+from megatron_fp4.models.checkpoint_io import ShardedWeights, hf_asset_files, model_args_to_json
 from megatron_fp4.rl.checkpoint import CheckpointError, iter_dir_name, load_checkpoint, verify_checksums
 
 __all__ = ["layout_record", "same_layout", "describe_layout", "saved_layout", "TrainerCheckpointWeights"]
 
+#: Largest tokenizer / config file embedded in a checkpoint's layout record (larger files are not copied).
+MAX_ASSET_BYTES = 64 * 2**20
+
+
+def _asset_tensors(folder: str | None) -> dict[str, torch.Tensor]:
+    """{file name: uint8 tensor of its bytes} of the HF asset files in ``folder`` (weights_only-safe)."""
+    if not folder or not Path(folder).is_dir():
+        return {}
+    out = {}
+    for p in hf_asset_files(folder):
+        if p.stat().st_size > MAX_ASSET_BYTES:
+            warnings.warn(f"{p} ({p.stat().st_size} bytes) is larger than {MAX_ASSET_BYTES} bytes: not recorded "
+                          f"with the checkpoint (an HF export of it will lack this file)")
+            continue
+        data = bytearray(p.read_bytes())
+        out[p.name] = torch.frombuffer(data, dtype=torch.uint8) if data else torch.empty(0, dtype=torch.uint8)
+    return out
+
 
 def layout_record(module: torch.nn.Module, real_vocab_size: int) -> dict:
-    """This rank's parallel layout and the model's shape, as stored with its checkpoint file."""
+    """This rank's parallel layout and the model, as stored with its checkpoint file: ``model_args`` (every
+    GPTModelArgs field of the whole model), ``real_vocab_size`` (the tokenizer's), and when the model came from a
+    Hugging Face checkpoint (``module.hf_info``) ``hf`` (config, architecture, vocabulary) and, on global rank 0
+    only, ``hf_assets`` ({file name: uint8 bytes} of its tokenizer files)."""
     from megatron.core import parallel_state as ps
 
-    cfg = module.config
-    return {
+    from megatron_fp4.models.gpt import GPTModelArgs
+
+    record = {
         "tp": ps.get_tensor_model_parallel_world_size(), "tp_rank": ps.get_tensor_model_parallel_rank(),
         "pp": ps.get_pipeline_model_parallel_world_size(), "pp_rank": ps.get_pipeline_model_parallel_rank(),
         "dp": ps.get_data_parallel_world_size(), "dp_rank": ps.get_data_parallel_rank(),
-        "model_args": {"num_layers": cfg.num_layers, "hidden_size": cfg.hidden_size,
-                       "num_attention_heads": cfg.num_attention_heads, "ffn_hidden_size": cfg.ffn_hidden_size,
-                       "vocab_size": int(module.vocab_size),
-                       "tie_embeddings": bool(module.share_embeddings_and_output_weights)},
+        "model_args": model_args_to_json(GPTModelArgs.from_model(module)),
         "real_vocab_size": int(real_vocab_size),
     }
+    info = getattr(module, "hf_info", None)
+    if info:
+        record["hf"] = {"config": info.get("config"), "architecture": info.get("architecture"),
+                        "vocab_size": info.get("vocab_size")}
+        dist = torch.distributed.is_available() and torch.distributed.is_initialized()
+        if not dist or torch.distributed.get_rank() == 0:
+            record["hf_assets"] = _asset_tensors(info.get("assets_dir"))
+    return record
 
 
 def same_layout(a: dict, b: dict) -> bool:
@@ -72,7 +104,12 @@ class TrainerCheckpointWeights(ShardedWeights):
         self.dir = Path(load_dir) / iter_dir_name(it)
         self.tp, self.pp, self.dp = int(first["tp"]), int(first["pp"]), int(first["dp"])
         self.model_args = dict(first["model_args"])
-        self.args = {"hf_vocab_size": int(first["real_vocab_size"])}
+        hf = first.get("hf") or {}
+        #: as a megatron-fp4 checkpoint's args.json has them (hf_vocab_size: the rows an export keeps)
+        self.args = {"hf_vocab_size": int(hf.get("vocab_size") or first["real_vocab_size"]),
+                     "hf_config": hf.get("config"), "hf_architecture": hf.get("architecture")}
+        self.records_hf_model = bool(hf.get("config"))
+        self.hf_assets: dict[str, torch.Tensor] = dict(first.get("hf_assets") or {})
         self._load_dir, self._iteration = load_dir, it
         self._part = (part,) if isinstance(part, str) else tuple(part)
         self._shards: dict[tuple[int, int], dict] = {}
@@ -123,3 +160,11 @@ class TrainerCheckpointWeights(ShardedWeights):
 
     def shard_keys(self, tp_rank: int, pp_rank: int) -> list[str]:
         return [k for k in self._shard(tp_rank, pp_rank) if not k.endswith("_extra_state")]
+
+    def write_hf_assets(self, dst: str | Path) -> list[str]:
+        """Write the tokenizer files recorded with the checkpoint (rank 0's ``hf_assets``) into ``dst``."""
+        dst = Path(dst)
+        for name, data in self.hf_assets.items():
+            dst.mkdir(parents=True, exist_ok=True)
+            (dst / name).write_bytes(data.numpy().tobytes())
+        return sorted(self.hf_assets)
