@@ -64,7 +64,8 @@ def runs(workdir):
     """pretrain_rl.py --save runs, made on first use: "tp1" (fp32), "tp2" (TP=2 under torchrun, --bf16) and "pp2"
     (PP=2 under torchrun, fp32)."""
     made = {}
-    layouts = {"tp1": [], "tp2": ["--tensor-model-parallel-size", "2", "--bf16"],
+    layouts = {"tp1": ["--save-hf", str(workdir / "run_tp1_hf")],
+               "tp2": ["--tensor-model-parallel-size", "2", "--bf16"],
                "pp2": ["--pipeline-model-parallel-size", "2"]}
 
     def get(name: str):
@@ -159,6 +160,24 @@ def test_rl_run_exports_to_transformers_tp1(workdir, runs, tmp_path):
 
 
 @pytest.mark.slow
+def test_save_hf_writes_what_the_tool_exports(workdir, runs, tmp_path):
+    """pretrain_rl.py --save-hf DIR writes, at the end of the run, the folder convert_megatron_to_hf.py makes of
+    the run's last checkpoint: the same config, tokenizer and tensors."""
+    from safetensors.torch import load_file
+
+    run = runs("tp1")
+    r = run_tool("convert_megatron_to_hf.py", "--load", str(run), "--save", str(tmp_path / "hf"), "--no-progress")
+    assert r.returncode == 0, r.stderr
+    driver = workdir / "run_tp1_hf"
+    assert json.loads((driver / "config.json").read_text()) == json.loads((tmp_path / "hf" / "config.json").read_text())
+    got, want = ({k: v for f in sorted(d.glob("*.safetensors")) for k, v in load_file(f).items()}
+                 for d in (driver, tmp_path / "hf"))
+    assert got.keys() == want.keys() and all(torch.equal(got[k], want[k]) for k in want)
+    assert (driver / "tokenizer_config.json").is_file()
+    ids = _ids()
+    assert (_hf_logits(driver, ids) - _policy_logits(workdir, run, ids)).abs().max().item() <= ATOL
+
+
 def test_rl_run_exports_at_tp2_bf16_master_weights_and_fp4(workdir, runs, tmp_path):
     """A TP=2 --bf16 run: --dtype float32 exports the fp32 master weights (logits equal the master policy's);
     the default export holds the bf16 weights the run stored; the FP4 export of the run packs those."""

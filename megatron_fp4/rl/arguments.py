@@ -194,8 +194,10 @@ def validate_args(args: argparse.Namespace, world_size: int = 1) -> argparse.Nam
     _check_start(args)
     for flag, path in (("--results-json", args.results_json), ("--log-jsonl", args.log_jsonl)):
         _check_writable(flag, path)
-    for flag, path in (("--save", args.save), ("--tensorboard-dir", args.tensorboard_dir)):
+    for flag, path in (("--save", args.save), ("--tensorboard-dir", args.tensorboard_dir), ("--save-hf", args.save_hf)):
         _check_writable(flag, path, is_dir=True)
+    if args.save_hf is not None and os.path.isdir(args.save_hf) and os.listdir(args.save_hf):
+        raise ValueError(f"--save-hf={args.save_hf!r} already holds files: the export needs a new or empty directory")
     if args.tokenizer_model is not None and not os.path.exists(args.tokenizer_model):
         raise ValueError(f"--tokenizer-model={args.tokenizer_model!r}: no such file or directory")
     if args.fp4_format == "none" and args.rollout_precision != "bf16":

@@ -101,8 +101,8 @@ class Resumed:
 class Checkpointer:
     """Saves and restores the actor (policy, reference, optimizer, guard), the data position and the run record."""
 
-    def __init__(self, cfg: CheckpointConfig, real_vocab_size: int) -> None:
-        self.cfg, self.real_vocab_size = cfg, real_vocab_size
+    def __init__(self, cfg: CheckpointConfig, real_vocab_size: int, tokenizer_dir: Optional[str] = None) -> None:
+        self.cfg, self.real_vocab_size, self.tokenizer_dir = cfg, real_vocab_size, tokenizer_dir
         self.rank, self.world_size = torch.distributed.get_rank(), torch.distributed.get_world_size()
         self.last_checkpoint: Optional[str] = None
         if cfg.save and self.rank == 0:  # before anything (tensorboard, logs) writes into it
@@ -132,6 +132,18 @@ class Checkpointer:
         self.last_checkpoint = str(path)
         if self.rank == 0:
             print(f"[checkpoint] saved step {step} to {path}", flush=True)
+        return str(path)
+
+    def save_hf(self, actor: Actor) -> str:
+        """The policy as a Hugging Face folder in --save-hf (collective: every rank calls it); returns the folder.
+        Config and tokenizer come from the model the run started from (or the HF tokenizer folder it used)."""
+        from megatron_fp4.rl.export import export_hf
+
+        from_hf = bool(getattr(actor.module, "hf_info", None))  # then its own vocabulary; else the tokenizer's
+        path = export_hf(actor.policy, self.cfg.save_hf, vocab_size=None if from_hf else self.real_vocab_size,
+                         hf_assets=self.tokenizer_dir)
+        if self.rank == 0:
+            print(f"[checkpoint] Hugging Face export of the policy written to {path}", flush=True)
         return str(path)
 
     def load_weights(self, load_dir: str, actor: Actor) -> int:

@@ -199,6 +199,8 @@ class CheckpointConfig:
                                           "TP/PP, resharded on load); ignored when --load resumes")
     init: Optional[str] = knob(None, "'random': start from a random model although --load names no checkpoint "
                                      "(the default only when no --load is given)", choices=INITS)
+    save_hf: Optional[str] = knob(None, "also write the trained policy as a Hugging Face folder here at the end "
+                                        "(config.json, tokenizer, safetensors; transformers loads it)")
     save_interval: int = knob(50, "GRPO steps between checkpoints", check=positive)
     keep_last: int = knob(2, "checkpoints kept in --save", check=positive)
 

@@ -196,7 +196,8 @@ def build_trainer(cfg: RLConfig, plan: StartPlan):
                   train_iters=run.train_iters, max_nonfinite_steps=run.max_nonfinite_steps)
     rollout = RolloutManager(cfg.rollout, engine, tok, train_examples, seed=run.seed)
     trainer = GRPOTrainer(cfg, rollout, actor, Evaluator(rollout, eval_examples, eval_precisions),
-                          Checkpointer(cfg.checkpoint, tok.vocab_size),
+                          Checkpointer(cfg.checkpoint, tok.vocab_size,
+                                       tokenizer_model if tokenizer_model and os.path.isdir(tokenizer_model) else None),
                           SupervisedWarmup(cfg.warmup, actor, tok, train_examples, seed=run.seed,
                                            max_prompt_length=cfg.rollout.max_prompt_length,
                                            max_response_length=cfg.rollout.max_response_length),

@@ -50,6 +50,8 @@ class GRPOTrainer:
             self.log_underflow(step)
             if self.cfg.checkpoint.save and (step % self.cfg.checkpoint.save_interval == 0 or step == run.train_iters):
                 self.save()
+        if self.cfg.checkpoint.save_hf:
+            self.checkpointer.save_hf(self.actor)
         warm = self.extra.get("warm_start", {})
         if last_eval is None:
             last_eval = dict(warm) if run.train_iters == 0 and warm else self.evaluator.evaluate()
