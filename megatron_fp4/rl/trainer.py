@@ -61,12 +61,11 @@ class GRPOTrainer:
     def train_step(self) -> dict[str, float]:
         """One GRPO step: rollout() -> Sequences, update(sequences), then the new weights to the rollout engine."""
         sequences, metrics = self.rollout.rollout(self.step)
+        self.step += 1
         if sequences.num_tokens == 0:  # every group filtered out: nothing to learn, the weights stay as they are
             metrics.update(skipped=1.0, loss=0.0)
-            self.step += 1
         else:
-            metrics.update(self.actor.update(sequences, self.step + 1, self.checkpointer.last_checkpoint))
-            self.step += 1
+            metrics.update(self.actor.update(sequences, self.step, self.checkpointer.last_checkpoint))
             metrics.update(self.sync_weights())
         self.actor.set_lr(self.actor.lr_at(self.step))
         return metrics
