@@ -320,3 +320,26 @@ def test_overlong_penalty_is_dapos_by_hand():
     with pytest.raises(ValueError, match="buffer_len"):
         overlong_penalty(torch.tensor([1]), 4, 4)
 
+
+def test_lr_schedule_warms_up_linearly_then_decays():
+    from megatron_fp4.rl.actor import lr_schedule
+
+    kw = dict(lr=1.0, min_lr=0.1, total_iters=10)
+    assert [lr_schedule(i, warmup_iters=4, **kw) for i in range(4)] == [0.0, 0.25, 0.5, 0.75]  # Megatron-LM's
+    assert lr_schedule(4, warmup_iters=4, **kw) == 1.0 and lr_schedule(10, warmup_iters=4, **kw) == 0.1
+    assert lr_schedule(7, warmup_iters=4, **kw) == pytest.approx(0.1 + 0.45 * (1 + math.cos(math.pi * 0.5)))
+    # no warm-up: cosine over the whole run (the driver's schedule before warm-up existed, exactly)
+    assert lr_schedule(3, warmup_iters=0, **kw) == 0.1 + 0.5 * 0.9 * (1 + math.cos(math.pi * 3 / 10))
+    assert lr_schedule(3, lr=2.0, min_lr=None, warmup_iters=0, total_iters=10) == 2.0
+
+
+def test_pass_at_k_unbiased_estimator_by_hand():
+    from megatron_fp4.rl.evaluator import pass_at_k, pass_ks
+
+    assert pass_at_k(4, 0, 1) == 0.0 and pass_at_k(4, 4, 1) == 1.0
+    assert pass_at_k(4, 1, 1) == pytest.approx(0.25)
+    assert pass_at_k(4, 1, 2) == pytest.approx(1 - math.comb(3, 2) / math.comb(4, 2))  # 0.5
+    assert pass_at_k(4, 2, 3) == 1.0  # fewer than k wrong: some draw of 3 always holds a right one
+    assert pass_ks(4) == [1, 2, 4] and pass_ks(6) == [1, 2, 4] and pass_ks(1) == [1]
+    with pytest.raises(ValueError, match="1 <= k <= n"):
+        pass_at_k(4, 1, 5)
