@@ -57,6 +57,15 @@ def test_slime_flags_set_our_fields(slime, ours):
     assert vars(parse_args(slime)) == vars(parse_args(ours))
 
 
+def test_every_alias_is_listed_in_the_readme_table():
+    """The README's slime table names every alias the config defines (one source: config.py's aliases)."""
+    readme = open(os.path.join(ROOT, "README.md")).read()
+    table = readme[readme.index("| slime / Megatron-LM RL flag"):]
+    for _, f, _ in section_fields():
+        for alias in f.metadata["aliases"]:
+            assert f"`{alias}" in table, alias
+
+
 def test_batch_sizes_mean_what_slime_means():
     a = parse_args([])  # the default: one optimizer step per rollout of 32 prompts x 16 samples
     assert (a.rollout_batch_size, a.group_size, a.global_batch_size, a.over_sampling_batch_size) == (32, 16, 512, 32)
