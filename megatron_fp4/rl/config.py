@@ -175,7 +175,8 @@ class RolloutConfig:
                                                           "of --over-sampling-batch-size prompts")
     over_sampling_batch_size: Optional[int] = knob(
         None, "prompts drawn per sampling round (default: --rollout-batch-size); with --dynamic-sampling, rounds "
-              "repeat until --rollout-batch-size groups pass (surplus groups are dropped)", check=positive)
+              "repeat until --rollout-batch-size groups pass (surplus groups are dropped); without it only the "
+              "round's first --rollout-batch-size prompts are sampled", check=positive)
     dynamic_sampling_max_rounds: int = knob(
         8, "most sampling rounds per step; when they leave fewer than --rollout-batch-size groups that pass, the step "
            "trains on those (the filtered groups fill the batch, masked out of the loss). 1: drop without refill",
