@@ -13,7 +13,8 @@ import torch
 from megatron_fp4.rl.checkpointer import StartPlan
 from megatron_fp4.rl.config import RLConfig
 
-__all__ = ["load_examples", "build_tokenizer", "Models", "build_models", "describe", "build_trainer"]
+__all__ = ["load_examples", "tokenizer_source", "build_tokenizer", "Models", "build_models", "describe",
+           "build_trainer"]
 
 
 def load_examples(cfg: RLConfig, tokenizer=None) -> tuple[list, list, dict]:
