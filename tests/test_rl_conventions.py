@@ -210,3 +210,31 @@ def test_slime_command_line_equals_our_spelling(tmp_path):
     assert evals_rows and {"toy/accuracy", "toy/pass@1", "toy/pass@2", "toy/pass@4", "toy/accuracy_bf16"} <= set(
         evals_rows[-1])
     assert slime_rows == our_rows
+
+
+@pytest.mark.slow
+def test_hf_checkpoint_starts_a_tensor_parallel_run(tmp_path):
+    """--hf-checkpoint at TP=2 (torchrun, gloo): the weights the run starts from and saves at step 0 are the HF
+    folder's, split over the two ranks and merged back bit for bit."""
+    from rl_helpers import make_chat_tokenizer, make_tiny_qwen2
+
+    from megatron_fp4.models.checkpoint_io import layer_offset, to_global_name
+    from megatron_fp4.models.hf_weights import HFCheckpointWeights
+    from megatron_fp4.rl.checkpoint_weights import TrainerCheckpointWeights
+
+    hf = tmp_path / "hf"
+    make_tiny_qwen2(hf, vocab_size=64, seed=2)
+    make_chat_tokenizer(hf)
+    r = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
+                        os.path.join(ROOT, "pretrain_rl.py"), "--hf-checkpoint", str(hf), "--dataset",
+                        "synthetic:add", "--num-synthetic-examples", "100", "--eval-samples", "4",
+                        "--tensor-model-parallel-size", "2", "--train-iters", "0", "--max-response-length", "2",
+                        "--save", str(tmp_path / "run")], env=_env(), cwd=ROOT, capture_output=True, text=True,
+                       timeout=600)
+    assert r.returncode == 0, r.stdout[-2000:] + r.stderr[-3000:]
+    assert "(TP 2)" in r.stdout and "[warmup]" not in r.stdout
+    saved, want = TrainerCheckpointWeights(tmp_path / "run"), HFCheckpointWeights(hf)
+    offset = layer_offset(saved.model_args["num_layers"], 0, saved.pp)
+    names = {to_global_name(k, offset) for k in saved.shard_keys(0, 0)}
+    assert saved.tp == 2 and names == set(want.shard_keys(0, 0))
+    assert all(torch.equal(saved.full_tensor(n), want.full_tensor(n)) for n in names)
