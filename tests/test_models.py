@@ -43,14 +43,15 @@ def test_transformer_config_fields():
                         num_query_groups=2, vocab_size=100, max_seq_len=32, add_qkv_bias=True, fp4_recipe=recipe,
                         config_overrides={"init_method_std": 0.01})
     cfg = gpt_transformer_config(args)
-    assert isinstance(cfg, FP4TransformerConfig) and cfg.fp4_recipe is recipe
+    assert isinstance(cfg, FP4TransformerConfig) and cfg.megatron_fp4_recipe is recipe
+    assert cfg.fp4_recipe == "nvfp4" and cfg.fp4 is None  # megatron-core's own FP4 fields keep their meaning
     assert cfg.gated_linear_unit and cfg.activation_func is F.silu and cfg.normalization == "RMSNorm"
     assert cfg.num_query_groups == 2 and cfg.add_qkv_bias and not cfg.add_bias_linear
     assert cfg.init_method_std == 0.01
     if not torch.cuda.is_available():
         assert cfg.use_cpu_initialization and not cfg.gradient_accumulation_fusion
-    with pytest.raises(TypeError, match="fp4_recipe"):
-        FP4TransformerConfig(num_layers=1, hidden_size=64, num_attention_heads=4, fp4_recipe="hif4")
+    with pytest.raises(TypeError, match="megatron_fp4_recipe must be an FP4Recipe"):
+        FP4TransformerConfig(num_layers=1, hidden_size=64, num_attention_heads=4, megatron_fp4_recipe="hif4")
 
 
 def test_fp4_spec_swaps_only_the_four_linears():

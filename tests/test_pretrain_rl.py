@@ -22,7 +22,7 @@ from megatron_fp4.rl.checkpoint import TRACKER_FILE
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 TINY = ["--num-layers", "2", "--hidden-size", "64", "--ffn-hidden-size", "128", "--num-attention-heads", "4",
         "--num-query-groups", "2", "--num-synthetic-examples", "600", "--eval-samples", "32",
-        "--global-batch-size", "4", "--group-size", "4", "--micro-batch-size", "16", "--sft-iters", "3",
+        "--rollout-batch-size", "4", "--group-size", "4", "--micro-batch-size", "16", "--sft-iters", "3",
         "--sft-batch-size", "16", "--max-response-length", "4", "--eval-interval", "100", "--seed", "7"]
 TIMING_KEYS = ("_per_s", "_s", "_seconds")
 
@@ -65,11 +65,11 @@ def test_flag_choices_are_the_library_constants():
     assert choices["resq"] == "{" + ",".join(SPARSITIES) + "}"
     assert choices["resq_combine"] == "{" + ",".join(RESQ_COMBINES) + "}"
     assert choices["rollout_precision"] == "{" + ",".join(ROLLOUT_MODES) + "}"
-    assert choices["fp4_format"] == "{" + ",".join([*RECIPES, "none"]) + "}"
+    assert choices["fp4_block_format"] == "{" + ",".join([*RECIPES, "none"]) + "}"
 
 
 @pytest.mark.parametrize("argv,match", [
-    (["--fp4-format", "fp8"], "fp4-format"),
+    (["--fp4-format", "fp8"], "--fp4-block-format='fp8' is not valid"),  # the old spelling, an alias
     (["--resq", "3:4"], "resq"),
     (["--group-size", "1"], "--group-size=1"),
     (["--top-p", "1.5"], "--top-p=1.5"),
@@ -94,8 +94,10 @@ def test_tensor_parallel_constraints():
         parse_args(["--tensor-model-parallel-size", "2", "--num-query-groups", "1"], world_size=2)
     with pytest.raises(ValueError, match="world size 3 is not divisible"):
         parse_args(["--tensor-model-parallel-size", "2"], world_size=3)
-    with pytest.raises(ValueError, match="--global-batch-size=3 must be a multiple"):
-        parse_args(["--global-batch-size", "3"], world_size=2)
+    with pytest.raises(ValueError, match="--rollout-batch-size=3 must be a multiple"):
+        parse_args(["--rollout-batch-size", "3"], world_size=2)
+    with pytest.raises(ValueError, match="--global-batch-size=6 must be a multiple"):
+        parse_args(["--rollout-batch-size", "8", "--group-size", "3", "--global-batch-size", "6"], world_size=4)
 
 
 def test_yaml_config_is_overridden_by_flags(tmp_path):
@@ -269,7 +271,7 @@ def test_grpo_from_converted_hf_checkpoint_on_gsm8k_jsonl(tmp_path):
                        timeout=300)
     assert r.returncode == 0, r.stderr[-2000:]
     argv = ["--load", str(ckpt), "--dataset", f"gsm8k:{data}", "--eval-samples", "2", "--sft-iters", "0",
-            "--global-batch-size", "2", "--group-size", "2", "--max-prompt-length", "32", "--max-response-length",
+            "--rollout-batch-size", "2", "--group-size", "2", "--max-prompt-length", "32", "--max-response-length",
             "6", "--train-iters", "2", "--eval-interval", "100"]
     log = tmp_path / "log.jsonl"
     r = _run([*argv, "--log-jsonl", str(log)])
@@ -428,8 +430,8 @@ def test_load_cases_end_to_end(tmp_path):
     r = _run([*quick, "--load", str(missing)])
     assert r.returncode == 2 and "Traceback" not in r.stderr and "[setup]" not in r.stdout
     assert r.stderr.strip() == (f"pretrain_rl.py: error: --load {missing} does not exist and no starting weights "
-                                f"are named: pass --ref-load CONVERTED_CHECKPOINT or --init-from RUN_DIR, or --init "
-                                f"random for a randomly initialized model")
+                                f"are named: pass --ref-load CONVERTED_CHECKPOINT, --hf-checkpoint HF_DIR or "
+                                f"--init-from RUN_DIR, or --init random for a randomly initialized model")
     r = _run([*quick, "--load", str(missing), "--init", "random", "--save", str(tmp_path / "run")])
     assert r.returncode == 0, r.stderr[-2000:]
     assert r.stdout.splitlines()[0] == (f"[checkpoint] --load {missing} does not exist: starting from a random model "

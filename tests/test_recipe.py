@@ -2,12 +2,12 @@
 
 import pytest
 
-from megatron_fp4.recipe import (FP4Recipe, HiF4BlockScaling, MXFP4BlockScaling, NVFP4BlockScaling, fp4_autocast,
+from megatron_fp4.recipe import (FP4Recipe, HiF4BlockScaling, MXFP4BlockScaling, NVFP4BlockScaling1D, fp4_autocast,
                                  get_fp4_recipe, is_fp4_enabled, recipe_for_format)
 
 
 @pytest.mark.parametrize("cls,name", [(HiF4BlockScaling, "hif4"), (MXFP4BlockScaling, "mxfp4"),
-                                      (NVFP4BlockScaling, "nvfp4")])
+                                      (NVFP4BlockScaling1D, "nvfp4")])
 def test_defaults_are_the_paper_setting(cls, name):
     r = cls()
     assert {r.weight_format, r.activation_format, r.gradient_format} == {name}

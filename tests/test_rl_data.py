@@ -119,7 +119,7 @@ def test_synthetic_addition():
     for e in ex:
         a, b = e.prompt[:-1].split("+")
         assert 2 <= len(a) <= 4 and 2 <= len(b) <= 4 and e.prompt.endswith("=")
-        assert e.reference == str(int(a) + int(b)) == e.target and e.kind == "math"
+        assert e.reference == str(int(a) + int(b)) == e.target and e.kind == "math_rule"
         assert score(e.target, e.reference, e.kind) == 1.0
         assert score(str(int(e.reference) + 1), e.reference, e.kind) == 0.0
     assert make_addition_examples(50, digits=3, seed=7) == make_addition_examples(50, digits=3, seed=7)
@@ -154,3 +154,61 @@ def test_load_dataset_spec_errors():
         load_dataset("synthetic:mul")
     with pytest.raises(FileNotFoundError, match="missing.jsonl"):
         load_dataset("gsm8k:/nonexistent/missing.jsonl")
+
+
+# ---------------------------------------------------------------- slime-style prompt files (datasets library)
+
+
+@pytest.mark.parametrize("suffix", [".parquet", ".jsonl", ".json"])
+def test_prompt_data_files_with_custom_keys(tmp_path, suffix):
+    pytest.importorskip("datasets")
+    from rl_helpers import addition_rows, write_records
+
+    from megatron_fp4.rl.data import load_prompt_data
+
+    rows = addition_rows(5, input_key="problem_text", label_key="gold")
+    for r in rows:  # number labels: the reference is their text, the label stays as stored
+        r["gold"] = int(r["gold"])
+    path = write_records(tmp_path / f"p{suffix}", rows)
+    ex = load_prompt_data(path, input_key="problem_text", label_key="gold")
+    assert [e.prompt for e in ex] == [r["problem_text"] for r in rows]  # raw text without a chat template
+    assert [e.reference for e in ex] == [str(r["gold"]) for r in rows] and ex[0].label == rows[0]["gold"]
+    assert ex[1].kind == "math" and ex[1].metadata == rows[1]["metadata"] and ex[1].target == ""
+    with pytest.raises(ValueError, match=r"record 1 has no 'answer' \(--label-key\)"):
+        load_prompt_data(path, input_key="problem_text", label_key="answer")
+    with pytest.raises(ValueError, match=r"record 1 has no 'input' \(--input-key\); keys: \['gold', 'metadata', "
+                                         r"'problem_text'\]"):
+        load_prompt_data(path)
+    assert load_prompt_data(path, "problem_text", "answer", require_label=False)[0].reference == ""
+
+
+def test_chat_template_from_a_tiny_tokenizer(tmp_path):
+    pytest.importorskip("datasets")
+    from rl_helpers import make_chat_tokenizer, write_records
+
+    from megatron_fp4.rl.data import load_prompt_data
+    from megatron_fp4.rl.tokenizer import HFTokenizer
+
+    make_chat_tokenizer(tmp_path / "tok")
+    tok = HFTokenizer(str(tmp_path / "tok"))
+    text = write_records(tmp_path / "p.parquet", [{"input": "What is 1 + 2 ?", "label": "3"}])
+    path = write_records(tmp_path / "m.jsonl", [  # slime's other form: the prompt as OpenAI-style messages
+        {"input": [{"role": "system", "content": "the answer is"}, {"role": "user", "content": "What is 3 + 4 ?"}],
+         "label": "7"}])
+    ex = load_prompt_data(text, chat_template=tok) + load_prompt_data(path, chat_template=tok)
+    assert ex[0].prompt == "<|im_start|>user\nWhat is 1 + 2 ?<|im_end|>\n<|im_start|>assistant\n"
+    assert ex[1].prompt == ("<|im_start|>system\nthe answer is<|im_end|>\n<|im_start|>user\nWhat is 3 + 4 ?<|im_end|>\n"
+                            "<|im_start|>assistant\n")
+    assert tok.encode(ex[0].prompt)[0] == tok.tok.convert_tokens_to_ids("<|im_start|>")  # a special token, one id
+    # the --dataset loaders take the same template; a message list needs one
+    gsm = tmp_path / "g.jsonl"
+    gsm.write_text(json.dumps({"question": "What is 1 + 2 ?", "answer": "#### 3"}) + "\n")
+    assert load_dataset(f"gsm8k:{gsm}", chat_template=tok)[0].prompt.startswith("<|im_start|>user\nQuestion: What")
+    with pytest.raises(ValueError, match="record 1: a prompt given as chat messages needs a chat template"):
+        load_prompt_data(path)
+    make_chat_tokenizer(tmp_path / "plain", chat_template=None)
+    with pytest.raises(ValueError, match="has no chat template"):
+        load_prompt_data(text, chat_template=HFTokenizer(str(tmp_path / "plain")))
+    with pytest.raises(ValueError, match="unsupported file type '.csv'"):
+        (tmp_path / "p.csv").write_text("a,b\n")
+        load_prompt_data(tmp_path / "p.csv")

@@ -264,3 +264,82 @@ def test_low_precision_logprobs_are_upcast():
     assert loss.item() == ref.item()
     loss.backward()
     assert lt16.grad.dtype == torch.bfloat16 and torch.isfinite(lt16.grad).all()
+
+
+# ---------------------------------------------------------------- GSPO, REINFORCE++, DAPO shaping, LR, pass@k
+
+
+def test_gspo_ratio_is_the_geometric_mean_per_sequence_by_hand():
+    # row 0: log-ratios 0.1, 0.3 over 2 tokens -> s = exp(0.2) for both; row 1: one token (0.5), one padded -> exp(0.5)
+    lt = torch.tensor([[0.1, 0.3], [0.5, 9.0]], requires_grad=True)
+    lo, mask = torch.zeros(2, 2), torch.tensor([[1.0, 1.0], [1.0, 0.0]])
+    from megatron_fp4.rl.grpo import policy_ratio
+
+    rho = policy_ratio(torch.where(mask > 0, lt, 0.0), lo, mask, "sequence")
+    torch.testing.assert_close(rho[:, :1], torch.tensor([[math.exp(0.2)], [math.exp(0.5)]]))
+    assert torch.equal(rho[0, 0], rho[0, 1])
+    # on-policy GSPO: s = 1 and each sequence's surrogate -s*A counted once, so every token of it gets -A / |y|
+    adv = torch.tensor([1.0, -2.0])
+    tok = grpo_token_loss(lt, None, None, adv, mask, tis_cap=None, ratio_level="sequence")
+    torch.testing.assert_close(tok.detach().sum(dim=1), -adv)
+    tok.sum().backward()
+    torch.testing.assert_close(lt.grad, torch.tensor([[-0.5, -0.5], [2.0, 0.0]]))
+    # clipping acts on the sequence ratio: exp(0.2) > 1.1 clips row 0 (A > 0) as one unit
+    m = grpo_metrics(lt.detach(), lo, None, adv, mask, clip_low=0.1, clip_high=0.1, tis_cap=None,
+                     ratio_level="sequence")
+    assert m["ppo_clip_frac"] == pytest.approx(2 / 3) and m["ratio_max"] == pytest.approx(math.exp(0.5))
+    with pytest.raises(ValueError, match="ratio_level"):
+        GRPOConfig(ratio_level="group")
+
+
+def test_reinforce_plus_plus_returns_and_whitening_by_hand():
+    from megatron_fp4.rl.grpo import discounted_returns, masked_moments, whiten
+
+    r, mask = torch.tensor([1.0, 0.0, 2.0]), torch.tensor([[1.0, 1, 1, 0], [1, 1, 0, 0], [0, 1, 1, 0]])
+    # gamma 0.5: the reward sits on the last response token and halves per token back
+    g = discounted_returns(r, mask, gamma=0.5)
+    torch.testing.assert_close(g, torch.tensor([[0.25, 0.5, 1.0, 0], [0, 0, 0, 0], [0, 1.0, 2.0, 0]]))
+    assert torch.equal(discounted_returns(r, mask, 1.0), r[:, None] * mask)
+    # whitened over the 7 masked tokens: mean 4.75/7, population variance, 0 outside the mask
+    w = whiten(g, mask)
+    vals = g[mask > 0]
+    torch.testing.assert_close(w[mask > 0], (vals - vals.mean()) / torch.sqrt(vals.var(unbiased=False) + 1e-8))
+    assert float(w[mask == 0].abs().sum()) == 0.0
+    # moments add over ranks: two halves give the whole batch's whitening
+    halves = masked_moments(g[:1], mask[:1]) + masked_moments(g[1:], mask[1:])
+    torch.testing.assert_close(whiten(g[1:], mask[1:], halves), w[1:])
+
+
+def test_overlong_penalty_is_dapos_by_hand():
+    from megatron_fp4.rl.grpo import overlong_penalty
+
+    # max 10, buffer 4: free up to 6 tokens, then -1/4 per token down to -factor at 10
+    got = overlong_penalty(torch.tensor([3, 6, 7, 9, 10]), 10, 4, factor=0.5)
+    torch.testing.assert_close(got, torch.tensor([0.0, 0.0, -0.125, -0.375, -0.5]))
+    assert torch.equal(overlong_penalty(torch.tensor([10]), 10, 0), torch.zeros(1))
+    with pytest.raises(ValueError, match="buffer_len"):
+        overlong_penalty(torch.tensor([1]), 4, 4)
+
+
+def test_lr_schedule_warms_up_linearly_then_decays():
+    from megatron_fp4.rl.actor import lr_schedule
+
+    kw = dict(lr=1.0, min_lr=0.1, total_iters=10)
+    assert [lr_schedule(i, warmup_iters=4, **kw) for i in range(4)] == [0.0, 0.25, 0.5, 0.75]  # Megatron-LM's
+    assert lr_schedule(4, warmup_iters=4, **kw) == 1.0 and lr_schedule(10, warmup_iters=4, **kw) == 0.1
+    assert lr_schedule(7, warmup_iters=4, **kw) == pytest.approx(0.1 + 0.45 * (1 + math.cos(math.pi * 0.5)))
+    # no warm-up: cosine over the whole run (the driver's schedule before warm-up existed, exactly)
+    assert lr_schedule(3, warmup_iters=0, **kw) == 0.1 + 0.5 * 0.9 * (1 + math.cos(math.pi * 3 / 10))
+    assert lr_schedule(3, lr=2.0, min_lr=None, warmup_iters=0, total_iters=10) == 2.0
+
+
+def test_pass_at_k_unbiased_estimator_by_hand():
+    from megatron_fp4.rl.evaluator import pass_at_k, pass_ks
+
+    assert pass_at_k(4, 0, 1) == 0.0 and pass_at_k(4, 4, 1) == 1.0
+    assert pass_at_k(4, 1, 1) == pytest.approx(0.25)
+    assert pass_at_k(4, 1, 2) == pytest.approx(1 - math.comb(3, 2) / math.comb(4, 2))  # 0.5
+    assert pass_at_k(4, 2, 3) == 1.0  # fewer than k wrong: some draw of 3 always holds a right one
+    assert pass_ks(4) == [1, 2, 4] and pass_ks(6) == [1, 2, 4] and pass_ks(1) == [1]
+    with pytest.raises(ValueError, match="1 <= k <= n"):
+        pass_at_k(4, 1, 5)

@@ -45,3 +45,26 @@ def test_format_and_logger(tmp_path):
     silent = io.StringIO()
     MetricsLogger(total_steps=4, rank=1, stream=silent).log(1, {"loss": 1.0})
     assert silent.getvalue() == ""
+
+
+def test_wandb_run_receives_every_record(tmp_path, monkeypatch):
+    """--use-wandb: the logger sends each record under kind/ to a W&B run (offline here: nothing leaves the
+    machine), and the run's config holds every knob."""
+    pytest.importorskip("wandb")
+    from types import SimpleNamespace
+
+    from megatron_fp4.rl.monitor import MetricsLogger, init_wandb
+
+    monkeypatch.setenv("WANDB_SILENT", "true")
+    cfg = SimpleNamespace(wandb_project="megatron-fp4-test", wandb_group="g", wandb_mode="offline",
+                          wandb_dir=str(tmp_path))
+    run = init_wandb(cfg, {"lr": 1e-3, "eval_prompt_data": ("toy", "toy.jsonl")})
+    logger = MetricsLogger(rank=0, wandb_run=run, stream=io.StringIO())
+    logger.log(0, {"accuracy": 0.25}, prefix="eval")
+    logger.record(1, "train", {"loss": 0.5, "reward_mean": torch.tensor(0.75)})
+    logger.record(2, "train", {"loss": 0.25})  # W&B commits a step's values when the next step starts
+    summary = dict(run.summary)
+    assert (summary["eval/accuracy"], summary["train/loss"], summary["train/reward_mean"]) == (0.25, 0.5, 0.75)
+    assert run.config["eval_prompt_data"] == ["toy", "toy.jsonl"] and run.group == "g"
+    logger.close()
+    assert logger.wandb_run is None and list(tmp_path.glob("wandb/offline-run-*/run-*.wandb"))

@@ -3,6 +3,7 @@ the checkpointer, the evaluator, and the trainer's step over them."""
 
 from __future__ import annotations
 
+import pytest
 import torch
 
 from megatron_fp4.parallel import initialize_parallel
@@ -15,7 +16,7 @@ from megatron_fp4.rl.setup import build_trainer
 
 TINY = ["--num-layers", "2", "--hidden-size", "64", "--ffn-hidden-size", "128", "--num-attention-heads", "4",
         "--num-query-groups", "2", "--num-synthetic-examples", "300", "--eval-samples", "16",
-        "--global-batch-size", "4", "--group-size", "4", "--micro-batch-size", "8", "--sft-iters", "0",
+        "--rollout-batch-size", "4", "--group-size", "4", "--micro-batch-size", "8", "--sft-iters", "0",
         "--max-response-length", "4", "--seed", "3", "--train-iters", "5"]
 
 
@@ -44,7 +45,8 @@ def test_distributed_helpers_in_one_process():
 
 
 def test_rollout_manager_returns_scored_filtered_sequences():
-    trainer = _trainer("--dynamic-sampling", "--fp4-format", "none")
+    # --dynamic-sampling-max-rounds 1: dynamic sampling drops groups without refilling (masked out of the loss)
+    trainer = _trainer("--dynamic-sampling", "--dynamic-sampling-max-rounds", "1", "--fp4-format", "none")
     rollout = trainer.rollout
     seqs, metrics = rollout.rollout(step=0)
     n, G = 4 * 4, 4
@@ -58,6 +60,79 @@ def test_rollout_manager_returns_scored_filtered_sequences():
     assert 0 <= metrics["reward_mean"] <= 1 and metrics["rollout_tokens_per_s"] > 0
     # the logprobs the actor weights tokens with are the engine's, at the response positions
     assert bool((seqs.logp_rollout[seqs.mask > 0] <= 0).all())
+
+
+def test_dynamic_sampling_refills_from_over_sampled_rounds():
+    """DAPO: rounds of --over-sampling-batch-size prompts until --rollout-batch-size groups have unequal rewards
+    (here a --custom-rm-path reward: the response length, which a random model's mostly truncated responses share)."""
+    trainer = _trainer("--dynamic-sampling", "--over-sampling-batch-size", "6", "--fp4-format", "none",
+                       "--custom-rm-path", "custom_rewards.response_length", "--max-response-length", "2",
+                       "--no-overlong-filter")
+    rollout = trainer.rollout
+    seqs, metrics = rollout.rollout(step=0)
+    G, rounds = 4, int(metrics["dynamic_sampling_rounds"])
+    assert len(seqs) == 4 * G and rollout.sampler.position == (0, 6 * rounds)
+    assert rounds > 1 and metrics["kept_groups_frac"] == 1.0  # refilled: every group of the batch passes
+    assert 0 < metrics["dynamic_sampling_pass_frac"] < 1
+    groups = seqs.rewards.view(-1, G)
+    assert bool((groups.amax(1) > groups.amin(1)).all())
+    # the rewards are the custom function's: each response's length (its masked tokens)
+    assert torch.equal(seqs.rewards, (seqs.mask > 0).sum(1).float())
+
+
+def test_overlong_reward_shaping_and_reinforce_plus_plus_advantages():
+    trainer = _trainer("--fp4-format", "none", "--overlong-buffer-len", "2", "--overlong-penalty-factor", "0.5",
+                       "--no-overlong-filter", "--advantage-estimator", "reinforce_plus_plus", "--gamma", "0.9")
+    seqs, metrics = trainer.rollout.rollout(step=0)
+    lengths = (seqs.mask > 0).sum(1)
+    raw = seqs.rewards - (-(lengths - 2).clamp(min=0) / 2 * 0.5)  # max length 4, buffer 2: -0.25 per extra token
+    assert set(raw.tolist()) <= {0.0, 1.0} and metrics["overlong_penalty_mean"] < 0
+    adv = trainer.actor.advantages(seqs)  # per-token discounted returns, whitened over the batch's loss tokens
+    assert adv.shape == seqs.mask.shape and float(adv[seqs.mask == 0].abs().sum()) == 0
+    vals = adv[seqs.mask > 0]
+    assert abs(float(vals.mean())) < 1e-5 and abs(float(vals.std(unbiased=False)) - 1) < 1e-3
+    seqs.num_tokens = float(seqs.mask.sum())
+    metrics = trainer.actor.update(seqs, step=1, last_checkpoint=None)
+    assert "skipped" not in metrics and metrics["grad_norm"] > 0
+
+
+def test_several_optimizer_steps_per_rollout_with_lr_warmup():
+    """--global-batch-size counts samples (slime): 4 prompts x 4 samples with 8 per step = 2 optimizer steps, each on
+    its half, the ratio taken against the rollout's policy; the LR warms up per optimizer step."""
+    trainer = _trainer("--fp4-format", "none", "--global-batch-size", "8", "--lr", "1e-2", "--min-lr", "1e-3",
+                       "--lr-warmup-iters", "3")
+    actor = trainer.actor
+    assert actor.steps_per_rollout == 2
+    assert [actor.lr_at(0, 0), actor.lr_at(0, 1), actor.lr_at(1, 0), actor.lr_at(1, 1)] == pytest.approx(
+        [0.0, 1e-2 / 3, 2e-2 / 3, 1e-2])
+    seqs, _ = trainer.rollout.rollout(step=0)
+    seqs.rewards = torch.arange(len(seqs), dtype=torch.float32) % 3  # groups with different rewards: a gradient
+    seqs.mask = torch.ones_like(seqs.mask) * (seqs.logp_rollout != 0)
+    seqs.num_tokens = float(seqs.mask.sum())
+    before = _weights(actor.module)
+    actor.set_lr(actor.lr_at(0))
+    metrics = actor.update(seqs, step=1, last_checkpoint=None)
+    assert metrics["optimizer_steps"] == 2 and metrics["lr"] == pytest.approx(1e-2 / 3) and metrics["grad_norm"] > 0
+    # the first optimizer step ran at LR 0 (warm-up), so the weights moved by the second step only
+    assert any(not torch.equal(before[k], v) for k, v in _weights(actor.module).items())
+
+
+def test_evaluator_sets_and_pass_at_k(tmp_path):
+    from rl_helpers import write_records
+
+    data = write_records(tmp_path / "toy.jsonl", [{"q": f"{a}+1=", "a": str(a + 1)} for a in range(5)])
+    trainer = _trainer("--fp4-format", "none", "--eval-prompt-data", "toy", str(data), "--eval-input-key", "q",
+                       "--eval-label-key", "a", "--rm-type", "math_rule", "--n-samples-per-eval-prompt", "4",
+                       "--eval-temperature", "1.5")
+    ev = trainer.evaluator
+    assert list(ev.sets) == ["", "toy"] and len(ev.sets["toy"]) == 5
+    out = ev.evaluate()
+    assert set(out) == {"accuracy", "pass@1", "pass@2", "pass@4", "toy/accuracy", "toy/pass@1", "toy/pass@2",
+                        "toy/pass@4"}
+    assert out["pass@1"] == pytest.approx(out["accuracy"]) and out["pass@1"] <= out["pass@2"] <= out["pass@4"]
+    samples = trainer.rollout.generate_eval(ev.sets["toy"], n=4, temperature=1.5, seed=ev.seed)
+    correct = [r >= 1 for r in trainer.rollout.score(ev.sets["toy"], samples, 4)]
+    assert out["toy/accuracy"] == sum(correct) / 20  # mean@4 over the set's 5 prompts
 
 
 def test_actor_update_computes_advantages_and_steps_or_skips():

@@ -42,7 +42,7 @@ class Row:
 
 
 ROWS = (
-    Row("bf16_bf16", "BF16", "BF16", ("--fp4-format", "none"), format_free=True),
+    Row("bf16_bf16", "BF16", "BF16", ("--fp4-block-format", "none"), format_free=True),
     Row("fp4_bf16", "FP4", "BF16", ("--rollout-precision", "bf16", "--resq", "none")),
     Row("fp4_w4a16", "FP4", "W4A16 (only weights FP4)", ("--rollout-precision", "w4a16", "--resq", "none")),
     Row("fp4_w16a4", "FP4", "W16A4 (only activations FP4)", ("--rollout-precision", "w16a4", "--resq", "none")),
@@ -85,13 +85,13 @@ WARMUP = {
     "tiny": ["--sft-iters", "3", "--sft-batch-size", "16"],
 }
 GRPO = {  # the same for every row; the paper's group size 16, batch 32 prompts, clip 0.2/0.2, TIS cap 5, KL
-    "gpu": ["--group-size", "16", "--global-batch-size", "32", "--micro-batch-size", "256", "--lr", "2e-4",
+    "gpu": ["--group-size", "16", "--rollout-batch-size", "32", "--micro-batch-size", "256", "--lr", "2e-4",
             "--min-lr", "5e-5", "--kl-beta", "0.001", "--clip-low", "0.2", "--clip-high", "0.2", "--tis-cap", "5",
             "--eval-interval", "25", "--log-underflow-interval", "25"],
-    "cpu": ["--group-size", "16", "--global-batch-size", "32", "--micro-batch-size", "256", "--lr", "6e-4",
+    "cpu": ["--group-size", "16", "--rollout-batch-size", "32", "--micro-batch-size", "256", "--lr", "6e-4",
             "--min-lr", "1e-4", "--kl-beta", "0.001", "--clip-low", "0.2", "--clip-high", "0.2", "--tis-cap", "5",
             "--eval-interval", "25", "--log-underflow-interval", "25"],
-    "tiny": ["--group-size", "4", "--global-batch-size", "4", "--micro-batch-size", "16", "--eval-interval", "100",
+    "tiny": ["--group-size", "4", "--rollout-batch-size", "4", "--micro-batch-size", "16", "--eval-interval", "100",
              "--log-underflow-interval", "1"],
 }
 DEFAULT_STEPS = {"gpu": 100, "cpu": 100, "tiny": 2}
@@ -169,7 +169,7 @@ def ensure_warm(args, seed: int, env: dict) -> str:
     os.makedirs(rdir, exist_ok=True)
     res = os.path.join(rdir, "pretrain_result.json")
     cmd = [sys.executable, os.path.join(ROOT, "pretrain_rl.py"), *base_flags(args, WARMUP),
-           "--fp4-format", "none", "--train-iters", "0", "--seed", str(seed), "--save", ckpt,
+           "--fp4-block-format", "none", "--train-iters", "0", "--seed", str(seed), "--save", ckpt,
            "--results-json", res]
     with open(os.path.join(rdir, "cmd.txt"), "w") as f:
         f.write(shlex.join(cmd) + "\n")
@@ -199,7 +199,7 @@ def run_one(args, run: Run, warm_ckpt: str, env: dict) -> dict:
     jsonl, res = os.path.join(rdir, "train.jsonl"), os.path.join(rdir, "pretrain_result.json")
     if os.path.exists(jsonl):
         os.remove(jsonl)  # a run that did not finish starts over
-    fmt_flags = [] if run.row.format_free else ["--fp4-format", run.fmt]
+    fmt_flags = [] if run.row.format_free else ["--fp4-block-format", run.fmt]
     cmd = [sys.executable, os.path.join(ROOT, "pretrain_rl.py"), *base_flags(args, GRPO), *fmt_flags,
            *run.row.flags, "--train-iters", str(args.grpo_steps), "--seed", str(run.seed), "--init-from", warm_ckpt,
            "--log-jsonl", jsonl, "--results-json", res]

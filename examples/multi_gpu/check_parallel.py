@@ -34,13 +34,13 @@ MODEL = {
 }
 SCHEDULE = {
     "gpu": ["--sft-iters", "20", "--sft-lr", "3e-4", "--sft-batch-size", "64", "--train-iters", "20",
-            "--global-batch-size", "32", "--group-size", "16", "--micro-batch-size", "64", "--lr", "1e-5",
+            "--rollout-batch-size", "32", "--group-size", "16", "--micro-batch-size", "64", "--lr", "1e-5",
             "--min-lr", "1e-5", "--eval-samples", "128", "--eval-interval", "20"],
-    "tiny": ["--sft-iters", "4", "--sft-batch-size", "16", "--train-iters", "2", "--global-batch-size", "4",
+    "tiny": ["--sft-iters", "4", "--sft-batch-size", "16", "--train-iters", "2", "--rollout-batch-size", "4",
              "--group-size", "4", "--micro-batch-size", "8", "--eval-samples", "16", "--eval-interval", "100",
              "--num-synthetic-examples", "400"],
 }
-COMMON = ["--fp4-format", "hif4", "--rollout-precision", "w4a4", "--resq", "2:4", "--use-cpu-initialization",
+COMMON = ["--fp4-block-format", "hif4", "--rollout-precision", "w4a4", "--resq", "2:4", "--use-cpu-initialization",
           "--seed", "1234", "--max-response-length", "8"]
 LAYOUTS = {"1gpu": [], "tp2": ["--tensor-model-parallel-size", "2"], "pp2": ["--pipeline-model-parallel-size", "2"]}
 TIMING = ("_per_s", "_s", "_seconds")

@@ -6,12 +6,12 @@ With no recipe (or for a layer kept in high precision) the call goes straight to
 implementation, so the layers are bit-identical to megatron-core's.
 
 Which recipe applies: an active ``fp4_autocast`` (including ``enabled=False``) wins; otherwise
-``config.fp4_recipe`` (see :class:`megatron_fp4.parallel.FP4TransformerConfig`). A layer whose
+``config.megatron_fp4_recipe`` (see :class:`megatron_fp4.parallel.FP4TransformerConfig`). A layer whose
 ``fp4_layer_number`` (set by :class:`FP4TransformerLayer`) falls in the recipe's high-precision first/last layers
 runs in high precision.
 
 The recipe is read at forward time and kept for that call's backward. With activation recomputation the
-recomputed forward reads it again, so keep the recipe in ``config.fp4_recipe`` (or run the whole
+recomputed forward reads it again, so keep the recipe in ``config.megatron_fp4_recipe`` (or run the whole
 forward-backward inside the ``fp4_autocast`` block, as megatron's forward_backward_func does).
 
 Communication under FP4 reuses megatron-core's own region functions: sequence parallel all-gathers the input
@@ -74,7 +74,7 @@ class FP4ParallelLinearMixin:
 
     def fp4_recipe_for_forward(self) -> Optional[FP4Recipe]:
         """The recipe the next forward uses (None: high precision, i.e. megatron-core's own GEMM)."""
-        recipe = current_recipe(getattr(self.config, "fp4_recipe", None))
+        recipe = current_recipe(getattr(self.config, "megatron_fp4_recipe", None))
         if recipe is None:
             return None
         if self.fp4_layer_number is not None and recipe.keeps_layer_in_high_precision(

@@ -1,6 +1,12 @@
 """GPT layer spec with FP4 linears, the TransformerLayer that tells its linears their layer number, and a config
 that carries the FP4 recipe.
 
+The recipe lives in its own field, ``megatron_fp4_recipe``, beside megatron-core 0.16's FP4 fields (``fp4`` = the
+``--fp4-format e2m1`` of Transformer Engine's NVFP4, ``fp4_recipe`` = the string "nvfp4"/"custom", ``fp4_param``),
+which keep their meaning and defaults; none of ours shadows them. An FP4Recipe passed as ``fp4_recipe=`` (what
+callers wrote before the field had its own name) is moved into ``megatron_fp4_recipe``, leaving megatron-core's
+field at its default.
+
 The spec is megatron-core's local (non-TE) GPT layer spec with linear_qkv, linear_proj, linear_fc1 and linear_fc2
 swapped for the FP4 parallel linears; parameter names are unchanged (HF converters rely on them). Norms, the
 attention core, embeddings and the output head stay megatron-core's high-precision modules.
@@ -27,17 +33,27 @@ from megatron_fp4.recipe import FP4Recipe
 __all__ = ["FP4TransformerConfig", "FP4TransformerLayer", "get_gpt_layer_fp4_spec"]
 
 
+_MCORE_FP4_RECIPE_DEFAULT = next(f.default for f in dataclasses.fields(TransformerConfig) if f.name == "fp4_recipe")
+
+
 @dataclass
 class FP4TransformerConfig(TransformerConfig):
     """megatron-core TransformerConfig plus the FP4 recipe the FP4 linears use (None: high precision)."""
 
-    #: Recipe for every FP4 linear of the model; an active ``fp4_autocast`` overrides it.
-    fp4_recipe: Optional[FP4Recipe] = None
+    #: Recipe for every FP4 linear of the model; an active ``fp4_autocast`` overrides it. (megatron-core's own
+    #: ``fp4_recipe`` string is Transformer Engine's and stays untouched.)
+    megatron_fp4_recipe: Optional[FP4Recipe] = None
 
     def __post_init__(self) -> None:
+        if isinstance(self.fp4_recipe, FP4Recipe):  # the old keyword: move it out of megatron-core's field
+            if self.megatron_fp4_recipe is not None:
+                raise ValueError("pass the FP4 recipe once, as megatron_fp4_recipe= (fp4_recipe= is megatron-core's "
+                                 "Transformer Engine recipe name)")
+            self.megatron_fp4_recipe, self.fp4_recipe = self.fp4_recipe, _MCORE_FP4_RECIPE_DEFAULT
         super().__post_init__()
-        if self.fp4_recipe is not None and not isinstance(self.fp4_recipe, FP4Recipe):
-            raise TypeError(f"fp4_recipe must be an FP4Recipe or None, got {type(self.fp4_recipe).__name__}")
+        if self.megatron_fp4_recipe is not None and not isinstance(self.megatron_fp4_recipe, FP4Recipe):
+            raise TypeError(f"megatron_fp4_recipe must be an FP4Recipe or None, got "
+                            f"{type(self.megatron_fp4_recipe).__name__}")
 
 
 class FP4TransformerLayer(TransformerLayer):

@@ -4,6 +4,11 @@ the frozen reference; computes advantages and runs the GRPO loss through megatro
 Megatron's per-token loss accounting (``calculate_per_token_loss``) makes the loss a token-level mean over the
 whole global batch, exactly, whatever the micro-batching and data parallelism. With pipeline parallelism the
 policy and the reference hold this rank's stage; loss statistics come from the last stage.
+
+A rollout of --rollout-batch-size x G samples feeds rollout x G / --global-batch-size optimizer steps (slime's
+meaning of the global batch), each on the next --global-batch-size samples, with the importance ratio taken
+against the policy that sampled the rollout. The LR schedule counts optimizer steps: --lr-warmup-iters of linear
+warm-up from 0, then cosine decay to --min-lr over the rest (Megatron-LM's schedule).
 """
 
 from __future__ import annotations
@@ -17,11 +22,24 @@ import torch
 
 from megatron_fp4.rl import grpo
 from megatron_fp4.rl.config import ActorConfig
-from megatron_fp4.rl.distributed import any_on_model_parallel, from_last_stage, reduce_token_stats
+from megatron_fp4.rl.distributed import (TOKEN_STAT_MAXIMA, any_on_model_parallel, dp_sum, from_last_stage,
+                                         reduce_token_stats)
 from megatron_fp4.rl.monitor import NonFiniteGuard
 from megatron_fp4.rl.sequences import Sequences
 
-__all__ = ["Actor", "run_schedule", "microbatches"]
+__all__ = ["Actor", "run_schedule", "microbatches", "lr_schedule"]
+
+
+def lr_schedule(it: int, *, lr: float, min_lr: Optional[float], warmup_iters: int, total_iters: int) -> float:
+    """The learning rate of optimizer step ``it`` (0-based): lr * it / warmup_iters during the warm-up (Megatron-LM's
+    linear warm-up from 0), then cosine decay from lr to min_lr over the remaining steps (constant when min_lr is
+    None)."""
+    if warmup_iters > 0 and it < warmup_iters:
+        return lr * it / warmup_iters
+    if min_lr is None:
+        return lr
+    frac = min((it - warmup_iters) / max(total_iters - warmup_iters, 1), 1.0)
+    return min_lr + 0.5 * (lr - min_lr) * (1 + math.cos(math.pi * frac))
 
 
 def run_schedule(model, batches: list[dict], loss_fn: Callable, forward_only: bool) -> list[dict]:
@@ -86,18 +104,28 @@ def _grpo_loss(cfg: grpo.GRPOConfig, batch, logits):
     return tok.sum(), n.to(torch.int), mets
 
 
+def _combine_stats(parts: list[tuple[dict[str, float], float]]) -> dict[str, float]:
+    """Token-weighted means (maxima: the largest) of several optimizer steps' loss statistics."""
+    total = max(sum(n for _, n in parts), 1.0)
+    keys = {k for s, _ in parts for k in s}
+    return {k: (max(s.get(k, 0.0) for s, _ in parts) if k in TOKEN_STAT_MAXIMA
+                else sum(s.get(k, 0.0) * n for s, n in parts) / total) for k in sorted(keys)}
+
+
 class Actor:
-    """Policy + optimizer + reference: ``update(sequences)`` is one GRPO update (``ppo_epochs`` optimizer steps)."""
+    """Policy + optimizer + reference: ``update(sequences)`` is one GRPO update (``steps_per_rollout`` optimizer
+    steps per epoch, ``ppo_epochs`` epochs)."""
 
     def __init__(self, cfg: ActorConfig, policy, optimizer, reference, *, group_size: int, train_iters: int,
-                 max_nonfinite_steps: int) -> None:
+                 max_nonfinite_steps: int, steps_per_rollout: int = 1) -> None:
         self.cfg, self.policy, self.optimizer, self.reference = cfg, policy, optimizer, reference
-        self.train_iters = train_iters
+        self.train_iters, self.steps_per_rollout = train_iters, steps_per_rollout
         self.guard = NonFiniteGuard(max_nonfinite_steps)
         self.grpo = grpo.GRPOConfig(
             group_size=group_size, clip_low=cfg.clip_low, clip_high=cfg.clip_high,
-            tis_cap=cfg.tis_cap if cfg.tis_cap > 0 else 5.0, use_tis=cfg.tis_cap > 0, kl_beta=cfg.kl_beta,
-            normalize_std=cfg.advantage == "grpo")
+            tis_cap=cfg.tis_cap if cfg.tis_cap > 0 else 5.0, use_tis=cfg.tis_cap > 0,
+            kl_beta=cfg.kl_beta if cfg.use_kl_loss else 0.0, normalize_std=cfg.advantage in ("grpo", "gspo"),
+            ratio_level="sequence" if cfg.advantage == "gspo" else "token")
 
     @property
     def module(self) -> torch.nn.Module:
@@ -105,13 +133,12 @@ class Actor:
         return self.policy.module
 
     # -- LR schedule ------------------------------------------------------------------------------------------------
-    def lr_at(self, step: int) -> float:
-        """Cosine decay from --lr to --min-lr over --train-iters (constant without --min-lr)."""
-        c = self.cfg
-        if c.min_lr is None:
-            return c.lr
-        frac = min(step / max(self.train_iters, 1), 1.0)
-        return c.min_lr + 0.5 * (c.lr - c.min_lr) * (1 + math.cos(math.pi * frac))
+    def lr_at(self, step: int, sub: int = 0) -> float:
+        """The LR of optimizer step ``sub`` of GRPO step ``step`` + 1 (:func:`lr_schedule` over the run's
+        --train-iters x steps-per-rollout optimizer steps)."""
+        c, k = self.cfg, self.steps_per_rollout
+        return lr_schedule(step * k + sub, lr=c.lr, min_lr=c.min_lr, warmup_iters=c.lr_warmup_iters,
+                           total_iters=self.train_iters * k)
 
     def set_lr(self, lr: float) -> None:
         for g in self.optimizer.param_groups:
@@ -161,29 +188,64 @@ class Actor:
         ntok = sum(float(d["tokens"]) for d in store) if store else 0.0
         return from_last_stage(nll / max(ntok, 1.0))
 
+    def advantages(self, seqs: Sequences) -> torch.Tensor:
+        """Per-response group advantages (grpo, gspo: normalized by the group std; drgrpo: not), or REINFORCE++'s
+        per-token discounted returns whitened over the global batch (every data-parallel rank's loss tokens)."""
+        if self.cfg.advantage != "reinforce_plus_plus":
+            return grpo.group_advantages(seqs.rewards, **self.grpo.advantage_kwargs())
+        returns = grpo.discounted_returns(seqs.rewards, seqs.mask, self.cfg.gamma)
+        moments = torch.tensor([dp_sum(float(v)) for v in grpo.masked_moments(returns, seqs.mask)],
+                               dtype=torch.float64)
+        return grpo.whiten(returns, seqs.mask, moments)
+
     def update(self, seqs: Sequences, step: int, last_checkpoint: Optional[str]) -> dict[str, float]:
-        """One GRPO update on a rollout batch: advantages, reference/old logprobs, ``ppo_epochs`` optimizer steps
-        (each skipped when the loss or a gradient is not finite). ``step`` is the step being made, 1-based."""
-        seqs.advantages = grpo.group_advantages(seqs.rewards, **self.grpo.advantage_kwargs())
+        """One GRPO update on a rollout batch: advantages, reference/old logprobs, then per epoch (``ppo_epochs``)
+        ``steps_per_rollout`` optimizer steps on consecutive shares of the batch (the update stops at a non-finite
+        loss or gradient, before the optimizer touches the weights). ``step`` is the step being made, 1-based."""
+        seqs.advantages = self.advantages(seqs)
         metrics: dict[str, Any] = {}
         t0 = time.monotonic()
         extra = {}
-        if self.reference is not None and self.cfg.kl_beta > 0:
+        if self.reference is not None and self.grpo.kl_beta > 0:
             extra["logp_ref"] = self.logprobs(self.reference, seqs)
-        if self.cfg.ppo_epochs > 1:
+        k = self.steps_per_rollout
+        if self.cfg.ppo_epochs > 1 or k > 1:  # the ratio is taken against the policy that sampled the rollout
             extra["logp_old"] = self.logprobs(self.policy, seqs)
+        extra = {name: v for name, v in extra.items() if v is not None}
         loss_fn = partial(_grpo_loss, self.grpo)
         stats: dict[str, float] = {}
-        for _ in range(self.cfg.ppo_epochs):
-            batches = microbatches(seqs, self.cfg.micro_batch_size, {k: v for k, v in extra.items() if v is not None})
-            stats = reduce_token_stats(self._backward(batches, loss_fn))
-            # one decision per update, before the optimizer touches the weights
-            grads_ok = self.grads_finite()
-            if self.guard.should_skip(step, stats.get("loss", 0.0), 0.0 if grads_ok else float("nan"),
-                                      last_checkpoint):
-                metrics["skipped"] = 1.0
+        share = len(seqs) // k
+        done = []  # (epoch, statistics, loss tokens, grad norm) of every optimizer step taken
+        for epoch in range(self.cfg.ppo_epochs):
+            for i in range(k):
+                part, part_extra = seqs, extra
+                if k > 1:
+                    sl = slice(i * share, (i + 1) * share)
+                    part, part_extra = seqs.select(sl), {name: v[sl] for name, v in extra.items()}
+                    if dp_sum(float(part.mask.sum())) == 0:  # every sample of this share filtered out
+                        continue
+                    self.set_lr(self.lr_at(step - 1, i))
+                stats = reduce_token_stats(self._backward(microbatches(part, self.cfg.micro_batch_size, part_extra),
+                                                          loss_fn))
+                # one decision per optimizer step, before the optimizer touches the weights
+                grads_ok = self.grads_finite()
+                if self.guard.should_skip(step, stats.get("loss", 0.0), 0.0 if grads_ok else float("nan"),
+                                          last_checkpoint):
+                    metrics["skipped"] = 1.0
+                    break
+                _, grad_norm = self.optimizer_step()
+                done.append((epoch, stats, dp_sum(float(part.mask.sum())) if k > 1 else 0.0, grad_norm))
+            if "skipped" in metrics:
                 break
-            _, metrics["grad_norm"] = self.optimizer_step()
+        last = [d for d in done if d[0] == done[-1][0]] if done else []
+        if k == 1 and done:
+            metrics["grad_norm"] = done[-1][3]
+        elif last:  # the last epoch's optimizer steps: mean grad norm, token-weighted statistics
+            metrics["grad_norm"] = sum(d[3] for d in last) / len(last)
+            if "skipped" not in metrics:
+                stats = _combine_stats([(d[1], d[2]) for d in last])
+        if k > 1:
+            metrics["optimizer_steps"] = float(len(done))
         t_train = time.monotonic() - t0
         metrics.update(stats)
         metrics["train_tokens_per_s"] = seqs.num_tokens * self.cfg.ppo_epochs / max(t_train, 1e-9)

@@ -31,11 +31,14 @@ def flag_name(field_name: str) -> str:
 
 
 def _base_type(tp: Any) -> tuple[type, bool]:
-    """(the scalar type, whether None is allowed) of a field annotation such as Optional[int]."""
+    """(the scalar type, whether None is allowed) of a field annotation such as Optional[int]; ``tuple`` for a
+    field of several strings (``tuple[str, ...]``)."""
+    optional = False
     if typing.get_origin(tp) is typing.Union:
-        args = [a for a in typing.get_args(tp) if a is not type(None)]
-        return args[0], True
-    return tp, False
+        tp, optional = [a for a in typing.get_args(tp) if a is not type(None)][0], True
+    if typing.get_origin(tp) is tuple:
+        return tuple, optional
+    return tp, optional
 
 
 def convert_value(name: str, value: Any, tp: Any) -> Any:
@@ -46,6 +49,12 @@ def convert_value(name: str, value: Any, tp: Any) -> Any:
         if optional:
             return None
         raise ValueError(f"{flag} needs a value (got null)")
+    if base is tuple:  # one or more strings: a YAML list (or one whitespace-separated string), or a flag's values
+        items = value.split() if isinstance(value, str) else value
+        if not isinstance(items, (list, tuple)) or not items or not all(
+                isinstance(v, (str, int, float)) and not isinstance(v, bool) for v in items):
+            raise ValueError(f"{flag}={value!r} is not valid; expected one or more values")
+        return tuple(str(v) for v in items)
     text = value.strip() if isinstance(value, str) else None
     if base is bool:
         if isinstance(value, bool):
@@ -105,6 +114,8 @@ def build_parser() -> argparse.ArgumentParser:
         if base is bool:
             group.add_argument(*names, dest=f.name, action=argparse.BooleanOptionalAction, default=f.default,
                                help=meta["help"])
+        elif base is tuple:
+            group.add_argument(*names, dest=f.name, nargs="+", default=f.default, help=meta["help"])
         else:
             metavar = "{" + ",".join(meta["choices"]) + "}" if meta["choices"] else None
             group.add_argument(*names, dest=f.name, type=_cli_type(f.name, tp), default=f.default, metavar=metavar,
@@ -147,7 +158,11 @@ def load_args(argv: Optional[Sequence[str]] = None) -> argparse.Namespace:
     pre, _ = parser.parse_known_args(argv)
     if pre.config:
         parser.set_defaults(**_yaml_values(pre.config, parser))
-    return parser.parse_args(argv)
+    args = parser.parse_args(argv)
+    for _, f, tp in section_fields():  # several values from the command line: a tuple, as from YAML
+        if _base_type(tp)[0] is tuple and isinstance(getattr(args, f.name), list):
+            setattr(args, f.name, tuple(getattr(args, f.name)))
+    return args
 
 
 def _check_field(f, v: Any) -> None:
@@ -166,32 +181,41 @@ def _check_field(f, v: Any) -> None:
 
 def validate_args(args: argparse.Namespace, world_size: int = 1) -> argparse.Namespace:
     """Check ranges and cross-argument constraints; raise ValueError naming the argument and allowed values.
-    Fills the derived defaults (``seq_length``) and, with ``--fp4-format none``, a BF16 rollout."""
+    Fills the derived defaults (``seq_length``, ``global_batch_size``, ``clip_high``, ``dataset``, ``sft_iters``, ...;
+    each field's help says how) and, with ``--fp4-block-format none``, a BF16 rollout."""
     for _, f, _ in section_fields():
         _check_field(f, getattr(args, f.name))
     if args.min_lr is not None and not args.min_lr <= args.lr:
         raise ValueError(f"--min-lr={args.min_lr} is not valid; it must be in [0, --lr={args.lr}]")
+    if args.clip_high is None:  # slime: --eps-clip-high defaults to --eps-clip
+        args.clip_high = args.clip_low
     tp, pp = args.tensor_model_parallel_size, args.pipeline_model_parallel_size
     if world_size % (tp * pp):
         raise ValueError(f"world size {world_size} is not divisible by --tensor-model-parallel-size={tp} x "
                          f"--pipeline-model-parallel-size={pp}")
-    if args.num_attention_heads % tp or args.num_query_groups % tp:
-        raise ValueError(f"--tensor-model-parallel-size={tp} must divide --num-attention-heads="
-                         f"{args.num_attention_heads} and --num-query-groups={args.num_query_groups}")
-    if args.num_attention_heads % args.num_query_groups:
-        raise ValueError(f"--num-query-groups={args.num_query_groups} must divide --num-attention-heads="
-                         f"{args.num_attention_heads}")
-    if args.hidden_size % args.num_attention_heads:
-        raise ValueError(f"--num-attention-heads={args.num_attention_heads} must divide --hidden-size="
-                         f"{args.hidden_size}")
-    if args.num_layers % pp:
-        raise ValueError(f"--pipeline-model-parallel-size={pp} must divide --num-layers={args.num_layers}")
-    dp = world_size // (tp * pp)
-    if args.global_batch_size % dp:
-        raise ValueError(f"--global-batch-size={args.global_batch_size} must be a multiple of the data-parallel "
-                         f"size {dp} (world {world_size} / (TP {tp} x PP {pp}))")
+    source, heads, groups, layers = _architecture(args)
+    if source is None:
+        if args.num_attention_heads % tp or args.num_query_groups % tp:
+            raise ValueError(f"--tensor-model-parallel-size={tp} must divide --num-attention-heads="
+                             f"{args.num_attention_heads} and --num-query-groups={args.num_query_groups}")
+        if args.num_attention_heads % args.num_query_groups:
+            raise ValueError(f"--num-query-groups={args.num_query_groups} must divide --num-attention-heads="
+                             f"{args.num_attention_heads}")
+        if args.hidden_size % args.num_attention_heads:
+            raise ValueError(f"--num-attention-heads={args.num_attention_heads} must divide --hidden-size="
+                             f"{args.hidden_size}")
+        if args.num_layers % pp:
+            raise ValueError(f"--pipeline-model-parallel-size={pp} must divide --num-layers={args.num_layers}")
+    else:  # the model flags are ignored: the named checkpoint carries the architecture
+        if (heads and heads % tp) or (groups and groups % tp):
+            raise ValueError(f"--tensor-model-parallel-size={tp} must divide the attention heads ({heads}) and "
+                             f"key/value heads ({groups}) of {source}")
+        if layers and layers % pp:
+            raise ValueError(f"--pipeline-model-parallel-size={pp} must divide the {layers} layers of {source}")
+    _check_batches(args, world_size // (tp * pp))
     _check_dataset(args)
     _check_start(args)
+    _check_rewards(args)
     for flag, path in (("--results-json", args.results_json), ("--log-jsonl", args.log_jsonl)):
         _check_writable(flag, path)
     for flag, path in (("--save", args.save), ("--tensorboard-dir", args.tensorboard_dir), ("--save-hf", args.save_hf)):
@@ -200,7 +224,7 @@ def validate_args(args: argparse.Namespace, world_size: int = 1) -> argparse.Nam
         raise ValueError(f"--save-hf={args.save_hf!r} already holds files: the export needs a new or empty directory")
     if args.tokenizer_model is not None and not os.path.exists(args.tokenizer_model):
         raise ValueError(f"--tokenizer-model={args.tokenizer_model!r}: no such file or directory")
-    if args.fp4_format == "none" and args.rollout_precision != "bf16":
+    if args.fp4_block_format == "none" and args.rollout_precision != "bf16":
         # FP4 rollout needs a format; "none" means everything in high precision
         args.rollout_precision = "bf16"
         args.resq = "none"
@@ -211,15 +235,106 @@ def validate_args(args: argparse.Namespace, world_size: int = 1) -> argparse.Nam
         raise ValueError(f"--resq-combine={args.resq_combine!r} needs a ResQ residual (--resq other than 'none')")
     if args.rollout_backend == "sglang" and (tp * pp) > 1:
         raise ValueError("--rollout-backend sglang currently runs with TP=PP=1 trainers only")
+    if args.overlong_buffer_len >= args.max_response_length:
+        raise ValueError(f"--overlong-buffer-len={args.overlong_buffer_len} must be smaller than "
+                         f"--max-response-length={args.max_response_length}")
+    if args.eval_temperature is None:
+        args.eval_temperature = args.temperature
+    if args.eval_max_response_len is None:
+        args.eval_max_response_len = args.max_response_length
+    longest = args.max_prompt_length + max(args.max_response_length, args.eval_max_response_len)
     if args.seq_length is None:
-        args.seq_length = args.max_prompt_length + args.max_response_length
-    if args.seq_length < args.max_prompt_length + args.max_response_length:
-        raise ValueError(f"--seq-length={args.seq_length} must be >= --max-prompt-length + --max-response-length "
-                         f"({args.max_prompt_length + args.max_response_length})")
+        args.seq_length = longest
+    if args.seq_length < longest:
+        raise ValueError(f"--seq-length={args.seq_length} must be >= --max-prompt-length + the longest response "
+                         f"(--max-response-length, --eval-max-response-len): {longest}")
+    if args.use_wandb:
+        import importlib.util
+
+        if importlib.util.find_spec("wandb") is None:
+            raise ValueError("--use-wandb needs the wandb package, which is not installed: pip install wandb "
+                             "(or pip install -e .[wandb])")
     return args
 
 
+def _architecture(args: argparse.Namespace) -> tuple[Optional[str], int, int, int]:
+    """(the flag naming the architecture, heads, key/value heads, layers) of --ref-load's converted checkpoint or
+    --hf-checkpoint's config.json (0 where unreadable here; the model build checks again); (None, 0, 0, 0) when the
+    model flags give the architecture."""
+    import json
+
+    if args.ref_load is not None:
+        try:
+            tracker = os.path.join(args.ref_load, "latest_checkpointed_iteration.txt")
+            it = open(tracker).read().strip()
+            name = it if it == "release" else f"iter_{int(it):07d}"
+            with open(os.path.join(args.ref_load, name, "args.json")) as f:
+                m = json.load(f).get("model_args", {})
+            return f"--ref-load {args.ref_load}", m.get("num_attention_heads", 0), m.get("num_query_groups", 0), \
+                m.get("num_layers", 0)
+        except (OSError, ValueError):
+            return f"--ref-load {args.ref_load}", 0, 0, 0
+    if args.hf_checkpoint is not None:
+        try:
+            with open(os.path.join(args.hf_checkpoint, "config.json")) as f:
+                c = json.load(f)
+        except (OSError, ValueError):
+            return f"--hf-checkpoint {args.hf_checkpoint}", 0, 0, 0
+        heads = int(c.get("num_attention_heads", 0) or 0)
+        return (f"--hf-checkpoint {args.hf_checkpoint}", heads, int(c.get("num_key_value_heads") or heads),
+                int(c.get("num_hidden_layers", 0) or 0))
+    return None, 0, 0, 0
+
+
+def _check_batches(args: argparse.Namespace, dp: int) -> None:
+    """Prompts per rollout, samples per optimizer step (slime's meaning) and over-sampling, against DP."""
+    rollout_samples = args.rollout_batch_size * args.group_size
+    if args.num_steps_per_rollout is not None:
+        if rollout_samples % args.num_steps_per_rollout:
+            raise ValueError(f"--num-steps-per-rollout={args.num_steps_per_rollout} must divide --rollout-batch-size "
+                             f"x --n-samples-per-prompt = {rollout_samples}")
+        gbs = rollout_samples // args.num_steps_per_rollout
+        if args.global_batch_size is not None and args.global_batch_size != gbs:
+            raise ValueError(f"--global-batch-size={args.global_batch_size} contradicts --num-steps-per-rollout="
+                             f"{args.num_steps_per_rollout} (rollout-batch-size {args.rollout_batch_size} x "
+                             f"n-samples-per-prompt {args.group_size} / {args.num_steps_per_rollout} = {gbs}): "
+                             f"pass one")
+        args.global_batch_size = gbs
+    if args.global_batch_size is None:
+        args.global_batch_size = rollout_samples  # one optimizer step per rollout
+    if rollout_samples % args.global_batch_size:
+        raise ValueError(f"--global-batch-size={args.global_batch_size} (samples per optimizer step) must divide "
+                         f"--rollout-batch-size x --n-samples-per-prompt = {args.rollout_batch_size} x "
+                         f"{args.group_size} = {rollout_samples}")
+    if args.over_sampling_batch_size is None:
+        args.over_sampling_batch_size = args.rollout_batch_size
+    if args.over_sampling_batch_size < args.rollout_batch_size:
+        raise ValueError(f"--over-sampling-batch-size={args.over_sampling_batch_size} must be >= "
+                         f"--rollout-batch-size={args.rollout_batch_size}")
+    for flag, value in (("--rollout-batch-size", args.rollout_batch_size),
+                        ("--over-sampling-batch-size", args.over_sampling_batch_size),
+                        ("--global-batch-size", args.global_batch_size)):
+        if value % dp:
+            raise ValueError(f"{flag}={value} must be a multiple of the data-parallel size {dp} (world / (TP "
+                             f"{args.tensor_model_parallel_size} x PP {args.pipeline_model_parallel_size}))")
+
+
+_DATA_SUFFIXES = (".jsonl", ".json", ".parquet")
+
+
+def _check_data_file(flag: str, path: str) -> None:
+    if not os.path.isfile(path):
+        raise ValueError(f"{flag}: no such file {path!r}")
+    if not path.endswith(_DATA_SUFFIXES):
+        raise ValueError(f"{flag}={path!r} is not valid; allowed file types: {', '.join(_DATA_SUFFIXES)}")
+
+
 def _check_dataset(args: argparse.Namespace) -> None:
+    if args.prompt_data is not None and args.dataset is not None:
+        raise ValueError(f"--dataset={args.dataset!r} and --prompt-data={args.prompt_data!r} both name the training "
+                         f"data: pass one")
+    if args.prompt_data is None and args.dataset is None:
+        args.dataset = "synthetic:add"
     for flag, spec in (("--dataset", args.dataset), ("--eval-dataset", args.eval_dataset)):
         if spec is None:
             continue
@@ -231,10 +346,36 @@ def _check_dataset(args: argparse.Namespace) -> None:
             raise ValueError(f"{flag}={spec!r}: no such file {rest!r}")
         if kind == "synthetic" and rest not in ("add", "arith"):
             raise ValueError(f"{flag}={spec!r} is not valid; synthetic tasks: add, arith")
-    kind = args.dataset.partition(":")[0]
-    if kind != "synthetic" and args.tokenizer_model is None and args.ref_load is None and args.load is None:
-        raise ValueError(f"--dataset={args.dataset!r} needs --tokenizer-model (or --ref-load of a converted "
-                         "checkpoint that holds one)")
+    if args.prompt_data is not None:
+        _check_data_file("--prompt-data", args.prompt_data)
+    pairs = args.eval_prompt_data or ()
+    if len(pairs) % 2:
+        raise ValueError(f"--eval-prompt-data={' '.join(pairs)!r} is not valid; expected NAME PATH pairs")
+    names = pairs[0::2]
+    if len(set(names)) != len(names):
+        raise ValueError(f"--eval-prompt-data: names must differ, got {list(names)}")
+    for name, path in zip(pairs[0::2], pairs[1::2]):
+        if not name or "/" in name or name in ("accuracy", "accuracy_bf16"):
+            raise ValueError(f"--eval-prompt-data: {name!r} is not a valid set name (no '/', not a metric name)")
+        _check_data_file(f"--eval-prompt-data {name}", path)
+    if args.eval_samples is None:
+        args.eval_samples = 0 if args.prompt_data is not None else 256
+    if args.sft_target_accuracy is not None and args.eval_samples == 0 and args.eval_dataset is None:
+        raise ValueError("--sft-target-accuracy is checked on the held-out split: it needs --eval-samples > 0 or "
+                         "--eval-dataset")
+    needs_tokenizer = args.prompt_data is not None or args.dataset.partition(":")[0] != "synthetic"
+    has_tokenizer = (args.tokenizer_model is not None or args.hf_checkpoint is not None or args.ref_load is not None
+                     or args.load is not None)
+    if needs_tokenizer and not has_tokenizer:
+        what = f"--prompt-data={args.prompt_data!r}" if args.prompt_data else f"--dataset={args.dataset!r}"
+        raise ValueError(f"{what} needs a tokenizer: --hf-checkpoint, --tokenizer-model, or --ref-load of a converted "
+                         f"checkpoint that holds one")
+    if args.apply_chat_template and args.tokenizer_model is not None and not os.path.isdir(args.tokenizer_model):
+        raise ValueError(f"--apply-chat-template needs a Hugging Face tokenizer with a chat template; "
+                         f"--tokenizer-model={args.tokenizer_model!r} is a sentencepiece file")
+    if args.apply_chat_template and not has_tokenizer:
+        raise ValueError("--apply-chat-template needs a Hugging Face tokenizer with a chat template: pass "
+                         "--hf-checkpoint or --tokenizer-model DIR")
 
 
 def _check_writable(flag: str, path: Optional[str], is_dir: bool = False) -> None:
@@ -254,17 +395,49 @@ def _check_writable(flag: str, path: Optional[str], is_dir: bool = False) -> Non
 
 
 def _check_start(args: argparse.Namespace) -> None:
-    """Paths of the starting weights exist; a random start is not combined with named weights."""
+    """Paths of the starting weights exist; a random start is not combined with named weights; the warm-up length."""
     if args.init_from is not None and not os.path.isdir(args.init_from):
         raise ValueError(f"--init-from={args.init_from!r}: no such directory")
     if args.ref_load is not None and not os.path.isdir(args.ref_load):
         raise ValueError(f"--ref-load={args.ref_load!r}: no such directory")
+    if args.hf_checkpoint is not None and not os.path.isfile(os.path.join(args.hf_checkpoint, "config.json")):
+        raise ValueError(f"--hf-checkpoint={args.hf_checkpoint!r} is not a Hugging Face model folder (no config.json)")
     if args.ref_load is not None and args.init_from is not None:
         raise ValueError(f"--ref-load={args.ref_load!r} and --init-from={args.init_from!r} both name starting "
                          f"weights: pass one")
-    named = [f"--{k.replace('_', '-')}" for k in ("ref_load", "init_from") if getattr(args, k) is not None]
+    named = [f"--{k.replace('_', '-')}" for k in ("ref_load", "hf_checkpoint", "init_from")
+             if getattr(args, k) is not None]
     if args.init == "random" and named:
         raise ValueError(f"--init random contradicts {named[0]}: pass one")
+    if args.sft_iters is None:  # a warm-up for a random model; named starting weights need none
+        converted_load = False
+        if args.load is not None:  # --load CONVERTED, the old spelling of --ref-load
+            from megatron_fp4.models.checkpoint_io import is_megatron_checkpoint
+
+            converted_load = is_megatron_checkpoint(args.load)
+        args.sft_iters = 0 if named or converted_load else 100
+
+
+def _check_rewards(args: argparse.Namespace) -> None:
+    """--custom-rm-path imports, --group-rm has one, and math-verify is installed where a math reward is used."""
+    from megatron_fp4.rl import rewards
+
+    if args.group_rm and args.custom_rm_path is None:
+        raise ValueError("--group-rm needs --custom-rm-path (the function that scores a group)")
+    if args.custom_rm_path is not None:
+        try:
+            rewards.load_function(args.custom_rm_path)
+        except (ImportError, AttributeError, ValueError) as e:
+            raise ValueError(f"--custom-rm-path={args.custom_rm_path!r}: {e}") from None
+        return
+    math_sets = [f"--rm-type {args.rm_type}"] if args.rm_type == "math" else []
+    if args.rm_type is None:
+        math_sets += [f"{flag}" for flag, used in (
+            ("--prompt-data", args.prompt_data), ("--eval-prompt-data", args.eval_prompt_data),
+            ("--dataset math:", (args.dataset or "").startswith("math:")),
+            ("--eval-dataset math:", (args.eval_dataset or "").startswith("math:"))) if used]
+    if math_sets:
+        rewards.require_math_verify(math_sets[0])
 
 
 def parse_args(argv: Optional[Sequence[str]] = None, world_size: int = 1) -> argparse.Namespace:
@@ -282,8 +455,9 @@ def config_yaml(args: argparse.Namespace) -> str:
             current = section
             lines += ["", f"# ---- {section.__doc__.strip()}"]
         lines.append(f"# {f.metadata['help']}")
-        lines.append(yaml.safe_dump({flag_name(f.name)[2:]: getattr(args, f.name)}, sort_keys=False,
-                                    width=1000).strip())
+        value = getattr(args, f.name)
+        value = list(value) if isinstance(value, tuple) else value
+        lines.append(yaml.safe_dump({flag_name(f.name)[2:]: value}, sort_keys=False, width=1000).strip())
     return "\n".join(lines) + "\n"
 
 

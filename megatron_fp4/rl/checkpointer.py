@@ -8,6 +8,9 @@ Checkpoint flags mean what they mean in Megatron-LM and slime:
 - ``--ref-load DIR`` (a converted checkpoint) or ``--init-from DIR`` (another run's weights): the starting
   weights, also the KL reference. With no ``--load`` at all a run may start from a random model; with a
   ``--load`` that holds nothing, only when ``--init random`` says so.
+- ``--hf-checkpoint DIR`` (a Hugging Face folder): the tokenizer, and, when no ``--ref-load`` names a converted
+  checkpoint, the architecture and starting weights (read through ``megatron_fp4.models.hf_weights``, nothing
+  converted on disk); ``--init-from`` still replaces its weights.
 - ``--load CONVERTED`` (the old spelling of ``--ref-load``) still works, with a note saying so.
 
 A checkpoint (one file per rank, :mod:`megatron_fp4.rl.checkpoint`) holds the policy, the reference, the optimizer
@@ -43,6 +46,7 @@ class StartPlan:
     ref_load: Optional[str]    # a converted checkpoint: architecture, starting weights and tokenizer
     init_from: Optional[str]   # an RL checkpoint directory whose latest model weights start the run
     notes: tuple[str, ...]     # what was decided and why, printed first
+    hf_checkpoint: Optional[str] = None  # an HF folder: architecture and starting weights (no --ref-load)
 
 
 def plan_start(cfg: CheckpointConfig) -> StartPlan:
@@ -70,23 +74,25 @@ def plan_start(cfg: CheckpointConfig) -> StartPlan:
     given = load is not None
     own = not given or (cfg.save is not None and Path(load).resolve() == Path(cfg.save).resolve())
     load = load if given else cfg.save
+    hf = cfg.hf_checkpoint if ref_load is None else None  # a converted checkpoint's weights win
     resume = load if load is not None and inspect_checkpoint_dir(load) is not None else None
     if cfg.save is not None:
         check_save_dir(cfg.save)  # another tool's folder or a converted model is refused before any work
     if resume is not None:
-        return StartPlan(resume, ref_load, cfg.init_from, tuple(notes))
+        return StartPlan(resume, ref_load, cfg.init_from, tuple(notes), hf)
     if own and given:
         notes.insert(0, f"--load {load} (= --save) holds no checkpoint yet: a new run")
     if not own:
         why = "does not exist" if not os.path.exists(load) else "holds no checkpoint"
         start = (f"--ref-load {ref_load}" if ref_load else f"--init-from {cfg.init_from}" if cfg.init_from
-                 else "a random model (--init random)" if cfg.init == "random" else None)
+                 else f"--hf-checkpoint {hf}" if hf else "a random model (--init random)" if cfg.init == "random"
+                 else None)
         if start is None:
             raise ValueError(f"--load {load} {why} and no starting weights are named: pass --ref-load "
-                             f"CONVERTED_CHECKPOINT or --init-from RUN_DIR, or --init random for a randomly "
-                             f"initialized model")
+                             f"CONVERTED_CHECKPOINT, --hf-checkpoint HF_DIR or --init-from RUN_DIR, or --init random "
+                             f"for a randomly initialized model")
         notes.insert(0, f"--load {load} {why}: starting from {start}")
-    return StartPlan(None, ref_load, cfg.init_from, tuple(notes))
+    return StartPlan(None, ref_load, cfg.init_from, tuple(notes), hf)
 
 
 @dataclass

@@ -9,11 +9,14 @@ alias is one line. The roles take their section (:class:`RolloutConfig` for the 
     knob(default, help, check=..., choices=..., aliases=(...))
 
 ``check`` names the range a value must lie in (floats must also be finite); ``choices`` the allowed values;
-``aliases`` extra flag spellings (e.g. slime's) that set the same field.
+``aliases`` extra flag spellings (e.g. slime's) that set the same field. A field typed ``tuple[str, ...]`` takes one
+or more values (``--eval-prompt-data NAME PATH ...``; a YAML list). ``None`` defaults that depend on other knobs
+are resolved by :func:`megatron_fp4.rl.arguments.validate_args` and say so in their help.
 """
 
 from __future__ import annotations
 
+import argparse
 import dataclasses
 from dataclasses import dataclass, field
 from typing import Any, Callable, Optional, get_type_hints
@@ -22,16 +25,19 @@ from megatron_fp4.recipe import RECIPES
 from megatron_fp4.resq import RESQ_COMBINES, ROLLOUT_MODES, SPARSITIES
 from megatron_fp4.rollout.native import DECODE_MODES
 from megatron_fp4.rl.grpo import GRPOConfig
+from megatron_fp4.rl.rewards import VALID_KINDS
 
 __all__ = ["knob", "positive", "non_negative", "at_least", "in_range", "ParallelConfig", "ModelConfig",
            "PrecisionConfig", "DataConfig", "RolloutConfig", "ActorConfig", "WarmupConfig", "CheckpointConfig",
-           "RunConfig", "RLConfig", "SECTIONS", "section_fields", "FP4_FORMATS", "ROLLOUT_BACKENDS",
-           "ADVANTAGES", "INITS"]
+           "RunConfig", "RLConfig", "SECTIONS", "section_fields", "FP4_FORMATS", "ROLLOUT_BACKENDS", "ADVANTAGES",
+           "INITS", "REWARD_KINDS", "WANDB_MODES"]
 
 FP4_FORMATS = (*RECIPES, "none")
 ROLLOUT_BACKENDS = ("native", "sglang")
-ADVANTAGES = ("grpo", "drgrpo")
+ADVANTAGES = ("grpo", "drgrpo", "gspo", "reinforce_plus_plus")
 INITS = ("random",)
+REWARD_KINDS = VALID_KINDS
+WANDB_MODES = ("online", "offline", "disabled")
 _GRPO = GRPOConfig()  # the GRPO math's own defaults are the driver's
 
 
@@ -98,8 +104,10 @@ class ModelConfig:
 class PrecisionConfig:
     """FP4 (training GEMMs and rollout)"""
 
-    fp4_format: str = knob("hif4", "FP4 format of the training GEMMs and the rollout ('none': everything in high "
-                                   "precision)", choices=FP4_FORMATS)
+    fp4_block_format: str = knob("hif4", "FP4 block format of the training GEMMs and the rollout ('none': everything "
+                                         "in high precision). Not megatron-core's --fp4-format e2m1 / --fp4-recipe, "
+                                         "which select Transformer Engine's NVFP4 (unused here)",
+                                 choices=FP4_FORMATS, aliases=("--fp4-format",))
     fp4_train: bool = knob(True, "quantize the training GEMMs (fprop, dgrad, wgrad); --no-fp4-train trains in high "
                                  "precision")
     rollout_precision: str = knob("w4a4", "which rollout GEMM operands are FP4", choices=ROLLOUT_MODES)
@@ -117,14 +125,34 @@ class PrecisionConfig:
 class DataConfig:
     """data"""
 
-    dataset: str = knob("synthetic:add", "gsm8k:PATH | math:PATH | synthetic:add | synthetic:arith")
+    dataset: Optional[str] = knob(None, "gsm8k:PATH | math:PATH | synthetic:add | synthetic:arith (default: "
+                                        "synthetic:add, unless --prompt-data names the training prompts)")
+    prompt_data: Optional[str] = knob(None, "training prompts as slime reads them: a .jsonl, .json or .parquet file "
+                                            "(local, through the datasets library) whose --input-key holds the prompt "
+                                            "(text, or chat messages with --apply-chat-template) and --label-key the "
+                                            "reference answer")
+    input_key: str = knob("input", "--prompt-data / --eval-prompt-data key of the prompt")
+    label_key: str = knob("label", "--prompt-data / --eval-prompt-data key of the reference answer (the reward's "
+                                   "label)")
+    metadata_key: str = knob("metadata", "--prompt-data key of an optional per-prompt dict passed to "
+                                         "--custom-rm-path as sample.metadata")
+    apply_chat_template: bool = knob(False, "format every prompt (--prompt-data, --dataset and eval sets) with the HF "
+                                            "tokenizer's chat template: the text as one user message (or the "
+                                            "record's message list) plus the generation prompt")
     eval_dataset: Optional[str] = knob(None, "held-out data, same forms as --dataset (default: split off "
                                              "--eval-samples)")
+    eval_prompt_data: Optional[tuple[str, ...]] = knob(
+        None, "extra evaluation sets as slime names them: NAME PATH [NAME PATH ...] (jsonl/json/parquet, read like "
+              "--prompt-data); metrics NAME/accuracy (and NAME/pass@k with --n-samples-per-eval-prompt)")
+    eval_input_key: Optional[str] = knob(None, "--eval-prompt-data key of the prompt (default: --input-key)")
+    eval_label_key: Optional[str] = knob(None, "--eval-prompt-data key of the answer (default: --label-key)")
     num_synthetic_examples: int = knob(4000, "examples of a synthetic task", check=positive)
     synthetic_digits: int = knob(1, "max digits per operand of synthetic:add", check=positive)
     synthetic_operands: int = knob(4, "operands per synthetic:add problem", check=positive)
-    eval_samples: int = knob(256, "held-out examples split off --dataset when no --eval-dataset is given",
-                             check=non_negative)
+    eval_samples: Optional[int] = knob(None, "held-out examples split off the training data when no --eval-dataset "
+                                             "is given (default: 256 with --dataset, 0 with --prompt-data, whose "
+                                             "evaluation sets are --eval-prompt-data's as in slime)",
+                                       check=non_negative)
 
 
 @dataclass(frozen=True)
@@ -137,36 +165,81 @@ class RolloutConfig:
                                        "decode steps; ~9x faster on an H200, see docs/PERFORMANCE.md), auto (graph "
                                        "on CUDA, megatron elsewhere; models the static path does not serve, e.g. "
                                        "TP > 1, take megatron)", choices=DECODE_MODES)
-    group_size: int = knob(_GRPO.group_size, "responses sampled per prompt (G)", check=at_least(2))
-    global_batch_size: int = knob(32, "prompts per step (all data-parallel ranks together)", check=positive)
+    group_size: int = knob(_GRPO.group_size, "responses sampled per prompt (G)", check=at_least(2),
+                           aliases=("--n-samples-per-prompt",))
+    rollout_batch_size: int = knob(32, "prompts per GRPO step (one rollout; all data-parallel ranks together)",
+                                   check=positive)
     max_prompt_length: int = knob(16, "prompt tokens kept (longer prompts keep their end)", check=positive)
-    max_response_length: int = knob(8, "new tokens per response", check=positive)
-    temperature: float = knob(1.0, "sampling temperature", check=positive)
-    top_p: float = knob(1.0, "nucleus sampling (1 = off)", check=in_range(0, 1, low_open=True))
-    top_k: int = knob(0, "top-k sampling (0 = off)", check=non_negative)
-    dynamic_sampling: bool = knob(_GRPO.dynamic_sampling, "drop groups whose rewards are all equal")
+    max_response_length: int = knob(8, "new tokens per response", check=positive,
+                                    aliases=("--rollout-max-response-len",))
+    temperature: float = knob(1.0, "sampling temperature", check=positive, aliases=("--rollout-temperature",))
+    top_p: float = knob(1.0, "nucleus sampling (1 = off)", check=in_range(0, 1, low_open=True),
+                        aliases=("--rollout-top-p",))
+    top_k: int = knob(0, "top-k sampling (0 or -1 = off)", check=at_least(-1), aliases=("--rollout-top-k",))
+    dynamic_sampling: bool = knob(_GRPO.dynamic_sampling, "DAPO dynamic sampling: keep only groups whose rewards are "
+                                                          "not all equal and refill the batch from further rounds "
+                                                          "of --over-sampling-batch-size prompts")
+    over_sampling_batch_size: Optional[int] = knob(
+        None, "prompts drawn per sampling round (default: --rollout-batch-size); with --dynamic-sampling, rounds "
+              "repeat until --rollout-batch-size groups pass (surplus groups are dropped); without it only the "
+              "round's first --rollout-batch-size prompts are sampled", check=positive)
+    dynamic_sampling_max_rounds: int = knob(
+        8, "most sampling rounds per step; when they leave fewer than --rollout-batch-size groups that pass, the step "
+           "trains on those (the filtered groups fill the batch, masked out of the loss). 1: drop without refill",
+        check=positive)
     overlong_filter: bool = knob(_GRPO.overlong_filter, "mask responses truncated at --max-response-length out of "
                                                         "the loss")
+    overlong_buffer_len: int = knob(0, "DAPO overlong reward shaping: responses longer than --max-response-length "
+                                       "minus this many tokens lose up to --overlong-penalty-factor of reward, "
+                                       "linearly (0 = off)", check=non_negative)
+    overlong_penalty_factor: float = knob(1.0, "the largest overlong penalty (at --max-response-length)",
+                                          check=non_negative)
+    rm_type: Optional[str] = knob(None, "the reward of every example: gsm8k ('####' answers, exact), math "
+                                        "(math-verify), math_rule (the exact-number rule grader). Default: each "
+                                        "dataset's own (--prompt-data and --eval-prompt-data: math)",
+                                  choices=REWARD_KINDS)
+    custom_rm_path: Optional[str] = knob(None, "module.path.function computing the reward instead, as slime calls it: "
+                                               "fn(args, sample) -> float (sync or async), or fn(args, samples) -> "
+                                               "list[float] with --group-rm; sample has prompt, response, label, "
+                                               "metadata, index, group_index, response_length, status")
+    group_rm: bool = knob(False, "call --custom-rm-path once per group of --n-samples-per-prompt samples")
 
 
 @dataclass(frozen=True)
 class ActorConfig:
     """GRPO loss and optimizer"""
 
+    global_batch_size: Optional[int] = knob(
+        None, "samples per optimizer step, all data-parallel ranks together (Megatron-LM's and slime's meaning; "
+              "before, it counted prompts: that is --rollout-batch-size now). Default: --rollout-batch-size x "
+              "--n-samples-per-prompt, one optimizer step per rollout; smaller: each rollout feeds several",
+        check=positive)
+    num_steps_per_rollout: Optional[int] = knob(None, "optimizer steps per rollout: sets --global-batch-size to "
+                                                      "rollout-batch-size x n-samples-per-prompt / this",
+                                                check=positive)
     micro_batch_size: int = knob(256, "sequences per training micro-batch", check=positive)
     lr: float = knob(6e-4, "learning rate", check=positive)
     min_lr: Optional[float] = knob(1e-4, "cosine decay floor (= --lr for a constant lr)", check=non_negative)
+    lr_warmup_iters: int = knob(0, "optimizer steps of linear LR warm-up from 0 (Megatron-LM's); the cosine decay "
+                                   "follows over the remaining steps", check=non_negative)
     weight_decay: float = knob(0.0, "AdamW weight decay", check=non_negative)
     clip_grad: float = knob(1.0, "global gradient-norm clip (0 = off)", check=non_negative)
+    use_kl_loss: bool = knob(True, "add the k3 KL penalty to the frozen reference to the loss (--no-use-kl-loss: "
+                                   "no reference model)")
     kl_beta: float = knob(_GRPO.kl_beta, "beta of the k3 KL penalty to the frozen reference (0 = off: no reference "
-                                         "model)", check=non_negative)
+                                         "model)", check=non_negative, aliases=("--kl-loss-coef",))
     clip_low: float = knob(_GRPO.clip_low, "PPO ratio clipped below at 1 - clip_low",
-                           check=in_range(0, 1, high_open=True))
-    clip_high: float = knob(_GRPO.clip_high, "PPO ratio clipped above at 1 + clip_high (clip-higher when larger "
-                                             "than --clip-low)", check=non_negative)
+                           check=in_range(0, 1, high_open=True), aliases=("--eps-clip",))
+    clip_high: Optional[float] = knob(None, "PPO ratio clipped above at 1 + clip_high (default: --clip-low; "
+                                            "clip-higher when larger)", check=non_negative,
+                                      aliases=("--eps-clip-high",))
     tis_cap: float = knob(_GRPO.tis_cap, "truncated importance sampling cap against the rollout engine's logprobs "
                                          "(0 = off)", check=non_negative)
-    advantage: str = knob("grpo", "grpo: (r - mean) / std per group; drgrpo: r - mean", choices=ADVANTAGES)
+    advantage: str = knob("grpo", "grpo: (r - mean) / std per group; drgrpo: r - mean (Dr.GRPO); gspo: grpo's "
+                                  "advantages with GSPO's sequence-level ratio; reinforce_plus_plus: discounted "
+                                  "returns (--gamma) whitened over the global batch (REINFORCE++)",
+                          choices=ADVANTAGES, aliases=("--advantage-estimator",))
+    gamma: float = knob(1.0, "REINFORCE++ discount of the reward along the response", check=in_range(0, 1))
     ppo_epochs: int = knob(1, "optimizer passes over each rollout batch", check=positive)
 
 
@@ -174,8 +247,9 @@ class ActorConfig:
 class WarmupConfig:
     """warm-up (supervised on the examples' targets, before GRPO)"""
 
-    sft_iters: int = knob(100, "supervised warm-up iterations for a randomly initialized model (use 0 with "
-                               "--ref-load)", check=non_negative)
+    sft_iters: Optional[int] = knob(None, "supervised warm-up iterations (default: 100 for a random model, 0 when "
+                                          "--ref-load, --hf-checkpoint or --init-from name starting weights)",
+                                    check=non_negative)
     sft_lr: float = knob(3e-3, "warm-up learning rate", check=positive)
     sft_batch_size: int = knob(64, "warm-up examples per iteration", check=positive)
     sft_target_accuracy: Optional[float] = knob(
@@ -194,6 +268,9 @@ class CheckpointConfig:
     save: Optional[str] = knob(None, "checkpoint directory (default: no checkpoints)")
     ref_load: Optional[str] = knob(None, "the starting weights: a converted checkpoint (tools/convert_hf_to_megatron.py"
                                          "; architecture, weights and tokenizer); also the KL reference")
+    hf_checkpoint: Optional[str] = knob(None, "a Hugging Face model folder (Qwen2/Llama): the tokenizer, and the "
+                                              "architecture and starting weights (also the KL reference) when no "
+                                              "--ref-load names a converted checkpoint")
     init_from: Optional[str] = knob(None, "an RL checkpoint directory whose latest model weights start the policy and "
                                           "the reference (no optimizer, step or data state; skips the warm-up; any "
                                           "TP/PP, resharded on load); ignored when --load resumes")
@@ -210,14 +287,29 @@ class RunConfig:
     """run, evaluation and logging"""
 
     seed: int = knob(1234, "seed of the data order, sampling and initialization")
-    train_iters: int = knob(250, "GRPO steps (0: warm-up, evaluate and save only)", check=non_negative)
+    train_iters: int = knob(250, "GRPO steps, one rollout each (0: warm-up, evaluate and save only)",
+                            check=non_negative, aliases=("--num-rollout",))
     eval_interval: int = knob(50, "GRPO steps between held-out evaluations", check=positive)
+    n_samples_per_eval_prompt: int = knob(1, "responses per evaluation prompt: 1 = greedy accuracy; n > 1 = sampled "
+                                             "at --eval-temperature, accuracy = mean@n and pass@k for k = 1, 2, 4, "
+                                             "... <= n", check=positive)
+    eval_temperature: Optional[float] = knob(None, "sampling temperature of evaluation with "
+                                                   "--n-samples-per-eval-prompt > 1 (default: --temperature)",
+                                             check=positive)
+    eval_max_response_len: Optional[int] = knob(None, "new tokens per evaluation response (default: "
+                                                      "--max-response-length)", check=positive)
     log_interval: int = knob(1, "GRPO steps between console/tensorboard lines", check=positive)
     max_nonfinite_steps: int = knob(3, "stop after this many consecutive steps with a non-finite loss or gradient",
                                     check=positive)
     tensorboard_dir: Optional[str] = knob(None, "tensorboard log directory")
     results_json: Optional[str] = knob(None, "write the final metrics and accuracy here")
     log_jsonl: Optional[str] = knob(None, "append every step's metrics as one JSON line (rank 0)")
+    use_wandb: bool = knob(False, "log metrics to Weights & Biases too (rank 0; needs pip install wandb)")
+    wandb_project: Optional[str] = knob(None, "W&B project (default: megatron-fp4)")
+    wandb_group: Optional[str] = knob(None, "W&B group of the run")
+    wandb_mode: Optional[str] = knob(None, "W&B mode (default: the WANDB_MODE environment variable, else online)",
+                                     choices=WANDB_MODES)
+    wandb_dir: Optional[str] = knob(None, "directory of the W&B run files (default: ./wandb)")
     log_underflow_interval: int = knob(0, "every N GRPO steps (and at step 0) log the per-layer rollout FP4 "
                                           "underflow rate without and with ResQ (--resq, or 2:4 when --resq none) on "
                                           "up to 64 held-out prompts (0 = off)", check=non_negative)
@@ -247,6 +339,11 @@ class RLConfig:
         """The sections of a namespace holding one attribute per field (what arguments.parse_args returns)."""
         return cls(**{name: section(**{f.name: getattr(args, f.name) for f in dataclasses.fields(section)})
                       for name, section in SECTIONS.items()})
+
+    def namespace(self) -> argparse.Namespace:
+        """Every knob as one flat namespace (what a --custom-rm-path function gets as ``args``, as in slime)."""
+        return argparse.Namespace(**{f.name: getattr(getattr(self, name), f.name)
+                                     for name, section in SECTIONS.items() for f in dataclasses.fields(section)})
 
 
 def section_fields() -> list[tuple[type, dataclasses.Field, Any]]:

@@ -1,5 +1,6 @@
-"""RL prompt data: jsonl loading, prompt templates, a resumable deterministic sampler, held-out splits and
-synthetic verifiable tasks (synthetic:add, synthetic:arith) for the tiny CPU run.
+"""RL prompt data: jsonl loading, slime-style prompt files (jsonl/json/parquet through the ``datasets`` library, with
+chosen input/label keys and an optional chat template), prompt templates, a resumable deterministic sampler,
+held-out splits and synthetic verifiable tasks (synthetic:add, synthetic:arith) for the tiny CPU run.
 
 Every example carries the `reference` and reward `kind` that `megatron_fp4.rl.rewards.score` takes, and, where
 one is known, a supervised `target` completion (used by the driver's short warm-up phase).
@@ -8,15 +9,18 @@ one is known, a supervised `target` completion (used by the driver's short warm-
 from __future__ import annotations
 
 import json
+import os
 import random
 import re
+import tempfile
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Callable, Sequence
 
 import numpy as np
 
-__all__ = ["Example", "TEMPLATES", "load_jsonl", "format_prompt", "load_gsm8k", "load_math_jsonl",
+__all__ = ["Example", "TEMPLATES", "load_jsonl", "format_prompt", "load_gsm8k", "load_math_jsonl", "read_records",
+           "load_prompt_data",
            "make_addition_examples", "make_arith_examples", "check_arith_steps", "load_dataset", "DATASET_KINDS",
            "PromptSampler", "split_heldout"]
 
@@ -27,9 +31,11 @@ class Example:
 
     prompt: str          # formatted prompt (template and optional chat template applied)
     reference: str       # the dataset's answer field, passed to rewards.score
-    kind: str            # reward kind for rewards.score ("gsm8k" or "math")
+    kind: str            # reward kind for rewards.score ("gsm8k", "math" or "math_rule")
     question: str = ""   # the raw question
     target: str = ""     # a correct completion for supervised warm-up, "" when unknown
+    label: Any = None    # the record's label as stored (a --custom-rm-path function gets it; None: the reference)
+    metadata: Any = None  # the record's metadata dict (--metadata-key), for --custom-rm-path
 
 
 # ----------------------------------------------------------------------------------------------- jsonl + prompts
@@ -81,15 +87,80 @@ def format_prompt(question: str, template: str = "gsm8k", chat_template: ChatTem
     fmt = TEMPLATES.get(template, template)
     if "{question}" not in fmt:
         raise ValueError(f"template must be one of {sorted(TEMPLATES)} or contain '{{question}}', got {template!r}")
-    text = fmt.format(question=question.strip())
+    return _chat(fmt.format(question=question.strip()), chat_template)
+
+
+def _chat(prompt: str | list, chat_template: ChatTemplate | Any | None) -> str:
+    """A prompt (text, or a list of chat messages) through the chat hook (see :func:`format_prompt`)."""
     if chat_template is None:
-        return text
+        if not isinstance(prompt, str):
+            raise ValueError("a prompt given as chat messages needs a chat template (--apply-chat-template)")
+        return prompt
     if hasattr(chat_template, "apply_chat_template"):
-        return chat_template.apply_chat_template([{"role": "user", "content": text}], tokenize=False,
-                                                 add_generation_prompt=True)
-    if callable(chat_template):
-        return chat_template(text)
+        messages = [{"role": "user", "content": prompt}] if isinstance(prompt, str) else list(prompt)
+        return chat_template.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+    if callable(chat_template) and isinstance(prompt, str):
+        return chat_template(prompt)
     raise TypeError("chat_template must be None, a callable, or a tokenizer with apply_chat_template")
+
+
+# ----------------------------------------------------------------------------------------------- slime-style files
+
+def read_records(path: str | Path) -> list[dict]:
+    """The records of a local .jsonl, .json or .parquet file, read with the ``datasets`` library (nothing is
+    downloaded: HF_DATASETS_OFFLINE is set; its Arrow cache lives in a temporary directory)."""
+    p = Path(path)
+    if not p.is_file():
+        raise FileNotFoundError(f"dataset file not found: {p}")
+    builders = {".jsonl": "json", ".json": "json", ".parquet": "parquet"}
+    if p.suffix not in builders:
+        raise ValueError(f"{p}: unsupported file type {p.suffix!r}; allowed: {', '.join(builders)}")
+    os.environ.setdefault("HF_DATASETS_OFFLINE", "1")
+    os.environ.setdefault("HF_HUB_OFFLINE", "1")
+    try:
+        import datasets
+    except ImportError:
+        raise ImportError(f"reading {p} needs the datasets library: pip install datasets pyarrow (or pip install "
+                          f"-e .[rl])") from None
+    datasets.disable_progress_bars()
+    datasets.logging.set_verbosity_error()
+    with tempfile.TemporaryDirectory(prefix="megatron_fp4_datasets_") as cache:
+        ds = datasets.load_dataset(builders[p.suffix], data_files=str(p), split="train", cache_dir=cache)
+        rows = ds.to_list()
+    if not rows:
+        raise ValueError(f"{p}: no records")
+    return rows
+
+
+def load_prompt_data(path: str | Path, input_key: str = "input", label_key: str | None = "label",
+                     metadata_key: str = "metadata", kind: str = "math",
+                     chat_template: ChatTemplate | Any | None = None, require_label: bool = True) -> list[Example]:
+    """Examples of a slime-style prompt file: the prompt in ``input_key`` (text, or a list of chat messages), the
+    reference answer in ``label_key``, optional ``metadata_key``; scored with reward ``kind``. With
+    ``chat_template`` (a tokenizer with apply_chat_template) every prompt goes through the chat template."""
+    rows = read_records(path)
+    out = []
+    for i, r in enumerate(rows):
+        if input_key not in r or r[input_key] is None:
+            raise ValueError(f"{path}: record {i + 1} has no {input_key!r} (--input-key); keys: {sorted(r)}")
+        prompt = r[input_key]
+        if not isinstance(prompt, str) and not (isinstance(prompt, list) and all(
+                isinstance(m, dict) and "role" in m and "content" in m for m in prompt)):
+            raise ValueError(f"{path}: record {i + 1}: {input_key!r} must be text or a list of "
+                             f"{{'role', 'content'}} messages, got {type(prompt).__name__}")
+        label = r.get(label_key) if label_key else None
+        if label is None and require_label:
+            raise ValueError(f"{path}: record {i + 1} has no {label_key!r} (--label-key), the reference answer the "
+                             f"reward needs; keys: {sorted(r)}")
+        try:
+            text = _chat(prompt, chat_template)
+        except ValueError as e:
+            raise ValueError(f"{path}: record {i + 1}: {e}") from None
+        question = prompt if isinstance(prompt, str) else json.dumps(prompt)
+        meta = r.get(metadata_key)
+        out.append(Example(prompt=text, reference="" if label is None else str(label), kind=kind, question=question,
+                           label=label, metadata=meta if isinstance(meta, dict) else {}))
+    return out
 
 
 def load_gsm8k(path: str | Path, template: str = "gsm8k", chat_template: ChatTemplate | Any | None = None
@@ -133,7 +204,7 @@ def _digits_range(digits: int | tuple[int, int]) -> tuple[int, int]:
 
 def make_addition_examples(n: int, digits: int | tuple[int, int] = 3, seed: int = 0, num_operands: int = 2
                            ) -> list[Example]:
-    """n distinct addition prompts like '12+345=' with reference/target '357' (reward kind 'math').
+    """n distinct addition prompts like '12+345=' with reference/target '357' (reward kind 'math_rule': exact).
 
     digits: the most digits per operand (or a (min, max) pair); the digit count is drawn uniformly first, so
     short operands are as common as long ones.
@@ -158,7 +229,7 @@ def make_addition_examples(n: int, digits: int | tuple[int, int] = 3, seed: int 
         seen.add(key)
         q = "+".join(map(str, ops)) + "="
         ans = str(sum(ops))
-        out.append(Example(prompt=q, reference=ans, kind="math", question=q, target=ans))
+        out.append(Example(prompt=q, reference=ans, kind="math_rule", question=q, target=ans))
     return out
 
 

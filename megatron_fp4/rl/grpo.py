@@ -6,11 +6,15 @@ the response tokens that enter the loss. Only `logp_train` carries gradient: eve
 The math runs in fp32 (fp64 inputs stay fp64): bf16/fp16 logprobs are upcast first.
 
     A_i   = (r_i - mean_g) / (std_g + eps)        (Dr.GRPO: A_i = r_i - mean_g)
-    rho   = exp(logp_train - logp_old)
+    rho   = exp(logp_train - logp_old)            (GSPO: exp of the mean over the response's tokens, per sequence,
+                                                   and the surrogate counted once per sequence: / |y| per token)
     w_tis = min(exp(logp_old - logp_rollout), C)   (truncated importance sampling vs the rollout engine)
     kl    = exp(logp_ref - logp_train) - (logp_ref - logp_train) - 1      (k3 estimator of KL(pi || pi_ref))
     L_tok = -min(rho*A, clip(rho, 1-eps_low, 1+eps_high)*A) * w_tis + beta * kl
     L     = sum(L_tok * mask) / N,   N = mask.sum() or the given global token count
+
+Also here: REINFORCE++'s advantages (discounted returns whitened over the batch, ``discounted_returns`` and
+``whiten``), DAPO's overlong reward shaping (``overlong_penalty``).
 
 Std estimator: std_g is the UNBIASED sample standard deviation (Bessel, divides by G-1) by default, as
 torch.std, TRL and verl compute it; `unbiased=False` gives the population estimator (divides by G).
@@ -27,9 +31,13 @@ from dataclasses import dataclass
 
 import torch
 
-__all__ = ["GRPOConfig", "group_advantages", "dynamic_sampling_keep", "response_mask", "is_truncated",
-           "overlong_filter", "masked_mean", "kl_k3", "tis_weights", "grpo_token_loss", "grpo_loss",
-           "grpo_metrics", "rollout_metrics", "token_logprobs", "entropy_from_logits"]
+__all__ = ["GRPOConfig", "RATIO_LEVELS", "group_advantages", "dynamic_sampling_keep", "response_mask", "is_truncated",
+           "overlong_filter", "overlong_penalty", "discounted_returns", "masked_moments", "whiten", "masked_mean",
+           "kl_k3", "tis_weights", "policy_ratio", "grpo_token_loss", "grpo_loss", "grpo_metrics", "rollout_metrics",
+           "token_logprobs", "entropy_from_logits"]
+
+#: "token": PPO/GRPO's per-token ratio; "sequence": GSPO's per-sequence ratio (geometric mean over the response).
+RATIO_LEVELS = ("token", "sequence")
 
 
 @dataclass(frozen=True)
@@ -47,6 +55,7 @@ class GRPOConfig:
     std_unbiased: bool = True       # group std estimator: unbiased (G - 1) or population (G)
     dynamic_sampling: bool = False  # drop groups whose rewards are all equal
     overlong_filter: bool = True    # mask responses truncated at max length out of the loss
+    ratio_level: str = "token"      # "sequence" = GSPO's sequence-level importance ratio
 
     def __post_init__(self) -> None:
         if not isinstance(self.group_size, int) or self.group_size < 2:
@@ -61,11 +70,14 @@ class GRPOConfig:
             raise ValueError(f"kl_beta must be finite and >= 0, got {self.kl_beta!r}")
         if not self.adv_eps >= 0.0:
             raise ValueError(f"adv_eps must be >= 0, got {self.adv_eps!r}")
+        if self.ratio_level not in RATIO_LEVELS:
+            raise ValueError(f"ratio_level must be one of {RATIO_LEVELS}, got {self.ratio_level!r}")
 
     def loss_kwargs(self) -> dict:
         """Keyword arguments of grpo_loss / grpo_metrics taken from this config."""
         return dict(clip_low=self.clip_low, clip_high=self.clip_high,
-                    tis_cap=self.tis_cap if self.use_tis else None, kl_beta=self.kl_beta)
+                    tis_cap=self.tis_cap if self.use_tis else None, kl_beta=self.kl_beta,
+                    ratio_level=self.ratio_level)
 
     def advantage_kwargs(self) -> dict:
         """Keyword arguments of group_advantages taken from this config."""
@@ -127,6 +139,46 @@ def overlong_filter(mask: torch.Tensor, truncated: torch.Tensor) -> torch.Tensor
     return mask.bool() & ~truncated.bool()[:, None]
 
 
+def overlong_penalty(lengths: torch.Tensor, max_response_length: int, buffer_len: int,
+                     factor: float = 1.0) -> torch.Tensor:
+    """DAPO's soft overlong punishment [B] (<= 0, added to the reward): 0 up to max_response_length - buffer_len
+    tokens, then falling linearly to -factor at max_response_length (buffer_len 0: no penalty)."""
+    lengths = lengths.detach().to(torch.float32)
+    if buffer_len <= 0:
+        return torch.zeros_like(lengths)
+    if buffer_len >= max_response_length:
+        raise ValueError(f"buffer_len={buffer_len} must be smaller than max_response_length={max_response_length}")
+    exceed = lengths - (max_response_length - buffer_len)
+    return (-exceed / buffer_len * factor).clamp(max=0.0)
+
+
+def discounted_returns(rewards: torch.Tensor, mask: torch.Tensor, gamma: float = 1.0) -> torch.Tensor:
+    """REINFORCE++ returns [B, T]: the response's scalar reward placed on its last masked token, discounted back
+    along the response, G_t = gamma^(number of masked tokens after t) * r; 0 outside mask."""
+    m = mask.to(torch.float32)
+    after = m.flip(1).cumsum(1).flip(1) - m  # masked tokens after position t
+    return rewards.detach().to(torch.float32)[:, None] * torch.pow(torch.tensor(float(gamma)), after) * m
+
+
+def masked_moments(x: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+    """[sum, sum of squares, count] of x over mask (float64): add them over ranks, then :func:`whiten`."""
+    m = mask.bool()
+    v = torch.where(m, x.detach().to(torch.float64), torch.zeros((), dtype=torch.float64))
+    return torch.stack([v.sum(), (v * v).sum(), m.sum().to(torch.float64)])
+
+
+def whiten(x: torch.Tensor, mask: torch.Tensor, moments: torch.Tensor | None = None, eps: float = 1e-8
+           ) -> torch.Tensor:
+    """(x - mean) / sqrt(var + eps) over the masked entries (population variance; 0 outside mask), as REINFORCE++
+    normalizes advantages over the global batch: ``moments`` are :func:`masked_moments` summed over all ranks."""
+    s, ss, n = (masked_moments(x, mask) if moments is None else moments).tolist()
+    n = max(n, 1.0)
+    mean = s / n
+    var = max(ss / n - mean * mean, 0.0)
+    out = (x.detach().to(torch.float32) - mean) / math.sqrt(var + eps)
+    return torch.where(mask.bool(), out, torch.zeros((), dtype=out.dtype))
+
+
 def _count(mask: torch.Tensor, num_tokens: int | float | torch.Tensor | None) -> torch.Tensor:
     if num_tokens is None:
         return mask.sum().to(torch.float32).clamp_min(1.0)
@@ -180,18 +232,37 @@ def _prepare(logp_train, logp_old, logp_rollout, advantages, mask, logp_ref):
     return m, lt, lo, lr, adv, lref
 
 
+def policy_ratio(lt: torch.Tensor, lo: torch.Tensor, mask: torch.Tensor, ratio_level: str = "token") -> torch.Tensor:
+    """The importance ratio [B, T] of the (masked, prepared) train and old logprobs: exp(lt - lo) per token, or
+    GSPO's s = exp(mean over the response of (lt - lo)), the same for every token of a sequence (d s / d logp_t =
+    s / |y|)."""
+    if ratio_level == "token":
+        return torch.exp(lt - lo)
+    if ratio_level != "sequence":
+        raise ValueError(f"ratio_level must be one of {RATIO_LEVELS}, got {ratio_level!r}")
+    m = mask.to(lt.dtype)
+    seq = ((lt - lo) * m).sum(dim=1, keepdim=True) / m.sum(dim=1, keepdim=True).clamp_min(1.0)
+    return torch.exp(seq).expand_as(lt)
+
+
 def grpo_token_loss(logp_train: torch.Tensor, logp_old: torch.Tensor | None, logp_rollout: torch.Tensor | None,
                     advantages: torch.Tensor, mask: torch.Tensor, *, logp_ref: torch.Tensor | None = None,
                     clip_low: float = 0.2, clip_high: float = 0.2, tis_cap: float | None = 5.0,
-                    kl_beta: float = 0.0) -> torch.Tensor:
+                    kl_beta: float = 0.0, ratio_level: str = "token") -> torch.Tensor:
     """Per-token GRPO loss [B, T] (zero outside mask); see the module docstring for the formula.
 
     logp_old None = on-policy (logp_train detached, rho = 1 with gradient). logp_rollout None or tis_cap None =
     no TIS (w = 1). advantages: [B] per response or [B, T]. logp_ref is needed when kl_beta > 0.
+    ratio_level "sequence": GSPO (Zheng et al. 2025): the clipped surrogate of the sequence-level ratio (see
+    :func:`policy_ratio`), counted once per sequence: each of its |y| tokens carries 1/|y| of it, so a sequence's
+    tokens share its update equally whatever its length (the GSPO paper's objective; slime's default per-sample loss
+    and verl's seq-mean-token-mean give the same). TIS weights and the KL term stay per token.
     """
     m, lt, lo, lr, adv, lref = _prepare(logp_train, logp_old, logp_rollout, advantages, mask, logp_ref)
-    rho = torch.exp(lt - lo)
+    rho = policy_ratio(lt, lo, m, ratio_level)
     surr = torch.minimum(rho * adv, rho.clamp(1.0 - clip_low, 1.0 + clip_high) * adv)
+    if ratio_level == "sequence":
+        surr = surr / m.sum(dim=1, keepdim=True).clamp_min(1).to(surr.dtype)
     if lr is not None and tis_cap is not None:
         surr = surr * tis_weights(lo, lr, tis_cap)
     loss = -surr
@@ -205,10 +276,11 @@ def grpo_token_loss(logp_train: torch.Tensor, logp_old: torch.Tensor | None, log
 def grpo_loss(logp_train: torch.Tensor, logp_old: torch.Tensor | None, logp_rollout: torch.Tensor | None,
               advantages: torch.Tensor, mask: torch.Tensor, *, logp_ref: torch.Tensor | None = None,
               clip_low: float = 0.2, clip_high: float = 0.2, tis_cap: float | None = 5.0, kl_beta: float = 0.0,
-              num_tokens: int | float | torch.Tensor | None = None) -> torch.Tensor:
+              num_tokens: int | float | torch.Tensor | None = None, ratio_level: str = "token") -> torch.Tensor:
     """Scalar GRPO loss: the token losses summed over mask and divided by N (mask.sum() or num_tokens)."""
     tok = grpo_token_loss(logp_train, logp_old, logp_rollout, advantages, mask, logp_ref=logp_ref,
-                          clip_low=clip_low, clip_high=clip_high, tis_cap=tis_cap, kl_beta=kl_beta)
+                          clip_low=clip_low, clip_high=clip_high, tis_cap=tis_cap, kl_beta=kl_beta,
+                          ratio_level=ratio_level)
     return tok.sum() / _count(mask.bool(), num_tokens)
 
 
@@ -216,7 +288,7 @@ def grpo_loss(logp_train: torch.Tensor, logp_old: torch.Tensor | None, logp_roll
 def grpo_metrics(logp_train: torch.Tensor, logp_old: torch.Tensor | None, logp_rollout: torch.Tensor | None,
                  advantages: torch.Tensor, mask: torch.Tensor, *, logp_ref: torch.Tensor | None = None,
                  entropy: torch.Tensor | None = None, clip_low: float = 0.2, clip_high: float = 0.2,
-                 tis_cap: float | None = 5.0, kl_beta: float = 0.0) -> dict[str, float]:
+                 tis_cap: float | None = 5.0, kl_beta: float = 0.0, ratio_level: str = "token") -> dict[str, float]:
     """Masked-mean diagnostics of one (micro-)batch as python floats.
 
     ppo_clip_frac: tokens where the clipped surrogate is the one used (its gradient is zero), split into
@@ -231,7 +303,7 @@ def grpo_metrics(logp_train: torch.Tensor, logp_old: torch.Tensor | None, logp_r
     def mean(x):
         return float((x.to(torch.float32) * mf).sum() / n)
 
-    rho = torch.exp(lt - lo)
+    rho = policy_ratio(lt, lo, m, ratio_level)
     clipped = rho.clamp(1.0 - clip_low, 1.0 + clip_high)
     out = {
         "num_tokens": float(mf.sum()),
@@ -243,7 +315,8 @@ def grpo_metrics(logp_train: torch.Tensor, logp_old: torch.Tensor | None, logp_r
         "advantage_mean": mean(adv),
         "loss": float(grpo_token_loss(logp_train, logp_old, logp_rollout, advantages, mask, logp_ref=logp_ref,
                                       clip_low=clip_low, clip_high=clip_high, tis_cap=tis_cap,
-                                      kl_beta=kl_beta if logp_ref is not None else 0.0).sum() / n),
+                                      kl_beta=kl_beta if logp_ref is not None else 0.0,
+                                      ratio_level=ratio_level).sum() / n),
     }
     if lr is not None:
         raw = torch.exp(lo - lr)

@@ -1,5 +1,5 @@
 """Training-loop safety and reporting: skip non-finite updates (stop after several in a row), and log per-step
-metrics to tensorboard and a one-line console summary."""
+metrics to tensorboard, a JSONL file, Weights & Biases (optional: --use-wandb) and a one-line console summary."""
 
 from __future__ import annotations
 
@@ -12,7 +12,7 @@ from typing import IO, Any, Mapping
 
 import torch
 
-__all__ = ["TrainingDivergedError", "NonFiniteGuard", "MetricsLogger", "format_metrics"]
+__all__ = ["TrainingDivergedError", "NonFiniteGuard", "MetricsLogger", "format_metrics", "init_wandb"]
 
 log = logging.getLogger(__name__)
 
@@ -76,9 +76,27 @@ def format_metrics(step: int, metrics: Mapping[str, Any], total_steps: int | Non
     return " | ".join([head] + [f"{k} {_fmt(_as_float(metrics[k]))}" for k in names if k in metrics])
 
 
+def init_wandb(run_cfg: Any, config: Mapping[str, Any]) -> Any:
+    """A Weights & Biases run for --use-wandb (--wandb-project, --wandb-group, --wandb-mode, --wandb-dir), with
+    every knob in ``config``; RuntimeError naming ``pip install wandb`` when the package is missing."""
+    try:
+        import wandb
+    except ImportError:
+        raise RuntimeError("--use-wandb needs the wandb package, which is not installed: pip install wandb "
+                           "(or pip install -e .[wandb])") from None
+    kwargs = {"project": run_cfg.wandb_project or "megatron-fp4", "group": run_cfg.wandb_group,
+              "config": {k: (list(v) if isinstance(v, tuple) else v) for k, v in config.items()}}
+    if run_cfg.wandb_mode is not None:
+        kwargs["mode"] = run_cfg.wandb_mode
+    if run_cfg.wandb_dir is not None:
+        kwargs["dir"] = run_cfg.wandb_dir
+    return wandb.init(**kwargs)
+
+
 class MetricsLogger:
-    """Per-step scalar metrics to tensorboard (when log_dir is given; only on rank 0), one console line, and with
-    ``jsonl_path`` one JSON line per record (rank 0)."""
+    """Per-step scalar metrics to tensorboard (when log_dir is given; only on rank 0), one console line, with
+    ``jsonl_path`` one JSON line per record, and with ``wandb_run`` (a W&B run) every record under ``kind/``
+    (rank 0)."""
 
     CONSOLE_KEYS = ("reward_mean", "accuracy", "loss", "kl_mean", "ppo_clip_frac", "tis_clip_frac",
                     "logp_abs_diff_mean", "entropy_mean", "grad_norm", "response_length_mean", "rollout_tokens_per_s",
@@ -86,8 +104,9 @@ class MetricsLogger:
 
     def __init__(self, log_dir: str | None = None, total_steps: int | None = None, rank: int = 0,
                  stream: IO[str] | None = None, console_keys: tuple[str, ...] | None = None,
-                 jsonl_path: str | None = None) -> None:
+                 jsonl_path: str | None = None, wandb_run: Any = None) -> None:
         self.rank, self.total_steps, self.jsonl_path = rank, total_steps, jsonl_path
+        self.wandb_run = wandb_run if rank == 0 else None
         self.stream = stream if stream is not None else sys.stdout
         self.console_keys = console_keys if console_keys is not None else self.CONSOLE_KEYS
         self.writer = None
@@ -110,9 +129,11 @@ class MetricsLogger:
 
     def log(self, step: int, metrics: Mapping[str, Any], prefix: str = "train", console: bool = True,
             tensorboard: bool = True) -> None:
-        """Write every scalar under prefix/name and print the console line (rank 0 only)."""
+        """Write every scalar under prefix/name (tensorboard, W&B) and print the console line (rank 0 only)."""
         if self.rank != 0:
             return
+        if self.wandb_run is not None:
+            self.wandb_run.log({f"{prefix}/{k}": _as_float(v) for k, v in metrics.items()}, step=step)
         if self.writer is not None and tensorboard:
             for k, v in metrics.items():
                 self.writer.add_scalar(f"{prefix}/{k}", _as_float(v), step)
@@ -130,3 +151,6 @@ class MetricsLogger:
         if self.writer is not None:
             self.writer.close()
             self.writer = None
+        if self.wandb_run is not None:
+            self.wandb_run.finish()
+            self.wandb_run = None

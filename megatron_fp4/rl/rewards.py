@@ -1,12 +1,21 @@
-"""Verifiable rewards: extract a final answer from a model response and compare it with the reference.
+"""Verifiable rewards: extract a final answer from a model response and compare it with the reference; or a
+user's reward function (``--custom-rm-path``, called as slime calls it).
 
 `score(response, reference, kind)` returns 1.0 when the response's final answer equals the reference's, else 0.0.
+Kinds:
+  gsm8k:     the project's exact grader, "####" answers first (below).
+  math:      math-verify (PyPI ``math-verify``, as verl, NeMo-RL and Megatron-LM RL use it): symbolic and LaTeX
+             equivalence (\\frac{\\pi}{2} == \\pi/2, 10^{3} == 1000, intervals, sets). A reference holding "####" is
+             a GSM8K answer and is graded exactly as kind "gsm8k" is. Needs ``pip install math-verify``.
+  math_rule: the project's exact grader, \\boxed{} answers first (what kind "math" meant before math-verify; the
+             synthetic tasks use it: no dependency, exact).
 
-Answer extraction from the response, first hit wins (order depends on `kind`):
-  gsm8k: "#### X" (last one), \\boxed{X} (last one, nested braces), "The answer is X", the last number.
-  math:  \\boxed{X}, "#### X", "The answer is X", the last number.
+The exact grader's answer extraction from the response, first hit wins (order depends on `kind`):
+  gsm8k:     "#### X" (last one), \\boxed{X} (last one, nested braces), "The answer is X", the last number.
+  math_rule: \\boxed{X}, "#### X", "The answer is X", the last number.
 The reference is the dataset's answer field: for "gsm8k" the text after the last "####" (the whole string if it
-has none); for "math" the content of its last \\boxed{} if any, else the text after "####" if any, else the string.
+has none); for "math_rule" the content of its last \\boxed{} if any, else the text after "####" if any, else the
+string.
 
 Comparison: both sides are parsed to exact rationals (fractions.Fraction) when possible and compared exactly;
 otherwise the normalized strings are compared. Normalization handles thousands separators (1,200 and 1{,}200),
@@ -17,19 +26,28 @@ decimals (5.00 == 5, .5 == 1/2), leading zeros, negative numbers (including the 
 bold (**18**). After a marker ("####", "answer is") a trailing equation keeps its right-hand side ("5 + 3 = 8").
 When a response holds several markers of one kind, the LAST counts (as verl does): rollouts should stop at EOS
 or a stop string so that a hallucinated follow-up question cannot override the answer.
-Not handled: symbolic equivalence (\\frac{1}{\\sqrt3} vs \\frac{\\sqrt3}{3}), scientific notation, tuples/sets
+Not handled by the exact grader (kind "math" handles them): symbolic equivalence (\\frac{1}{\\sqrt3} vs
+\\frac{\\sqrt3}{3}), scientific notation, tuples/sets
 compared element-wise (they fall back to string equality), and inexact decimals (0.333 != 1/3).
 """
 
 from __future__ import annotations
 
+import asyncio
+import importlib
+import inspect
+import math
 import re
+import threading
+from dataclasses import dataclass, field
 from fractions import Fraction
+from typing import Any, Callable, Optional, Sequence
 
 __all__ = ["VALID_KINDS", "score", "extract_answer", "extract_reference", "parse_number", "normalize_answer",
-           "answers_match"]
+           "answers_match", "math_verify_score", "require_math_verify", "load_function", "RewardSample",
+           "RewardFunction"]
 
-VALID_KINDS = ("gsm8k", "math")
+VALID_KINDS = ("gsm8k", "math", "math_rule")
 
 # An unsigned number: 1,234,567.89 | 1234.5 | 12. | .5
 _UNUM = r"(?:(?:\d{1,3}(?:,\d{3})+|\d+)(?:\.\d*)?|\.\d+)"
@@ -244,7 +262,8 @@ def _check_kind(kind: str) -> None:
 
 
 def extract_answer(response: str, kind: str) -> str | None:
-    """The model's final answer string from a response, or None when nothing answer-like is found."""
+    """The model's final answer string from a response (the exact grader's extraction), or None when nothing
+    answer-like is found."""
     _check_kind(kind)
     if not response:
         return None
@@ -269,6 +288,125 @@ def extract_reference(reference: str, kind: str) -> str:
 
 
 def score(response: str, reference: str, kind: str) -> float:
-    """1.0 when the response's final answer equals the reference answer, else 0.0."""
+    """1.0 when the response's final answer equals the reference answer, else 0.0 (see the module docstring)."""
     _check_kind(kind)
+    if kind == "math":
+        return math_verify_score(response, reference)
     return 1.0 if answers_match(extract_answer(response, kind), extract_reference(reference, kind)) else 0.0
+
+
+# -- math-verify ------------------------------------------------------------------------------------------------------
+def require_math_verify(flag: str = "kind 'math'") -> Any:
+    """The math_verify module; ValueError naming ``flag`` and the install command when it is missing."""
+    try:
+        import math_verify
+    except ImportError:
+        raise ValueError(f"{flag} scores answers with math-verify, which is not installed: pip install math-verify "
+                         f"(or pip install -e .[rl]); --rm-type math_rule is the exact rule grader without "
+                         f"it") from None
+    return math_verify
+
+
+def math_verify_score(response: str, reference: str) -> float:
+    """math-verify's verdict on the response's final answer against the reference: 1.0 or 0.0.
+
+    A reference holding "####" is a GSM8K answer: graded exactly (kind "gsm8k"). Otherwise the gold answer is the
+    reference's last \\boxed{} content (else the text after "####", else the whole string) parsed as
+    ``\\boxed{gold}``, as verl does; a gold answer math-verify cannot parse falls back to the exact rule grader."""
+    if "####" in reference:
+        return score(response, reference, "gsm8k")
+    mv = require_math_verify()
+    timeout = 5 if threading.current_thread() is threading.main_thread() else None  # signal.alarm: main thread only
+    gold_text = extract_reference(reference, "math_rule")
+    gold = mv.parse("\\boxed{" + gold_text + "}", parsing_timeout=timeout)
+    if not gold:
+        return score(response, reference, "math_rule")
+    pred = mv.parse(response, parsing_timeout=timeout)
+    if not pred:
+        return 0.0
+    return 1.0 if mv.verify(gold, pred, timeout_seconds=timeout) else 0.0
+
+
+# -- --custom-rm-path -------------------------------------------------------------------------------------------------
+def load_function(path: str) -> Callable:
+    """The function ``module.path.function`` (slime's spelling of --custom-rm-path); errors say what is missing."""
+    module_name, dot, name = path.rpartition(".")
+    if not dot or not module_name or not name:
+        raise ValueError(f"{path!r} is not valid; expected module.path.function")
+    try:
+        module = importlib.import_module(module_name)
+    except ImportError as e:
+        raise ImportError(f"cannot import module {module_name!r} ({e})") from None
+    fn = getattr(module, name, None)
+    if not callable(fn):
+        raise AttributeError(f"module {module_name!r} has no function {name!r}")
+    return fn
+
+
+@dataclass
+class RewardSample:
+    """One scored response, with the attribute names of slime's ``Sample`` that a reward function reads."""
+
+    prompt: str
+    response: str
+    label: Any
+    metadata: dict = field(default_factory=dict)
+    index: int = 0                 # position in the batch
+    group_index: int = 0           # which prompt's group it belongs to
+    response_length: int = 0       # tokens
+    status: str = "completed"      # "completed" (stopped) or "truncated" (hit the length limit)
+    tokens: Sequence[int] = ()     # prompt + response token ids
+    reward: Optional[float] = None
+
+
+class RewardFunction:
+    """Scores batches of :class:`RewardSample`: with ``--custom-rm-path`` the user's function, called as slime calls it
+    (``fn(args, sample)`` per sample, or ``fn(args, samples)`` per group with ``group_rm``; sync or async, the
+    coroutines of a batch run concurrently); otherwise :func:`score` with each sample's kind."""
+
+    def __init__(self, custom_rm_path: Optional[str] = None, group_rm: bool = False, args: Any = None) -> None:
+        self.path, self.group_rm, self.args = custom_rm_path, group_rm, args
+        self.fn = load_function(custom_rm_path) if custom_rm_path else None
+
+    def __call__(self, samples: Sequence[RewardSample], references: Sequence[str], kinds: Sequence[str],
+                 group_size: int = 1) -> list[float]:
+        """Rewards of ``samples`` (``references``/``kinds`` feed the built-in graders; groups are contiguous)."""
+        if self.fn is None:
+            return [score(s.response, ref, kind) for s, ref, kind in zip(samples, references, kinds)]
+        if self.group_rm:
+            groups = [list(samples[i:i + group_size]) for i in range(0, len(samples), group_size)]
+            out = self._resolve([self.fn(self.args, g) for g in groups])
+            values = []
+            for g, got in zip(groups, out):
+                if not isinstance(got, (list, tuple)) or len(got) != len(g):
+                    raise ValueError(f"--custom-rm-path {self.path} with --group-rm returned {got!r} for a group of "
+                                     f"{len(g)}; expected a list of {len(g)} numbers")
+                values += list(got)
+        else:
+            values = self._resolve([self.fn(self.args, s) for s in samples])
+        return [self._check(v, i) for i, v in enumerate(values)]
+
+    @staticmethod
+    def _resolve(results: list) -> list:
+        """Await the coroutines among ``results`` together (one event loop per batch)."""
+        if not any(inspect.isawaitable(r) for r in results):
+            return results
+
+        async def gather():
+            return await asyncio.gather(*[r if inspect.isawaitable(r) else _done(r) for r in results])
+
+        return asyncio.run(gather())
+
+    def _check(self, value: Any, index: int) -> float:
+        try:
+            v = float(value)
+        except (TypeError, ValueError):
+            v = math.nan
+        if not math.isfinite(v):
+            raise ValueError(f"--custom-rm-path {self.path} returned {value!r} for sample {index}; expected a "
+                             f"finite number")
+        return v
+
+
+async def _done(value: Any) -> Any:
+    return value

@@ -1,6 +1,13 @@
 """The rollout manager: prompts in, scored and filtered sequences out, through a RolloutEngine; and the weight sync
 from the trainer's policy into that engine.
 
+One step draws --over-sampling-batch-size prompts (default --rollout-batch-size), samples a group of G responses per
+prompt and scores them (the built-in graders or --custom-rm-path). With --dynamic-sampling (DAPO) only groups whose
+rewards are not all equal are kept, and rounds repeat until --rollout-batch-size groups pass (surplus groups are
+dropped; after --dynamic-sampling-max-rounds the filtered groups fill the batch, masked out of the loss). DAPO's
+overlong reward shaping (--overlong-buffer-len) is added to the rewards the advantages see; accuracy and the
+filter use the verifier's reward.
+
 The engine (the in-process native one; SGLang behind the same interface) holds its own copy of the weights in
 the rollout precision, refreshed after every optimizer step and re-quantized once per update. Every rank of a
 tensor-parallel group generates the same samples in lockstep (same seed); data-parallel ranks take different
@@ -21,7 +28,7 @@ from megatron_fp4.rl.config import RolloutConfig
 from megatron_fp4.rl.data import Example, PromptSampler
 from megatron_fp4.rl.distributed import any_rank, dp_max, dp_rank_and_size, dp_sum, from_first_stage
 from megatron_fp4.rl.monitor import TrainingDivergedError
-from megatron_fp4.rl.rewards import score
+from megatron_fp4.rl.rewards import RewardFunction, RewardSample
 from megatron_fp4.rl.sequences import Sequences, pack_sequences
 from megatron_fp4.rl.tokenizer import Tokenizer
 from megatron_fp4.rollout import RolloutEngine, RolloutSample, SamplingParams
@@ -44,17 +51,21 @@ class RolloutManager:
     weights in sync with the policy. ``sampler`` holds the data position (checkpointed)."""
 
     def __init__(self, cfg: RolloutConfig, engine: RolloutEngine, tokenizer: Tokenizer,
-                 train_examples: list[Example], seed: int) -> None:
+                 train_examples: list[Example], seed: int, reward_fn: Optional[RewardFunction] = None) -> None:
         self.cfg, self.engine, self.tokenizer = cfg, engine, tokenizer
         self.train_examples, self.seed = train_examples, seed
+        self.reward_fn = reward_fn if reward_fn is not None else RewardFunction()
         self.sampler = PromptSampler(len(train_examples), seed=seed)
         self.dp_rank, self.dp_size = dp_rank_and_size()
 
     # -- generation ---------------------------------------------------------------------------------------------------
-    def sampling_params(self, greedy: bool, seed: int) -> SamplingParams:
+    def sampling_params(self, greedy: bool, seed: int, temperature: Optional[float] = None,
+                        max_new_tokens: Optional[int] = None) -> SamplingParams:
+        """Greedy, or sampling at --temperature (or ``temperature``) with --top-p/--top-k."""
         c = self.cfg
-        return SamplingParams(temperature=0.0 if greedy else c.temperature, top_p=1.0 if greedy else c.top_p,
-                              top_k=0 if greedy else c.top_k, max_new_tokens=c.max_response_length,
+        return SamplingParams(temperature=0.0 if greedy else (c.temperature if temperature is None else temperature),
+                              top_p=1.0 if greedy else c.top_p, top_k=0 if greedy else c.top_k,
+                              max_new_tokens=c.max_response_length if max_new_tokens is None else max_new_tokens,
                               stop_token_ids=(self.tokenizer.eos_id,), seed=seed)
 
     def prompt_ids(self, examples: Sequence[Example]) -> list[list[int]]:
@@ -68,53 +79,120 @@ class RolloutManager:
             out.append(ids)
         return out
 
-    def generate_greedy(self, examples: Sequence[Example], precision: Any = None) -> list[RolloutSample]:
+    def generate_greedy(self, examples: Sequence[Example], precision: Any = None,
+                        max_new_tokens: Optional[int] = None) -> list[RolloutSample]:
         """Greedy responses to ``examples``, in ``precision`` when given (the engine's own precision after)."""
+        return self.generate_eval(examples, precision, max_new_tokens=max_new_tokens)
+
+    def generate_eval(self, examples: Sequence[Example], precision: Any = None, n: int = 1,
+                      temperature: Optional[float] = None, max_new_tokens: Optional[int] = None,
+                      seed: int = 0) -> list[RolloutSample]:
+        """Evaluation responses: greedy when ``n`` is 1, else ``n`` samples per example (contiguous) at
+        ``temperature``; in ``precision`` when given (the engine's own precision after)."""
         previous = self.engine.precision
         if precision is not None:
             self.engine.set_precision(precision)
         try:
-            return self.engine.generate(self.prompt_ids(examples), self.sampling_params(greedy=True, seed=0))
+            prompts = [p for p in self.prompt_ids(examples) for _ in range(n)]
+            params = self.sampling_params(greedy=n == 1, seed=seed, temperature=temperature,
+                                          max_new_tokens=max_new_tokens)
+            return self.engine.generate(prompts, params)
         finally:
             if self.engine.precision != previous:
                 self.engine.set_precision(previous)
 
-    def rollout(self, step: int) -> tuple[Sequences, dict[str, float]]:
-        """Step ``step``'s batch: this rank's prompts, G sampled responses each, rewards, dynamic-sampling and
-        overlong filters applied to the loss mask; and the rollout metrics (reduced over data parallelism)."""
-        c, G = self.cfg, self.cfg.group_size
-        n_prompts = c.global_batch_size // self.dp_size
-        idx = self.sampler.next_indices(c.global_batch_size)
-        exs = [self.train_examples[i] for i in idx[self.dp_rank * n_prompts:(self.dp_rank + 1) * n_prompts]]
-        group_prompts = [p for p in self.prompt_ids(exs) for _ in range(G)]
+    def score(self, examples: Sequence[Example], samples: Sequence[RolloutSample], group_size: int = 1,
+              prompt_ids: Optional[Sequence[Sequence[int]]] = None) -> list[float]:
+        """Rewards of ``samples`` (``group_size`` contiguous samples per example) from the reward function."""
+        decoded = [self.tokenizer.decode(s.token_ids) for s in samples]
+        exs = [e for e in examples for _ in range(group_size)]
+        batch = [RewardSample(prompt=e.prompt, response=text, label=e.reference if e.label is None else e.label,
+                              metadata=dict(e.metadata or {}), index=i, group_index=i // group_size,
+                              response_length=len(s.token_ids),
+                              status="truncated" if s.finish_reason == "length" else "completed",
+                              tokens=(list(prompt_ids[i]) if prompt_ids is not None else []) + list(s.token_ids))
+                 for i, (e, s, text) in enumerate(zip(exs, samples, decoded))]
+        return self.reward_fn(batch, [e.reference for e in exs], [e.kind for e in exs], group_size)
 
+    def _sample_groups(self, examples: list[Example], seed: int) -> tuple[list, list, torch.Tensor, float]:
+        """G sampled responses per example: (prompt ids, samples, rewards, seconds), groups contiguous."""
+        G = self.cfg.group_size
+        group_prompts = [p for p in self.prompt_ids(examples) for _ in range(G)]
         t0 = time.monotonic()
-        seed = (self.seed * 1_000_003 + step * 9973 + self.dp_rank) % (2 ** 31)
         samples = self.engine.generate(group_prompts, self.sampling_params(greedy=False, seed=seed))
         # pipeline stages generate in lockstep with the same seed; training on the first stage's samples
         # everywhere keeps them consistent even if generation were not bitwise reproducible across ranks
         samples = from_first_stage(samples)
-        t_rollout = time.monotonic() - t0
-        responses = [s.token_ids for s in samples]
-        refs = [e for e in exs for _ in range(G)]
-        rewards = torch.tensor([score(self.tokenizer.decode(r), e.reference, e.kind) for r, e in zip(responses, refs)],
-                               dtype=torch.float32)
-        lengths = torch.tensor([len(r) for r in responses], dtype=torch.float32)
-        truncated = torch.tensor([s.finish_reason == "length" for s in samples])
+        t = time.monotonic() - t0
+        rewards = torch.tensor(self.score(examples, samples, G, group_prompts), dtype=torch.float32)
+        return group_prompts, samples, rewards, t
+
+    def rollout(self, step: int) -> tuple[Sequences, dict[str, float]]:
+        """Step ``step``'s batch: this rank's share of --rollout-batch-size prompts, G sampled responses each,
+        rewards (with overlong shaping), dynamic sampling with refill and the overlong filter applied; and the
+        rollout metrics (reduced over data parallelism; computed over every sampled response)."""
+        c, G = self.cfg, self.cfg.group_size
+        want = c.rollout_batch_size // self.dp_size          # groups this rank trains on
+        per_round = c.over_sampling_batch_size // self.dp_size
+        kept, spare = [], []                                   # (prompt ids, samples, rewards) per group
+        all_prompts, all_samples, all_rewards = [], [], []
+        t_rollout, rounds = 0.0, 0
+        while True:
+            idx = self.sampler.next_indices(c.over_sampling_batch_size)
+            mine = idx[self.dp_rank * per_round:(self.dp_rank + 1) * per_round]
+            need = want - len(kept)
+            if need > 0:  # a rank that has enough still draws the round: every rank's data position stays the same
+                exs = [self.train_examples[i] for i in (mine if c.dynamic_sampling else mine[:need])]
+                seed = (self.seed * 1_000_003 + step * 9973 + self.dp_rank + rounds * 104_729) % (2 ** 31)
+                prompts, samples, rewards, t = self._sample_groups(exs, seed)
+                t_rollout += t
+                all_prompts += prompts
+                all_samples += samples
+                all_rewards.append(rewards)
+                passed = (grpo.dynamic_sampling_keep(rewards, G) if c.dynamic_sampling
+                          else torch.ones(len(exs), dtype=torch.bool))
+                for g in range(len(exs)):
+                    group = (prompts[g * G:(g + 1) * G], samples[g * G:(g + 1) * G], rewards[g * G:(g + 1) * G])
+                    (kept if bool(passed[g]) and len(kept) < want else spare).append(group)
+            rounds += 1
+            if not c.dynamic_sampling or rounds >= c.dynamic_sampling_max_rounds or not any_rank(len(kept) < want):
+                break
+        n_passed = len(kept)
+        groups = kept + spare[:want - n_passed]  # too few passed: filtered groups fill the batch, masked out
+
+        rewards = torch.cat(all_rewards)
+        lengths = torch.tensor([len(s.token_ids) for s in all_samples], dtype=torch.float32)
+        truncated = torch.tensor([s.finish_reason == "length" for s in all_samples])
         metrics = grpo.rollout_metrics(rewards, lengths, truncated, G)
         metrics = {k: (dp_max(v) if k.endswith("_max") else dp_sum(v) / self.dp_size) for k, v in metrics.items()}
         metrics["rollout_tokens_per_s"] = dp_sum(float(lengths.sum())) / max(dp_max(t_rollout), 1e-9)
         metrics["rollout_s"] = t_rollout
 
-        keep = torch.ones(len(samples), dtype=torch.bool)
-        if c.dynamic_sampling:
-            keep = grpo.dynamic_sampling_keep(rewards, G).repeat_interleave(G)
-        seqs = pack_sequences(group_prompts, responses, [s.logprobs for s in samples], rewards, self.tokenizer.pad_id)
+        prompts = [p for g in groups for p in g[0]]
+        samples = [s for g in groups for s in g[1]]
+        raw = torch.cat([g[2] for g in groups])
+        responses = [s.token_ids for s in samples]
+        truncated = torch.tensor([s.finish_reason == "length" for s in samples])
+        shaped = raw
+        if c.overlong_buffer_len > 0:
+            penalty = grpo.overlong_penalty(torch.tensor([len(r) for r in responses]), c.max_response_length,
+                                            c.overlong_buffer_len, c.overlong_penalty_factor)
+            shaped = raw + penalty
+            metrics["overlong_penalty_mean"] = dp_sum(float(penalty.mean())) / self.dp_size
+        seqs = pack_sequences(prompts, responses, [s.logprobs for s in samples], shaped, self.tokenizer.pad_id)
         if c.overlong_filter:
             seqs.mask = grpo.overlong_filter(seqs.mask, truncated)
+        keep = torch.zeros(len(groups), dtype=torch.bool)
+        keep[:n_passed] = True
+        keep = keep.repeat_interleave(G)
         seqs.mask = seqs.mask * keep.unsqueeze(1).to(seqs.mask.dtype)
         seqs.num_tokens = dp_sum(float(seqs.mask.sum()))
         metrics["kept_groups_frac"] = dp_sum(float(keep.float().mean())) / self.dp_size
+        if c.dynamic_sampling:
+            generated = len(all_samples) // G
+            metrics["dynamic_sampling_rounds"] = float(rounds)
+            metrics["dynamic_sampling_pass_frac"] = (dp_sum(float((grpo.dynamic_sampling_keep(rewards, G)).sum()))
+                                                     / max(dp_sum(float(generated)), 1.0))
         return seqs, metrics
 
     # -- weights ------------------------------------------------------------------------------------------------------

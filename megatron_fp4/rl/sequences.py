@@ -19,11 +19,16 @@ class Sequences:
     mask: torch.Tensor          # [N, T] 1.0 where the label is a response token that enters the loss
     logp_rollout: torch.Tensor  # [N, T] rollout engine logprobs of the labels (0 outside the responses)
     rewards: torch.Tensor       # [N] per-response reward
-    advantages: torch.Tensor    # [N] per-response advantage (the actor computes them from the rewards)
+    advantages: torch.Tensor    # [N] per-response (or [N, T] per-token) advantage, computed by the actor
     num_tokens: float = 0.0     # loss tokens of the whole global batch (all data-parallel ranks)
 
     def __len__(self) -> int:
         return self.inputs.shape[0]
+
+    def select(self, index: slice) -> "Sequences":
+        """The sequences ``index`` (e.g. one optimizer step's share of a rollout); ``num_tokens`` is kept."""
+        return Sequences(self.inputs[index], self.labels[index], self.mask[index], self.logp_rollout[index],
+                         self.rewards[index], self.advantages[index], self.num_tokens)
 
 
 def pack_sequences(prompts: Sequence[Sequence[int]], responses: Sequence[Sequence[int]],

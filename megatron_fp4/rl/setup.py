@@ -13,23 +13,66 @@ import torch
 from megatron_fp4.rl.checkpointer import StartPlan
 from megatron_fp4.rl.config import RLConfig
 
-__all__ = ["load_examples", "build_tokenizer", "Models", "build_models", "describe", "build_trainer"]
+__all__ = ["load_examples", "tokenizer_source", "build_tokenizer", "Models", "build_models", "describe",
+           "build_trainer"]
 
 
-def load_examples(cfg: RLConfig) -> tuple[list, list]:
-    """(train, held-out) examples of --dataset (held out: --eval-dataset, or --eval-samples split off)."""
-    from megatron_fp4.rl.data import load_dataset, split_heldout
+def load_examples(cfg: RLConfig, tokenizer=None) -> tuple[list, list, dict]:
+    """(train, held-out, evaluation sets) of the data flags: --prompt-data or --dataset; held out: --eval-dataset,
+    or --eval-samples split off; --eval-prompt-data's named sets. ``tokenizer`` formats the prompts with its chat
+    template under --apply-chat-template; --rm-type replaces every example's reward kind."""
+    import dataclasses
+
+    from megatron_fp4.rl.data import load_dataset, load_prompt_data, split_heldout
 
     d, seed = cfg.data, cfg.run.seed
-    task_kwargs = {}
-    if d.dataset == "synthetic:add":
-        task_kwargs = {"digits": d.synthetic_digits, "num_operands": d.synthetic_operands}
-    examples = load_dataset(d.dataset, seed=seed, num_examples=d.num_synthetic_examples, **task_kwargs)
+    chat = tokenizer if d.apply_chat_template else None
+    kind = cfg.rollout.rm_type or "math"
+    need_label = cfg.rollout.custom_rm_path is None
+    if d.prompt_data is not None:
+        examples = load_prompt_data(d.prompt_data, d.input_key, d.label_key, d.metadata_key, kind, chat, need_label)
+    else:
+        task_kwargs = {}
+        if d.dataset == "synthetic:add":
+            task_kwargs = {"digits": d.synthetic_digits, "num_operands": d.synthetic_operands}
+        examples = load_dataset(d.dataset, seed=seed, num_examples=d.num_synthetic_examples, chat_template=chat,
+                                **task_kwargs)
     if d.eval_dataset:
-        return examples, load_dataset(d.eval_dataset, seed=seed + 1)
-    if d.eval_samples >= len(examples):
+        train, held_out = examples, load_dataset(d.eval_dataset, seed=seed + 1, chat_template=chat)
+    elif d.eval_samples == 0:
+        train, held_out = examples, []
+    elif d.eval_samples >= len(examples):
         raise ValueError(f"--eval-samples={d.eval_samples} leaves no training data ({len(examples)} examples)")
-    return split_heldout(examples, d.eval_samples, seed=seed)
+    else:
+        train, held_out = split_heldout(examples, d.eval_samples, seed=seed)
+    pairs = d.eval_prompt_data or ()
+    sets = {name: load_prompt_data(path, d.eval_input_key or d.input_key, d.eval_label_key or d.label_key,
+                                   d.metadata_key, kind, chat, need_label)
+            for name, path in zip(pairs[0::2], pairs[1::2])}
+    if cfg.rollout.rm_type is not None:
+        def retag(exs):
+            return [dataclasses.replace(e, kind=cfg.rollout.rm_type) for e in exs]
+
+        train, held_out, sets = retag(train), retag(held_out), {k: retag(v) for k, v in sets.items()}
+    return train, held_out, sets
+
+
+def tokenizer_source(cfg: RLConfig, plan: StartPlan) -> Optional[str]:
+    """Where the tokenizer comes from: --tokenizer-model, else --hf-checkpoint, else the converted checkpoint's
+    hf_assets/ (--ref-load), else None (a sentencepiece model built on the examples)."""
+    from megatron_fp4.models.checkpoint_io import checkpoint_tokenizer_dir
+
+    if cfg.model.tokenizer_model is not None:
+        return cfg.model.tokenizer_model
+    if cfg.checkpoint.hf_checkpoint is not None:
+        return cfg.checkpoint.hf_checkpoint
+    if plan.ref_load:
+        tok_dir = checkpoint_tokenizer_dir(plan.ref_load)
+        if tok_dir is None:
+            raise ValueError(f"--ref-load {plan.ref_load} has no tokenizer files (hf_assets/): pass --tokenizer-model "
+                             f"or --hf-checkpoint")
+        return str(tok_dir)
+    return None
 
 
 def build_tokenizer(cfg: RLConfig, tokenizer_model: Optional[str], examples: list):
@@ -56,14 +99,15 @@ class Models:
     recipe: Any
 
 
-def build_models(cfg: RLConfig, vocab_size: int, init_checkpoint: Optional[str] = None) -> Models:
+def build_models(cfg: RLConfig, vocab_size: int, init_checkpoint: Any = None) -> Models:
     """Policy (DDP + optimizer), frozen reference, and the rollout model with its own copy of the weights.
 
     With pipeline parallelism the policy and the reference hold this rank's stage, the rollout model the whole
     model (every layer on every pipeline rank; the rollout manager's weight sync gathers the stages into it).
 
-    ``init_checkpoint``: a converted megatron checkpoint (tools/convert_hf_to_megatron.py) whose architecture and
-    weights initialize all three models (any TP that divides the model; resharded on the fly).
+    ``init_checkpoint``: a converted megatron checkpoint (tools/convert_hf_to_megatron.py), or an HF folder's
+    :class:`~megatron_fp4.models.hf_weights.HFCheckpointWeights`, whose architecture and weights initialize all
+    three models (any TP/PP that divides the model; resharded on the fly).
     """
     from megatron.core import parallel_state as ps
     from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig, finalize_model_grads
@@ -74,12 +118,19 @@ def build_models(cfg: RLConfig, vocab_size: int, init_checkpoint: Optional[str] 
 
     m, prec, act = cfg.model, cfg.precision, cfg.actor
     recipe = None
-    if prec.fp4_train and prec.fp4_format != "none":
-        recipe = recipe_for_format(prec.fp4_format, high_precision_first_layers=prec.fp4_high_precision_first_layers,
+    if prec.fp4_train and prec.fp4_block_format != "none":
+        recipe = recipe_for_format(prec.fp4_block_format,
+                                   high_precision_first_layers=prec.fp4_high_precision_first_layers,
                                    high_precision_last_layers=prec.fp4_high_precision_last_layers)
     dtype = torch.bfloat16 if m.bf16 else torch.float32
-    if init_checkpoint is not None:
-        from megatron_fp4.models.checkpoint_io import gpt_model_args_from_checkpoint, load_checkpoint_into_model
+    from megatron_fp4.models.checkpoint_io import load_checkpoint_into_model
+    from megatron_fp4.models.hf_weights import HFCheckpointWeights, hf_gpt_model_args
+
+    if isinstance(init_checkpoint, HFCheckpointWeights):
+        margs = hf_gpt_model_args(init_checkpoint, fp4_recipe=recipe, params_dtype=dtype)
+        margs.max_seq_len = max(margs.max_seq_len, m.seq_length)
+    elif init_checkpoint is not None:
+        from megatron_fp4.models.checkpoint_io import gpt_model_args_from_checkpoint
 
         margs = gpt_model_args_from_checkpoint(init_checkpoint, fp4_recipe=recipe, params_dtype=dtype)
         margs.max_seq_len = max(margs.max_seq_len, m.seq_length)
@@ -133,7 +184,7 @@ def build_models(cfg: RLConfig, vocab_size: int, init_checkpoint: Optional[str] 
                         bf16=m.bf16, params_dtype=dtype, adam_beta1=0.9, adam_beta2=0.98), [ddp])
 
     reference = None
-    if act.kl_beta > 0:
+    if act.use_kl_loss and act.kl_beta > 0:
         reference = load_init(build_gpt_model(margs, config=schedule_config(), parallel_output=False))
         reference.requires_grad_(False)
     rollout_model = full_model if full_model is not None else load_init(build_gpt_model(rollout_margs,
@@ -153,37 +204,41 @@ def describe(cfg: RLConfig, recipe, precision) -> str:
 
 def build_trainer(cfg: RLConfig, plan: StartPlan):
     """The trainer and its roles for ``cfg``, with the models built from ``plan``'s starting weights (a converted
-    checkpoint's architecture, weights and tokenizer when it names one). Returns (trainer, description)."""
+    checkpoint's or an HF folder's architecture and weights when it names one). Returns (trainer, description)."""
     from megatron_fp4.formats import get_format
-    from megatron_fp4.models.checkpoint_io import checkpoint_tokenizer_dir
+    from megatron_fp4.models.hf_weights import HFCheckpointWeights
     from megatron_fp4.resq import RolloutPrecision
     from megatron_fp4.rl.actor import Actor
     from megatron_fp4.rl.checkpointer import Checkpointer
     from megatron_fp4.rl.evaluator import Evaluator
-    from megatron_fp4.rl.monitor import MetricsLogger
+    from megatron_fp4.rl.monitor import MetricsLogger, init_wandb
+    from megatron_fp4.rl.rewards import RewardFunction
     from megatron_fp4.rl.rollout_manager import RolloutManager, make_engine
     from megatron_fp4.rl.trainer import GRPOTrainer
     from megatron_fp4.rl.warmup import SupervisedWarmup
 
     rank = torch.distributed.get_rank()
-    tokenizer_model = cfg.model.tokenizer_model
-    if plan.ref_load and tokenizer_model is None:
-        tok_dir = checkpoint_tokenizer_dir(plan.ref_load)
-        if tok_dir is None:
-            raise ValueError(f"--ref-load {plan.ref_load} has no tokenizer files (hf_assets/): pass --tokenizer-model")
-        tokenizer_model = str(tok_dir)
-    train_examples, eval_examples = load_examples(cfg)
-    tok = build_tokenizer(cfg, tokenizer_model, train_examples + eval_examples)
+    tokenizer_model = tokenizer_source(cfg, plan)
+    tok = build_tokenizer(cfg, tokenizer_model, []) if tokenizer_model is not None else None
+    train_examples, eval_examples, eval_sets = load_examples(cfg, tok)
+    if tok is None:
+        tok = build_tokenizer(cfg, None, train_examples + eval_examples)
+    warmup_iters = cfg.warmup.sft_iters or 0
+    if warmup_iters and plan.resume is None and not plan.init_from and not all(e.target for e in train_examples):
+        raise ValueError(f"--sft-iters={warmup_iters}: the supervised warm-up needs training examples with target "
+                         f"completions (synthetic tasks, --dataset gsm8k); these have none: pass --sft-iters 0")
     tp = cfg.parallel.tensor_model_parallel_size
     # pad to a multiple of 16 that TP divides, the same at every TP <= 16: the same random model at any TP
     multiple = math.lcm(16, tp)
-    models = build_models(cfg, -(-tok.vocab_size // multiple) * multiple, plan.ref_load)
+    init = plan.ref_load or (HFCheckpointWeights(plan.hf_checkpoint) if plan.hf_checkpoint else None)
+    models = build_models(cfg, -(-tok.vocab_size // multiple) * multiple, init)
     model_vocab = models.policy.module.vocab_size
     if tok.vocab_size > model_vocab:
+        source = f"--ref-load {plan.ref_load}" if plan.ref_load else f"--hf-checkpoint {plan.hf_checkpoint}"
         raise ValueError(f"the tokenizer has {tok.vocab_size} tokens but the model's vocabulary has only "
-                         f"{model_vocab} (--ref-load {plan.ref_load}): use the checkpoint's own tokenizer")
+                         f"{model_vocab} ({source}): use the checkpoint's own tokenizer")
     prec = cfg.precision
-    fmt = prec.fp4_format if prec.fp4_format != "none" else "hif4"
+    fmt = prec.fp4_block_format if prec.fp4_block_format != "none" else "hif4"
     precision = RolloutPrecision(prec.rollout_precision, fmt, prec.resq, resq_combine=prec.resq_combine)
     bf16 = RolloutPrecision("bf16", fmt, "none")
     eval_precisions = {"accuracy": None}
@@ -191,32 +246,44 @@ def build_trainer(cfg: RLConfig, plan: StartPlan):
         eval_precisions["accuracy_bf16"] = bf16
     engine = make_engine(cfg.rollout, models.rollout_model, precision)
 
-    run = cfg.run
-    actor = Actor(cfg.actor, models.policy, models.optimizer, models.reference, group_size=cfg.rollout.group_size,
-                  train_iters=run.train_iters, max_nonfinite_steps=run.max_nonfinite_steps)
-    rollout = RolloutManager(cfg.rollout, engine, tok, train_examples, seed=run.seed)
-    trainer = GRPOTrainer(cfg, rollout, actor, Evaluator(rollout, eval_examples, eval_precisions),
-                          Checkpointer(cfg.checkpoint, tok.vocab_size,
-                                       tokenizer_model if tokenizer_model and os.path.isdir(tokenizer_model) else None),
+    run, ro = cfg.run, cfg.rollout
+    steps_per_rollout = ro.rollout_batch_size * ro.group_size // cfg.actor.global_batch_size
+    actor = Actor(cfg.actor, models.policy, models.optimizer, models.reference, group_size=ro.group_size,
+                  train_iters=run.train_iters, max_nonfinite_steps=run.max_nonfinite_steps,
+                  steps_per_rollout=steps_per_rollout)
+    reward_fn = RewardFunction(ro.custom_rm_path, ro.group_rm, cfg.namespace())
+    rollout = RolloutManager(ro, engine, tok, train_examples, seed=run.seed, reward_fn=reward_fn)
+    evaluator = Evaluator(rollout, eval_examples, eval_precisions, sets=eval_sets,
+                          n_samples=run.n_samples_per_eval_prompt, temperature=run.eval_temperature,
+                          max_new_tokens=run.eval_max_response_len, seed=run.seed)
+    wandb_run = init_wandb(run, vars(cfg.namespace())) if run.use_wandb and rank == 0 else None
+    tokenizer_dir = tokenizer_model if tokenizer_model and os.path.isdir(tokenizer_model) else None
+    trainer = GRPOTrainer(cfg, rollout, actor, evaluator, Checkpointer(cfg.checkpoint, tok.vocab_size, tokenizer_dir),
                           SupervisedWarmup(cfg.warmup, actor, tok, train_examples, seed=run.seed,
-                                           max_prompt_length=cfg.rollout.max_prompt_length,
-                                           max_response_length=cfg.rollout.max_response_length),
+                                           max_prompt_length=ro.max_prompt_length,
+                                           max_response_length=ro.max_response_length),
                           MetricsLogger(run.tensorboard_dir, total_steps=run.train_iters, rank=rank,
-                                        jsonl_path=run.log_jsonl), bf16_precision=bf16)
+                                        jsonl_path=run.log_jsonl, wandb_run=wandb_run), bf16_precision=bf16)
     setup = describe(cfg, models.recipe, precision)
     if rank == 0:
         n_params = sum(p.numel() for p in models.policy.module.parameters())
         pp = cfg.parallel.pipeline_model_parallel_size
-        print(f"[setup] {cfg.data.dataset}: {len(train_examples)} train / {len(eval_examples)} held-out | tokenizer "
+        data = cfg.data.prompt_data or cfg.data.dataset
+        sets = "".join(f" + {name} {len(exs)}" for name, exs in eval_sets.items())
+        print(f"[setup] {data}: {len(train_examples)} train / {len(eval_examples)} held-out{sets} | tokenizer "
               f"{tok.vocab_size} tokens, model vocab {model_vocab} | {n_params / 1e6:.2f}M params/rank | {setup} | "
               f"world {torch.distributed.get_world_size()} (TP {tp}{f', PP {pp}' if pp > 1 else ''})", flush=True)
+        if steps_per_rollout > 1:
+            print(f"[setup] each rollout ({ro.rollout_batch_size} prompts x {ro.group_size} samples) feeds "
+                  f"{steps_per_rollout} optimizer steps of --global-batch-size {cfg.actor.global_batch_size} samples",
+                  flush=True)
         if models.recipe is not None and tp > 1:
-            block = get_format(prec.fp4_format).block_size
+            block = get_format(prec.fp4_block_format).block_size
             mcfg = models.policy.module.config
             split = {"hidden size": mcfg.hidden_size, "ffn hidden size": mcfg.ffn_hidden_size}
             uneven = [f"{k} {v} / TP {tp}" for k, v in split.items() if (v // tp) % block]
             if uneven:
-                print(f"[setup] note: {', '.join(uneven)} is not a multiple of the {prec.fp4_format} block "
+                print(f"[setup] note: {', '.join(uneven)} is not a multiple of the {prec.fp4_block_format} block "
                       f"({block}): FP4 blocks along the sharded K differ from TP=1's, so results depend on TP",
                       flush=True)
     return trainer, setup

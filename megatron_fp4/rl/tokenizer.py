@@ -70,6 +70,7 @@ class HFTokenizer(Tokenizer):
 
         if not os.path.isdir(path):
             raise FileNotFoundError(f"--tokenizer-model: no such directory: {path}")
+        self.path = path
         self.tok = AutoTokenizer.from_pretrained(path, local_files_only=True)
         self.vocab_size = len(self.tok)
         self.eos_id = self.tok.eos_token_id
@@ -80,3 +81,11 @@ class HFTokenizer(Tokenizer):
 
     def decode(self, ids: Sequence[int]) -> str:
         return self.tok.decode(list(ids), skip_special_tokens=True)
+
+    def apply_chat_template(self, messages: list[dict], tokenize: bool = False,
+                            add_generation_prompt: bool = True) -> str:
+        """The chat-formatted prompt text of ``messages`` (the tokenizer's own template; --apply-chat-template)."""
+        if not getattr(self.tok, "chat_template", None):
+            raise ValueError(f"--apply-chat-template: the tokenizer in {self.path} has no chat template "
+                             f"(tokenizer_config.json has no 'chat_template')")
+        return self.tok.apply_chat_template(messages, tokenize=tokenize, add_generation_prompt=add_generation_prompt)

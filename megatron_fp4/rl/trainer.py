@@ -111,7 +111,7 @@ class GRPOTrainer:
             losses += self.warmup.run(chunk, progress=False)
             done += chunk
             self.sync_weights()
-            acc = self.evaluator.evaluate({"accuracy": self.bf16_precision})["accuracy"]
+            acc = self.evaluator.evaluate({"accuracy": self.bf16_precision}, held_out_only=True)["accuracy"]
             if self.logger.rank == 0:
                 print(f"[warmup] iter {done}/{c.sft_iters} | held-out accuracy {acc:.3f} "
                       f"(target {c.sft_target_accuracy:.3f})", flush=True)
@@ -130,7 +130,8 @@ class GRPOTrainer:
         if not run.log_underflow_interval or (step % run.log_underflow_interval and step != run.train_iters):
             return
         sparsity = precision.resq if precision.resq != "none" else "2:4"
-        rates = self.rollout.measure_underflow(self.evaluator.examples[:64], sparsity)
+        rates = self.rollout.measure_underflow((self.evaluator.examples or self.rollout.train_examples)[:64],
+                                               sparsity)
         fmt = self.rollout.engine.precision.format
         self.logger.record(step, "underflow", rates, console=False, tensorboard=True,
                            fields={"format": fmt, "sparsity": sparsity})
