@@ -161,7 +161,7 @@ def decode_matmul(a: torch.Tensor, w: PreparedWeight) -> torch.Tensor:
     from kernels import cuda_decode
     from kernels.gemm import w4_matmul
 
-    check_tensor(a, "a", "kernels.dispatch.decode_matmul", ndim=2)
+    check_tensor(a, "a", "kernels.dispatch.decode_matmul", dtypes=None, ndim=2)
     if not isinstance(w, PreparedWeight):
         raise InvalidTensorError(f"kernels.dispatch.decode_matmul: w must be a PreparedWeight (prepare_weight), got "
                                  f"{type(w).__name__}")
