@@ -74,7 +74,7 @@ def world(tmp_path_factory):
     save_checkpoint(run, 2, {"model": {"w": torch.ones(3)}, "step": 2})
     return _World(root=root, hf=hf, conv=conv, hf_export=hf_export, fp4=fp4, run=run,
                   conv_tensors=dict(iter_hf_tensors_from_megatron(MegatronCheckpoint(conv))),
-                  conv_args=MegatronCheckpoint(conv).args,
+                  conv_args=MegatronCheckpoint(conv).args, conv_assets=_assets(conv / "hf_assets"),
                   hf_tensors={k: HFFolderSource(hf).get(k) for k in HFFolderSource(hf).keys()},
                   fp4_state=load_fp4_checkpoint(fp4).state_dict)
 
@@ -166,9 +166,14 @@ def test_damaged_safetensors_files_read_correctly_or_fail_naming_the_file(tmp_pa
 
 
 # -- 2. converted checkpoints, HF exports, FP4 exports -----------------------------------------------------------------
+def _assets(folder) -> dict[str, bytes]:
+    return {p.name: p.read_bytes() for p in sorted(Path(folder).iterdir())} if folder is not None else {}
+
+
 def _converted_reader(root: Path):
+    """What a converted checkpoint gives its users: args, every tensor, the tokenizer files."""
     ck = MegatronCheckpoint(root)
-    return ck.args, dict(iter_hf_tensors_from_megatron(ck))
+    return ck.args, dict(iter_hf_tensors_from_megatron(ck)), _assets(ck.hf_assets_dir)
 
 
 def _restore(files: dict[Path, bytes]) -> None:
@@ -205,8 +210,9 @@ def test_damaged_converted_checkpoints_load_correctly_or_fail_naming_the_file(wo
             kind = f"{'shard' if target.suffix == '.safetensors' else target.name}/{how}"
 
         def check(result) -> bool:
-            args, tensors = result
-            return args == world["conv_args"] and _same(tensors, world["conv_tensors"])
+            args, tensors, assets = result
+            return (args == world["conv_args"] and _same(tensors, world["conv_tensors"])
+                    and assets == world["conv_assets"])
 
         _judge("converted checkpoint reader", kind, lambda: _converted_reader(root), [root], check)
     finally:
@@ -267,6 +273,12 @@ _CONFIG_FIELDS = ["architectures", "model_type", "hidden_size", "num_hidden_laye
 
 
 _FLOAT_FIELDS = ("rms_norm_eps", "rope_theta", "attention_dropout", "initializer_range")
+#: The config.json fields megatron_fp4.models.hf_conversion.model_args_from_hf_config reads.
+_READ_FIELDS = {"architectures", "model_type", "hidden_size", "num_hidden_layers", "num_attention_heads",
+                "num_key_value_heads", "intermediate_size", "vocab_size", "head_dim", "tie_word_embeddings",
+                "rope_theta", "rope_parameters", "rope_scaling", "rms_norm_eps", "hidden_act",
+                "max_position_embeddings", "use_sliding_window", "attention_bias", "mlp_bias", "layer_types", "torch_dtype", "dtype",
+                "quantization_config"}
 
 
 def _hf_logits(path: Path, ids: torch.Tensor) -> torch.Tensor:
@@ -303,19 +315,21 @@ def test_config_json_fields_convert_faithfully_or_fail_naming_the_field(world, t
             return model(ids, torch.arange(8)[None], None).float()
 
     def faithful(logits) -> bool:
-        """transformers reads the same folder the same way; where transformers refuses the folder (its config
-        validation also covers fields that do not change the forward pass, e.g. dropout, which the converter does
-        not read), the result must be the unedited model's: so a field the converter reads and transformers refuses
-        must be refused by the converter too."""
+        """transformers reads the same folder the same way. Where its stricter config validation refuses the
+        folder, the fields the converter does not read (dropout, ...) are restored from the unedited config and
+        integers in float fields written as floats (the same numbers), which cannot change what the converter
+        built; if transformers still refuses, the converter must have built the unedited model (so a field it
+        reads and transformers refuses must be refused by the converter too)."""
         try:
             ref = _hf_logits(hf, ids)
         except Exception as e:
             ref = None
-            # transformers' strict config types refuse an integer where a float field is meant ("rms_norm_eps":
-            # 0): the same number written as a float is the same model
-            floats = {k: float(v) for k, v in cfg.items() if k in _FLOAT_FIELDS and type(v) is int} if field else {}
-            if floats:
-                (hf / "config.json").write_text(json.dumps({**cfg, **floats}))
+            if field is not None:  # (a raw byte damage has no edited dict to repair)
+                original = json.loads((world["hf"] / "config.json").read_text())
+                repaired = {k: v for k, v in cfg.items() if k in _READ_FIELDS}
+                repaired.update({k: v for k, v in original.items() if k not in _READ_FIELDS})
+                repaired.update({k: float(v) for k, v in repaired.items() if k in _FLOAT_FIELDS and type(v) is int})
+                (hf / "config.json").write_text(json.dumps(repaired))
                 try:
                     ref = _hf_logits(hf, ids)
                 except Exception:

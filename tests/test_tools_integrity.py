@@ -147,6 +147,21 @@ def test_edited_or_damaged_args_json_is_refused(conv, tmp_path):
     _expect_error("args.json/truncated", lambda: MegatronCheckpoint(f.parent.parent), [f])
 
 
+def test_tokenizer_files_are_verified(conv, tmp_path):
+    from megatron_fp4.models.checkpoint_io import checkpoint_tokenizer_dir, gpt_model_args_from_checkpoint
+
+    ckpt = _copy(conv, tmp_path / "tok")
+    assert json.loads((ckpt / "release" / "args.json").read_text())["hf_assets"]  # recorded with their checksums
+    victim = ckpt / "hf_assets" / "generation_config.json"
+    victim.write_text(victim.read_text().replace("}", ', "do_sample": true}'))
+    for kind, fn in (("tokenizer folder", lambda: checkpoint_tokenizer_dir(ckpt)),
+                     ("model args for the trainer", lambda: gpt_model_args_from_checkpoint(ckpt)),
+                     ("HF export", lambda: convert_megatron_to_hf(ckpt, tmp_path / "hf", progress=False))):
+        msg = _expect_error(f"hf_assets/edited file ({kind})", fn, [victim])
+        assert "does not match its checksum" in msg
+    assert not (tmp_path / "hf").exists()
+
+
 def test_swapped_or_foreign_shards_are_refused(conv, hf, tmp_path):
     ckpt = _copy(conv, tmp_path / "swap")
     a, b = (ckpt / "release" / f"mp_rank_{r:02d}_000" / "model.safetensors" for r in (0, 1))

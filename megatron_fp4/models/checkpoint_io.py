@@ -57,6 +57,7 @@ __all__ = [
     "ShardedWeights",
     "is_megatron_checkpoint",
     "checkpoint_tokenizer_dir",
+    "asset_digests",
     "hf_asset_files",
     "copy_hf_assets",
     "hf_info_of",
@@ -460,9 +461,36 @@ def hf_info_of(ckpt: "ShardedWeights") -> dict:
             "vocab_size": ckpt.args.get("hf_vocab_size"), "assets_dir": str(assets) if assets else None}
 
 
+def asset_digests(folder: PathLike) -> dict[str, str]:
+    """{file name: xxh3-128 of its bytes} of the files in an ``hf_assets/`` folder (recorded in args.json)."""
+    import xxhash
+
+    folder = Path(folder)
+    if not folder.is_dir():
+        return {}
+    return {p.name: xxhash.xxh3_128_hexdigest(p.read_bytes()) for p in sorted(folder.iterdir()) if p.is_file()}
+
+
+def verify_assets(folder: Optional[Path], recorded: Any, args_file: Path) -> None:
+    """The tokenizer files ``args_file`` recorded are in ``folder`` with the bytes it recorded; ValueError naming
+    the file otherwise (damaged, or replaced by a later conversion of another model into the same folder)."""
+    if not isinstance(recorded, dict):
+        raise ValueError(f"{args_file}: hf_assets={str(recorded)[:60]!r} is not valid; expected an object")
+    have = asset_digests(folder) if folder is not None else {}
+    for name, digest in sorted(recorded.items()):
+        if have.get(name) != digest:
+            where = (folder / name) if folder is not None else f"hf_assets/{name}"
+            what = "is missing" if name not in have else "does not match its checksum"
+            raise ValueError(f"{where}: {what} in {args_file} (damaged, or replaced by a later conversion of "
+                             f"another model into this folder)")
+
+
 def checkpoint_tokenizer_dir(path: PathLike) -> Optional[Path]:
-    """The ``hf_assets/`` folder (tokenizer files copied from the HF model) of a checkpoint, if it has one."""
+    """The ``hf_assets/`` folder (tokenizer files copied from the HF model) of a checkpoint, if it has one
+    (verified against the checksums a converted checkpoint records)."""
     path = Path(path)
+    if is_megatron_checkpoint(path):
+        return MegatronCheckpoint(path).hf_assets_dir
     for d in (path / HF_ASSETS_DIRNAME, path.parent / HF_ASSETS_DIRNAME):
         if d.is_dir():
             return d
@@ -604,11 +632,16 @@ class MegatronCheckpoint(ShardedWeights):
 
     @property
     def hf_assets_dir(self) -> Optional[Path]:
-        """``hf_assets/`` beside the iteration directories (tokenizer files), if present."""
+        """``hf_assets/`` beside the iteration directories (tokenizer files), if present; the files args.json
+        recorded are verified against their checksums."""
+        found = None
         for d in (self.dir.parent / HF_ASSETS_DIRNAME, self.dir / HF_ASSETS_DIRNAME):
             if d.is_dir():
-                return d
-        return None
+                found = d
+                break
+        if self.verify and HF_ASSETS_DIRNAME in self.args:
+            verify_assets(found, self.args[HF_ASSETS_DIRNAME], self.dir / ARGS_FILENAME)
+        return found
 
     def write_hf_assets(self, dst: PathLike) -> list[str]:
         """Copy the files of :attr:`hf_assets_dir` into ``dst``."""
@@ -876,9 +909,11 @@ def save_model_checkpoint(model: Any, save_dir: PathLike, iteration: Union[int, 
             src = Path(copy_hf_assets_from)
             if src.is_dir() and src.resolve() != (save_dir / HF_ASSETS_DIRNAME).resolve():
                 shutil.copytree(src, save_dir / HF_ASSETS_DIRNAME, dirs_exist_ok=True)
+        assets = asset_digests(save_dir / HF_ASSETS_DIRNAME)
         doc = checkpoint_args_doc(iteration, model_args, tp_size, pp_size, hf_config=hf_config,
                                   hf_vocab_size=hf_vocab_size, hf_architecture=hf_architecture,
-                                  checkpoint_id=checkpoint_id, writer=writer)
+                                  checkpoint_id=checkpoint_id, writer=writer,
+                                  extra={HF_ASSETS_DIRNAME: assets} if assets else None)
         _write_text_atomic(tmp / ARGS_FILENAME, json.dumps(doc, indent=2) + "\n")
         _commit_iteration(save_dir, iteration, tmp)
     if dist:

@@ -107,6 +107,7 @@ def _source_for(path: Union[str, os.PathLike, ShardedWeights]):
         check_hf_exportable(ckpt)
         if isinstance(ckpt, MegatronCheckpoint):
             ckpt.check_shards()  # every shard's header, names and shapes before anything is written
+            ckpt.hf_assets_dir  # and the tokenizer files it recorded
         return (hf_config_from_checkpoint(ckpt), iter_hf_tensors_from_megatron(ckpt),
                 num_hf_tensors(ckpt.model_args), ckpt.write_hf_assets)
     path = Path(path)

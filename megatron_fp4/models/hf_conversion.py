@@ -41,6 +41,7 @@ from megatron_fp4.models.checkpoint_io import (
     _commit_iteration,
     _tmp_iteration_dir,
     _write_text_atomic,
+    asset_digests,
     checkpoint_args_doc,
     copy_hf_assets,
     iteration_dirname,
@@ -150,6 +151,10 @@ def _rope_theta(cfg: dict, where: str = "config.json") -> float:
             raise ValueError(f"{where}: {key}={value!r} is not valid; expected an object or null")
     rp, rs = rp or {}, rs or {}
     for key, value in (("rope_parameters", rp), ("rope_scaling", rs)):  # either one may carry the scaling
+        for k in ("rope_type", "type"):
+            if k in value and not isinstance(value[k], str):
+                raise ValueError(f"{where}: {key}.{k}={value[k]!r} is not valid; expected a name such as "
+                                 f"\"default\"")
         rope_type = value.get("rope_type", value.get("type")) or "default"
         if rope_type != "default":
             raise ValueError(f"unsupported RoPE scaling {rope_type!r} ({key} in {where}); only the default RoPE is "
@@ -596,8 +601,10 @@ def _write_converted(source: TensorSource, save_dir: Path, tmp: Path, margs: dic
     archs = source.config.get("architectures") or [
         {v: k for k, v in SUPPORTED_ARCHITECTURES.items()}[source.config["model_type"]]]
     hf_config = {k: v for k, v in source.config.items() if k != "quantization_config"}
+    assets = asset_digests(tmp / HF_ASSETS_DIRNAME)
     doc = checkpoint_args_doc(iteration, margs, tp, pp, hf_config=hf_config, hf_vocab_size=hf_vocab,
-                              hf_architecture=archs[0], checkpoint_id=checkpoint_id, writer=writer)
+                              hf_architecture=archs[0], checkpoint_id=checkpoint_id, writer=writer,
+                              extra={HF_ASSETS_DIRNAME: assets} if assets else None)
     _write_text_atomic(tmp / ARGS_FILENAME, json.dumps(doc, indent=2) + "\n")
 
 
@@ -844,6 +851,7 @@ def convert_megatron_to_hf(load_dir: Union[PathLike, ShardedWeights], save_dir: 
     cfg = hf_config_from_checkpoint(ckpt)
     if isinstance(ckpt, MegatronCheckpoint):
         ckpt.check_shards()  # every shard's header, names and shapes before anything is written
+        ckpt.hf_assets_dir  # and the tokenizer files it recorded
     created = not Path(save_dir).exists()
     save_dir = prepare_output_dir(save_dir, overwrite, sources=_source_paths(ckpt) + _run_root(ckpt))
     writer = ShardedSafetensorsWriter(save_dir, max_shard_bytes, writer=writer_record(
