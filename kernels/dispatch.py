@@ -20,7 +20,7 @@ from typing import Optional
 import torch
 
 from kernels._common import DECODE_MAX_M, KERNEL_FORMATS, kernels_usable
-from megatron_fp4.formats import Format, QuantizedTensor, get_format
+from megatron_fp4.formats import Format, InvalidTensorError, QuantizedTensor, check_tensor, get_format
 
 __all__ = ["available", "register", "ops_backend", "fp4_gemm", "PreparedWeight", "prepare_weight", "linear",
            "decode_matmul"]
@@ -62,6 +62,11 @@ def fp4_gemm(a: torch.Tensor, b: torch.Tensor, a_format, b_format=None, mode: st
     ("exact": BF16 tensor cores, equal to the reference up to fp32 summation order).
     """
     _check_mode(mode)
+    check_tensor(a, "a", "kernels.dispatch.fp4_gemm", ndim=2)
+    check_tensor(b, "b", "kernels.dispatch.fp4_gemm", ndim=2)
+    if a.shape[1] != b.shape[1]:
+        raise InvalidTensorError(f"kernels.dispatch.fp4_gemm: reduction dims differ: a {tuple(a.shape)}, b "
+                                 f"{tuple(b.shape)}")
     from kernels.gemm import fp4_matmul, w4_matmul
     from kernels.quantize import quantize
 
@@ -131,6 +136,7 @@ def prepare_weight(w: torch.Tensor, fmt, mode: str = "exact") -> PreparedWeight:
     from kernels.quantize import expand_packed, quantize
 
     _check_mode(mode)
+    check_tensor(w, "w", "kernels.dispatch.prepare_weight", ndim=2)
     f = get_format(fmt)
     q, e = quantize(w, f, dim=-1, expand="bf16" if mode == "exact" else "native")
     if e.values.dtype == torch.float8_e5m2:  # cuBLAS multiplies E5M2 activations by E4M3 (not E5M2) weights
@@ -155,6 +161,13 @@ def decode_matmul(a: torch.Tensor, w: PreparedWeight) -> torch.Tensor:
     from kernels import cuda_decode
     from kernels.gemm import w4_matmul
 
+    check_tensor(a, "a", "kernels.dispatch.decode_matmul", dtypes=None, ndim=2)
+    if not isinstance(w, PreparedWeight):
+        raise InvalidTensorError(f"kernels.dispatch.decode_matmul: w must be a PreparedWeight (prepare_weight), got "
+                                 f"{type(w).__name__}")
+    if a.shape[1] != w.packed.codes.shape[-1] * 2:
+        raise InvalidTensorError(f"kernels.dispatch.decode_matmul: a has {a.shape[1]} columns, the weight's padded "
+                                 f"K is {w.packed.codes.shape[-1] * 2}")
     if w.decode is not None and a.is_cuda and a.shape[0] <= cuda_decode.MAX_M and cuda_decode.available():
         return cuda_decode.w4_decode(a, w.decode)
     return w4_matmul(a, w.packed, wide=w.wide)
@@ -187,6 +200,13 @@ def linear(x: torch.Tensor, w: PreparedWeight, resq: str = "none", activations: 
                          f"{', '.join(map(repr, RESQ_COMBINES))}")
     if activations not in ("fp4", "bf16"):
         raise ValueError(f"activations={activations!r} is not valid; allowed values: 'fp4', 'bf16'")
+    check_tensor(x, "x", "kernels.dispatch.linear", ndim=2)
+    if not isinstance(w, PreparedWeight):
+        raise InvalidTensorError(f"kernels.dispatch.linear: w must be a PreparedWeight (prepare_weight), got "
+                                 f"{type(w).__name__}")
+    if x.shape[1] != w.packed.shape[1]:
+        raise InvalidTensorError(f"kernels.dispatch.linear: x has {x.shape[1]} features but the weight is "
+                                 f"{tuple(w.packed.shape)}")
     K = x.shape[-1]
     kp = w.packed.codes.shape[-1] * 2
     if not kernels_usable(x) or w.fmt.name not in KERNEL_FORMATS:

@@ -23,6 +23,7 @@ import torch
 import torch.nn.functional as F
 
 from megatron_fp4 import ops
+from megatron_fp4.formats import InvalidTensorError, check_tensor
 from megatron_fp4.recipe import FP4Recipe, fp4_autocast_active, get_fp4_recipe
 
 __all__ = [
@@ -146,8 +147,17 @@ def fp4_linear(
         recipe = get_fp4_recipe()
     if recipe is None:
         return F.linear(x, weight, bias)
+    if not isinstance(recipe, FP4Recipe):
+        raise TypeError(f"fp4_linear: recipe must be an FP4Recipe or None, got {type(recipe).__name__}")
+    check_tensor(x, "x", "fp4_linear")
+    check_tensor(weight, "weight", "fp4_linear", ndim=2)
     if x.shape[-1] != weight.shape[1]:
-        raise ValueError(f"fp4_linear: x has {x.shape[-1]} features but weight is {tuple(weight.shape)}")
+        raise InvalidTensorError(f"fp4_linear: x has {x.shape[-1]} features but weight is {tuple(weight.shape)}")
+    if bias is not None:
+        check_tensor(bias, "bias", "fp4_linear", ndim=1)
+        if bias.shape[0] != weight.shape[0]:
+            raise InvalidTensorError(f"fp4_linear: bias has {bias.shape[0]} values but weight is "
+                                     f"{tuple(weight.shape)}")
     return FP4LinearFunction.apply(x, weight, bias, recipe)
 
 

@@ -33,7 +33,7 @@ from typing import Any, Callable, Optional, Union
 import torch
 import torch.nn.functional as F
 
-from megatron_fp4.formats import Format, get_format, registered_formats
+from megatron_fp4.formats import Format, check_tensor, get_format, registered_formats
 from megatron_fp4.formats.base import choice_error
 
 __all__ = [
@@ -144,6 +144,7 @@ def resq_components(x: torch.Tensor, fmt: FormatLike, sparsity: str, dim: int = 
                     ) -> tuple[torch.Tensor, torch.Tensor]:
     """(deq(Q(x)), S(deq(Q(x - deq(Q(x)))))) in fp32; the residual part is all zeros for sparsity "none"."""
     _check_sparsity(sparsity)
+    check_tensor(x, "x", "resq_activation")
     f = get_format(fmt)
     xf = x.float()
     q = f.fake_quantize(xf, dim=dim)

@@ -261,14 +261,14 @@ def test_checkpoint_without_model_record_names_what_is_missing(runs, tmp_path):
         lay["model_args"] = {k: lay["model_args"][k] for k in keep}  # what older versions wrote
         lay.pop("hf", None)
         lay.pop("hf_assets", None)
-        state.pop("checksums", None)  # (older versions wrote none)
+        state.pop("checksums", None)  # older versions wrote none (a stale table would make the file "damaged")
         torch.save(state, f)
     for tool, extra in (("convert_megatron_to_hf.py", []), ("export_fp4_checkpoint.py", ["--format", "mxfp4",
                                                                                           "--resq", "none"])):
         r = run_tool(tool, "--load", str(old), "--save", str(tmp_path / tool), *extra)
         assert r.returncode == 2, r.stderr
         line = r.stderr.strip().splitlines()[-1]
-        assert line.startswith("error: ") and "Traceback" not in r.stderr
+        assert line.startswith(f"{tool}: error: ") and "Traceback" not in r.stderr
         assert "not num_query_groups, kv_channels, max_seq_len, add_qkv_bias" in line and "Resume the run" in line
 
 
@@ -279,7 +279,7 @@ def test_load_that_is_no_checkpoint_is_one_error_line(tmp_path):
         open_checkpoint(tmp_path / "missing")
     (tmp_path / "empty").mkdir()
     r = run_tool("convert_megatron_to_hf.py", "--load", str(tmp_path / "empty"), "--save", str(tmp_path / "out"))
-    assert r.returncode == 2 and r.stderr.strip().splitlines()[-1].startswith("error: ")
+    assert r.returncode == 2 and r.stderr.strip().splitlines()[-1].startswith("convert_megatron_to_hf.py: error: ")
     assert "is neither a pretrain_rl.py --save directory" in r.stderr
 
 

@@ -204,7 +204,8 @@ def test_error_unsupported_architecture(hf_models, tmp_path):
                                          r"Qwen2ForCausalLM.*LlamaForCausalLM"):
         convert_hf_to_megatron(d, tmp_path / "out", progress=False)
     r = run_tool("convert_hf_to_megatron.py", "--hf-path", str(d), "--save", str(tmp_path / "out2"))
-    assert r.returncode == 2 and "error: unsupported architecture" in r.stderr and "Traceback" not in r.stderr
+    assert r.returncode == 2 and r.stderr.startswith("convert_hf_to_megatron.py: error: ") and "Traceback" not in r.stderr
+    assert f"{d / 'config.json'}: unsupported architecture 'MistralForCausalLM'" in r.stderr
 
 
 def test_error_tp_does_not_divide_heads(hf_models, tmp_path):

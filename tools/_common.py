@@ -1,11 +1,17 @@
-"""Shared helpers of the tools/ command-line scripts: import path, error reporting, size parsing."""
+"""Shared helpers of the tools/ command-line scripts: import path, argument parser, error reporting, size parsing.
+
+Every tool reports bad input the same way as ``pretrain_rl.py``: one line ``<tool>.py: error: <what is wrong>``
+naming the argument or the file, on stderr, exit status 2, no traceback. That covers argument errors (the parser's
+:meth:`ToolArgumentParser.error`) and what the library raises for bad or damaged input (:func:`run_cli`).
+"""
 
 from __future__ import annotations
 
+import argparse
 import os
 import re
 import sys
-from typing import Callable
+from typing import Callable, Optional
 
 REPO_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 if REPO_ROOT not in sys.path:
@@ -13,30 +19,88 @@ if REPO_ROOT not in sys.path:
 
 
 def parse_size(text: str) -> int:
-    """'5GB' / '500MB' / '1024' -> bytes."""
+    """'5GB' / '500MB' / '1024' -> bytes (at least 1)."""
     m = re.fullmatch(r"\s*(\d+(?:\.\d+)?)\s*([KMGT]?i?B?)?\s*", text, flags=re.IGNORECASE)
     if not m:
         raise ValueError(f"--max-shard-size {text!r} is not a size like 5GB, 500MB or 1048576")
     unit = (m.group(2) or "").upper().replace("I", "").rstrip("B")
     mult = {"": 1, "K": 2**10, "M": 2**20, "G": 2**30, "T": 2**40}[unit]
-    return int(float(m.group(1)) * mult)
+    size = int(float(m.group(1)) * mult)
+    if size < 1:
+        raise ValueError(f"--max-shard-size {text!r} is not valid; expected a size of at least 1 byte")
+    return size
 
 
 #: --dtype choices of the tools (torch attribute names).
 DTYPES = ("float32", "bfloat16", "float16")
 
 
-def run_cli(main: Callable[[], object]) -> None:
-    """Run ``main``; configuration/data errors (and unreadable RL checkpoints) print one clear line and exit with
-    status 2."""
+class ToolArgumentParser(argparse.ArgumentParser):
+    """argparse with the tools' error style: one ``prog: error: ...`` line (no usage block), status 2."""
+
+    def error(self, message: str):  # noqa: D102 (argparse API)
+        print(f"{self.prog}: error: {message} (see {self.prog} --help)", file=sys.stderr)
+        sys.exit(2)
+
+
+def tool_parser(prog: str, doc: Optional[str]) -> ToolArgumentParser:
+    """The parser of tool ``prog`` (e.g. "convert_hf_to_megatron.py"), described by the first paragraph of
+    ``doc``."""
+    return ToolArgumentParser(prog=prog, description=(doc or "").split("\n\n")[0])
+
+
+def positive_int(text: str) -> int:
+    """argparse type: an integer >= 1."""
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"invalid int value: {text!r}") from None
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"{value} is not valid; expected an integer >= 1")
+    return value
+
+
+def non_negative_int(text: str) -> int:
+    """argparse type: an integer >= 0."""
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"invalid int value: {text!r}") from None
+    if value < 0:
+        raise argparse.ArgumentTypeError(f"{value} is not valid; expected an integer >= 0")
+    return value
+
+
+def iteration_arg(text: str) -> str:
+    """argparse type of --iteration: "release" or a number >= 0 (kept as text)."""
+    if text != "release" and not text.isdigit():
+        raise argparse.ArgumentTypeError(f"{text!r} is not valid; allowed values: \"release\" or a number >= 0")
+    return text
+
+
+def _input_error_types() -> tuple[type, ...]:
+    """What the library raises for bad or damaged input (and what the OS raises for unusable paths)."""
+    types: list[type] = [ValueError, KeyError, OSError, NotImplementedError, ImportError]
+    try:
+        from megatron_fp4.rl.checkpoint import CheckpointError
+
+        types.append(CheckpointError)
+    except ImportError:  # (a broken install: the ImportError of the tool's own import is reported instead)
+        pass
+    return tuple(types)
+
+
+def run_cli(main: Callable[[], object], prog: Optional[str] = None) -> None:
+    """Run ``main``; bad input (ValueError, KeyError, OSError, ... from the library, including damaged or foreign
+    checkpoints) prints one ``prog: error: ...`` line and exits with status 2. Anything else is a bug and keeps
+    its traceback."""
+    prog = prog or os.path.basename(sys.argv[0])
     try:
         main()
     except Exception as e:
-        from megatron_fp4.rl.checkpoint import CheckpointError
-
-        if not isinstance(e, (ValueError, KeyError, FileNotFoundError, FileExistsError, NotImplementedError,
-                              ImportError, CheckpointError)):
+        if not isinstance(e, _input_error_types()):
             raise
         msg = e.args[0] if isinstance(e, KeyError) and e.args else str(e)
-        print(f"error: {msg}", file=sys.stderr)
+        msg = " ".join(str(msg).split()) or type(e).__name__
+        print(f"{prog}: error: {msg}", file=sys.stderr)
         sys.exit(2)

@@ -16,11 +16,13 @@ import argparse
 import os
 
 import _common  # noqa: F401  (puts the repository on sys.path)
-from _common import run_cli
+from _common import iteration_arg, positive_int, run_cli, tool_parser
+
+PROG = "convert_hf_to_megatron.py"
 
 
 def parse_args(argv=None) -> argparse.Namespace:
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p = tool_parser(PROG, __doc__)
     p.add_argument("--hf-path", default=None, help="local HF folder: config.json + safetensors (sharded or not); "
                                                    "with --gguf-file, the folder holding the GGUF file")
     p.add_argument("--gguf-file", default=None,
@@ -28,11 +30,12 @@ def parse_args(argv=None) -> argparse.Namespace:
                         "not given) through transformers' GGUF loader: weights dequantized to fp32, tokenizer and "
                         "chat template copied (needs pip install gguf)")
     p.add_argument("--save", required=True, help="output checkpoint directory")
-    p.add_argument("--tensor-model-parallel-size", type=int, default=1)
-    p.add_argument("--pipeline-model-parallel-size", type=int, default=1)
-    p.add_argument("--make-vocab-size-divisible-by", type=int, default=1,
+    p.add_argument("--tensor-model-parallel-size", type=positive_int, default=1)
+    p.add_argument("--pipeline-model-parallel-size", type=positive_int, default=1)
+    p.add_argument("--make-vocab-size-divisible-by", type=positive_int, default=1,
                    help="pad the vocabulary to a multiple of this x TP (default 1: pad only as TP requires)")
-    p.add_argument("--iteration", default="release", help='iteration to write: "release" (default) or a number')
+    p.add_argument("--iteration", default="release", type=iteration_arg,
+                   help='iteration to write: "release" (default) or a number')
     p.add_argument("--no-progress", action="store_true", help="no progress bar")
     p.add_argument("--overwrite", action="store_true", help="replace an existing output in --save")
     return p.parse_args(argv)
@@ -47,6 +50,8 @@ def main(argv=None) -> None:
         if gguf_file is None:
             raise ValueError("--hf-path is required (or --gguf-file PATH to convert a GGUF file)")
         hf_path, gguf_file = os.path.dirname(os.path.abspath(gguf_file)), os.path.basename(gguf_file)
+    if not os.path.isdir(hf_path):
+        raise FileNotFoundError(f"--hf-path {hf_path}: no such directory")
     it_dir = convert_hf_to_megatron(
         hf_path, args.save, args.tensor_model_parallel_size, args.pipeline_model_parallel_size,
         make_vocab_size_divisible_by=args.make_vocab_size_divisible_by, iteration=args.iteration,
@@ -55,4 +60,4 @@ def main(argv=None) -> None:
 
 
 if __name__ == "__main__":
-    run_cli(main)
+    run_cli(main, PROG)

@@ -8,7 +8,6 @@ logprob mismatch per configuration, and a comparison with the paper's findings c
 
 from __future__ import annotations
 
-import argparse
 import json
 import math
 import os
@@ -18,7 +17,11 @@ from collections import defaultdict
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, os.path.join(ROOT, "examples", "mini_table"))
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from _common import run_cli, tool_parser  # noqa: E402
 from run_mini_table import ROWS  # noqa: E402  (the rows and their labels: one source of truth)
+
+PROG = "plot_runs.py"
 
 FORMATS = ("hif4", "mxfp4")
 NAMES = {"hif4": "HiF4", "mxfp4": "MXFP4"}
@@ -29,29 +32,96 @@ PAPER = {"bf16_bf16": (86.96, 86.96), "fp4_bf16": (86.88, 86.20), "fp4_w4a16": (
 
 
 # ---------------------------------------------------------------------------------------------------- loading
+def _number(v) -> bool:
+    return isinstance(v, (int, float)) and not isinstance(v, bool)
+
+
+def _check_log_row(r, where: str) -> None:
+    """A train.jsonl row has the fields the report reads, with their types (ValueError naming the line)."""
+    if not isinstance(r, dict):
+        raise ValueError(f"{where}: expected a JSON object, found {type(r).__name__}")
+    if "kind" in r and not isinstance(r["kind"], str):
+        raise ValueError(f"{where}: kind={r['kind']!r} is not a string")
+    if "step" in r and (not isinstance(r["step"], int) or isinstance(r["step"], bool)):
+        raise ValueError(f"{where}: step={r['step']!r} is not an integer")
+    for k, v in r.items():
+        numeric = k in ("reward_mean", "logp_abs_diff_mean") or (
+            r.get("kind") == "underflow" and k.endswith(("/fp4", "/resq")))
+        if numeric and not _number(v):
+            raise ValueError(f"{where}: {k}={v!r} is not a number")
+    if r.get("kind") == "underflow" and not isinstance(r.get("sparsity", ""), str):
+        raise ValueError(f"{where}: sparsity={r['sparsity']!r} is not a string")
+
+
 def read_jsonl(path: str) -> list[dict]:
-    """Rows of a jsonl file; a resumed run's repeated (kind, step) rows keep the last one."""
+    """Rows of a jsonl file; a resumed run's repeated (kind, step) rows keep the last one. A line that is not a
+    JSON object with the fields the report reads is a ValueError naming the file and line."""
     if not os.path.isfile(path):
         return []
     rows: dict[tuple, dict] = {}
-    with open(path) as f:
-        for line in f:
-            if line.strip():
+    with open(path, encoding="utf-8", errors="strict") as f:
+        try:
+            lines = f.readlines()
+        except UnicodeDecodeError as e:
+            raise ValueError(f"{path}: not UTF-8 text ({e})") from None
+    for number, line in enumerate(lines, 1):
+        if line.strip():
+            try:
                 r = json.loads(line)
-                rows[(r.get("kind"), r.get("step"))] = r
+            except ValueError as e:
+                raise ValueError(f"{path}:{number}: not valid JSON ({e})") from None
+            _check_log_row(r, f"{path}:{number}")
+            rows[(r.get("kind"), r.get("step"))] = r
     return sorted(rows.values(), key=lambda r: (r.get("step", 0), str(r.get("kind"))))
+
+
+def _check_record(rec, path: str) -> None:
+    """A results.json of a table run has the fields the report reads, with their types (ValueError naming the
+    file and the field)."""
+    if not isinstance(rec, dict):
+        raise ValueError(f"{path}: expected a JSON object, found {type(rec).__name__}")
+    rows = {row.id for row in ROWS}
+    if not isinstance(rec["row"], str) or rec["row"] not in rows:
+        raise ValueError(f"{path}: row={rec['row']!r} is not a row of the table; allowed values: "
+                         f"{', '.join(sorted(rows))}")
+    if not isinstance(rec.get("format"), str) or rec.get("format") not in FORMATS + ("bf16",):
+        raise ValueError(f"{path}: format={rec.get('format')!r} is not valid; allowed values: "
+                         f"{', '.join(FORMATS + ('bf16',))}")
+    if not isinstance(rec.get("seed"), int) or isinstance(rec.get("seed"), bool):
+        raise ValueError(f"{path}: seed={rec.get('seed')!r} is not an integer")
+    for key in ("final", "warm_start"):
+        v = rec.get(key, {})
+        if not isinstance(v, dict) or ("accuracy" in v and not _number(v["accuracy"])):
+            raise ValueError(f"{path}: {key}={v!r} is not valid; expected an object with a numeric accuracy")
+    command = rec.get("command", "")
+    if not isinstance(command, str):
+        raise ValueError(f"{path}: command={command!r} is not a string")
+    try:
+        samples = flag_value(command, "--eval-samples", 256)
+        shlex.split(command)
+    except ValueError as e:
+        raise ValueError(f"{path}: command cannot be parsed ({e})") from None
+    if not str(samples).isdigit():
+        raise ValueError(f"{path}: command has --eval-samples {samples!r}, not an integer")
 
 
 def load_runs(runs_dir: str) -> list[dict]:
     """Every finished run (results.json present) with its jsonl rows under key 'log'."""
+    if not os.path.isdir(runs_dir):
+        raise FileNotFoundError(f"--runs {runs_dir}: no such directory")
     out = []
     for dirpath, _, files in sorted(os.walk(runs_dir)):
         if "results.json" not in files or os.path.basename(dirpath) == "warm":
             continue
-        with open(os.path.join(dirpath, "results.json")) as f:
-            rec = json.load(f)
-        if "row" not in rec:
+        path = os.path.join(dirpath, "results.json")
+        try:
+            with open(path, encoding="utf-8") as f:
+                rec = json.load(f)
+        except (ValueError, UnicodeDecodeError) as e:
+            raise ValueError(f"{path}: not valid JSON ({e})") from None
+        if not isinstance(rec, dict) or "row" not in rec:
             continue
+        _check_record(rec, path)
         rec["log"] = read_jsonl(os.path.join(dirpath, "train.jsonl"))
         rec["dir"] = dirpath
         out.append(rec)
@@ -286,10 +356,18 @@ def short_command(cmd: str) -> str:
     return shlex.join(parts)
 
 
+def _read_notes(path: str) -> str:
+    try:
+        with open(path, encoding="utf-8") as f:
+            return f.read().rstrip()
+    except UnicodeDecodeError as e:
+        raise ValueError(f"--notes {path}: not UTF-8 text ({e})") from None
+
+
 def write_report(runs_dir: str, out_md: str, command: str, notes: str | None = None) -> str:
     runs = load_runs(runs_dir)
     if not runs:
-        raise SystemExit(f"plot_runs.py: no finished runs (results.json) under {runs_dir}")
+        raise FileNotFoundError(f"--runs {runs_dir}: no finished runs (results.json) under it")
     out_dir = os.path.dirname(os.path.abspath(out_md))
     os.makedirs(out_dir, exist_ok=True)
     stem = os.path.splitext(os.path.basename(out_md))[0]
@@ -304,7 +382,7 @@ def write_report(runs_dir: str, out_md: str, command: str, notes: str | None = N
              f"{100 * math.sqrt(0.25 / max(n_eval, 1)):.1f} points). Model: {flag_value(ex.get('command'), '--num-layers')}"
              f" layers x {flag_value(ex.get('command'), '--hidden-size')} hidden, random init. Example run command:",
              "", "```bash", short_command(ex.get("command", "")), "```", "",
-             *([open(notes).read().rstrip(), ""] if notes else []),
+             *([_read_notes(notes), ""] if notes else []),
              "## Accuracy (held-out greedy accuracy in %, mean ± std over seeds, after GRPO)", "",
              "Evaluated greedily in each run's own rollout precision; the warm start is the same weights for every "
              "row of a seed, evaluated in that row's rollout precision before GRPO. Paper = SPEC §1 (Qwen2.5-3B, "
@@ -370,17 +448,32 @@ def write_report(runs_dir: str, out_md: str, command: str, notes: str | None = N
 
 
 def main(argv=None) -> int:
-    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p = tool_parser(PROG, __doc__.split("\n")[0])
     p.add_argument("--runs", default="runs/mini_table", help="the --out directory of run_mini_table.py")
     p.add_argument("--out", default="docs/results/mini_table.md", help="markdown report (PNGs beside it)")
     p.add_argument("--notes", default=None, help="a markdown file inserted after the header (how the runs were made, "
                                                    "what to read into them)")
     a = p.parse_args(argv)
+    if a.notes is not None and not os.path.isfile(a.notes):
+        raise FileNotFoundError(f"--notes {a.notes}: no such file")
+    _check_output_file("--out", a.out)
     command = "python tools/plot_runs.py " + shlex.join(argv if argv is not None else sys.argv[1:])
     write_report(a.runs, a.out, command, a.notes)
     print(f"wrote {a.out}")
     return 0
 
 
+def _check_output_file(flag: str, path: str) -> None:
+    """``path`` can be written (not a directory; its folder exists or can be created), before any work."""
+    p = os.path.abspath(path)
+    if os.path.isdir(p):
+        raise ValueError(f"{flag} {path}: is a directory; expected a file path")
+    parent = os.path.dirname(p)
+    while not os.path.exists(parent):
+        parent = os.path.dirname(parent)
+    if not os.path.isdir(parent) or not os.access(parent, os.W_OK | os.X_OK):
+        raise ValueError(f"{flag} {path}: cannot be written ({parent} is not a writable directory)")
+
+
 if __name__ == "__main__":
-    sys.exit(main())
+    run_cli(main, PROG)

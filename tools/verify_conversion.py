@@ -15,21 +15,36 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
+import os
 import sys
 
 import _common  # noqa: F401
-from _common import run_cli
+from _common import positive_int, run_cli, tool_parser
+
+PROG = "verify_conversion.py"
+
+
+def finite_non_negative(text: str) -> float:
+    """argparse type of --atol: a finite number >= 0."""
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"invalid float value: {text!r}") from None
+    if not math.isfinite(value) or value < 0:
+        raise argparse.ArgumentTypeError(f"{text} is not valid; expected a finite number >= 0")
+    return value
 
 
 def parse_args(argv=None) -> argparse.Namespace:
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p = tool_parser(PROG, __doc__)
     p.add_argument("--hf-path", action="append", required=True, help="HF folder (repeat, paired with --load)")
     p.add_argument("--load", action="append", required=True, help="megatron-fp4 checkpoint (repeat)")
-    p.add_argument("--tensor-model-parallel-size", type=int, default=1)
-    p.add_argument("--pipeline-model-parallel-size", type=int, default=1)
-    p.add_argument("--batch-size", type=int, default=2)
-    p.add_argument("--seq-length", type=int, default=12)
-    p.add_argument("--atol", type=float, default=1e-4)
+    p.add_argument("--tensor-model-parallel-size", type=positive_int, default=1)
+    p.add_argument("--pipeline-model-parallel-size", type=positive_int, default=1)
+    p.add_argument("--batch-size", type=positive_int, default=2)
+    p.add_argument("--seq-length", type=positive_int, default=12)
+    p.add_argument("--atol", type=finite_non_negative, default=1e-4)
     p.add_argument("--seed", type=int, default=1234)
     p.add_argument("--save", default=None,
                    help="also save each loaded model at this run's TP/PP to SAVE/<pair index> (exercises the "
@@ -61,12 +76,26 @@ def main(argv=None) -> None:
     args = parse_args(argv)
     if len(args.hf_path) != len(args.load):
         raise ValueError("give --hf-path and --load the same number of times (they are paired)")
+    for flag, paths in (("--hf-path", args.hf_path), ("--load", args.load)):
+        for path in paths:
+            if not os.path.isdir(path):
+                raise FileNotFoundError(f"{flag} {path}: no such directory")
+    from megatron_fp4.models.checkpoint_io import MegatronCheckpoint
+    from megatron_fp4.models.hf_conversion import open_hf_source
+    from megatron_fp4.ownership import check_output_dir
+
+    for hf_path, load in zip(args.hf_path, args.load):  # both readable before any process group starts
+        open_hf_source(hf_path)
+        MegatronCheckpoint(load)
+    if args.save:
+        for index in range(len(args.load)):
+            check_output_dir(f"{args.save}/{index}", "converted", arg="--save")
     import torch
     from megatron.core import parallel_state as ps
 
     from megatron_fp4.models import GPTModelArgs, build_gpt_model
-    from megatron_fp4.models.checkpoint_io import MegatronCheckpoint, load_checkpoint_into_model, \
-        model_args_from_json, save_model_checkpoint
+    from megatron_fp4.models.checkpoint_io import load_checkpoint_into_model, model_args_from_json, \
+        save_model_checkpoint
     from megatron_fp4.parallel import destroy_parallel, initialize_parallel
 
     tp, pp = args.tensor_model_parallel_size, args.pipeline_model_parallel_size
@@ -102,9 +131,10 @@ def main(argv=None) -> None:
         failed += int(bad.item() > 0)
     destroy_parallel()
     if failed:
-        print(f"error: {failed} checkpoint(s) differ from transformers by more than {args.atol}", file=sys.stderr)
+        print(f"{PROG}: error: {failed} checkpoint(s) differ from transformers by more than {args.atol}",
+              file=sys.stderr)
         sys.exit(1)
 
 
 if __name__ == "__main__":
-    run_cli(main)
+    run_cli(main, PROG)

@@ -13,12 +13,12 @@ from typing import Callable, Union
 
 import torch
 
-from megatron_fp4.formats.base import Format, QuantizedTensor
+from megatron_fp4.formats.base import Format, InvalidTensorError, QuantizedTensor, check_tensor
 from megatron_fp4.formats.hif4 import HiF4Format
 from megatron_fp4.formats.mxfp4 import MXFP4Format
 from megatron_fp4.formats.nvfp4 import NVFP4Format
 
-__all__ = ["Format", "QuantizedTensor", "HiF4Format", "MXFP4Format", "NVFP4Format", "get_format",
+__all__ = ["Format", "QuantizedTensor", "InvalidTensorError", "check_tensor", "HiF4Format", "MXFP4Format", "NVFP4Format", "get_format",
            "register_format", "registered_formats", "underflow_rate"]
 
 _REGISTRY: dict[str, Format] = {}

@@ -21,6 +21,42 @@ FLOAT_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 ROUNDINGS = ("nearest", "stochastic")
 
 
+class InvalidTensorError(ValueError, TypeError):
+    """A tensor argument a function cannot take: not a tensor, a dtype it does not accept, empty (a zero-size
+    dimension), or the wrong number of dimensions. A ValueError, and a TypeError for callers that catch that (the
+    way numpy's AxisError is both a ValueError and an IndexError). The message names the function and the
+    argument."""
+
+
+def check_tensor(x, name: str, fn: str, *, dtypes: Optional[tuple] = FLOAT_DTYPES, min_dim: int = 1,
+                 ndim: Optional[int] = None, nonempty: bool = True) -> None:
+    """Raise :class:`InvalidTensorError` (naming ``fn`` and ``name``) unless ``x`` is a tensor of one of
+    ``dtypes`` (None: any), with ``ndim`` dimensions (or at least ``min_dim``), and no zero-size dimension when
+    ``nonempty``."""
+    if not isinstance(x, torch.Tensor):
+        raise InvalidTensorError(f"{fn}: {name} must be a torch.Tensor, got {type(x).__name__}")
+    if dtypes is not None and x.dtype not in dtypes:
+        allowed = "/".join(str(d).replace("torch.", "") for d in dtypes)
+        raise InvalidTensorError(f"{fn}: {name} must be a {allowed} tensor, got {str(x.dtype).replace('torch.', '')}")
+    if ndim is not None and x.dim() != ndim:
+        raise InvalidTensorError(f"{fn}: {name} must have {ndim} dimensions, got shape {tuple(x.shape)}")
+    if x.dim() < min_dim:
+        raise InvalidTensorError(f"{fn}: {name} must have at least {min_dim} dimension(s), got a "
+                                 f"{x.dim()}-d tensor")
+    if nonempty and x.numel() == 0:
+        raise InvalidTensorError(f"{fn}: {name} is empty (shape {tuple(x.shape)}); quantization needs at least one "
+                                 f"value along every dimension")
+
+
+def check_dim(dim, ndim: int, fn: str) -> int:
+    """``dim`` normalized to [0, ndim); InvalidTensorError naming ``fn`` when it is not an int in range."""
+    if isinstance(dim, bool) or not isinstance(dim, int):
+        raise InvalidTensorError(f"{fn}: dim={dim!r} must be an int")
+    if not -ndim <= dim < ndim:
+        raise InvalidTensorError(f"{fn}: dim={dim} is out of range for a tensor with {ndim} dimensions")
+    return dim % ndim
+
+
 def choice_error(field: str, value, allowed) -> ValueError:
     """The project's error for a bad choice: names the field, the value and the allowed values."""
     return ValueError(f"{field}={value!r} is not valid; allowed values: {', '.join(map(repr, allowed))}")
@@ -92,7 +128,7 @@ class Format(ABC):
     def quantize(self, x: torch.Tensor, dim: int = -1, rounding: str = "nearest",
                  generator: Optional[torch.Generator] = None) -> QuantizedTensor:
         """Quantize ``x`` in blocks along ``dim`` and pack it (SPEC §2)."""
-        xb, dim, outer = self._to_blocks(x, dim, rounding)
+        xb, dim, outer = self._to_blocks(x, dim, rounding, generator)
         codes, scales, global_scale = self._encode(xb, rounding, generator)
         packed = pack_nibbles(codes.reshape(codes.shape[0], -1))
         return QuantizedTensor(
@@ -111,7 +147,7 @@ class Format(ABC):
     def fake_quantize(self, x: torch.Tensor, dim: int = -1, rounding: str = "nearest",
                       generator: Optional[torch.Generator] = None) -> torch.Tensor:
         """dequantize(quantize(x)) without the packing round trip."""
-        xb, dim, _ = self._to_blocks(x, dim, rounding)
+        xb, dim, _ = self._to_blocks(x, dim, rounding, generator)
         return self._from_blocks(self._fake_quantize_blocks(xb, rounding, generator), x.shape, dim, x.dtype)
 
     def _fake_quantize_blocks(self, xb: torch.Tensor, rounding: str, generator: Optional[torch.Generator]
@@ -122,8 +158,22 @@ class Format(ABC):
     def from_bytes(self, data: bytes, shape, dim: int = -1, dtype: torch.dtype = torch.float32
                    ) -> QuantizedTensor:
         """Rebuild a QuantizedTensor from ``QuantizedTensor.to_bytes()`` output and the original shape."""
-        shape = torch.Size(shape)
-        dim = _normalize_dim(dim, len(shape))
+        fn = f"{self.name}.from_bytes"
+        if not isinstance(data, (bytes, bytearray, memoryview)):
+            raise InvalidTensorError(f"{fn}: data must be bytes (QuantizedTensor.to_bytes()), got "
+                                     f"{type(data).__name__}")
+        try:
+            dims = tuple(shape)
+        except TypeError:
+            raise InvalidTensorError(f"{fn}: shape must be a sequence of ints, got {shape!r}") from None
+        if not dims or not all(isinstance(d, int) and not isinstance(d, bool) and d >= 1 for d in dims):
+            raise InvalidTensorError(f"{fn}: shape {shape!r} is not valid; expected one or more ints >= 1 (the "
+                                     f"quantized tensor's shape)")
+        if dtype not in FLOAT_DTYPES:
+            raise InvalidTensorError(f"{fn}: dtype {dtype!r} is not valid; allowed values: "
+                                     f"{', '.join(str(d) for d in FLOAT_DTYPES)}")
+        shape = torch.Size(dims)
+        dim = check_dim(dim, len(shape), fn)
         outer = [s for i, s in enumerate(shape) if i != dim]
         nblocks = math.ceil(shape[dim] / self.block_size)
         rows = math.prod(outer)
@@ -131,7 +181,7 @@ class Format(ABC):
         n_scales = rows * nblocks * self.scale_bytes
         expected = n_codes + n_scales + (4 if self.has_global_scale else 0)
         if len(data) != expected:
-            raise ValueError(f"{self.name}: expected {expected} bytes for shape {tuple(shape)}, got {len(data)}")
+            raise InvalidTensorError(f"{fn}: expected {expected} bytes for shape {tuple(shape)}, got {len(data)}")
         buf = torch.frombuffer(bytearray(data), dtype=torch.uint8)
         codes = buf[:n_codes].reshape(*outer, nblocks * self.block_size // 2)
         scales = buf[n_codes:n_codes + n_scales].reshape(*outer, nblocks, self.scale_bytes)
@@ -147,15 +197,16 @@ class Format(ABC):
         """Scales as stored in a QuantizedTensor (one-byte formats drop the trailing byte axis)."""
         return scales.squeeze(-1) if self.scale_bytes == 1 else scales
 
-    def _to_blocks(self, x: torch.Tensor, dim: int, rounding: str):
-        if not isinstance(x, torch.Tensor) or x.dtype not in FLOAT_DTYPES:
-            got = x.dtype if isinstance(x, torch.Tensor) else type(x).__name__
-            raise TypeError(f"{self.name}: x must be a float32/bfloat16/float16 tensor, got {got}")
+    def _to_blocks(self, x: torch.Tensor, dim: int, rounding: str, generator: Optional[torch.Generator] = None):
+        if isinstance(x, torch.Tensor) and x.dim() == 0:
+            raise InvalidTensorError(f"{self.name}: cannot quantize a 0-d tensor along a dimension")
+        check_tensor(x, "x", self.name)
         if rounding not in ROUNDINGS:
             raise choice_error("rounding", rounding, ROUNDINGS)
-        if x.dim() == 0:
-            raise ValueError(f"{self.name}: cannot quantize a 0-d tensor along a dimension")
-        dim = _normalize_dim(dim, x.dim())
+        if generator is not None and not isinstance(generator, torch.Generator):
+            raise ValueError(f"{self.name}: generator must be a torch.Generator or None, got "
+                             f"{type(generator).__name__}")
+        dim = check_dim(dim, x.dim(), self.name)
         xm = x.movedim(dim, -1)
         outer = xm.shape[:-1]
         k = xm.shape[-1]
@@ -172,8 +223,3 @@ class Format(ABC):
         v = values.reshape(values.shape[0], -1)[:, :k].reshape(*outer, k)
         return v.movedim(-1, dim).to(dtype)
 
-
-def _normalize_dim(dim: int, ndim: int) -> int:
-    if not -ndim <= dim < ndim:
-        raise ValueError(f"dim={dim} is out of range for a tensor with {ndim} dimensions")
-    return dim % ndim

@@ -13,7 +13,16 @@ reads)::
 ``args.json``: ``{"format": "megatron_fp4.gpt", "format_version": 1, "iteration": ..., "model_args": {GPTModelArgs
 fields, params_dtype as a string; vocab_size is the padded vocabulary the model is built with},
 "tensor_model_parallel_size": T, "pipeline_model_parallel_size": P, "hf_vocab_size": V, "hf_architecture": ...,
-"hf_config": {the source config.json or null}}``.
+"hf_config": {the source config.json or null}, "writer": {what wrote it}, "checkpoint_id": ..., "checksum":
+{"algorithm": "xxh3_128", "digest": ...}}``. The checksum covers every other field (canonical JSON), so a damaged or
+hand-edited args.json is refused instead of silently building another model; args.json without one (written
+before checksums) is read unverified.
+
+Each shard carries the checksums of its tensors and its place (``checkpoint_id``, TP/PP rank and size) in its
+safetensors header (:mod:`megatron_fp4.models.safetensors_io`), verified on load: a damaged, truncated, swapped or
+foreign shard is an error naming the file (and the tensor). An iteration is written into ``.tmp_<iteration>`` and
+renamed into place, then the tracker is replaced atomically, so a crash never leaves a half-written checkpoint under
+the final name and never loses the previous copy.
 
 Each shard holds exactly the ``state_dict()`` of the megatron-core GPTModel on that (TP, PP) rank, without
 ``_extra_state`` entries: local layer indices (``decoder.layers.0`` is the first layer OF THE STAGE), megatron's
@@ -26,13 +35,19 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import math
 import os
 import re
 import shutil
+import uuid
 from pathlib import Path
 from typing import Any, Optional, Union
 
 import torch
+
+from megatron_fp4.models.safetensors_io import (CHECKSUM_ALGORITHM, SafetensorsFile, fsync_dir, save_safetensors,
+                                               writer_record)
+from megatron_fp4.ownership import check_output_dir
 
 __all__ = [
     "CHECKPOINT_FORMAT",
@@ -42,6 +57,7 @@ __all__ = [
     "ShardedWeights",
     "is_megatron_checkpoint",
     "checkpoint_tokenizer_dir",
+    "asset_digests",
     "hf_asset_files",
     "copy_hf_assets",
     "hf_info_of",
@@ -57,6 +73,8 @@ __all__ = [
     "model_args_to_json",
     "model_args_from_json",
     "write_checkpoint_metadata",
+    "check_model_args",
+    "expected_shard_shapes",
     "save_model_checkpoint",
     "load_checkpoint_into_model",
     "rank_state",
@@ -215,13 +233,24 @@ def model_args_from_json(d: dict) -> dict:
     return d
 
 
-def write_checkpoint_metadata(save_dir: PathLike, iteration: Union[int, str], model_args: Any, tp: int, pp: int,
-                              hf_config: Optional[dict] = None, hf_vocab_size: Optional[int] = None,
-                              hf_architecture: Optional[str] = None, extra: Optional[dict] = None) -> Path:
-    """Write ``args.json`` of an iteration and then the tracker file (written last: marks the checkpoint complete)."""
-    save_dir = Path(save_dir)
-    it_dir = save_dir / iteration_dirname(iteration)
-    it_dir.mkdir(parents=True, exist_ok=True)
+def _no_json_constant(name: str):
+    """json ``parse_constant`` hook: NaN and Infinity are not JSON (Python's reader accepts them by default)."""
+    raise ValueError(f"{name} is not a JSON value")
+
+
+def _args_digest(doc: dict) -> str:
+    """xxh3-128 of an args.json document without its ``checksum`` field (canonical JSON)."""
+    import xxhash
+
+    body = {k: v for k, v in doc.items() if k != "checksum"}
+    return xxhash.xxh3_128_hexdigest(json.dumps(body, sort_keys=True, allow_nan=False).encode())
+
+
+def checkpoint_args_doc(iteration: Union[int, str], model_args: Any, tp: int, pp: int,
+                        hf_config: Optional[dict] = None, hf_vocab_size: Optional[int] = None,
+                        hf_architecture: Optional[str] = None, extra: Optional[dict] = None,
+                        checkpoint_id: Optional[str] = None, writer: Optional[dict] = None) -> dict:
+    """The args.json document of an iteration, with its checksum."""
     margs = model_args_to_json(model_args)
     doc = {
         "format": CHECKPOINT_FORMAT,
@@ -233,12 +262,155 @@ def write_checkpoint_metadata(save_dir: PathLike, iteration: Union[int, str], mo
         "hf_vocab_size": hf_vocab_size if hf_vocab_size is not None else margs["vocab_size"],
         "hf_architecture": hf_architecture,
         "hf_config": hf_config,
+        "writer": writer or writer_record("megatron_fp4.models.checkpoint_io"),
+        "checkpoint_id": checkpoint_id or uuid.uuid4().hex,
     }
     if extra:
         doc.update(extra)
-    (it_dir / ARGS_FILENAME).write_text(json.dumps(doc, indent=2, sort_keys=False) + "\n")
-    (save_dir / TRACKER_FILENAME).write_text(f"{iteration}\n")
+    doc["checksum"] = {"algorithm": CHECKSUM_ALGORITHM, "digest": _args_digest(doc)}
+    return doc
+
+
+def _write_text_atomic(path: Path, text: str) -> None:
+    """Replace ``path`` by ``text`` atomically (temp file, fsync, rename, fsync the directory)."""
+    tmp = path.with_name(path.name + ".tmp")
+    with open(tmp, "w") as f:
+        f.write(text)
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(tmp, path)
+    fsync_dir(path.parent)
+
+
+def _tmp_iteration_dir(save_dir: Path, iteration: Union[int, str]) -> Path:
+    return save_dir / f".tmp_{iteration_dirname(iteration)}"
+
+
+def _commit_iteration(save_dir: Path, iteration: Union[int, str], tmp: Path) -> Path:
+    """Move a fully written ``tmp`` iteration directory into place (an existing copy is moved aside first and
+    deleted only after), then point the tracker at it."""
+    final = save_dir / iteration_dirname(iteration)
+    aside = save_dir / f".del_{final.name}"
+    fsync_dir(tmp)
+    if aside.exists():
+        shutil.rmtree(aside)
+    if final.exists():
+        os.replace(final, aside)
+    os.replace(tmp, final)
+    fsync_dir(save_dir)
+    _write_text_atomic(save_dir / TRACKER_FILENAME, f"{iteration}\n")
+    if aside.exists():
+        shutil.rmtree(aside)
+    return final
+
+
+def write_checkpoint_metadata(save_dir: PathLike, iteration: Union[int, str], model_args: Any, tp: int, pp: int,
+                              hf_config: Optional[dict] = None, hf_vocab_size: Optional[int] = None,
+                              hf_architecture: Optional[str] = None, extra: Optional[dict] = None,
+                              checkpoint_id: Optional[str] = None, writer: Optional[dict] = None) -> Path:
+    """Write ``args.json`` of an iteration (with its checksum) and then the tracker file (written last, atomically:
+    marks the checkpoint complete)."""
+    save_dir = Path(save_dir)
+    it_dir = save_dir / iteration_dirname(iteration)
+    it_dir.mkdir(parents=True, exist_ok=True)
+    doc = checkpoint_args_doc(iteration, model_args, tp, pp, hf_config, hf_vocab_size, hf_architecture, extra,
+                              checkpoint_id, writer)
+    _write_text_atomic(it_dir / ARGS_FILENAME, json.dumps(doc, indent=2) + "\n")
+    _write_text_atomic(save_dir / TRACKER_FILENAME, f"{iteration}\n")
     return it_dir
+
+
+def shard_metadata(checkpoint_id: str, tp_rank: int, pp_rank: int, tp: int, pp: int) -> dict[str, str]:
+    """The safetensors metadata entry recording a shard's place: which checkpoint, which TP/PP rank of which
+    sizes (checked on load: a swapped or foreign shard is refused)."""
+    return {"megatron_fp4.shard": json.dumps({"checkpoint_id": checkpoint_id, "tp_rank": tp_rank, "pp_rank": pp_rank,
+                                              "tp": tp, "pp": pp}, sort_keys=True)}
+
+
+# -- validation of what a checkpoint says about the model --------------------------------------------------------------
+_INT_FIELDS = ("num_layers", "hidden_size", "ffn_hidden_size", "num_attention_heads", "vocab_size", "max_seq_len")
+
+
+def _is_int(v: Any) -> bool:
+    return isinstance(v, int) and not isinstance(v, bool)
+
+
+def check_model_args(ma: Any, where: str) -> None:
+    """ValueError naming ``where`` (the file) and the field when ``model_args`` cannot describe a model: missing or
+    non-positive sizes, heads that do not divide, unknown dtype, non-finite or non-positive epsilon / RoPE base."""
+    if not isinstance(ma, dict):
+        raise ValueError(f"{where}: model_args is {type(ma).__name__}, expected an object of GPTModelArgs fields")
+    for f in _INT_FIELDS:
+        if f not in ma:
+            raise ValueError(f"{where}: model_args has no {f!r}")
+        if not _is_int(ma[f]) or ma[f] < 1:
+            raise ValueError(f"{where}: model_args {f}={ma[f]!r} is not valid; expected an integer >= 1")
+    for f in ("num_query_groups", "kv_channels"):
+        v = ma.get(f)
+        if v is not None and (not _is_int(v) or v < 1):
+            raise ValueError(f"{where}: model_args {f}={v!r} is not valid; expected null or an integer >= 1")
+    heads, groups = ma["num_attention_heads"], ma.get("num_query_groups") or ma["num_attention_heads"]
+    if heads % groups:
+        raise ValueError(f"{where}: model_args num_query_groups={groups} does not divide num_attention_heads="
+                         f"{heads}")
+    if ma.get("kv_channels") is None and ma["hidden_size"] % heads:
+        raise ValueError(f"{where}: model_args num_attention_heads={heads} does not divide hidden_size="
+                         f"{ma['hidden_size']} (and kv_channels is not given)")
+    for f in ("add_qkv_bias", "tie_embeddings", "swiglu", "qk_layernorm"):
+        if f in ma and not isinstance(ma[f], bool):
+            raise ValueError(f"{where}: model_args {f}={ma[f]!r} is not valid; expected true or false")
+    for f, positive in (("norm_epsilon", False), ("rotary_base", True), ("rotary_percent", True)):
+        if f in ma:
+            v = ma[f]
+            if not isinstance(v, (int, float)) or isinstance(v, bool) or not math.isfinite(v) or v < 0 or (
+                    positive and v == 0):
+                raise ValueError(f"{where}: model_args {f}={v!r} is not valid; expected a finite number "
+                                 f"{'> 0' if positive else '>= 0'}")
+    if "normalization" in ma and ma["normalization"] not in ("RMSNorm", "LayerNorm"):
+        raise ValueError(f"{where}: model_args normalization={ma['normalization']!r} is not valid; allowed values: "
+                         f"'RMSNorm', 'LayerNorm'")
+    if "params_dtype" in ma:
+        try:
+            dtype_from_name(ma["params_dtype"])
+        except ValueError as e:
+            raise ValueError(f"{where}: model_args params_dtype: {e}") from None
+
+
+def _qwen_llama_form(ma: dict) -> bool:
+    return (ma.get("swiglu", True) is True and ma.get("normalization", "RMSNorm") == "RMSNorm"
+            and not ma.get("qk_layernorm") and ma.get("rotary_percent", 1.0) == 1.0)
+
+
+def expected_shard_shapes(model_args: dict, tp: int, pp: int, pp_rank: int) -> Optional[dict[str, tuple[int, ...]]]:
+    """{stage-local name: shape} of every tensor one (TP, PP) shard of a Qwen2/Llama-form model holds (the same
+    for every TP rank); None for other model forms (LayerNorm, GELU MLP, QK norm), whose layout is not checked."""
+    ma = model_args
+    if not _qwen_llama_form(ma):
+        return None
+    h, f, v = ma["hidden_size"], ma["ffn_hidden_size"], ma["vocab_size"]
+    heads = ma["num_attention_heads"]
+    groups = ma.get("num_query_groups") or heads
+    d = ma.get("kv_channels") or h // heads
+    full = {"embedding.word_embeddings.weight": (v, h), "output_layer.weight": (v, h),
+            "decoder.final_layernorm.weight": (h,)}
+    per_layer = {"input_layernorm.weight": (h,), "pre_mlp_layernorm.weight": (h,),
+                 "self_attention.linear_qkv.weight": ((heads + 2 * groups) * d, h),
+                 "self_attention.linear_qkv.bias": ((heads + 2 * groups) * d,),
+                 "self_attention.linear_proj.weight": (h, heads * d),
+                 "mlp.linear_fc1.weight": (2 * f, h), "mlp.linear_fc2.weight": (h, f)}
+    offset = layer_offset(ma["num_layers"], pp_rank, pp)
+    out = {}
+    for g in stage_param_names(ma, pp_rank, pp):
+        m = _LAYER_RE.fullmatch(g)
+        shape = list(per_layer[m.group(2)] if m else full[g])
+        part = tp_partition(g)
+        if part is not None and tp > 1:
+            dim, stride = part
+            if shape[dim] % (tp * stride):
+                return None  # cannot be split: check_model_args / the TP check reports it
+            shape[dim] //= tp
+        out[to_local_name(g, offset)] = tuple(shape)
+    return out
 
 
 def is_megatron_checkpoint(path: PathLike) -> bool:
@@ -289,9 +461,36 @@ def hf_info_of(ckpt: "ShardedWeights") -> dict:
             "vocab_size": ckpt.args.get("hf_vocab_size"), "assets_dir": str(assets) if assets else None}
 
 
+def asset_digests(folder: PathLike) -> dict[str, str]:
+    """{file name: xxh3-128 of its bytes} of the files in an ``hf_assets/`` folder (recorded in args.json)."""
+    import xxhash
+
+    folder = Path(folder)
+    if not folder.is_dir():
+        return {}
+    return {p.name: xxhash.xxh3_128_hexdigest(p.read_bytes()) for p in sorted(folder.iterdir()) if p.is_file()}
+
+
+def verify_assets(folder: Optional[Path], recorded: Any, args_file: Path) -> None:
+    """The tokenizer files ``args_file`` recorded are in ``folder`` with the bytes it recorded; ValueError naming
+    the file otherwise (damaged, or replaced by a later conversion of another model into the same folder)."""
+    if not isinstance(recorded, dict):
+        raise ValueError(f"{args_file}: hf_assets={str(recorded)[:60]!r} is not valid; expected an object")
+    have = asset_digests(folder) if folder is not None else {}
+    for name, digest in sorted(recorded.items()):
+        if have.get(name) != digest:
+            where = (folder / name) if folder is not None else f"hf_assets/{name}"
+            what = "is missing" if name not in have else "does not match its checksum"
+            raise ValueError(f"{where}: {what} in {args_file} (damaged, or replaced by a later conversion of "
+                             f"another model into this folder)")
+
+
 def checkpoint_tokenizer_dir(path: PathLike) -> Optional[Path]:
-    """The ``hf_assets/`` folder (tokenizer files copied from the HF model) of a checkpoint, if it has one."""
+    """The ``hf_assets/`` folder (tokenizer files copied from the HF model) of a checkpoint, if it has one
+    (verified against the checksums a converted checkpoint records)."""
     path = Path(path)
+    if is_megatron_checkpoint(path):
+        return MegatronCheckpoint(path).hf_assets_dir
     for d in (path / HF_ASSETS_DIRNAME, path.parent / HF_ASSETS_DIRNAME):
         if d.is_dir():
             return d
@@ -346,13 +545,19 @@ class ShardedWeights:
 class MegatronCheckpoint(ShardedWeights):
     """Read access to one iteration of a checkpoint: args, shard files, full (TP-merged) tensors by global name.
 
-    Shards are opened lazily (memory-mapped); :meth:`full_tensor` reads only the pieces of one tensor.
+    Shards are opened lazily (memory-mapped); :meth:`full_tensor` reads only the pieces of one tensor. Everything
+    read is checked: args.json (its checksum and fields), each shard's place, tensor names and shapes when it is
+    opened, and each tensor's checksum when it is read; a problem is a ValueError (or FileNotFoundError) naming
+    the file.
     """
 
-    def __init__(self, path: PathLike, iteration: Optional[Union[int, str]] = None) -> None:
+    def __init__(self, path: PathLike, iteration: Optional[Union[int, str]] = None, verify: bool = True) -> None:
         path = Path(path)
+        self.verify = verify
         if not path.exists():
             raise FileNotFoundError(f"checkpoint directory {path} does not exist")
+        if not path.is_dir():
+            raise ValueError(f"checkpoint {path} is a file, not a checkpoint directory")
         if (path / ARGS_FILENAME).is_file() and iteration is None:
             it_dir = path  # an iteration directory was given directly
         else:
@@ -362,30 +567,81 @@ class MegatronCheckpoint(ShardedWeights):
                     raise FileNotFoundError(
                         f"{tracker} not found: {path} is not a megatron-fp4 checkpoint (or it is incomplete); "
                         f"expected {TRACKER_FILENAME} and <iteration>/{ARGS_FILENAME}")
-                iteration = tracker.read_text().strip()
+                try:
+                    iteration = tracker.read_text().strip()
+                    iteration_dirname(iteration)
+                except (ValueError, UnicodeDecodeError, OSError):
+                    raise ValueError(f"{tracker}: expected \"release\" or an iteration number; the tracker is "
+                                     f"damaged") from None
             it_dir = path / iteration_dirname(iteration)
         args_file = it_dir / ARGS_FILENAME
         if not args_file.is_file():
             raise FileNotFoundError(f"{args_file} not found (checkpoint incomplete or wrong --iteration)")
         self.dir = it_dir
-        self.args: dict = json.loads(args_file.read_text())
-        if self.args.get("format") != CHECKPOINT_FORMAT:
-            raise ValueError(f"{args_file}: format {self.args.get('format')!r} is not {CHECKPOINT_FORMAT!r}")
-        if self.args.get("format_version", 0) > CHECKPOINT_FORMAT_VERSION:
-            raise ValueError(f"{args_file}: format_version {self.args['format_version']} is newer than this "
-                             f"reader ({CHECKPOINT_FORMAT_VERSION})")
+        self.args: dict = self._read_args(args_file)
         self.model_args: dict = self.args["model_args"]
         self.tp: int = int(self.args["tensor_model_parallel_size"])
         self.pp: int = int(self.args["pipeline_model_parallel_size"])
-        self._handles: dict[tuple[int, int], Any] = {}
+        self._handles: dict[tuple[int, int], SafetensorsFile] = {}
+
+    def _read_args(self, args_file: Path) -> dict:
+        """args.json parsed and checked: format, checksum, model_args fields, parallel sizes."""
+        try:
+            doc = json.loads(args_file.read_text(), parse_constant=_no_json_constant)
+        except (ValueError, UnicodeDecodeError) as e:
+            raise ValueError(f"{args_file}: not valid JSON ({e}); the file is damaged") from None
+        if not isinstance(doc, dict):
+            raise ValueError(f"{args_file}: expected a JSON object, found {type(doc).__name__}")
+        if doc.get("format") != CHECKPOINT_FORMAT:
+            raise ValueError(f"{args_file}: format {doc.get('format')!r} is not {CHECKPOINT_FORMAT!r}")
+        version = doc.get("format_version", 0)
+        if not _is_int(version):
+            raise ValueError(f"{args_file}: format_version {version!r} is not an integer")
+        if version > CHECKPOINT_FORMAT_VERSION:
+            raise ValueError(f"{args_file}: format_version {doc['format_version']} is newer than this "
+                             f"reader ({CHECKPOINT_FORMAT_VERSION})")
+        if "checksum" in doc and self.verify:
+            c = doc["checksum"]
+            if not isinstance(c, dict) or c.get("algorithm") != CHECKSUM_ALGORITHM:
+                raise ValueError(f"{args_file}: its checksum record is damaged (expected algorithm "
+                                 f"{CHECKSUM_ALGORITHM})")
+            try:
+                digest = _args_digest(doc)
+            except ValueError:  # NaN / infinity in the document
+                digest = None
+            if c.get("digest") != digest:
+                raise ValueError(f"{args_file}: does not match its checksum: the file was damaged or edited by "
+                                 f"hand (its model arguments cannot be trusted); restore it or convert the model "
+                                 f"again")
+        check_model_args(doc.get("model_args"), str(args_file))
+        for f in ("tensor_model_parallel_size", "pipeline_model_parallel_size"):
+            if not _is_int(doc.get(f)) or doc[f] < 1:
+                raise ValueError(f"{args_file}: {f}={doc.get(f)!r} is not valid; expected an integer >= 1")
+        ma = doc["model_args"]
+        if ma["num_layers"] % doc["pipeline_model_parallel_size"]:
+            raise ValueError(f"{args_file}: pipeline_model_parallel_size={doc['pipeline_model_parallel_size']} "
+                             f"does not divide model_args num_layers={ma['num_layers']}")
+        hv = doc.get("hf_vocab_size")
+        if hv is not None and (not _is_int(hv) or not 1 <= hv <= ma["vocab_size"]):
+            raise ValueError(f"{args_file}: hf_vocab_size={hv!r} is not valid; expected an integer in [1, "
+                             f"model_args vocab_size={ma['vocab_size']}]")
+        if doc.get("hf_config") is not None and not isinstance(doc["hf_config"], dict):
+            raise ValueError(f"{args_file}: hf_config is {type(doc['hf_config']).__name__}, expected an object "
+                             f"or null")
+        return doc
 
     @property
     def hf_assets_dir(self) -> Optional[Path]:
-        """``hf_assets/`` beside the iteration directories (tokenizer files), if present."""
+        """``hf_assets/`` beside the iteration directories (tokenizer files), if present; the files args.json
+        recorded are verified against their checksums."""
+        found = None
         for d in (self.dir.parent / HF_ASSETS_DIRNAME, self.dir / HF_ASSETS_DIRNAME):
             if d.is_dir():
-                return d
-        return None
+                found = d
+                break
+        if self.verify and HF_ASSETS_DIRNAME in self.args:
+            verify_assets(found, self.args[HF_ASSETS_DIRNAME], self.dir / ARGS_FILENAME)
+        return found
 
     def write_hf_assets(self, dst: PathLike) -> list[str]:
         """Copy the files of :attr:`hf_assets_dir` into ``dst``."""
@@ -396,38 +652,83 @@ class MegatronCheckpoint(ShardedWeights):
         """Path of the safetensors file of shard (tp_rank, pp_rank)."""
         return self.dir / shard_dirname(tp_rank, pp_rank) / SHARD_FILENAME
 
-    def _handle(self, tp_rank: int, pp_rank: int):
-        from safetensors import safe_open
-
+    def _handle(self, tp_rank: int, pp_rank: int) -> SafetensorsFile:
         key = (tp_rank, pp_rank)
         if key not in self._handles:
             p = self.shard_path(tp_rank, pp_rank)
+            if not 0 <= tp_rank < self.tp or not 0 <= pp_rank < self.pp:
+                raise ValueError(f"shard (TP rank {tp_rank}, PP rank {pp_rank}) does not exist in {self.dir} "
+                                 f"(written with TP={self.tp}, PP={self.pp})")
             if not p.is_file():
                 raise FileNotFoundError(f"checkpoint shard {p} is missing (checkpoint written with "
                                         f"TP={self.tp}, PP={self.pp})")
-            self._handles[key] = safe_open(str(p), framework="pt", device="cpu")
+            f = SafetensorsFile(p, verify=self.verify)
+            self._check_shard(f, tp_rank, pp_rank)
+            self._handles[key] = f
         return self._handles[key]
+
+    def _check_shard(self, f: SafetensorsFile, tp_rank: int, pp_rank: int) -> None:
+        """The shard is the one this args.json describes (its recorded place) with the tensors, shapes and dtypes
+        the model arguments imply."""
+        place = f.metadata.get("megatron_fp4.shard")
+        if place is not None and self.verify and ("checksum" not in self.args or "checkpoint_id" not in self.args):
+            raise ValueError(f"{self.dir / ARGS_FILENAME}: has no checksum or checkpoint_id, but its shards were "
+                             f"written with them ({f.path}): args.json was edited or damaged; restore it or convert "
+                             f"the model again")
+        if place is not None and self.verify:
+            want = {"checkpoint_id": self.args.get("checkpoint_id"), "tp_rank": tp_rank, "pp_rank": pp_rank,
+                    "tp": self.tp, "pp": self.pp}
+            try:
+                got = json.loads(place)
+            except ValueError:
+                got = None
+            if not isinstance(got, dict) or any(got.get(k) != v for k, v in want.items()
+                                                if v is not None or k != "checkpoint_id"):
+                raise ValueError(f"{f.path}: this shard belongs elsewhere (it records {place}, {self.dir} expects "
+                                 f"{json.dumps(want, sort_keys=True)}): a shard was moved, swapped or copied from "
+                                 f"another checkpoint")
+        expected = expected_shard_shapes(self.model_args, self.tp, self.pp, pp_rank)
+        keys = f.keys()
+        if expected is not None:
+            missing = [k for k in expected if k not in keys and not (
+                k == "output_layer.weight" and self.model_args.get("tie_embeddings") and self.pp == 1)]
+            unexpected = [k for k in keys if k not in expected]
+            if missing or unexpected:
+                raise ValueError(f"{f.path}: holds other tensors than {self.dir / ARGS_FILENAME} implies: missing "
+                                 f"{missing[:4]}, unexpected {unexpected[:4]}")
+            for k in keys:
+                if f.shape(k) != expected[k]:
+                    raise ValueError(f"{f.path}: tensor {k} has shape {f.shape(k)}, {self.dir / ARGS_FILENAME} "
+                                     f"implies {expected[k]}")
+        for k in keys:
+            if not f.dtype(k).is_floating_point:
+                raise ValueError(f"{f.path}: tensor {k} has dtype {dtype_name(f.dtype(k))}; model weights are "
+                                 f"floating point")
 
     def close(self) -> None:
         """Drop the open shard handles."""
         self._handles.clear()
 
+    def check_shards(self) -> None:
+        """Open every shard: headers, places, names and shapes checked (tensor data is verified when read)."""
+        for pp_rank in range(self.pp):
+            for tp_rank in range(self.tp):
+                self._handle(tp_rank, pp_rank)
+
     def shard_tensor(self, tp_rank: int, pp_rank: int, local_name: str) -> torch.Tensor:
-        """One tensor of one shard, by its stage-local name."""
+        """One tensor of one shard, by its stage-local name (verified against its checksum)."""
         h = self._handle(tp_rank, pp_rank)
-        try:
-            return h.get_tensor(local_name)
-        except Exception as e:  # safetensors raises its own error type for a missing key
-            raise KeyError(f"{local_name} not found in {self.shard_path(tp_rank, pp_rank)}") from e
+        if local_name not in h:
+            raise KeyError(f"{local_name} not found in {self.shard_path(tp_rank, pp_rank)}")
+        return h.get(local_name)
 
     def shard_keys(self, tp_rank: int, pp_rank: int) -> list[str]:
         """Stage-local names stored in one shard."""
-        return list(self._handle(tp_rank, pp_rank).keys())
+        return self._handle(tp_rank, pp_rank).keys()
 
     def load_shard(self, tp_rank: int, pp_rank: int) -> dict[str, torch.Tensor]:
         """The whole state dict of one shard (stage-local names)."""
-        h = self._handle(tp_rank, pp_rank)
-        return {k: h.get_tensor(k) for k in h.keys()}
+        return self._handle(tp_rank, pp_rank).load_all()
 
 
 # -- live models ------------------------------------------------------------------------------------------------------
@@ -566,41 +867,58 @@ def save_model_checkpoint(model: Any, save_dir: PathLike, iteration: Union[int, 
     are carried over (explicit arguments win). Rank 0 writes args.json and the tracker file after all shards.
     Returns the iteration directory.
     """
-    from safetensors.torch import save_file
-
     if like is not None:
         hf_config = hf_config if hf_config is not None else like.args.get("hf_config")
         hf_vocab_size = hf_vocab_size if hf_vocab_size is not None else like.args.get("hf_vocab_size")
         hf_architecture = hf_architecture or like.args.get("hf_architecture")
         copy_hf_assets_from = copy_hf_assets_from or like.hf_assets_dir
 
+    iteration_dirname(iteration)  # validates
+    save_dir = Path(save_dir)
+    check_output_dir(save_dir, "converted", arg="save_dir")  # every rank: the same answer, before anyone writes
     module = _unwrap(model)
     tp_size, tp_rank, pp_size, pp_rank = _parallel_ranks()
     dist = torch.distributed.is_available() and torch.distributed.is_initialized()
+    rank0 = not dist or torch.distributed.get_rank() == 0
     dp_rank = 0
     if dist:
         from megatron.core import parallel_state as ps
 
         if ps.model_parallel_is_initialized():
             dp_rank = ps.get_data_parallel_rank()
-    it_dir = Path(save_dir) / iteration_dirname(iteration)
+    box = [uuid.uuid4().hex]
+    if dist:
+        torch.distributed.broadcast_object_list(box, src=0)
+    checkpoint_id = box[0]
+    writer = writer_record("megatron_fp4.models.checkpoint_io.save_model_checkpoint")
+    tmp = _tmp_iteration_dir(save_dir, iteration)
+    if rank0 and tmp.exists():
+        shutil.rmtree(tmp)  # left by an interrupted save
+    if dist:
+        torch.distributed.barrier()
     if dp_rank == 0:
-        shard = it_dir / shard_dirname(tp_rank, pp_rank)
+        shard = tmp / shard_dirname(tp_rank, pp_rank)
         shard.mkdir(parents=True, exist_ok=True)
         state = {k: v.detach().to("cpu").contiguous().clone() for k, v in _expected_state(module).items()}
-        save_file(state, str(shard / SHARD_FILENAME), metadata={"format": "pt"})
+        save_safetensors(state, shard / SHARD_FILENAME, shard_metadata(checkpoint_id, tp_rank, pp_rank, tp_size,
+                                                                       pp_size), writer=writer)
     if dist:
         torch.distributed.barrier()
-    if not dist or torch.distributed.get_rank() == 0:
+    if rank0:
         if copy_hf_assets_from is not None:
             src = Path(copy_hf_assets_from)
-            if src.is_dir() and src.resolve() != (Path(save_dir) / HF_ASSETS_DIRNAME).resolve():
-                shutil.copytree(src, Path(save_dir) / HF_ASSETS_DIRNAME, dirs_exist_ok=True)
-        write_checkpoint_metadata(save_dir, iteration, model_args, tp_size, pp_size, hf_config=hf_config,
-                                  hf_vocab_size=hf_vocab_size, hf_architecture=hf_architecture)
+            if src.is_dir() and src.resolve() != (save_dir / HF_ASSETS_DIRNAME).resolve():
+                shutil.copytree(src, save_dir / HF_ASSETS_DIRNAME, dirs_exist_ok=True)
+        assets = asset_digests(save_dir / HF_ASSETS_DIRNAME)
+        doc = checkpoint_args_doc(iteration, model_args, tp_size, pp_size, hf_config=hf_config,
+                                  hf_vocab_size=hf_vocab_size, hf_architecture=hf_architecture,
+                                  checkpoint_id=checkpoint_id, writer=writer,
+                                  extra={HF_ASSETS_DIRNAME: assets} if assets else None)
+        _write_text_atomic(tmp / ARGS_FILENAME, json.dumps(doc, indent=2) + "\n")
+        _commit_iteration(save_dir, iteration, tmp)
     if dist:
         torch.distributed.barrier()
-    return it_dir
+    return save_dir / iteration_dirname(iteration)
 
 
 def gpt_model_args_from_checkpoint(path: PathLike, iteration: Optional[Union[int, str]] = None, **changes: Any):

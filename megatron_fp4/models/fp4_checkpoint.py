@@ -38,10 +38,13 @@ from typing import Optional, Union
 import torch
 
 from megatron_fp4.formats import QuantizedTensor, get_format, registered_formats
-from megatron_fp4.models.checkpoint_io import (dtype_from_name, dtype_name, is_megatron_checkpoint, MegatronCheckpoint,
-                                              ShardedWeights)
+from megatron_fp4.models.checkpoint_io import (_write_text_atomic, dtype_from_name, dtype_name, is_megatron_checkpoint,
+                                              MegatronCheckpoint, ShardedWeights)
 from megatron_fp4.models.hf_conversion import (
     HFFolderSource,
+    _run_root,
+    _source_paths,
+    abort_hf_output,
     check_hf_exportable,
     ShardedSafetensorsWriter,
     progress_bar,
@@ -53,6 +56,8 @@ from megatron_fp4.models.hf_conversion import (
     prepare_output_dir,
     check_hf_shapes,
 )
+from megatron_fp4.models.safetensors_io import writer_record
+from megatron_fp4.ownership import check_output_dir
 from megatron_fp4.resq import RESQ_COMBINES, SPARSITIES
 
 __all__ = [
@@ -78,6 +83,9 @@ QUANTIZED_LINEARS = ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj",
 _LINEAR_RE = re.compile(r"(model\.layers\.(\d+)\.(?:" + "|".join(re.escape(m) for m in QUANTIZED_LINEARS)
                         + r"))\.weight")
 PACKED, SCALE, GLOBAL_SCALE = "weight_packed", "weight_scale", "weight_global_scale"
+#: safetensors metadata key recording, in every file of an export, the format and the (shape, dtype) of the
+#: modules whose packed weights it holds: verified against config.json's quantization_config on load.
+QUANT_META_KEY = "megatron_fp4.quantization"
 
 
 def _quantized_module(name: str, num_layers: int, first_hp: int, last_hp: int) -> Optional[str]:
@@ -97,13 +105,20 @@ def _source_for(path: Union[str, os.PathLike, ShardedWeights]):
     if isinstance(path, ShardedWeights) or is_megatron_checkpoint(path):
         ckpt = path if isinstance(path, ShardedWeights) else MegatronCheckpoint(path)
         check_hf_exportable(ckpt)
+        if isinstance(ckpt, MegatronCheckpoint):
+            ckpt.check_shards()  # every shard's header, names and shapes before anything is written
+            ckpt.hf_assets_dir  # and the tokenizer files it recorded
         return (hf_config_from_checkpoint(ckpt), iter_hf_tensors_from_megatron(ckpt),
                 num_hf_tensors(ckpt.model_args), ckpt.write_hf_assets)
     path = Path(path)
     src = HFFolderSource(path)
-    if (src.config.get("quantization_config") or {}).get("quant_method") == QUANT_METHOD:
+    qc = src.config.get("quantization_config")
+    if isinstance(qc, dict) and qc.get("quant_method") == QUANT_METHOD:
         raise ValueError(f"{path} is already an FP4 export; export from the high-precision checkpoint")
-    margs = model_args_from_hf_config(src.config)
+    if qc is not None:
+        raise ValueError(f"{src.config_where}: has a quantization_config ({str(qc)[:80]}); export from a "
+                         f"high-precision checkpoint")
+    margs = model_args_from_hf_config(src.config, src.config_where)
     check_hf_shapes(src, margs)
     keys = src.keys()
     order = {k: i for i, k in enumerate(_hf_order(margs))}
@@ -146,31 +161,46 @@ def export_fp4_checkpoint(source: Union[str, os.PathLike, ShardedWeights], save_
                          f"{', '.join(registered_formats())}")
     for name, v in (("high_precision_first_layers", high_precision_first_layers),
                     ("high_precision_last_layers", high_precision_last_layers)):
-        if v < 0:
-            raise ValueError(f"{name} must be >= 0, got {v}")
+        if isinstance(v, bool) or not isinstance(v, int) or v < 0:
+            raise ValueError(f"--{name.replace('_', '-')} {v!r} is not valid; expected an integer >= 0")
     fmt = get_format(format)
+    sources = (_source_paths(source) + _run_root(source) if isinstance(source, ShardedWeights)
+               else [Path(source)])
+    check_output_dir(save_dir, "hf", sources=sources)  # before reading anything
     config, tensors, count, write_assets = _source_for(source)
     margs = model_args_from_hf_config(config)
     num_layers = margs["num_layers"]
-    save_dir = prepare_output_dir(save_dir, overwrite)
-    writer = ShardedSafetensorsWriter(save_dir, max_shard_bytes)
+    created = not Path(save_dir).exists()
+    save_dir = prepare_output_dir(save_dir, overwrite, sources=sources)
     quantized: dict[str, dict] = {}
+
+    def file_metadata(names: list[str]) -> dict[str, str]:  # how to read this file's packed tensors (verified)
+        return {QUANT_META_KEY: json.dumps({"format": format, "block_size": fmt.block_size, "modules": {
+            m: quantized[m] for m in quantized if f"{m}.{PACKED}" in names}}, sort_keys=True)}
+
+    writer = ShardedSafetensorsWriter(save_dir, max_shard_bytes, writer=writer_record(
+        "megatron_fp4.models.fp4_checkpoint.export_fp4_checkpoint", format=format), metadata_fn=file_metadata)
     kept: list[str] = []
-    with progress_bar(count, f"export {format}", progress) as bar:
-        for name, w in tensors:
-            module = _quantized_module(name, num_layers, high_precision_first_layers, high_precision_last_layers)
-            if module is None:
-                writer.add(name, w)
-                if name.endswith(".weight"):
-                    kept.append(name[: -len(".weight")])
-            else:
-                qt = fmt.quantize(w, dim=-1)
-                writer.add(f"{module}.{PACKED}", qt.codes)
-                writer.add(f"{module}.{SCALE}", qt.scales)
-                if qt.global_scale is not None:
-                    writer.add(f"{module}.{GLOBAL_SCALE}", qt.global_scale.reshape(()).to(torch.float32))
-                quantized[module] = {"shape": list(w.shape), "dtype": dtype_name(w.dtype)}
-            bar.update(1)
+    try:
+        with progress_bar(count, f"export {format}", progress) as bar:
+            for name, w in tensors:
+                module = _quantized_module(name, num_layers, high_precision_first_layers, high_precision_last_layers)
+                if module is None:
+                    writer.add(name, w)
+                    if name.endswith(".weight"):
+                        kept.append(name[: -len(".weight")])
+                else:
+                    qt = fmt.quantize(w, dim=-1)
+                    quantized[module] = {"shape": list(w.shape), "dtype": dtype_name(w.dtype)}
+                    writer.add(f"{module}.{PACKED}", qt.codes)
+                    writer.add(f"{module}.{SCALE}", qt.scales)
+                    if qt.global_scale is not None:
+                        writer.add(f"{module}.{GLOBAL_SCALE}", qt.global_scale.reshape(()).to(torch.float32))
+                bar.update(1)
+            writer._flush()
+    except BaseException:
+        abort_hf_output(writer, save_dir, created)
+        raise
     writer.close()
     write_assets(save_dir)
     qc = {
@@ -199,7 +229,7 @@ def export_fp4_checkpoint(source: Union[str, os.PathLike, ShardedWeights], save_
     }
     config = {k: v for k, v in config.items() if k != "quantization_config"}
     config["quantization_config"] = qc
-    (save_dir / "config.json").write_text(json.dumps(config, indent=2) + "\n")
+    _write_text_atomic(save_dir / "config.json", json.dumps(config, indent=2) + "\n")
     return save_dir
 
 
@@ -208,23 +238,91 @@ class FP4FolderSource(HFFolderSource):
 
     def __init__(self, path: Union[str, os.PathLike], dtype: Optional[torch.dtype] = None) -> None:
         super().__init__(path)
+        where = self.config_where
         qc = self.config.get("quantization_config") or {}
-        if qc.get("quant_method") != QUANT_METHOD:
+        if not isinstance(qc, dict) or qc.get("quant_method") != QUANT_METHOD:
             raise ValueError(f"{self.path}/config.json has no quantization_config with quant_method "
                              f"{QUANT_METHOD!r}: not an FP4 export of tools/export_fp4_checkpoint.py")
-        if int(qc.get("version", 0)) > QUANT_CONFIG_VERSION:
-            raise ValueError(f"{self.path}: quantization_config version {qc['version']} is newer than this reader")
+        version = qc.get("version", 0)
+        if isinstance(version, bool) or not isinstance(version, int):
+            raise ValueError(f"{where}: quantization_config version={version!r} is not an integer")
+        if version > QUANT_CONFIG_VERSION:
+            raise ValueError(f"{where}: quantization_config version {version} is newer than this reader")
         self.quantization_config = qc
+        if qc.get("format") not in registered_formats():
+            raise ValueError(f"{where}: quantization_config format={qc.get('format')!r} is not valid; allowed "
+                             f"values: {', '.join(registered_formats())}")
         self.format = get_format(qc["format"])
-        if self.format.block_size != qc["block_size"]:
-            raise ValueError(f"{self.path}: block_size {qc['block_size']} does not match format {qc['format']} "
-                             f"({self.format.block_size})")
-        self.modules: dict[str, dict] = qc["quantized_modules"]
+        if self.format.block_size != qc.get("block_size"):
+            raise ValueError(f"{where}: quantization_config block_size {qc.get('block_size')!r} does not match "
+                             f"format {qc['format']} ({self.format.block_size})")
+        modules = qc.get("quantized_modules")
+        if not isinstance(modules, dict):
+            raise ValueError(f"{where}: quantization_config quantized_modules is missing or not an object")
+        for module, info in modules.items():
+            shape = info.get("shape") if isinstance(info, dict) else None
+            ok = (isinstance(shape, list) and len(shape) == 2
+                  and all(isinstance(d, int) and not isinstance(d, bool) and d >= 1 for d in shape))
+            try:
+                dtype_ok = ok and dtype_from_name(info.get("dtype")) is not None
+            except ValueError:
+                dtype_ok = False
+            if not dtype_ok:
+                raise ValueError(f"{where}: quantization_config quantized_modules[{module!r}] = {info!r} is not "
+                                 f"valid; expected {{\"shape\": [out, in] (integers >= 1), \"dtype\": \"bfloat16\" / "
+                                 f"\"float16\" / \"float32\"}}")
+        self.modules: dict[str, dict] = modules
         self.out_dtype = dtype
         for module in self.modules:
             for t in (PACKED, SCALE) + ((GLOBAL_SCALE,) if self.format.has_global_scale else ()):
                 if f"{module}.{t}" not in self.weight_map:
                     raise KeyError(f"{module}.{t} is missing from {self.path}")
+            for t in (PACKED, SCALE):
+                dt = super().dtype(f"{module}.{t}")
+                if dt != torch.uint8:
+                    raise ValueError(f"{self.where(f'{module}.{t}')}: {module}.{t} has dtype "
+                                     f"{str(dt).replace('torch.', '')}, expected uint8")
+            self._check_packed_shapes(module)
+        self._check_recorded_quantization()
+
+    def _check_recorded_quantization(self) -> None:
+        """config.json's format and quantized modules agree with what each file recorded when it was written."""
+        qc = self.quantization_config
+        for f in sorted(set(self.weight_map.values())):
+            meta = self._file(f).metadata.get(QUANT_META_KEY)
+            if meta is None:
+                continue  # written before files recorded it
+            try:
+                rec = json.loads(meta)
+                rec_modules = dict(rec["modules"])
+            except (ValueError, KeyError, TypeError):
+                raise ValueError(f"{self.path / f}: its {QUANT_META_KEY} record is damaged") from None
+            bad = None
+            if rec.get("format") != qc["format"] or rec.get("block_size") != qc["block_size"]:
+                bad = f"format {rec.get('format')!r} / block_size {rec.get('block_size')!r}"
+            else:
+                for m, info in rec_modules.items():
+                    if self.modules.get(m) != info:
+                        bad = f"{m} = {info}"
+                        break
+            if bad is not None:
+                raise ValueError(f"{self.config_where}: quantization_config does not match what {self.path / f} "
+                                 f"recorded when it was written ({bad}): config.json was edited or damaged")
+
+    def _check_packed_shapes(self, module: str) -> None:
+        shape = self.modules[module]["shape"]
+        n_blocks = -(-shape[1] // self.format.block_size)
+        want_codes = (shape[0], n_blocks * self.format.block_size // 2)
+        want_scales = (shape[0], n_blocks) + ((self.format.scale_bytes,) if self.format.scale_bytes > 1 else ())
+        codes, scales = super().shape(f"{module}.{PACKED}"), super().shape(f"{module}.{SCALE}")
+        if codes != want_codes or scales != want_scales:
+            raise ValueError(f"{self.where(f'{module}.{PACKED}')}: {module}: packed shapes {codes} / {scales} do not "
+                             f"match weight shape {tuple(shape)} in format {self.format.name} (expected {want_codes} "
+                             f"/ {want_scales})")
+        if self.format.has_global_scale:
+            gs = f"{module}.{GLOBAL_SCALE}"
+            if super().shape(gs) not in ((), (1,)) or super().dtype(gs) != torch.float32:
+                raise ValueError(f"{self.where(gs)}: {gs} must be a float32 scalar")
 
     def _module_of(self, name: str) -> Optional[str]:
         if name.endswith(".weight") and name[: -len(".weight")] in self.modules:
@@ -253,11 +351,6 @@ class FP4FolderSource(HFFolderSource):
         scales = super().get(f"{module}.{SCALE}")
         gs = super().get(f"{module}.{GLOBAL_SCALE}") if self.format.has_global_scale else None
         shape = torch.Size(info["shape"])
-        n_blocks = -(-shape[1] // self.format.block_size)
-        want_codes = (shape[0], n_blocks * self.format.block_size // 2)
-        if tuple(codes.shape) != want_codes or scales.shape[:2] != (shape[0], n_blocks):
-            raise ValueError(f"{module}: packed shapes {tuple(codes.shape)}/{tuple(scales.shape)} do not match "
-                             f"weight shape {tuple(shape)} in format {self.format.name}")
         return QuantizedTensor(fmt=self.format, codes=codes, scales=scales, shape=shape, dim=1,
                                dtype=dtype_from_name(info["dtype"]), global_scale=gs)
 
@@ -297,6 +390,7 @@ def load_fp4_checkpoint(path: Union[str, os.PathLike], dtype: Optional[torch.dty
     """Load an FP4 export: dequantized HF state dict (in the source dtype, or ``dtype``) and optionally the packed
     QuantizedTensors. ``load_gpt(path)`` builds the megatron-core model directly."""
     src = FP4FolderSource(path, dtype)
+    src.model_args()  # config.json's model and every tensor it implies, present with its shape
     state = {k: src.get(k) for k in src.keys()}
     quantized = {m: src.quantized(m) for m in src.modules} if packed else {}
     return FP4Checkpoint(config=src.config, quantization_config=src.quantization_config, state_dict=state,

@@ -42,12 +42,20 @@ class GGUFSource(DictSource):
     """The HF-named tensors (dequantized) and config.json dict of a GGUF model file, with its tokenizer."""
 
     def __init__(self, folder: PathLike, gguf_file: str, dtype: torch.dtype = torch.float32) -> None:
-        gguf_path(folder, gguf_file)
+        path = gguf_path(folder, gguf_file)
         _require_gguf()
         from transformers import AutoModelForCausalLM, AutoTokenizer
 
-        model = AutoModelForCausalLM.from_pretrained(str(folder), gguf_file=gguf_file, dtype=dtype,
-                                                     local_files_only=True)
+        try:
+            model = AutoModelForCausalLM.from_pretrained(str(folder), gguf_file=gguf_file, dtype=dtype,
+                                                         local_files_only=True)
+            tokenizer = AutoTokenizer.from_pretrained(str(folder), gguf_file=gguf_file, local_files_only=True)
+        except ImportError:
+            raise
+        except Exception as e:  # the GGUF reader fails in many ways on a damaged or unsupported file
+            text = str(e).strip().splitlines()[0] if str(e).strip() else ""
+            raise ValueError(f"{path}: cannot be read as a Llama / Qwen2 GGUF model ({type(e).__name__}: "
+                             f"{text[:300]})") from None
         config = model.config.to_diff_dict()
         for key in ("quantization_config", "_name_or_path", "_model_name_or_path", "transformers_version"):
             config.pop(key, None)
@@ -57,9 +65,10 @@ class GGUFSource(DictSource):
         if config.get("tie_word_embeddings"):
             state.pop("lm_head.weight", None)  # the embedding, shared
         super().__init__(config, state)
-        self.path = gguf_path(folder, gguf_file)
+        self.path = path
+        self.config_where = str(path)
         self.generation_config = model.generation_config
-        self.tokenizer = AutoTokenizer.from_pretrained(str(folder), gguf_file=gguf_file, local_files_only=True)
+        self.tokenizer = tokenizer
 
     def where(self, name: str) -> str:
         return str(self.path)

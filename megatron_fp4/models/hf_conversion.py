@@ -26,25 +26,34 @@ import os
 import re
 import shutil
 import sys
+import uuid
 from pathlib import Path
-from typing import Any, Iterator, Optional, Union
+from typing import Any, Iterable, Iterator, Optional, Union
 
 import torch
 
 from megatron_fp4.models.checkpoint_io import (
+    ARGS_FILENAME,
     HF_ASSETS_DIRNAME,
     SHARD_FILENAME,
     MegatronCheckpoint,
     ShardedWeights,
+    _commit_iteration,
+    _tmp_iteration_dir,
+    _write_text_atomic,
+    asset_digests,
+    checkpoint_args_doc,
     copy_hf_assets,
     iteration_dirname,
     layer_offset,
     shard_dirname,
+    shard_metadata,
     split_tp,
     stage_param_names,
     to_local_name,
-    write_checkpoint_metadata,
 )
+from megatron_fp4.models.safetensors_io import SafetensorsFile, save_safetensors, writer_record
+from megatron_fp4.ownership import check_output_dir
 
 __all__ = [
     "SUPPORTED_ARCHITECTURES",
@@ -81,63 +90,139 @@ _MG_LAYER_RE = re.compile(r"decoder\.layers\.(\d+)\.(.+)")
 
 
 # -- config ---------------------------------------------------------------------------------------------------------
-def _rope_theta(cfg: dict) -> float:
-    rp = cfg.get("rope_parameters") or {}
-    rs = cfg.get("rope_scaling") or {}
-    rope_type = rp.get("rope_type") or rp.get("type") or rs.get("rope_type") or rs.get("type") or "default"
-    if rope_type != "default":
-        raise ValueError(f"unsupported RoPE scaling {rope_type!r} (rope_parameters/rope_scaling in config.json); "
-                         f"only the default RoPE is supported by the converter")
-    theta = rp.get("rope_theta", cfg.get("rope_theta", 10000.0))
-    return float(theta)
+def _cfg_value(cfg: dict, key: str, where: str, default: Any, nullable: bool) -> Any:
+    """``cfg[key]``; ``default`` when absent (or null, where transformers takes null as the default); an explicit
+    null elsewhere is a ValueError naming the key (transformers refuses it too, or reads it differently)."""
+    if key not in cfg or (cfg[key] is None and nullable):
+        return default
+    if cfg[key] is None:
+        raise ValueError(f"{where}: {key}=null is not valid; give a value or leave the key out")
+    return cfg[key]
 
 
-def model_args_from_hf_config(cfg: dict) -> dict:
-    """GPTModelArgs keyword arguments (without params_dtype; vocab unpadded) for a Qwen2/Llama config.json dict."""
+def _cfg_int(cfg: dict, key: str, where: str, default: Any = None, minimum: int = 1, nullable: bool = False) -> int:
+    """config.json integer field ``key`` (``default`` when absent): ValueError naming the file and the key when it
+    is not an integer >= ``minimum`` (or missing without a default)."""
+    v = _cfg_value(cfg, key, where, default, nullable)
+    if v is None:
+        raise ValueError(f"{where} has no {key!r}")
+    if isinstance(v, bool) or not isinstance(v, int) or v < minimum:
+        raise ValueError(f"{where}: {key}={v!r} is not valid; expected an integer >= {minimum}")
+    return v
+
+
+def _cfg_float(cfg: dict, key: str, where: str, default: float, positive: bool) -> float:
+    """config.json number field ``key``: finite and > 0 (``positive``) or >= 0; ValueError naming the key."""
+    v = _cfg_value(cfg, key, where, default, nullable=False)
+    if isinstance(v, bool) or not isinstance(v, (int, float)) or not math.isfinite(v) or v < 0 or (
+            positive and v == 0):
+        raise ValueError(f"{where}: {key}={v!r} is not valid; expected a finite number {'> 0' if positive else '>= 0'}")
+    return float(v)
+
+
+def _cfg_bool(cfg: dict, key: str, where: str, default: bool = False) -> bool:
+    v = _cfg_value(cfg, key, where, default, nullable=False)
+    if not isinstance(v, bool):
+        raise ValueError(f"{where}: {key}={v!r} is not valid; expected true or false")
+    return v
+
+
+_CFG_DTYPES = ("float32", "bfloat16", "float16", "float64", "auto")
+
+
+def _check_unread_fields(cfg: dict, where: str, num_layers: int) -> None:
+    """Fields the converter does not map but which change what the model computes or how it is read: the layer
+    types (only full attention is supported) and the dtype names."""
+    types = cfg.get("layer_types")
+    if types is not None and (not isinstance(types, list) or len(types) != num_layers
+                              or any(t != "full_attention" for t in types)):
+        raise ValueError(f"{where}: layer_types={types!r} is not supported; expected null or {num_layers} x "
+                         f"\"full_attention\" (sliding-window layers have no megatron counterpart here)")
+    for key in ("torch_dtype", "dtype"):
+        if key in cfg and cfg[key] is not None and cfg[key] not in _CFG_DTYPES:
+            raise ValueError(f"{where}: {key}={cfg[key]!r} is not valid; allowed values: {', '.join(_CFG_DTYPES)}")
+
+
+def _rope_theta(cfg: dict, where: str = "config.json") -> float:
+    rp = cfg.get("rope_parameters")
+    rs = cfg.get("rope_scaling")
+    for key, value in (("rope_parameters", rp), ("rope_scaling", rs)):
+        if value is not None and not isinstance(value, dict):
+            raise ValueError(f"{where}: {key}={value!r} is not valid; expected an object or null")
+    rp, rs = rp or {}, rs or {}
+    for key, value in (("rope_parameters", rp), ("rope_scaling", rs)):  # either one may carry the scaling
+        for k in ("rope_type", "type"):
+            if k in value and not isinstance(value[k], str):
+                raise ValueError(f"{where}: {key}.{k}={value[k]!r} is not valid; expected a name such as "
+                                 f"\"default\"")
+        rope_type = value.get("rope_type", value.get("type")) or "default"
+        if rope_type != "default":
+            raise ValueError(f"unsupported RoPE scaling {rope_type!r} ({key} in {where}); only the default RoPE is "
+                             f"supported by the converter")
+    if "rope_theta" in rp:
+        return _cfg_float(rp, "rope_theta", f"{where} rope_parameters", 10000.0, positive=True)
+    return _cfg_float(cfg, "rope_theta", where, 10000.0, positive=True)
+
+
+def model_args_from_hf_config(cfg: dict, where: str = "config.json") -> dict:
+    """GPTModelArgs keyword arguments (without params_dtype; vocab unpadded) for a Qwen2/Llama config.json dict.
+
+    Every field it reads is type- and range-checked; errors name ``where`` (the file) and the field."""
+    if not isinstance(cfg, dict):
+        raise ValueError(f"{where}: expected a JSON object, found {type(cfg).__name__}")
     archs = cfg.get("architectures") or []
+    if not isinstance(archs, list) or not all(isinstance(a, str) for a in archs):
+        raise ValueError(f"{where}: architectures={archs!r} is not valid; expected a list of names")
     model_type = cfg.get("model_type")
     arch = archs[0] if archs else None
-    if model_type not in SUPPORTED_ARCHITECTURES.values() or (arch is not None and arch not in SUPPORTED_ARCHITECTURES):
-        raise ValueError(f"unsupported architecture {arch!r} (model_type {model_type!r}); {_SUPPORTED_MSG}")
+    if (not isinstance(model_type, str) or model_type not in SUPPORTED_ARCHITECTURES.values()
+            or (arch is not None and arch not in SUPPORTED_ARCHITECTURES)
+            or (arch is not None and SUPPORTED_ARCHITECTURES[arch] != model_type)):
+        raise ValueError(f"{where}: unsupported architecture {arch!r} (model_type {model_type!r}); {_SUPPORTED_MSG}")
     for key in ("hidden_size", "num_hidden_layers", "num_attention_heads", "intermediate_size", "vocab_size"):
         if key not in cfg:
-            raise ValueError(f"config.json has no {key!r}")
+            raise ValueError(f"{where} has no {key!r}")
     act = cfg.get("hidden_act", "silu")
     if act != "silu":
-        raise ValueError(f"unsupported hidden_act {act!r}: only SwiGLU (silu) MLPs are supported")
+        raise ValueError(f"{where}: unsupported hidden_act {act!r}: only SwiGLU (silu) MLPs are supported")
     if model_type == "qwen2":
-        if cfg.get("use_sliding_window"):
-            raise ValueError("unsupported: Qwen2 with use_sliding_window=true (megatron-core local attention has "
-                             "no sliding window)")
+        if _cfg_bool(cfg, "use_sliding_window", where):
+            raise ValueError(f"{where}: unsupported: Qwen2 with use_sliding_window=true (megatron-core local "
+                             f"attention has no sliding window)")
         qkv_bias = True
     else:
-        if cfg.get("attention_bias"):
-            raise ValueError("unsupported: Llama with attention_bias=true (o_proj bias has no megatron "
-                             "counterpart in this model); " + _SUPPORTED_MSG)
-        if cfg.get("mlp_bias"):
-            raise ValueError("unsupported: Llama with mlp_bias=true")
+        if _cfg_bool(cfg, "attention_bias", where):
+            raise ValueError(f"{where}: unsupported: Llama with attention_bias=true (o_proj bias has no megatron "
+                             f"counterpart in this model); " + _SUPPORTED_MSG)
+        if _cfg_bool(cfg, "mlp_bias", where):
+            raise ValueError(f"{where}: unsupported: Llama with mlp_bias=true")
         qkv_bias = False
-    heads = int(cfg["num_attention_heads"])
-    kv_heads = int(cfg.get("num_key_value_heads") or heads)
+    heads = _cfg_int(cfg, "num_attention_heads", where)
+    kv_heads = _cfg_int(cfg, "num_key_value_heads", where, default=heads, nullable=True)
     if heads % kv_heads:
-        raise ValueError(f"num_attention_heads={heads} is not a multiple of num_key_value_heads={kv_heads}")
-    hidden = int(cfg["hidden_size"])
-    head_dim = cfg.get("head_dim") or hidden // heads
+        raise ValueError(f"{where}: num_attention_heads={heads} is not a multiple of num_key_value_heads={kv_heads}")
+    hidden = _cfg_int(cfg, "hidden_size", where)
+    if cfg.get("head_dim") is None and hidden % heads:  # (an explicit null is refused below for Qwen2)
+        raise ValueError(f"{where}: num_attention_heads={heads} does not divide hidden_size={hidden} (and there is "
+                         f"no head_dim)")
+    head_dim = _cfg_int(cfg, "head_dim", where, default=hidden // heads, nullable=model_type == "llama")
+    num_layers = _cfg_int(cfg, "num_hidden_layers", where)
+    _check_unread_fields(cfg, where, num_layers)
     return dict(
-        num_layers=int(cfg["num_hidden_layers"]),
+        num_layers=num_layers,
         hidden_size=hidden,
-        ffn_hidden_size=int(cfg["intermediate_size"]),
+        ffn_hidden_size=_cfg_int(cfg, "intermediate_size", where),
         num_attention_heads=heads,
         num_query_groups=kv_heads,
-        kv_channels=int(head_dim),
-        vocab_size=int(cfg["vocab_size"]),
-        max_seq_len=int(cfg.get("max_position_embeddings") or 4096),
+        kv_channels=head_dim,
+        vocab_size=_cfg_int(cfg, "vocab_size", where),
+        max_seq_len=_cfg_int(cfg, "max_position_embeddings", where, default=4096),
         add_qkv_bias=qkv_bias,
-        tie_embeddings=bool(cfg.get("tie_word_embeddings", False)),
+        tie_embeddings=_cfg_bool(cfg, "tie_word_embeddings", where),
         swiglu=True,
         normalization="RMSNorm",
-        norm_epsilon=float(cfg.get("rms_norm_eps", 1e-6)),
-        rotary_base=_rope_theta(cfg),
+        norm_epsilon=_cfg_float(cfg, "rms_norm_eps", where, 1e-6, positive=False),
+        rotary_base=_rope_theta(cfg, where),
     )
 
 
@@ -167,6 +252,8 @@ class TensorSource:
     """HF-named tensors plus the config.json dict (lazy access)."""
 
     config: dict
+    #: Where the config comes from, for error messages.
+    config_where: str = "config.json"
 
     def keys(self) -> list[str]:
         raise NotImplementedError
@@ -189,7 +276,7 @@ class TensorSource:
 
     def model_args(self, tp: int = 1, make_vocab_size_divisible_by: int = 1) -> dict:
         """GPTModelArgs kwargs (params_dtype = the embedding's dtype, vocab padded for ``tp``), shapes checked."""
-        margs = model_args_from_hf_config(self.config)
+        margs = model_args_from_hf_config(self.config, self.config_where)
         check_hf_shapes(self, margs)
         margs["params_dtype"] = self.dtype("model.embed_tokens.weight")
         margs["vocab_size"] = padded_vocab_size(margs["vocab_size"], tp, make_vocab_size_divisible_by)
@@ -215,8 +302,25 @@ class DictSource(TensorSource):
         return self.state_dict[name]
 
 
+def read_json_file(path: PathLike, what: str = "") -> Any:
+    """The parsed JSON of ``path``; ValueError naming the file when it is not valid JSON (or not text)."""
+    path = Path(path)
+    try:
+        return json.loads(path.read_text(), parse_constant=_no_constant)
+    except (ValueError, UnicodeDecodeError) as e:
+        raise ValueError(f"{path}: not valid JSON{what} ({e}); the file is damaged") from None
+
+
+def _no_constant(name: str):
+    """json ``parse_constant`` hook: NaN and Infinity are not JSON (Python's reader accepts them by default)."""
+    raise ValueError(f"{name} is not a JSON value")
+
+
 class HFFolderSource(TensorSource):
-    """A local HF model folder: config.json + model.safetensors or a sharded model.safetensors.index.json."""
+    """A local HF model folder: config.json + model.safetensors or a sharded model.safetensors.index.json.
+
+    Files written by this package's exporters carry checksums (verified as tensors are read); others are read
+    unverified. Every problem names the file."""
 
     def __init__(self, path: PathLike) -> None:
         path = Path(path)
@@ -226,15 +330,36 @@ class HFFolderSource(TensorSource):
         if not cfg_file.is_file():
             raise FileNotFoundError(f"{cfg_file} not found: {path} is not a Hugging Face model folder")
         self.path = path
-        self.config = json.loads(cfg_file.read_text())
+        self.config = read_json_file(cfg_file)
+        if not isinstance(self.config, dict):
+            raise ValueError(f"{cfg_file}: expected a JSON object, found {type(self.config).__name__}")
+        self.config_where = str(cfg_file)
         index = path / "model.safetensors.index.json"
         self.weight_map: dict[str, str] = {}
         if index.is_file():
-            self.weight_map = dict(json.loads(index.read_text())["weight_map"])
+            doc = read_json_file(index)
+            wm = doc.get("weight_map") if isinstance(doc, dict) else None
+            if not isinstance(wm, dict) or not all(isinstance(k, str) and isinstance(v, str) and v
+                                                   for k, v in wm.items()):
+                raise ValueError(f"{index}: expected an object with a \"weight_map\" of tensor name -> file name")
+            outside = sorted({f for f in wm.values() if Path(f).is_absolute() or ".." in Path(f).parts})
+            if outside:
+                raise ValueError(f"{index}: names files outside {path} ({outside[0]})")
+            self.weight_map = dict(wm)
             missing = sorted({f for f in self.weight_map.values() if not (path / f).is_file()})
             if missing:
                 raise FileNotFoundError(f"{index} lists shard files that are missing: "
                                         f"{', '.join(str(path / f) for f in missing)}")
+            self._files: dict[str, SafetensorsFile] = {}
+            for f in sorted(set(self.weight_map.values())):
+                listed = {k for k, v in self.weight_map.items() if v == f}
+                held = set(self._file(f).keys())
+                if listed - held:
+                    raise ValueError(f"{index} lists tensor {sorted(listed - held)[0]} in {path / f}, which does "
+                                     f"not hold it")
+                if held - listed:
+                    raise ValueError(f"{path / f} holds tensor {sorted(held - listed)[0]}, which {index} does not "
+                                     f"list in it (the index is damaged or belongs to other files)")
         else:
             files = sorted(path.glob("*.safetensors"))
             if not files:
@@ -242,23 +367,23 @@ class HFFolderSource(TensorSource):
                 hint = (f" (found {', '.join(bins)}: re-save with save_pretrained(..., safe_serialization=True))"
                         if bins else "")
                 raise FileNotFoundError(f"no model.safetensors or model.safetensors.index.json in {path}{hint}")
-            from safetensors import safe_open
-
+            self._files = {}
             for f in files:
-                with safe_open(str(f), framework="pt") as h:
-                    for k in h.keys():
-                        self.weight_map[k] = f.name
-        self._handles: dict[str, Any] = {}
+                for k in self._file(f.name).keys():
+                    if k in self.weight_map:
+                        raise ValueError(f"tensor {k} is in both {path / self.weight_map[k]} and {f}: which one "
+                                         f"is the model's is ambiguous (add a model.safetensors.index.json)")
+                    self.weight_map[k] = f.name
 
-    def _handle(self, name: str):
-        from safetensors import safe_open
+    def _file(self, f: str) -> SafetensorsFile:
+        if f not in self._files:
+            self._files[f] = SafetensorsFile(self.path / f)
+        return self._files[f]
 
+    def _handle(self, name: str) -> SafetensorsFile:
         if name not in self.weight_map:
             raise KeyError(f"tensor {name} is missing from {self.path}")
-        f = self.weight_map[name]
-        if f not in self._handles:
-            self._handles[f] = safe_open(str(self.path / f), framework="pt", device="cpu")
-        return self._handles[f]
+        return self._file(self.weight_map[name])
 
     def keys(self) -> list[str]:
         return list(self.weight_map)
@@ -267,14 +392,13 @@ class HFFolderSource(TensorSource):
         return name in self.weight_map
 
     def get(self, name: str) -> torch.Tensor:
-        return self._handle(name).get_tensor(name)
+        return self._handle(name).get(name)
 
     def shape(self, name: str) -> tuple[int, ...]:
-        return tuple(self._handle(name).get_slice(name).get_shape())
+        return self._handle(name).shape(name)
 
     def dtype(self, name: str) -> torch.dtype:
-        st = self._handle(name).get_slice(name).get_dtype()
-        return {"F32": torch.float32, "BF16": torch.bfloat16, "F16": torch.float16}.get(st) or self.get(name).dtype
+        return self._handle(name).dtype(name)
 
     def where(self, name: str) -> str:
         return str(self.path / self.weight_map.get(name, "?"))
@@ -285,11 +409,17 @@ def open_hf_source(path: PathLike) -> TensorSource:
     path = Path(path)
     cfg_file = path / "config.json"
     if cfg_file.is_file():
-        qc = json.loads(cfg_file.read_text()).get("quantization_config") or {}
-        if qc.get("quant_method") == "megatron_fp4":
+        cfg = read_json_file(cfg_file)
+        qc = cfg.get("quantization_config") if isinstance(cfg, dict) else None
+        if isinstance(qc, dict) and qc.get("quant_method") == "megatron_fp4":
             from megatron_fp4.models.fp4_checkpoint import FP4FolderSource
 
             return FP4FolderSource(path)
+        if qc is not None:
+            method = qc.get("quant_method") if isinstance(qc, dict) else qc
+            raise ValueError(f"{cfg_file}: quantization_config (quant_method {method!r}) is not supported: the "
+                             f"converters read high-precision Hugging Face checkpoints and this package's own FP4 "
+                             f"exports (quant_method 'megatron_fp4')")
     return HFFolderSource(path)
 
 
@@ -337,6 +467,10 @@ def check_hf_shapes(source: TensorSource, margs: dict) -> None:
         if tuple(got) != tuple(shape):
             raise ValueError(f"shape mismatch for {name}: {tuple(got)} in {source.where(name)}, config.json "
                              f"implies {tuple(shape)}")
+        dt = source.dtype(name)
+        if dt not in (torch.float32, torch.bfloat16, torch.float16):
+            raise ValueError(f"tensor {name} in {source.where(name)} has dtype {str(dt).replace('torch.', '')}; "
+                             f"model weights must be float32, bfloat16 or float16")
     unknown = sorted(k for k in source.keys() if k not in expected and k != "lm_head.weight"
                      and not k.endswith("rotary_emb.inv_freq"))
     if unknown:
@@ -393,62 +527,57 @@ def progress_bar(total: int, desc: str, enabled: bool):
     return tqdm(total=total, desc=desc, unit="tensor", disable=not enabled, file=sys.stderr, dynamic_ncols=True)
 
 
-def prepare_output_dir(path: PathLike, overwrite: bool, megatron_iteration: Optional[Union[int, str]] = None
-                       ) -> Path:
-    """Create an output directory; refuse (FileExistsError) to mix with an existing checkpoint unless ``overwrite``.
+def prepare_output_dir(path: PathLike, overwrite: bool, megatron_iteration: Optional[Union[int, str]] = None,
+                       sources: Iterable[PathLike] = (), arg: str = "--save") -> Path:
+    """Check an output directory before any work (:func:`megatron_fp4.ownership.check_output_dir`: never a
+    training run's folder, another tool's checkpoint or an input being read; writable), then create it; refuse
+    (FileExistsError) to mix with an existing output unless ``overwrite``.
 
-    For a megatron checkpoint only the iteration directory being written counts (other iterations are kept); for
-    an HF folder, existing weights / config.json (removed when ``overwrite``).
+    For a megatron checkpoint (``megatron_iteration`` given) only the iteration being written counts (other
+    iterations are kept; an existing one is replaced only once the new one is complete) and the iteration
+    directory is not created here (nor the folder: the converter creates it once its input has been read); for an
+    HF folder, existing weights / config.json (removed when ``overwrite``).
+    Returns ``path`` (HF) or the iteration directory (megatron).
     """
     path = Path(path)
+    kind = "hf" if megatron_iteration is None else "converted"
+    check_output_dir(path, kind, arg=arg, sources=sources)
     if megatron_iteration is not None:
         target = path / iteration_dirname(megatron_iteration)
-        if target.exists() and any(target.iterdir()):
-            if not overwrite:
-                raise FileExistsError(f"{target} already exists; pass --overwrite (overwrite=True) to replace it "
-                                      f"or choose another --save")
-            shutil.rmtree(target)
-        target.mkdir(parents=True, exist_ok=True)
+        if target.exists() and any(target.iterdir()) and not overwrite:
+            raise FileExistsError(f"{arg} {path}: {target.name} already exists; pass --overwrite (overwrite=True) "
+                                  f"to replace it or choose another --save")
         return target
     if path.exists():
-        old = [p for p in path.iterdir() if p.suffix == ".safetensors" or p.name in (
-            "config.json", "model.safetensors.index.json")]
+        old = _hf_model_files(path)
         if old and not overwrite:
-            raise FileExistsError(f"{path} already holds a model ({old[0].name}); pass --overwrite (overwrite=True) "
-                                  f"to replace it or choose another --save")
-        for p in old:
-            p.unlink()
+            raise FileExistsError(f"{arg} {path}: already holds a model ({old[0].name}); pass --overwrite "
+                                  f"(overwrite=True) to replace it or choose another --save")
     path.mkdir(parents=True, exist_ok=True)
     return path
 
 
-def convert_hf_to_megatron(hf_path: PathLike, save_dir: PathLike, tensor_model_parallel_size: int = 1,
-                           pipeline_model_parallel_size: int = 1, make_vocab_size_divisible_by: int = 1,
-                           iteration: Union[int, str] = "release", progress: bool = True,
-                           overwrite: bool = False, gguf_file: Optional[str] = None) -> Path:
-    """Convert an HF Qwen2/Llama folder to a TP x PP sharded megatron-fp4 checkpoint; returns the iteration dir.
+def _hf_model_files(path: Path) -> list[Path]:
+    """The files of an HF folder an export replaces: weights, their index, config.json."""
+    return [p for p in sorted(path.iterdir()) if p.suffix == ".safetensors" or p.name in (
+        "config.json", "model.safetensors.index.json")]
 
-    ``gguf_file``: read the model from this GGUF file inside ``hf_path`` instead (through transformers' GGUF
-    loader, dequantized to fp32; its tokenizer and chat template go to hf_assets/). Shards are written one at a
-    time (each holds one TP rank of one PP stage); the tracker file last.
-    """
-    from safetensors.torch import save_file
 
-    tp, pp = tensor_model_parallel_size, pipeline_model_parallel_size
-    iteration_dirname(iteration)  # validates
-    iteration = iteration if iteration == "release" else int(iteration)
-    if gguf_file is not None:
-        from megatron_fp4.models.gguf import GGUFSource
+def _source_paths(source: Any) -> list[Path]:
+    """The folders / files a source reads (for the output-overlap check)."""
+    out = []
+    for attr in ("path", "dir"):
+        v = getattr(source, attr, None)
+        if v is not None:
+            out.append(Path(v))
+    return out
 
-        source = GGUFSource(hf_path, gguf_file)
-    else:
-        source = open_hf_source(hf_path)
-    margs = model_args_from_hf_config(source.config)
-    check_parallel_sizes(margs, tp, pp)
-    hf_vocab = margs["vocab_size"]
-    margs = source.model_args(tp, make_vocab_size_divisible_by)
-    save_dir = Path(save_dir)
-    it_dir = prepare_output_dir(save_dir, overwrite, megatron_iteration=iteration)
+
+def _write_converted(source: TensorSource, save_dir: Path, tmp: Path, margs: dict, tp: int, pp: int,
+                     iteration: Union[int, str], hf_vocab: int, checkpoint_id: str, writer: dict,
+                     progress: bool) -> None:
+    """Write every shard, the tokenizer files (``tmp/hf_assets``, moved beside the iterations on commit) and
+    args.json of a conversion into ``tmp``."""
     per_stage = [stage_param_names(margs, r, pp) for r in range(pp)]
     with progress_bar(sum(len(n) for n in per_stage) * tp, "hf->megatron", progress) as bar:
         for pp_rank in range(pp):
@@ -460,20 +589,80 @@ def convert_hf_to_megatron(hf_path: PathLike, save_dir: PathLike, tensor_model_p
                     state[to_local_name(g, offset)] = split_tp(
                         g, megatron_tensor_from_hf(g, source, margs), tp, tp_rank).contiguous()
                     bar.update(1)
-                shard = it_dir / shard_dirname(tp_rank, pp_rank)
+                shard = tmp / shard_dirname(tp_rank, pp_rank)
                 shard.mkdir(parents=True, exist_ok=True)
-                save_file(state, str(shard / SHARD_FILENAME), metadata={"format": "pt"})
+                save_safetensors(state, shard / SHARD_FILENAME, shard_metadata(checkpoint_id, tp_rank, pp_rank, tp, pp),
+                                 writer=writer)
                 del state
     if isinstance(source, HFFolderSource):
-        copy_hf_assets(source.path, save_dir / HF_ASSETS_DIRNAME)
+        copy_hf_assets(source.path, tmp / HF_ASSETS_DIRNAME)
     elif hasattr(source, "write_assets"):  # a GGUF file: its tokenizer
-        source.write_assets(save_dir / HF_ASSETS_DIRNAME)
+        source.write_assets(tmp / HF_ASSETS_DIRNAME)
     archs = source.config.get("architectures") or [
         {v: k for k, v in SUPPORTED_ARCHITECTURES.items()}[source.config["model_type"]]]
     hf_config = {k: v for k, v in source.config.items() if k != "quantization_config"}
-    write_checkpoint_metadata(save_dir, iteration, margs, tp, pp, hf_config=hf_config, hf_vocab_size=hf_vocab,
-                              hf_architecture=archs[0])
-    return it_dir
+    assets = asset_digests(tmp / HF_ASSETS_DIRNAME)
+    doc = checkpoint_args_doc(iteration, margs, tp, pp, hf_config=hf_config, hf_vocab_size=hf_vocab,
+                              hf_architecture=archs[0], checkpoint_id=checkpoint_id, writer=writer,
+                              extra={HF_ASSETS_DIRNAME: assets} if assets else None)
+    _write_text_atomic(tmp / ARGS_FILENAME, json.dumps(doc, indent=2) + "\n")
+
+
+def convert_hf_to_megatron(hf_path: PathLike, save_dir: PathLike, tensor_model_parallel_size: int = 1,
+                           pipeline_model_parallel_size: int = 1, make_vocab_size_divisible_by: int = 1,
+                           iteration: Union[int, str] = "release", progress: bool = True,
+                           overwrite: bool = False, gguf_file: Optional[str] = None) -> Path:
+    """Convert an HF Qwen2/Llama folder to a TP x PP sharded megatron-fp4 checkpoint; returns the iteration dir.
+
+    ``gguf_file``: read the model from this GGUF file inside ``hf_path`` instead (through transformers' GGUF
+    loader, dequantized to fp32; its tokenizer and chat template go to hf_assets/). Shards are written one at a
+    time (each holds one TP rank of one PP stage) with their checksums into a temporary directory that is renamed
+    into place once complete; the tracker last. The output folder is checked before anything is read.
+    """
+    tp, pp = tensor_model_parallel_size, pipeline_model_parallel_size
+    iteration_dirname(iteration)  # validates
+    iteration = iteration if iteration == "release" else int(iteration)
+    for flag, v in (("--tensor-model-parallel-size", tp), ("--pipeline-model-parallel-size", pp),
+                    ("--make-vocab-size-divisible-by", make_vocab_size_divisible_by)):
+        if isinstance(v, bool) or not isinstance(v, int) or v < 1:
+            raise ValueError(f"{flag} {v!r} is not valid; expected an integer >= 1")
+    save_dir = Path(save_dir)
+    src_path = Path(hf_path) / gguf_file if gguf_file is not None else Path(hf_path)
+    prepare_output_dir(save_dir, overwrite, megatron_iteration=iteration, sources=[src_path])
+    if gguf_file is not None:
+        from megatron_fp4.models.gguf import GGUFSource
+
+        source = GGUFSource(hf_path, gguf_file)
+    else:
+        source = open_hf_source(hf_path)
+    margs = model_args_from_hf_config(source.config, source.config_where)
+    check_parallel_sizes(margs, tp, pp)
+    hf_vocab = margs["vocab_size"]
+    margs = source.model_args(tp, make_vocab_size_divisible_by)
+    checkpoint_id = uuid.uuid4().hex
+    writer = writer_record("tools/convert_hf_to_megatron.py (megatron_fp4.models.hf_conversion.convert_hf_to_megatron)",
+                           source=str(src_path.resolve()))
+    tmp = _tmp_iteration_dir(save_dir, iteration)
+    if tmp.exists():
+        shutil.rmtree(tmp)  # left by an interrupted conversion
+    created = not save_dir.exists()
+    try:
+        _write_converted(source, save_dir, tmp, margs, tp, pp, iteration, hf_vocab, checkpoint_id, writer, progress)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)  # nothing half-written stays behind (a kill leaves it to the next run)
+        if created and save_dir.is_dir() and not any(save_dir.iterdir()):
+            save_dir.rmdir()
+        raise
+    assets = tmp / HF_ASSETS_DIRNAME
+    if assets.is_dir():
+        final, aside = save_dir / HF_ASSETS_DIRNAME, save_dir / f".del_{HF_ASSETS_DIRNAME}"
+        if aside.exists():
+            shutil.rmtree(aside)
+        if final.exists():
+            os.replace(final, aside)
+        os.replace(assets, final)
+        shutil.rmtree(aside, ignore_errors=True)
+    return _commit_iteration(save_dir, iteration, tmp)
 
 
 # -- megatron -> HF --------------------------------------------------------------------------------------------------
@@ -577,13 +766,20 @@ def hf_config_from_checkpoint(ckpt: ShardedWeights) -> dict:
 class ShardedSafetensorsWriter:
     """Writes tensors into safetensors files of at most ``max_shard_bytes`` each, plus the HF index when > 1 file.
 
-    Holds at most one file's worth of tensors in memory. Files are named like ``save_pretrained`` names them.
+    Holds at most one file's worth of tensors in memory. Files are named like ``save_pretrained`` names them and
+    carry the checksums of their tensors and the ``writer`` record (:mod:`megatron_fp4.models.safetensors_io`).
     """
 
-    def __init__(self, out_dir: PathLike, max_shard_bytes: int = 5 * 2**30) -> None:
+    def __init__(self, out_dir: PathLike, max_shard_bytes: int = 5 * 2**30, writer: Optional[dict] = None,
+                 metadata_fn: Optional[Any] = None) -> None:
+        """``metadata_fn(names)``: extra safetensors metadata of a file holding tensors ``names``."""
+        self.metadata_fn = metadata_fn
         self.out_dir = Path(out_dir)
         self.out_dir.mkdir(parents=True, exist_ok=True)
+        if int(max_shard_bytes) < 1:
+            raise ValueError(f"--max-shard-size {max_shard_bytes} is not valid; expected a size >= 1 byte")
         self.max_shard_bytes = int(max_shard_bytes)
+        self.writer = writer
         self._buf: dict[str, torch.Tensor] = {}
         self._buf_bytes = 0
         self._files: list[tuple[str, list[str]]] = []
@@ -599,18 +795,25 @@ class ShardedSafetensorsWriter:
         self.total_bytes += nbytes
 
     def _flush(self) -> None:
-        from safetensors.torch import save_file
-
         if not self._buf:
             return
         tmp = f"model-tmp-{len(self._files):05d}.safetensors"
-        save_file(self._buf, str(self.out_dir / tmp), metadata={"format": "pt"})
+        extra = self.metadata_fn(list(self._buf)) if self.metadata_fn is not None else None
+        save_safetensors(self._buf, self.out_dir / tmp, metadata=extra, writer=self.writer)
         self._files.append((tmp, list(self._buf)))
         self._buf, self._buf_bytes = {}, 0
 
+    def abort(self) -> None:
+        """Remove the files written so far (under their temporary names); what the folder held stays."""
+        for tmp, _ in self._files:
+            (self.out_dir / tmp).unlink(missing_ok=True)
+        self._files, self._buf, self._buf_bytes = [], {}, 0
+
     def close(self) -> list[str]:
-        """Write the last file, rename the files to their final names, write the index. Returns the file names."""
+        """Write the last file, rename the files to their final names (replacing the folder's earlier weight files,
+        which are removed only now), write the index. Returns the file names."""
         self._flush()
+        stale = [p for p in self.out_dir.glob("*.safetensors") if p.name not in {t for t, _ in self._files}]
         n = len(self._files)
         names = []
         weight_map = {}
@@ -621,10 +824,13 @@ class ShardedSafetensorsWriter:
             weight_map.update({k: final for k in keys})
         index = self.out_dir / "model.safetensors.index.json"
         if n > 1:
-            index.write_text(json.dumps({"metadata": {"total_size": self.total_bytes},
-                                         "weight_map": weight_map}, indent=2) + "\n")
+            _write_text_atomic(index, json.dumps({"metadata": {"total_size": self.total_bytes},
+                                                  "weight_map": weight_map}, indent=2) + "\n")
         elif index.exists():
             index.unlink()
+        for p in stale:
+            if p.name not in names:
+                p.unlink(missing_ok=True)
         return names
 
 
@@ -638,23 +844,49 @@ def convert_megatron_to_hf(load_dir: Union[PathLike, ShardedWeights], save_dir: 
     ``dtype``: cast the floating-point tensors (default: keep the stored dtype); config.json's ``dtype`` names the
     dtype written.
     """
+    if not isinstance(load_dir, ShardedWeights):
+        check_output_dir(save_dir, "hf", sources=[load_dir])  # before reading anything
     ckpt = load_dir if isinstance(load_dir, ShardedWeights) else MegatronCheckpoint(load_dir, iteration)
     check_hf_exportable(ckpt)
     cfg = hf_config_from_checkpoint(ckpt)
-    save_dir = prepare_output_dir(save_dir, overwrite)
-    writer = ShardedSafetensorsWriter(save_dir, max_shard_bytes)
+    if isinstance(ckpt, MegatronCheckpoint):
+        ckpt.check_shards()  # every shard's header, names and shapes before anything is written
+        ckpt.hf_assets_dir  # and the tokenizer files it recorded
+    created = not Path(save_dir).exists()
+    save_dir = prepare_output_dir(save_dir, overwrite, sources=_source_paths(ckpt) + _run_root(ckpt))
+    writer = ShardedSafetensorsWriter(save_dir, max_shard_bytes, writer=writer_record(
+        "megatron_fp4.models.hf_conversion.convert_megatron_to_hf"))  # (no paths: the same input, the same bytes)
     written_dtype = None
-    with progress_bar(num_hf_tensors(ckpt.model_args), "megatron->hf", progress) as bar:
-        for name, t in iter_hf_tensors_from_megatron(ckpt):
-            if dtype is not None and t.is_floating_point():
-                t = t.to(dtype)
-            written_dtype = written_dtype or t.dtype
-            writer.add(name, t)
-            bar.update(1)
+    try:
+        with progress_bar(num_hf_tensors(ckpt.model_args), "megatron->hf", progress) as bar:
+            for name, t in iter_hf_tensors_from_megatron(ckpt):
+                if dtype is not None and t.is_floating_point():
+                    t = t.to(dtype)
+                written_dtype = written_dtype or t.dtype
+                writer.add(name, t)
+                bar.update(1)
+            writer._flush()
+    except BaseException:
+        abort_hf_output(writer, save_dir, created)
+        raise
     writer.close()
     ckpt.write_hf_assets(save_dir)
     if written_dtype is not None:
         for key in [k for k in ("dtype", "torch_dtype") if k in cfg] or ["dtype"]:
             cfg[key] = str(written_dtype).replace("torch.", "")
-    (save_dir / "config.json").write_text(json.dumps(cfg, indent=2) + "\n")
+    _write_text_atomic(save_dir / "config.json", json.dumps(cfg, indent=2) + "\n")
     return save_dir
+
+
+def abort_hf_output(writer: "ShardedSafetensorsWriter", save_dir: Path, created: bool) -> None:
+    """After a failed export: remove what it wrote (the folder too when the export created it and it is empty);
+    the folder's earlier files are untouched (they are replaced only by :meth:`ShardedSafetensorsWriter.close`)."""
+    writer.abort()
+    if created and save_dir.is_dir() and not any(save_dir.iterdir()):
+        save_dir.rmdir()
+
+
+def _run_root(ckpt: ShardedWeights) -> list[Path]:
+    """The checkpoint folder holding an iteration directory (the tracker's folder), to keep outputs out of it."""
+    d = Path(ckpt.dir)
+    return [d.parent] if d.name == "release" or d.name.startswith("iter_") else []

@@ -20,7 +20,7 @@ from typing import Callable, Iterator, Optional, Union
 
 import torch
 
-from megatron_fp4.formats import Format, get_format
+from megatron_fp4.formats import Format, InvalidTensorError, check_tensor, get_format
 
 __all__ = [
     "fp4_gemm",
@@ -123,11 +123,10 @@ def fp4_gemm(
     generator: Optional[torch.Generator] = None,
 ) -> torch.Tensor:
     """fp32 ``Q(a) @ Q(b)^T`` for ``a [m, K]``, ``b [n, K]``, each quantized along K in its format and rounding."""
-    if a.dim() != 2 or b.dim() != 2:
-        raise ValueError(f"fp4_gemm needs 2-D operands a [m, K] and b [n, K], got {tuple(a.shape)} and "
-                         f"{tuple(b.shape)}")
+    check_tensor(a, "a", "fp4_gemm", ndim=2)
+    check_tensor(b, "b", "fp4_gemm", ndim=2)
     if a.shape[1] != b.shape[1]:
-        raise ValueError(f"fp4_gemm: reduction dims differ: a {tuple(a.shape)}, b {tuple(b.shape)}")
+        raise InvalidTensorError(f"fp4_gemm: reduction dims differ: a {tuple(a.shape)}, b {tuple(b.shape)}")
     if a.device != b.device:
         raise ValueError(f"fp4_gemm: operands on different devices ({a.device}, {b.device})")
     a_fmt, b_fmt = get_format(a_format), get_format(b_format)
