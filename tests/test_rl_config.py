@@ -91,3 +91,9 @@ def test_print_config_holds_every_field():
     text = config_yaml(load_args([]))
     for _, f, _ in section_fields():
         assert f"\n{f.name.replace('_', '-')}:" in text, f.name
+
+
+def test_save_hf_is_not_the_run_folder(tmp_path):
+    with pytest.raises(ValueError, match="--save-hf=.* is the --save folder"):
+        parse_args(["--save", str(tmp_path / "run"), "--save-hf", str(tmp_path / "run")])
+    assert parse_args(["--save", str(tmp_path / "run"), "--save-hf", str(tmp_path / "run" / "hf")]).save_hf

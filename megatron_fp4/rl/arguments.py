@@ -220,6 +220,10 @@ def validate_args(args: argparse.Namespace, world_size: int = 1) -> argparse.Nam
         _check_writable(flag, path)
     for flag, path in (("--save", args.save), ("--tensorboard-dir", args.tensorboard_dir), ("--save-hf", args.save_hf)):
         _check_writable(flag, path, is_dir=True)
+    if args.save_hf is not None and args.save is not None and os.path.abspath(args.save_hf) == os.path.abspath(
+            args.save):
+        raise ValueError(f"--save-hf={args.save_hf!r} is the --save folder (the run's checkpoints): export to another "
+                         f"folder, e.g. {os.path.join(args.save, 'hf')}")
     if args.save_hf is not None and os.path.isdir(args.save_hf) and os.listdir(args.save_hf):
         raise ValueError(f"--save-hf={args.save_hf!r} already holds files: the export needs a new or empty directory")
     if args.tokenizer_model is not None and not os.path.exists(args.tokenizer_model):
