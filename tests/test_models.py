@@ -57,7 +57,7 @@ def test_transformer_config_fields():
 def test_fp4_spec_swaps_only_the_four_linears():
     from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
 
-    spec, local = get_gpt_layer_fp4_spec(), get_gpt_layer_local_spec(normalization="RMSNorm")
+    spec, local = get_gpt_layer_fp4_spec(attention_backend="local"), get_gpt_layer_local_spec(normalization="RMSNorm")
     assert spec.module is FP4TransformerLayer
     attn, mlp = spec.submodules.self_attention.submodules, spec.submodules.mlp.submodules
     assert attn.linear_qkv is FP4ColumnParallelLinear and attn.linear_proj is FP4RowParallelLinear

@@ -215,9 +215,11 @@ def dtype_from_name(name: str) -> torch.dtype:
 
 
 def model_args_to_json(model_args: Any) -> dict:
-    """GPTModelArgs (or a dict of its fields) -> a JSON-able dict (no recipe / overrides, dtype as a string)."""
+    """GPTModelArgs (or a dict of its fields) -> a JSON-able dict (no recipe / attention backend / overrides, dtype as
+    a string)."""
     d = dataclasses.asdict(model_args) if dataclasses.is_dataclass(model_args) else dict(model_args)
     d.pop("fp4_recipe", None)
+    d.pop("attention_backend", None)  # how attention is computed, not what the model is
     d.pop("config_overrides", None)
     d.pop("hf_info", None)
     if isinstance(d.get("params_dtype"), torch.dtype):

@@ -18,6 +18,7 @@ from typing import Any, Optional
 import torch
 import torch.nn.functional as F
 
+from megatron_fp4.parallel.attention import resolve_attention_backend
 from megatron_fp4.parallel.cpu_compat import apply_cpu_shims, cpu_config_overrides
 from megatron_fp4.parallel.spec import FP4TransformerConfig, get_gpt_layer_fp4_spec
 from megatron_fp4.recipe import FP4Recipe
@@ -53,6 +54,10 @@ class GPTModelArgs:
     qk_layernorm: bool = False
     #: FP4 recipe of the transformer-layer linears; None = high precision (an fp4_autocast still applies).
     fp4_recipe: Optional[FP4Recipe] = None
+    #: Core attention (not architecture; not saved in checkpoints): "sdpa" (PyTorch's fused
+    #: scaled_dot_product_attention), "local" (megatron-core's unfused DotProductAttention, the reference), "auto"
+    #: (sdpa on CUDA, local on the CPU). See megatron_fp4.parallel.attention.
+    attention_backend: str = "auto"
     #: Parameter dtype (torch.float32 or torch.bfloat16); bf16=True also sets megatron's bf16 flag.
     params_dtype: torch.dtype = torch.float32
     init_method_std: float = 0.02
@@ -113,7 +118,8 @@ class GPTModelArgs:
             rotary_base=float(model.rotary_base), rotary_percent=float(model.rotary_percent),
             qk_layernorm=bool(cfg.qk_layernorm), fp4_recipe=getattr(cfg, "fp4_recipe", None),
             params_dtype=cfg.params_dtype, init_method_std=cfg.init_method_std, hidden_dropout=cfg.hidden_dropout,
-            attention_dropout=cfg.attention_dropout, hf_info=getattr(model, "hf_info", None))
+            attention_dropout=cfg.attention_dropout, hf_info=getattr(model, "hf_info", None),
+            attention_backend=getattr(model, "attention_backend", "auto"))
 
 
 def gpt_transformer_config(args: GPTModelArgs, **overrides: Any) -> FP4TransformerConfig:
@@ -181,7 +187,9 @@ def build_gpt_model(
         pre_process = parallel_state.is_pipeline_first_stage(ignore_virtual=vp_stage is None, vp_stage=vp_stage)
     if post_process is None:
         post_process = parallel_state.is_pipeline_last_stage(ignore_virtual=vp_stage is None, vp_stage=vp_stage)
-    spec = get_gpt_layer_fp4_spec(qk_layernorm=args.qk_layernorm, normalization=args.normalization)
+    backend = resolve_attention_backend(args.attention_backend)
+    spec = get_gpt_layer_fp4_spec(qk_layernorm=args.qk_layernorm, normalization=args.normalization,
+                                  attention_backend=backend)
     model = GPTModel(
         config=config,
         transformer_layer_spec=spec,
@@ -197,6 +205,7 @@ def build_gpt_model(
         vp_stage=vp_stage,
     )
     model.hf_info = args.hf_info
+    model.attention_backend = backend  # "sdpa" or "local" (what "auto" became)
     if torch.cuda.is_available():
         model.cuda(torch.cuda.current_device())  # some modules (e.g. torch norms) are built on the CPU
     return model

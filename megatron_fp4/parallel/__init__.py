@@ -1,4 +1,5 @@
-"""megatron-core integration: tensor/pipeline-parallel FP4 linears, the FP4 GPT layer spec and CPU shims.
+"""megatron-core integration: tensor/pipeline-parallel FP4 linears, the FP4 GPT layer spec, fused (SDPA) core
+attention and CPU shims.
 
 Training a GPT in FP4 with megatron-core (CPU/gloo or GPU/NCCL; single process or under torchrun):
 
@@ -22,6 +23,11 @@ Training a GPT in FP4 with megatron-core (CPU/gloo or GPU/NCCL; single process o
 tests/dist/gpt_parallel.py is a complete, tested example (TP/PP/DP, tied embeddings, bf16).
 """
 
+from megatron_fp4.parallel.attention import (
+    ATTENTION_BACKENDS,
+    SDPADotProductAttention,
+    resolve_attention_backend,
+)
 from megatron_fp4.parallel.cpu_compat import (
     apply_cpu_shims,
     collective_device,
@@ -38,6 +44,9 @@ from megatron_fp4.parallel.layers import (
 from megatron_fp4.parallel.spec import FP4TransformerConfig, FP4TransformerLayer, get_gpt_layer_fp4_spec
 
 __all__ = [
+    "ATTENTION_BACKENDS",
+    "SDPADotProductAttention",
+    "resolve_attention_backend",
     "FP4ColumnParallelLinear",
     "FP4RowParallelLinear",
     "FP4ParallelLinearMixin",

@@ -8,8 +8,11 @@ callers wrote before the field had its own name) is moved into ``megatron_fp4_re
 field at its default.
 
 The spec is megatron-core's local (non-TE) GPT layer spec with linear_qkv, linear_proj, linear_fc1 and linear_fc2
-swapped for the FP4 parallel linears; parameter names are unchanged (HF converters rely on them). Norms, the
-attention core, embeddings and the output head stay megatron-core's high-precision modules.
+swapped for the FP4 parallel linears; parameter names are unchanged (HF converters rely on them). Norms, embeddings
+and the output head stay megatron-core's high-precision modules. The attention core is the spec's
+``attention_backend``: "local" keeps megatron-core's unfused DotProductAttention (the reference), "sdpa" takes
+:class:`~megatron_fp4.parallel.attention.SDPADotProductAttention` (PyTorch's fused scaled_dot_product_attention),
+"auto" (the default) is sdpa on CUDA and local on the CPU.
 """
 
 from __future__ import annotations
@@ -23,6 +26,7 @@ from megatron.core.transformer import TransformerConfig
 from megatron.core.transformer.spec_utils import ModuleSpec
 from megatron.core.transformer.transformer_layer import TransformerLayer
 
+from megatron_fp4.parallel.attention import core_attention_module
 from megatron_fp4.parallel.layers import (
     FP4ColumnParallelLinear,
     FP4ParallelLinearMixin,
@@ -74,8 +78,11 @@ def get_gpt_layer_fp4_spec(
     qk_layernorm: bool = False,
     normalization: Optional[str] = "RMSNorm",
     qk_l2_norm: bool = False,
+    attention_backend: str = "auto",
 ) -> ModuleSpec:
-    """megatron-core's local GPT layer spec (dense MLP) with FP4 linear_qkv/linear_proj/linear_fc1/linear_fc2."""
+    """megatron-core's local GPT layer spec (dense MLP) with FP4 linear_qkv/linear_proj/linear_fc1/linear_fc2 and the
+    core attention of ``attention_backend`` ("auto", "sdpa" or "local"; see the module docstring)."""
+    core_attention = core_attention_module(attention_backend)
     base = get_gpt_layer_local_spec(
         qk_layernorm=qk_layernorm, normalization=normalization, qk_l2_norm=qk_l2_norm
     )
@@ -85,7 +92,8 @@ def get_gpt_layer_fp4_spec(
     attn = dataclasses.replace(
         attn,
         submodules=dataclasses.replace(
-            attn.submodules, linear_qkv=FP4ColumnParallelLinear, linear_proj=FP4RowParallelLinear
+            attn.submodules, linear_qkv=FP4ColumnParallelLinear, linear_proj=FP4RowParallelLinear,
+            core_attention=core_attention,
         ),
     )
     mlp = dataclasses.replace(

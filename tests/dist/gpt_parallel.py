@@ -223,7 +223,9 @@ def run_layout(layout: str, default_format: str, steps: int, seed: int) -> dict:
     result["grads0"] = collect_grads(ddp, args)
     if check_hp:
         # the FP4 spec with no recipe vs megatron-core's local spec: identical loss and gradients, bit for bit
+        # (megatron-core's unfused attention in both: on a GPU "auto" would take SDPA in the FP4 spec)
         args_hp = model_args(None, tie=tie, bf16=bf16)
+        args_hp.attention_backend = "local"
         fp4_hp, cfg1 = build(args_hp, sp)
         local, cfg2 = build(args_hp, sp, local_spec=True)
         result["hp_fp4_spec_loss"] = run_batch(fp4_hp, cfg1, mbs)

@@ -1,0 +1,239 @@
+"""Fused core attention (megatron_fp4.parallel.attention): SDPADotProductAttention equals megatron-core's unfused
+DotProductAttention in fp32, outputs and gradients within 1e-5: causal MHA and GQA, the softmax scale, explicit
+masks, KV-cache decode shapes, packed sequences, a whole GPTModel and the rollout engine's megatron decode path; the
+spec and the driver flag choose it. TP=2 runs in tests/test_parallel_attention_logprobs.py."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from megatron.core.packed_seq_params import PackedSeqParams
+from megatron.core.transformer.dot_product_attention import DotProductAttention
+from megatron.core.transformer.enums import AttnMaskType
+
+from megatron_fp4.models import GPTModelArgs, build_gpt_model, gpt_transformer_config
+from megatron_fp4.parallel import SDPADotProductAttention, get_gpt_layer_fp4_spec, initialize_parallel, set_seed
+from megatron_fp4.parallel.attention import ATTENTION_BACKENDS, resolve_attention_backend
+
+TOL = dict(rtol=1e-5, atol=1e-5)
+
+
+@pytest.fixture(scope="module", autouse=True)
+def _parallel():
+    initialize_parallel(1, 1, seed=0)
+
+
+def _config(heads=4, groups=2, hidden=64, **overrides):
+    args = GPTModelArgs(num_layers=2, hidden_size=hidden, ffn_hidden_size=128, num_attention_heads=heads,
+                        num_query_groups=groups, vocab_size=64, max_seq_len=64)
+    return gpt_transformer_config(args, **overrides)
+
+
+def _pair(config, layer_number=1, **kw):
+    make = dict(config=config, layer_number=layer_number, attn_mask_type=AttnMaskType.causal,
+                attention_type="self", **kw)
+    return DotProductAttention(**make), SDPADotProductAttention(**make)
+
+
+def _qkv(sq, sk, b, heads, groups, hn, dtype=torch.float32, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    q = torch.randn(sq, b, heads, hn, generator=g).to(dtype).requires_grad_()
+    k = torch.randn(sk, b, groups, hn, generator=g).to(dtype).requires_grad_()
+    v = torch.randn(sk, b, groups, hn, generator=g).to(dtype).requires_grad_()
+    return q, k, v
+
+
+def _run(module, q, k, v, mask=None, grad=None, **kw):
+    """(output, dq, dk, dv) of one forward + backward with upstream gradient ``grad`` (seeded random default)."""
+    q, k, v = (t.detach().clone().requires_grad_() for t in (q, k, v))
+    out = module(q, k, v, mask, **kw)
+    if grad is None:
+        grad = torch.randn(out.shape, generator=torch.Generator().manual_seed(1)).to(out.dtype)
+    out.backward(grad)
+    return out.detach(), q.grad, k.grad, v.grad
+
+
+def _close(a, b, **tol):
+    for x, y in zip(a, b):
+        torch.testing.assert_close(x, y, **(tol or TOL))
+
+
+@pytest.mark.parametrize("heads,groups", [(4, 4), (4, 2), (8, 1)])
+def test_causal_equals_unfused(heads, groups):
+    local, sdpa = _pair(_config(heads, groups))
+    q, k, v = _qkv(13, 13, 3, heads, groups, 64 // heads)
+    ref, out = _run(local, q, k, v), _run(sdpa, q, k, v)
+    assert out[0].shape == (13, 3, 64)
+    _close(out, ref)
+
+
+def test_softmax_scale_and_query_key_layer_scaling():
+    local, sdpa = _pair(_config(), softmax_scale=0.3)
+    q, k, v = _qkv(9, 9, 2, 4, 2, 16)
+    _close(_run(sdpa, q, k, v), _run(local, q, k, v))
+    local, sdpa = _pair(_config(apply_query_key_layer_scaling=True), layer_number=3)
+    assert sdpa.scale_mask_softmax.scale == 3
+    _close(_run(sdpa, q, k, v), _run(local, q, k, v))
+
+
+def test_explicit_left_padding_mask():
+    """The rollout's prefill mask (True = masked): rows of padding queries (all keys masked) are unused and left
+    out of the comparison."""
+    local, sdpa = _pair(_config())
+    b, s = 3, 10
+    pads = torch.tensor([0, 3, 6])
+    ar = torch.arange(s)
+    mask = ((ar[None, :] > ar[:, None])[None] | (ar[None, None, :] < pads[:, None, None])).unsqueeze(1)
+    real = (ar[None, :] >= pads[:, None]).T[:, :, None]  # [s, b, 1]: query rows with a key to attend
+    grad = torch.randn(s, b, 64, generator=torch.Generator().manual_seed(2)) * real
+    q, k, v = _qkv(s, s, b, 4, 2, 16)
+    ref, out = _run(local, q, k, v, mask, grad), _run(sdpa, q, k, v, mask, grad)
+    torch.testing.assert_close(out[0] * real, ref[0] * real, **TOL)
+    assert torch.isfinite(out[0]).all()
+    _close(out[1:], ref[1:])
+
+
+def test_decode_shapes():
+    """A KV-cache decode step (sq = 1: every cached key, as megatron-core), with and without a padding mask, and
+    sq != sk > 1 (causal aligned to the bottom right; megatron-core's unfused path needs the explicit mask)."""
+    local, sdpa = _pair(_config())
+    q, k, v = _qkv(1, 9, 3, 4, 2, 16)
+    _close(_run(sdpa, q, k, v), _run(local, q, k, v))
+    pad = (torch.arange(9)[None, :] < torch.tensor([0, 2, 5])[:, None]).view(3, 1, 1, 9)
+    _close(_run(sdpa, q, k, v, pad), _run(local, q, k, v, pad))
+    q, k, v = _qkv(4, 9, 2, 4, 2, 16)
+    after = torch.arange(9)[None, :] > torch.arange(4)[:, None] + 5
+    _close(_run(sdpa, q, k, v), _run(local, q, k, v, after.view(1, 1, 4, 9)))
+
+
+@pytest.mark.parametrize("padded", [False, True])
+def test_packed_sequences_equal_one_by_one(padded):
+    """THD packing (cu_seqlens): each sequence attends causally to itself only, as the unfused path run on each;
+    with cu_seqlens_q_padded the gaps between sequences come out as zeros."""
+    local, sdpa = _pair(_config())
+    lengths, gap = [5, 3, 6], 2 if padded else 0
+    cu = torch.tensor([0, 5, 8, 14], dtype=torch.int32)
+    starts = [i * gap + int(c) for i, c in enumerate(cu[:-1])]
+    t = starts[-1] + lengths[-1] + gap
+    q, k, v = _qkv(t, t, 1, 4, 2, 16)
+    params = PackedSeqParams(qkv_format="thd", cu_seqlens_q=cu, cu_seqlens_kv=cu, max_seqlen_q=6, max_seqlen_kv=6)
+    if padded:
+        params.cu_seqlens_q_padded = params.cu_seqlens_kv_padded = torch.tensor(
+            starts + [t], dtype=torch.int32)
+    grad = torch.randn(t, 64, generator=torch.Generator().manual_seed(3))
+    qq, kk, vv = (x.detach().clone().squeeze(1).requires_grad_() for x in (q, k, v))
+    out = sdpa(qq, kk, vv, None, packed_seq_params=params)  # [t, heads, hn] in: the "thd" layout
+    assert out.shape == (t, 64)
+    out.backward(grad)
+    for start, n in zip(starts, lengths):
+        sl = slice(start, start + n)
+        ref = _run(local, q[sl], k[sl], v[sl], grad=grad[sl].view(n, 1, 64))
+        torch.testing.assert_close(out[sl].detach(), ref[0].view(n, 64), **TOL)
+        for got, want in zip((qq.grad, kk.grad, vv.grad), ref[1:]):
+            torch.testing.assert_close(got[sl], want.squeeze(1), **TOL)
+    if padded:
+        gaps = torch.ones(t, dtype=torch.bool)
+        for start, n in zip(starts, lengths):
+            gaps[start:start + n] = False
+        assert gaps.any() and (out.detach()[gaps] == 0).all()
+
+
+def test_sliding_window_falls_back_to_unfused():
+    local, sdpa = _pair(_config(window_size=(3, 0)))
+    q, k, v = _qkv(9, 9, 2, 4, 2, 16)
+    for a, b in zip(_run(sdpa, q, k, v), _run(local, q, k, v)):
+        assert torch.equal(a, b)
+
+
+def test_dropout_in_training_only():
+    _, sdpa = _pair(_config(attention_dropout=0.5))
+    local, _ = _pair(_config(attention_dropout=0.5))
+    q, k, v = _qkv(9, 9, 2, 4, 2, 16)
+    sdpa.eval()
+    local.eval()
+    _close(_run(sdpa, q, k, v), _run(local, q, k, v))
+    sdpa.train()
+    set_seed(5)
+    a = sdpa(q, k, v, None)
+    set_seed(5)
+    b = sdpa(q, k, v, None)
+    assert torch.equal(a, b) and not torch.allclose(a, _run(local.eval(), q, k, v)[0])
+
+
+def test_bf16_is_as_close_to_fp32_as_unfused():
+    """In bf16 both paths round; SDPA (softmax in fp32, no bf16 probabilities) is no further from the fp32 result
+    than the unfused path (relative error of the output and of each input gradient)."""
+    local, sdpa = _pair(_config(bf16=True, params_dtype=torch.bfloat16))
+    q, k, v = _qkv(33, 33, 2, 4, 2, 16, dtype=torch.bfloat16)
+    ref32 = _run(_pair(_config())[0], q.float(), k.float(), v.float())
+    ref, out = _run(local, q, k, v), _run(sdpa, q, k, v)
+    for a, b, c in zip(out, ref, ref32):
+        err_sdpa, err_local = (float((x.float() - c).norm() / c.norm()) for x in (a, b))
+        assert err_sdpa < 1e-2 and err_sdpa <= 1.5 * err_local, (err_sdpa, err_local)
+
+
+def _gpt_pair(**kw):
+    args = dict(num_layers=2, hidden_size=64, ffn_hidden_size=128, num_attention_heads=4, num_query_groups=2,
+                vocab_size=96, max_seq_len=48, add_qkv_bias=True, init_method_std=0.08, **kw)
+    local = build_gpt_model(GPTModelArgs(**args, attention_backend="local"))
+    sdpa = build_gpt_model(GPTModelArgs(**args, attention_backend="sdpa"))
+    sdpa.load_state_dict(local.state_dict())
+    return local, sdpa
+
+
+def test_gpt_model_forward_backward_equals_unfused():
+    local, sdpa = _gpt_pair()
+    assert (local.attention_backend, sdpa.attention_backend) == ("local", "sdpa")
+    assert isinstance(sdpa.decoder.layers[1].self_attention.core_attention, SDPADotProductAttention)
+    assert type(local.decoder.layers[1].self_attention.core_attention) is DotProductAttention
+    g = torch.Generator().manual_seed(4)
+    ids = torch.randint(0, 96, (3, 21), generator=g)
+    pos = torch.arange(21)[None].expand(3, -1)
+    w = torch.randn(3, 21, 96, generator=g)
+    out = {}
+    for name, m in (("local", local), ("sdpa", sdpa)):
+        logits = m(ids, pos, None)
+        (logits * w).sum().backward()
+        out[name] = logits.detach(), {n: p.grad for n, p in m.named_parameters()}
+    torch.testing.assert_close(out["sdpa"][0], out["local"][0], **TOL)
+    for n, grad in out["local"][1].items():
+        assert grad.norm() > 0, n
+        rel = float((out["sdpa"][1][n] - grad).norm() / grad.norm())
+        assert rel < 1e-5, (n, rel)
+
+
+def test_rollout_megatron_decode_path_equals_unfused():
+    """The native engine's reference decode path (megatron-core's forward with its KV cache, left-padding masks,
+    sq = 1 steps) gives the same tokens and logprobs with either attention."""
+    from megatron_fp4.rollout import NativeRolloutEngine, SamplingParams
+
+    local, sdpa = _gpt_pair()
+    g = torch.Generator().manual_seed(7)
+    prompts = [torch.randint(6, 96, (n,), generator=g).tolist() for n in (5, 9, 3)]
+    res = {}
+    for name, m in (("local", local), ("sdpa", sdpa)):
+        engine = NativeRolloutEngine(m.eval(), decode="megatron")
+        res[name] = [(s.token_ids, s.logprobs) for s in
+                     engine.generate(prompts, SamplingParams(temperature=0.0, max_new_tokens=8))]
+    for (t1, l1), (t2, l2) in zip(res["local"], res["sdpa"]):
+        assert t1 == t2
+        assert max(abs(a - b) for a, b in zip(l1, l2)) < 1e-5
+
+
+def test_spec_and_flag_choose_the_backend():
+    def core(backend):
+        return get_gpt_layer_fp4_spec(attention_backend=backend).submodules.self_attention.submodules.core_attention
+
+    assert core("sdpa") is SDPADotProductAttention and core("local") is DotProductAttention
+    assert core("auto") is (SDPADotProductAttention if torch.cuda.is_available() else DotProductAttention)
+    assert resolve_attention_backend("auto") in ("sdpa", "local")
+    with pytest.raises(ValueError, match="attention_backend='flash' is not valid; allowed: auto, sdpa, local"):
+        get_gpt_layer_fp4_spec(attention_backend="flash")
+    from megatron_fp4.rl.arguments import parse_args
+    from megatron_fp4.rl.config import RLConfig
+
+    assert parse_args([]).attention_backend == "auto"
+    assert RLConfig.from_args(parse_args(["--attention-backend", "sdpa"])).model.attention_backend == "sdpa"
+    assert ATTENTION_BACKENDS == ("auto", "sdpa", "local")
+    with pytest.raises(ValueError, match="--attention-backend='flash' is not valid; allowed: auto, sdpa, local"):
+        parse_args(["--attention-backend", "flash"])
