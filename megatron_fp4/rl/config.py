@@ -21,6 +21,7 @@ import dataclasses
 from dataclasses import dataclass, field
 from typing import Any, Callable, Optional, get_type_hints
 
+from megatron_fp4.parallel.attention import ATTENTION_BACKENDS
 from megatron_fp4.recipe import RECIPES
 from megatron_fp4.resq import RESQ_COMBINES, ROLLOUT_MODES, SPARSITIES
 from megatron_fp4.rollout.native import DECODE_MODES
@@ -30,7 +31,7 @@ from megatron_fp4.rl.rewards import VALID_KINDS
 __all__ = ["knob", "positive", "non_negative", "at_least", "in_range", "ParallelConfig", "ModelConfig",
            "PrecisionConfig", "DataConfig", "RolloutConfig", "ActorConfig", "WarmupConfig", "CheckpointConfig",
            "RunConfig", "RLConfig", "SECTIONS", "section_fields", "FP4_FORMATS", "ROLLOUT_BACKENDS", "ADVANTAGES",
-           "INITS", "REWARD_KINDS", "WANDB_MODES"]
+           "INITS", "REWARD_KINDS", "WANDB_MODES", "ATTENTION_BACKENDS"]
 
 FP4_FORMATS = (*RECIPES, "none")
 ROLLOUT_BACKENDS = ("native", "sglang")
@@ -98,6 +99,12 @@ class ModelConfig:
                                                 "one for synthetic data)")
     vocab_size: int = knob(24, "vocabulary of a tokenizer built on the fly", check=positive)
     bf16: bool = knob(False, "bf16 parameters (GPU); default fp32")
+    attention_backend: str = knob("auto", "core attention of the policy, reference and rollout models: sdpa (PyTorch's "
+                                          "fused scaled_dot_product_attention, FlashAttention on Hopper), local "
+                                          "(megatron-core's unfused DotProductAttention, the reference; Megatron-LM's "
+                                          "--attention-backend local), auto (sdpa on CUDA, local on the CPU). "
+                                          "Megatron-LM's flash/fused/unfused are Transformer Engine's (not used here)",
+                                  choices=ATTENTION_BACKENDS)
 
 
 @dataclass(frozen=True)

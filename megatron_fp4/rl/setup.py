@@ -144,6 +144,7 @@ def build_models(cfg: RLConfig, vocab_size: int, init_checkpoint: Any = None) ->
             load_checkpoint_into_model(model, init_checkpoint)
         return model
 
+    margs.attention_backend = m.attention_backend
     if cfg.parallel.use_cpu_initialization:  # the full weights from one CPU RNG stream, then split: TP-invariant
         margs.config_overrides = {**margs.config_overrides, "use_cpu_initialization": True}
     rollout_margs = GPTModelArgs(**{**margs.__dict__, "fp4_recipe": None})
@@ -272,6 +273,7 @@ def build_trainer(cfg: RLConfig, plan: StartPlan):
         sets = "".join(f" + {name} {len(exs)}" for name, exs in eval_sets.items())
         print(f"[setup] {data}: {len(train_examples)} train / {len(eval_examples)} held-out{sets} | tokenizer "
               f"{tok.vocab_size} tokens, model vocab {model_vocab} | {n_params / 1e6:.2f}M params/rank | {setup} | "
+              f"attention {models.policy.module.attention_backend} | "
               f"world {torch.distributed.get_world_size()} (TP {tp}{f', PP {pp}' if pp > 1 else ''})", flush=True)
         if steps_per_rollout > 1:
             print(f"[setup] each rollout ({ro.rollout_batch_size} prompts x {ro.group_size} samples) feeds "
