@@ -9,6 +9,10 @@ A rollout of --rollout-batch-size x G samples feeds rollout x G / --global-batch
 meaning of the global batch), each on the next --global-batch-size samples, with the importance ratio taken
 against the policy that sampled the rollout. The LR schedule counts optimizer steps: --lr-warmup-iters of linear
 warm-up from 0, then cosine decay to --min-lr over the rest (Megatron-LM's schedule).
+
+The policy and the reference output vocab-parallel logits (``parallel_output=True``: each TP rank its vocabulary
+shard); log-probs and entropy are computed from the shards over the TP group, chunked over tokens
+(:mod:`megatron_fp4.rl.logprobs`), so no rank holds full-vocabulary logits or a [tokens, vocab] fp32 copy.
 """
 
 from __future__ import annotations
@@ -24,6 +28,7 @@ from megatron_fp4.rl import grpo
 from megatron_fp4.rl.config import ActorConfig
 from megatron_fp4.rl.distributed import (TOKEN_STAT_MAXIMA, any_on_model_parallel, dp_sum, from_last_stage,
                                          reduce_token_stats)
+from megatron_fp4.rl.logprobs import vocab_parallel_entropy, vocab_parallel_logprobs
 from megatron_fp4.rl.monitor import NonFiniteGuard
 from megatron_fp4.rl.sequences import Sequences
 
@@ -74,16 +79,28 @@ def microbatches(seqs: Sequences, size: int, extra: Optional[dict[str, torch.Ten
     return out
 
 
+def _tp_group():
+    """The tensor-parallel group the output layer splits the vocabulary over (None without parallel_state)."""
+    from megatron.core import parallel_state as ps
+
+    return ps.get_tensor_model_parallel_group() if ps.model_parallel_is_initialized() else None
+
+
+def _logprobs(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+    """log p(labels) [B, T] (fp32) from this rank's vocab-parallel logits [B, T, V / TP]."""
+    return vocab_parallel_logprobs(logits, labels, _tp_group())
+
+
 def _nll_loss(batch, logits):
     """Cross-entropy of the masked labels (supervised warm-up), summed; megatron divides by the token count."""
-    lp = grpo.token_logprobs(logits, batch["labels"])
+    lp = _logprobs(logits, batch["labels"])
     m = batch["mask"]
     return -(lp * m).sum(), m.sum().to(torch.int), {"nll_sum": (-(lp * m).sum()).detach(), "tokens": m.sum().detach()}
 
 
 def _grpo_loss(cfg: grpo.GRPOConfig, batch, logits):
     """The GRPO token loss of one micro-batch (summed) and its token-weighted statistics."""
-    lp = grpo.token_logprobs(logits, batch["labels"])
+    lp = _logprobs(logits, batch["labels"])
     m = batch["mask"]
     logp_ref = batch.get("logp_ref")
     kw = cfg.loss_kwargs()
@@ -92,7 +109,7 @@ def _grpo_loss(cfg: grpo.GRPOConfig, batch, logits):
     tok = grpo.grpo_token_loss(lp, batch.get("logp_old"), batch["logp_rollout"], batch["advantages"], m,
                                logp_ref=logp_ref, **kw)
     with torch.no_grad():
-        ent = grpo.entropy_from_logits(logits)
+        ent = vocab_parallel_entropy(logits, _tp_group())
         mets = grpo.grpo_metrics(lp, batch.get("logp_old"), batch["logp_rollout"], batch["advantages"], m,
                                  logp_ref=logp_ref, entropy=ent, **kw)
     n = m.sum()
@@ -171,7 +188,7 @@ class Actor:
         """Next-token logprobs [N, T] of the labels under ``model`` (on the last pipeline stage; None elsewhere)."""
 
         def loss_fn(batch, logits):
-            lp = grpo.token_logprobs(logits, batch["labels"])
+            lp = _logprobs(logits, batch["labels"])
             return lp.sum() * 0, torch.tensor(1, dtype=torch.int), {"logp": lp}
 
         store = run_schedule(model, microbatches(seqs, self.cfg.micro_batch_size), loss_fn, forward_only=True)

@@ -353,12 +353,16 @@ def rollout_metrics(rewards: torch.Tensor, response_lengths: torch.Tensor, trunc
 
 
 def token_logprobs(logits: torch.Tensor, tokens: torch.Tensor) -> torch.Tensor:
-    """log p(tokens) [B, T] from logits [B, T, V] (log_softmax in fp32); logits[:, t] must predict tokens[:, t]."""
+    """log p(tokens) [B, T] from logits [B, T, V] (log_softmax in fp32); logits[:, t] must predict tokens[:, t].
+
+    The reference: it holds a [B, T, V] fp32 copy. The actor computes the same from vocab-parallel logits in chunks
+    (:func:`megatron_fp4.rl.logprobs.vocab_parallel_logprobs`; bit for bit this at TP = 1)."""
     logp = torch.log_softmax(logits.to(torch.float32), dim=-1)
     return logp.gather(-1, tokens.long().unsqueeze(-1)).squeeze(-1)
 
 
 def entropy_from_logits(logits: torch.Tensor) -> torch.Tensor:
-    """Per-position entropy [B, T] of the categorical distribution given by logits [B, T, V] (fp32)."""
+    """Per-position entropy [B, T] of the categorical distribution given by logits [B, T, V] (fp32); the reference
+    of :func:`megatron_fp4.rl.logprobs.vocab_parallel_entropy`."""
     logp = torch.log_softmax(logits.to(torch.float32), dim=-1)
     return -(logp.exp() * logp).sum(dim=-1)

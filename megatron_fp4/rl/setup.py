@@ -168,13 +168,14 @@ def build_models(cfg: RLConfig, vocab_size: int, init_checkpoint: Any = None) ->
             c.variable_seq_lengths = True
         return c
 
+    # the policy and the reference keep vocab-parallel logits: the actor's log-probs reduce over the TP group
     config = schedule_config()
     if full_model is None:
-        policy = load_init(build_gpt_model(margs, config=config, parallel_output=False))
+        policy = load_init(build_gpt_model(margs, config=config, parallel_output=True))
     else:
         from megatron_fp4.models.pp_gather import copy_stage_from_full_model
 
-        policy = build_gpt_model(margs, config=config, parallel_output=False)
+        policy = build_gpt_model(margs, config=config, parallel_output=True)
         copy_stage_from_full_model(policy, full_model)
     ddp = DistributedDataParallel(config, DistributedDataParallelConfig(grad_reduce_in_fp32=True,
                                                                         overlap_grad_reduce=False), policy)
@@ -186,7 +187,7 @@ def build_models(cfg: RLConfig, vocab_size: int, init_checkpoint: Any = None) ->
 
     reference = None
     if act.use_kl_loss and act.kl_beta > 0:
-        reference = load_init(build_gpt_model(margs, config=schedule_config(), parallel_output=False))
+        reference = load_init(build_gpt_model(margs, config=schedule_config(), parallel_output=True))
         reference.requires_grad_(False)
     rollout_model = full_model if full_model is not None else load_init(build_gpt_model(rollout_margs,
                                                                                       parallel_output=False))
