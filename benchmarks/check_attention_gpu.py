@@ -9,7 +9,8 @@ Attention (bf16, hidden 1536, 12 heads, 2 KV groups, head dim 128, seq 2048, bat
 modules on the same inputs and upstream gradient; max / mean |difference| of the output and of dq, dk, dv, and each
 one's relative error against the fp32 unfused result; which SDPA kernel ran (from the profiler's kernel names:
 flash, efficient, cudnn or math) and which backends accept the shape when forced one at a time; time and peak
-memory of forward + backward. Then a 2-layer GPTModel of the 1.5B shape (random weights) built with each backend:
+memory of forward + backward; THD-packed sequences (the varlen path) against one SDPA call per sequence. Then a
+2-layer GPTModel of the 1.5B shape (random weights) built with each backend:
 logits and parameter gradients compared.
 
 Log-probs (bf16 logits [4 x 2048, 151936], std 2, random targets): megatron_fp4.rl.logprobs against
@@ -147,6 +148,53 @@ def check_attention(s: dict, out: dict) -> None:
         out[f"attention_fwd_bwd_{name}"] = {"ms": ms, "peak_mib": mib}
 
 
+def check_packed(s: dict, out: dict) -> None:
+    """THD-packed sequences (batch x seq tokens in 8 sequences of uneven length): the module's packed path
+    (FlashAttention varlen on CUDA) against one causal SDPA call per sequence, bf16; time of each."""
+    import torch.nn.functional as F
+    from megatron.core.packed_seq_params import PackedSeqParams
+    from megatron.core.transformer.enums import AttnMaskType
+
+    from megatron_fp4.parallel import SDPADotProductAttention
+    from megatron_fp4.parallel.attention import varlen_attn
+
+    dev = _device()
+    _, cfg = _config(s, torch.bfloat16)
+    module = SDPADotProductAttention(config=cfg, layer_number=1, attn_mask_type=AttnMaskType.causal,
+                                     attention_type="self").to(dev)
+    t = s["batch"] * s["seq"]
+    weights = torch.tensor([3, 1, 4, 1, 5, 9, 2, 6], dtype=torch.float64)
+    lengths = (weights / weights.sum() * t).long()
+    lengths[-1] += t - int(lengths.sum())
+    cu = torch.cat([torch.zeros(1, dtype=torch.long), lengths.cumsum(0)]).to(torch.int32).to(dev)
+    params = PackedSeqParams(qkv_format="thd", cu_seqlens_q=cu, cu_seqlens_kv=cu, max_seqlen_q=int(lengths.max()),
+                             max_seqlen_kv=int(lengths.max()))
+    g = torch.Generator(device=dev).manual_seed(3)
+    q = torch.randn(t, s["heads"], s["head_dim"], device=dev, generator=g).to(torch.bfloat16)
+    k = torch.randn(t, s["groups"], s["head_dim"], device=dev, generator=g).to(torch.bfloat16)
+    v = torch.randn(t, s["groups"], s["head_dim"], device=dev, generator=g).to(torch.bfloat16)
+
+    def packed():
+        return module(q, k, v, None, packed_seq_params=params)
+
+    def one_by_one():
+        outs, bounds = [], cu.tolist()
+        for a, b in zip(bounds[:-1], bounds[1:]):
+            o = F.scaled_dot_product_attention(q[a:b].transpose(0, 1), k[a:b].transpose(0, 1),
+                                               v[a:b].transpose(0, 1), is_causal=True, scale=module._sdpa_scale(),
+                                               enable_gqa=True)
+            outs.append(o.transpose(0, 1).reshape(b - a, -1))
+        return torch.cat(outs)
+
+    with torch.no_grad():
+        res = {"lengths": lengths.tolist(), "varlen_available": varlen_attn is not None,
+               "vs_per_sequence_sdpa": _diff(packed(), one_by_one())}
+        for name, fn in (("packed_module", packed), ("per_sequence_sdpa", one_by_one)):
+            ms, mib = _timed(fn)
+            res[f"{name}_fwd"] = {"ms": ms, "peak_mib": mib}
+    out["packed_thd"] = res
+
+
 def check_model(s: dict, out: dict) -> None:
     from megatron_fp4.models import build_gpt_model
 
@@ -242,6 +290,7 @@ def main() -> None:
                     "date": time.strftime("%Y-%m-%d"), "tp": world}}
     if world == 1:  # the attention checks need the whole model on one GPU
         check_attention(shape, out)
+        check_packed(shape, out)
         if not a.skip_model:
             check_model(shape, out)
     check_logprobs(shape, out, ps.get_tensor_model_parallel_group(), world, rank)

@@ -109,7 +109,8 @@ def test_decode_shapes():
 @pytest.mark.parametrize("padded", [False, True])
 def test_packed_sequences_equal_one_by_one(padded):
     """THD packing (cu_seqlens): each sequence attends causally to itself only, as the unfused path run on each;
-    with cu_seqlens_q_padded the gaps between sequences come out as zeros."""
+    with cu_seqlens_q_padded the padding after each sequence (its slot's tail) is never attended by it (the
+    padding's own outputs are unused: zero upstream gradient there)."""
     local, sdpa = _pair(_config())
     lengths, gap = [5, 3, 6], 2 if padded else 0
     cu = torch.tensor([0, 5, 8, 14], dtype=torch.int32)
@@ -121,6 +122,10 @@ def test_packed_sequences_equal_one_by_one(padded):
         params.cu_seqlens_q_padded = params.cu_seqlens_kv_padded = torch.tensor(
             starts + [t], dtype=torch.int32)
     grad = torch.randn(t, 64, generator=torch.Generator().manual_seed(3))
+    gaps = torch.ones(t, dtype=torch.bool)
+    for start, n in zip(starts, lengths):
+        gaps[start:start + n] = False
+    grad[gaps] = 0.0
     qq, kk, vv = (x.detach().clone().squeeze(1).requires_grad_() for x in (q, k, v))
     out = sdpa(qq, kk, vv, None, packed_seq_params=params)  # [t, heads, hn] in: the "thd" layout
     assert out.shape == (t, 64)
@@ -131,11 +136,24 @@ def test_packed_sequences_equal_one_by_one(padded):
         torch.testing.assert_close(out[sl].detach(), ref[0].view(n, 64), **TOL)
         for got, want in zip((qq.grad, kk.grad, vv.grad), ref[1:]):
             torch.testing.assert_close(got[sl], want.squeeze(1), **TOL)
-    if padded:
-        gaps = torch.ones(t, dtype=torch.bool)
-        for start, n in zip(starts, lengths):
-            gaps[start:start + n] = False
-        assert gaps.any() and (out.detach()[gaps] == 0).all()
+    assert bool(gaps.any()) == padded
+
+
+def test_packed_gpt_model_equals_one_forward_per_sequence():
+    """A whole GPTModel on a THD pack (positions restart per sequence, RoPE per sequence through cu_seqlens) gives
+    each sequence's own logits (megatron-core's unfused attention does not take packed sequences)."""
+    _, sdpa = _gpt_pair()
+    g = torch.Generator().manual_seed(6)
+    lengths = [5, 3, 7]
+    seqs = [torch.randint(0, 96, (n,), generator=g) for n in lengths]
+    cu = torch.tensor([0, 5, 8, 15], dtype=torch.int32)
+    params = PackedSeqParams(qkv_format="thd", cu_seqlens_q=cu, cu_seqlens_kv=cu, max_seqlen_q=7, max_seqlen_kv=7)
+    pos = torch.cat([torch.arange(n) for n in lengths])[None]
+    packed = sdpa(torch.cat(seqs)[None], pos, None, packed_seq_params=params)
+    assert packed.shape == (1, 15, 96)
+    for s, a, b in zip(seqs, cu[:-1].tolist(), cu[1:].tolist()):
+        alone = sdpa(s[None], torch.arange(len(s))[None], None)
+        torch.testing.assert_close(packed[0, a:b], alone[0], **TOL)
 
 
 def test_sliding_window_falls_back_to_unfused():

@@ -19,8 +19,11 @@ Which SDPA kernel runs (PyTorch picks; on Hopper in bf16/fp16 the FlashAttention
   masks): passed to SDPA as a boolean mask, so the memory-efficient or math backend runs (flash takes no mask). A
   query row whose keys are all masked (a padding query) attends to every key instead of producing NaN; its output
   is unused, as megatron-core's uniform attention there.
-- packed sequences (``packed_seq_params`` with ``qkv_format="thd"``: ``[t, heads, hn]`` and ``cu_seqlens``): one
-  causal SDPA call per sequence (flash, no mask); the lengths are read on the host (one sync per layer call).
+- packed sequences (``packed_seq_params`` with ``qkv_format="thd"``: ``[t, heads, hn]`` and ``cu_seqlens``): on
+  CUDA in bf16/fp16 without dropout one FlashAttention varlen call (``torch.nn.attention.varlen.varlen_attn``,
+  causal, no host sync when ``max_seqlen_q`` is given); otherwise one causal SDPA call per sequence (the lengths
+  read on the host). With ``cu_seqlens_q_padded`` each padded slot is one causal sequence: the real tokens come
+  first in their slot, so they never see the padding after them (whose outputs are unused).
 - sliding-window attention and the off-by-one / learnable softmax offset: megatron-core's unfused computation
   (``DotProductAttention.forward``), unchanged.
 
@@ -44,6 +47,11 @@ from megatron.core import tensor_parallel
 from megatron.core.packed_seq_params import PackedSeqParams
 from megatron.core.transformer.dot_product_attention import DotProductAttention
 from megatron.core.transformer.enums import AttnMaskType
+
+try:  # PyTorch's FlashAttention varlen entry point (CUDA); without it packed sequences take the per-sequence loop
+    from torch.nn.attention.varlen import varlen_attn
+except ImportError:  # pragma: no cover - older PyTorch
+    varlen_attn = None
 
 __all__ = ["ATTENTION_BACKENDS", "resolve_attention_backend", "core_attention_module", "SDPADotProductAttention"]
 
@@ -132,7 +140,7 @@ class SDPADotProductAttention(DotProductAttention):
         return out.permute(2, 0, 1, 3).reshape(sq, b, np_ * hn)
 
     def _packed_forward(self, query, key, value, attention_mask, params: PackedSeqParams) -> torch.Tensor:
-        """Packed ("thd") sequences: one causal SDPA call per sequence; positions between padded sequences are 0."""
+        """Packed ("thd") sequences, each causal on its own: FlashAttention varlen on CUDA, else SDPA per sequence."""
         if params.qkv_format != "thd":
             raise NotImplementedError(f"packed_seq_params.qkv_format={params.qkv_format!r} is not supported; "
                                       f"allowed: 'thd'")
@@ -144,19 +152,29 @@ class SDPADotProductAttention(DotProductAttention):
         if query.dim() == 4:  # [t, 1, heads, hn]
             query, key, value = query.squeeze(1), key.squeeze(1), value.squeeze(1)
         cu_q, cu_k = params.cu_seqlens_q, params.cu_seqlens_kv
-        if cu_k is not None and not torch.equal(cu_q, cu_k):
+        if cu_k is not None and cu_k is not cu_q and not torch.equal(cu_q, cu_k):
             raise NotImplementedError("packed self-attention needs cu_seqlens_kv == cu_seqlens_q")
-        starts = params.cu_seqlens_q_padded if params.cu_seqlens_q_padded is not None else cu_q
-        lengths = (cu_q[1:] - cu_q[:-1]).tolist()
+        slots = params.cu_seqlens_q_padded if params.cu_seqlens_q_padded is not None else cu_q
         t, np_, hn = query.shape
-        out = query.new_zeros(t, np_, hn)
         p = self._dropout_p()
         gqa = key.shape[1] != np_
+        if (varlen_attn is not None and query.is_cuda and query.dtype in (torch.float16, torch.bfloat16)
+                and p == 0.0):
+            slots = slots.to(device=query.device, dtype=torch.int32)
+            padded = params.cu_seqlens_q_padded is not None
+            longest = None if padded else params.max_seqlen_q
+            if longest is None:
+                longest = int((slots[1:] - slots[:-1]).max())
+            out = varlen_attn(query, key, value, slots, slots, int(longest), int(longest), scale=self._sdpa_scale(),
+                              window_size=(-1, 0), enable_gqa=gqa)
+            return out.reshape(t, np_ * hn)
+        out = query.new_zeros(t, np_, hn)
+        bounds = slots.tolist()
         with self._rng(p):
-            for start, n in zip(starts[:-1].tolist(), lengths):
-                if n == 0:
+            for start, end in zip(bounds[:-1], bounds[1:]):
+                if end <= start:
                     continue
-                sl = slice(start, start + n)
+                sl = slice(start, end)
                 o = F.scaled_dot_product_attention(query[sl].transpose(0, 1), key[sl].transpose(0, 1),
                                                    value[sl].transpose(0, 1), dropout_p=p, is_causal=True,
                                                    scale=self._sdpa_scale(), enable_gqa=gqa)
