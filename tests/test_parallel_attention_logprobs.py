@@ -1,9 +1,9 @@
 """Tensor parallelism (torchrun, gloo, CPU, TP=2) of the fused attention and the vocab-parallel log-probs: a GPTModel
 with SDPA attention equals the unfused one (logits and gradients within 1e-5, fp32); log-probs, entropy and their
 gradients from each rank's vocabulary shard equal the full-vocabulary reference (fp32 and bf16 logits); the actor's
-GRPO and NLL losses on vocab-parallel logits equal the reference losses on gathered logits, gradients included.
-This file is also the worker script: ``torchrun --nproc-per-node 2 tests/test_parallel_attention_logprobs.py --out
-DIR``."""
+GRPO and NLL losses on vocab-parallel logits equal the reference losses on gathered logits, gradients included, and
+THD-packed micro-batches equal padded ones. This file is also the worker script:
+``torchrun --nproc-per-node 2 tests/test_parallel_attention_logprobs.py --out DIR``."""
 
 from __future__ import annotations
 
@@ -145,6 +145,27 @@ def _losses(res: dict) -> None:
         res[f"{kind}_logits_shape"] = (tuple(logits.shape), tuple(flogits.shape))
 
 
+def _packing(res: dict) -> None:
+    """The actor's GRPO loss through megatron's schedule, THD-packed vs padded micro-batches (SDPA attention)."""
+    from functools import partial
+
+    from megatron_fp4.models import build_gpt_model, gpt_transformer_config
+    from megatron_fp4.rl import actor, grpo
+
+    args = _margs(attention_backend="sdpa")
+    model = build_gpt_model(args, config=gpt_transformer_config(args, calculate_per_token_loss=True))
+    b = _batch()
+    b["inputs"][1, 12:] = 0  # right padding after row 1's last loss token
+    loss_fn = partial(actor._grpo_loss, grpo.GRPOConfig(group_size=3, kl_beta=0.01))
+    out = {}
+    for pack in (False, True):
+        model.zero_grad(set_to_none=True)
+        store = actor.run_schedule(model, [dict(b)], loss_fn, forward_only=False, pack=pack)
+        out[pack] = float(store[0]["loss"]), _grads(model)
+    res["packed_loss"] = (out[True][0], out[False][0])
+    res["packed_grad_rel"] = {n: _rel(g, out[False][1][n]) for n, g in out[True][1].items()}
+
+
 def worker(out_dir: str) -> None:
     torch.set_num_threads(1)
     sys.path.insert(0, ROOT)
@@ -155,6 +176,7 @@ def worker(out_dir: str) -> None:
     _attention(res)
     _functions(res)
     _losses(res)
+    _packing(res)
     torch.save(res, os.path.join(out_dir, f"rank{torch.distributed.get_rank()}.pt"))
     torch.distributed.barrier()
     torch.distributed.destroy_process_group()
@@ -221,6 +243,15 @@ def test_actor_losses_on_vocab_parallel_logits(results, kind):
     ent, ref_ent = results[0]["entropy_mean"]
     assert abs(ent - ref_ent) <= 1e-6 * ref_ent
     assert results[0]["grpo_loss"] == results[1]["grpo_loss"]  # every TP rank holds the same loss
+
+
+def test_packed_micro_batches_equal_padded_at_tp2(results):
+    for r in results:
+        loss, ref = r["packed_loss"]
+        assert ref != 0 and abs(loss - ref) <= 1e-5 * abs(ref), (loss, ref)
+        assert len(r["packed_grad_rel"]) == 17
+        for name, rel in r["packed_grad_rel"].items():
+            assert rel < 1e-5, (name, rel)
 
 
 if __name__ == "__main__":

@@ -13,6 +13,12 @@ warm-up from 0, then cosine decay to --min-lr over the rest (Megatron-LM's sched
 The policy and the reference output vocab-parallel logits (``parallel_output=True``: each TP rank its vocabulary
 shard); log-probs and entropy are computed from the shards over the TP group, chunked over tokens
 (:mod:`megatron_fp4.rl.logprobs`), so no rank holds full-vocabulary logits or a [tokens, vocab] fp32 copy.
+
+With --pack-sequences each micro-batch runs as one THD pack (:func:`pack_index`): every sequence's tokens up to its
+last loss token, one after another, positions restarting per sequence, and attention kept within each sequence
+(``packed_seq_params``; the SDPA core attention, FlashAttention varlen on a GPU), so no compute goes to padding.
+Log-probs and entropy are scattered back to the [B, T] grid the loss works on; losses and gradients equal the
+padded batch's up to fp32 rounding.
 """
 
 from __future__ import annotations
@@ -32,7 +38,7 @@ from megatron_fp4.rl.logprobs import vocab_parallel_entropy, vocab_parallel_logp
 from megatron_fp4.rl.monitor import NonFiniteGuard
 from megatron_fp4.rl.sequences import Sequences
 
-__all__ = ["Actor", "run_schedule", "microbatches", "lr_schedule"]
+__all__ = ["Actor", "run_schedule", "microbatches", "lr_schedule", "pack_index"]
 
 
 def lr_schedule(it: int, *, lr: float, min_lr: Optional[float], warmup_iters: int, total_iters: int) -> float:
@@ -47,13 +53,40 @@ def lr_schedule(it: int, *, lr: float, min_lr: Optional[float], warmup_iters: in
     return min_lr + 0.5 * (lr - min_lr) * (1 + math.cos(math.pi * frac))
 
 
-def run_schedule(model, batches: list[dict], loss_fn: Callable, forward_only: bool) -> list[dict]:
-    """Megatron's forward(/backward) schedule over micro-batches; returns the last stage's loss dicts."""
+def pack_index(mask: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, int]:
+    """(rows, columns, cu_seqlens, longest) of the THD pack of a right-padded micro-batch with loss ``mask [B, T]``:
+    each row's positions up to its last loss token (rows without one are left out), row after row; cu_seqlens
+    (int32) bounds the sequences in the pack."""
+    m = mask.bool()
+    lengths = (m * torch.arange(1, m.shape[1] + 1, device=m.device)).amax(dim=1)  # last loss position + 1
+    if int(lengths.sum()) == 0:  # nothing enters the loss: pack one token so that the forward still runs
+        lengths[0] = 1
+    rows, cols = (torch.arange(m.shape[1], device=m.device)[None, :] < lengths[:, None]).nonzero(as_tuple=True)
+    kept = lengths[lengths > 0]
+    cu = torch.zeros(kept.numel() + 1, dtype=torch.int32, device=m.device)
+    cu[1:] = kept.cumsum(0)
+    return rows, cols, cu, int(kept.max())
+
+
+def run_schedule(model, batches: list[dict], loss_fn: Callable, forward_only: bool, pack: bool = False
+                 ) -> list[dict]:
+    """Megatron's forward(/backward) schedule over micro-batches; returns the last stage's loss dicts. ``pack``: each
+    micro-batch as one THD pack of its sequences (:func:`pack_index`; the loss functions read ``batch["pack"]``)."""
+    from megatron.core.packed_seq_params import PackedSeqParams
     from megatron.core.pipeline_parallel import get_forward_backward_func
 
     def forward_step(data_iterator, model_chunk):
         batch = next(data_iterator)
         dev = next(model_chunk.parameters()).device  # batches are built on the CPU; the model may be on a GPU
+        if pack:
+            rows, cols, cu, longest = pack_index(batch["mask"])  # on the CPU: no device sync
+            batch = {k: v.to(dev) for k, v in batch.items()}
+            rows, cols, cu = rows.to(dev), cols.to(dev), cu.to(dev)
+            batch["pack"] = (rows, cols)
+            params = PackedSeqParams(qkv_format="thd", cu_seqlens_q=cu, cu_seqlens_kv=cu, max_seqlen_q=longest,
+                                     max_seqlen_kv=longest)
+            out = model_chunk(batch["inputs"][rows, cols][None], cols[None], None, packed_seq_params=params)
+            return out, partial(loss_fn, batch)
         batch = {k: v.to(dev) for k, v in batch.items()}
         T = batch["inputs"].shape[1]
         pos = torch.arange(T, device=dev).unsqueeze(0).expand_as(batch["inputs"])
@@ -86,21 +119,39 @@ def _tp_group():
     return ps.get_tensor_model_parallel_group() if ps.model_parallel_is_initialized() else None
 
 
-def _logprobs(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
-    """log p(labels) [B, T] (fp32) from this rank's vocab-parallel logits [B, T, V / TP]."""
-    return vocab_parallel_logprobs(logits, labels, _tp_group())
+def _unpack(batch, packed: torch.Tensor) -> torch.Tensor:
+    """Values of a THD pack (``[t]``, in ``batch["pack"]``'s order) on the micro-batch's [B, T] grid, 0 elsewhere."""
+    rows, cols = batch["pack"]
+    grid = torch.zeros(batch["labels"].shape, dtype=packed.dtype, device=packed.device)
+    return grid.index_put((rows, cols), packed)
+
+
+def _logprobs(batch, logits: torch.Tensor) -> torch.Tensor:
+    """log p(labels) [B, T] (fp32) from this rank's vocab-parallel logits [B, T, V / TP] (or [1, t, V / TP] of a
+    THD pack: 0 at the positions left out of it)."""
+    if "pack" not in batch:
+        return vocab_parallel_logprobs(logits, batch["labels"], _tp_group())
+    rows, cols = batch["pack"]
+    return _unpack(batch, vocab_parallel_logprobs(logits[0], batch["labels"][rows, cols], _tp_group()))
+
+
+def _entropy(batch, logits: torch.Tensor) -> torch.Tensor:
+    """Entropy [B, T] (fp32, no gradient) from this rank's vocab-parallel logits, packed or not (as _logprobs)."""
+    if "pack" not in batch:
+        return vocab_parallel_entropy(logits, _tp_group())
+    return _unpack(batch, vocab_parallel_entropy(logits[0], _tp_group()))
 
 
 def _nll_loss(batch, logits):
     """Cross-entropy of the masked labels (supervised warm-up), summed; megatron divides by the token count."""
-    lp = _logprobs(logits, batch["labels"])
+    lp = _logprobs(batch, logits)
     m = batch["mask"]
     return -(lp * m).sum(), m.sum().to(torch.int), {"nll_sum": (-(lp * m).sum()).detach(), "tokens": m.sum().detach()}
 
 
 def _grpo_loss(cfg: grpo.GRPOConfig, batch, logits):
     """The GRPO token loss of one micro-batch (summed) and its token-weighted statistics."""
-    lp = _logprobs(logits, batch["labels"])
+    lp = _logprobs(batch, logits)
     m = batch["mask"]
     logp_ref = batch.get("logp_ref")
     kw = cfg.loss_kwargs()
@@ -109,7 +160,7 @@ def _grpo_loss(cfg: grpo.GRPOConfig, batch, logits):
     tok = grpo.grpo_token_loss(lp, batch.get("logp_old"), batch["logp_rollout"], batch["advantages"], m,
                                logp_ref=logp_ref, **kw)
     with torch.no_grad():
-        ent = vocab_parallel_entropy(logits, _tp_group())
+        ent = _entropy(batch, logits)
         mets = grpo.grpo_metrics(lp, batch.get("logp_old"), batch["logp_rollout"], batch["advantages"], m,
                                  logp_ref=logp_ref, entropy=ent, **kw)
     n = m.sum()
@@ -181,17 +232,18 @@ class Actor:
     def _backward(self, batches: list[dict], loss_fn: Callable) -> list[dict]:
         self.policy.zero_grad_buffer()
         self.optimizer.zero_grad()
-        return run_schedule(self.policy, batches, loss_fn, forward_only=False)
+        return run_schedule(self.policy, batches, loss_fn, forward_only=False, pack=self.cfg.pack_sequences)
 
     @torch.no_grad()
     def logprobs(self, model, seqs: Sequences) -> Optional[torch.Tensor]:
         """Next-token logprobs [N, T] of the labels under ``model`` (on the last pipeline stage; None elsewhere)."""
 
         def loss_fn(batch, logits):
-            lp = _logprobs(logits, batch["labels"])
+            lp = _logprobs(batch, logits)
             return lp.sum() * 0, torch.tensor(1, dtype=torch.int), {"logp": lp}
 
-        store = run_schedule(model, microbatches(seqs, self.cfg.micro_batch_size), loss_fn, forward_only=True)
+        store = run_schedule(model, microbatches(seqs, self.cfg.micro_batch_size), loss_fn, forward_only=True,
+                             pack=self.cfg.pack_sequences)
         if not store:
             return None
         return torch.cat([d["logp"] for d in store], dim=0)

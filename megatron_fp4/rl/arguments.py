@@ -237,6 +237,15 @@ def validate_args(args: argparse.Namespace, world_size: int = 1) -> argparse.Nam
                          f"got --rollout-precision {args.rollout_precision!r}")
     if args.resq_combine != "exact" and args.resq == "none":
         raise ValueError(f"--resq-combine={args.resq_combine!r} needs a ResQ residual (--resq other than 'none')")
+    if args.pack_sequences:
+        from megatron_fp4.parallel.attention import resolve_attention_backend
+
+        if resolve_attention_backend(args.attention_backend) != "sdpa":
+            raise ValueError(f"--pack-sequences needs --attention-backend sdpa (megatron-core's unfused attention "
+                             f"takes no packed sequences); got --attention-backend {args.attention_backend}"
+                             + (" (local without CUDA)" if args.attention_backend == "auto" else ""))
+        if pp > 1:
+            raise ValueError(f"--pack-sequences is not supported with --pipeline-model-parallel-size={pp} (allowed: 1)")
     if args.rollout_backend == "sglang" and (tp * pp) > 1:
         raise ValueError("--rollout-backend sglang currently runs with TP=PP=1 trainers only")
     if args.overlong_buffer_len >= args.max_response_length:

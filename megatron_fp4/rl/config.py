@@ -225,6 +225,11 @@ class ActorConfig:
                                                       "rollout-batch-size x n-samples-per-prompt / this",
                                                 check=positive)
     micro_batch_size: int = knob(256, "sequences per training micro-batch", check=positive)
+    pack_sequences: bool = knob(False, "run each training micro-batch as one THD pack of its sequences (each up to its "
+                                       "last loss token, attention within each sequence): no compute on padding. "
+                                       "Needs the sdpa attention (--attention-backend sdpa, or auto on CUDA) and "
+                                       "pipeline-parallel size 1. Losses equal the padded batch's up to rounding; "
+                                       "FP4 wgrad blocks along the tokens then group other tokens")
     lr: float = knob(6e-4, "learning rate", check=positive)
     min_lr: Optional[float] = knob(1e-4, "cosine decay floor (= --lr for a constant lr)", check=non_negative)
     lr_warmup_iters: int = knob(0, "optimizer steps of linear LR warm-up from 0 (Megatron-LM's); the cosine decay "
