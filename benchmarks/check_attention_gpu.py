@@ -10,8 +10,9 @@ modules on the same inputs and upstream gradient; max / mean |difference| of the
 one's relative error against the fp32 unfused result; which SDPA kernel ran (from the profiler's kernel names:
 flash, efficient, cudnn or math) and which backends accept the shape when forced one at a time; time and peak
 memory of forward + backward; THD-packed sequences (the varlen path) against one SDPA call per sequence. Then a
-2-layer GPTModel of the 1.5B shape (random weights) built with each backend:
-logits and parameter gradients compared.
+2-layer GPTModel of the 1.5B shape (random weights) built with each backend: logits and parameter gradients
+compared; and the SDPA model on a THD pack of uneven sequences (forward + backward) against one forward per
+sequence.
 
 Log-probs (bf16 logits [4 x 2048, 151936], std 2, random targets): megatron_fp4.rl.logprobs against
 grpo.token_logprobs / entropy_from_logits (log_softmax of an fp32 copy): max |difference| of log-probs, entropy and
@@ -220,6 +221,27 @@ def check_model(s: dict, out: dict) -> None:
         "logits_rel": _rel(res["sdpa"][0], res["local"][0]),
         "grad_rel_max": max(_rel(res["sdpa"][1][n], g) for n, g in res["local"][1].items()),
     }
+    del res
+    # the same model on a THD pack of the batch's rows cut to uneven lengths (the varlen path inside megatron-core's
+    # attention, forward and backward) against one forward per sequence
+    from megatron.core.packed_seq_params import PackedSeqParams
+
+    m = models["sdpa"]
+    m.zero_grad(set_to_none=True)
+    lengths = [s["seq"] - i * (s["seq"] // (2 * s["batch"])) for i in range(s["batch"])]
+    seqs = [ids[i, :n] for i, n in enumerate(lengths)]
+    cu = torch.tensor([0] + lengths, device=dev).cumsum(0).to(torch.int32)
+    params = PackedSeqParams(qkv_format="thd", cu_seqlens_q=cu, cu_seqlens_kv=cu, max_seqlen_q=max(lengths),
+                             max_seqlen_kv=max(lengths))
+    packed = m(torch.cat(seqs)[None], torch.cat([torch.arange(n, device=dev) for n in lengths])[None], None,
+               packed_seq_params=params)
+    packed.float().logsumexp(-1).sum().backward()
+    with torch.no_grad():
+        alone = torch.cat([m(x[None], torch.arange(len(x), device=dev)[None], None)[0] for x in seqs])
+    out["gpt_2_layers_bf16_packed"] = {"lengths": lengths, "vs_one_forward_per_sequence": _diff(packed[0], alone),
+                                       "rel": _rel(packed[0].detach(), alone),
+                                       "grads_finite": all(bool(torch.isfinite(p.grad).all())
+                                                           for p in m.parameters() if p.grad is not None)}
 
 
 def check_logprobs(s: dict, out: dict, tp_group, tp: int, rank: int) -> None:
