@@ -220,6 +220,18 @@ def test_gpt_model_forward_backward_equals_unfused():
         assert rel < 1e-5, (n, rel)
 
 
+def test_from_model_reads_back_the_backend_and_the_recipe():
+    """GPTModelArgs.from_model gives what built the model: the resolved attention backend, and the FP4 recipe from
+    megatron_fp4_recipe (megatron-core's own fp4_recipe field is Transformer Engine's string)."""
+    from megatron_fp4.recipe import HiF4BlockScaling
+
+    recipe = HiF4BlockScaling()
+    m = build_gpt_model(GPTModelArgs(num_layers=1, hidden_size=64, ffn_hidden_size=128, num_attention_heads=4,
+                                     vocab_size=32, max_seq_len=16, fp4_recipe=recipe, attention_backend="sdpa"))
+    args = GPTModelArgs.from_model(m)
+    assert args.attention_backend == "sdpa" and args.fp4_recipe is recipe
+
+
 def test_rollout_megatron_decode_path_equals_unfused():
     """The native engine's reference decode path (megatron-core's forward with its KV cache, left-padding masks,
     sq = 1 steps) gives the same tokens and logprobs with either attention."""

@@ -116,7 +116,7 @@ class GPTModelArgs:
             tie_embeddings=bool(model.share_embeddings_and_output_weights), swiglu=bool(cfg.gated_linear_unit),
             normalization=cfg.normalization, norm_epsilon=float(cfg.layernorm_epsilon),
             rotary_base=float(model.rotary_base), rotary_percent=float(model.rotary_percent),
-            qk_layernorm=bool(cfg.qk_layernorm), fp4_recipe=getattr(cfg, "fp4_recipe", None),
+            qk_layernorm=bool(cfg.qk_layernorm), fp4_recipe=getattr(cfg, "megatron_fp4_recipe", None),
             params_dtype=cfg.params_dtype, init_method_std=cfg.init_method_std, hidden_dropout=cfg.hidden_dropout,
             attention_dropout=cfg.attention_dropout, hf_info=getattr(model, "hf_info", None),
             attention_backend=getattr(model, "attention_backend", "auto"))
