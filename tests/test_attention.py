@@ -145,14 +145,15 @@ def test_packed_gpt_model_equals_one_forward_per_sequence():
     _, sdpa = _gpt_pair()
     g = torch.Generator().manual_seed(6)
     lengths = [5, 3, 7]
-    seqs = [torch.randint(0, 96, (n,), generator=g) for n in lengths]
-    cu = torch.tensor([0, 5, 8, 15], dtype=torch.int32)
+    dev = _device(sdpa)
+    seqs = [torch.randint(0, 96, (n,), generator=g).to(dev) for n in lengths]
+    cu = torch.tensor([0, 5, 8, 15], dtype=torch.int32, device=dev)
     params = PackedSeqParams(qkv_format="thd", cu_seqlens_q=cu, cu_seqlens_kv=cu, max_seqlen_q=7, max_seqlen_kv=7)
-    pos = torch.cat([torch.arange(n) for n in lengths])[None]
+    pos = torch.cat([torch.arange(n, device=dev) for n in lengths])[None]
     packed = sdpa(torch.cat(seqs)[None], pos, None, packed_seq_params=params)
     assert packed.shape == (1, 15, 96)
     for s, a, b in zip(seqs, cu[:-1].tolist(), cu[1:].tolist()):
-        alone = sdpa(s[None], torch.arange(len(s))[None], None)
+        alone = sdpa(s[None], torch.arange(len(s), device=dev)[None], None)
         torch.testing.assert_close(packed[0, a:b], alone[0], **TOL)
 
 
@@ -190,6 +191,11 @@ def test_bf16_is_as_close_to_fp32_as_unfused():
         assert err_sdpa < 1e-2 and err_sdpa <= 1.5 * err_local, (err_sdpa, err_local)
 
 
+def _device(model) -> torch.device:
+    """Where build_gpt_model put the model (the current GPU when there is one)."""
+    return next(model.parameters()).device
+
+
 def _gpt_pair(**kw):
     args = dict(num_layers=2, hidden_size=64, ffn_hidden_size=128, num_attention_heads=4, num_query_groups=2,
                 vocab_size=96, max_seq_len=48, add_qkv_bias=True, init_method_std=0.08, **kw)
@@ -205,9 +211,10 @@ def test_gpt_model_forward_backward_equals_unfused():
     assert isinstance(sdpa.decoder.layers[1].self_attention.core_attention, SDPADotProductAttention)
     assert type(local.decoder.layers[1].self_attention.core_attention) is DotProductAttention
     g = torch.Generator().manual_seed(4)
-    ids = torch.randint(0, 96, (3, 21), generator=g)
-    pos = torch.arange(21)[None].expand(3, -1)
-    w = torch.randn(3, 21, 96, generator=g)
+    dev = _device(local)
+    ids = torch.randint(0, 96, (3, 21), generator=g).to(dev)
+    pos = torch.arange(21, device=dev)[None].expand(3, -1)
+    w = torch.randn(3, 21, 96, generator=g).to(dev)
     out = {}
     for name, m in (("local", local), ("sdpa", sdpa)):
         logits = m(ids, pos, None)
