@@ -43,14 +43,19 @@ def _qkv(sq, sk, b, heads, groups, hn, dtype=torch.float32, seed=0):
     return q, k, v
 
 
+#: Where the modules run: megatron-core's attention allocates on the current CUDA device when there is one.
+DEV = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+
+
 def _run(module, q, k, v, mask=None, grad=None, **kw):
-    """(output, dq, dk, dv) of one forward + backward with upstream gradient ``grad`` (seeded random default)."""
-    q, k, v = (t.detach().clone().requires_grad_() for t in (q, k, v))
-    out = module(q, k, v, mask, **kw)
+    """(output, dq, dk, dv) of one forward + backward with upstream gradient ``grad`` (seeded random default), on
+    :data:`DEV`; results on the CPU."""
+    q, k, v = (t.detach().clone().to(DEV).requires_grad_() for t in (q, k, v))
+    out = module(q, k, v, None if mask is None else mask.to(DEV), **kw)
     if grad is None:
         grad = torch.randn(out.shape, generator=torch.Generator().manual_seed(1)).to(out.dtype)
-    out.backward(grad)
-    return out.detach(), q.grad, k.grad, v.grad
+    out.backward(grad.to(DEV))
+    return tuple(t.cpu() for t in (out.detach(), q.grad, k.grad, v.grad))
 
 
 def _close(a, b, **tol):
