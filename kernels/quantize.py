@@ -231,7 +231,9 @@ if HAS_TRITON:
     @triton.jit
     def _hif4_quant_kernel(x_ptr, codes_ptr, scales_ptr, ex_ptr, R, K, KP, stride_xr, stride_xk, stride_cr,
                            stride_sr, stride_er, K_BUCKET, EXPAND: tl.constexpr, BR: tl.constexpr, BK: tl.constexpr,
-                           R1: tl.constexpr, R2: tl.constexpr, R3: tl.constexpr, PREFETCH: tl.constexpr = 0):
+                           R1: tl.constexpr, R2: tl.constexpr, R3: tl.constexpr, PREFETCH: tl.constexpr = 0,
+                           PACKED: tl.constexpr = 1):
+        """PACKED: store the codes and scales (0: only the expansion, what the training GEMMs read)."""
         rows = tl.program_id(0) * BR + tl.arange(0, BR)
         rmask = rows < R
         xn = _first_tile(x_ptr, rows, rmask, K, stride_xr, stride_xk, BR, BK, PREFETCH)
@@ -239,10 +241,11 @@ if HAS_TRITON:
             cols = k0 + tl.arange(0, BK)
             x, xn = _k_tile(x_ptr, rows, rmask, cols, xn, K, stride_xr, stride_xk, BK, PREFETCH)
             codes, word, val, bad = _hif4_tile(x, BR, BK, R1, R2, R3)
-            _store_packed(codes_ptr, codes, rows, rmask, k0, KP, stride_cr, BR, BK)
-            ju = k0 // 64 + tl.arange(0, BK // 64)
-            tl.store(scales_ptr + rows[:, None] * stride_sr + ju[None, :], word,
-                     mask=rmask[:, None] & (ju[None, :] < KP // 64))
+            if PACKED:
+                _store_packed(codes_ptr, codes, rows, rmask, k0, KP, stride_cr, BR, BK)
+                ju = k0 // 64 + tl.arange(0, BK // 64)
+                tl.store(scales_ptr + rows[:, None] * stride_sr + ju[None, :], word,
+                         mask=rmask[:, None] & (ju[None, :] < KP // 64))
             if EXPAND:
                 tl.store(ex_ptr + rows[:, None] * stride_er + cols[None, :], val.to(tl.bfloat16),
                          mask=rmask[:, None] & (cols[None, :] < KP))
@@ -250,8 +253,8 @@ if HAS_TRITON:
     @triton.jit
     def _mx_quant_kernel(x_ptr, codes_ptr, scales_ptr, ex_ptr, rexp_ptr, rok_ptr, R, K, KP, stride_xr,
                          stride_xk, stride_cr, stride_sr, stride_er, K_BUCKET, RCEIL: tl.constexpr, EXPAND: tl.constexpr,
-                         BR: tl.constexpr, BK: tl.constexpr, PREFETCH: tl.constexpr = 0):
-        """EXPAND: 0 none, 1 E5M2 + row scale (two passes over x), 2 bf16."""
+                         BR: tl.constexpr, BK: tl.constexpr, PREFETCH: tl.constexpr = 0, PACKED: tl.constexpr = 1):
+        """EXPAND: 0 none, 1 E5M2 + row scale (two passes over x), 2 bf16. PACKED: store the codes and scales."""
         NB: tl.constexpr = BK // 32
         rows = tl.program_id(0) * BR + tl.arange(0, BR)
         rmask = rows < R
@@ -265,10 +268,11 @@ if HAS_TRITON:
             cols = k0 + tl.arange(0, BK)
             x, xn = _k_tile(x_ptr, rows, rmask, cols, xn, K, stride_xr, stride_xk, BK, PREFETCH)
             codes, X, bad, val = _mx_tile(x, BR, BK, RCEIL)
-            _store_packed(codes_ptr, codes, rows, rmask, k0, KP, stride_cr, BR, BK)
-            jb = k0 // 32 + tl.arange(0, NB)
-            tl.store(scales_ptr + rows[:, None] * stride_sr + jb[None, :],
-                     tl.where(bad, 255, X + 127).to(tl.uint8), mask=rmask[:, None] & (jb[None, :] < KP // 32))
+            if PACKED:
+                _store_packed(codes_ptr, codes, rows, rmask, k0, KP, stride_cr, BR, BK)
+                jb = k0 // 32 + tl.arange(0, NB)
+                tl.store(scales_ptr + rows[:, None] * stride_sr + jb[None, :],
+                         tl.where(bad, 255, X + 127).to(tl.uint8), mask=rmask[:, None] & (jb[None, :] < KP // 32))
             emask = rmask[:, None] & (cols[None, :] < KP)
             if EXPAND == 1:
                 bits, okt = _mx_e5m2(codes, X, S, BR, BK)
@@ -302,8 +306,9 @@ if HAS_TRITON:
     # K_BUCKET (K's next power of two) rather than K: the column variants see a new token count every step.
     _TUNE = dict(configs=[_qconfig(*c) for c in _ROW_CFGS + _COL_CFGS], key=["K_BUCKET", "stride_xk", "EXPAND"],
                  prune_configs_by={"early_config_prune": _prune})
-    _hif4_quant_tuned = triton.autotune(**_TUNE)(_hif4_quant_kernel)
-    _mx_quant_tuned = triton.autotune(**_TUNE)(_mx_quant_kernel)
+    _QTUNE = {**_TUNE, "key": _TUNE["key"] + ["PACKED"]}
+    _hif4_quant_tuned = triton.autotune(**_QTUNE)(_hif4_quant_kernel)
+    _mx_quant_tuned = triton.autotune(**_QTUNE)(_mx_quant_kernel)
 
 
 # ----------------------------------------------------------------------------------------------------------------
@@ -340,10 +345,12 @@ def _fixed_launch(x2: torch.Tensor, kp: int, BR: int, BK: int, config, row_pass:
 
 
 def quantize(x: torch.Tensor, fmt, dim: int = -1, expand: Optional[str] = None,
-             config: Optional[tuple] = None):
+             config: Optional[tuple] = None, packed: bool = True):
     """Quantize+pack ``x`` along ``dim`` with the Triton kernel (bit-exact with ``fmt.quantize``).
 
-    Returns a QuantizedTensor, or ``(QuantizedTensor, Expanded)`` when ``expand`` is "native" or "bf16".
+    Returns a QuantizedTensor, or ``(QuantizedTensor, Expanded)`` when ``expand`` is "native" or "bf16";
+    ``packed=False`` (with ``expand``) writes only the expansion and returns ``(None, Expanded)`` (the training
+    GEMMs read nothing else).
     Falls back to the PyTorch reference where the kernels cannot run (no Triton, no GPU, other formats).
     ``config`` = (rows per program, K per step, warps[, prefetch 0/1]) skips autotuning (small inputs use a fixed
     one).
@@ -353,36 +360,39 @@ def quantize(x: torch.Tensor, fmt, dim: int = -1, expand: Optional[str] = None,
         raise ValueError(f"expand={expand!r} is not valid; allowed values: None, 'native', 'bf16'")
     if x.dim() == 0:
         raise ValueError("cannot quantize a 0-d tensor along a dimension")
+    if not packed and not expand:
+        raise ValueError("packed=False needs expand ('native' or 'bf16'): there would be nothing to return")
     dim = dim % x.dim()
     if f.name not in KERNEL_FORMATS or not kernels_usable(x) or x.numel() == 0:
-        return _reference_quantize(x, f, dim, expand)
+        out = _reference_quantize(x, f, dim, expand)
+        return out if packed else (None, out[1])
     x2, outer, k = _rows_view(x, dim)
     R = x2.shape[0]
     bs = f.block_size
     kp = cdiv(k, bs) * bs
     nblk = kp // bs
     dev = x.device
-    codes = torch.empty((R, kp // 2), dtype=torch.uint8, device=dev)
+    codes = torch.empty((R, kp // 2) if packed else (1, 1), dtype=torch.uint8, device=dev)
     BR, BK, warps, *pf = config or _block_config(f.name, x2)
     pf = pf[0] if pf else 0
     fixed, grid = _fixed_launch(x2, kp, BR, BK, config, row_pass=f.name != "hif4" and expand == "native")
     tgrid = lambda meta: (cdiv(R, meta["BR"]), 1)  # noqa: E731
     ex = None
     if f.name == "hif4":
-        scales = torch.empty((R, nblk, 4), dtype=torch.uint8, device=dev)
+        scales = torch.empty((R, nblk, 4) if packed else (1, 1, 4), dtype=torch.uint8, device=dev)
         if expand:
             ex = Expanded(torch.empty((R, kp), dtype=torch.bfloat16, device=dev))
         exv = ex.values if ex is not None else codes
         args = (x2, codes, scales.view(torch.int32), exv, R, k, kp, x2.stride(0), x2.stride(1), codes.stride(0),
                 nblk, exv.stride(0), tune_bucket(k))
-        kw = dict(EXPAND=bool(expand), R1=HIF4_RECIP[1], R2=HIF4_RECIP[2], R3=HIF4_RECIP[3])
+        kw = dict(EXPAND=bool(expand), R1=HIF4_RECIP[1], R2=HIF4_RECIP[2], R3=HIF4_RECIP[3], PACKED=int(packed))
         if fixed:
             _hif4_quant_kernel[grid](*args, **kw, BR=BR, BK=BK, PREFETCH=pf, num_warps=warps)
         else:
             _hif4_quant_tuned[tgrid](*args, **kw)
-        scales_out = scales.reshape(*outer, nblk, 4)
+        scales_out = scales.reshape(*outer, nblk, 4) if packed else None
     else:
-        scales = torch.empty((R, nblk), dtype=torch.uint8, device=dev)
+        scales = torch.empty((R, nblk) if packed else (1, 1), dtype=torch.uint8, device=dev)
         mode = {None: 0, "native": 1, "bf16": 2}[expand]
         rexp = rok = None
         if mode == 1:
@@ -397,14 +407,16 @@ def quantize(x: torch.Tensor, fmt, dim: int = -1, expand: Optional[str] = None,
         rok = rok if rok is not None else scales
         args = (x2, codes, scales, exv, rexp, rok, R, k, kp, x2.stride(0), x2.stride(1), codes.stride(0),
                 scales.stride(0), exv.stride(0), tune_bucket(k))
-        kw = dict(RCEIL=f.name == "mxfp4_rceil", EXPAND=mode)
+        kw = dict(RCEIL=f.name == "mxfp4_rceil", EXPAND=mode, PACKED=int(packed))
         if fixed:
             _mx_quant_kernel[grid](*args, **kw, BR=BR, BK=BK, PREFETCH=pf, num_warps=warps)
         else:
             _mx_quant_tuned[tgrid](*args, **kw)
         if mode == 1:
             ex = Expanded(ex.values.view(torch.float8_e5m2), ex.row_exp, ex.row_ok.bool())
-        scales_out = scales.reshape(*outer, nblk)
+        scales_out = scales.reshape(*outer, nblk) if packed else None
+    if not packed:
+        return None, ex
     qt = QuantizedTensor(fmt=f, codes=codes.reshape(*outer, kp // 2), scales=scales_out, shape=x.shape, dim=dim,
                          dtype=x.dtype)
     return (qt, ex) if expand else qt

@@ -8,7 +8,8 @@ Each GEMM quantizes its two operands along ITS reduction dimension and accumulat
   random-sign block Hadamard transform along m on both operands (exact product unchanged).
 
 X may be ``[..., K]``; leading dims are flattened to the token dimension m. The GEMMs go through
-``megatron_fp4.ops.fp4_gemm``. Which recipe applies: an active ``fp4_autocast`` (including ``enabled=False``)
+``megatron_fp4.ops.fp4_gemm``, which rounds each result once to the operand dtype and, inside
+``ops.quantized_weight_cache``, quantizes each weight (W for fprop, W^T for dgrad) once per weight version. Which recipe applies: an active ``fp4_autocast`` (including ``enabled=False``)
 wins; otherwise the recipe given to the function/module; with none, the layer is a plain
 ``torch.nn.functional.linear`` (bit-identical to high precision).
 """
@@ -93,7 +94,8 @@ class FP4LinearFunction(torch.autograd.Function):
     def forward(ctx, x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor], recipe: FP4Recipe):
         x2 = _flatten(x)
         if recipe.quantize_fprop:
-            y = ops.fp4_gemm(x2, weight, recipe.format("activation"), recipe.format("weight")).to(x.dtype)
+            y = ops.fp4_gemm(x2, weight, recipe.format("activation"), recipe.format("weight"), out_dtype=x.dtype,
+                             mode=recipe.gemm_mode, cache_b=True)
         else:
             y = torch.matmul(x2, weight.t())
         if bias is not None:
@@ -113,8 +115,8 @@ class FP4LinearFunction(torch.autograd.Function):
         if ctx.needs_input_grad[0]:
             if recipe.quantize_dgrad:
                 # dX[m,K] = Q_n(dY)[m,n] . Q_n(W^T)[K,n]^T
-                grad_x = ops.fp4_gemm(dy2, weight.t(), g_fmt, recipe.format("weight"), a_rounding=g_round)
-                grad_x = grad_x.to(x.dtype)
+                grad_x = ops.fp4_gemm(dy2, weight.t(), g_fmt, recipe.format("weight"), a_rounding=g_round,
+                                      out_dtype=x.dtype, mode=recipe.gemm_mode, cache_b=True)
             else:
                 grad_x = torch.matmul(dy2, weight)
             grad_x = grad_x.reshape(x.shape)
@@ -126,8 +128,8 @@ class FP4LinearFunction(torch.autograd.Function):
                 if recipe.hadamard_wgrad:
                     a = random_hadamard_transform(a, recipe.hadamard_block_size, recipe.hadamard_seed)
                     b = random_hadamard_transform(b, recipe.hadamard_block_size, recipe.hadamard_seed)
-                grad_w = ops.fp4_gemm(a, b, g_fmt, recipe.format("activation"), a_rounding=g_round)
-                grad_w = grad_w.to(weight.dtype)
+                grad_w = ops.fp4_gemm(a, b, g_fmt, recipe.format("activation"), a_rounding=g_round,
+                                      out_dtype=weight.dtype)
             else:
                 grad_w = torch.matmul(dy2.t(), x2)
         if ctx.has_bias and ctx.needs_input_grad[2]:
