@@ -63,7 +63,7 @@ def recipe_and_mode(name: str):
     if name == "bf16":
         return None, "exact"
     fmt, _, mode = name.partition("-")
-    return recipe_for_format(fmt), mode or "exact"
+    return recipe_for_format(fmt, gemm_mode=mode or "exact"), mode or "exact"
 
 
 def flops_per_token(shape: dict, seq: int, params: int, head: int) -> float:
@@ -148,7 +148,6 @@ def profile_step(step) -> dict:
 def run_row(args, recipe_name: str, batch: int, seq: int) -> dict:
     from megatron_fp4.rl import grpo
     from megatron_fp4.rl.actor import _grpo_loss, run_schedule
-    from megatron_fp4 import ops
 
     recipe, mode = recipe_and_mode(recipe_name)
     torch.manual_seed(args.seed)
@@ -158,14 +157,11 @@ def run_row(args, recipe_name: str, batch: int, seq: int) -> dict:
     loss_fn = partial(_grpo_loss, grpo.GRPOConfig(group_size=2, kl_beta=0.0))
     params = sum(p.numel() for n, p in model.named_parameters() if "decoder" in n)
     head = shape["vocab_size"] * shape["hidden_size"]
-    gemm_mode = getattr(ops, "fp4_gemm_mode", None)
 
     def fwd_bwd():
         ddp.zero_grad_buffer()
         opt.zero_grad()
-        ctx = gemm_mode(mode) if gemm_mode is not None else _null()
-        with ctx:
-            return run_schedule(ddp, batches, loss_fn, forward_only=False)
+        return run_schedule(ddp, batches, loss_fn, forward_only=False)
 
     times, opt_times, first = [], [], None
     for i in range(args.warmup + args.iters):
@@ -202,14 +198,6 @@ def run_row(args, recipe_name: str, batch: int, seq: int) -> dict:
     del model, ddp, opt, store
     torch.cuda.empty_cache()
     return row
-
-
-class _null:
-    def __enter__(self):
-        return self
-
-    def __exit__(self, *exc):
-        return False
 
 
 def main() -> None:
