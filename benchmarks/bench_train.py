@@ -24,6 +24,7 @@ top kernels. Recipes: bf16 (no recipe), hif4, mxfp4, and mxfp4-fp8 / mxfp4-fp8_f
 from __future__ import annotations
 
 import argparse
+import gc
 import json
 import os
 import statistics
@@ -195,8 +196,6 @@ def run_row(args, recipe_name: str, batch: int, seq: int) -> dict:
                loss=first["loss"], grad_norm=first["grad_norm"], times_s=[round(x, 4) for x in times])
     if args.profile:
         row["profile"] = profile_step(fwd_bwd)
-    del model, ddp, opt, store
-    torch.cuda.empty_cache()
     return row
 
 
@@ -241,6 +240,8 @@ def main() -> None:
                 row = dict(recipe=r, batch=b, seq=t, error=f"out of memory: {str(e)[:160]}")
                 torch.cuda.empty_cache()
             args.micro_batch_size = saved
+            gc.collect()  # the row's model and optimizer
+            torch.cuda.empty_cache()
             rows.append(row)
             if "error" in row:
                 print(f"{r:<15} {f'{b}x{t}':>8} {row['error'][:80]}", flush=True)
