@@ -286,6 +286,16 @@ if HAS_TRITON:
             tl.store(rok_ptr + rows, ok.to(tl.int8), mask=rmask)
 
 
+    @triton.jit
+    def _transpose_kernel(x_ptr, y_ptr, R, C, stride_xr, stride_yr, BR: tl.constexpr, BC: tl.constexpr):
+        """y[c, r] = x[r, c] for row-major x [R, C] (Triton stages the tile through shared memory, so both the
+        load and the store are coalesced)."""
+        r = tl.program_id(0) * BR + tl.arange(0, BR)
+        c = tl.program_id(1) * BC + tl.arange(0, BC)
+        m = (r[:, None] < R) & (c[None, :] < C)
+        t = tl.load(x_ptr + r[:, None] * stride_xr + c[None, :], mask=m)
+        tl.store(y_ptr + c[None, :] * stride_yr + r[:, None], t, mask=m)
+
     # (rows per program, K per step, warps, prefetch the next K tile). Measured on the H200 (docs/PERFORMANCE.md,
     # run 6): prefetching wins for HiF4 (-18%) and is even for MXFP4; 32x256 and 16x512 tiles (with or without
     # prefetch) and prefetching column tiles never won, so they are not tried.
@@ -322,6 +332,18 @@ def _rows_view(x: torch.Tensor, dim: int):
     if xm.dim() != 2:
         xm = xm.reshape(-1, k)
     return xm, outer, k
+
+
+def _row_major(x2: torch.Tensor) -> torch.Tensor:
+    """A row-major copy of the transposed view ``x2`` ([R, K] with strides (1, R)), made by a tiled Triton
+    transpose (a few times faster than torch's copy of a transposed view on the H200, and than quantizing along
+    the strided dimension: HiF4's per-row tile math then reduces across threads)."""
+    y = torch.empty(x2.shape, dtype=x2.dtype, device=x2.device)
+    src = x2.t()  # row-major [K, R]
+    grid = (cdiv(src.shape[0], 64), cdiv(src.shape[1], 64))
+    _transpose_kernel[grid](src, y, src.shape[0], src.shape[1], src.stride(0), y.stride(0), BR=64, BC=64,
+                            num_warps=4)
+    return y
 
 
 def _block_config(fmt_name: str, x2: torch.Tensor):
@@ -368,6 +390,9 @@ def quantize(x: torch.Tensor, fmt, dim: int = -1, expand: Optional[str] = None,
         return out if packed else (None, out[1])
     x2, outer, k = _rows_view(x, dim)
     R = x2.shape[0]
+    if (x2.stride(1) != 1 and x2.stride(0) == 1 and R * k >= (1 << 20) and R > DECODE_MAX_M and config is None
+            and not interpreting()):
+        x2 = _row_major(x2)  # large column-major operands (the training GEMMs' transposed views)
     bs = f.block_size
     kp = cdiv(k, bs) * bs
     nblk = kp // bs

@@ -283,6 +283,13 @@ def test_training_backend_expansion_only_and_strided(name):
     assert torch.equal(quantize(xt, name, expand="bf16", packed=False)[1].values, ref)
     with pytest.raises(ValueError, match="packed=False needs expand"):
         quantize(x, name, packed=False)
+    from kernels.quantize import _row_major
+
+    assert torch.equal(_row_major(xt), xt.contiguous())  # what large transposed operands go through on a GPU
+    if not ON_CPU:
+        big = _inputs("outliers", (4096, 1000), dtype=torch.bfloat16).t()
+        assert torch.equal(quantize(big, name, expand="bf16", packed=False)[1].values,
+                           quantize(big.contiguous(), name, expand="bf16")[1].values)
     be = dispatch.KernelBackend()
     f = get_format(name)
     w = _inputs("random", (40, 136), device=dev, seed=3)
