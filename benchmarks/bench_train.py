@@ -150,8 +150,10 @@ def run_row(args, recipe_name: str, batch: int, seq: int) -> dict:
     from megatron_fp4.rl import grpo
     from megatron_fp4.rl.actor import _grpo_loss, run_schedule
 
+    from megatron_fp4.parallel import set_seed
+
     recipe, mode = recipe_and_mode(recipe_name)
-    torch.manual_seed(args.seed)
+    set_seed(args.seed)  # every row starts from the same weights, whatever ran before it
     model, ddp, opt = build(args.shape, seq, recipe, args.distributed_optimizer, args.attention_backend)
     shape = SHAPES[args.shape]
     batches = make_batches(shape["vocab_size"], batch, seq, args.micro_batch_size, args.seed)
