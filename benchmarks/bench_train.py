@@ -17,8 +17,8 @@ timed ones (median). Columns:
   optimizer's fp32 main weights and Adam moments (what the step needs beside them);
 - loss, grad_norm: the first timed step's values (same seed per row: comparable across code versions).
 
-``--profile`` adds, per row, the CUDA time of one step by kernel family (GEMM, FP4 quantize, attention, ...) and the
-top kernels. Recipes: bf16 (no recipe), hif4, mxfp4, and mxfp4-fp8 / mxfp4-fp8_fast (MXFP4 with --fp4-gemm-mode).
+``--profile`` adds, per row, the CUDA time of one step by kernel family (GEMM, FP4 quantize, attention, ...), the
+top kernels, and the host's top Python functions (cProfile: where a CPU-bound step spends its time). Recipes: bf16 (no recipe), hif4, mxfp4, and mxfp4-fp8 / mxfp4-fp8_fast (MXFP4 with --fp4-gemm-mode).
 """
 
 from __future__ import annotations
@@ -146,6 +146,22 @@ def profile_step(step) -> dict:
             "top_kernels_ms": [[n[:90], round(ms, 2)] for n, ms in top]}
 
 
+def cpu_profile_step(step) -> list:
+    """The host side of one step: the Python functions taking the most time (own time, cProfile)."""
+    import cProfile
+    import pstats
+
+    prof = cProfile.Profile()
+    prof.enable()
+    step()
+    torch.cuda.synchronize()
+    prof.disable()
+    st = pstats.Stats(prof)
+    rows = sorted(st.stats.items(), key=lambda kv: -kv[1][2])[:15]
+    return [[f"{os.path.basename(f)}:{line}({fn})", calls, round(tt * 1e3, 2), round(ct * 1e3, 2)]
+            for (f, line, fn), (_, calls, tt, ct, _) in rows]
+
+
 def run_row(args, recipe_name: str, batch: int, seq: int) -> dict:
     from megatron_fp4.rl import grpo
     from megatron_fp4.rl.actor import _grpo_loss, run_schedule
@@ -198,6 +214,7 @@ def run_row(args, recipe_name: str, batch: int, seq: int) -> dict:
                loss=first["loss"], grad_norm=first["grad_norm"], times_s=[round(x, 4) for x in times])
     if args.profile:
         row["profile"] = profile_step(fwd_bwd)
+        row["host_profile"] = cpu_profile_step(fwd_bwd)  # [function, calls, own ms, cumulative ms]
     return row
 
 
