@@ -124,6 +124,16 @@ class KernelBackend(FP4GemmBackend):
         q, e = quantize(x, fmt, expand="native")
         return Operand(fmt, _e4m3_for_cublas(q, e) if weight else e, q)
 
+    def quantize_both(self, x, fmt, mode):
+        from kernels.quantize import quantize_both
+
+        if fmt.name not in KERNEL_FORMATS or not kernels_usable(x):
+            return NotImplemented
+        if mode != "exact" and fmt.name != "hif4":  # the FP8 row operand: its own kernel
+            return super().quantize_both(x, fmt, mode)
+        rows, cols = quantize_both(x, fmt)
+        return Operand(fmt, rows), Operand(fmt, cols)
+
     def matmul(self, qa, qb, out_dtype, mode):
         from kernels.gemm import fp4_matmul, mm_expanded
 

@@ -18,9 +18,9 @@ import torch
 
 from kernels._common import (DECODE_MAX_M, HAS_TRITON, HIF4_RECIP, KERNEL_FORMATS, cdiv, interpreting, k_split,
                              kernels_usable, tl, triton, tune_bucket)
-from megatron_fp4.formats import QuantizedTensor, get_format
+from megatron_fp4.formats import QuantizedTensor, check_tensor, get_format
 
-__all__ = ["Expanded", "quantize", "expand_packed", "EXPAND_MODES"]
+__all__ = ["Expanded", "quantize", "quantize_both", "expand_packed", "EXPAND_MODES"]
 
 EXPAND_MODES = (None, "native", "bf16")
 #: expand_packed also writes MXFP4 weights as E4M3 (the cuBLAS FP8 GEMM's second operand).
@@ -287,6 +287,29 @@ if HAS_TRITON:
 
 
     @triton.jit
+    def _dual_quant_kernel(x_ptr, er_ptr, ec_ptr, R, K, RP, KP, stride_xr, stride_xk, stride_er, stride_ec,
+                           FMT: tl.constexpr, B: tl.constexpr, R1: tl.constexpr, R2: tl.constexpr,
+                           R3: tl.constexpr):
+        """One read of a [B, B] tile of x [R, K], two BF16 expansions: quantized along K (er [R, KP]) and along R
+        (ec [K, RP], row-major: the transpose's quantization). FMT: 0 HiF4, 1 MXFP4, 2 MXFP4 rceil. B = 64 is one
+        HiF4 unit / two MXFP4 blocks in each direction, so each program's tile is self-contained; padding is 0."""
+        rows = tl.program_id(0) * B + tl.arange(0, B)
+        cols = tl.program_id(1) * B + tl.arange(0, B)
+        x = tl.load(x_ptr + rows[:, None] * stride_xr + cols[None, :] * stride_xk,
+                    mask=(rows[:, None] < R) & (cols[None, :] < K), other=0.0).to(tl.float32)
+        xt = tl.trans(x)
+        if FMT == 0:
+            val = _hif4_tile(x, B, B, R1, R2, R3)[2]
+            valt = _hif4_tile(xt, B, B, R1, R2, R3)[2]
+        else:
+            val = _mx_tile(x, B, B, FMT == 2)[3]
+            valt = _mx_tile(xt, B, B, FMT == 2)[3]
+        tl.store(er_ptr + rows[:, None] * stride_er + cols[None, :], val.to(tl.bfloat16),
+                 mask=(rows[:, None] < R) & (cols[None, :] < KP))
+        tl.store(ec_ptr + cols[:, None] * stride_ec + rows[None, :], valt.to(tl.bfloat16),
+                 mask=(cols[:, None] < K) & (rows[None, :] < RP))
+
+    @triton.jit
     def _transpose_kernel(x_ptr, y_ptr, R, C, stride_xr, stride_yr, BR: tl.constexpr, BC: tl.constexpr):
         """y[c, r] = x[r, c] for row-major x [R, C] (Triton stages the tile through shared memory, so both the
         load and the store are coalesced)."""
@@ -445,6 +468,28 @@ def quantize(x: torch.Tensor, fmt, dim: int = -1, expand: Optional[str] = None,
     qt = QuantizedTensor(fmt=f, codes=codes.reshape(*outer, kp // 2), scales=scales_out, shape=x.shape, dim=dim,
                          dtype=x.dtype)
     return (qt, ex) if expand else qt
+
+
+def quantize_both(x: torch.Tensor, fmt, num_warps: int = 4) -> tuple[Expanded, Expanded]:
+    """The BF16 expansions of 2-D ``x [R, K]`` (any strides) quantized along K and along R, from one read of x
+    (one launch): ``[R, K_pad]`` and ``[K, R_pad]`` (the quantization of ``x.t()``), each bit-exact with
+    ``fmt.quantize``; what a training linear needs of its input X (fprop, wgrad) and of dY (dgrad, wgrad).
+    The PyTorch reference where the kernels cannot run."""
+    f = get_format(fmt)
+    check_tensor(x, "x", "kernels.quantize.quantize_both", ndim=2)
+    if f.name not in KERNEL_FORMATS or not kernels_usable(x):
+        return _reference_quantize(x, f, 1, "bf16")[1], _reference_quantize(x.t(), f, 1, "bf16")[1]
+    R, K = x.shape
+    bs = f.block_size
+    rp, kp = cdiv(R, bs) * bs, cdiv(K, bs) * bs
+    er = torch.empty((R, kp), dtype=torch.bfloat16, device=x.device)
+    ec = torch.empty((K, rp), dtype=torch.bfloat16, device=x.device)
+    B = 64
+    _dual_quant_kernel[(cdiv(R, B), cdiv(K, B))](
+        x, er, ec, R, K, rp, kp, x.stride(0), x.stride(1), er.stride(0), ec.stride(0),
+        FMT={"hif4": 0, "mxfp4": 1, "mxfp4_rceil": 2}[f.name], B=B, R1=HIF4_RECIP[1], R2=HIF4_RECIP[2],
+        R3=HIF4_RECIP[3], num_warps=num_warps)
+    return Expanded(er), Expanded(ec)
 
 
 def _reference_quantize(x: torch.Tensor, f, dim: int, expand: Optional[str]):

@@ -263,6 +263,28 @@ def test_e4m3_weight_expansion_and_row_fallback():
         mm_expanded(ex, e4, impl="cuda")
 
 
+@pytest.mark.parametrize("name", FORMATS)
+def test_quantize_both_bit_exact(name):
+    """One read, two expansions: x quantized along K and along R (x.t()), each bit-exact with the formats'
+    reference (NaN units, outliers, zero padding of both K and R), for strided inputs too."""
+    from kernels.quantize import quantize_both
+
+    f = get_format(name)
+    dev = "cpu" if ON_CPU else DEV
+    for shape in ((70, 130), (5, 200), (129, 33)):
+        x = _inputs("special" if shape == (70, 130) else "outliers", shape, device=dev)
+        for xin in (x, x.t().contiguous().t()):
+            rows, cols = quantize_both(xin, name)
+            want_r = f.quantize(x.cpu(), dim=-1).dequantize().float().to(torch.bfloat16)
+            want_c = f.quantize(x.t().contiguous().cpu(), dim=-1).dequantize().float().to(torch.bfloat16)
+            for got, want in ((rows.values.cpu(), want_r), (cols.values.cpu(), want_c)):
+                n = want.shape[1]
+                g, nan = got[:, :n], want.isnan()
+                assert torch.equal(g.isnan(), nan)  # a unit holding NaN/Inf expands to NaN
+                assert torch.equal(g.view(torch.int16)[~nan], want.view(torch.int16)[~nan])
+                assert not got[:, n:].any()
+
+
 @pytest.mark.parametrize("name", ["hif4", "mxfp4"])
 def test_training_backend_expansion_only_and_strided(name):
     """The training GEMMs' quantizer writes only the expansion (packed=False), equal to the packed call's, and

@@ -327,3 +327,31 @@ def test_recipe_gemm_mode():
         MXFP4BlockScaling(gemm_mode="bf8")
     with pytest.raises(ValueError, match="gemm_mode='fp8' needs MXFP4 weights"):
         HiF4BlockScaling(gemm_mode="fp8")
+
+
+@pytest.mark.parametrize("fmt", ["hif4", "mxfp4"])
+def test_one_pass_operands_equal_separate_quantization(fmt, monkeypatch):
+    """X and dY quantized once into both GEMM layouts (ops.quantize_both) give bit-identical outputs and gradients
+    to quantizing each GEMM's operands separately; recipes the one pass cannot serve keep the separate path."""
+    import megatron_fp4.linear as lin
+
+    torch.manual_seed(1)
+    x, w, b = torch.randn(3, 70, 96), torch.randn(40, 96), torch.randn(40)
+    dy = torch.randn(3, 70, 40)
+
+    def grads(recipe):
+        xr, wr, br = (t.clone().requires_grad_(True) for t in (x, w, b))
+        y = fp4_linear(xr, wr, br, recipe=recipe)
+        y.backward(dy)
+        return y.detach(), xr.grad, wr.grad, br.grad
+
+    recipe = recipe_for_format(fmt)
+    assert lin._one_pass_operands(recipe)
+    for r in (recipe.replace(gradient_rounding="stochastic"), recipe.replace(hadamard_wgrad=True),
+              recipe.replace(quantize_wgrad=False), recipe.replace(gradient_format="nvfp4")):
+        assert not lin._one_pass_operands(r)
+    one_pass = grads(recipe)
+    monkeypatch.setattr(lin, "_one_pass_operands", lambda r: False)
+    separate = grads(recipe)
+    for a, c in zip(one_pass, separate):
+        assert torch.equal(a, c)

@@ -23,7 +23,7 @@ from __future__ import annotations
 
 import contextlib
 import os
-from typing import Callable, Iterator, Optional, Union
+from typing import Callable, Iterator, NamedTuple, Optional, Union
 
 import torch
 
@@ -33,6 +33,8 @@ __all__ = [
     "GEMM_MODES",
     "FP4GemmBackend",
     "quantized_weight_cache",
+    "Quantized",
+    "quantize_both",
     "fp4_gemm",
     "reference_fp4_gemm",
     "register_fp4_gemm_backend",
@@ -87,6 +89,13 @@ class FP4GemmBackend:
     def matmul(self, qa: object, qb: object, out_dtype: torch.dtype, mode: str) -> torch.Tensor:
         """``qa @ qb^T`` accumulated in fp32, rounded once to ``out_dtype``."""
         return torch.matmul(qa, qb.t()).to(out_dtype)
+
+    def quantize_both(self, x: torch.Tensor, fmt: Format, mode: str) -> object:
+        """(``x [R, K]`` quantized along K in ``mode``, ``x.t()`` quantized along R in exact mode), round to
+        nearest: a training linear's input (fprop, wgrad) or output gradient (dgrad, wgrad). A backend may do
+        both from one read of ``x``."""
+        return (self.quantize(x, fmt, "nearest", None, mode, False),
+                self.quantize(x.t(), fmt, "nearest", None, "exact", False))
 
     def __call__(self, a, b, a_fmt, b_fmt, a_rounding, b_rounding, generator=None):
         qa = self.quantize(a, a_fmt, a_rounding, generator, "exact", False)
@@ -154,6 +163,31 @@ def use_reference_backend(enabled: bool = True) -> Iterator[None]:
         _FORCE_REFERENCE.pop()
 
 
+class Quantized(NamedTuple):
+    """An operand already quantized along its last dimension (:func:`quantize_both`), accepted by :func:`fp4_gemm`
+    in place of a tensor: the backend that made it multiplies it."""
+
+    backend: FP4GemmBackend
+    value: object
+    fmt: Format
+
+
+def quantize_both(x: torch.Tensor, fmt: FormatLike, mode: str = "exact") -> Optional[tuple[Quantized, Quantized]]:
+    """``x [R, K]`` quantized along K (GEMM mode ``mode``) and ``x.t()`` along R (exact mode), nearest rounding,
+    by the backend serving ``x``'s device (one pass over ``x`` where it can); None where that backend is a plain
+    function (it only multiplies tensors: callers then pass tensors to :func:`fp4_gemm`)."""
+    check_tensor(x, "x", "quantize_both", ndim=2)
+    f = get_format(fmt)
+    backend = fp4_gemm_backend_for(x.device.type)
+    if backend is not None and not isinstance(backend, FP4GemmBackend):
+        return None
+    for be in ((backend, _REFERENCE) if backend is not None else (_REFERENCE,)):
+        out = be.quantize_both(x, f, mode)
+        if out is not NotImplemented and NotImplemented not in out:
+            return Quantized(be, out[0], f), Quantized(be, out[1], f)
+    raise AssertionError("the reference backend declined a quantization")  # unreachable
+
+
 _CACHES: list[dict] = []
 
 
@@ -193,8 +227,8 @@ def _quantize(backend: FP4GemmBackend, x: torch.Tensor, fmt: Format, rounding: s
 
 
 def fp4_gemm(
-    a: torch.Tensor,
-    b: torch.Tensor,
+    a: Union[torch.Tensor, Quantized],
+    b: Union[torch.Tensor, Quantized],
     a_format: FormatLike,
     b_format: FormatLike,
     *,
@@ -207,15 +241,27 @@ def fp4_gemm(
 ) -> torch.Tensor:
     """``Q(a) @ Q(b)^T`` for ``a [m, K]``, ``b [n, K]``, each quantized along K in its format and rounding,
     accumulated in fp32 and rounded once to ``out_dtype``. ``mode``: one of :data:`GEMM_MODES`; ``cache_b``:
-    reuse ``b``'s quantization inside :func:`quantized_weight_cache` (for weights)."""
+    reuse ``b``'s quantization inside :func:`quantized_weight_cache` (for weights). Either operand may be
+    :class:`Quantized` (its format and rounding then come with it; the other operand's backend is its backend)."""
+    if mode not in GEMM_MODES:
+        raise ValueError(f"fp4_gemm: mode={mode!r} is not valid; allowed values: {', '.join(map(repr, GEMM_MODES))}")
+    if isinstance(a, Quantized) or isinstance(b, Quantized):
+        be = a.backend if isinstance(a, Quantized) else b.backend
+        qa = a.value if isinstance(a, Quantized) else be.quantize(a, get_format(a_format), a_rounding, generator,
+                                                                  mode, False)
+        qb = b.value if isinstance(b, Quantized) else _quantize(be, b, get_format(b_format), b_rounding, generator,
+                                                                mode, cache_b)
+        out = NotImplemented if NotImplemented in (qa, qb) else be.matmul(qa, qb, out_dtype, mode)
+        if out is NotImplemented:
+            raise ValueError(f"fp4_gemm: the {type(be).__name__} that quantized an operand cannot multiply it by "
+                             f"the other ({a_format!r} x {b_format!r}); pass both as tensors")
+        return out
     check_tensor(a, "a", "fp4_gemm", ndim=2)
     check_tensor(b, "b", "fp4_gemm", ndim=2)
     if a.shape[1] != b.shape[1]:
         raise InvalidTensorError(f"fp4_gemm: reduction dims differ: a {tuple(a.shape)}, b {tuple(b.shape)}")
     if a.device != b.device:
         raise ValueError(f"fp4_gemm: operands on different devices ({a.device}, {b.device})")
-    if mode not in GEMM_MODES:
-        raise ValueError(f"fp4_gemm: mode={mode!r} is not valid; allowed values: {', '.join(map(repr, GEMM_MODES))}")
     a_fmt, b_fmt = get_format(a_format), get_format(b_format)
     backend = fp4_gemm_backend_for(a.device.type)
     if backend is not None and not isinstance(backend, FP4GemmBackend):  # a plain function: fp32, contiguous
