@@ -103,11 +103,14 @@ class FP4LinearFunction(torch.autograd.Function):
     numbers are those of quantizing each GEMM's operands separately."""
 
     @staticmethod
-    def forward(ctx, x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor], recipe: FP4Recipe):
+    def forward(ctx, x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor], recipe: FP4Recipe,
+                wgrad_follows: bool = False):
+        """``wgrad_follows``: a backward computing W's gradient will run (the caller's grad mode; autograd turns
+        it off inside forward)."""
         x2 = _flatten(x)
         ctx.recipe, ctx.has_bias, ctx.x_meta, ctx.xt = recipe, bias is not None, (x.shape, x.dtype), None
         pair = None
-        if _one_pass_operands(recipe) and torch.is_grad_enabled() and weight.requires_grad:
+        if wgrad_follows and _one_pass_operands(recipe):
             pair = ops.quantize_both(x2, recipe.format("activation"), recipe.gemm_mode)
         if pair is not None:
             y = ops.fp4_gemm(pair[0], weight, None, recipe.format("weight"), out_dtype=x.dtype,
@@ -165,7 +168,7 @@ class FP4LinearFunction(torch.autograd.Function):
                     grad_w = torch.matmul(dy2.t(), x2)
         if ctx.has_bias and ctx.needs_input_grad[2]:
             grad_b = dy2.sum(dim=0)
-        return grad_x, grad_w, grad_b, None
+        return grad_x, grad_w, grad_b, None, None
 
 
 def fp4_linear(
@@ -191,7 +194,7 @@ def fp4_linear(
         if bias.shape[0] != weight.shape[0]:
             raise InvalidTensorError(f"fp4_linear: bias has {bias.shape[0]} values but weight is "
                                      f"{tuple(weight.shape)}")
-    return FP4LinearFunction.apply(x, weight, bias, recipe)
+    return FP4LinearFunction.apply(x, weight, bias, recipe, torch.is_grad_enabled() and weight.requires_grad)
 
 
 class FP4Linear(torch.nn.Linear):
