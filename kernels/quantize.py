@@ -288,7 +288,7 @@ if HAS_TRITON:
 
     @triton.jit
     def _dual_quant_kernel(x_ptr, er_ptr, ec_ptr, R, K, RP, KP, stride_xr, stride_xk, stride_er, stride_ec,
-                           FMT: tl.constexpr, B: tl.constexpr, R1: tl.constexpr, R2: tl.constexpr,
+                           K_BUCKET, FMT: tl.constexpr, B: tl.constexpr, R1: tl.constexpr, R2: tl.constexpr,
                            R3: tl.constexpr):
         """One read of a [B, B] tile of x [R, K], two BF16 expansions: quantized along K (er [R, KP]) and along R
         (ec [K, RP], row-major: the transpose's quantization). FMT: 0 HiF4, 1 MXFP4, 2 MXFP4 rceil. B = 64 is one
@@ -340,6 +340,8 @@ if HAS_TRITON:
     _TUNE = dict(configs=[_qconfig(*c) for c in _ROW_CFGS + _COL_CFGS], key=["K_BUCKET", "stride_xk", "EXPAND"],
                  prune_configs_by={"early_config_prune": _prune})
     _QTUNE = {**_TUNE, "key": _TUNE["key"] + ["PACKED"]}
+    _dual_quant_tuned = triton.autotune(configs=[triton.Config({}, num_warps=w) for w in (4, 8, 16)],
+                                        key=["K_BUCKET", "FMT"])(_dual_quant_kernel)
     _hif4_quant_tuned = triton.autotune(**_QTUNE)(_hif4_quant_kernel)
     _mx_quant_tuned = triton.autotune(**_QTUNE)(_mx_quant_kernel)
 
@@ -470,10 +472,10 @@ def quantize(x: torch.Tensor, fmt, dim: int = -1, expand: Optional[str] = None,
     return (qt, ex) if expand else qt
 
 
-def quantize_both(x: torch.Tensor, fmt, num_warps: int = 4) -> tuple[Expanded, Expanded]:
+def quantize_both(x: torch.Tensor, fmt, num_warps: Optional[int] = None) -> tuple[Expanded, Expanded]:
     """The BF16 expansions of 2-D ``x [R, K]`` (any strides) quantized along K and along R, from one read of x
-    (one launch): ``[R, K_pad]`` and ``[K, R_pad]`` (the quantization of ``x.t()``), each bit-exact with
-    ``fmt.quantize``; what a training linear needs of its input X (fprop, wgrad) and of dY (dgrad, wgrad).
+    (one launch): ``[R, K_pad]`` and ``[K, R_pad]`` (the quantization of ``x.t()``), each equal to
+    ``fmt.quantize``'s values; what a training linear needs of its input X (fprop, wgrad) and of dY (dgrad, wgrad).
     The PyTorch reference where the kernels cannot run."""
     f = get_format(fmt)
     check_tensor(x, "x", "kernels.quantize.quantize_both", ndim=2)
@@ -485,10 +487,14 @@ def quantize_both(x: torch.Tensor, fmt, num_warps: int = 4) -> tuple[Expanded, E
     er = torch.empty((R, kp), dtype=torch.bfloat16, device=x.device)
     ec = torch.empty((K, rp), dtype=torch.bfloat16, device=x.device)
     B = 64
-    _dual_quant_kernel[(cdiv(R, B), cdiv(K, B))](
-        x, er, ec, R, K, rp, kp, x.stride(0), x.stride(1), er.stride(0), ec.stride(0),
-        FMT={"hif4": 0, "mxfp4": 1, "mxfp4_rceil": 2}[f.name], B=B, R1=HIF4_RECIP[1], R2=HIF4_RECIP[2],
-        R3=HIF4_RECIP[3], num_warps=num_warps)
+    args = (x, er, ec, R, K, rp, kp, x.stride(0), x.stride(1), er.stride(0), ec.stride(0), tune_bucket(K))
+    kw = dict(FMT={"hif4": 0, "mxfp4": 1, "mxfp4_rceil": 2}[f.name], B=B, R1=HIF4_RECIP[1], R2=HIF4_RECIP[2],
+              R3=HIF4_RECIP[3])
+    grid = (cdiv(R, B), cdiv(K, B))
+    if num_warps is not None or interpreting() or R * K < (1 << 16):  # small inputs: no autotuning
+        _dual_quant_kernel[grid](*args, **kw, num_warps=num_warps or 4)
+    else:
+        _dual_quant_tuned[grid](*args, **kw)
     return Expanded(er), Expanded(ec)
 
 
