@@ -47,14 +47,17 @@ FAMILIES = (("fp4 quantize", ("quant",)), ("attention", ("flash", "fmha", "atten
             ("elementwise", ("elementwise", "vectorized", "unrolled")))
 
 
-def parse_batches(text: str) -> list[tuple[int, int]]:
+def parse_batches(text: str) -> list[tuple[int, int, int | None]]:
+    """"4x2048,8x4096/2" -> [(4, 2048, None), (8, 4096, 2)]: B sequences of T tokens, optionally /micro-batch."""
     out = []
     for part in text.split(","):
         try:
-            b, t = part.lower().split("x")
-            out.append((int(b), int(t)))
+            bt, _, mb = part.lower().partition("/")
+            b, t = bt.split("x")
+            out.append((int(b), int(t), int(mb) if mb else None))
         except ValueError:
-            raise SystemExit(f"bench_train.py: error: --batches: {part!r} is not BxT (e.g. 4x2048)") from None
+            raise SystemExit(f"bench_train.py: error: --batches: {part!r} is not BxT[/micro-batch] (e.g. 4x2048 or "
+                             f"8x4096/2)") from None
     return out
 
 
@@ -222,7 +225,8 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--shape", default="qwen2.5-1.5b", choices=sorted(SHAPES))
     ap.add_argument("--recipes", default="bf16,hif4,mxfp4,mxfp4-fp8")
-    ap.add_argument("--batches", default="4x2048", help="comma-separated BxT (sequences x tokens) per step")
+    ap.add_argument("--batches", default="4x2048", help="comma-separated BxT (sequences x tokens) per step, each "
+                                                        "optionally /M: micro-batches of M sequences")
     ap.add_argument("--micro-batch-size", type=int, default=None, help="sequences per micro-batch (default: B)")
     ap.add_argument("--warmup", type=int, default=2)
     ap.add_argument("--iters", type=int, default=5)
@@ -249,10 +253,10 @@ def main() -> None:
     batches = parse_batches(args.batches)
     print(f"{'recipe':<15} {'BxT':>8} {'tok/s':>9} {'MFU':>6} {'step s':>7} {'opt s':>6} {'peak GiB':>8} "
           f"{'no-opt':>7} {'loss':>9}", flush=True)
-    for b, t in batches:
+    for b, t, mb in batches:
         for r in args.recipes.split(","):
             saved = args.micro_batch_size
-            args.micro_batch_size = saved or b
+            args.micro_batch_size = mb or saved or b
             try:
                 row = run_row(args, r, b, t)
             except torch.OutOfMemoryError as e:
