@@ -105,6 +105,13 @@ class Operand:
     packed: Optional[QuantizedTensor] = None
 
 
+#: Widest HiF4 operand that :meth:`KernelBackend.quantize_both` quantizes in one pass. Measured on the H200 (8192
+#: bf16 rows, docs/PERFORMANCE.md): the one-pass kernel takes 105 us at K = 1536 (two row-kernel passes and a
+#: transpose: 225 us, launch-bound) but 530 us at K = 8960 (those: 280 us; HiF4's tile math on 64 x 64 tiles costs
+#: more per value than the row kernel's long tiles). MXFP4's one pass wins at both widths (49 vs 196, 214 vs 277 us).
+HIF4_BOTH_MAX_K = 4096
+
+
 class KernelBackend(FP4GemmBackend):
     """The training GEMMs on the kernels (what :func:`register` installs): each operand quantized by one Triton
     kernel that writes only its GEMM-ready expansion, read strided (transposed views cost no copy), then one
@@ -131,6 +138,8 @@ class KernelBackend(FP4GemmBackend):
             return NotImplemented
         if mode != "exact" and fmt.name != "hif4":  # the FP8 row operand: its own kernel
             return super().quantize_both(x, fmt, mode)
+        if fmt.name == "hif4" and x.shape[1] > HIF4_BOTH_MAX_K:
+            return super().quantize_both(x, fmt, mode)  # row kernel + transpose + row kernel: faster there
         rows, cols = quantize_both(x, fmt)
         return Operand(fmt, rows), Operand(fmt, cols)
 
