@@ -21,8 +21,9 @@ import torch
 
 from kernels._common import DECODE_MAX_M, KERNEL_FORMATS, kernels_usable
 from megatron_fp4.formats import Format, InvalidTensorError, QuantizedTensor, check_tensor, get_format
+from megatron_fp4.ops import GEMM_MODES, FP4GemmBackend
 
-__all__ = ["available", "register", "ops_backend", "fp4_gemm", "PreparedWeight", "prepare_weight", "linear",
+__all__ = ["available", "register", "ops_backend", "KernelBackend", "fp4_gemm", "PreparedWeight", "prepare_weight", "linear",
            "decode_matmul"]
 
 
@@ -46,7 +47,7 @@ def _reference_gemm(a, b, fa: Format, fb: Format) -> torch.Tensor:
 #: the exact product), for two on-the-fly operands the Triton E5M2 GEMM promoting every 32 K-elements (exact to
 #: ~2e-7, and slower than "exact"); "fp8_fast" FP8 with Hopper's default FP8 accumulation (~1e-4 relative error).
 #: All products are exact (E2M1 x block scale fits the FP8 operand); only the accumulation differs.
-MODES = ("exact", "fp8", "fp8_fast")
+MODES = GEMM_MODES
 PROMOTE = {"exact": 0, "fp8": 32, "fp8_fast": 0}
 
 
@@ -85,12 +86,84 @@ def fp4_gemm(a: torch.Tensor, b: torch.Tensor, a_format, b_format=None, mode: st
 
 
 def ops_backend(a, b, a_fmt: Format, b_fmt: Format, a_rounding: str, b_rounding: str, generator=None):
-    """Backend for ``megatron_fp4.ops.register_fp4_gemm_backend``; NotImplemented where the kernels don't apply."""
+    """A plain-function backend for ``megatron_fp4.ops.register_fp4_gemm_backend`` (:func:`fp4_gemm`, decode
+    kernels for M <= 64 included); NotImplemented where the kernels don't apply."""
     if a_rounding != "nearest" or b_rounding != "nearest":
         return NotImplemented  # stochastic rounding stays on the reference (its RNG stream defines the numbers)
     if a_fmt.name != b_fmt.name or a_fmt.name not in KERNEL_FORMATS or not kernels_usable(a, b):
         return NotImplemented
     return fp4_gemm(a, b, a_fmt, b_fmt)
+
+
+@dataclass
+class Operand:
+    """A training GEMM operand quantized along K: its expansion (``packed`` only in the FP8 modes, where rows the
+    FP8 expansion cannot hold exactly are recomputed from it)."""
+
+    fmt: Format
+    expanded: object  # kernels.quantize.Expanded
+    packed: Optional[QuantizedTensor] = None
+
+
+#: Widest HiF4 operand that :meth:`KernelBackend.quantize_both` quantizes in one pass. Measured on the H200 (8192
+#: bf16 rows, docs/PERFORMANCE.md): the one-pass kernel takes 105 us at K = 1536 (two row-kernel passes and a
+#: transpose: 225 us, launch-bound) but 530 us at K = 8960 (those: 280 us; HiF4's tile math on 64 x 64 tiles costs
+#: more per value than the row kernel's long tiles). MXFP4's one pass wins at both widths (49 vs 196, 214 vs 277 us).
+HIF4_BOTH_MAX_K = 4096
+
+
+class KernelBackend(FP4GemmBackend):
+    """The training GEMMs on the kernels (what :func:`register` installs): each operand quantized by one Triton
+    kernel that writes only its GEMM-ready expansion, read strided (transposed views cost no copy), then one
+    tensor-core GEMM rounding once to the caller's dtype. "exact" mode: BF16 expansions and cuBLAS's BF16 GEMM
+    with fp32 accumulation (the reference's numbers up to summation order). MXFP4 "fp8" / "fp8_fast": E5M2
+    activations x E4M3 weights on cuBLAS's FP8 GEMM (two on-the-fly operands: the Triton FP8 GEMM); rows outside
+    the FP8 expansion's range are recomputed exactly (a host sync per GEMM). Declines stochastic rounding, mixed
+    formats and formats without kernels."""
+
+    def quantize(self, x, fmt, rounding, generator, mode, weight):
+        from kernels.quantize import quantize
+
+        if rounding != "nearest" or fmt.name not in KERNEL_FORMATS or not kernels_usable(x):
+            return NotImplemented
+        if mode == "exact" or fmt.name == "hif4":
+            return Operand(fmt, quantize(x, fmt, expand="bf16", packed=False)[1])
+        q, e = quantize(x, fmt, expand="native")
+        return Operand(fmt, _e4m3_for_cublas(q, e) if weight else e, q)
+
+    def quantize_both(self, x, fmt, mode):
+        from kernels.quantize import quantize_both
+
+        if fmt.name not in KERNEL_FORMATS or not kernels_usable(x):
+            return NotImplemented
+        if mode != "exact" and fmt.name != "hif4":  # the FP8 row operand: its own kernel
+            return super().quantize_both(x, fmt, mode)
+        if fmt.name == "hif4" and x.shape[1] > HIF4_BOTH_MAX_K:
+            return super().quantize_both(x, fmt, mode)  # row kernel + transpose + row kernel: faster there
+        rows, cols = quantize_both(x, fmt)
+        return Operand(fmt, rows), Operand(fmt, cols)
+
+    def matmul(self, qa, qb, out_dtype, mode):
+        from kernels.gemm import fp4_matmul, mm_expanded
+
+        if qa.fmt.name != qb.fmt.name:
+            return NotImplemented
+        if qa.packed is None or qb.packed is None:
+            return mm_expanded(qa.expanded, qb.expanded, out_dtype=out_dtype)
+        return fp4_matmul(qa.packed, qa.expanded, qb.packed, qb.expanded, out_dtype=out_dtype,
+                          promote=PROMOTE[mode])
+
+
+def _e4m3_for_cublas(q: QuantizedTensor, e):
+    """A weight's E5M2 expansion as E4M3 where cuBLAS's FP8 GEMM can then take it (it multiplies E5M2 activations
+    by E4M3 weights only), else as it is."""
+    from kernels.gemm import _cublas_applies
+    from kernels.quantize import expand_packed
+
+    if e.values.dtype != torch.float8_e5m2:
+        return e
+    e4 = expand_packed(q, "e4m3")
+    return e4 if _cublas_applies(e, e4) else e
 
 
 def register(device_type: str = "cuda") -> bool:
@@ -99,7 +172,7 @@ def register(device_type: str = "cuda") -> bool:
 
     if device_type == "cuda" and not (torch.cuda.is_available() and available()):
         return False
-    ops.register_fp4_gemm_backend(device_type, ops_backend)
+    ops.register_fp4_gemm_backend(device_type, KernelBackend())
     return True
 
 
@@ -132,17 +205,14 @@ class PreparedWeight:
 def prepare_weight(w: torch.Tensor, fmt, mode: str = "exact") -> PreparedWeight:
     """Quantize a weight once per weight update: packed codes + the GEMM-ready expansion (BF16, or for MXFP4
     with ``mode`` "fp8"/"fp8_fast" FP8: E4M3 for cuBLAS on CUDA where the width allows, else E5M2)."""
-    from kernels.gemm import _cublas_applies, needs_wide_decode
-    from kernels.quantize import expand_packed, quantize
+    from kernels.gemm import needs_wide_decode
+    from kernels.quantize import quantize
 
     _check_mode(mode)
     check_tensor(w, "w", "kernels.dispatch.prepare_weight", ndim=2)
     f = get_format(fmt)
     q, e = quantize(w, f, dim=-1, expand="bf16" if mode == "exact" else "native")
-    if e.values.dtype == torch.float8_e5m2:  # cuBLAS multiplies E5M2 activations by E4M3 (not E5M2) weights
-        e4 = expand_packed(q, "e4m3")
-        if _cublas_applies(e, e4):
-            e = e4
+    e = _e4m3_for_cublas(q, e)
     wide = needs_wide_decode(q)
     return PreparedWeight(q, e, f, mode, wide, decode=_decode_layout(q, wide))
 

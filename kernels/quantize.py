@@ -18,9 +18,9 @@ import torch
 
 from kernels._common import (DECODE_MAX_M, HAS_TRITON, HIF4_RECIP, KERNEL_FORMATS, cdiv, interpreting, k_split,
                              kernels_usable, tl, triton, tune_bucket)
-from megatron_fp4.formats import QuantizedTensor, get_format
+from megatron_fp4.formats import QuantizedTensor, check_tensor, get_format
 
-__all__ = ["Expanded", "quantize", "expand_packed", "EXPAND_MODES"]
+__all__ = ["Expanded", "quantize", "quantize_both", "expand_packed", "EXPAND_MODES"]
 
 EXPAND_MODES = (None, "native", "bf16")
 #: expand_packed also writes MXFP4 weights as E4M3 (the cuBLAS FP8 GEMM's second operand).
@@ -231,7 +231,9 @@ if HAS_TRITON:
     @triton.jit
     def _hif4_quant_kernel(x_ptr, codes_ptr, scales_ptr, ex_ptr, R, K, KP, stride_xr, stride_xk, stride_cr,
                            stride_sr, stride_er, K_BUCKET, EXPAND: tl.constexpr, BR: tl.constexpr, BK: tl.constexpr,
-                           R1: tl.constexpr, R2: tl.constexpr, R3: tl.constexpr, PREFETCH: tl.constexpr = 0):
+                           R1: tl.constexpr, R2: tl.constexpr, R3: tl.constexpr, PREFETCH: tl.constexpr = 0,
+                           PACKED: tl.constexpr = 1):
+        """PACKED: store the codes and scales (0: only the expansion, what the training GEMMs read)."""
         rows = tl.program_id(0) * BR + tl.arange(0, BR)
         rmask = rows < R
         xn = _first_tile(x_ptr, rows, rmask, K, stride_xr, stride_xk, BR, BK, PREFETCH)
@@ -239,10 +241,11 @@ if HAS_TRITON:
             cols = k0 + tl.arange(0, BK)
             x, xn = _k_tile(x_ptr, rows, rmask, cols, xn, K, stride_xr, stride_xk, BK, PREFETCH)
             codes, word, val, bad = _hif4_tile(x, BR, BK, R1, R2, R3)
-            _store_packed(codes_ptr, codes, rows, rmask, k0, KP, stride_cr, BR, BK)
-            ju = k0 // 64 + tl.arange(0, BK // 64)
-            tl.store(scales_ptr + rows[:, None] * stride_sr + ju[None, :], word,
-                     mask=rmask[:, None] & (ju[None, :] < KP // 64))
+            if PACKED:
+                _store_packed(codes_ptr, codes, rows, rmask, k0, KP, stride_cr, BR, BK)
+                ju = k0 // 64 + tl.arange(0, BK // 64)
+                tl.store(scales_ptr + rows[:, None] * stride_sr + ju[None, :], word,
+                         mask=rmask[:, None] & (ju[None, :] < KP // 64))
             if EXPAND:
                 tl.store(ex_ptr + rows[:, None] * stride_er + cols[None, :], val.to(tl.bfloat16),
                          mask=rmask[:, None] & (cols[None, :] < KP))
@@ -250,8 +253,8 @@ if HAS_TRITON:
     @triton.jit
     def _mx_quant_kernel(x_ptr, codes_ptr, scales_ptr, ex_ptr, rexp_ptr, rok_ptr, R, K, KP, stride_xr,
                          stride_xk, stride_cr, stride_sr, stride_er, K_BUCKET, RCEIL: tl.constexpr, EXPAND: tl.constexpr,
-                         BR: tl.constexpr, BK: tl.constexpr, PREFETCH: tl.constexpr = 0):
-        """EXPAND: 0 none, 1 E5M2 + row scale (two passes over x), 2 bf16."""
+                         BR: tl.constexpr, BK: tl.constexpr, PREFETCH: tl.constexpr = 0, PACKED: tl.constexpr = 1):
+        """EXPAND: 0 none, 1 E5M2 + row scale (two passes over x), 2 bf16. PACKED: store the codes and scales."""
         NB: tl.constexpr = BK // 32
         rows = tl.program_id(0) * BR + tl.arange(0, BR)
         rmask = rows < R
@@ -265,10 +268,11 @@ if HAS_TRITON:
             cols = k0 + tl.arange(0, BK)
             x, xn = _k_tile(x_ptr, rows, rmask, cols, xn, K, stride_xr, stride_xk, BK, PREFETCH)
             codes, X, bad, val = _mx_tile(x, BR, BK, RCEIL)
-            _store_packed(codes_ptr, codes, rows, rmask, k0, KP, stride_cr, BR, BK)
-            jb = k0 // 32 + tl.arange(0, NB)
-            tl.store(scales_ptr + rows[:, None] * stride_sr + jb[None, :],
-                     tl.where(bad, 255, X + 127).to(tl.uint8), mask=rmask[:, None] & (jb[None, :] < KP // 32))
+            if PACKED:
+                _store_packed(codes_ptr, codes, rows, rmask, k0, KP, stride_cr, BR, BK)
+                jb = k0 // 32 + tl.arange(0, NB)
+                tl.store(scales_ptr + rows[:, None] * stride_sr + jb[None, :],
+                         tl.where(bad, 255, X + 127).to(tl.uint8), mask=rmask[:, None] & (jb[None, :] < KP // 32))
             emask = rmask[:, None] & (cols[None, :] < KP)
             if EXPAND == 1:
                 bits, okt = _mx_e5m2(codes, X, S, BR, BK)
@@ -281,6 +285,39 @@ if HAS_TRITON:
             tl.store(rexp_ptr + rows, S, mask=rmask)
             tl.store(rok_ptr + rows, ok.to(tl.int8), mask=rmask)
 
+
+    @triton.jit
+    def _dual_quant_kernel(x_ptr, er_ptr, ec_ptr, R, K, RP, KP, stride_xr, stride_xk, stride_er, stride_ec,
+                           K_BUCKET, FMT: tl.constexpr, B: tl.constexpr, R1: tl.constexpr, R2: tl.constexpr,
+                           R3: tl.constexpr):
+        """One read of a [B, B] tile of x [R, K], two BF16 expansions: quantized along K (er [R, KP]) and along R
+        (ec [K, RP], row-major: the transpose's quantization). FMT: 0 HiF4, 1 MXFP4, 2 MXFP4 rceil. B = 64 is one
+        HiF4 unit / two MXFP4 blocks in each direction, so each program's tile is self-contained; padding is 0."""
+        rows = tl.program_id(0) * B + tl.arange(0, B)
+        cols = tl.program_id(1) * B + tl.arange(0, B)
+        x = tl.load(x_ptr + rows[:, None] * stride_xr + cols[None, :] * stride_xk,
+                    mask=(rows[:, None] < R) & (cols[None, :] < K), other=0.0).to(tl.float32)
+        xt = tl.trans(x)
+        if FMT == 0:
+            val = _hif4_tile(x, B, B, R1, R2, R3)[2]
+            valt = _hif4_tile(xt, B, B, R1, R2, R3)[2]
+        else:
+            val = _mx_tile(x, B, B, FMT == 2)[3]
+            valt = _mx_tile(xt, B, B, FMT == 2)[3]
+        tl.store(er_ptr + rows[:, None] * stride_er + cols[None, :], val.to(tl.bfloat16),
+                 mask=(rows[:, None] < R) & (cols[None, :] < KP))
+        tl.store(ec_ptr + cols[:, None] * stride_ec + rows[None, :], valt.to(tl.bfloat16),
+                 mask=(cols[:, None] < K) & (rows[None, :] < RP))
+
+    @triton.jit
+    def _transpose_kernel(x_ptr, y_ptr, R, C, stride_xr, stride_yr, BR: tl.constexpr, BC: tl.constexpr):
+        """y[c, r] = x[r, c] for row-major x [R, C] (Triton stages the tile through shared memory, so both the
+        load and the store are coalesced)."""
+        r = tl.program_id(0) * BR + tl.arange(0, BR)
+        c = tl.program_id(1) * BC + tl.arange(0, BC)
+        m = (r[:, None] < R) & (c[None, :] < C)
+        t = tl.load(x_ptr + r[:, None] * stride_xr + c[None, :], mask=m)
+        tl.store(y_ptr + c[None, :] * stride_yr + r[:, None], t, mask=m)
 
     # (rows per program, K per step, warps, prefetch the next K tile). Measured on the H200 (docs/PERFORMANCE.md,
     # run 6): prefetching wins for HiF4 (-18%) and is even for MXFP4; 32x256 and 16x512 tiles (with or without
@@ -302,8 +339,11 @@ if HAS_TRITON:
     # K_BUCKET (K's next power of two) rather than K: the column variants see a new token count every step.
     _TUNE = dict(configs=[_qconfig(*c) for c in _ROW_CFGS + _COL_CFGS], key=["K_BUCKET", "stride_xk", "EXPAND"],
                  prune_configs_by={"early_config_prune": _prune})
-    _hif4_quant_tuned = triton.autotune(**_TUNE)(_hif4_quant_kernel)
-    _mx_quant_tuned = triton.autotune(**_TUNE)(_mx_quant_kernel)
+    _QTUNE = {**_TUNE, "key": _TUNE["key"] + ["PACKED"]}
+    _dual_quant_tuned = triton.autotune(configs=[triton.Config({}, num_warps=w) for w in (4, 8, 16)],
+                                        key=["K_BUCKET", "FMT"])(_dual_quant_kernel)
+    _hif4_quant_tuned = triton.autotune(**_QTUNE)(_hif4_quant_kernel)
+    _mx_quant_tuned = triton.autotune(**_QTUNE)(_mx_quant_kernel)
 
 
 # ----------------------------------------------------------------------------------------------------------------
@@ -317,6 +357,18 @@ def _rows_view(x: torch.Tensor, dim: int):
     if xm.dim() != 2:
         xm = xm.reshape(-1, k)
     return xm, outer, k
+
+
+def _row_major(x2: torch.Tensor) -> torch.Tensor:
+    """A row-major copy of the transposed view ``x2`` ([R, K] with strides (1, R)), made by a tiled Triton
+    transpose (a few times faster than torch's copy of a transposed view on the H200, and than quantizing along
+    the strided dimension: HiF4's per-row tile math then reduces across threads)."""
+    y = torch.empty(x2.shape, dtype=x2.dtype, device=x2.device)
+    src = x2.t()  # row-major [K, R]
+    grid = (cdiv(src.shape[0], 64), cdiv(src.shape[1], 64))
+    _transpose_kernel[grid](src, y, src.shape[0], src.shape[1], src.stride(0), y.stride(0), BR=64, BC=64,
+                            num_warps=4)
+    return y
 
 
 def _block_config(fmt_name: str, x2: torch.Tensor):
@@ -340,10 +392,12 @@ def _fixed_launch(x2: torch.Tensor, kp: int, BR: int, BK: int, config, row_pass:
 
 
 def quantize(x: torch.Tensor, fmt, dim: int = -1, expand: Optional[str] = None,
-             config: Optional[tuple] = None):
+             config: Optional[tuple] = None, packed: bool = True):
     """Quantize+pack ``x`` along ``dim`` with the Triton kernel (bit-exact with ``fmt.quantize``).
 
-    Returns a QuantizedTensor, or ``(QuantizedTensor, Expanded)`` when ``expand`` is "native" or "bf16".
+    Returns a QuantizedTensor, or ``(QuantizedTensor, Expanded)`` when ``expand`` is "native" or "bf16";
+    ``packed=False`` (with ``expand``) writes only the expansion and returns ``(None, Expanded)`` (the training
+    GEMMs read nothing else).
     Falls back to the PyTorch reference where the kernels cannot run (no Triton, no GPU, other formats).
     ``config`` = (rows per program, K per step, warps[, prefetch 0/1]) skips autotuning (small inputs use a fixed
     one).
@@ -353,36 +407,42 @@ def quantize(x: torch.Tensor, fmt, dim: int = -1, expand: Optional[str] = None,
         raise ValueError(f"expand={expand!r} is not valid; allowed values: None, 'native', 'bf16'")
     if x.dim() == 0:
         raise ValueError("cannot quantize a 0-d tensor along a dimension")
+    if not packed and not expand:
+        raise ValueError("packed=False needs expand ('native' or 'bf16'): there would be nothing to return")
     dim = dim % x.dim()
     if f.name not in KERNEL_FORMATS or not kernels_usable(x) or x.numel() == 0:
-        return _reference_quantize(x, f, dim, expand)
+        out = _reference_quantize(x, f, dim, expand)
+        return out if packed else (None, out[1])
     x2, outer, k = _rows_view(x, dim)
     R = x2.shape[0]
+    if (x2.stride(1) != 1 and x2.stride(0) == 1 and R * k >= (1 << 20) and R > DECODE_MAX_M and config is None
+            and not interpreting()):
+        x2 = _row_major(x2)  # large column-major operands (the training GEMMs' transposed views)
     bs = f.block_size
     kp = cdiv(k, bs) * bs
     nblk = kp // bs
     dev = x.device
-    codes = torch.empty((R, kp // 2), dtype=torch.uint8, device=dev)
+    codes = torch.empty((R, kp // 2) if packed else (1, 1), dtype=torch.uint8, device=dev)
     BR, BK, warps, *pf = config or _block_config(f.name, x2)
     pf = pf[0] if pf else 0
     fixed, grid = _fixed_launch(x2, kp, BR, BK, config, row_pass=f.name != "hif4" and expand == "native")
     tgrid = lambda meta: (cdiv(R, meta["BR"]), 1)  # noqa: E731
     ex = None
     if f.name == "hif4":
-        scales = torch.empty((R, nblk, 4), dtype=torch.uint8, device=dev)
+        scales = torch.empty((R, nblk, 4) if packed else (1, 1, 4), dtype=torch.uint8, device=dev)
         if expand:
             ex = Expanded(torch.empty((R, kp), dtype=torch.bfloat16, device=dev))
         exv = ex.values if ex is not None else codes
         args = (x2, codes, scales.view(torch.int32), exv, R, k, kp, x2.stride(0), x2.stride(1), codes.stride(0),
                 nblk, exv.stride(0), tune_bucket(k))
-        kw = dict(EXPAND=bool(expand), R1=HIF4_RECIP[1], R2=HIF4_RECIP[2], R3=HIF4_RECIP[3])
+        kw = dict(EXPAND=bool(expand), R1=HIF4_RECIP[1], R2=HIF4_RECIP[2], R3=HIF4_RECIP[3], PACKED=int(packed))
         if fixed:
             _hif4_quant_kernel[grid](*args, **kw, BR=BR, BK=BK, PREFETCH=pf, num_warps=warps)
         else:
             _hif4_quant_tuned[tgrid](*args, **kw)
-        scales_out = scales.reshape(*outer, nblk, 4)
+        scales_out = scales.reshape(*outer, nblk, 4) if packed else None
     else:
-        scales = torch.empty((R, nblk), dtype=torch.uint8, device=dev)
+        scales = torch.empty((R, nblk) if packed else (1, 1), dtype=torch.uint8, device=dev)
         mode = {None: 0, "native": 1, "bf16": 2}[expand]
         rexp = rok = None
         if mode == 1:
@@ -397,17 +457,45 @@ def quantize(x: torch.Tensor, fmt, dim: int = -1, expand: Optional[str] = None,
         rok = rok if rok is not None else scales
         args = (x2, codes, scales, exv, rexp, rok, R, k, kp, x2.stride(0), x2.stride(1), codes.stride(0),
                 scales.stride(0), exv.stride(0), tune_bucket(k))
-        kw = dict(RCEIL=f.name == "mxfp4_rceil", EXPAND=mode)
+        kw = dict(RCEIL=f.name == "mxfp4_rceil", EXPAND=mode, PACKED=int(packed))
         if fixed:
             _mx_quant_kernel[grid](*args, **kw, BR=BR, BK=BK, PREFETCH=pf, num_warps=warps)
         else:
             _mx_quant_tuned[tgrid](*args, **kw)
         if mode == 1:
             ex = Expanded(ex.values.view(torch.float8_e5m2), ex.row_exp, ex.row_ok.bool())
-        scales_out = scales.reshape(*outer, nblk)
+        scales_out = scales.reshape(*outer, nblk) if packed else None
+    if not packed:
+        return None, ex
     qt = QuantizedTensor(fmt=f, codes=codes.reshape(*outer, kp // 2), scales=scales_out, shape=x.shape, dim=dim,
                          dtype=x.dtype)
     return (qt, ex) if expand else qt
+
+
+def quantize_both(x: torch.Tensor, fmt, num_warps: Optional[int] = None) -> tuple[Expanded, Expanded]:
+    """The BF16 expansions of 2-D ``x [R, K]`` (any strides) quantized along K and along R, from one read of x
+    (one launch): ``[R, K_pad]`` and ``[K, R_pad]`` (the quantization of ``x.t()``), each equal to
+    ``fmt.quantize``'s values; what a training linear needs of its input X (fprop, wgrad) and of dY (dgrad, wgrad).
+    The PyTorch reference where the kernels cannot run."""
+    f = get_format(fmt)
+    check_tensor(x, "x", "kernels.quantize.quantize_both", ndim=2)
+    if f.name not in KERNEL_FORMATS or not kernels_usable(x):
+        return _reference_quantize(x, f, 1, "bf16")[1], _reference_quantize(x.t(), f, 1, "bf16")[1]
+    R, K = x.shape
+    bs = f.block_size
+    rp, kp = cdiv(R, bs) * bs, cdiv(K, bs) * bs
+    er = torch.empty((R, kp), dtype=torch.bfloat16, device=x.device)
+    ec = torch.empty((K, rp), dtype=torch.bfloat16, device=x.device)
+    B = 64
+    args = (x, er, ec, R, K, rp, kp, x.stride(0), x.stride(1), er.stride(0), ec.stride(0), tune_bucket(K))
+    kw = dict(FMT={"hif4": 0, "mxfp4": 1, "mxfp4_rceil": 2}[f.name], B=B, R1=HIF4_RECIP[1], R2=HIF4_RECIP[2],
+              R3=HIF4_RECIP[3])
+    grid = (cdiv(R, B), cdiv(K, B))
+    if num_warps is not None or interpreting() or R * K < (1 << 16):  # small inputs: no autotuning
+        _dual_quant_kernel[grid](*args, **kw, num_warps=num_warps or 4)
+    else:
+        _dual_quant_tuned[grid](*args, **kw)
+    return Expanded(er), Expanded(ec)
 
 
 def _reference_quantize(x: torch.Tensor, f, dim: int, expand: Optional[str]):

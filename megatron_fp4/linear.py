@@ -8,7 +8,8 @@ Each GEMM quantizes its two operands along ITS reduction dimension and accumulat
   random-sign block Hadamard transform along m on both operands (exact product unchanged).
 
 X may be ``[..., K]``; leading dims are flattened to the token dimension m. The GEMMs go through
-``megatron_fp4.ops.fp4_gemm``. Which recipe applies: an active ``fp4_autocast`` (including ``enabled=False``)
+``megatron_fp4.ops.fp4_gemm``, which rounds each result once to the operand dtype and, inside
+``ops.quantized_weight_cache``, quantizes each weight (W for fprop, W^T for dgrad) once per weight version. Which recipe applies: an active ``fp4_autocast`` (including ``enabled=False``)
 wins; otherwise the recipe given to the function/module; with none, the layer is a plain
 ``torch.nn.functional.linear`` (bit-identical to high precision).
 """
@@ -86,53 +87,88 @@ def _flatten(x: torch.Tensor) -> torch.Tensor:
     return x.reshape(-1, x.shape[-1])
 
 
+def _one_pass_operands(recipe: FP4Recipe) -> bool:
+    """Whether X and dY can each be quantized once into both of their GEMM layouts (``ops.quantize_both``): all
+    three GEMMs quantized, one format, nearest rounding, no Hadamard transform (which changes the wgrad operands)."""
+    return (recipe.quantize_fprop and recipe.quantize_dgrad and recipe.quantize_wgrad and not recipe.hadamard_wgrad
+            and recipe.gradient_rounding == "nearest"
+            and recipe.weight_format == recipe.activation_format == recipe.gradient_format)
+
+
 class FP4LinearFunction(torch.autograd.Function):
-    """Y = X W^T + b with the three GEMMs quantized as the recipe says. ``recipe`` must not be None."""
+    """Y = X W^T + b with the three GEMMs quantized as the recipe says. ``recipe`` must not be None.
+
+    Where the recipe allows (:func:`_one_pass_operands`) and W needs a gradient, the forward quantizes X once along
+    K (fprop) and along m (wgrad) and keeps the latter instead of X; the backward does the same with dY. The
+    numbers are those of quantizing each GEMM's operands separately."""
 
     @staticmethod
-    def forward(ctx, x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor], recipe: FP4Recipe):
+    def forward(ctx, x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor], recipe: FP4Recipe,
+                wgrad_follows: bool = False):
+        """``wgrad_follows``: a backward computing W's gradient will run (the caller's grad mode; autograd turns
+        it off inside forward)."""
         x2 = _flatten(x)
-        if recipe.quantize_fprop:
-            y = ops.fp4_gemm(x2, weight, recipe.format("activation"), recipe.format("weight")).to(x.dtype)
+        ctx.recipe, ctx.has_bias, ctx.x_meta, ctx.xt = recipe, bias is not None, (x.shape, x.dtype), None
+        pair = None
+        if wgrad_follows and _one_pass_operands(recipe):
+            pair = ops.quantize_both(x2, recipe.format("activation"), recipe.gemm_mode)
+        if pair is not None:
+            y = ops.fp4_gemm(pair[0], weight, None, recipe.format("weight"), out_dtype=x.dtype,
+                             mode=recipe.gemm_mode, cache_b=True)
+            ctx.xt = pair[1]  # Q_m(X^T): all the backward needs of X
+            ctx.save_for_backward(weight)
         else:
-            y = torch.matmul(x2, weight.t())
+            if recipe.quantize_fprop:
+                y = ops.fp4_gemm(x2, weight, recipe.format("activation"), recipe.format("weight"),
+                                 out_dtype=x.dtype, mode=recipe.gemm_mode, cache_b=True)
+            else:
+                y = torch.matmul(x2, weight.t())
+            ctx.save_for_backward(weight, x)
         if bias is not None:
             y = y + bias
-        ctx.save_for_backward(x, weight)
-        ctx.recipe = recipe
-        ctx.has_bias = bias is not None
         return y.reshape(*x.shape[:-1], weight.shape[0])
 
     @staticmethod
     def backward(ctx, dy: torch.Tensor):
-        x, weight = ctx.saved_tensors
+        weight, *saved_x = ctx.saved_tensors
         recipe: FP4Recipe = ctx.recipe
+        x_shape, x_dtype = ctx.x_meta
         dy2 = _flatten(dy)
         grad_x = grad_w = grad_b = None
-        g_fmt, g_round = recipe.format("gradient"), recipe.rounding("gradient")
-        if ctx.needs_input_grad[0]:
-            if recipe.quantize_dgrad:
-                # dX[m,K] = Q_n(dY)[m,n] . Q_n(W^T)[K,n]^T
-                grad_x = ops.fp4_gemm(dy2, weight.t(), g_fmt, recipe.format("weight"), a_rounding=g_round)
-                grad_x = grad_x.to(x.dtype)
-            else:
-                grad_x = torch.matmul(dy2, weight)
-            grad_x = grad_x.reshape(x.shape)
-        if ctx.needs_input_grad[1]:
-            x2 = _flatten(x)
-            if recipe.quantize_wgrad:
-                # dW[n,K] = Q_m(dY^T)[n,m] . Q_m(X^T)[K,m]^T
-                a, b = dy2.t(), x2.t()
-                if recipe.hadamard_wgrad:
-                    a = random_hadamard_transform(a, recipe.hadamard_block_size, recipe.hadamard_seed)
-                    b = random_hadamard_transform(b, recipe.hadamard_block_size, recipe.hadamard_seed)
-                grad_w = ops.fp4_gemm(a, b, g_fmt, recipe.format("activation"), a_rounding=g_round)
-                grad_w = grad_w.to(weight.dtype)
-            else:
-                grad_w = torch.matmul(dy2.t(), x2)
+        g_fmt, g_round, w_fmt = recipe.format("gradient"), recipe.rounding("gradient"), recipe.format("weight")
+        if ctx.xt is not None:  # one-pass operands: dY quantized once for dgrad and wgrad
+            pair = ops.quantize_both(dy2, g_fmt, recipe.gemm_mode)
+            dy_rows, dy_cols = pair if pair is not None else (dy2, dy2.t())
+            if ctx.needs_input_grad[0]:
+                grad_x = ops.fp4_gemm(dy_rows, weight.t(), g_fmt, w_fmt, out_dtype=x_dtype, mode=recipe.gemm_mode,
+                                      cache_b=True).reshape(x_shape)
+            grad_w = ops.fp4_gemm(dy_cols, ctx.xt, g_fmt, None, out_dtype=weight.dtype)
+            ctx.xt = None
+        else:
+            x = saved_x[0]
+            if ctx.needs_input_grad[0]:
+                if recipe.quantize_dgrad:
+                    # dX[m,K] = Q_n(dY)[m,n] . Q_n(W^T)[K,n]^T
+                    grad_x = ops.fp4_gemm(dy2, weight.t(), g_fmt, w_fmt, a_rounding=g_round, out_dtype=x_dtype,
+                                          mode=recipe.gemm_mode, cache_b=True)
+                else:
+                    grad_x = torch.matmul(dy2, weight)
+                grad_x = grad_x.reshape(x_shape)
+            if ctx.needs_input_grad[1]:
+                x2 = _flatten(x)
+                if recipe.quantize_wgrad:
+                    # dW[n,K] = Q_m(dY^T)[n,m] . Q_m(X^T)[K,m]^T
+                    a, b = dy2.t(), x2.t()
+                    if recipe.hadamard_wgrad:
+                        a = random_hadamard_transform(a, recipe.hadamard_block_size, recipe.hadamard_seed)
+                        b = random_hadamard_transform(b, recipe.hadamard_block_size, recipe.hadamard_seed)
+                    grad_w = ops.fp4_gemm(a, b, g_fmt, recipe.format("activation"), a_rounding=g_round,
+                                          out_dtype=weight.dtype)
+                else:
+                    grad_w = torch.matmul(dy2.t(), x2)
         if ctx.has_bias and ctx.needs_input_grad[2]:
             grad_b = dy2.sum(dim=0)
-        return grad_x, grad_w, grad_b, None
+        return grad_x, grad_w, grad_b, None, None
 
 
 def fp4_linear(
@@ -158,7 +194,7 @@ def fp4_linear(
         if bias.shape[0] != weight.shape[0]:
             raise InvalidTensorError(f"fp4_linear: bias has {bias.shape[0]} values but weight is "
                                      f"{tuple(weight.shape)}")
-    return FP4LinearFunction.apply(x, weight, bias, recipe)
+    return FP4LinearFunction.apply(x, weight, bias, recipe, torch.is_grad_enabled() and weight.requires_grad)
 
 
 class FP4Linear(torch.nn.Linear):

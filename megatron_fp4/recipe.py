@@ -26,6 +26,7 @@ from typing import Iterator, Optional
 
 from megatron_fp4.formats import Format, get_format, registered_formats
 from megatron_fp4.formats.base import choice_error
+from megatron_fp4.ops import GEMM_MODES
 
 ROLES = ("weight", "activation", "gradient")
 ROUNDINGS = ("nearest", "stochastic")
@@ -61,6 +62,11 @@ class FP4Recipe:
     high_precision_first_layers: int = 0
     #: Number of trailing transformer layers kept in high precision.
     high_precision_last_layers: int = 0
+    #: How the GEMM kernels multiply (``megatron_fp4.ops.GEMM_MODES``): "exact" (fp32 accumulation of the exact
+    #: products), or for MXFP4 "fp8" / "fp8_fast": fprop and dgrad on the FP8 tensor cores (promoted / Hopper's
+    #: default accumulation; approximate, see docs/PERFORMANCE.md); wgrad stays exact. The PyTorch reference
+    #: computes every mode exactly.
+    gemm_mode: str = "exact"
 
     def __post_init__(self) -> None:
         valid = registered_formats()
@@ -76,6 +82,11 @@ class FP4Recipe:
             value = getattr(self, field)
             if not isinstance(value, int) or isinstance(value, bool) or value < 0:
                 raise ValueError(f"{field}={value!r} is not valid; it must be an integer >= 0")
+        if self.gemm_mode not in GEMM_MODES:
+            raise choice_error("gemm_mode", self.gemm_mode, GEMM_MODES)
+        if self.gemm_mode != "exact" and not self.weight_format.startswith("mxfp4"):
+            raise ValueError(f"gemm_mode={self.gemm_mode!r} needs MXFP4 weights (weight_format "
+                             f"{self.weight_format!r}: its GEMMs run exact on BF16 tensor cores); use 'exact'")
         for field in ("hadamard_wgrad", "quantize_fprop", "quantize_dgrad", "quantize_wgrad"):
             if not isinstance(getattr(self, field), bool):
                 raise ValueError(f"{field}={getattr(self, field)!r} is not valid; allowed values: True, False")

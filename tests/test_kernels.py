@@ -263,6 +263,90 @@ def test_e4m3_weight_expansion_and_row_fallback():
         mm_expanded(ex, e4, impl="cuda")
 
 
+@pytest.mark.parametrize("name", FORMATS)
+def test_quantize_both_bit_exact(name):
+    """One read, two expansions: x quantized along K and along R (x.t()), each bit-exact with the formats'
+    reference (NaN units, outliers, zero padding of both K and R), for strided inputs too."""
+    from kernels.quantize import quantize_both
+
+    f = get_format(name)
+    dev = "cpu" if ON_CPU else DEV
+    for shape in ((70, 130), (5, 200), (129, 33)):
+        x = _inputs("special" if shape == (70, 130) else "outliers", shape, device=dev)
+        for xin in (x, x.t().contiguous().t()):
+            rows, cols = quantize_both(xin, name)
+            want_r = f.quantize(x.cpu(), dim=-1).dequantize().float().to(torch.bfloat16)
+            want_c = f.quantize(x.t().contiguous().cpu(), dim=-1).dequantize().float().to(torch.bfloat16)
+            for got, want in ((rows.values.cpu(), want_r), (cols.values.cpu(), want_c)):
+                n = want.shape[1]
+                g, nan = got[:, :n], want.isnan()
+                assert torch.equal(g.isnan(), nan)  # a unit holding NaN/Inf expands to NaN
+                # equal values (a GPU build may write +0 for -0: the same GEMM operand)
+                assert torch.equal(g[~nan], want[~nan])
+                assert not got[:, n:].any()
+
+
+@pytest.mark.parametrize("name", ["hif4", "mxfp4"])
+def test_training_backend_expansion_only_and_strided(name):
+    """The training GEMMs' quantizer writes only the expansion (packed=False), equal to the packed call's, and
+    reads transposed views as they are; KernelBackend's GEMMs (exact; MXFP4 fp8 mode in the interpreter's exact
+    dots) equal the reference's, and the FP4 linear's forward and gradients through it equal the reference's."""
+    from megatron_fp4 import ops
+    from megatron_fp4.linear import fp4_linear
+    from megatron_fp4.recipe import recipe_for_format
+
+    dev = "cpu" if ON_CPU else DEV
+    x = _inputs("outliers", (96, 136), device=dev)
+    for expand in ("bf16", "native"):
+        q, e = quantize(x, name, expand=expand)
+        none, e2 = quantize(x, name, expand=expand, packed=False)
+        assert none is None and torch.equal(e2.values.view(torch.uint8), e.values.view(torch.uint8))
+    xt = x.t()  # [136, 96], strides (1, 136)
+    ref = quantize(xt.contiguous(), name, expand="bf16")[1].values
+    assert torch.equal(quantize(xt, name, expand="bf16", packed=False)[1].values, ref)
+    with pytest.raises(ValueError, match="packed=False needs expand"):
+        quantize(x, name, packed=False)
+    from kernels.quantize import _row_major
+
+    assert torch.equal(_row_major(xt), xt.contiguous())  # what large transposed operands go through on a GPU
+    if not ON_CPU:
+        big = _inputs("outliers", (4096, 1000), dtype=torch.bfloat16).t()
+        assert torch.equal(quantize(big, name, expand="bf16", packed=False)[1].values,
+                           quantize(big.contiguous(), name, expand="bf16")[1].values)
+    be = dispatch.KernelBackend()
+    f = get_format(name)
+    w = _inputs("random", (40, 136), device=dev, seed=3)
+    for mode in (("exact", "fp8") if name == "mxfp4" else ("exact",)):
+        qa = be.quantize(x, f, "nearest", None, mode, False)
+        qb = be.quantize(w, f, "nearest", None, mode, True)
+        assert _rel(be.matmul(qa, qb, torch.float32, mode).cpu(), _ref_mm(x, w, f)) < (1e-6 if ON_CPU else 1e-4)
+    assert be.quantize(x, f, "stochastic", None, "exact", False) is NotImplemented
+    assert be.quantize(x, get_format("nvfp4"), "nearest", None, "exact", False) is NotImplemented
+    recipe = recipe_for_format(name)
+    xs, ws = x[:64].reshape(4, 16, 136).clone(), w.clone()
+
+    def fwd_bwd():
+        xr, wr = xs.clone().requires_grad_(True), ws.clone().requires_grad_(True)
+        y = fp4_linear(xr, wr, recipe=recipe)
+        (y * y).sum().backward()
+        return y.detach(), xr.grad, wr.grad
+
+    with ops.use_reference_backend():
+        want = fwd_bwd()
+    dtype = torch.device(dev).type
+    prev = ops.fp4_gemm_backend_for(dtype)
+    ops.register_fp4_gemm_backend(dtype, be)
+    try:
+        with ops.quantized_weight_cache():
+            got = fwd_bwd()
+    finally:
+        ops.unregister_fp4_gemm_backend(dtype)
+        if prev is not None:
+            ops.register_fp4_gemm_backend(dtype, prev)
+    for a, b in zip(got, want):
+        assert _rel(a.cpu(), b.cpu()) < (1e-6 if ON_CPU else 1e-3)
+
+
 def test_dispatch_registers_and_falls_back():
     from megatron_fp4 import ops
 

@@ -251,3 +251,107 @@ def test_gemm_dispatch_backend():
         ops.unregister_fp4_gemm_backend("cpu")
     with pytest.raises(ValueError, match="reduction"):
         ops.fp4_gemm(x, torch.randn(6, 41), "hif4", "hif4")
+
+
+class CountingBackend(ops.FP4GemmBackend):
+    """The reference in two steps, counting the weight quantizations it is asked for."""
+
+    def __init__(self):
+        self.weights = 0
+
+    def quantize(self, x, fmt, rounding, generator, mode, weight):
+        self.weights += int(weight)
+        return super().quantize(x, fmt, rounding, generator, mode, weight)
+
+
+@pytest.mark.parametrize("fmt", ["hif4", "mxfp4"])
+def test_weight_cache_quantizes_each_weight_once_per_schedule(fmt):
+    """Inside ops.quantized_weight_cache the FP4 linear quantizes W (fprop) and W^T (dgrad) once for every
+    micro-batch, with bit-identical outputs and gradients; an in-place weight update inside the block is seen."""
+    recipe = recipe_for_format(fmt)
+    torch.manual_seed(0)
+    w = torch.randn(24, 64)
+    xs = [torch.randn(3, 5, 64) for _ in range(3)]
+
+    def micro_batches(cache: bool):
+        wr = w.clone().requires_grad_(True)
+        outs, gx = [], []
+        ctx = ops.quantized_weight_cache() if cache else torch.enable_grad()
+        with ctx:
+            for x in xs:
+                xr = x.clone().requires_grad_(True)
+                y = fp4_linear(xr, wr, recipe=recipe)
+                (y * torch.linspace(-1, 1, 24)).sum().backward()
+                outs.append(y.detach())
+                gx.append(xr.grad)
+        return outs, gx, wr.grad
+
+    backend = CountingBackend()
+    ops.register_fp4_gemm_backend("cpu", backend)
+    try:
+        plain = micro_batches(cache=False)
+        assert backend.weights == 6  # no cache block: W and W^T in every micro-batch
+        cached = micro_batches(cache=True)
+        assert backend.weights == 6 + 2  # W and W^T, once for three micro-batches
+        for a, b in zip(plain, cached):
+            for ta, tb in zip(a if isinstance(a, list) else [a], b if isinstance(b, list) else [b]):
+                assert torch.equal(ta, tb)
+        wr = w.clone().requires_grad_(True)
+        with ops.quantized_weight_cache():
+            y1 = fp4_linear(xs[0], wr, recipe=recipe)
+            with torch.no_grad():
+                wr.mul_(2.0)  # a new version of the weight: quantized again
+            y2 = fp4_linear(xs[0], wr, recipe=recipe)
+        assert backend.weights == 8 + 2 and torch.equal(y2, 2 * y1)
+    finally:
+        ops.unregister_fp4_gemm_backend("cpu")
+
+
+def test_gemm_strided_operands_and_out_dtype():
+    """Transposed views are quantized as they are (no copy needed: same numbers as contiguous operands), and
+    out_dtype rounds the fp32 product once."""
+    a, b = torch.randn(64, 48), torch.randn(64, 20)
+    ref = ops.fp4_gemm(a.t().contiguous(), b.t().contiguous(), "hif4", "hif4")
+    assert torch.equal(ops.fp4_gemm(a.t(), b.t(), "hif4", "hif4"), ref)
+    assert torch.equal(ops.fp4_gemm(a.t(), b.t(), "hif4", "hif4", out_dtype=torch.bfloat16),
+                       ref.to(torch.bfloat16))
+    assert torch.equal(ops.fp4_gemm(a.t(), b.t(), "mxfp4", "mxfp4", mode="fp8"),
+                       ops.fp4_gemm(a.t(), b.t(), "mxfp4", "mxfp4"))  # the reference computes every mode exactly
+    with pytest.raises(ValueError, match="mode='fp16'.*'exact', 'fp8', 'fp8_fast'"):
+        ops.fp4_gemm(a, a, "hif4", "hif4", mode="fp16")
+
+
+def test_recipe_gemm_mode():
+    assert MXFP4BlockScaling(gemm_mode="fp8").gemm_mode == "fp8"
+    with pytest.raises(ValueError, match="gemm_mode.*'exact', 'fp8', 'fp8_fast'"):
+        MXFP4BlockScaling(gemm_mode="bf8")
+    with pytest.raises(ValueError, match="gemm_mode='fp8' needs MXFP4 weights"):
+        HiF4BlockScaling(gemm_mode="fp8")
+
+
+@pytest.mark.parametrize("fmt", ["hif4", "mxfp4"])
+def test_one_pass_operands_equal_separate_quantization(fmt, monkeypatch):
+    """X and dY quantized once into both GEMM layouts (ops.quantize_both) give bit-identical outputs and gradients
+    to quantizing each GEMM's operands separately; recipes the one pass cannot serve keep the separate path."""
+    import megatron_fp4.linear as lin
+
+    torch.manual_seed(1)
+    x, w, b = torch.randn(3, 70, 96), torch.randn(40, 96), torch.randn(40)
+    dy = torch.randn(3, 70, 40)
+
+    def grads(recipe):
+        xr, wr, br = (t.clone().requires_grad_(True) for t in (x, w, b))
+        y = fp4_linear(xr, wr, br, recipe=recipe)
+        y.backward(dy)
+        return y.detach(), xr.grad, wr.grad, br.grad
+
+    recipe = recipe_for_format(fmt)
+    assert lin._one_pass_operands(recipe)
+    for r in (recipe.replace(gradient_rounding="stochastic"), recipe.replace(hadamard_wgrad=True),
+              recipe.replace(quantize_wgrad=False), recipe.replace(gradient_format="nvfp4")):
+        assert not lin._one_pass_operands(r)
+    one_pass = grads(recipe)
+    monkeypatch.setattr(lin, "_one_pass_operands", lambda r: False)
+    separate = grads(recipe)
+    for a, c in zip(one_pass, separate):
+        assert torch.equal(a, c)

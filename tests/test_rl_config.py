@@ -97,3 +97,17 @@ def test_save_hf_is_not_the_run_folder(tmp_path):
     with pytest.raises(ValueError, match="--save-hf=.* is the --save folder"):
         parse_args(["--save", str(tmp_path / "run"), "--save-hf", str(tmp_path / "run")])
     assert parse_args(["--save", str(tmp_path / "run"), "--save-hf", str(tmp_path / "run" / "hf")]).save_hf
+
+
+def test_fp4_gemm_mode_flag():
+    """--fp4-gemm-mode reaches the training recipe; the FP8 modes need MXFP4 training GEMMs (clear error)."""
+    from megatron_fp4.rl.arguments import rl_config
+
+    args = parse_args(["--fp4-block-format", "mxfp4", "--fp4-gemm-mode", "fp8"])
+    assert rl_config(args).precision.fp4_gemm_mode == "fp8"
+    with pytest.raises(ValueError, match="--fp4-gemm-mode='fp8' needs MXFP4 training GEMMs.*'hif4'"):
+        parse_args(["--fp4-gemm-mode", "fp8"])
+    with pytest.raises(ValueError, match="needs MXFP4.*--no-fp4-train"):
+        parse_args(["--fp4-block-format", "mxfp4", "--fp4-gemm-mode", "fp8_fast", "--no-fp4-train"])
+    with pytest.raises(ValueError, match="--fp4-gemm-mode='fp16' is not valid; allowed: exact, fp8, fp8_fast"):
+        parse_args(["--fp4-gemm-mode", "fp16"])

@@ -143,7 +143,9 @@ def gpt_transformer_config(args: GPTModelArgs, **overrides: Any) -> FP4Transform
         init_method_std=args.init_method_std,
         hidden_dropout=args.hidden_dropout,
         attention_dropout=args.attention_dropout,
-        bias_activation_fusion=False,
+        # megatron-core's fused SwiGLU (TorchScript; saves only its input for backward) on the GPU; the CPU keeps the
+        # unfused reference
+        bias_activation_fusion=args.swiglu and torch.cuda.is_available(),
         bias_dropout_fusion=False,
         apply_rope_fusion=False,
         masked_softmax_fusion=False,

@@ -2,27 +2,39 @@
 
     out = fp4_gemm(a, b, "hif4", "hif4")      # fp32 [m, n] = Q(a) @ Q(b)^T
 
-``a`` is ``[m, K]`` and ``b`` is ``[n, K]`` in high precision (fp32/bf16/fp16); each is quantized along its LAST
-dimension K (the reduction dimension) in its own format and rounding, and the product is accumulated in fp32.
-Callers transpose beforehand so that K is last (dgrad passes dY and W^T, wgrad passes dY^T and X^T).
+``a`` is ``[m, K]`` and ``b`` is ``[n, K]`` in high precision (fp32/bf16/fp16), any strides; each is quantized along
+its LAST dimension K (the reduction dimension) in its own format and rounding, and the product is accumulated in
+fp32 (``out_dtype`` rounds it once at the end). Callers pass transposed views so that K is last (dgrad passes dY
+and W^T, wgrad passes dY^T and X^T); a backend that reads strided operands quantizes them without a copy.
 
 Backends: the PyTorch reference (:func:`reference_fp4_gemm`: ``fake_quantize`` + fp32 matmul) serves every device.
 A faster implementation (e.g. the Triton kernels in ``kernels/``) plugs in per device type with
 :func:`register_fp4_gemm_backend` and must return the same numbers (up to fp32 summation order); callers never
 change. ``MEGATRON_FP4_GEMM_BACKEND=reference`` (or :func:`use_reference_backend`) forces the reference.
+
+A backend is an :class:`FP4GemmBackend` (two steps: ``quantize`` an operand into its GEMM-ready form, ``matmul``
+two forms) or a plain function of both operands. The two steps let a caller reuse a quantized operand: inside
+:func:`quantized_weight_cache` (the actor opens one per optimizer step's forward/backward schedule) the operands
+passed with ``cache_b=True`` (the FP4 linears' weights, W for fprop and W^T for dgrad) are quantized once per
+weight version, not once per micro-batch.
 """
 
 from __future__ import annotations
 
 import contextlib
 import os
-from typing import Callable, Iterator, Optional, Union
+from typing import Callable, Iterator, NamedTuple, Optional, Union
 
 import torch
 
 from megatron_fp4.formats import Format, InvalidTensorError, check_tensor, get_format
 
 __all__ = [
+    "GEMM_MODES",
+    "FP4GemmBackend",
+    "quantized_weight_cache",
+    "Quantized",
+    "quantize_both",
     "fp4_gemm",
     "reference_fp4_gemm",
     "register_fp4_gemm_backend",
@@ -32,6 +44,12 @@ __all__ = [
 ]
 
 FormatLike = Union[str, Format]
+
+#: How a backend multiplies FP4 operands (:attr:`megatron_fp4.recipe.FP4Recipe.gemm_mode`): "exact" (fp32
+#: accumulation of the exact products; the reference's numbers up to summation order), "fp8" / "fp8_fast" (MXFP4 on
+#: the FP8 tensor cores with promoted / Hopper's default accumulation: approximate, kernels/dispatch.py says how
+#: much). The reference computes every mode exactly.
+GEMM_MODES = ("exact", "fp8", "fp8_fast")
 
 #: Signature of a backend: (a, b, a_format, b_format, a_rounding, b_rounding, generator) -> fp32 [m, n].
 GemmBackend = Callable[
@@ -58,11 +76,44 @@ def reference_fp4_gemm(
     return torch.matmul(aq, bq.t())
 
 
-def register_fp4_gemm_backend(device_type: str, fn: GemmBackend) -> None:
+class FP4GemmBackend:
+    """A backend in two steps; either step may return ``NotImplemented`` (the reference then serves the call).
+    This base class is the PyTorch reference; calling an instance runs both steps (a plain backend's contract)."""
+
+    def quantize(self, x: torch.Tensor, fmt: Format, rounding: str, generator: Optional[torch.Generator],
+                 mode: str, weight: bool) -> object:
+        """The GEMM-ready form of ``x [rows, K]`` (any strides) quantized along K; ``weight``: ``x`` is a weight
+        (kept across micro-batches, so a slower, GEMM-friendlier form pays off)."""
+        return fmt.fake_quantize(x.float(), dim=-1, rounding=rounding, generator=generator)
+
+    def matmul(self, qa: object, qb: object, out_dtype: torch.dtype, mode: str) -> torch.Tensor:
+        """``qa @ qb^T`` accumulated in fp32, rounded once to ``out_dtype``."""
+        return torch.matmul(qa, qb.t()).to(out_dtype)
+
+    def quantize_both(self, x: torch.Tensor, fmt: Format, mode: str) -> object:
+        """(``x [R, K]`` quantized along K in ``mode``, ``x.t()`` quantized along R in exact mode), round to
+        nearest: a training linear's input (fprop, wgrad) or output gradient (dgrad, wgrad). A backend may do
+        both from one read of ``x``."""
+        return (self.quantize(x, fmt, "nearest", None, mode, False),
+                self.quantize(x.t(), fmt, "nearest", None, "exact", False))
+
+    def __call__(self, a, b, a_fmt, b_fmt, a_rounding, b_rounding, generator=None):
+        qa = self.quantize(a, a_fmt, a_rounding, generator, "exact", False)
+        qb = self.quantize(b, b_fmt, b_rounding, generator, "exact", False)
+        if qa is NotImplemented or qb is NotImplemented:
+            return NotImplemented
+        return self.matmul(qa, qb, torch.float32, "exact")
+
+
+_REFERENCE = FP4GemmBackend()
+
+
+def register_fp4_gemm_backend(device_type: str, fn: Union[GemmBackend, FP4GemmBackend]) -> None:
     """Use ``fn`` for operands on ``device_type`` ("cuda", "cpu", ...); it replaces any earlier registration.
 
-    ``fn`` receives contiguous 2-D operands and resolved Format objects and returns fp32 ``[m, n]``; it may
-    return ``NotImplemented`` to fall back to the reference (e.g. for a format or shape it does not cover).
+    ``fn`` is an :class:`FP4GemmBackend`, or a function that receives contiguous 2-D operands and resolved Format
+    objects and returns fp32 ``[m, n]``; either may return ``NotImplemented`` to fall back to the reference (e.g.
+    for a format or shape it does not cover).
     """
     if not callable(fn):
         raise TypeError(f"fn must be callable, got {type(fn).__name__}")
@@ -112,17 +163,99 @@ def use_reference_backend(enabled: bool = True) -> Iterator[None]:
         _FORCE_REFERENCE.pop()
 
 
+class Quantized(NamedTuple):
+    """An operand already quantized along its last dimension (:func:`quantize_both`), accepted by :func:`fp4_gemm`
+    in place of a tensor: the backend that made it multiplies it."""
+
+    backend: FP4GemmBackend
+    value: object
+    fmt: Format
+
+
+def quantize_both(x: torch.Tensor, fmt: FormatLike, mode: str = "exact") -> Optional[tuple[Quantized, Quantized]]:
+    """``x [R, K]`` quantized along K (GEMM mode ``mode``) and ``x.t()`` along R (exact mode), nearest rounding,
+    by the backend serving ``x``'s device (one pass over ``x`` where it can); None where that backend is a plain
+    function (it only multiplies tensors: callers then pass tensors to :func:`fp4_gemm`)."""
+    check_tensor(x, "x", "quantize_both", ndim=2)
+    f = get_format(fmt)
+    backend = fp4_gemm_backend_for(x.device.type)
+    if backend is not None and not isinstance(backend, FP4GemmBackend):
+        return None
+    for be in ((backend, _REFERENCE) if backend is not None else (_REFERENCE,)):
+        out = be.quantize_both(x, f, mode)
+        if out is not NotImplemented and NotImplemented not in out:
+            return Quantized(be, out[0], f), Quantized(be, out[1], f)
+    raise AssertionError("the reference backend declined a quantization")  # unreachable
+
+
+_CACHES: list[dict] = []
+
+
+@contextlib.contextmanager
+def quantized_weight_cache() -> Iterator[dict]:
+    """Inside the block, operands passed to :func:`fp4_gemm` with ``cache_b=True`` are quantized once per weight
+    version and reused (the numbers are those of quantizing them every time).
+
+    An entry is keyed by the tensor's storage, view (offset, shape, strides), dtype and version counter (in-place
+    updates through autograd-visible ops bump it), the format, rounding mode and GEMM mode. Weights changed through
+    ``.data`` are not seen: open the block around work that does not update the weights (one forward/backward
+    schedule), as the actor does. The cache (and the memory it holds) is dropped at the end of the block.
+    """
+    cache: dict = {}
+    _CACHES.append(cache)
+    try:
+        yield cache
+    finally:
+        _CACHES.pop()
+        cache.clear()
+
+
+def _quantize(backend: FP4GemmBackend, x: torch.Tensor, fmt: Format, rounding: str,
+              generator: Optional[torch.Generator], mode: str, cache: bool):
+    if not (cache and _CACHES and rounding == "nearest"):
+        return backend.quantize(x, fmt, rounding, generator, mode, cache)
+    base = x if x._base is None else x._base
+    key = (id(backend), id(base), x.storage_offset(), tuple(x.shape), x.stride(), x.dtype, x._version, fmt.name,
+           mode)
+    hit = _CACHES[-1].get(key)
+    if hit is not None and hit[0] is base:
+        return hit[1]
+    q = backend.quantize(x, fmt, rounding, generator, mode, True)
+    if q is not NotImplemented:
+        _CACHES[-1][key] = (base, q)  # holds ``base``: its id cannot be reused while the entry lives
+    return q
+
+
 def fp4_gemm(
-    a: torch.Tensor,
-    b: torch.Tensor,
+    a: Union[torch.Tensor, Quantized],
+    b: Union[torch.Tensor, Quantized],
     a_format: FormatLike,
     b_format: FormatLike,
     *,
     a_rounding: str = "nearest",
     b_rounding: str = "nearest",
     generator: Optional[torch.Generator] = None,
+    out_dtype: torch.dtype = torch.float32,
+    mode: str = "exact",
+    cache_b: bool = False,
 ) -> torch.Tensor:
-    """fp32 ``Q(a) @ Q(b)^T`` for ``a [m, K]``, ``b [n, K]``, each quantized along K in its format and rounding."""
+    """``Q(a) @ Q(b)^T`` for ``a [m, K]``, ``b [n, K]``, each quantized along K in its format and rounding,
+    accumulated in fp32 and rounded once to ``out_dtype``. ``mode``: one of :data:`GEMM_MODES`; ``cache_b``:
+    reuse ``b``'s quantization inside :func:`quantized_weight_cache` (for weights). Either operand may be
+    :class:`Quantized` (its format and rounding then come with it; the other operand's backend is its backend)."""
+    if mode not in GEMM_MODES:
+        raise ValueError(f"fp4_gemm: mode={mode!r} is not valid; allowed values: {', '.join(map(repr, GEMM_MODES))}")
+    if isinstance(a, Quantized) or isinstance(b, Quantized):
+        be = a.backend if isinstance(a, Quantized) else b.backend
+        qa = a.value if isinstance(a, Quantized) else be.quantize(a, get_format(a_format), a_rounding, generator,
+                                                                  mode, False)
+        qb = b.value if isinstance(b, Quantized) else _quantize(be, b, get_format(b_format), b_rounding, generator,
+                                                                mode, cache_b)
+        out = NotImplemented if NotImplemented in (qa, qb) else be.matmul(qa, qb, out_dtype, mode)
+        if out is NotImplemented:
+            raise ValueError(f"fp4_gemm: the {type(be).__name__} that quantized an operand cannot multiply it by "
+                             f"the other ({a_format!r} x {b_format!r}); pass both as tensors")
+        return out
     check_tensor(a, "a", "fp4_gemm", ndim=2)
     check_tensor(b, "b", "fp4_gemm", ndim=2)
     if a.shape[1] != b.shape[1]:
@@ -130,10 +263,17 @@ def fp4_gemm(
     if a.device != b.device:
         raise ValueError(f"fp4_gemm: operands on different devices ({a.device}, {b.device})")
     a_fmt, b_fmt = get_format(a_format), get_format(b_format)
-    a, b = a.contiguous(), b.contiguous()
     backend = fp4_gemm_backend_for(a.device.type)
-    if backend is not None:
-        out = backend(a, b, a_fmt, b_fmt, a_rounding, b_rounding, generator)
+    if backend is not None and not isinstance(backend, FP4GemmBackend):  # a plain function: fp32, contiguous
+        out = backend(a.contiguous(), b.contiguous(), a_fmt, b_fmt, a_rounding, b_rounding, generator)
         if out is not NotImplemented:
-            return out
-    return reference_fp4_gemm(a, b, a_fmt, b_fmt, a_rounding, b_rounding, generator)
+            return out.to(out_dtype)
+        backend = None
+    for be in ((backend, _REFERENCE) if backend is not None else (_REFERENCE,)):
+        qa = be.quantize(a, a_fmt, a_rounding, generator, mode, False)  # a first: the stochastic-rounding stream
+        qb = _quantize(be, b, b_fmt, b_rounding, generator, mode, cache_b) if qa is not NotImplemented else qa
+        if qb is not NotImplemented:
+            out = be.matmul(qa, qb, out_dtype, mode)
+            if out is not NotImplemented:
+                return out
+    raise AssertionError("the reference backend declined a GEMM")  # unreachable: the reference serves all

@@ -30,6 +30,7 @@ from typing import Any, Callable, Optional
 
 import torch
 
+from megatron_fp4 import ops
 from megatron_fp4.rl import grpo
 from megatron_fp4.rl.config import ActorConfig
 from megatron_fp4.rl.distributed import (TOKEN_STAT_MAXIMA, any_on_model_parallel, dp_sum, from_last_stage,
@@ -71,7 +72,8 @@ def pack_index(mask: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Te
 def run_schedule(model, batches: list[dict], loss_fn: Callable, forward_only: bool, pack: bool = False
                  ) -> list[dict]:
     """Megatron's forward(/backward) schedule over micro-batches; returns the last stage's loss dicts. ``pack``: each
-    micro-batch as one THD pack of its sequences (:func:`pack_index`; the loss functions read ``batch["pack"]``)."""
+    micro-batch as one THD pack of its sequences (:func:`pack_index`; the loss functions read ``batch["pack"]``). The
+    FP4 linears quantize each weight once for the whole schedule (``ops.quantized_weight_cache``)."""
     from megatron.core.packed_seq_params import PackedSeqParams
     from megatron.core.pipeline_parallel import get_forward_backward_func
 
@@ -94,9 +96,10 @@ def run_schedule(model, batches: list[dict], loss_fn: Callable, forward_only: bo
         return out, partial(loss_fn, batch)
 
     fb = get_forward_backward_func()
-    return fb(forward_step_func=forward_step, data_iterator=iter(batches), model=[model],
-              num_microbatches=len(batches), seq_length=batches[0]["inputs"].shape[1],
-              micro_batch_size=batches[0]["inputs"].shape[0], forward_only=forward_only)
+    with ops.quantized_weight_cache():  # the weights hold still over one schedule: FP4-quantize each once
+        return fb(forward_step_func=forward_step, data_iterator=iter(batches), model=[model],
+                  num_microbatches=len(batches), seq_length=batches[0]["inputs"].shape[1],
+                  micro_batch_size=batches[0]["inputs"].shape[0], forward_only=forward_only)
 
 
 def microbatches(seqs: Sequences, size: int, extra: Optional[dict[str, torch.Tensor]] = None) -> list[dict]:

@@ -235,6 +235,10 @@ def validate_args(args: argparse.Namespace, world_size: int = 1) -> argparse.Nam
     if args.rollout_precision not in ("w4a4", "w16a4") and args.resq != "none":
         raise ValueError(f"--resq={args.resq!r} needs FP4 rollout activations (--rollout-precision w4a4 or w16a4); "
                          f"got --rollout-precision {args.rollout_precision!r}")
+    if args.fp4_gemm_mode != "exact" and not (args.fp4_block_format == "mxfp4" and args.fp4_train):
+        raise ValueError(f"--fp4-gemm-mode={args.fp4_gemm_mode!r} needs MXFP4 training GEMMs (--fp4-block-format "
+                         f"mxfp4 with --fp4-train); got --fp4-block-format {args.fp4_block_format!r}"
+                         f"{'' if args.fp4_train else ' with --no-fp4-train'}")
     if args.resq_combine != "exact" and args.resq == "none":
         raise ValueError(f"--resq-combine={args.resq_combine!r} needs a ResQ residual (--resq other than 'none')")
     if args.pack_sequences:

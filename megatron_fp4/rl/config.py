@@ -21,6 +21,7 @@ import dataclasses
 from dataclasses import dataclass, field
 from typing import Any, Callable, Optional, get_type_hints
 
+from megatron_fp4.ops import GEMM_MODES
 from megatron_fp4.parallel.attention import ATTENTION_BACKENDS
 from megatron_fp4.recipe import RECIPES
 from megatron_fp4.resq import RESQ_COMBINES, ROLLOUT_MODES, SPARSITIES
@@ -126,6 +127,10 @@ class PrecisionConfig:
                                                 check=non_negative)
     fp4_high_precision_last_layers: int = knob(0, "last N transformer layers trained in high precision",
                                                check=non_negative)
+    fp4_gemm_mode: str = knob("exact", "how the training GEMMs multiply on the GPU: exact (fp32 accumulation of the "
+                                       "exact FP4 products), or for MXFP4 fp8 / fp8_fast (fprop and dgrad on the FP8 "
+                                       "tensor cores, promoted / fast accumulation: approximate, see "
+                                       "docs/PERFORMANCE.md)", choices=GEMM_MODES)
 
 
 @dataclass(frozen=True)

@@ -121,7 +121,8 @@ def build_models(cfg: RLConfig, vocab_size: int, init_checkpoint: Any = None) ->
     if prec.fp4_train and prec.fp4_block_format != "none":
         recipe = recipe_for_format(prec.fp4_block_format,
                                    high_precision_first_layers=prec.fp4_high_precision_first_layers,
-                                   high_precision_last_layers=prec.fp4_high_precision_last_layers)
+                                   high_precision_last_layers=prec.fp4_high_precision_last_layers,
+                                   gemm_mode=prec.fp4_gemm_mode)
     dtype = torch.bfloat16 if m.bf16 else torch.float32
     from megatron_fp4.models.checkpoint_io import load_checkpoint_into_model
     from megatron_fp4.models.hf_weights import HFCheckpointWeights, hf_gpt_model_args
