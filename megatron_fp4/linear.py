@@ -143,7 +143,6 @@ class FP4LinearFunction(torch.autograd.Function):
                 grad_x = ops.fp4_gemm(dy_rows, weight.t(), g_fmt, w_fmt, out_dtype=x_dtype, mode=recipe.gemm_mode,
                                       cache_b=True).reshape(x_shape)
             grad_w = ops.fp4_gemm(dy_cols, ctx.xt, g_fmt, None, out_dtype=weight.dtype)
-            ctx.xt = None
         else:
             x = saved_x[0]
             if ctx.needs_input_grad[0]:

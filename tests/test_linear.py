@@ -351,6 +351,11 @@ def test_one_pass_operands_equal_separate_quantization(fmt, monkeypatch):
               recipe.replace(quantize_wgrad=False), recipe.replace(gradient_format="nvfp4")):
         assert not lin._one_pass_operands(r)
     one_pass = grads(recipe)
+    wr = w.clone().requires_grad_(True)
+    y = fp4_linear(x, wr, recipe=recipe)
+    y.backward(dy, retain_graph=True)
+    y.backward(dy)  # a retained graph backs up twice: Q_m(X^T) stays with it
+    assert torch.equal(wr.grad, 2 * one_pass[2])
     monkeypatch.setattr(lin, "_one_pass_operands", lambda r: False)
     separate = grads(recipe)
     for a, c in zip(one_pass, separate):
