@@ -183,7 +183,7 @@ def quantize_both(x: torch.Tensor, fmt: FormatLike, mode: str = "exact") -> Opti
         return None
     for be in ((backend, _REFERENCE) if backend is not None else (_REFERENCE,)):
         out = be.quantize_both(x, f, mode)
-        if out is not NotImplemented and NotImplemented not in out:
+        if out is not NotImplemented and all(o is not NotImplemented for o in out):
             return Quantized(be, out[0], f), Quantized(be, out[1], f)
     raise AssertionError("the reference backend declined a quantization")  # unreachable
 
@@ -251,7 +251,7 @@ def fp4_gemm(
                                                                   mode, False)
         qb = b.value if isinstance(b, Quantized) else _quantize(be, b, get_format(b_format), b_rounding, generator,
                                                                 mode, cache_b)
-        out = NotImplemented if NotImplemented in (qa, qb) else be.matmul(qa, qb, out_dtype, mode)
+        out = NotImplemented if qa is NotImplemented or qb is NotImplemented else be.matmul(qa, qb, out_dtype, mode)
         if out is NotImplemented:
             raise ValueError(f"fp4_gemm: the {type(be).__name__} that quantized an operand cannot multiply it by "
                              f"the other ({a_format!r} x {b_format!r}); pass both as tensors")
