@@ -122,8 +122,11 @@ def _inputs(seed: int = 1):
 
 
 def test_sglang_discovers_the_plugin():
-    from sglang.srt.arg_groups.choices import QUANTIZATION_CHOICES
     from sglang.srt.layers.quantization import QUANTIZATION_METHODS, get_quantization_config
+
+    from megatron_fp4.sglang_plugin import quantization_choices
+
+    QUANTIZATION_CHOICES, _ = quantization_choices()
 
     from megatron_fp4.sglang_plugin.method import MegatronFP4Config
 
@@ -139,6 +142,41 @@ def test_sglang_discovers_the_plugin():
                                          "packed_modules_mapping": {}, "hf_config": None})
     assert cfg.options.precision == RolloutPrecision("w4a4", "mxfp4", "2:4")
     assert rollout_backend_for("cpu") is None  # CPU: the PyTorch reference serves apply()
+
+
+def test_register_on_the_sglang_0_5_17_layout(monkeypatch):
+    """SGLang 0.5.17 has no ``sglang.srt.arg_groups.choices``: its ``--quantization`` choices and their extender
+    live in ``sglang.srt.server_args``, and its registry has no CPU_QUANTIZATION_METHODS. That layout, simulated
+    on the installed SGLang: register() adds the method to both registries and to server_args' choices."""
+    import sys
+
+    import sglang.srt.arg_groups as arg_groups
+    import sglang.srt.server_args as server_args
+    from sglang.srt.layers import quantization as sgl_quant
+
+    from megatron_fp4.sglang_plugin import quantization_choices, register
+    from megatron_fp4.sglang_plugin.method import MegatronFP4Config
+
+    monkeypatch.setitem(sys.modules, "sglang.srt.arg_groups.choices", None)  # import -> ModuleNotFoundError
+    monkeypatch.delattr(arg_groups, "choices", raising=False)
+    old_choices = ["awq", "fp8"]
+    monkeypatch.setattr(server_args, "QUANTIZATION_CHOICES", old_choices)
+    monkeypatch.setattr(server_args, "add_quantization_method_choices", old_choices.extend)
+    monkeypatch.setattr(sgl_quant, "QUANTIZATION_METHODS", {})
+    monkeypatch.setattr(sgl_quant, "BASE_QUANTIZATION_METHODS", {})
+    monkeypatch.delattr(sgl_quant, "CPU_QUANTIZATION_METHODS")
+    with pytest.raises(ModuleNotFoundError):
+        import sglang.srt.arg_groups.choices  # noqa: F401
+    assert quantization_choices()[0] is old_choices
+    register()
+    register()  # idempotent
+    assert old_choices == ["awq", "fp8", "megatron_fp4"]
+    assert sgl_quant.QUANTIZATION_METHODS == {"megatron_fp4": MegatronFP4Config}
+    assert sgl_quant.BASE_QUANTIZATION_METHODS == {"megatron_fp4": MegatronFP4Config}
+    # neither layout: the error names the modules it looked in
+    monkeypatch.delattr(server_args, "QUANTIZATION_CHOICES")
+    with pytest.raises(ImportError, match="sglang.srt.server_args"):
+        quantization_choices()
 
 
 @pytest.mark.parametrize("name", list(PRECISIONS))
