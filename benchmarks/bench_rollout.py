@@ -13,10 +13,13 @@ forward in the same precision (megatron-core, :func:`megatron_fp4.rollout.teache
 shape in BF16 and scores its tokens through the graph path (teacher-forced), and ``--hf-anchor`` times HF
 transformers' ``generate`` with a static cache on the same shape.
 
-Backends: "native" (:class:`megatron_fp4.rollout.NativeRolloutEngine`; ``--decode`` picks its path). Another
-backend adds a ``make_engine`` branch returning an object with ``generate(prompts, SamplingParams)`` and, for the
-logprob check, the model whose teacher-forced logprobs are the reference (rows keep the same schema:
-``{"backend", "shape", "precision", "batch", "tokens_per_s", ...}``).
+Backends: "native" (:class:`megatron_fp4.rollout.NativeRolloutEngine`; ``--decode`` picks its path) and "sglang"
+(:class:`megatron_fp4.rollout.sglang_engine.SGLangRolloutEngine`: the same random model written as an HF folder
+under --work-dir, one ``sglang.Engine`` per precision (the quantization is fixed at start; triton attention,
+PyTorch sampling, no grammar, CUDA graphs on), rows of the same schema with the logprob check against the
+megatron-core teacher-forced forward; needs a CUDA GPU with SGLang, sgl-kernel and the plug-in's entry point, and
+has not run yet: written on a CPU machine for the GPU session of issue 19). Rows: ``{"backend", "shape",
+"precision", "batch", "tokens_per_s", ...}``.
 """
 
 from __future__ import annotations
@@ -95,9 +98,65 @@ def hf_anchor(shape: dict, batch: int, prompt_len: int, new_tokens: int, repeats
                 transformers=transformers.__version__)
 
 
+def export_hf(model, args, folder: str) -> str:
+    """``model`` (megatron-core, TP=PP=1) written as an HF Qwen2 folder for SGLang; returns its path."""
+    import shutil
+
+    from megatron_fp4.models.checkpoint_io import save_model_checkpoint
+    from megatron_fp4.models.hf_conversion import convert_megatron_to_hf
+
+    shutil.rmtree(folder, ignore_errors=True)
+    save_model_checkpoint(model, os.path.join(folder, "megatron"), 0, args)
+    convert_megatron_to_hf(os.path.join(folder, "megatron"), os.path.join(folder, "hf"), progress=False)
+    shutil.rmtree(os.path.join(folder, "megatron"))
+    return os.path.join(folder, "hf")
+
+
+def sglang_rows(a, shape: str, model, args, prompts, params) -> list[dict]:
+    """--backend sglang: one Engine per precision on ``model``'s HF export; timed like the native rows."""
+    from megatron_fp4.resq import RolloutPrecision
+    from megatron_fp4.rollout import teacher_forced_logprobs
+    from megatron_fp4.rollout.sglang_engine import SGLangRolloutEngine
+
+    hf = export_hf(model, args, os.path.join(a.work_dir, shape))
+    sub = list(range(min(a.check_samples, a.batch)))
+    rows = []
+    for name in a.precisions.split(","):
+        p = RolloutPrecision(*PRECISIONS[name])
+        t0 = time.perf_counter()
+        with SGLangRolloutEngine(hf, p, device="cuda", attention_backend="triton", sampling_backend="pytorch",
+                                 grammar_backend="none", enable_memory_saver=False) as engine:
+            start = time.perf_counter() - t0
+            samples = engine.generate(prompts, params)  # warm-up (kernel autotuning happens outside capture)
+            times = []
+            for _ in range(a.repeats):
+                samples = engine.generate(prompts, params)
+                times.append(engine.last_generate_stats["seconds"])
+            sync = engine.update_weights(model.named_parameters())
+            engine.generate(prompts, params)
+            after_sync = dict(engine.last_generate_stats)
+        ref = teacher_forced_logprobs(model, [prompts[i] for i in sub], [samples[i].token_ids for i in sub], p)
+        dmax, dmean = _diffs([samples[i].logprobs for i in sub], ref)
+        n_tok = sum(len(s.token_ids) for s in samples)
+        row = dict(backend="sglang", shape=shape, precision=p.label, batch=a.batch, prompt_len=a.prompt_len,
+                   new_tokens=a.new_tokens, tokens_per_s=n_tok / statistics.median(times),
+                   seconds=statistics.median(times), generated_tokens=n_tok, path="sglang", engine_start_s=start,
+                   weight_sync_s=sync.total_seconds, tokens_per_s_after_sync=after_sync["tokens_per_s"],
+                   logp_vs_teacher_forced_max=dmax, logp_vs_teacher_forced_mean=dmean, check_samples=len(sub))
+        rows.append(row)
+        print(f"sglang {shape} {p.label:28s} {row['tokens_per_s']:9.0f} tok/s (start {start:.1f} s; after sync "
+              f"{row['tokens_per_s_after_sync']:.0f} tok/s) |dlogp| vs teacher-forced full forward max {dmax:.2e} "
+              f"mean {dmean:.2e}", flush=True)
+    return rows
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--backend", default="native", choices=("native",))
+    ap.add_argument("--backend", default="native", choices=("native", "sglang"),
+                    help="native: the in-process engine; sglang: sglang.Engine with the megatron_fp4 plug-in (CUDA "
+                         "GPU, SGLang, sgl-kernel; not run yet: plumbing written on a CPU machine)")
+    ap.add_argument("--work-dir", default="/tmp/bench_rollout",
+                    help="--backend sglang: where the random models are written as HF folders")
     ap.add_argument("--shapes", default="qwen2.5-1.5b")
     ap.add_argument("--precisions", default=DEFAULT_PRECISIONS,
                     help=f"comma-separated, of: {', '.join(PRECISIONS)}")
@@ -115,6 +174,12 @@ def main() -> None:
     unknown = [p for p in a.precisions.split(",") if p not in PRECISIONS]
     if unknown:
         ap.error(f"--precisions: unknown {unknown}; allowed: {', '.join(PRECISIONS)}")
+    if a.backend == "sglang":
+        from megatron_fp4.rollout.sglang_engine import sglang_start_problem
+
+        problem = sglang_start_problem(needs_plugin=a.precisions.split(",") != ["bf16"])
+        if problem is not None:
+            ap.error(f"--backend sglang cannot run here: {problem}")
 
     from megatron_fp4.models import GPTModelArgs, build_gpt_model
     from megatron_fp4.parallel import initialize_parallel
@@ -132,6 +197,11 @@ def main() -> None:
         g = torch.Generator().manual_seed(0)
         prompts = [torch.randint(10, args.vocab_size, (a.prompt_len,), generator=g).tolist() for _ in range(a.batch)]
         params = SamplingParams(temperature=1.0, max_new_tokens=a.new_tokens, seed=0)
+        if a.backend == "sglang":
+            rows += sglang_rows(a, shape, model, args, prompts, params)
+            del model
+            torch.cuda.empty_cache()
+            continue
         engine = NativeRolloutEngine(model, RolloutPrecision("bf16"), decode=a.decode, max_batch_size=a.batch)
         sub = list(range(min(a.check_samples, a.batch)))
         for name in a.precisions.split(","):

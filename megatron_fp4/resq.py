@@ -290,28 +290,50 @@ def gemm_cost_vs_bf16(precision: RolloutPrecision) -> float:
     return 2.0 / cost
 
 
-def copy_into(dst: Any, src: Any) -> bool:
-    """Copy ``src`` into ``dst`` in place where both are the same structure of tensors (same shapes and dtypes)
-    and equal plain values (dataclasses, named tuples, lists, dicts); False, with ``dst`` possibly partly
-    written, where they differ."""
+def _same_structure(dst: Any, src: Any) -> bool:
+    """Whether :func:`copy_into` can write ``src`` into ``dst``: the same structure of tensors (same shapes, dtypes,
+    devices) and equal plain values."""
     if isinstance(dst, torch.Tensor) or isinstance(src, torch.Tensor):
-        if not (isinstance(dst, torch.Tensor) and isinstance(src, torch.Tensor) and dst.shape == src.shape
-                and dst.dtype == src.dtype and dst.device == src.device):
-            return False
-        dst.copy_(src)
-        return True
+        return (isinstance(dst, torch.Tensor) and isinstance(src, torch.Tensor) and dst.shape == src.shape
+                and dst.dtype == src.dtype and dst.device == src.device)
     if type(dst) is not type(src):
         return False
-    if isinstance(dst, tuple) or isinstance(dst, list):
-        return len(dst) == len(src) and all(copy_into(a, b) for a, b in zip(dst, src))
+    if isinstance(dst, (tuple, list)):
+        return len(dst) == len(src) and all(_same_structure(a, b) for a, b in zip(dst, src))
     if isinstance(dst, dict):
-        return dst.keys() == src.keys() and all(copy_into(dst[k], src[k]) for k in dst)
+        return dst.keys() == src.keys() and all(_same_structure(dst[k], src[k]) for k in dst)
     if dataclasses.is_dataclass(dst):
-        return all(copy_into(getattr(dst, f.name), getattr(src, f.name)) for f in dataclasses.fields(dst))
+        return all(_same_structure(getattr(dst, f.name), getattr(src, f.name)) for f in dataclasses.fields(dst))
     try:
         return bool(dst == src)
     except Exception:
         return dst is src
+
+
+def _copy_tensors(dst: Any, src: Any) -> None:
+    if isinstance(dst, torch.Tensor):
+        if dst.data_ptr() != src.data_ptr():
+            dst.copy_(src)
+    elif isinstance(dst, (tuple, list)):
+        for a, b in zip(dst, src):
+            _copy_tensors(a, b)
+    elif isinstance(dst, dict):
+        for k in dst:
+            _copy_tensors(dst[k], src[k])
+    elif dataclasses.is_dataclass(dst):
+        for f in dataclasses.fields(dst):
+            _copy_tensors(getattr(dst, f.name), getattr(src, f.name))
+
+
+def copy_into(dst: Any, src: Any) -> bool:
+    """Copy ``src`` into ``dst`` in place where both are the same structure of tensors (same shapes and dtypes)
+    and equal plain values (dataclasses, named tuples, lists, dicts); where they differ, return False and leave
+    ``dst`` untouched (the structure is checked before anything is written)."""
+    if not _same_structure(dst, src):
+        return False
+    with torch.no_grad():
+        _copy_tensors(dst, src)
+    return True
 
 
 class QuantizedWeightCache:
@@ -320,6 +342,11 @@ class QuantizedWeightCache:
     An entry is reused while the weight is the same tensor object with the same storage pointer and
     ``_version``; writes that bypass the version counter (``param.data.copy_``) need :meth:`clear` or
     :meth:`refresh` (the rollout engine calls it on every weight update).
+
+    A stale entry is rebuilt **in place**: the new form is written into the tensors of the old one (same shapes,
+    dtypes and flags), so their ``data_ptr()`` stay what CUDA graphs captured; only a first build or a change of
+    structure (shape, dtype, a flag such as ``PreparedWeight.wide``) allocates, counted in :attr:`reallocations`
+    and :attr:`generation`.
     """
 
     def __init__(self) -> None:
@@ -327,11 +354,13 @@ class QuantizedWeightCache:
         #: Number of weight quantizations performed, and their total wall time in seconds.
         self.quantize_calls = 0
         self.quantize_seconds = 0.0
-        #: Whether the last :meth:`refresh` with ``in_place=True`` kept every entry's tensors.
+        #: Whether the last :meth:`refresh` kept every entry's tensors (wrote the new forms in place).
         self.last_refresh_in_place = True
         #: Incremented whenever an entry is replaced by a new object or dropped (not by in-place refreshes):
         #: users that captured entries by address (CUDA graphs) compare it to know they must recapture.
         self.generation = 0
+        #: Number of stale entries whose new form could not be written in place (replaced by a new object).
+        self.reallocations = 0
 
     def get(self, weight: torch.Tensor, fmt: FormatLike) -> torch.Tensor:
         """deq(Q(weight)) along its last dim (K), in ``weight.dtype`` (FP4 values are exact in bf16)."""
@@ -340,7 +369,8 @@ class QuantizedWeightCache:
 
     def get_prepared(self, weight: torch.Tensor, kind: str, build: Callable[[torch.Tensor], Any]) -> Any:
         """Any per-weight object (e.g. a kernel's packed weight) built by ``build(weight)`` once per weight version,
-        under the same invalidation rules as :meth:`get`; dropped by :meth:`clear`."""
+        under the same invalidation rules as :meth:`get` (a rebuild writes into the old object's tensors where
+        the structure allows); dropped by :meth:`clear`."""
         key = (id(weight), kind)
         stamp = (weight.data_ptr(), weight._version, tuple(weight.shape), weight.dtype, weight.device)
         entry = self._entries.get(key)
@@ -350,48 +380,54 @@ class QuantizedWeightCache:
         with torch.no_grad():
             obj = build(weight.detach())
         if entry is not None:
-            self.generation += 1
+            if entry[0]() is weight and copy_into(entry[2], obj):
+                obj = entry[2]  # the same tensors, new values
+            else:
+                self.generation += 1
+                self.reallocations += 1
         self.quantize_seconds += time.perf_counter() - t0
         self.quantize_calls += 1
         self._entries[key] = (weakref.ref(weight), stamp, obj)
         return obj
 
     def refresh(self, weights, fmt: FormatLike, precision: Optional["RolloutPrecision"] = None,
-                in_place: bool = False) -> float:
+                in_place: bool = True) -> float:
         """Re-quantize ``weights`` (an iterable of tensors) now; returns the seconds it took. With ``precision``,
         a registered rollout backend for the weights' device prepares its own weight form instead.
 
-        ``in_place``: write each new form into the tensors of the entry it replaces (same shapes, dtypes and
-        flags), one weight at a time, so that captured CUDA graphs that read them stay valid;
-        :attr:`last_refresh_in_place` says whether every entry could be (else its new object replaced it)."""
+        ``in_place`` (default): write each new form into the tensors of the entry it replaces (same shapes,
+        dtypes and flags), one weight at a time, so that captured CUDA graphs that read them stay valid; entries
+        that cannot be (first build, changed structure, a form no longer used) are replaced or dropped, and
+        :attr:`last_refresh_in_place` says whether any was. ``in_place=False`` drops the old forms first (new
+        tensors for every weight)."""
         t0 = time.perf_counter()
         get_format(fmt)  # validates
         weights = list(weights)
         self.last_refresh_in_place = True
         for w in weights:
-            old = {k: e[2] for k, e in self._entries.items() if k[0] == id(w)}
-            for key in old:
-                del self._entries[key]  # every cached form of this weight (reference and backend-prepared)
-            generation = self.generation
+            keys = [k for k in self._entries if k[0] == id(w)]
+            if not in_place:
+                for key in keys:
+                    del self._entries[key]  # every cached form of this weight (reference and backend-prepared)
+                if keys:
+                    self.generation += 1
+                    self.last_refresh_in_place = False
+            else:
+                for key in keys:
+                    ref, _, obj = self._entries[key]
+                    self._entries[key] = (ref, None, obj)  # stale: the next build writes into obj
+            reallocations = self.reallocations
             backend = _ROLLOUT_BACKENDS.get(w.device.type)
             prepare = getattr(backend, "prepare_weight", None)
             if not (precision is not None and prepare is not None
                     and prepare(w, precision, self) is not NotImplemented):
                 self.get(w, fmt)
-            if in_place:
-                for key, (ref, stamp, obj) in list(self._entries.items()):
-                    if key[0] != id(w):
-                        continue
-                    if key in old and copy_into(old[key], obj):
-                        self._entries[key] = (ref, stamp, old[key])
-                    else:
-                        self.last_refresh_in_place = False
-                if set(old) - {k for k in self._entries if k[0] == id(w)}:
-                    self.last_refresh_in_place = False
-                if self.last_refresh_in_place:
-                    self.generation = generation
-            if old and not in_place:
+            if self.reallocations != reallocations:
+                self.last_refresh_in_place = False
+            for key in [k for k in keys if k in self._entries and self._entries[k][1] is None]:
+                del self._entries[key]  # a form this refresh did not rebuild (e.g. another precision's)
                 self.generation += 1
+                self.last_refresh_in_place = False
         if torch.cuda.is_available():
             torch.cuda.synchronize()
         return time.perf_counter() - t0

@@ -110,6 +110,49 @@ def test_tensor_parallel_constraints():
         parse_args(["--rollout-batch-size", "8", "--group-size", "3", "--global-batch-size", "6"], world_size=4)
 
 
+@pytest.mark.skipif(__import__("torch").cuda.is_available(), reason="the message of a machine without CUDA")
+def test_sglang_rollout_backend_fails_at_once_without_cuda(tmp_path):
+    """``--rollout-backend sglang`` on a CPU: a one-line error naming the flag and why (SGLang's Engine needs CUDA
+    and sgl-kernel), at argument parsing, before any model or data is built."""
+    need = "--rollout-backend sglang cannot run here: SGLang's Engine needs a CUDA GPU"
+    with pytest.raises(ValueError, match=re.escape(need)):
+        parse_args(["--rollout-backend", "sglang"])
+    r = subprocess.run([sys.executable, os.path.join(ROOT, "pretrain_rl.py"), "--rollout-backend", "sglang",
+                        "--save", str(tmp_path / "ckpt")], env=_env(), cwd=ROOT, capture_output=True, text=True,
+                       timeout=300)
+    assert r.returncode == 2 and r.stdout == "", (r.returncode, r.stdout[-2000:])
+    assert r.stderr.strip().splitlines()[-1].startswith(f"pretrain_rl.py: error: {need}"), r.stderr[-2000:]
+    assert "use --rollout-backend native" in r.stderr and not (tmp_path / "ckpt").exists()
+
+
+def test_sglang_start_problem_names_what_is_missing(monkeypatch):
+    """Where CUDA is there, the check names the next missing piece: SGLang, sgl-kernel, the plug-in's entry point
+    (needed only for FP4 rollout)."""
+    import importlib.metadata
+    import importlib.util
+
+    import torch
+
+    from megatron_fp4.rollout.sglang_engine import sglang_start_problem
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    missing = set()
+    real_find_spec = importlib.util.find_spec
+    monkeypatch.setattr(importlib.util, "find_spec",
+                        lambda name, *a: None if name in missing else (real_find_spec(name, *a) or object()))
+    monkeypatch.setattr(importlib.metadata, "entry_points", lambda group=None: [])
+    missing.add("sglang")
+    assert "SGLang is not installed" in sglang_start_problem()
+    missing.clear()
+    missing.add("sgl_kernel")
+    assert "sgl-kernel (SGLang's CUDA ops) is not installed" in sglang_start_problem()
+    missing.clear()
+    assert "'sglang.srt.plugins' entry point is not installed" in sglang_start_problem(needs_plugin=True)
+    assert sglang_start_problem(needs_plugin=False) is None  # a BF16 rollout needs no plug-in
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    assert "needs a CUDA GPU" in sglang_start_problem(needs_plugin=False)
+
+
 def test_yaml_config_is_overridden_by_flags(tmp_path):
     cfg = tmp_path / "c.yaml"
     cfg.write_text("group-size: 4\nlr: 0.01\nresq: dense\n")

@@ -13,6 +13,7 @@ from megatron_fp4.formats import get_format, underflow_rate
 from megatron_fp4.resq import (
     SPARSITIES,
     QuantizedWeightCache,
+    copy_into,
     RolloutPrecision,
     gemm_cost_vs_bf16,
     occ_activation,
@@ -304,6 +305,88 @@ def test_weight_cache_quantizes_once_per_version():
     assert cache.quantize_calls == 3 and len(cache) == 1 and cache.nbytes == w.numel() * 4
     cache.clear()
     assert len(cache) == 0
+
+
+def _tensors(obj) -> list:
+    """Every tensor of a (nested dataclass / tuple / list / dict) structure, in field order."""
+    import dataclasses
+
+    if isinstance(obj, torch.Tensor):
+        return [obj]
+    if isinstance(obj, (tuple, list)):
+        return [t for o in obj for t in _tensors(o)]
+    if isinstance(obj, dict):
+        return [t for o in obj.values() for t in _tensors(o)]
+    if dataclasses.is_dataclass(obj):
+        return [t for f in dataclasses.fields(obj) for t in _tensors(getattr(obj, f.name))]
+    return []
+
+
+@pytest.mark.parametrize("fmt", ["hif4", "mxfp4"])
+def test_weight_cache_refits_prepared_weights_in_place(fmt):
+    """A refit writes the kernels' new PreparedWeight (packed codes and scales, the GEMM expansion, the decode
+    layout where there is one) into the tensors of the old one, as CUDA graphs need: every data_ptr() unchanged,
+    values equal to a fresh kernels.dispatch.prepare_weight bit for bit; only a change of structure (here MXFP4
+    weights >= 16, which need the wide decode path) allocates, and says so."""
+    from kernels import dispatch
+
+    from megatron_fp4.resq import register_rollout_backend
+
+    def backend(x2, weight, precision, cache):
+        return NotImplemented
+
+    def prepare_weight(weight, precision, cache):
+        return cache.get_prepared(weight, f"kernels:{precision.format}",
+                                  lambda w: dispatch.prepare_weight(w, precision.format))
+
+    backend.prepare_weight = prepare_weight
+    p = RolloutPrecision("w4a4", fmt, "2:4")
+    g = torch.Generator().manual_seed(3)
+    w = 0.1 * torch.randn(16, 64, generator=g)  # small: under pytest the kernels run in the Triton interpreter
+    register_rollout_backend("cpu", backend)
+    try:
+        cache = QuantizedWeightCache()
+        cache.refresh([w], fmt, p)
+        first = prepare_weight(w, p, cache)
+        ptrs = [t.data_ptr() for t in _tensors(first)]
+        assert len(ptrs) >= 3 and cache.generation == 0
+        before = [t.clone() for t in _tensors(first)]
+        for step in range(2):
+            with torch.no_grad():
+                w.data.copy_(0.1 * torch.randn(16, 64, generator=g))  # a refit: bypasses the version counter
+            cache.refresh([w], fmt, p)
+            now = prepare_weight(w, p, cache)
+            assert now is first and cache.last_refresh_in_place and cache.generation == 0, step
+            assert [t.data_ptr() for t in _tensors(now)] == ptrs, step
+            fresh = dispatch.prepare_weight(w, fmt)
+            for a, b in zip(_tensors(now), _tensors(fresh), strict=True):
+                torch.testing.assert_close(a, b, rtol=0, atol=0, equal_nan=True)
+            assert not torch.equal(now.packed.codes, before[0]), step  # the values did change
+            before = [t.clone() for t in _tensors(now)]
+        with torch.no_grad():
+            w.mul_(2.0)  # an in-place update bumps the version: the lazy rebuild writes in place too
+        assert prepare_weight(w, p, cache) is first and cache.reallocations == 0
+        assert torch.equal(first.packed.codes, dispatch.prepare_weight(w, fmt).packed.codes)
+        if fmt == "mxfp4":
+            with torch.no_grad():
+                w.data.mul_(1000.0)  # block scales above 2^1: the decode kernel's wide path, another structure
+            cache.refresh([w], fmt, p)
+            assert not cache.last_refresh_in_place and cache.generation == 1 and cache.reallocations == 1
+            assert prepare_weight(w, p, cache).wide and not first.wide
+        w.data = 0.1 * torch.randn(8, 64, generator=g)  # a shape change: new tensors, said so
+        cache.refresh([w], fmt, p)
+        assert not cache.last_refresh_in_place and prepare_weight(w, p, cache).packed.codes.shape[0] == 8
+        cache.refresh([w], fmt, p, in_place=False)  # opting out: new tensors every time
+        assert not cache.last_refresh_in_place
+    finally:
+        register_rollout_backend("cpu", None)
+
+
+def test_copy_into_writes_nothing_where_the_structures_differ():
+    dst = {"a": torch.zeros(2), "b": torch.zeros(3)}
+    assert not copy_into(dst, {"a": torch.ones(2), "b": torch.ones(4)})
+    assert torch.equal(dst["a"], torch.zeros(2))  # checked first, then copied: no half-written entry
+    assert copy_into(dst, {"a": torch.ones(2), "b": torch.ones(3)}) and torch.equal(dst["b"], torch.ones(3))
 
 
 def test_paper_rows_and_cost_model():

@@ -122,8 +122,11 @@ def _inputs(seed: int = 1):
 
 
 def test_sglang_discovers_the_plugin():
-    from sglang.srt.arg_groups.choices import QUANTIZATION_CHOICES
     from sglang.srt.layers.quantization import QUANTIZATION_METHODS, get_quantization_config
+
+    from megatron_fp4.sglang_plugin import quantization_choices
+
+    QUANTIZATION_CHOICES, _ = quantization_choices()
 
     from megatron_fp4.sglang_plugin.method import MegatronFP4Config
 
@@ -139,6 +142,41 @@ def test_sglang_discovers_the_plugin():
                                          "packed_modules_mapping": {}, "hf_config": None})
     assert cfg.options.precision == RolloutPrecision("w4a4", "mxfp4", "2:4")
     assert rollout_backend_for("cpu") is None  # CPU: the PyTorch reference serves apply()
+
+
+def test_register_on_the_sglang_0_5_17_layout(monkeypatch):
+    """SGLang 0.5.17 has no ``sglang.srt.arg_groups.choices``: its ``--quantization`` choices and their extender
+    live in ``sglang.srt.server_args``, and its registry has no CPU_QUANTIZATION_METHODS. That layout, simulated
+    on the installed SGLang: register() adds the method to both registries and to server_args' choices."""
+    import sys
+
+    import sglang.srt.arg_groups as arg_groups
+    import sglang.srt.server_args as server_args
+    from sglang.srt.layers import quantization as sgl_quant
+
+    from megatron_fp4.sglang_plugin import quantization_choices, register
+    from megatron_fp4.sglang_plugin.method import MegatronFP4Config
+
+    monkeypatch.setitem(sys.modules, "sglang.srt.arg_groups.choices", None)  # import -> ModuleNotFoundError
+    monkeypatch.delattr(arg_groups, "choices", raising=False)
+    old_choices = ["awq", "fp8"]
+    monkeypatch.setattr(server_args, "QUANTIZATION_CHOICES", old_choices)
+    monkeypatch.setattr(server_args, "add_quantization_method_choices", old_choices.extend)
+    monkeypatch.setattr(sgl_quant, "QUANTIZATION_METHODS", {})
+    monkeypatch.setattr(sgl_quant, "BASE_QUANTIZATION_METHODS", {})
+    monkeypatch.delattr(sgl_quant, "CPU_QUANTIZATION_METHODS")
+    with pytest.raises(ModuleNotFoundError):
+        import sglang.srt.arg_groups.choices  # noqa: F401
+    assert quantization_choices()[0] is old_choices
+    register()
+    register()  # idempotent
+    assert old_choices == ["awq", "fp8", "megatron_fp4"]
+    assert sgl_quant.QUANTIZATION_METHODS == {"megatron_fp4": MegatronFP4Config}
+    assert sgl_quant.BASE_QUANTIZATION_METHODS == {"megatron_fp4": MegatronFP4Config}
+    # neither layout: the error names the modules it looked in
+    monkeypatch.delattr(server_args, "QUANTIZATION_CHOICES")
+    with pytest.raises(ImportError, match="sglang.srt.server_args"):
+        quantization_choices()
 
 
 @pytest.mark.parametrize("name", list(PRECISIONS))
@@ -200,13 +238,75 @@ def test_layers_equal_native_megatron_linears(name):
             torch.testing.assert_close(y_sgl, y_mg, rtol=0, atol=2e-6)
 
 
-def test_refit_requantizes_in_place_twice():
+def _kernel_like_backend(calls: list):
+    """A CPU rollout backend shaped like rollout/kernels_backend.py: it prepares ``kernels.dispatch.PreparedWeight``
+    (packed codes and scales + the GEMM expansion; the pure-PyTorch quantizer here) in the plug-in's cache and
+    serves the GEMM from the prepared packed weight."""
+    from kernels import dispatch
+
+    def prepare_weight(weight, precision, cache):
+        if cache is None:
+            return dispatch.prepare_weight(weight.detach(), precision.format)
+        return cache.get_prepared(weight, f"kernels:{precision.format}",
+                                  lambda w: dispatch.prepare_weight(w, precision.format))
+
+    def backend(x2, weight, precision, cache):
+        calls.append(precision.label)
+        pw = prepare_weight(weight, precision, cache)
+        return rollout_linear(x2, weight, None, precision, weight_q=pw.packed.dequantize()).float()
+
+    backend.prepare_weight = prepare_weight
+    return backend
+
+
+def _operand_tensors(layer) -> list:
+    """Every tensor a captured CUDA graph of ``layer``'s apply() reads: the packed parameters, the reference
+    operand and, where a backend prepared one, the kernels' prepared weight (codes, scales, expansion)."""
+    import dataclasses
+
+    from megatron_fp4.sglang_plugin.method import _BACKEND_CACHE
+
+    def flat(o):
+        if isinstance(o, torch.Tensor):
+            return [o]
+        if isinstance(o, (tuple, list)):
+            return [t for x in o for t in flat(x)]
+        if dataclasses.is_dataclass(o):
+            return [t for f in dataclasses.fields(o) for t in flat(getattr(o, f.name))]
+        return []
+
+    prepared = [e[2] for k, e in _BACKEND_CACHE._entries.items() if k[0] == id(layer.weight)]
+    return [layer.weight_packed, layer.weight_scale, layer.megatron_fp4_wq] + flat(prepared)
+
+
+@pytest.mark.parametrize("with_backend", [False, True], ids=["reference", "kernel-like-backend"])
+def test_refit_requantizes_in_place_twice(with_backend, monkeypatch):
+    """Two refits through the re-quantizing loader: the same Parameters, loaders and operand storage (data_ptr():
+    what SGLang's CUDA graphs captured), values equal to a fresh quantization bit for bit, outputs changed."""
+    from megatron_fp4.resq import register_rollout_backend
     from megatron_fp4.sglang_plugin.loader import load_weights_and_requantize
-    from megatron_fp4.sglang_plugin.method import requantize_stale_layers
+    from megatron_fp4.sglang_plugin.method import _BACKEND_CACHE, REQUANT_STATS, requantize_stale_layers
+
+    calls: list = []
+    if with_backend:
+        monkeypatch.setenv("TRITON_INTERPRET", "0")  # kernels.dispatch on CPU: its pure-PyTorch twin (fast)
+        register_rollout_backend("cpu", _kernel_like_backend(calls))
+        monkeypatch.setattr(_BACKEND_CACHE, "_entries", {})
+    try:
+        _refit_twice(with_backend, calls, load_weights_and_requantize, requantize_stale_layers, REQUANT_STATS)
+    finally:
+        register_rollout_backend("cpu", None)
+
+
+def _refit_twice(with_backend, calls, load_weights_and_requantize, requantize_stale_layers, REQUANT_STATS):
+    from kernels import dispatch
 
     precision = PRECISIONS["hif4+2:4"]
     layers = _loaded_layers(precision, _hf_weights(0))
     ids = {k: (id(m.weight), id(m.weight_packed), id(m.weight_scale)) for k, m in layers.items()}
+    ptrs = {k: [t.data_ptr() for t in _operand_tensors(m)] for k, m in layers.items()}
+    assert all(len(v) == (3 + 3 * with_backend) for v in ptrs.values()), {k: len(v) for k, v in ptrs.items()}
+    reallocated = REQUANT_STATS["reallocated"]
     loaders = {k: m.weight.weight_loader for k, m in layers.items()}
     xs = _inputs()
 
@@ -237,10 +337,21 @@ def test_refit_requantizes_in_place_twice():
         with torch.no_grad():
             for k, m in layers.items():
                 W, b = fused[k]
-                assert torch.equal(m.weight_packed, get_format("hif4").quantize(W, dim=-1).codes), (step, k)
+                qt = get_format("hif4").quantize(W, dim=-1)
+                assert torch.equal(m.weight_packed, qt.codes) and torch.equal(m.weight_scale, qt.scales), (step, k)
+                assert torch.equal(m.megatron_fp4_wq, qt.dequantize()), (step, k)
+                if with_backend:
+                    fresh = dispatch.prepare_weight(W, "hif4")
+                    now = _operand_tensors(m)[3:]
+                    for a, f in zip(now, [fresh.packed.codes, fresh.packed.scales, fresh.expanded.values], strict=True):
+                        torch.testing.assert_close(a, f, rtol=0, atol=0, equal_nan=True)
+                n_calls = len(calls)
                 y = m(xs[k])[0]
+                assert len(calls) == n_calls + with_backend, (step, k)  # the backend served it, where registered
                 assert torch.equal(y, rollout_linear(xs[k], W, b, precision)), (step, k)
                 assert not torch.equal(y, before[k]), (step, k)
+        assert ptrs == {k: [t.data_ptr() for t in _operand_tensors(m)] for k, m in layers.items()}, step
+    assert REQUANT_STATS["reallocated"] == reallocated
     assert ids == {k: (id(m.weight), id(m.weight_packed), id(m.weight_scale)) for k, m in layers.items()}
     assert loaders == {k: m.weight.weight_loader for k, m in layers.items()}
 

@@ -250,8 +250,14 @@ def validate_args(args: argparse.Namespace, world_size: int = 1) -> argparse.Nam
                              + (" (local without CUDA)" if args.attention_backend == "auto" else ""))
         if pp > 1:
             raise ValueError(f"--pack-sequences is not supported with --pipeline-model-parallel-size={pp} (allowed: 1)")
-    if args.rollout_backend == "sglang" and (tp * pp) > 1:
-        raise ValueError("--rollout-backend sglang currently runs with TP=PP=1 trainers only")
+    if args.rollout_backend == "sglang":
+        from megatron_fp4.rollout.sglang_engine import sglang_start_problem
+
+        problem = sglang_start_problem(needs_plugin=args.rollout_precision != "bf16")
+        if problem is not None:
+            raise ValueError(f"--rollout-backend sglang cannot run here: {problem}; use --rollout-backend native")
+        if (tp * pp) > 1:
+            raise ValueError("--rollout-backend sglang currently runs with TP=PP=1 trainers only")
     if args.overlong_buffer_len >= args.max_response_length:
         raise ValueError(f"--overlong-buffer-len={args.overlong_buffer_len} must be smaller than "
                          f"--max-response-length={args.max_response_length}")

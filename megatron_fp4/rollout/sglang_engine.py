@@ -28,13 +28,37 @@ from megatron_fp4.rollout.base import RolloutEngine, RolloutSample, SamplingPara
 from megatron_fp4.sglang_plugin.loader import REQUANTIZING_LOADER
 from megatron_fp4.sglang_plugin.options import QUANT_METHOD, PluginOptions
 
-__all__ = ["SGLangRolloutEngine", "megatron_to_hf_tensors", "check_model_for_precision"]
+__all__ = ["SGLangRolloutEngine", "megatron_to_hf_tensors", "check_model_for_precision", "sglang_start_problem"]
 
 _HF_PREFIXES = ("model.", "lm_head.")
 #: HF linear modules of a transformer block with their K (in_features) source in config.json.
 _LINEAR_K = {"self_attn.q_proj": "hidden_size", "self_attn.k_proj": "hidden_size", "self_attn.v_proj": "hidden_size",
              "self_attn.o_proj": "attn_out", "mlp.gate_proj": "hidden_size", "mlp.up_proj": "hidden_size",
              "mlp.down_proj": "intermediate_size"}
+
+
+def sglang_start_problem(needs_plugin: bool = True) -> Optional[str]:
+    """Why an SGLang Engine cannot start in this process for the GRPO driver, or None where it can: it needs a CUDA
+    GPU, SGLang and sgl-kernel (SGLang's CUDA ops), and for FP4 rollout (``needs_plugin``) the plug-in's
+    ``sglang.srt.plugins`` entry point, which SGLang's scheduler processes load. Imports nothing heavy."""
+    import importlib.util
+    from importlib.metadata import entry_points
+
+    if not torch.cuda.is_available():
+        return ("SGLang's Engine needs a CUDA GPU (its model runner and sgl-kernel's ops are CUDA builds) and "
+                "torch.cuda.is_available() is False on this machine")
+    for module, what in (("sglang", "SGLang"), ("sgl_kernel", "sgl-kernel (SGLang's CUDA ops)")):
+        try:
+            found = importlib.util.find_spec(module) is not None
+        except (ImportError, ValueError):
+            found = False
+        if not found:
+            return f"{what} is not installed in this environment (see docs/dev/SGLANG.md)"
+    if needs_plugin and not any(ep.value.startswith("megatron_fp4.")
+                                for ep in entry_points(group="sglang.srt.plugins")):
+        return (f"the {QUANT_METHOD} plug-in's 'sglang.srt.plugins' entry point is not installed, so SGLang's "
+                f"scheduler cannot load the FP4 rollout method (pip install --no-deps -e . into SGLang's environment)")
+    return None
 
 
 class _InMemoryCheckpoint:

@@ -11,12 +11,34 @@ from __future__ import annotations
 
 from megatron_fp4.sglang_plugin.options import QUANT_METHOD, PluginOptions, quant_config_dict
 
-__all__ = ["QUANT_METHOD", "PluginOptions", "quant_config_dict", "register", "is_registered"]
+__all__ = ["QUANT_METHOD", "PluginOptions", "quant_config_dict", "register", "is_registered",
+           "quantization_choices"]
+
+#: Where SGLang keeps its ``--quantization`` choices: its newer releases (0.5.23) moved them to
+#: ``sglang.srt.arg_groups.choices`` (``server_args`` re-exports them); 0.5.17 defines them in ``server_args``.
+_CHOICES_MODULES = ("sglang.srt.arg_groups.choices", "sglang.srt.server_args")
+
+
+def quantization_choices():
+    """SGLang's ``--quantization`` choice list and its ``add_quantization_method_choices``, from whichever module
+    of :data:`_CHOICES_MODULES` this SGLang has (the first that exists)."""
+    import importlib
+
+    for name in _CHOICES_MODULES:
+        try:
+            module = importlib.import_module(name)
+        except ModuleNotFoundError as e:
+            if e.name is None or not (name == e.name or name.startswith(e.name + ".")):
+                raise  # the module exists but something it imports is missing: a broken install, not a layout
+            continue
+        if hasattr(module, "QUANTIZATION_CHOICES") and hasattr(module, "add_quantization_method_choices"):
+            return module.QUANTIZATION_CHOICES, module.add_quantization_method_choices
+    raise ImportError(f"this SGLang has no QUANTIZATION_CHOICES/add_quantization_method_choices in any of "
+                      f"{', '.join(_CHOICES_MODULES)}; megatron_fp4 supports SGLang 0.5.17 and 0.5.23")
 
 
 def register() -> None:
     """Add ``megatron_fp4`` to SGLang's quantization methods and CLI choices (idempotent)."""
-    from sglang.srt.arg_groups.choices import QUANTIZATION_CHOICES, add_quantization_method_choices
     from sglang.srt.layers import quantization as sgl_quant
 
     from megatron_fp4.sglang_plugin.method import MegatronFP4Config
@@ -25,8 +47,9 @@ def register() -> None:
     sgl_quant.BASE_QUANTIZATION_METHODS[QUANT_METHOD] = MegatronFP4Config
     # SGLang's CPU engine on AMX machines only accepts methods listed here (the PyTorch reference serves CPU).
     getattr(sgl_quant, "CPU_QUANTIZATION_METHODS", {})[QUANT_METHOD] = MegatronFP4Config
-    if QUANT_METHOD not in QUANTIZATION_CHOICES:
-        add_quantization_method_choices([QUANT_METHOD])
+    choices, add_choices = quantization_choices()
+    if QUANT_METHOD not in choices:
+        add_choices([QUANT_METHOD])
 
 
 def is_registered() -> bool:

@@ -3,9 +3,10 @@
 Each quantized linear keeps three parameters: ``weight`` (the high-precision loading target: SGLang's own
 weight_loader, wrapped to mark the layer stale), ``weight_packed`` (uint8 ``[N, K/2]``, two FP4 codes per byte) and
 ``weight_scale`` (uint8 block metadata), the layout of :mod:`megatron_fp4.models.fp4_checkpoint`. The packed pair
-is re-quantized from ``weight`` after loading and after every refit (in place: the Parameter objects survive), and
-``apply`` computes :func:`megatron_fp4.resq.rollout_linear` on the dequantized packed weight: the reference
-quantizer's operands bit for bit. On devices with a registered rollout backend (the Triton kernels on CUDA,
+is re-quantized from ``weight`` after loading and after every refit, in place: the Parameter objects and every
+GEMM operand's storage (the dequantized reference operand, the kernels' prepared weight) survive, so CUDA graphs
+captured over them stay valid. ``apply`` computes :func:`megatron_fp4.resq.rollout_linear` on the dequantized
+packed weight: the reference quantizer's operands bit for bit. On devices with a registered rollout backend (the Triton kernels on CUDA,
 ``megatron_fp4.rollout.kernels_backend``) the backend computes the same numbers from its prepared weight.
 """
 
@@ -31,8 +32,10 @@ __all__ = ["MegatronFP4Config", "MegatronFP4LinearMethod", "requantize_stale_lay
 
 #: Prepared weights of a device backend (kernels), shared by every layer of this process.
 _BACKEND_CACHE = QuantizedWeightCache()
-#: Totals of this process's re-quantizations (count, seconds), for weight-sync timing.
-REQUANT_STATS = {"layers": 0, "seconds": 0.0}
+#: Totals of this process's re-quantizations (count, seconds), for weight-sync timing; ``reallocated``: layers
+#: whose GEMM operands a refit could not rewrite in place (new buffers: CUDA graphs captured before must be
+#: recaptured).
+REQUANT_STATS = {"layers": 0, "seconds": 0.0, "reallocated": 0}
 _BACKENDS_TRIED: set = set()
 
 
@@ -165,7 +168,7 @@ class MegatronFP4LinearMethod(LinearMethodBase):
         with torch.no_grad():
             wq = qt.dequantize()
             w.data.copy_(wq)
-        layer.megatron_fp4_wq = wq
+            _store_operand(layer, wq)
         layer.megatron_fp4_packed_loaded = False
         layer.megatron_fp4_stale = False
         layer.megatron_fp4_from_packed = True  # the reference path serves it (kernels re-quantize from weight)
@@ -181,11 +184,14 @@ class MegatronFP4LinearMethod(LinearMethodBase):
                 qt = fmt.quantize(w, dim=-1)
                 layer.weight_packed.data.copy_(qt.codes)
                 layer.weight_scale.data.copy_(qt.scales)
-                layer.megatron_fp4_wq = qt.dequantize()  # == fmt.fake_quantize(w): the reference operand
+                _store_operand(layer, qt.dequantize())  # == fmt.fake_quantize(w): the reference operand
             else:
                 layer.megatron_fp4_wq = None
             if rollout_backend_for(w.device.type) is not None:
-                _BACKEND_CACHE.refresh([layer.weight], self.options.format, self.precision)
+                # the kernels' prepared weight (packed, expanded, decode layout) rewritten in place
+                _BACKEND_CACHE.refresh([layer.weight], self.options.format, self.precision, in_place=True)
+                if not _BACKEND_CACHE.last_refresh_in_place:
+                    REQUANT_STATS["reallocated"] += 1
         layer.megatron_fp4_stale = False
         layer.megatron_fp4_packed_loaded = False
         layer.megatron_fp4_from_packed = False
@@ -202,6 +208,18 @@ class MegatronFP4LinearMethod(LinearMethodBase):
         if rollout_backend_for(x.device.type) is not None and not layer.megatron_fp4_from_packed:
             return rollout_linear(x, layer.weight, bias, self.precision, cache=_BACKEND_CACHE)
         return rollout_linear(x, layer.weight, bias, self.precision, weight_q=layer.megatron_fp4_wq)
+
+
+def _store_operand(layer: torch.nn.Module, wq: torch.Tensor) -> None:
+    """``layer.megatron_fp4_wq = wq``, written into the existing tensor where there is one of the same shape,
+    dtype and device (CUDA graphs captured its address); a first build or a change allocates."""
+    old = getattr(layer, "megatron_fp4_wq", None)
+    if isinstance(old, torch.Tensor) and old.shape == wq.shape and old.dtype == wq.dtype and old.device == wq.device:
+        old.copy_(wq)
+        return
+    if old is not None:
+        REQUANT_STATS["reallocated"] += 1
+    layer.megatron_fp4_wq = wq
 
 
 def _marking_loader(loader, layer: torch.nn.Module, flag: str):
