@@ -253,6 +253,30 @@ def test_tensor_parallel_two_ranks_runs_three_steps(tmp_path):
     assert all(math.isfinite(row["loss"]) for row in rows)
 
 
+def test_save_debug_rollout_data_gathers_data_parallel_ranks(tmp_path):
+    """DP=2: rank 0 writes every rank's samples, the batch's groups and each held-out prompt once, in order."""
+    import torch
+
+    from megatron_fp4.rl.arguments import rl_config
+    from megatron_fp4.rl.setup import load_examples
+
+    argv = [*TINY, "--sft-iters", "0", "--train-iters", "1", "--fp4-block-format", "none",
+            "--save-debug-rollout-data", str(tmp_path / "debug" / "{rollout_id}.pt")]
+    r = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
+                        os.path.join(ROOT, "pretrain_rl.py"), *argv], env=_env(), cwd=ROOT, capture_output=True,
+                       text=True, timeout=600)
+    assert r.returncode == 0, r.stderr[-3000:]
+    train = torch.load(tmp_path / "debug" / "0.pt", weights_only=True)["samples"]
+    assert [s["group_index"] for s in train] == [g for g in range(4) for _ in range(4)]  # 2 groups per rank
+    assert len({s["prompt"] for s in train}) == 4
+    _, held_out, _ = load_examples(rl_config(parse_args(argv)))
+    for name in ("eval_0", "eval_1"):
+        ev = torch.load(tmp_path / "debug" / f"{name}.pt", weights_only=True)
+        assert ev["rollout_id"] == name and {s["eval_metric"] for s in ev["samples"]} == {"accuracy"}
+        assert [(s["group_index"], s["prompt"], s["label"]) for s in ev["samples"]] == [
+            (i, e.prompt, e.reference) for i, e in enumerate(held_out)]
+
+
 @pytest.mark.slow
 def test_pipeline_parallel_two_ranks_equals_single_process(tmp_path):
     """PP=2 under torchrun (policy split in two stages, a full-depth rollout copy on each rank fed by the weight

@@ -216,3 +216,47 @@ def test_the_static_decode_path_runs_a_grpo_step():
     assert trainer.rollout.engine.decode == "static"
     metrics = trainer.train_step()
     assert trainer.step == 1 and metrics["response_length_mean"] > 0 and metrics["logp_abs_diff_mean"] < 1e-3
+
+
+def test_save_debug_rollout_data_writes_slime_style_files(tmp_path):
+    """--save-debug-rollout-data (slime's): each rollout's batch and each evaluation's samples (every set, every
+    precision) in a torch.save file of plain values, with slime's Sample keys; what it holds is what was scored."""
+    from rl_helpers import write_records
+
+    data = write_records(tmp_path / "toy.jsonl", [{"q": f"{a}+1=", "a": str(a + 1)} for a in range(5)])
+    template = str(tmp_path / "debug" / "{rollout_id}.pt")
+    trainer = _trainer("--eval-prompt-data", "toy", str(data), "--eval-input-key", "q", "--eval-label-key", "a",
+                       "--save-debug-rollout-data", template)  # W4A4 + ResQ rollout: accuracy and accuracy_bf16
+    trainer.start(plan_start(trainer.cfg.checkpoint))  # the step-0 evaluation: eval_0.pt
+    trainer.train_step()                                # the first rollout: 0.pt
+    keys = {"group_index", "index", "prompt", "tokens", "response", "response_length", "label", "reward", "status",
+            "metadata", "rollout_log_probs"}
+
+    train = torch.load(tmp_path / "debug" / "0.pt", weights_only=True)
+    assert train["rollout_id"] == 0 and len(train["samples"]) == 4 * 4
+    for i, s in enumerate(train["samples"]):
+        assert set(s) == keys and s["index"] == i and s["group_index"] == i // 4
+        assert len(s["rollout_log_probs"]) == s["response_length"] <= 4 and s["status"] in ("completed", "truncated")
+        example = next(e for e in trainer.rollout.train_examples if e.prompt == s["prompt"])
+        assert s["label"] == example.reference and s["reward"] == score(s["response"], example.reference, example.kind)
+        response = s["tokens"][len(s["tokens"]) - s["response_length"]:]
+        assert s["response"] == trainer.rollout.tokenizer.decode(response)
+
+    ev = torch.load(tmp_path / "debug" / "eval_0.pt", weights_only=True)
+    warm = trainer.extra["warm_start"]
+    assert ev["rollout_id"] == "eval_0" and len(ev["samples"]) == 2 * (16 + 5)
+    for set_name, prefix, n in (("", "", 16), ("toy", "toy/", 5)):
+        for metric in ("accuracy", "accuracy_bf16"):
+            got = [s for s in ev["samples"] if s["eval_set"] == set_name and s["eval_metric"] == metric]
+            assert [s["group_index"] for s in got] == list(range(n))
+            assert sum(s["reward"] for s in got) / n == warm[prefix + metric]
+    toy = [s for s in ev["samples"] if s["eval_set"] == "toy" and s["eval_metric"] == "accuracy_bf16"]
+    greedy = trainer.rollout.generate_greedy(trainer.evaluator.sets["toy"], trainer.bf16_precision)
+    prompts = trainer.rollout.prompt_ids(trainer.evaluator.sets["toy"])
+    assert [s["tokens"] for s in toy] == [p + g.token_ids for p, g in zip(prompts, greedy)]
+    assert [s["label"] for s in toy] == [str(a + 1) for a in range(5)]
+
+
+def test_save_debug_rollout_data_needs_the_rollout_id_placeholder(tmp_path):
+    with pytest.raises(ValueError, match=r"--save-debug-rollout-data='.*x\.pt' must contain \{rollout_id\}"):
+        parse_args(["--save-debug-rollout-data", str(tmp_path / "x.pt")])

@@ -218,6 +218,10 @@ def validate_args(args: argparse.Namespace, world_size: int = 1) -> argparse.Nam
     _check_rewards(args)
     for flag, path in (("--results-json", args.results_json), ("--log-jsonl", args.log_jsonl)):
         _check_writable(flag, path)
+    from megatron_fp4.rl.debug_data import check_template
+
+    check_template(args.save_debug_rollout_data)
+    _check_writable("--save-debug-rollout-data", args.save_debug_rollout_data)
     for flag, path in (("--save", args.save), ("--tensorboard-dir", args.tensorboard_dir), ("--save-hf", args.save_hf)):
         _check_writable(flag, path, is_dir=True)
     if args.save_hf is not None and args.save is not None and os.path.abspath(args.save_hf) == os.path.abspath(

@@ -327,6 +327,10 @@ class RunConfig:
     wandb_mode: Optional[str] = knob(None, "W&B mode (default: the WANDB_MODE environment variable, else online)",
                                      choices=WANDB_MODES)
     wandb_dir: Optional[str] = knob(None, "directory of the W&B run files (default: ./wandb)")
+    save_debug_rollout_data: Optional[str] = knob(
+        None, "slime's: write each rollout's samples (prompt, tokens, response, label, reward, status, logprobs) to "
+              "this path, {rollout_id} replaced by the rollout index (0 = the first GRPO step) or eval_N for the "
+              "evaluation after N steps (each set, each precision); torch.save of plain values, rank 0")
     log_underflow_interval: int = knob(0, "every N GRPO steps (and at step 0) log the per-layer rollout FP4 "
                                           "underflow rate without and with ResQ (--resq, or 2:4 when --resq none) on "
                                           "up to 64 held-out prompts (0 = off)", check=non_negative)

@@ -41,23 +41,27 @@ class Evaluator:
     def __init__(self, rollout: RolloutManager, eval_examples: list[Example],
                  precisions: Optional[dict[str, Any]] = None, sets: Optional[dict[str, list[Example]]] = None,
                  n_samples: int = 1, temperature: Optional[float] = None, max_new_tokens: Optional[int] = None,
-                 seed: int = 0) -> None:
+                 seed: int = 0, debug_data_path: Optional[str] = None) -> None:
         self.rollout = rollout
         self.sets = {"": list(eval_examples), **(sets or {})} if eval_examples else dict(sets or {})
         self.precisions = precisions or {"accuracy": None}
         self.n_samples, self.temperature, self.max_new_tokens, self.seed = n_samples, temperature, max_new_tokens, seed
+        self.debug_data_path = debug_data_path  # --save-debug-rollout-data: every evaluation's samples
 
     @property
     def examples(self) -> list[Example]:
         """The held-out split's examples (else the first evaluation set's; none without evaluation sets)."""
         return next(iter(self.sets.values()), [])
 
-    def evaluate(self, precisions: Optional[dict[str, Any]] = None, held_out_only: bool = False) -> dict[str, float]:
+    def evaluate(self, precisions: Optional[dict[str, Any]] = None, held_out_only: bool = False,
+                 rollout_id: Optional[str] = None) -> dict[str, float]:
         """Accuracy (and pass@k) per precision and set, averaged over data parallelism (this rank's share of the
-        examples). ``held_out_only``: only the first set (what --sft-target-accuracy checks)."""
+        examples). ``held_out_only``: only the first set (what --sft-target-accuracy checks). ``rollout_id``
+        (e.g. ``eval_10``): with --save-debug-rollout-data, the file the evaluation's samples go to (collective)."""
         rank, size = dp_rank_and_size()
         n = self.n_samples
         out = {}
+        records: list[dict] = []
         for set_name, examples in list(self.sets.items())[:1 if held_out_only else None]:
             prefix = f"{set_name}/" if set_name else ""
             exs = examples[rank::size]
@@ -65,7 +69,15 @@ class Evaluator:
                 samples = self.rollout.generate_eval(exs, prec, n=n, temperature=self.temperature,
                                                      max_new_tokens=self.max_new_tokens,
                                                      seed=self.seed + rank if n > 1 else 0)
-                correct = [r >= 1.0 for r in self.rollout.score(exs, samples, n)]
+                rewards = self.rollout.score(exs, samples, n)
+                correct = [r >= 1.0 for r in rewards]
+                if self.debug_data_path is not None and rollout_id is not None:
+                    from megatron_fp4.rl.debug_data import sample_records
+
+                    prompts = [p for p in self.rollout.prompt_ids(exs) for _ in range(n)]
+                    records += sample_records(exs, samples, rewards, prompts, self.rollout.tokenizer, n,
+                                              group_offset=rank, group_stride=size, eval_set=set_name,
+                                              eval_metric=name)
                 out[prefix + name] = dp_sum(sum(correct)) / max(dp_sum(len(exs) * n), 1)
                 if n > 1:
                     suffix = name[len("accuracy"):] if name.startswith("accuracy") else f"_{name}"
@@ -73,4 +85,8 @@ class Evaluator:
                     for k in pass_ks(n):
                         total = sum(pass_at_k(n, c, k) for c in per_prompt)
                         out[f"{prefix}pass@{k}{suffix}"] = dp_sum(total) / max(dp_sum(len(exs)), 1)
+        if self.debug_data_path is not None and rollout_id is not None:
+            from megatron_fp4.rl.debug_data import save_debug_rollout_data
+
+            save_debug_rollout_data(self.debug_data_path, rollout_id, records)
         return out

@@ -51,9 +51,11 @@ class RolloutManager:
     weights in sync with the policy. ``sampler`` holds the data position (checkpointed)."""
 
     def __init__(self, cfg: RolloutConfig, engine: RolloutEngine, tokenizer: Tokenizer,
-                 train_examples: list[Example], seed: int, reward_fn: Optional[RewardFunction] = None) -> None:
+                 train_examples: list[Example], seed: int, reward_fn: Optional[RewardFunction] = None,
+                 debug_data_path: Optional[str] = None) -> None:
         self.cfg, self.engine, self.tokenizer = cfg, engine, tokenizer
         self.train_examples, self.seed = train_examples, seed
+        self.debug_data_path = debug_data_path  # --save-debug-rollout-data (megatron_fp4.rl.debug_data)
         self.reward_fn = reward_fn if reward_fn is not None else RewardFunction()
         self.sampler = PromptSampler(len(train_examples), seed=seed)
         self.dp_rank, self.dp_size = dp_rank_and_size()
@@ -152,7 +154,8 @@ class RolloutManager:
                 passed = (grpo.dynamic_sampling_keep(rewards, G) if c.dynamic_sampling
                           else torch.ones(len(exs), dtype=torch.bool))
                 for g in range(len(exs)):
-                    group = (prompts[g * G:(g + 1) * G], samples[g * G:(g + 1) * G], rewards[g * G:(g + 1) * G])
+                    group = (prompts[g * G:(g + 1) * G], samples[g * G:(g + 1) * G], rewards[g * G:(g + 1) * G],
+                             exs[g])
                     (kept if bool(passed[g]) and len(kept) < want else spare).append(group)
             rounds += 1
             if not c.dynamic_sampling or rounds >= c.dynamic_sampling_max_rounds or not any_rank(len(kept) < want):
@@ -179,6 +182,12 @@ class RolloutManager:
                                             c.overlong_buffer_len, c.overlong_penalty_factor)
             shaped = raw + penalty
             metrics["overlong_penalty_mean"] = dp_sum(float(penalty.mean())) / self.dp_size
+        if self.debug_data_path is not None:
+            from megatron_fp4.rl.debug_data import sample_records, save_debug_rollout_data
+
+            records = sample_records([g[3] for g in groups], samples, raw.tolist(), prompts, self.tokenizer, G,
+                                     group_offset=self.dp_rank * want)
+            save_debug_rollout_data(self.debug_data_path, step, records)
         seqs = pack_sequences(prompts, responses, [s.logprobs for s in samples], shaped, self.tokenizer.pad_id)
         if c.overlong_filter:
             seqs.mask = grpo.overlong_filter(seqs.mask, truncated)

@@ -255,10 +255,12 @@ def build_trainer(cfg: RLConfig, plan: StartPlan):
                   train_iters=run.train_iters, max_nonfinite_steps=run.max_nonfinite_steps,
                   steps_per_rollout=steps_per_rollout)
     reward_fn = RewardFunction(ro.custom_rm_path, ro.group_rm, cfg.namespace())
-    rollout = RolloutManager(ro, engine, tok, train_examples, seed=run.seed, reward_fn=reward_fn)
+    rollout = RolloutManager(ro, engine, tok, train_examples, seed=run.seed, reward_fn=reward_fn,
+                             debug_data_path=run.save_debug_rollout_data)
     evaluator = Evaluator(rollout, eval_examples, eval_precisions, sets=eval_sets,
                           n_samples=run.n_samples_per_eval_prompt, temperature=run.eval_temperature,
-                          max_new_tokens=run.eval_max_response_len, seed=run.seed)
+                          max_new_tokens=run.eval_max_response_len, seed=run.seed,
+                          debug_data_path=run.save_debug_rollout_data)
     wandb_run = init_wandb(run, vars(cfg.namespace())) if run.use_wandb and rank == 0 else None
     tokenizer_dir = tokenizer_model if tokenizer_model and os.path.isdir(tokenizer_model) else None
     trainer = GRPOTrainer(cfg, rollout, actor, evaluator, Checkpointer(cfg.checkpoint, tok.vocab_size, tokenizer_dir),

@@ -45,7 +45,7 @@ class GRPOTrainer:
             step = self.step
             self.logger.record(step, "train", metrics, console=step % run.log_interval == 0)
             if step % run.eval_interval == 0 or step == run.train_iters:
-                last_eval = self.evaluator.evaluate()
+                last_eval = self.evaluator.evaluate(rollout_id=f"eval_{step}")
                 self.logger.record(step, "eval", last_eval)
             self.log_underflow(step)
             if self.cfg.checkpoint.save and (step % self.cfg.checkpoint.save_interval == 0 or step == run.train_iters):
@@ -54,7 +54,8 @@ class GRPOTrainer:
             self.checkpointer.save_hf(self.actor)
         warm = self.extra.get("warm_start", {})
         if last_eval is None:
-            last_eval = dict(warm) if run.train_iters == 0 and warm else self.evaluator.evaluate()
+            last_eval = (dict(warm) if run.train_iters == 0 and warm
+                         else self.evaluator.evaluate(rollout_id=f"eval_{self.step}"))
         return {"warm_start": warm, "final": last_eval, "steps": self.step,
                 "warmup_losses": self.extra.get("warmup_losses", [])}
 
@@ -91,7 +92,7 @@ class GRPOTrainer:
             self.extra["warmup_losses"] = self.warm_up()
         self.actor.copy_policy_to_reference()
         self.sync_weights()
-        warm = self.evaluator.evaluate()
+        warm = self.evaluator.evaluate(rollout_id="eval_0")
         self.extra["warm_start"] = warm
         self.logger.log(0, warm, prefix="eval")
         if self.cfg.checkpoint.save:
