@@ -47,6 +47,7 @@ import torch
 
 from megatron_fp4.models.safetensors_io import (CHECKSUM_ALGORITHM, SafetensorsFile, fsync_dir, save_safetensors,
                                                writer_record)
+from megatron_fp4.models.safetensors_io import write_text_atomic as _write_text_atomic
 from megatron_fp4.ownership import check_output_dir
 
 __all__ = [
@@ -271,17 +272,6 @@ def checkpoint_args_doc(iteration: Union[int, str], model_args: Any, tp: int, pp
         doc.update(extra)
     doc["checksum"] = {"algorithm": CHECKSUM_ALGORITHM, "digest": _args_digest(doc)}
     return doc
-
-
-def _write_text_atomic(path: Path, text: str) -> None:
-    """Replace ``path`` by ``text`` atomically (temp file, fsync, rename, fsync the directory)."""
-    tmp = path.with_name(path.name + ".tmp")
-    with open(tmp, "w") as f:
-        f.write(text)
-        f.flush()
-        os.fsync(f.fileno())
-    os.replace(tmp, path)
-    fsync_dir(path.parent)
 
 
 def _tmp_iteration_dir(save_dir: Path, iteration: Union[int, str]) -> Path:

@@ -25,7 +25,8 @@ from typing import Any, Optional, Union
 import torch
 
 __all__ = ["CHECKSUM_ALGORITHM", "CHECKSUMS_KEY", "WRITER_KEY", "SafetensorsFileError", "tensor_digest",
-           "checksum_metadata", "save_safetensors", "SafetensorsFile", "fsync_dir"]
+           "checksum_metadata", "save_safetensors", "SafetensorsFile", "fsync_dir",
+           "write_text_atomic"]
 
 CHECKSUM_ALGORITHM = "xxh3_128"
 CHECKSUMS_KEY = "megatron_fp4.checksums"
@@ -98,6 +99,19 @@ def fsync_dir(path: PathLike) -> None:
         pass
     finally:
         os.close(fd)
+
+
+def write_text_atomic(path: PathLike, text: str) -> None:
+    """Replace ``path`` by ``text`` atomically (temp file in the same directory, fsync, rename, fsync the
+    directory)."""
+    path = Path(path)
+    tmp = path.with_name(path.name + ".tmp")
+    with open(tmp, "w") as f:
+        f.write(text)
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(tmp, path)
+    fsync_dir(path.parent)
 
 
 def save_safetensors(tensors: dict[str, torch.Tensor], path: PathLike, metadata: Optional[dict[str, str]] = None,

@@ -36,6 +36,8 @@ from typing import Any, Callable
 import numpy as np
 import torch
 
+from megatron_fp4.models.safetensors_io import fsync_dir, write_text_atomic as _write_text_atomic
+
 __all__ = ["TRACKER_FILE", "WRITER_FILE", "CHECKSUM_ALGORITHM", "CheckpointError", "CheckpointNotFoundError",
            "iter_dir_name", "check_save_dir", "claim_save_dir", "inspect_checkpoint_dir", "save_checkpoint",
            "load_checkpoint", "latest_iteration", "list_checkpoints", "tensor_checksums", "verify_checksums",
@@ -68,20 +70,6 @@ def _rank_file(rank: int) -> str:
     return f"rank_{rank:05d}.pt"
 
 
-def _fsync_dir(path: Path) -> None:
-    """fsync a directory so a rename inside it is durable (ignored where the platform refuses)."""
-    try:
-        fd = os.open(path, os.O_RDONLY)
-    except OSError:
-        return
-    try:
-        os.fsync(fd)
-    except OSError:
-        pass
-    finally:
-        os.close(fd)
-
-
 def _write_state(path: Path, state: Any) -> None:
     """torch.save state (with the checksums of its tensors) to path and fsync it."""
     state = {**state, "checksums": _checksum_table(state)}
@@ -89,17 +77,6 @@ def _write_state(path: Path, state: Any) -> None:
         torch.save(state, f)
         f.flush()
         os.fsync(f.fileno())
-
-
-def _write_text_atomic(path: Path, text: str) -> None:
-    """Replace path by text atomically: temp file in the same directory, fsync, os.replace, fsync the dir."""
-    tmp = path.with_name(path.name + ".tmp")
-    with open(tmp, "w") as f:
-        f.write(text)
-        f.flush()
-        os.fsync(f.fileno())
-    os.replace(tmp, path)
-    _fsync_dir(path.parent)
 
 
 def _remove_dir(path: Path) -> None:
@@ -361,14 +338,14 @@ def save_checkpoint(save_dir: str | Path, iteration: int, state: dict, *, keep_l
             json.dump(meta, f, indent=1)
             f.flush()
             os.fsync(f.fileno())
-        _fsync_dir(tmp)
+        fsync_dir(tmp)
         aside = root / (_DEL_PREFIX + name)
         if final.exists():  # re-saving an iteration (e.g. after a resume): move the old copy aside first
             if aside.exists():
                 shutil.rmtree(aside)
             os.replace(final, aside)
         os.replace(tmp, final)
-        _fsync_dir(root)
+        fsync_dir(root)
         if aside.exists():
             shutil.rmtree(aside)
         _write_text_atomic(root / TRACKER_FILE, f"{iteration}\n")
