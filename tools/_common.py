@@ -49,26 +49,24 @@ def tool_parser(prog: str, doc: Optional[str]) -> ToolArgumentParser:
     return ToolArgumentParser(prog=prog, description=(doc or "").split("\n\n")[0])
 
 
-def positive_int(text: str) -> int:
-    """argparse type: an integer >= 1."""
+def _int_at_least(text: str, low: int) -> int:
     try:
         value = int(text)
     except ValueError:
         raise argparse.ArgumentTypeError(f"invalid int value: {text!r}") from None
-    if value < 1:
-        raise argparse.ArgumentTypeError(f"{value} is not valid; expected an integer >= 1")
+    if value < low:
+        raise argparse.ArgumentTypeError(f"{value} is not valid; expected an integer >= {low}")
     return value
+
+
+def positive_int(text: str) -> int:
+    """argparse type: an integer >= 1."""
+    return _int_at_least(text, 1)
 
 
 def non_negative_int(text: str) -> int:
     """argparse type: an integer >= 0."""
-    try:
-        value = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"invalid int value: {text!r}") from None
-    if value < 0:
-        raise argparse.ArgumentTypeError(f"{value} is not valid; expected an integer >= 0")
-    return value
+    return _int_at_least(text, 0)
 
 
 def iteration_arg(text: str) -> str:
