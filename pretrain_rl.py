@@ -95,6 +95,7 @@ def main(argv=None) -> dict:
 
 
 if __name__ == "__main__":
+    _quiet_imports()  # before the first megatron_fp4 import: rl.checkpoint pulls in megatron-core
     from megatron_fp4.rl.checkpoint import CheckpointError
     from megatron_fp4.rl.monitor import TrainingDivergedError
 
