@@ -51,8 +51,6 @@ def parse(argv=None):
 def main(argv=None) -> dict:
     _quiet_imports()
     args = parse(argv)
-    if args.rollout_backend == "sglang":
-        _error("--rollout-backend sglang is not available in pretrain_rl.py yet; use --rollout-backend native")
     import torch
 
     from megatron_fp4.parallel import initialize_parallel

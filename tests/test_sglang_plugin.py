@@ -570,6 +570,27 @@ def test_engine_args_are_valid_server_args(tmp_path, precision):
     assert cfg.options.precision == precision
 
 
+def test_driver_engine_args_are_valid_server_args(tmp_path):
+    """pretrain_rl.py's Engine arguments (--sglang-* flags, ports per local rank, dummy load, memory saver with
+    --offload-rollout) are ServerArgs fields of the installed SGLang, also the ones it renamed after 0.5.17."""
+    import torch
+    from sglang.srt.server_args import ServerArgs
+
+    from megatron_fp4.rl.config import RolloutConfig
+    from megatron_fp4.rl.rollout_manager import sglang_engine_kwargs
+    from megatron_fp4.rollout.sglang_engine import SGLangRolloutEngine
+
+    cfg = RolloutConfig(sglang_mem_fraction_static=0.35, sglang_cuda_graph_max_bs=96, offload_rollout=True,
+                        sglang_attention_backend="flashinfer", sglang_base_port=32000)
+    kwargs = SGLangRolloutEngine.engine_args(_tiny_hf_folder(tmp_path / "m"), RolloutPrecision("w4a4", "hif4", "2:4"),
+                                             **sglang_engine_kwargs(cfg, torch.bfloat16, seed=3))
+    sa = ServerArgs(**kwargs)
+    assert (sa.load_format, sa.mem_fraction_static, sa.attention_backend) == ("dummy", 0.35, "flashinfer")
+    assert (sa.port, sa.nccl_port, sa.random_seed, sa.enable_memory_saver) == (32000, 32008, 3, True)
+    graph_max_bs = getattr(sa, "cuda_graph_max_bs", None) or getattr(sa, "cuda_graph_max_bs_decode", None)
+    assert graph_max_bs == 96
+
+
 @pytest.mark.parametrize("name", ["hif4+2:4", "mxfp4+2:4"])
 def test_sglang_qwen2_mlp_equals_native_mlp(name):
     """SGLang's own Qwen2MLP (gate_up -> SiluAndMul -> down, the down_proj quantizing SGLang's activation) with the

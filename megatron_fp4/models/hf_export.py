@@ -20,11 +20,12 @@ from typing import Any, Optional, Union
 
 import torch
 
-from megatron_fp4.models.checkpoint_io import save_model_checkpoint
+from megatron_fp4.models.checkpoint_io import model_args_to_json, save_model_checkpoint
 from megatron_fp4.models.gpt import GPTModelArgs
-from megatron_fp4.models.hf_conversion import convert_megatron_to_hf, copy_hf_assets, prepare_output_dir
+from megatron_fp4.models.hf_conversion import (convert_megatron_to_hf, copy_hf_assets, hf_config_from_checkpoint,
+                                               prepare_output_dir)
 
-__all__ = ["export_model_hf"]
+__all__ = ["export_model_hf", "hf_config_of_model"]
 
 PathLike = Union[str, os.PathLike]
 
@@ -49,6 +50,20 @@ def _on_rank0(fn) -> Any:
     if error is not None:
         raise error
     return result
+
+
+def hf_config_of_model(model: Any, vocab_size: Optional[int] = None) -> dict:
+    """The config.json :func:`export_model_hf` writes for ``model`` (same ``vocab_size`` rule), without writing
+    anything: local, not collective."""
+    margs = GPTModelArgs.from_model(model)
+    info = margs.hf_info or {}
+
+    class _View:  # the slice of a checkpoint that hf_config_from_checkpoint reads
+        model_args = model_args_to_json(margs)
+        args = {"hf_config": info.get("config"), "hf_vocab_size": vocab_size or info.get("vocab_size"),
+                "hf_architecture": info.get("architecture")}
+
+    return hf_config_from_checkpoint(_View())
 
 
 def export_model_hf(model: Any, save_dir: PathLike, *, dtype: Optional[torch.dtype] = None,

@@ -261,7 +261,15 @@ def validate_args(args: argparse.Namespace, world_size: int = 1) -> argparse.Nam
         if problem is not None:
             raise ValueError(f"--rollout-backend sglang cannot run here: {problem}; use --rollout-backend native")
         if (tp * pp) > 1:
-            raise ValueError("--rollout-backend sglang currently runs with TP=PP=1 trainers only")
+            raise ValueError(f"--rollout-backend sglang runs with --tensor-model-parallel-size 1 and "
+                             f"--pipeline-model-parallel-size 1 only (got {tp} and {pp}); each data-parallel rank "
+                             f"starts its own Engine. Use --rollout-backend native with TP/PP")
+        local = int(os.environ.get("LOCAL_WORLD_SIZE", "1"))
+        master = int(os.environ.get("MASTER_PORT", "0") or 0)
+        if args.sglang_base_port <= master < args.sglang_base_port + 16 * local:
+            raise ValueError(f"--sglang-base-port={args.sglang_base_port}: the SGLang Engines' ports "
+                             f"{args.sglang_base_port}-{args.sglang_base_port + 16 * local - 1} include torchrun's "
+                             f"MASTER_PORT {master}; pick another --sglang-base-port")
     if args.overlong_buffer_len >= args.max_response_length:
         raise ValueError(f"--overlong-buffer-len={args.overlong_buffer_len} must be smaller than "
                          f"--max-response-length={args.max_response_length}")

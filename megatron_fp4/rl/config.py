@@ -32,10 +32,11 @@ from megatron_fp4.rl.rewards import VALID_KINDS
 __all__ = ["knob", "positive", "non_negative", "at_least", "in_range", "ParallelConfig", "ModelConfig",
            "PrecisionConfig", "DataConfig", "RolloutConfig", "ActorConfig", "WarmupConfig", "CheckpointConfig",
            "RunConfig", "RLConfig", "SECTIONS", "section_fields", "FP4_FORMATS", "ROLLOUT_BACKENDS", "ADVANTAGES",
-           "INITS", "REWARD_KINDS", "WANDB_MODES", "ATTENTION_BACKENDS"]
+           "INITS", "REWARD_KINDS", "WANDB_MODES", "ATTENTION_BACKENDS", "SGLANG_ATTENTION_BACKENDS"]
 
 FP4_FORMATS = (*RECIPES, "none")
 ROLLOUT_BACKENDS = ("native", "sglang")
+SGLANG_ATTENTION_BACKENDS = ("triton", "flashinfer", "fa3", "torch_native")
 ADVANTAGES = ("grpo", "drgrpo", "gspo", "reinforce_plus_plus")
 INITS = ("random",)
 REWARD_KINDS = VALID_KINDS
@@ -177,6 +178,21 @@ class RolloutConfig:
                                        "decode steps; ~9x faster on an H200, see docs/PERFORMANCE.md), auto (graph "
                                        "on CUDA, megatron elsewhere; models the static path does not serve, e.g. "
                                        "TP > 1, take megatron)", choices=DECODE_MODES)
+    offload_rollout: bool = knob(False, "release the rollout engine's accelerator memory (KV cache, FP4 weights, "
+                                        "CUDA graphs; the native engine's weights go to the CPU, SGLang's through "
+                                        "its memory saver) while the policy trains, and restore it at the weight "
+                                        "sync (slime's --offload-rollout)")
+    sglang_mem_fraction_static: float = knob(
+        0.4, "--rollout-backend sglang: the fraction of the GPU's memory SGLang's Engine takes for its weights and KV "
+             "cache, beside training on the same GPU", check=in_range(0, 1, low_open=True, high_open=True))
+    sglang_attention_backend: str = knob("triton", "--rollout-backend sglang: SGLang's attention kernels",
+                                         choices=SGLANG_ATTENTION_BACKENDS)
+    sglang_cuda_graph_max_bs: int = knob(0, "--rollout-backend sglang: the largest decode batch SGLang captures as a "
+                                            "CUDA graph (0: SGLang's default)", check=non_negative)
+    sglang_disable_cuda_graph: bool = knob(False, "--rollout-backend sglang: run SGLang's decode eagerly")
+    sglang_base_port: int = knob(30000, "--rollout-backend sglang: the Engine of local rank r uses ports base + 16 r "
+                                        "(its port) and base + 16 r + 8 (its NCCL port); keep them apart from "
+                                        "torchrun's MASTER_PORT", check=in_range(1024, 65000))
     group_size: int = knob(_GRPO.group_size, "responses sampled per prompt (G)", check=at_least(2),
                            aliases=("--n-samples-per-prompt",))
     rollout_batch_size: int = knob(32, "prompts per GRPO step (one rollout; all data-parallel ranks together)",

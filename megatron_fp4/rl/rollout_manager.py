@@ -8,8 +8,11 @@ dropped; after --dynamic-sampling-max-rounds the filtered groups fill the batch,
 overlong reward shaping (--overlong-buffer-len) is added to the rewards the advantages see; accuracy and the
 filter use the verifier's reward.
 
-The engine (the in-process native one; SGLang behind the same interface) holds its own copy of the weights in
-the rollout precision, refreshed after every optimizer step and re-quantized once per update. Every rank of a
+The engine (--rollout-backend: the in-process native one, or an SGLang Engine on this rank's GPU behind the same
+interface) holds its own copy of the weights in the rollout precision, refreshed after every optimizer step and
+re-quantized once per update; with --offload-rollout its memory is released while the policy trains and restored
+at the sync. SGLang serves one precision: evaluations in others (``accuracy_bf16``) and the underflow
+diagnostics run on a native engine beside it, whose weights are copied only when it is used. Every rank of a
 tensor-parallel group generates the same samples in lockstep (same seed); data-parallel ranks take different
 prompts. With pipeline parallelism every rank's engine holds the whole model: the sync gathers the stages'
 parameters over the pipeline group first (megatron_fp4.models.pp_gather), the stages generate in lockstep, and
@@ -18,6 +21,7 @@ the first stage's samples are used everywhere so that all stages train on the sa
 
 from __future__ import annotations
 
+import os
 import time
 from typing import Any, Optional, Sequence
 
@@ -33,17 +37,46 @@ from megatron_fp4.rl.sequences import Sequences, pack_sequences
 from megatron_fp4.rl.tokenizer import Tokenizer
 from megatron_fp4.rollout import RolloutEngine, RolloutSample, SamplingParams
 
-__all__ = ["RolloutManager", "make_engine"]
+__all__ = ["RolloutManager", "make_engines", "sglang_engine_kwargs"]
 
 
-def make_engine(cfg: RolloutConfig, rollout_model: torch.nn.Module, precision) -> RolloutEngine:
-    """The rollout engine of ``--rollout-backend`` serving ``rollout_model`` in ``precision``."""
+def make_engines(cfg: RolloutConfig, rollout_model: torch.nn.Module, precision, *, hf_dir: Optional[str] = None,
+                 dtype: torch.dtype = torch.bfloat16, seed: int = 0
+                 ) -> tuple[RolloutEngine, Optional[RolloutEngine]]:
+    """The engine of ``--rollout-backend`` serving ``precision``, and the engine for what it cannot do (evaluation
+    in other precisions, the underflow diagnostics): None for the native engine, which does both; for SGLang the
+    native engine on ``rollout_model`` (synced lazily, only when used). ``hf_dir``: the folder of the config.json
+    SGLang starts from (no weights are read: the policy's arrive at the first sync)."""
+    from megatron_fp4.rollout import NativeRolloutEngine
+
     backend = cfg.rollout_backend
     if backend == "native":
-        from megatron_fp4.rollout import NativeRolloutEngine
+        return NativeRolloutEngine(rollout_model, precision, decode=cfg.rollout_decode,
+                                   offload_on_release=cfg.offload_rollout), None
+    if backend == "sglang":
+        from megatron_fp4.rollout.sglang_engine import SGLangRolloutEngine
 
-        return NativeRolloutEngine(rollout_model, precision, decode=cfg.rollout_decode)
-    raise ValueError(f"--rollout-backend {backend!r} is not available in pretrain_rl.py yet; allowed: native")
+        if hf_dir is None:
+            raise ValueError("--rollout-backend sglang needs an HF folder to start its Engine from")
+        engine = SGLangRolloutEngine(hf_dir, precision, **sglang_engine_kwargs(cfg, dtype, seed))
+        return engine, NativeRolloutEngine(rollout_model, precision, decode=cfg.rollout_decode)
+    raise ValueError(f"--rollout-backend {backend!r} is not valid; allowed: native, sglang")
+
+
+def sglang_engine_kwargs(cfg: RolloutConfig, dtype: torch.dtype, seed: int) -> dict[str, Any]:
+    """``SGLangRolloutEngine`` keyword arguments of this rank's Engine: on this rank's GPU, its own ports (kept apart
+    from the other local ranks' Engines), the memory share and kernels of the ``--sglang-*`` flags, the memory
+    saver with --offload-rollout."""
+    port = cfg.sglang_base_port + 16 * int(os.environ.get("LOCAL_RANK", "0"))
+    kwargs: dict[str, Any] = dict(
+        device="cuda", base_gpu_id=torch.cuda.current_device() if torch.cuda.is_available() else 0, port=port, nccl_port=port + 8, random_seed=seed,
+        dtype="bfloat16" if dtype == torch.bfloat16 else "float32", enable_memory_saver=cfg.offload_rollout,
+        mem_fraction_static=cfg.sglang_mem_fraction_static, attention_backend=cfg.sglang_attention_backend,
+        sampling_backend="pytorch", grammar_backend="none", disable_cuda_graph=cfg.sglang_disable_cuda_graph,
+        load_format="dummy")  # the weights come from the policy at the first sync
+    if cfg.sglang_cuda_graph_max_bs:
+        kwargs["cuda_graph_max_bs"] = cfg.sglang_cuda_graph_max_bs
+    return kwargs
 
 
 class RolloutManager:
@@ -52,8 +85,13 @@ class RolloutManager:
 
     def __init__(self, cfg: RolloutConfig, engine: RolloutEngine, tokenizer: Tokenizer,
                  train_examples: list[Example], seed: int, reward_fn: Optional[RewardFunction] = None,
-                 debug_data_path: Optional[str] = None) -> None:
+                 debug_data_path: Optional[str] = None, diagnostics_engine: Optional[RolloutEngine] = None) -> None:
+        """``diagnostics_engine``: where evaluations in precisions ``engine`` does not serve and the underflow
+        diagnostics run (see :func:`make_engines`); None: on ``engine``."""
         self.cfg, self.engine, self.tokenizer = cfg, engine, tokenizer
+        self.diagnostics_engine = diagnostics_engine
+        self._diagnostics_policy: Optional[torch.nn.Module] = None  # set while the diagnostics engine is stale
+        self._released = False
         self.train_examples, self.seed = train_examples, seed
         self.debug_data_path = debug_data_path  # --save-debug-rollout-data (megatron_fp4.rl.debug_data)
         self.reward_fn = reward_fn if reward_fn is not None else RewardFunction()
@@ -91,17 +129,20 @@ class RolloutManager:
                       seed: int = 0) -> list[RolloutSample]:
         """Evaluation responses: greedy when ``n`` is 1, else ``n`` samples per example (contiguous) at
         ``temperature``; in ``precision`` when given (the engine's own precision after)."""
-        previous = self.engine.precision
-        if precision is not None:
-            self.engine.set_precision(precision)
+        engine = self.engine
+        if precision is not None and precision != engine.precision and self.diagnostics_engine is not None:
+            engine = self._diagnostics()
+        previous = engine.precision
+        if precision is not None and precision != previous:
+            engine.set_precision(precision)
         try:
             prompts = [p for p in self.prompt_ids(examples) for _ in range(n)]
             params = self.sampling_params(greedy=n == 1, seed=seed, temperature=temperature,
                                           max_new_tokens=max_new_tokens)
-            return self.engine.generate(prompts, params)
+            return engine.generate(prompts, params)
         finally:
-            if self.engine.precision != previous:
-                self.engine.set_precision(previous)
+            if engine.precision != previous:
+                engine.set_precision(previous)
 
     def score(self, examples: Sequence[Example], samples: Sequence[RolloutSample], group_size: int = 1,
               prompt_ids: Optional[Sequence[Sequence[int]]] = None) -> list[float]:
@@ -204,7 +245,22 @@ class RolloutManager:
                                                      / max(dp_sum(float(generated)), 1.0))
         return seqs, metrics
 
-    # -- weights ------------------------------------------------------------------------------------------------------
+    # -- memory and weights -------------------------------------------------------------------------------------------
+    def release_memory(self) -> None:
+        """With --offload-rollout: free the engine's accelerator memory for the training phase (the next
+        :meth:`sync_weights` restores it); otherwise nothing."""
+        if self.cfg.offload_rollout and not self._released:
+            self.engine.release_memory()
+            self._released = True
+
+    def _diagnostics(self) -> RolloutEngine:
+        """The diagnostics engine, with the policy's current weights (copied on first use after a sync)."""
+        engine = self.diagnostics_engine
+        if self._diagnostics_policy is not None:
+            engine.update_weights(self._diagnostics_policy.named_parameters())
+            self._diagnostics_policy = None
+        return engine
+
     def sync_weights(self, policy: torch.nn.Module, step: int, last_checkpoint: Optional[str]) -> dict[str, float]:
         """Push ``policy``'s weights (megatron-core names) into the engine, re-quantized once; timing metrics.
 
@@ -214,8 +270,16 @@ class RolloutManager:
         from megatron.core import parallel_state as ps
 
         self._check_finite(policy, step, last_checkpoint)
+        metrics: dict[str, float] = {}
+        if self._released:
+            t0 = time.perf_counter()
+            self.engine.resume_memory()
+            self._released = False
+            metrics["rollout/resume_memory_s"] = time.perf_counter() - t0
+        if self.diagnostics_engine is not None:
+            self._diagnostics_policy = policy
         if ps.get_pipeline_model_parallel_world_size() == 1:
-            return self.engine.update_weights(policy.named_parameters()).as_metrics()
+            return {**metrics, **self.engine.update_weights(policy.named_parameters()).as_metrics()}
         from megatron_fp4.models.pp_gather import gather_pipeline_parameters
 
         t0 = time.perf_counter()
@@ -223,7 +287,7 @@ class RolloutManager:
         full_names = None if rollout_model is None else [n for n, _ in rollout_model.named_parameters()]
         named = gather_pipeline_parameters(policy, full_names)
         t_gather = time.perf_counter() - t0
-        metrics = self.engine.update_weights(named).as_metrics()
+        metrics.update(self.engine.update_weights(named).as_metrics())
         metrics["rollout/weight_sync_gather_s"] = t_gather
         metrics["rollout/weight_sync_total_s"] += t_gather
         return metrics
@@ -240,6 +304,7 @@ class RolloutManager:
     def measure_underflow(self, examples: Sequence[Example], sparsity: str) -> dict[str, float]:
         """Per-layer rollout underflow on ``examples`` (greedy), flat ``{layer}/fp4`` and ``{layer}/resq`` rates in
         the engine's format (see RolloutUnderflowMonitor)."""
-        rates = self.engine.measure_underflow(self.prompt_ids(examples), self.sampling_params(greedy=True, seed=0),
-                                              sparsity)
+        engine = self.engine if self.diagnostics_engine is None else self._diagnostics()
+        rates = engine.measure_underflow(self.prompt_ids(examples), self.sampling_params(greedy=True, seed=0),
+                                         sparsity)
         return {f"{name}/{k}": v for name, d in sorted(rates.items()) for k, v in d.items()}

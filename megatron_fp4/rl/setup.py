@@ -196,6 +196,25 @@ def build_models(cfg: RLConfig, vocab_size: int, init_checkpoint: Any = None) ->
     return Models(ddp, optimizer, config, reference, rollout_model, recipe)
 
 
+def sglang_model_dir(rollout_model: torch.nn.Module) -> str:
+    """The folder an SGLang Engine starts from: the policy's config.json (as its HF export writes it) in a temporary
+    folder of this rank, removed at exit. The Engine loads no weights from it (``load_format="dummy"``): the
+    policy's arrive at the first sync. Its vocabulary is the policy's (a model converted from HF: that model's;
+    else padding rows included), so that the Engine samples from the distribution the policy trains on."""
+    import atexit
+    import json
+    import shutil
+    import tempfile
+
+    from megatron_fp4.models.hf_export import hf_config_of_model
+
+    path = tempfile.mkdtemp(prefix="megatron-fp4-sglang-")
+    atexit.register(shutil.rmtree, path, ignore_errors=True)
+    with open(os.path.join(path, "config.json"), "w") as f:
+        json.dump(hf_config_of_model(rollout_model), f, indent=2)
+    return path
+
+
 def describe(cfg: RLConfig, recipe, precision) -> str:
     """'training: FP4 HiF4BlockScaling | rollout: w4a4 hif4 + ResQ 2:4 (native)'."""
     train = "high precision" if recipe is None else f"FP4 {type(recipe).__name__}"
@@ -216,7 +235,7 @@ def build_trainer(cfg: RLConfig, plan: StartPlan):
     from megatron_fp4.rl.evaluator import Evaluator
     from megatron_fp4.rl.monitor import MetricsLogger, init_wandb
     from megatron_fp4.rl.rewards import RewardFunction
-    from megatron_fp4.rl.rollout_manager import RolloutManager, make_engine
+    from megatron_fp4.rl.rollout_manager import RolloutManager, make_engines
     from megatron_fp4.rl.trainer import GRPOTrainer
     from megatron_fp4.rl.warmup import SupervisedWarmup
 
@@ -247,7 +266,12 @@ def build_trainer(cfg: RLConfig, plan: StartPlan):
     eval_precisions = {"accuracy": None}
     if precision.mode != "bf16":
         eval_precisions["accuracy_bf16"] = bf16
-    engine = make_engine(cfg.rollout, models.rollout_model, precision)
+    hf_dir = None
+    if cfg.rollout.rollout_backend == "sglang":
+        hf_dir = sglang_model_dir(models.rollout_model)
+    engine, diagnostics_engine = make_engines(cfg.rollout, models.rollout_model, precision, hf_dir=hf_dir,
+                                              dtype=torch.bfloat16 if cfg.model.bf16 else torch.float32,
+                                              seed=cfg.run.seed)
 
     run, ro = cfg.run, cfg.rollout
     steps_per_rollout = ro.rollout_batch_size * ro.group_size // cfg.actor.global_batch_size
@@ -256,7 +280,7 @@ def build_trainer(cfg: RLConfig, plan: StartPlan):
                   steps_per_rollout=steps_per_rollout)
     reward_fn = RewardFunction(ro.custom_rm_path, ro.group_rm, cfg.namespace())
     rollout = RolloutManager(ro, engine, tok, train_examples, seed=run.seed, reward_fn=reward_fn,
-                             debug_data_path=run.save_debug_rollout_data)
+                             debug_data_path=run.save_debug_rollout_data, diagnostics_engine=diagnostics_engine)
     evaluator = Evaluator(rollout, eval_examples, eval_precisions, sets=eval_sets,
                           n_samples=run.n_samples_per_eval_prompt, temperature=run.eval_temperature,
                           max_new_tokens=run.eval_max_response_len, seed=run.seed,

@@ -66,6 +66,7 @@ class GRPOTrainer:
         if sequences.num_tokens == 0:  # every group filtered out: nothing to learn, the weights stay as they are
             metrics.update(skipped=1.0, loss=0.0)
         else:
+            self.rollout.release_memory()  # --offload-rollout: the engine's memory is the trainer's until the sync
             metrics.update(self.actor.update(sequences, self.step, self.checkpointer.last_checkpoint))
             metrics.update(self.sync_weights())
         self.actor.set_lr(self.actor.lr_at(self.step))

@@ -61,6 +61,27 @@ def sglang_start_problem(needs_plugin: bool = True) -> Optional[str]:
     return None
 
 
+#: ServerArgs fields renamed between the SGLang versions we support: (0.5.17 name, newer name).
+_SERVER_ARG_RENAMES = (("cuda_graph_max_bs", "cuda_graph_max_bs_decode"),)
+
+
+def _renamed_server_args(kwargs: dict[str, Any]) -> dict[str, Any]:
+    """``kwargs`` with each renamed field spelled as the installed SGLang's ServerArgs spells it."""
+    if not any(name in kwargs for pair in _SERVER_ARG_RENAMES for name in pair):
+        return kwargs
+    import inspect
+
+    from sglang.srt.server_args import ServerArgs
+
+    fields = set(inspect.signature(ServerArgs).parameters)  # a dataclass in 0.5.17, its own class later
+    out = dict(kwargs)
+    for old, new in _SERVER_ARG_RENAMES:
+        for have, want in ((old, new), (new, old)):
+            if have in out and have not in fields and want in fields:
+                out[want] = out.pop(have)
+    return out
+
+
 class _InMemoryCheckpoint:
     """The slice of MegatronCheckpoint that iter_hf_tensors_from_megatron reads, over gathered tensors."""
 
@@ -123,15 +144,21 @@ class SGLangRolloutEngine(RolloutEngine):
         self._memory_saver = bool(kwargs.get("enable_memory_saver"))
         if device == "cpu":
             os.environ["SGLANG_USE_CPU_ENGINE"] = "1"  # SGLang's CPU switch (read by its processes at import)
+        self.engine = self._launch(kwargs)
+        self._released = False
+        self.last_weight_sync: Optional[WeightSyncStats] = None
+        self.last_generate_stats: dict[str, float] = {}
+
+    @staticmethod
+    def _launch(kwargs: dict[str, Any]) -> Any:
+        """Start ``sglang.Engine(**kwargs)`` with the plug-in registered in this process too (SGLang's own
+        processes load it through its entry point)."""
         import sglang as sgl
 
         from megatron_fp4.sglang_plugin import register
 
-        register()  # this process too (SGLang's own processes load the entry point)
-        self.engine = sgl.Engine(**kwargs)
-        self._released = False
-        self.last_weight_sync: Optional[WeightSyncStats] = None
-        self.last_generate_stats: dict[str, float] = {}
+        register()
+        return sgl.Engine(**kwargs)
 
     @staticmethod
     def engine_args(model_path: Union[str, os.PathLike], precision: RolloutPrecision = RolloutPrecision(), *,
@@ -159,7 +186,7 @@ class SGLangRolloutEngine(RolloutEngine):
         if overrides:
             kwargs["json_model_override_args"] = json.dumps(overrides)
         kwargs.update(engine_kwargs)
-        return kwargs
+        return _renamed_server_args(kwargs)
 
     @property
     def precision(self) -> RolloutPrecision:

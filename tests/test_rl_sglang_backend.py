@@ -1,0 +1,131 @@
+"""``pretrain_rl.py --rollout-backend sglang`` on the CPU, against tests/fake_sglang.py's stand-in for the Engine.
+
+The fake is an independent implementation (HF transformers' model, its own sampling loop), so these runs check the
+driver's side of the wiring: the Engine's arguments, the policy's weights pushed after every update under HF names
+(the train-rollout logprob mismatch of an fp32 run is rounding only), the memory released while the policy trains and
+the weights pushed again after it is restored (--offload-rollout), and evaluations in other precisions and the
+underflow diagnostics on the native engine with the policy's weights. SGLang itself (the Engine, our kernels inside
+it) is tested on the GPU (tests/test_sglang.py) and its arguments against SGLang's ServerArgs
+(tests/test_sglang_plugin.py).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+
+pytest.importorskip("transformers")
+
+from megatron_fp4.sglang_plugin.loader import REQUANTIZING_LOADER  # noqa: E402
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+TINY = ["--num-layers", "2", "--hidden-size", "64", "--ffn-hidden-size", "128", "--num-attention-heads", "4",
+        "--num-query-groups", "2", "--num-synthetic-examples", "600", "--eval-samples", "16",
+        "--rollout-batch-size", "4", "--group-size", "4", "--micro-batch-size", "16", "--sft-iters", "3",
+        "--sft-batch-size", "16", "--max-response-length", "4", "--seed", "7", "--train-iters", "2"]
+
+
+def _run(tmp_path, name, args, fake=True):
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([ROOT, os.path.join(ROOT, "tests")]),
+           "OMP_NUM_THREADS": "1", "FAKE_SGLANG_LOG": str(tmp_path / f"{name}.engine.jsonl")}
+    log = tmp_path / f"{name}.jsonl"
+    cmd = ([sys.executable, "-c", "import fake_sglang; fake_sglang.run_driver()"] if fake
+           else [sys.executable, os.path.join(ROOT, "pretrain_rl.py")])
+    result = tmp_path / f"{name}.result.json"
+    r = subprocess.run([*cmd, *TINY, *args, "--log-jsonl", str(log), "--results-json", str(result)], env=env,
+                       cwd=ROOT, capture_output=True, text=True, timeout=600)
+    assert r.returncode == 0, r.stderr[-3000:]
+    rows = [json.loads(line) for line in log.read_text().splitlines()]
+    rows.append({"kind": "result", **json.loads(result.read_text())})
+    engine_log = tmp_path / f"{name}.engine.jsonl"
+    calls = [json.loads(line) for line in engine_log.read_text().splitlines()] if engine_log.exists() else []
+    return r, rows, calls
+
+
+def _rows(rows, kind):
+    return [r for r in rows if r.get("kind") == kind]
+
+
+def test_policy_weights_reach_the_engine_after_every_update(tmp_path):
+    """fp32 training and bf16 rollout: the Engine starts from config.json alone with the flags' arguments, gets the
+    policy's weights (every HF tensor) before the first evaluation and after each step, and the train-rollout
+    logprob mismatch of every step is rounding only: the Engine computes with the policy's weights."""
+    r, rows, calls = _run(tmp_path, "sglang", ["--rollout-backend", "sglang", "--rollout-precision", "bf16",
+                                               "--resq", "none", "--no-fp4-train", "--sglang-mem-fraction-static",
+                                               "0.3", "--sglang-base-port", "31000"])
+    assert "rollout: bf16 (sglang)" in r.stdout
+    start = calls[0]
+    assert start["op"] == "start" and start["files"] == ["config.json"]
+    kw = start["kwargs"]
+    assert (kw["load_format"], kw["mem_fraction_static"], kw["port"], kw["nccl_port"]) == ("dummy", 0.3, 31000, 31008)
+    assert kw["dtype"] == "float32" and kw["skip_tokenizer_init"] and "quantization" not in kw
+    ops = [c["op"] for c in calls]
+    assert ops.count("update") == 3 and ops.index("update") < ops.index("generate")  # initial sync + one per step
+    assert "release" not in ops  # no --offload-rollout
+    for c in calls:
+        if c["op"] == "update":
+            assert c["missing"] == [] and c["load_format"] == REQUANTIZING_LOADER and c["flush_cache"]
+    train = _rows(rows, "train")
+    assert [t["step"] for t in train] == [1, 2]
+    for t in train:
+        assert t["logp_abs_diff_max"] < 1e-4, t["logp_abs_diff_max"]
+
+
+def test_offload_and_diagnostics_on_the_native_engine(tmp_path):
+    """FP4 rollout with --offload-rollout: the Engine's memory is released for each training phase and restored
+    before the weights are pushed again (the fake's released weights are NaN: a missed push would show as
+    non-finite logprobs); ``accuracy_bf16`` and the underflow rates come from the native engine with the policy's
+    weights: the warm-start ``accuracy_bf16`` equals a native-backend run's."""
+    common = ["--rollout-precision", "w4a4", "--resq", "2:4", "--log-underflow-interval", "2"]
+    r, rows, calls = _run(tmp_path, "sglang", [*common, "--rollout-backend", "sglang", "--offload-rollout"])
+    assert "(sglang)" in r.stdout
+    ops = [c["op"] for c in calls]
+    assert calls[0]["kwargs"]["enable_memory_saver"] and calls[0]["kwargs"]["quantization"] == "megatron_fp4"
+    assert ops.count("release") == 2 and ops.count("resume") == 2
+    for i in (i for i, op in enumerate(ops) if op == "release"):
+        assert ops[i + 1:i + 3] == ["resume", "update"]  # nothing runs on released memory; weights pushed again
+    for t in _rows(rows, "train"):
+        assert t["logp_abs_diff_max"] < 1e3  # finite: the engine sampled with real weights
+    _, native_rows, _ = _run(tmp_path, "native", [*common, "--rollout-backend", "native"], fake=False)
+    warm = _rows(rows, "result")[0]["warm_start"]
+    native_warm = _rows(native_rows, "result")[0]["warm_start"]
+    assert warm["accuracy_bf16"] == native_warm["accuracy_bf16"]
+    underflow = _rows(rows, "underflow")
+    assert [u["step"] for u in underflow] == [0, 2]
+    native_underflow = _rows(native_rows, "underflow")
+    assert underflow[0] == native_underflow[0]  # same policy weights at step 0, same native measurement
+
+    # the native engine under --offload-rollout: released and restored around every update, same run
+    _, offload_rows, _ = _run(tmp_path, "native_offload", [*common, "--rollout-backend", "native",
+                                                           "--offload-rollout"], fake=False)
+
+    def untimed(rs):
+        return [{k: v for k, v in r.items() if not k.endswith(("_s", "_per_s", "seconds"))} for r in rs
+                if r["kind"] != "result"]
+
+    assert untimed(offload_rows) == untimed(native_rows)
+
+
+@pytest.mark.gpu
+def test_real_engine_in_the_driver(tmp_path):
+    """With a GPU, SGLang and the plug-in: two GRPO steps on a real Engine (bf16, HiF4 W4A4 + ResQ 2:4, memory
+    released while training): the run ends normally and every step's train-rollout mismatch is finite and below
+    what an unrelated policy would give."""
+    from megatron_fp4.rollout.sglang_engine import sglang_start_problem
+
+    why = sglang_start_problem()
+    if why is not None:
+        pytest.skip(why)
+    args = ["--rollout-backend", "sglang", "--bf16", "--rollout-precision", "w4a4", "--resq", "2:4",
+            "--offload-rollout", "--sglang-mem-fraction-static", "0.3", "--hidden-size", "256",
+            "--ffn-hidden-size", "512", "--num-attention-heads", "4"]
+    r, rows, _ = _run(tmp_path, "real", args, fake=False)
+    assert "(sglang)" in r.stdout
+    train = _rows(rows, "train")
+    assert [t["step"] for t in train] == [1, 2]
+    for t in train:
+        assert 0 <= t["logp_abs_diff_mean"] < 0.5, t
