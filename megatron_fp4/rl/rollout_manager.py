@@ -75,7 +75,7 @@ def sglang_engine_kwargs(cfg: RolloutConfig, dtype: torch.dtype, seed: int) -> d
         sampling_backend="pytorch", grammar_backend="none", disable_cuda_graph=cfg.sglang_disable_cuda_graph,
         load_format="dummy")  # the weights come from the policy at the first sync
     if cfg.sglang_cuda_graph_max_bs:
-        kwargs["cuda_graph_max_bs"] = cfg.sglang_cuda_graph_max_bs
+        kwargs["cuda_graph_max_bs_decode"] = cfg.sglang_cuda_graph_max_bs  # its name in 0.5.17 and 0.5.23
     return kwargs
 
 

@@ -61,27 +61,6 @@ def sglang_start_problem(needs_plugin: bool = True) -> Optional[str]:
     return None
 
 
-#: ServerArgs fields renamed between the SGLang versions we support: (0.5.17 name, newer name).
-_SERVER_ARG_RENAMES = (("cuda_graph_max_bs", "cuda_graph_max_bs_decode"),)
-
-
-def _renamed_server_args(kwargs: dict[str, Any]) -> dict[str, Any]:
-    """``kwargs`` with each renamed field spelled as the installed SGLang's ServerArgs spells it."""
-    if not any(name in kwargs for pair in _SERVER_ARG_RENAMES for name in pair):
-        return kwargs
-    import inspect
-
-    from sglang.srt.server_args import ServerArgs
-
-    fields = set(inspect.signature(ServerArgs).parameters)  # a dataclass in 0.5.17, its own class later
-    out = dict(kwargs)
-    for old, new in _SERVER_ARG_RENAMES:
-        for have, want in ((old, new), (new, old)):
-            if have in out and have not in fields and want in fields:
-                out[want] = out.pop(have)
-    return out
-
-
 class _InMemoryCheckpoint:
     """The slice of MegatronCheckpoint that iter_hf_tensors_from_megatron reads, over gathered tensors."""
 
@@ -186,7 +165,7 @@ class SGLangRolloutEngine(RolloutEngine):
         if overrides:
             kwargs["json_model_override_args"] = json.dumps(overrides)
         kwargs.update(engine_kwargs)
-        return _renamed_server_args(kwargs)
+        return kwargs
 
     @property
     def precision(self) -> RolloutPrecision:
