@@ -41,6 +41,7 @@ __all__ = [
     "ROLLOUT_MODES",
     "ACTIVATION_METHODS",
     "RESQ_COMBINES",
+    "ROLLOUT_LINEAR_PATHS",
     "RolloutPrecision",
     "QuantizedWeightCache",
     "sparsify",
@@ -450,6 +451,9 @@ class QuantizedWeightCache:
 
 #: device type -> rollout GEMM backend (see :func:`register_rollout_backend`).
 _ROLLOUT_BACKENDS: dict[str, Any] = {}
+#: FP4 :func:`rollout_linear` calls of this process served by a registered backend (the kernels) and by the PyTorch
+#: reference (none registered, or it declined the call); host-side counts (a CUDA-graph replay runs no Python).
+ROLLOUT_LINEAR_PATHS = {"backend": 0, "reference": 0}
 
 
 def register_rollout_backend(device_type: str, fn: Optional[Callable]) -> None:
@@ -512,9 +516,11 @@ def rollout_linear(
     if backend is not None:
         y = backend(x.reshape(-1, x.shape[-1]), weight, precision, cache)
         if y is not NotImplemented:
+            ROLLOUT_LINEAR_PATHS["backend"] += 1
             if bias is not None:
                 y = y + bias.float()
             return y.to(x.dtype).reshape(*x.shape[:-1], weight.shape[0])
+    ROLLOUT_LINEAR_PATHS["reference"] += 1
     if precision.quantize_weights:
         if weight_q is None:
             weight_q = (cache.get(weight, precision.format) if cache is not None

@@ -9,6 +9,7 @@ bad options fail naming the option. Skipped when SGLang is not importable.
 
 from __future__ import annotations
 
+import json
 import socket
 from importlib.metadata import entry_points
 
@@ -277,6 +278,38 @@ def _operand_tensors(layer) -> list:
 
     prepared = [e[2] for k, e in _BACKEND_CACHE._entries.items() if k[0] == id(layer.weight)]
     return [layer.weight_packed, layer.weight_scale, layer.megatron_fp4_wq] + flat(prepared)
+
+
+def test_trace_names_the_path_that_served_each_layer(tmp_path, monkeypatch):
+    """MEGATRON_FP4_PLUGIN_TRACE: one line per layer at its first forward, naming the backend ("kernels") or the
+    reference, also when a registered backend declines the call (the fallback the GPU tests must see)."""
+    from megatron_fp4.resq import register_rollout_backend
+    from megatron_fp4.sglang_plugin.method import TRACE_ENV, _BACKEND_CACHE
+
+    monkeypatch.setenv("TRITON_INTERPRET", "0")
+    monkeypatch.setattr(_BACKEND_CACHE, "_entries", {})
+    precision = PRECISIONS["hif4+2:4"]
+    xs = _inputs()
+
+    def traced(backend, name):
+        trace = tmp_path / f"{name}.jsonl"
+        monkeypatch.setenv(TRACE_ENV, str(trace))
+        register_rollout_backend("cpu", backend)
+        try:
+            layers = _loaded_layers(precision, _hf_weights(0))
+            with torch.no_grad():
+                for _ in range(2):  # one line per layer, at its first forward only
+                    for key, layer in layers.items():
+                        layer(xs[key])
+        finally:
+            register_rollout_backend("cpu", None)
+        rows = [json.loads(line) for line in trace.read_text().splitlines()]
+        assert sorted(r["layer"] for r in rows) == sorted(m.quant_method.prefix for m in layers.values())
+        return {r["path"] for r in rows}
+
+    assert traced(None, "none") == {"reference"}
+    assert traced(_kernel_like_backend([]), "kernels") == {"kernels"}
+    assert traced(lambda x2, weight, precision, cache: NotImplemented, "declined") == {"reference"}
 
 
 @pytest.mark.parametrize("with_backend", [False, True], ids=["reference", "kernel-like-backend"])

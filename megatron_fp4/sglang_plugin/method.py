@@ -12,6 +12,7 @@ packed weight: the reference quantizer's operands bit for bit. On devices with a
 
 from __future__ import annotations
 
+import json
 import os
 import time
 from typing import Any, Dict, List, Optional
@@ -25,7 +26,7 @@ from sglang.srt.layers.quantization.unquant import UnquantizedLinearMethod
 from sglang.srt.utils import set_weight_attrs
 
 from megatron_fp4.formats import QuantizedTensor, get_format
-from megatron_fp4.resq import QuantizedWeightCache, rollout_backend_for, rollout_linear
+from megatron_fp4.resq import ROLLOUT_LINEAR_PATHS, QuantizedWeightCache, rollout_backend_for, rollout_linear
 from megatron_fp4.sglang_plugin.options import QUANT_METHOD, PluginOptions
 
 __all__ = ["MegatronFP4Config", "MegatronFP4LinearMethod", "requantize_stale_layers", "QUANT_METHOD"]
@@ -36,6 +37,10 @@ _BACKEND_CACHE = QuantizedWeightCache()
 #: whose GEMM operands a refit could not rewrite in place (new buffers: CUDA graphs captured before must be
 #: recaptured).
 REQUANT_STATS = {"layers": 0, "seconds": 0.0, "reallocated": 0}
+#: ``MEGATRON_FP4_PLUGIN_TRACE=FILE``: each FP4 linear appends one JSON line at its first forward in this process,
+#: ``{"layer", "path": "kernels" | "reference", "device", "pid"}``: which path served it, visible from outside
+#: SGLang's scheduler processes (the GPU tests check that no layer silently fell back to the reference).
+TRACE_ENV = "MEGATRON_FP4_PLUGIN_TRACE"
 _BACKENDS_TRIED: set = set()
 
 
@@ -205,9 +210,19 @@ class MegatronFP4LinearMethod(LinearMethodBase):
             self.requantize(layer)  # a refit that bypassed the re-quantizing loader
         elif layer.megatron_fp4_packed_loaded:
             self.adopt_packed(layer)
+        trace = os.environ.get(TRACE_ENV) if not getattr(layer, "megatron_fp4_traced", False) else None
+        served_by_backend = ROLLOUT_LINEAR_PATHS["backend"]
         if rollout_backend_for(x.device.type) is not None and not layer.megatron_fp4_from_packed:
-            return rollout_linear(x, layer.weight, bias, self.precision, cache=_BACKEND_CACHE)
-        return rollout_linear(x, layer.weight, bias, self.precision, weight_q=layer.megatron_fp4_wq)
+            y = rollout_linear(x, layer.weight, bias, self.precision, cache=_BACKEND_CACHE)
+        else:
+            y = rollout_linear(x, layer.weight, bias, self.precision, weight_q=layer.megatron_fp4_wq)
+        if trace:
+            layer.megatron_fp4_traced = True
+            path = "kernels" if ROLLOUT_LINEAR_PATHS["backend"] > served_by_backend else "reference"
+            with open(trace, "a") as f:
+                f.write(json.dumps({"layer": self.prefix, "path": path, "device": x.device.type,
+                                    "pid": os.getpid()}) + "\n")
+        return y
 
 
 def _store_operand(layer: torch.nn.Module, wq: torch.Tensor) -> None:
