@@ -33,7 +33,7 @@ class FakeEngine:
         self.kwargs = kwargs
         config = AutoConfig.from_pretrained(kwargs["model_path"])
         torch.manual_seed(1234)
-        self.model = AutoModelForCausalLM.from_config(config, torch_dtype=torch.float32).eval()
+        self.model = AutoModelForCausalLM.from_config(config, dtype=torch.float32).eval()
         self.released = False
         self._log("start", kwargs={k: v for k, v in kwargs.items() if isinstance(v, (str, int, float, bool, list))},
                   files=sorted(os.listdir(kwargs["model_path"])))
@@ -84,7 +84,8 @@ class FakeEngine:
             names.append(name)
         tied = self.model.config.tie_word_embeddings
         missing = sorted(set(state) - set(names) - ({"lm_head.weight"} if tied else set()))
-        self._log("update", tensors=len(names), missing=missing, load_format=load_format, flush_cache=flush_cache)
+        self._log("update", tensors=len(names), names=names, missing=missing, load_format=load_format,
+                  flush_cache=flush_cache)
         return True, "Succeeded to update model weights."
 
     def release_memory_occupation(self, tags=None):

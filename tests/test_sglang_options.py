@@ -3,6 +3,8 @@ mapping for refits, sampling parameters. Runs everywhere (the plug-in's SGLang p
 
 from __future__ import annotations
 
+import json
+
 import pytest
 import torch
 
@@ -118,6 +120,44 @@ def test_megatron_to_hf_tensors_round_trip(tied):
         megatron_to_hf_tensors(mg[:1] + [("model.norm.weight", sd["model.norm.weight"])], cfg.to_dict())
     with pytest.raises(KeyError, match="linear_qkv"):
         megatron_to_hf_tensors([t for t in mg if "linear_qkv.weight" not in t[0]], cfg.to_dict())
+
+
+def test_weight_pushes_are_buckets_of_whole_layers(tmp_path, monkeypatch):
+    """update_weights pushes whole decoder layers per call (each FP4 linear re-quantized once) of about the bucket
+    size, every HF tensor exactly once, then flushes the cache once; the layer-bucketing rule on its own."""
+    import fake_sglang
+    from megatron_fp4.rollout.sglang_engine import layer_buckets
+
+    t = torch.zeros(4, dtype=torch.float32)  # 16 bytes
+    names = ["model.embed_tokens.weight", "model.layers.0.a", "model.layers.0.b", "model.layers.1.a",
+             "model.layers.1.b", "model.layers.2.a", "model.norm.weight", "lm_head.weight"]
+    cut = [[n for n, _ in b] for b in layer_buckets([(n, t) for n in names], 20)]
+    assert cut == [names[:2] + names[2:3], names[3:5], names[5:7], names[7:]]  # a layer is never split
+    assert [[n for n, _ in b] for b in layer_buckets([(n, t) for n in names], 10**9)] == [names]
+
+    cfg = _qwen2_config()
+    cfg.save_pretrained(tmp_path)
+    monkeypatch.setenv("FAKE_SGLANG_LOG", str(tmp_path / "engine.jsonl"))
+    monkeypatch.setattr(SGLangRolloutEngine, "_launch", staticmethod(lambda kw: fake_sglang.FakeEngine(**kw)))
+    torch.manual_seed(0)
+    hf = transformers.Qwen2ForCausalLM(cfg)
+    sd = {k: v.detach() for k, v in hf.state_dict().items()}
+    layer_bytes = sum(v.numel() * v.element_size() for k, v in sd.items() if k.startswith("model.layers.0."))
+    engine = SGLangRolloutEngine(tmp_path, RolloutPrecision("w4a4", "hif4", "2:4"), weight_bucket_bytes=layer_bytes)
+    stats = engine.update_weights(sd.items())
+    calls = [json.loads(line) for line in (tmp_path / "engine.jsonl").read_text().splitlines()]
+    pushes = [c for c in calls if c["op"] == "update"]
+    assert [c["op"] for c in calls[len(pushes) + 1:]] == ["flush_cache"]
+    assert len(pushes) == stats.extra["buckets"] >= cfg.num_hidden_layers
+    pushed = [n for c in pushes for n in c["names"]]
+    assert sorted(pushed) == sorted(sd) and stats.num_tensors == len(sd)  # every tensor exactly once
+    where = {}
+    for i, c in enumerate(pushes):
+        layers = {n.split(".")[2] for n in c["names"] if n.startswith("model.layers.")}
+        assert len(layers) <= 1 and not c["flush_cache"]  # one layer's worth per push
+        for layer in layers:
+            assert where.setdefault(layer, i) == i  # a layer is never split over two pushes
+    engine.shutdown()
 
 
 def test_sampling_params_map_to_sglang():

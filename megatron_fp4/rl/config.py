@@ -190,6 +190,10 @@ class RolloutConfig:
     sglang_cuda_graph_max_bs: int = knob(0, "--rollout-backend sglang: the largest decode batch SGLang captures as a "
                                             "CUDA graph (0: SGLang's default)", check=non_negative)
     sglang_disable_cuda_graph: bool = knob(False, "--rollout-backend sglang: run SGLang's decode eagerly")
+    update_weight_buffer_size: int = knob(512 * 2**20, "--rollout-backend sglang: bytes of weights per push into the "
+                                                       "Engine at each sync (whole decoder layers, so each FP4 "
+                                                       "linear is re-quantized once; slime's name)",
+                                          check=positive)
     sglang_base_port: int = knob(30000, "--rollout-backend sglang: the Engine of local rank r uses ports base + 16 r "
                                         "(its port) and base + 16 r + 8 (its NCCL port); keep them apart from "
                                         "torchrun's MASTER_PORT", check=in_range(1024, 65000))

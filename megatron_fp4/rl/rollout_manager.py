@@ -58,15 +58,16 @@ def make_engines(cfg: RolloutConfig, rollout_model: torch.nn.Module, precision, 
 
         if hf_dir is None:
             raise ValueError("--rollout-backend sglang needs an HF folder to start its Engine from")
-        engine = SGLangRolloutEngine(hf_dir, precision, **sglang_engine_kwargs(cfg, dtype, seed))
+        engine = SGLangRolloutEngine(hf_dir, precision, weight_bucket_bytes=cfg.update_weight_buffer_size,
+                                     **sglang_engine_kwargs(cfg, dtype, seed))
         return engine, NativeRolloutEngine(rollout_model, precision, decode=cfg.rollout_decode)
     raise ValueError(f"--rollout-backend {backend!r} is not valid; allowed: native, sglang")
 
 
 def sglang_engine_kwargs(cfg: RolloutConfig, dtype: torch.dtype, seed: int) -> dict[str, Any]:
-    """``SGLangRolloutEngine`` keyword arguments of this rank's Engine: on this rank's GPU, its own ports (kept apart
-    from the other local ranks' Engines), the memory share and kernels of the ``--sglang-*`` flags, the memory
-    saver with --offload-rollout."""
+    """``sglang.Engine`` keyword arguments of this rank's Engine, beside ``SGLangRolloutEngine.engine_args``' own:
+    on this rank's GPU, its own ports (apart from the other local ranks' Engines), the memory share and kernels of
+    the ``--sglang-*`` flags, the memory saver with --offload-rollout."""
     port = cfg.sglang_base_port + 16 * int(os.environ.get("LOCAL_RANK", "0"))
     kwargs: dict[str, Any] = dict(
         device="cuda", base_gpu_id=torch.cuda.current_device() if torch.cuda.is_available() else 0, port=port, nccl_port=port + 8, random_seed=seed,

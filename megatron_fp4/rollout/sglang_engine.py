@@ -9,7 +9,8 @@
 Weights travel as full (gathered) tensors: megatron-core names are mapped to HF names/layouts with
 :mod:`megatron_fp4.models.hf_conversion` (HF-named tensors pass through), pushed with
 ``update_weights_from_tensor`` through the plug-in's re-quantizing loader (each touched FP4 linear is quantized
-once), and the prefix cache is flushed. Besides ``stop_token_ids``, SGLang also stops on the model's EOS ids.
+once), in buckets of whole decoder layers, and the prefix cache is flushed. Besides ``stop_token_ids``, SGLang
+also stops on the model's EOS ids.
 """
 
 from __future__ import annotations
@@ -18,7 +19,7 @@ import json
 import os
 import time
 from pathlib import Path
-from typing import Any, Iterable, Optional, Sequence, Union
+from typing import Any, Iterable, Iterator, Optional, Sequence, Union
 
 import torch
 
@@ -28,7 +29,8 @@ from megatron_fp4.rollout.base import RolloutEngine, RolloutSample, SamplingPara
 from megatron_fp4.sglang_plugin.loader import REQUANTIZING_LOADER
 from megatron_fp4.sglang_plugin.options import QUANT_METHOD, PluginOptions
 
-__all__ = ["SGLangRolloutEngine", "megatron_to_hf_tensors", "check_model_for_precision", "sglang_start_problem"]
+__all__ = ["SGLangRolloutEngine", "megatron_to_hf_tensors", "layer_buckets", "check_model_for_precision",
+           "sglang_start_problem"]
 
 _HF_PREFIXES = ("model.", "lm_head.")
 #: HF linear modules of a transformer block with their K (in_features) source in config.json.
@@ -75,18 +77,50 @@ class _InMemoryCheckpoint:
                            f"parameters)") from None
 
 
-def megatron_to_hf_tensors(named_tensors: Iterable[tuple[str, torch.Tensor]], hf_config: dict
-                           ) -> list[tuple[str, torch.Tensor]]:
-    """(HF name, tensor) pairs for gathered megatron-core tensors (HF-named inputs pass through unchanged)."""
+def iter_megatron_to_hf(named_tensors: Iterable[tuple[str, torch.Tensor]], hf_config: dict
+                        ) -> Iterator[tuple[str, torch.Tensor]]:
+    """(HF name, tensor) pairs for gathered megatron-core tensors, made one at a time (HF-named inputs pass
+    through unchanged)."""
     items = [(n, t.detach()) for n, t in named_tensors]
     if all(n.startswith(_HF_PREFIXES) for n, _ in items):
-        return items
+        yield from items
+        return
     hf_named = [n for n, _ in items if n.startswith(_HF_PREFIXES)]
     if hf_named:
         raise ValueError(f"update_weights: mixed HF ({hf_named[0]!r}) and megatron names; give one kind")
     margs = model_args_from_hf_config(hf_config)
-    ckpt = _InMemoryCheckpoint(dict(items), margs, int(hf_config["vocab_size"]))
-    return list(iter_hf_tensors_from_megatron(ckpt))
+    yield from iter_hf_tensors_from_megatron(_InMemoryCheckpoint(dict(items), margs, int(hf_config["vocab_size"])))
+
+
+def megatron_to_hf_tensors(named_tensors: Iterable[tuple[str, torch.Tensor]], hf_config: dict
+                           ) -> list[tuple[str, torch.Tensor]]:
+    """:func:`iter_megatron_to_hf` as a list."""
+    return list(iter_megatron_to_hf(named_tensors, hf_config))
+
+
+def _layer_key(hf_name: str) -> str:
+    """``model.layers.7`` for a decoder layer's tensor, the name itself otherwise."""
+    parts = hf_name.split(".")
+    return ".".join(parts[:3]) if parts[:2] == ["model", "layers"] else hf_name
+
+
+def layer_buckets(hf_tensors: Iterable[tuple[str, torch.Tensor]], bucket_bytes: int
+                  ) -> Iterator[list[tuple[str, torch.Tensor]]]:
+    """``hf_tensors`` in order, cut into pushes of about ``bucket_bytes``: never inside a decoder layer (SGLang
+    fuses q/k/v and gate/up, and the plug-in re-quantizes a linear at each load that touches it), so a bucket
+    may exceed ``bucket_bytes`` by one layer. Lazy: one bucket is held at a time."""
+    current: list[tuple[str, torch.Tensor]] = []
+    size, key = 0, None
+    for name, t in hf_tensors:
+        k = _layer_key(name)
+        if k != key and current and size >= bucket_bytes:
+            yield current
+            current, size = [], 0
+        key = k
+        current.append((name, t))
+        size += t.numel() * t.element_size()
+    if current:
+        yield current
 
 
 def check_model_for_precision(hf_config: dict, precision: RolloutPrecision, tp_size: int = 1) -> None:
@@ -110,11 +144,14 @@ class SGLangRolloutEngine(RolloutEngine):
 
     def __init__(self, model_path: Union[str, os.PathLike], precision: RolloutPrecision = RolloutPrecision(),
                  *, device: Optional[str] = None, tp_size: int = 1, enable_memory_saver: Optional[bool] = None,
-                 **engine_kwargs: Any) -> None:
+                 weight_bucket_bytes: int = 512 * 2**20, **engine_kwargs: Any) -> None:
         """``model_path``: HF folder (config.json, weights). ``precision``: "bf16" serves the model unquantized;
         other modes use the ``megatron_fp4`` quantization method. ``device="cpu"`` wants
-        ``attention_backend="torch_native"``; other keyword arguments go to ``sglang.Engine`` (see
-        :meth:`engine_args`)."""
+        ``attention_backend="torch_native"``; ``weight_bucket_bytes``: the size of each push of
+        :meth:`update_weights`; other keyword arguments go to ``sglang.Engine`` (see :meth:`engine_args`)."""
+        if weight_bucket_bytes < 1:
+            raise ValueError(f"weight_bucket_bytes={weight_bucket_bytes!r} must be >= 1")
+        self.weight_bucket_bytes = weight_bucket_bytes
         self.model_path = str(model_path)
         self.hf_config = json.loads((Path(model_path) / "config.json").read_text())
         kwargs = self.engine_args(model_path, precision, device=device, tp_size=tp_size,
@@ -216,19 +253,28 @@ class SGLangRolloutEngine(RolloutEngine):
 
     # -- weights and memory ----------------------------------------------------------------------------------------
     def update_weights(self, named_tensors: Iterable[tuple[str, torch.Tensor]]) -> WeightSyncStats:
-        """Push gathered trainer tensors (megatron-core or HF names) into SGLang; FP4 linears re-quantize on load."""
+        """Push gathered trainer tensors (megatron-core or HF names) into SGLang, in buckets of whole decoder layers
+        of about ``weight_bucket_bytes`` (so each FP4 linear is re-quantized once, on load, and only one bucket of
+        HF-layout copies exists at a time); then the prefix cache is flushed."""
         t0 = time.perf_counter()
-        hf = megatron_to_hf_tensors(named_tensors, self.hf_config)
-        stats = WeightSyncStats(num_tensors=len(hf), num_bytes=sum(t.numel() * t.element_size() for _, t in hf))
-        t1 = time.perf_counter()
-        ok, msg = self.engine.update_weights_from_tensor(hf, load_format=REQUANTIZING_LOADER, flush_cache=True)
-        if not ok:
-            raise RuntimeError(f"SGLang update_weights_from_tensor failed: {msg}")
-        t2 = time.perf_counter()
-        stats.copy_seconds = t1 - t0          # megatron -> HF mapping
+        stats = WeightSyncStats()
+        load_s, n = 0.0, 0
+        for bucket in layer_buckets(iter_megatron_to_hf(named_tensors, self.hf_config), self.weight_bucket_bytes):
+            t1 = time.perf_counter()
+            ok, msg = self.engine.update_weights_from_tensor(bucket, load_format=REQUANTIZING_LOADER,
+                                                             flush_cache=False)
+            load_s += time.perf_counter() - t1
+            n += 1
+            if not ok:
+                raise RuntimeError(f"SGLang update_weights_from_tensor failed (bucket {n}, from {bucket[0][0]}): "
+                                   f"{msg}")
+            stats.num_tensors += len(bucket)
+            stats.num_bytes += sum(t.numel() * t.element_size() for _, t in bucket)
+        self.engine.flush_cache()  # cached prefixes were computed with the old weights
+        stats.total_seconds = time.perf_counter() - t0
+        stats.copy_seconds = stats.total_seconds - load_s  # megatron -> HF mapping (and the cache flush)
         stats.quantize_seconds = 0.0          # inside SGLang's load (total_seconds covers it; see the log line)
-        stats.total_seconds = t2 - t0
-        stats.extra["sglang_load_seconds"] = t2 - t1
+        stats.extra.update(sglang_load_seconds=load_s, buckets=n)
         self.last_weight_sync = stats
         return stats
 
