@@ -9,9 +9,11 @@ model's), answers ``generate`` in SGLang's output format (``meta_info.output_tok
 None), ``finish_reason``) with logprobs of log_softmax(logits / T), and after ``release_memory_occupation`` (the
 memory saver without CPU backup) its weights are garbage (NaN) until weights are pushed again.
 
-Every call is appended to the JSON-lines file named by ``FAKE_SGLANG_LOG``. Use in a subprocess::
+Every call is appended to the JSON-lines file named by ``FAKE_SGLANG_LOG`` (with the process id). Use in a
+subprocess::
 
     python -c "import fake_sglang; fake_sglang.run_driver()" ARGS...   # pretrain_rl.py ARGS with the fake
+    python -m torch.distributed.run --nproc-per-node 2 tests/fake_sglang.py ARGS...   # the same under torchrun
 """
 
 from __future__ import annotations
@@ -41,7 +43,7 @@ class FakeEngine:
     @staticmethod
     def _log(op: str, **info) -> None:
         with open(os.environ["FAKE_SGLANG_LOG"], "a") as f:
-            f.write(json.dumps({"op": op, **info}) + "\n")
+            f.write(json.dumps({"op": op, "pid": os.getpid(), **info}) + "\n")
 
     @torch.no_grad()
     def generate(self, input_ids, sampling_params, return_logprob=False):
@@ -118,3 +120,7 @@ def run_driver() -> None:
     install()
     sys.argv = [os.path.join(ROOT, "pretrain_rl.py"), *sys.argv[1:]]
     runpy.run_path(sys.argv[0], run_name="__main__")
+
+
+if __name__ == "__main__":  # torchrun ... tests/fake_sglang.py ARGS: pretrain_rl.py on every rank, with the fake
+    run_driver()

@@ -29,12 +29,16 @@ TINY = ["--num-layers", "2", "--hidden-size", "64", "--ffn-hidden-size", "128", 
         "--sft-batch-size", "16", "--max-response-length", "4", "--seed", "7", "--train-iters", "2"]
 
 
-def _run(tmp_path, name, args, fake=True):
+def _run(tmp_path, name, args, fake=True, nproc=1):
     env = {**os.environ, "PYTHONPATH": os.pathsep.join([ROOT, os.path.join(ROOT, "tests")]),
            "OMP_NUM_THREADS": "1", "FAKE_SGLANG_LOG": str(tmp_path / f"{name}.engine.jsonl")}
     log = tmp_path / f"{name}.jsonl"
-    cmd = ([sys.executable, "-c", "import fake_sglang; fake_sglang.run_driver()"] if fake
-           else [sys.executable, os.path.join(ROOT, "pretrain_rl.py")])
+    if nproc > 1:
+        cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", str(nproc),
+               os.path.join(ROOT, "tests", "fake_sglang.py" if fake else "../pretrain_rl.py")]
+    else:
+        cmd = ([sys.executable, "-c", "import fake_sglang; fake_sglang.run_driver()"] if fake
+               else [sys.executable, os.path.join(ROOT, "pretrain_rl.py")])
     result = tmp_path / f"{name}.result.json"
     r = subprocess.run([*cmd, *TINY, *args, "--log-jsonl", str(log), "--results-json", str(result)], env=env,
                        cwd=ROOT, capture_output=True, text=True, timeout=600)
@@ -70,6 +74,23 @@ def test_policy_weights_reach_the_engine_after_every_update(tmp_path):
         if c["op"] == "update":  # the whole tiny model in one bucket, then the prefix cache flushed
             assert c["missing"] == [] and c["load_format"] == REQUANTIZING_LOADER and not c["flush_cache"]
             assert calls[i + 1]["op"] == "flush_cache"
+    train = _rows(rows, "train")
+    assert [t["step"] for t in train] == [1, 2]
+    for t in train:
+        assert t["logp_abs_diff_max"] < 1e-4, t["logp_abs_diff_max"]
+
+
+@pytest.mark.slow
+def test_one_engine_per_tensor_parallel_group(tmp_path):
+    """TP = 2 under torchrun: the group's first rank alone starts an Engine (tp_size 2) and generates; the policy's
+    TP shards are gathered and merged for every push, so the fp32 train-rollout mismatch is rounding only."""
+    _, rows, calls = _run(tmp_path, "tp2", ["--rollout-backend", "sglang", "--rollout-precision", "bf16", "--resq",
+                                            "none", "--no-fp4-train", "--tensor-model-parallel-size", "2"], nproc=2)
+    starts = [c for c in calls if c["op"] == "start"]
+    assert len(starts) == 1 and starts[0]["kwargs"]["tp_size"] == 2
+    assert {c["pid"] for c in calls} == {starts[0]["pid"]}  # every Engine call from that one rank
+    assert [c["op"] for c in calls].count("update") == 3
+    assert all(c["missing"] == [] for c in calls if c["op"] == "update")
     train = _rows(rows, "train")
     assert [t["step"] for t in train] == [1, 2]
     for t in train:

@@ -260,11 +260,14 @@ def validate_args(args: argparse.Namespace, world_size: int = 1) -> argparse.Nam
         problem = sglang_start_problem(needs_plugin=args.rollout_precision != "bf16")
         if problem is not None:
             raise ValueError(f"--rollout-backend sglang cannot run here: {problem}; use --rollout-backend native")
-        if (tp * pp) > 1:
-            raise ValueError(f"--rollout-backend sglang runs with --tensor-model-parallel-size 1 and "
-                             f"--pipeline-model-parallel-size 1 only (got {tp} and {pp}); each data-parallel rank "
-                             f"starts its own Engine. Use --rollout-backend native with TP/PP")
+        if pp > 1:
+            raise ValueError(f"--rollout-backend sglang runs with --pipeline-model-parallel-size 1 only (got {pp}); "
+                             f"use --rollout-backend native with pipeline parallelism")
         local = int(os.environ.get("LOCAL_WORLD_SIZE", "1"))
+        if local % tp:
+            raise ValueError(f"--rollout-backend sglang: each tensor-parallel group's Engine runs on the group's GPUs "
+                             f"of one node, so --tensor-model-parallel-size {tp} must divide the processes per node "
+                             f"({local})")
         master = int(os.environ.get("MASTER_PORT", "0") or 0)
         if args.sglang_base_port <= master < args.sglang_base_port + 16 * local:
             raise ValueError(f"--sglang-base-port={args.sglang_base_port}: the SGLang Engines' ports "

@@ -8,8 +8,8 @@ dropped; after --dynamic-sampling-max-rounds the filtered groups fill the batch,
 overlong reward shaping (--overlong-buffer-len) is added to the rewards the advantages see; accuracy and the
 filter use the verifier's reward.
 
-The engine (--rollout-backend: the in-process native one, or an SGLang Engine on this rank's GPU behind the same
-interface) holds its own copy of the weights in the rollout precision, refreshed after every optimizer step and
+The engine (--rollout-backend: the in-process native one, or one SGLang Engine per tensor-parallel group on the
+group's GPUs, behind the same interface) holds its own copy of the weights in the rollout precision, refreshed after every optimizer step and
 re-quantized once per update; with --offload-rollout its memory is released while the policy trains and restored
 at the sync. SGLang serves one precision: evaluations in others (``accuracy_bf16``) and the underflow
 diagnostics run on a native engine beside it, whose weights are copied only when it is used. Every rank of a
@@ -21,6 +21,7 @@ the first stage's samples are used everywhere so that all stages train on the sa
 
 from __future__ import annotations
 
+import json
 import os
 import time
 from typing import Any, Optional, Sequence
@@ -54,14 +55,42 @@ def make_engines(cfg: RolloutConfig, rollout_model: torch.nn.Module, precision, 
         return NativeRolloutEngine(rollout_model, precision, decode=cfg.rollout_decode,
                                    offload_on_release=cfg.offload_rollout), None
     if backend == "sglang":
-        from megatron_fp4.rollout.sglang_engine import SGLangRolloutEngine
-
-        if hf_dir is None:
-            raise ValueError("--rollout-backend sglang needs an HF folder to start its Engine from")
-        engine = SGLangRolloutEngine(hf_dir, precision, weight_bucket_bytes=cfg.update_weight_buffer_size,
-                                     **sglang_engine_kwargs(cfg, dtype, seed))
-        return engine, NativeRolloutEngine(rollout_model, precision, decode=cfg.rollout_decode)
+        return _sglang_engine(cfg, precision, hf_dir, dtype, seed), NativeRolloutEngine(
+            rollout_model, precision, decode=cfg.rollout_decode)
     raise ValueError(f"--rollout-backend {backend!r} is not valid; allowed: native, sglang")
+
+
+def _sglang_engine(cfg: RolloutConfig, precision, hf_dir: Optional[str], dtype: torch.dtype, seed: int
+                   ) -> RolloutEngine:
+    """This rank's view of its tensor-parallel group's SGLang Engine: the Engine itself at TP = 1; else a
+    TPGroupEngine over the Engine the group's first rank starts with tp_size = TP on the group's GPUs."""
+    from megatron.core import parallel_state as ps
+
+    from megatron_fp4.rollout.sglang_engine import SGLangRolloutEngine
+    from megatron_fp4.rollout.tp_group import TPGroupEngine
+
+    if hf_dir is None:
+        raise ValueError("--rollout-backend sglang needs the folder of a config.json to start its Engine from")
+    tp = ps.get_tensor_model_parallel_world_size()
+    leader = ps.get_tensor_model_parallel_rank() == 0
+    engine, error = None, None
+    if leader:
+        try:
+            engine = SGLangRolloutEngine(hf_dir, precision, tp_size=tp,
+                                         weight_bucket_bytes=cfg.update_weight_buffer_size,
+                                         **sglang_engine_kwargs(cfg, dtype, seed))
+        except Exception as e:  # the group stops together, not waiting for an Engine that never started
+            error = e
+    if tp == 1:
+        if error is not None:
+            raise error
+        return engine
+    if any_rank(error is not None, group=ps.get_tensor_model_parallel_group()):
+        raise RuntimeError(f"the SGLang Engine of this tensor-parallel group did not start"
+                           f"{f': {error}' if error is not None else ' (see its first rank)'}")
+    with open(os.path.join(hf_dir, "config.json")) as f:
+        hf_config = json.load(f)
+    return TPGroupEngine(engine, precision, hf_config, ps.get_tensor_model_parallel_group())
 
 
 def sglang_engine_kwargs(cfg: RolloutConfig, dtype: torch.dtype, seed: int) -> dict[str, Any]:

@@ -15,6 +15,7 @@ also stops on the model's EOS ids.
 
 from __future__ import annotations
 
+import itertools
 import json
 import os
 import time
@@ -79,12 +80,19 @@ class _InMemoryCheckpoint:
 
 def iter_megatron_to_hf(named_tensors: Iterable[tuple[str, torch.Tensor]], hf_config: dict
                         ) -> Iterator[tuple[str, torch.Tensor]]:
-    """(HF name, tensor) pairs for gathered megatron-core tensors, made one at a time (HF-named inputs pass
-    through unchanged)."""
-    items = [(n, t.detach()) for n, t in named_tensors]
-    if all(n.startswith(_HF_PREFIXES) for n, _ in items):
-        yield from items
+    """(HF name, tensor) pairs for gathered megatron-core tensors, made one at a time; HF-named inputs pass
+    through unchanged, also one at a time (a generator of them is not materialized)."""
+    it = iter(named_tensors)
+    first = next(it, None)
+    if first is None:
         return
+    if first[0].startswith(_HF_PREFIXES):
+        for n, t in itertools.chain([first], it):
+            if not n.startswith(_HF_PREFIXES):
+                raise ValueError(f"update_weights: mixed HF ({first[0]!r}) and megatron ({n!r}) names; give one kind")
+            yield n, t.detach()
+        return
+    items = [(n, t.detach()) for n, t in itertools.chain([first], it)]  # references, for lookup by name
     hf_named = [n for n, _ in items if n.startswith(_HF_PREFIXES)]
     if hf_named:
         raise ValueError(f"update_weights: mixed HF ({hf_named[0]!r}) and megatron names; give one kind")

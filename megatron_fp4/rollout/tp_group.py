@@ -1,0 +1,113 @@
+"""One rollout engine per tensor-parallel group: the group's first rank runs it, every rank of the group sees its
+samples and takes part in the weight sync.
+
+    engine = TPGroupEngine(SGLangRolloutEngine(..., tp_size=T) if tp_rank == 0 else None, precision, hf_config,
+                           group=tp_group)
+
+An SGLang Engine with ``tp_size = T`` shards the model over the group's T GPUs itself (its own processes and NCCL
+group), so it is started once per trainer TP group, by the group's first rank, on the group's GPUs. Every rank of the
+group calls the same methods in the same order (they are collectives over ``group``):
+
+- :meth:`generate`: the first rank generates, the others receive its samples (a broadcast);
+- :meth:`update_weights`: the trainer's TP shards are gathered tensor by tensor in HF order
+  (:func:`megatron_fp4.models.checkpoint_io.merge_tp`, then the megatron -> HF mapping) and pushed by the first
+  rank in buckets, so at most one bucket of full tensors is held at a time;
+- :meth:`release_memory` / :meth:`resume_memory`: on the first rank only.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Iterable, Optional, Sequence
+
+import torch
+
+from megatron_fp4.models.checkpoint_io import merge_tp
+from megatron_fp4.models.hf_conversion import iter_hf_tensors_from_megatron, model_args_from_hf_config
+from megatron_fp4.resq import RolloutPrecision
+from megatron_fp4.rollout.base import RolloutEngine, RolloutSample, SamplingParams, WeightSyncStats
+
+__all__ = ["TPGroupEngine"]
+
+
+class _GatheredShards:
+    """The slice of a megatron checkpoint that iter_hf_tensors_from_megatron reads, over this rank's TP shards:
+    each full tensor is gathered over the group when it is asked for (a collective: every rank asks in the same
+    order)."""
+
+    def __init__(self, shards: dict[str, torch.Tensor], model_args: dict, hf_vocab_size: int, group: Any) -> None:
+        self.shards, self.model_args, self.group = shards, model_args, group
+        self.args = {"hf_vocab_size": hf_vocab_size}
+        self.size = torch.distributed.get_world_size(group)
+
+    def full_tensor(self, name: str) -> torch.Tensor:
+        try:
+            local = self.shards[name].detach().contiguous()
+        except KeyError:
+            raise KeyError(f"update_weights: megatron tensor {name!r} is missing (pass the policy's parameters)") \
+                from None
+        parts = [torch.empty_like(local) for _ in range(self.size)]
+        torch.distributed.all_gather(parts, local, group=self.group)
+        return merge_tp(name, parts)
+
+
+class TPGroupEngine(RolloutEngine):
+    """``engine`` (on the group's first rank; None elsewhere) serving a whole tensor-parallel group."""
+
+    def __init__(self, engine: Optional[RolloutEngine], precision: RolloutPrecision, hf_config: dict,
+                 group: Any) -> None:
+        self.group = group
+        self.src = torch.distributed.get_global_rank(group, 0)
+        self.leader = torch.distributed.get_rank() == self.src
+        if self.leader != (engine is not None):
+            raise ValueError("TPGroupEngine: the group's first rank, and only it, passes the engine")
+        self.engine, self._precision, self.hf_config = engine, precision, hf_config
+        self.last_weight_sync: Optional[WeightSyncStats] = None
+
+    @property
+    def precision(self) -> RolloutPrecision:
+        return self._precision
+
+    def _broadcast(self, obj: Any) -> Any:
+        box = [obj]
+        torch.distributed.broadcast_object_list(box, src=self.src, group=self.group)
+        return box[0]
+
+    def generate(self, prompts: Sequence[Sequence[int]], sampling_params: SamplingParams) -> list[RolloutSample]:
+        """The first rank's samples, on every rank of the group (an error there is raised everywhere)."""
+        out: Any = None
+        if self.leader:
+            try:
+                out = self.engine.generate(prompts, sampling_params)
+            except Exception as e:  # the others would wait for the broadcast forever
+                out = RuntimeError(f"{type(e).__name__}: {e}")
+        out = self._broadcast(out)
+        if isinstance(out, Exception):
+            raise RuntimeError(f"rollout engine on rank {self.src} failed: {out}")
+        return out
+
+    def update_weights(self, named_tensors: Iterable[tuple[str, torch.Tensor]]) -> WeightSyncStats:
+        """Gather this rank's TP shards (megatron-core names) tensor by tensor and push them from the first rank."""
+        shards = _GatheredShards(dict(named_tensors), model_args_from_hf_config(self.hf_config),
+                                 int(self.hf_config["vocab_size"]), self.group)
+        hf = iter_hf_tensors_from_megatron(shards)
+        stats = WeightSyncStats()
+        try:
+            if self.leader:
+                stats = self.engine.update_weights(hf)
+        finally:
+            for _ in hf:  # take part in every gather (the first rank too, if its push stopped early)
+                pass
+        self.last_weight_sync = stats
+        return stats
+
+    def release_memory(self) -> None:
+        if self.leader:
+            self.engine.release_memory()
+
+    def resume_memory(self) -> None:
+        if self.leader:
+            self.engine.resume_memory()
+
+    def shutdown(self) -> None:
+        if self.leader:
+            self.engine.shutdown()
