@@ -9,12 +9,13 @@ overlong reward shaping (--overlong-buffer-len) is added to the rewards the adva
 filter use the verifier's reward.
 
 The engine (--rollout-backend: the in-process native one, or one SGLang Engine per tensor-parallel group on the
-group's GPUs, behind the same interface) holds its own copy of the weights in the rollout precision, refreshed after every optimizer step and
-re-quantized once per update; with --offload-rollout its memory is released while the policy trains and restored
-at the sync. SGLang serves one precision: evaluations in others (``accuracy_bf16``) and the underflow
-diagnostics run on a native engine beside it, whose weights are copied only when it is used. Every rank of a
-tensor-parallel group generates the same samples in lockstep (same seed); data-parallel ranks take different
-prompts. With pipeline parallelism every rank's engine holds the whole model: the sync gathers the stages'
+group's GPUs, behind the same interface) holds its own copy of the weights in the rollout precision, refreshed
+after every optimizer step and re-quantized once per update; with --offload-rollout its memory is released while
+the policy trains and restored at the sync. SGLang serves one precision: evaluations in others (``accuracy_bf16``)
+and the underflow diagnostics run on a native engine beside it, whose weights are copied only when it is used.
+Every rank of a tensor-parallel group gets the same samples (the native engine: generated in lockstep with the
+same seed; SGLang: broadcast from the group's first rank); data-parallel ranks take different prompts. With
+pipeline parallelism (native engine) every rank's engine holds the whole model: the sync gathers the stages'
 parameters over the pipeline group first (megatron_fp4.models.pp_gather), the stages generate in lockstep, and
 the first stage's samples are used everywhere so that all stages train on the same data.
 """
@@ -98,8 +99,9 @@ def sglang_engine_kwargs(cfg: RolloutConfig, dtype: torch.dtype, seed: int) -> d
     on this rank's GPU, its own ports (apart from the other local ranks' Engines), the memory share and kernels of
     the ``--sglang-*`` flags, the memory saver with --offload-rollout."""
     port = cfg.sglang_base_port + 16 * int(os.environ.get("LOCAL_RANK", "0"))
+    gpu = torch.cuda.current_device() if torch.cuda.is_available() else 0
     kwargs: dict[str, Any] = dict(
-        device="cuda", base_gpu_id=torch.cuda.current_device() if torch.cuda.is_available() else 0, port=port, nccl_port=port + 8, random_seed=seed,
+        device="cuda", base_gpu_id=gpu, port=port, nccl_port=port + 8, random_seed=seed,
         dtype="bfloat16" if dtype == torch.bfloat16 else "float32", enable_memory_saver=cfg.offload_rollout,
         mem_fraction_static=cfg.sglang_mem_fraction_static, attention_backend=cfg.sglang_attention_backend,
         sampling_backend="pytorch", grammar_backend="none", disable_cuda_graph=cfg.sglang_disable_cuda_graph,
