@@ -9,6 +9,7 @@ evaluator (greedy held-out accuracy), the checkpointer (save, resume, reshard) a
 
 from __future__ import annotations
 
+import time
 from typing import Any
 
 from megatron_fp4.rl.actor import Actor
@@ -60,16 +61,22 @@ class GRPOTrainer:
                 "warmup_losses": self.extra.get("warmup_losses", [])}
 
     def train_step(self) -> dict[str, float]:
-        """One GRPO step: rollout() -> Sequences, update(sequences), then the new weights to the rollout engine."""
+        """One GRPO step: rollout() -> Sequences, update(sequences), then the new weights to the rollout engine.
+        Wall times: ``rollout_s`` (generation), ``train_s`` (the update), ``step_s`` (all of it, scoring and the
+        weight sync included)."""
+        t0 = time.perf_counter()
         sequences, metrics = self.rollout.rollout(self.step)
         self.step += 1
         if sequences.num_tokens == 0:  # every group filtered out: nothing to learn, the weights stay as they are
             metrics.update(skipped=1.0, loss=0.0)
         else:
             self.rollout.release_memory()  # --offload-rollout: the engine's memory is the trainer's until the sync
+            t1 = time.perf_counter()
             metrics.update(self.actor.update(sequences, self.step, self.checkpointer.last_checkpoint))
+            metrics["train_s"] = time.perf_counter() - t1
             metrics.update(self.sync_weights())
         self.actor.set_lr(self.actor.lr_at(self.step))
+        metrics["step_s"] = time.perf_counter() - t0
         return metrics
 
     def sync_weights(self) -> dict[str, float]:

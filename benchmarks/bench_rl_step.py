@@ -1,0 +1,162 @@
+"""GRPO step benchmark: the wall time of whole ``pretrain_rl.py`` steps (rollout, update, weight sync) per rollout
+backend and precision, on a Qwen2.5-shaped random model; one table, JSON under benchmarks/results/.
+
+    PYTHONPATH=. python3 benchmarks/bench_rl_step.py --shape qwen2.5-1.5b --runs native:bf16,sglang:w4a4+resq \\
+        --prompts 64 --group-size 8 --prompt-len 128 --new-tokens 256 --steps 3 \\
+        --out benchmarks/results/rl_step_h200.json
+
+Each run is one ``pretrain_rl.py`` process with the same command except ``--rollout-backend`` and the rollout
+precision (``--extra`` adds flags to every run): a random model of the shape (``--init random``, bf16 on CUDA),
+a WordLevel tokenizer of the shape's vocabulary written to --work-dir, and prompts of exactly --prompt-len random
+tokens (no stop token is likely, so responses run to --new-tokens). The rows are the medians over the steps after
+the first (warm-up: kernel autotuning, graph capture) of the driver's own ``step_s``, ``rollout_s``, ``train_s``
+and ``rollout/weight_sync_total_s``, plus the speed-up of every run's step against the first run's.
+
+Run names: ``BACKEND:PRECISION`` with PRECISION one of bf16, w4a16, w4a4, w4a4+resq (HiF4 by default;
+``--format mxfp4``; ResQ 2:4 in its bf16-sum form). FP4 training stays as --fp4-train says (off by default here:
+the comparison is about rollout).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import random
+import statistics
+import subprocess
+import sys
+import time
+
+ROOT = os.path.join(os.path.dirname(os.path.abspath(__file__)), "..")
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+
+from bench_rollout import SHAPES  # noqa: E402
+
+PRECISION_FLAGS = {
+    "bf16": ["--rollout-precision", "bf16", "--resq", "none"],
+    "w4a16": ["--rollout-precision", "w4a16", "--resq", "none"],
+    "w4a4": ["--rollout-precision", "w4a4", "--resq", "none"],
+    "w4a4+resq": ["--rollout-precision", "w4a4", "--resq", "2:4", "--resq-combine", "bf16"],
+}
+BACKENDS = ("native", "sglang")
+
+
+def parse_runs(text: str) -> list[tuple[str, str]]:
+    runs = []
+    for item in text.split(","):
+        backend, _, precision = item.partition(":")
+        if backend not in BACKENDS or precision not in PRECISION_FLAGS:
+            raise SystemExit(f"bench_rl_step.py: error: --runs item {item!r}: want BACKEND:PRECISION with BACKEND in "
+                             f"{', '.join(BACKENDS)} and PRECISION in {', '.join(PRECISION_FLAGS)}")
+        runs.append((backend, precision))
+    return runs
+
+
+def write_inputs(work_dir: str, vocab_size: int, prompts: int, prompt_len: int, seed: int) -> tuple[str, str]:
+    """A WordLevel tokenizer of ``vocab_size`` tokens (t0 ... t{V-1}, plus pad/unk/eos) and a JSONL of prompts of
+    exactly ``prompt_len`` tokens; returns (tokenizer folder, data file)."""
+    from tokenizers import Tokenizer, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    tok_dir, data = os.path.join(work_dir, "tokenizer"), os.path.join(work_dir, "prompts.jsonl")
+    specials = ["<pad>", "<unk>", "</s>"]
+    vocab = {t: i for i, t in enumerate(specials)}
+    vocab.update({f"t{i}": i + len(specials) for i in range(vocab_size - len(specials))})
+    tok = Tokenizer(models.WordLevel(vocab, unk_token="<unk>"))
+    tok.pre_tokenizer = pre_tokenizers.Whitespace()
+    PreTrainedTokenizerFast(tokenizer_object=tok, eos_token="</s>", unk_token="<unk>",
+                            pad_token="<pad>").save_pretrained(tok_dir)
+    rng = random.Random(seed)
+    with open(data, "w") as f:
+        for _ in range(max(prompts * 4, 64)):
+            words = " ".join(f"t{rng.randrange(vocab_size - len(specials))}" for _ in range(prompt_len))
+            f.write(json.dumps({"input": words, "label": "0"}) + "\n")
+    return tok_dir, data
+
+
+def run_one(args, backend: str, precision: str, tok_dir: str, data: str, shape: dict) -> dict:
+    log = os.path.join(args.work_dir, f"{backend}_{precision}.jsonl")
+    if os.path.exists(log):
+        os.remove(log)
+    cmd = [sys.executable, os.path.join(ROOT, "pretrain_rl.py"), "--init", "random", "--tokenizer-model", tok_dir,
+           "--prompt-data", data, "--rm-type", "math_rule",
+           "--num-layers", str(shape["num_layers"]), "--hidden-size", str(shape["hidden_size"]),
+           "--ffn-hidden-size", str(shape["ffn_hidden_size"]),
+           "--num-attention-heads", str(shape["num_attention_heads"]),
+           "--num-query-groups", str(shape["num_query_groups"]),
+           "--rollout-batch-size", str(args.prompts), "--group-size", str(args.group_size),
+           "--max-prompt-length", str(args.prompt_len), "--max-response-length", str(args.new_tokens),
+           "--micro-batch-size", str(args.micro_batch_size), "--train-iters", str(args.steps),
+           "--sft-iters", "0", "--no-overlong-filter", "--fp4-block-format", args.format, "--log-jsonl", log,
+           "--rollout-backend", backend, *PRECISION_FLAGS[precision],
+           *(["--bf16"] if args.bf16 else []), *([] if args.fp4_train else ["--no-fp4-train"]), *args.extra]
+    t0 = time.monotonic()
+    r = subprocess.run(cmd, cwd=ROOT, env={**os.environ, "PYTHONPATH": ROOT}, capture_output=True, text=True)
+    if r.returncode:
+        raise SystemExit(f"bench_rl_step.py: {backend}:{precision} failed (exit {r.returncode}):\n{r.stderr[-3000:]}")
+    rows = [json.loads(line) for line in open(log) if '"kind": "train"' in line]
+    timed = rows[1:] or rows  # the first step pays autotuning and graph capture
+    med = {k: statistics.median(float(row.get(k, 0.0)) for row in timed)
+           for k in ("step_s", "rollout_s", "train_s", "rollout/weight_sync_total_s", "rollout_tokens_per_s",
+                     "logp_abs_diff_mean")}
+    return {"backend": backend, "precision": precision, "format": args.format, "steps": len(rows),
+            "timed_steps": len(timed), "wall_s": time.monotonic() - t0, **med}
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
+                                 formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--shape", default="qwen2.5-1.5b", choices=sorted(SHAPES))
+    ap.add_argument("--runs", default="native:bf16,sglang:bf16,sglang:w4a4+resq", type=parse_runs,
+                    help="comma-separated BACKEND:PRECISION runs; the first is the speed-up baseline")
+    ap.add_argument("--format", default="hif4", choices=("hif4", "mxfp4"))
+    ap.add_argument("--prompts", type=int, default=64)
+    ap.add_argument("--group-size", type=int, default=8)
+    ap.add_argument("--prompt-len", type=int, default=128)
+    ap.add_argument("--new-tokens", type=int, default=256)
+    ap.add_argument("--micro-batch-size", type=int, default=16)
+    ap.add_argument("--steps", type=int, default=3, help="GRPO steps per run (the first is not timed)")
+    ap.add_argument("--bf16", action=argparse.BooleanOptionalAction, default=None,
+                    help="bf16 parameters (default: on with CUDA)")
+    ap.add_argument("--fp4-train", action=argparse.BooleanOptionalAction, default=False)
+    ap.add_argument("--extra", nargs=argparse.REMAINDER, default=[], help="flags added to every pretrain_rl.py run")
+    ap.add_argument("--work-dir", default="/tmp/bench_rl_step")
+    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--out", default=os.path.join(os.path.dirname(os.path.abspath(__file__)), "results",
+                                                  "rl_step.json"))
+    args = ap.parse_args()
+    for name in ("prompts", "group_size", "prompt_len", "new_tokens", "micro_batch_size", "steps"):
+        if getattr(args, name) < 1:
+            ap.error(f"--{name.replace('_', '-')}={getattr(args, name)} must be >= 1")
+    import torch
+
+    if args.bf16 is None:
+        args.bf16 = torch.cuda.is_available()
+    os.makedirs(args.work_dir, exist_ok=True)
+    shape = SHAPES[args.shape]
+    tok_dir, data = write_inputs(args.work_dir, shape["vocab_size"], args.prompts, args.prompt_len, args.seed)
+    rows = []
+    print(f"{'run':<28} {'step s':>8} {'rollout s':>10} {'train s':>8} {'sync s':>7} {'rollout tok/s':>14} "
+          f"{'|dlogp|':>8} {'speed-up':>9}", flush=True)
+    for backend, precision in args.runs:
+        row = run_one(args, backend, precision, tok_dir, data, shape)
+        row["speedup"] = rows[0]["step_s"] / row["step_s"] if rows else 1.0
+        rows.append(row)
+        print(f"{backend + ':' + precision:<28} {row['step_s']:>8.2f} {row['rollout_s']:>10.2f} "
+              f"{row['train_s']:>8.2f} {row['rollout/weight_sync_total_s']:>7.2f} "
+              f"{row['rollout_tokens_per_s']:>14.0f} {row['logp_abs_diff_mean']:>8.4f} {row['speedup']:>8.2f}x",
+              flush=True)
+    info = {"shape": args.shape, **shape, "prompts": args.prompts, "group_size": args.group_size,
+            "prompt_len": args.prompt_len, "new_tokens": args.new_tokens, "steps": args.steps, "bf16": args.bf16,
+            "fp4_train": args.fp4_train, "extra": args.extra, "torch": torch.__version__,
+            "device": torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu",
+            "date": time.strftime("%Y-%m-%d")}
+    os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
+    with open(args.out, "w") as f:
+        json.dump({"info": info, "rows": rows}, f, indent=1)
+    print(f"wrote {args.out}")
+
+
+if __name__ == "__main__":
+    main()

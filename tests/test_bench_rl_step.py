@@ -1,0 +1,42 @@
+"""benchmarks/bench_rl_step.py on the CPU: a tiny run of the driver per backend:precision, the table's JSON rows
+carry the driver's own step timings, and a bad --runs item is refused naming the allowed values."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+
+pytest.importorskip("transformers")
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+BENCH = os.path.join(ROOT, "benchmarks", "bench_rl_step.py")
+
+
+def _bench(tmp_path, *args):
+    return subprocess.run([sys.executable, BENCH, "--shape", "tiny", "--prompts", "2", "--group-size", "2",
+                           "--prompt-len", "8", "--new-tokens", "4", "--work-dir", str(tmp_path / "work"),
+                           "--out", str(tmp_path / "out.json"), *args],
+                          env={**os.environ, "PYTHONPATH": ROOT, "OMP_NUM_THREADS": "1"}, cwd=ROOT,
+                          capture_output=True, text=True, timeout=600)
+
+
+def test_rows_hold_the_drivers_step_timings(tmp_path):
+    r = _bench(tmp_path, "--runs", "native:bf16", "--steps", "2")
+    assert r.returncode == 0, r.stderr[-3000:]
+    assert "native:bf16" in r.stdout and "speed-up" in r.stdout
+    out = json.loads((tmp_path / "out.json").read_text())
+    assert out["info"]["shape"] == "tiny" and out["info"]["new_tokens"] == 4
+    (row,) = out["rows"]
+    assert (row["backend"], row["precision"], row["steps"], row["timed_steps"]) == ("native", "bf16", 2, 1)
+    assert row["step_s"] >= row["rollout_s"] > 0 and row["train_s"] > 0 and row["speedup"] == 1.0
+    assert row["rollout_tokens_per_s"] > 0
+
+
+def test_bad_run_names_the_allowed_values(tmp_path):
+    r = _bench(tmp_path, "--runs", "vllm:bf16")
+    assert r.returncode != 0
+    assert "BACKEND in native, sglang and PRECISION in bf16, w4a16, w4a4, w4a4+resq" in r.stderr
