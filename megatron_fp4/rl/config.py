@@ -172,7 +172,10 @@ class DataConfig:
 class RolloutConfig:
     """rollout (sampling and filtering)"""
 
-    rollout_backend: str = knob("native", "rollout engine", choices=ROLLOUT_BACKENDS)
+    rollout_backend: str = knob("native", "rollout engine: native (in-process, the reference; CPU or GPU) or sglang "
+                                          "(an SGLang Engine per tensor-parallel group on its GPUs, serving the "
+                                          "rollout precision through the megatron_fp4 plug-in; CUDA only)",
+                                choices=ROLLOUT_BACKENDS)
     rollout_decode: str = knob("auto", "the native engine's decode path: megatron (megatron-core's forward, the "
                                        "reference), static (static KV cache), graph (static KV cache, CUDA-graph "
                                        "decode steps; ~9x faster on an H200, see docs/PERFORMANCE.md), auto (graph "
