@@ -151,3 +151,25 @@ def test_real_engine_in_the_driver(tmp_path):
     assert [t["step"] for t in train] == [1, 2]
     for t in train:
         assert 0 <= t["logp_abs_diff_mean"] < 0.5, t
+
+
+def test_sglang_layout_checks_name_the_flag(monkeypatch):
+    """Where SGLang could start: pipeline parallelism, a TP size that does not divide the processes per node and
+    Engine ports over torchrun's MASTER_PORT are refused at parse time, naming the flag."""
+    from megatron_fp4.rl.arguments import load_args, validate_args
+    from megatron_fp4.rollout import sglang_engine
+
+    monkeypatch.setattr(sglang_engine, "sglang_start_problem", lambda needs_plugin=True: None)
+
+    def check(argv, world_size=1, **env):
+        for k, v in env.items():
+            monkeypatch.setenv(k, v)
+        return validate_args(load_args(["--rollout-backend", "sglang", *argv]), world_size=world_size)
+
+    with pytest.raises(ValueError, match="--pipeline-model-parallel-size 1 only"):
+        check(["--pipeline-model-parallel-size", "2"], world_size=2, LOCAL_WORLD_SIZE="2")
+    with pytest.raises(ValueError, match=r"--tensor-model-parallel-size 2 must divide the processes per node \(3\)"):
+        check(["--tensor-model-parallel-size", "2"], world_size=4, LOCAL_WORLD_SIZE="3")
+    with pytest.raises(ValueError, match="--sglang-base-port=30000: .* include torchrun's MASTER_PORT 30020"):
+        check([], MASTER_PORT="30020", LOCAL_WORLD_SIZE="2")
+    assert check(["--sglang-base-port", "31000"], MASTER_PORT="30020", LOCAL_WORLD_SIZE="2").sglang_base_port == 31000
