@@ -178,13 +178,15 @@ def build_models(cfg: RLConfig, vocab_size: int, init_checkpoint: Any = None) ->
 
         policy = build_gpt_model(margs, config=config, parallel_output=True)
         copy_stage_from_full_model(policy, full_model)
-    ddp = DistributedDataParallel(config, DistributedDataParallelConfig(grad_reduce_in_fp32=True,
-                                                                        overlap_grad_reduce=False), policy)
+    ddp = DistributedDataParallel(config, DistributedDataParallelConfig(
+        grad_reduce_in_fp32=True, overlap_grad_reduce=False, use_distributed_optimizer=act.use_distributed_optimizer),
+        policy)
     config.no_sync_func = ddp.no_sync
     config.finalize_model_grads_func = finalize_model_grads
     optimizer = get_megatron_optimizer(
         OptimizerConfig(optimizer="adam", lr=act.lr, weight_decay=act.weight_decay, clip_grad=act.clip_grad,
-                        bf16=m.bf16, params_dtype=dtype, adam_beta1=0.9, adam_beta2=0.98), [ddp])
+                        bf16=m.bf16, params_dtype=dtype, adam_beta1=0.9, adam_beta2=0.98,
+                        use_distributed_optimizer=act.use_distributed_optimizer), [ddp])
 
     reference = None
     if act.use_kl_loss and act.kl_beta > 0:
