@@ -47,10 +47,10 @@ def _run(tmp_path, name, launcher, *extra):
                                     and "weight_sync" not in k} for row in rows if row["kind"] == "train"}
 
 
-def _step_two(tmp_path, run, name):
-    """A directory holding only ``run``'s step-2 checkpoint (what a resume then starts from)."""
-    shutil.copytree(tmp_path / run / "iter_0000002", tmp_path / name / "iter_0000002")
-    (tmp_path / name / TRACKER_FILE).write_text("2\n")
+def _step_two(tmp_path, run, name, step=2):
+    """A directory holding only ``run``'s step-2 (or ``step``) checkpoint (what a resume then starts from)."""
+    shutil.copytree(tmp_path / run / f"iter_{step:07d}", tmp_path / name / f"iter_{step:07d}")
+    (tmp_path / name / TRACKER_FILE).write_text(f"{step}\n")
     return str(tmp_path / name)
 
 
@@ -71,19 +71,23 @@ def _rank_states(ckpt_dir, step=4):
     return [torch.load(p, map_location="cpu", weights_only=False) for p in sorted(it.glob("rank_*.pt"))]
 
 
-def _same_state(a_dir, b_dir) -> None:
-    """Bit-identical weights and optimizer state by name (every kind, every parameter) in every rank file."""
+def _same_state(a_dir, b_dir, main: int = 0) -> None:
+    """Bit-identical weights and optimizer state by name (every kind, every parameter) in every rank file; ``main``:
+    how many parameters have fp32 main copies (the bf16 ones under --bf16)."""
     import torch
 
     a_ranks, b_ranks = _rank_states(a_dir), _rank_states(b_dir)
     assert len(a_ranks) == len(b_ranks) > 0
     for a, b in zip(a_ranks, b_ranks):
         oa, ob = a["optimizer_named"], b["optimizer_named"]
-        assert set(oa) == set(ob) == {"exp_avg", "exp_avg_sq", "step"}
+        assert set(oa) == set(ob) == {"exp_avg", "exp_avg_sq", "step"} | ({"main"} if main else set())
         for kind in oa:
             assert list(oa[kind]) == list(ob[kind]) == [n for n, _ in a["model"].items() if n in oa[kind]], kind
-            assert len(oa[kind]) == 15  # every parameter of the 2-layer model
+            assert len(oa[kind]) == (main if kind == "main" else 15)  # 15: every parameter of the 2-layer model
             assert all(torch.equal(oa[kind][n], ob[kind][n]) for n in oa[kind]), kind
+            if kind == "main":
+                assert all(oa[kind][n].dtype == torch.float32 and a["model"][n].dtype == torch.bfloat16
+                           for n in oa[kind])
         assert all(torch.equal(a["model"][n], b["model"][n]) for n in a["model"]
                    if isinstance(a["model"][n], torch.Tensor))
 
@@ -128,3 +132,25 @@ def test_distributed_optimizer_trains_and_resumes_like_the_replicated_one(tmp_pa
         assert sorted(one[name]) == [3, 4], name
     _same_metrics(one["one_on"], one["one_off"])
     _same_state(tmp_path / "one_on", tmp_path / "one_off")
+
+
+@pytest.mark.slow
+def test_distributed_optimizer_with_bf16_weights_shards_and_restores_the_fp32_main_copies(tmp_path):
+    """--bf16 (bf16 weights, fp32 norms): the distributed optimizer then keeps each rank's range of the fp32 main
+    copies itself. DP=2 trains exactly as the replicated mixed-precision optimizer and saves the same whole main
+    copies and Adam state by name; its step-0 checkpoint (saved before the first step: main copies only, no Adam
+    state yet) and its step-2 checkpoint both resume into the uninterrupted run's metrics and step-4 state."""
+    bf16 = ["--bf16", "--keep-last", "3"]
+    _, plain = _run(tmp_path, "plain", TORCHRUN, *bf16)
+    _, dist = _run(tmp_path, "dist", TORCHRUN, *bf16, "--use-distributed-optimizer")
+    assert sorted(dist) == [1, 2, 3, 4]
+    _same_metrics(plain, dist)
+    _same_state(tmp_path / "plain", tmp_path / "dist", main=10)
+    for step in (0, 2):
+        name = f"from_{step}"
+        out, rows = _run(tmp_path, name, TORCHRUN, *bf16, "--use-distributed-optimizer",
+                         "--load", _step_two(tmp_path, "dist", f"{name}_src", step))
+        assert f"(step {step})" in out
+        assert sorted(rows) == list(range(step + 1, 5))
+        _same_metrics({s: dist[s] for s in rows}, rows)
+        _same_state(tmp_path / "dist", tmp_path / name, main=10)

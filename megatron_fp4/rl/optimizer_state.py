@@ -101,8 +101,9 @@ def _local_range(slot: _Slot) -> Optional[tuple[int, int, dict]]:
 
 def _has_own_main(p: torch.nn.Parameter) -> bool:
     """Whether the distributed optimizer keeps an fp32 main copy of ``p`` (bf16/fp16 parameters); for fp32
-    parameters it steps a view of the parameter itself, so there is no separate main copy to save."""
-    return getattr(p, "main_param", None) is not None
+    parameters it steps a view of the parameter itself, so there is no separate main copy to save. Decided by the
+    dtype, the same on every rank (``p.main_param`` is set only where this rank steps a range of ``p``)."""
+    return p.dtype in (torch.float16, torch.bfloat16)
 
 
 def _gather_distributed(slots: list[_Slot], out: dict[str, dict[str, torch.Tensor]]) -> None:
