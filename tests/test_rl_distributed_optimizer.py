@@ -42,7 +42,7 @@ def _run(tmp_path, name, launcher, *extra):
     r = subprocess.run([*launcher, os.path.join(ROOT, "pretrain_rl.py"), *TINY, *extra, "--save", str(tmp_path / name),
                         "--log-jsonl", str(log)], env=_env(), cwd=ROOT, capture_output=True, text=True, timeout=600)
     assert r.returncode == 0, r.stderr[-3000:]
-    rows = [json.loads(line) for line in log.read_text().splitlines() if line.strip()]
+    rows = [json.loads(line) for line in log.read_text().splitlines() if line.strip()] if log.exists() else []
     return r.stdout, {row["step"]: {k: v for k, v in row.items() if not k.endswith(TIMING_KEYS)
                                     and "weight_sync" not in k} for row in rows if row["kind"] == "train"}
 
@@ -107,8 +107,10 @@ def test_distributed_optimizer_trains_and_resumes_like_the_replicated_one(tmp_pa
     (c) the same checkpoint resumed without it, and the replicated run's step-2 checkpoint resumed with it, too;
     (d) at another data-parallel size (one process, resharded), it resumes with and without it alike.
     Adam's moments decide the step-3 and step-4 updates: a resume that lost them would differ in step 4's loss."""
-    _, plain = _run(tmp_path, "plain", TORCHRUN)
-    _, dist = _run(tmp_path, "dist", TORCHRUN, "--use-distributed-optimizer")
+    out, plain = _run(tmp_path, "plain", TORCHRUN)
+    assert "distributed optimizer" not in out
+    out, dist = _run(tmp_path, "dist", TORCHRUN, "--use-distributed-optimizer")
+    assert "world 2 (TP 1) | distributed optimizer" in out
     assert sorted(dist) == [1, 2, 3, 4] and any(row["loss"] != 0 for row in dist.values())
     _same_metrics(plain, dist)  # (a)
     _same_state(tmp_path / "plain", tmp_path / "dist")
@@ -154,3 +156,22 @@ def test_distributed_optimizer_with_bf16_weights_shards_and_restores_the_fp32_ma
         assert sorted(rows) == list(range(step + 1, 5))
         _same_metrics({s: dist[s] for s in rows}, rows)
         _same_state(tmp_path / "dist", tmp_path / name, main=10)
+
+
+def test_checkpoint_without_named_optimizer_state_is_refused_with_the_flag(tmp_path):
+    """A checkpoint of a version that stored the optimizer's own (positional, replicated) state dict cannot feed the
+    distributed optimizer: a one-line error saying to resume without the flag, not a traceback."""
+    import torch
+
+    _run(tmp_path, "old", [sys.executable], "--train-iters", "0")
+    for f in (tmp_path / "old").glob("iter_*/rank_*.pt"):
+        state = torch.load(f, weights_only=True)
+        state["optimizer"] = state.pop("optimizer_named")  # where older versions kept the optimizer (no checksums)
+        state.pop("checksums")
+        torch.save(state, f)
+    r = subprocess.run([sys.executable, os.path.join(ROOT, "pretrain_rl.py"), *TINY, "--train-iters", "1",
+                        "--save", str(tmp_path / "old"), "--use-distributed-optimizer"],
+                       env=_env(), cwd=ROOT, capture_output=True, text=True, timeout=600)
+    assert r.returncode == 1
+    assert "with --use-distributed-optimizer: it was saved by a version that did not store the optimizer" in r.stderr
+    assert "Resume it without --use-distributed-optimizer" in r.stderr and "Traceback" not in r.stderr

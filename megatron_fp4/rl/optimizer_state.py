@@ -25,7 +25,7 @@ from typing import Any, Optional
 
 import torch
 
-__all__ = ["named_optimizer_state", "load_named_optimizer_state", "parameter_names"]
+__all__ = ["named_optimizer_state", "load_named_optimizer_state", "parameter_names", "uses_distributed_optimizer"]
 
 STEP = "step"
 MAIN = "main"
@@ -42,6 +42,11 @@ def _is_distributed(sub: Any) -> bool:
     except ImportError:  # megatron-core absent: plain torch optimizers only
         return False
     return isinstance(sub, DistributedOptimizer)
+
+
+def uses_distributed_optimizer(optimizer: Any) -> bool:
+    """Whether ``optimizer`` (or one of a chained optimizer's parts) shards its state over data-parallel ranks."""
+    return any(_is_distributed(sub) for sub in _sub_optimizers(optimizer))
 
 
 @dataclass

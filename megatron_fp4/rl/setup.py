@@ -280,7 +280,8 @@ def build_trainer(cfg: RLConfig, plan: StartPlan):
         print(f"[setup] {data}: {len(train_examples)} train / {len(eval_examples)} held-out{sets} | tokenizer "
               f"{tok.vocab_size} tokens, model vocab {model_vocab} | {n_params / 1e6:.2f}M params/rank | {setup} | "
               f"attention {models.policy.module.attention_backend} | "
-              f"world {torch.distributed.get_world_size()} (TP {tp}{f', PP {pp}' if pp > 1 else ''})", flush=True)
+              f"world {torch.distributed.get_world_size()} (TP {tp}{f', PP {pp}' if pp > 1 else ''})"
+              f"{' | distributed optimizer' if cfg.actor.use_distributed_optimizer else ''}", flush=True)
         if steps_per_rollout > 1:
             print(f"[setup] each rollout ({ro.rollout_batch_size} prompts x {ro.group_size} samples) feeds "
                   f"{steps_per_rollout} optimizer steps of --global-batch-size {cfg.actor.global_batch_size} samples",
