@@ -118,7 +118,7 @@ def _gather_distributed(slots: list[_Slot], out: dict[str, dict[str, torch.Tenso
         mine = [s for s in slots if s.dist is d]
         group = d.data_parallel_group
         local = {s.name: _local_range(s) for s in mine}
-        kinds, step = set(), torch.zeros((), dtype=torch.float32)
+        kinds, step = set(), torch.full((), -1.0)  # -1: no per-parameter step count on this rank
         for rng in local.values():
             if rng is not None:
                 kinds |= {k for k, v in rng[2].items() if k not in ("param", STEP) and isinstance(v, torch.Tensor)}
@@ -132,7 +132,7 @@ def _gather_distributed(slots: list[_Slot], out: dict[str, dict[str, torch.Tenso
         dev = collective_device()
         step = step.to(dev)
         torch.distributed.all_reduce(step, op=torch.distributed.ReduceOp.MAX, group=group)
-        stepped = bool(kinds)  # Adam's state exists once a step was taken (on every rank that steps a range)
+        stepped = float(step) >= 0  # a step was taken (Adam's state exists on every rank that steps a range)
         for s in mine:
             names = ([MAIN] if _has_own_main(s.param) else []) + kinds
             if not names:
@@ -144,8 +144,8 @@ def _gather_distributed(slots: list[_Slot], out: dict[str, dict[str, torch.Tenso
                 for i, kind in enumerate(names):
                     whole[i, start:end] = tensors["param" if kind == MAIN else kind].detach().reshape(-1)
             torch.distributed.all_reduce(whole, group=group)  # the ranges are disjoint and cover the parameter
-            for i, kind in enumerate(names):
-                out.setdefault(kind, {})[s.name] = whole[i].view(s.param.shape).to(s.param.device).clone()
+            for i, kind in enumerate(names):  # to the CPU at once: the device holds one parameter's whole state
+                out.setdefault(kind, {})[s.name] = whole[i].view(s.param.shape).to("cpu", copy=True)
             if stepped:
                 out.setdefault(STEP, {})[s.name] = step.detach().cpu().clone()
 
@@ -153,7 +153,8 @@ def _gather_distributed(slots: list[_Slot], out: dict[str, dict[str, torch.Tenso
 def named_optimizer_state(optimizer: Any, module: torch.nn.Module) -> dict[str, dict[str, torch.Tensor]]:
     """``{kind: {local parameter name: tensor}}`` of this rank: every per-parameter state tensor (``exp_avg``,
     ``exp_avg_sq``), ``main`` (the fp32 copies, mixed precision only) and ``step`` (0-d tensors). Whole tensors
-    also under the distributed optimizer (then a collective: every rank of its data-parallel group calls it)."""
+    also under the distributed optimizer (then a collective: every rank of its data-parallel group calls it; the
+    gathered tensors are on the CPU)."""
     out: dict[str, dict[str, torch.Tensor]] = {}
     slots = _slots(optimizer, module)
     for s in slots:
