@@ -33,8 +33,7 @@ import torch
 from megatron_fp4 import ops
 from megatron_fp4.rl import grpo
 from megatron_fp4.rl.config import ActorConfig
-from megatron_fp4.rl.distributed import (TOKEN_STAT_MAXIMA, any_on_model_parallel, dp_sum, from_last_stage,
-                                         reduce_token_stats)
+from megatron_fp4.rl.distributed import TOKEN_STAT_MAXIMA, any_rank, dp_sum, from_last_stage, reduce_token_stats
 from megatron_fp4.rl.logprobs import vocab_parallel_entropy, vocab_parallel_logprobs
 from megatron_fp4.rl.monitor import NonFiniteGuard
 from megatron_fp4.rl.sequences import Sequences
@@ -222,7 +221,10 @@ class Actor:
         return ok, float(grad_norm) if grad_norm is not None else float("nan")
 
     def grads_finite(self) -> bool:
-        """Whether every (data-parallel reduced) gradient of this rank and its model-parallel peers is finite."""
+        """Whether every (data-parallel reduced) gradient of every rank is finite: one decision on all ranks. Asked
+        of every rank, not only the model-parallel peers: under --use-distributed-optimizer the gradient buffers
+        are reduce-scattered, so each data-parallel rank holds only its own range reduced (the rest its local
+        gradients) and data-parallel ranks could otherwise disagree, one stepping (a collective) and one not."""
         bad = False
         for p in self.module.parameters():
             g = getattr(p, "main_grad", None)
@@ -230,7 +232,7 @@ class Actor:
             if g is not None and not bool(torch.isfinite(g).all()):
                 bad = True
                 break
-        return not any_on_model_parallel(bad)
+        return not any_rank(bad)
 
     def _backward(self, batches: list[dict], loss_fn: Callable) -> list[dict]:
         self.policy.zero_grad_buffer()

@@ -33,7 +33,8 @@ from megatron_fp4.rl.checkpoint import (CheckpointError, capture_rng_state, chec
                                         save_checkpoint, verify_checksums)
 from megatron_fp4.rl.config import CheckpointConfig
 from megatron_fp4.rl.data import PromptSampler
-from megatron_fp4.rl.optimizer_state import load_named_optimizer_state, named_optimizer_state, parameter_names
+from megatron_fp4.rl.optimizer_state import (load_named_optimizer_state, named_optimizer_state, parameter_names,
+                                             uses_distributed_optimizer)
 
 __all__ = ["StartPlan", "plan_start", "Checkpointer", "Resumed"]
 
@@ -185,6 +186,11 @@ class Checkpointer:
                 actor.reference.load_state_dict(state["reference"])
             if "optimizer_named" in state:
                 load_named_optimizer_state(actor.optimizer, actor.module, state["optimizer_named"])
+            elif uses_distributed_optimizer(actor.optimizer):  # its state dict is by position and replicated
+                raise CheckpointError(
+                    f"cannot resume from {os.path.join(load_dir, iter_dir_name(it))} with --use-distributed-optimizer: "
+                    f"it was saved by a version that did not store the optimizer state by parameter name. Resume it "
+                    f"without --use-distributed-optimizer (its next checkpoint stores the state by name)")
             else:  # written before optimizer state was stored by name
                 actor.optimizer.load_state_dict(state["optimizer"])
         else:

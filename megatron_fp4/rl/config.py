@@ -264,6 +264,10 @@ class ActorConfig:
                                    "follows over the remaining steps", check=non_negative)
     weight_decay: float = knob(0.0, "AdamW weight decay", check=non_negative)
     clip_grad: float = knob(1.0, "global gradient-norm clip (0 = off)", check=non_negative)
+    use_distributed_optimizer: bool = knob(False, "shard the fp32 main weights and Adam moments across the "
+                                                  "data-parallel ranks (megatron-core's distributed optimizer, ZeRO-1: "
+                                                  "gradients reduce-scattered, weights all-gathered). Checkpoints "
+                                                  "still store the optimizer state whole, by parameter name")
     use_kl_loss: bool = knob(True, "add the k3 KL penalty to the frozen reference to the loss (--no-use-kl-loss: "
                                    "no reference model)")
     kl_beta: float = knob(_GRPO.kl_beta, "beta of the k3 KL penalty to the frozen reference (0 = off: no reference "

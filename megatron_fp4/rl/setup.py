@@ -178,13 +178,15 @@ def build_models(cfg: RLConfig, vocab_size: int, init_checkpoint: Any = None) ->
 
         policy = build_gpt_model(margs, config=config, parallel_output=True)
         copy_stage_from_full_model(policy, full_model)
-    ddp = DistributedDataParallel(config, DistributedDataParallelConfig(grad_reduce_in_fp32=True,
-                                                                        overlap_grad_reduce=False), policy)
+    ddp = DistributedDataParallel(config, DistributedDataParallelConfig(
+        grad_reduce_in_fp32=True, overlap_grad_reduce=False, use_distributed_optimizer=act.use_distributed_optimizer),
+        policy)
     config.no_sync_func = ddp.no_sync
     config.finalize_model_grads_func = finalize_model_grads
     optimizer = get_megatron_optimizer(
         OptimizerConfig(optimizer="adam", lr=act.lr, weight_decay=act.weight_decay, clip_grad=act.clip_grad,
-                        bf16=m.bf16, params_dtype=dtype, adam_beta1=0.9, adam_beta2=0.98), [ddp])
+                        bf16=m.bf16, params_dtype=dtype, adam_beta1=0.9, adam_beta2=0.98,
+                        use_distributed_optimizer=act.use_distributed_optimizer), [ddp])
 
     reference = None
     if act.use_kl_loss and act.kl_beta > 0:
@@ -302,7 +304,8 @@ def build_trainer(cfg: RLConfig, plan: StartPlan):
         print(f"[setup] {data}: {len(train_examples)} train / {len(eval_examples)} held-out{sets} | tokenizer "
               f"{tok.vocab_size} tokens, model vocab {model_vocab} | {n_params / 1e6:.2f}M params/rank | {setup} | "
               f"attention {models.policy.module.attention_backend} | "
-              f"world {torch.distributed.get_world_size()} (TP {tp}{f', PP {pp}' if pp > 1 else ''})", flush=True)
+              f"world {torch.distributed.get_world_size()} (TP {tp}{f', PP {pp}' if pp > 1 else ''})"
+              f"{' | distributed optimizer' if cfg.actor.use_distributed_optimizer else ''}", flush=True)
         if steps_per_rollout > 1:
             print(f"[setup] each rollout ({ro.rollout_batch_size} prompts x {ro.group_size} samples) feeds "
                   f"{steps_per_rollout} optimizer steps of --global-batch-size {cfg.actor.global_batch_size} samples",
