@@ -114,6 +114,20 @@ def test_a_stopped_run_resumes_and_keeps_its_metrics(tmp_path, monkeypatch):
     assert [r["step"] for r in plot_runs.read_jsonl(str(rdir / "train.jsonl"))] == [1, 2, 3, 4]
 
 
+def test_a_checkpoint_of_another_command_is_not_resumed(tmp_path, monkeypatch, capsys):
+    args = _args(tmp_path)
+    run = mt.plan([1], ["hif4"], ["fp4_fp4"])[0]
+    ckpt = tmp_path / "runs_ckpt" / run.name
+    ckpt.mkdir(parents=True)
+    (ckpt / mt.CKPT_TRACKER).write_text("20")
+    monkeypatch.setattr(mt, "run_command", lambda *a, **k: pytest.fail("the driver must not start"))
+    out = mt.run_one(args, run, "unused", {})  # no cmd.txt in OUT: someone else's checkpoint
+    assert out["status"] == "failed" and "holds a checkpoint of no cmd.txt" in capsys.readouterr().out
+    (tmp_path / "runs" / run.name / "cmd.txt").write_text("python pretrain_rl.py --train-iters 50\n")
+    assert mt.run_one(args, run, "unused", {})["status"] == "failed"
+    assert "holds a checkpoint of another command" in capsys.readouterr().out
+
+
 def test_an_unfinished_run_without_checkpoint_starts_over(tmp_path, monkeypatch):
     args = _args(tmp_path)
     run = mt.plan([1], ["hif4"], ["bf16_fp4"])[0]

@@ -352,7 +352,15 @@ def run_one(args, run: Run, warm_ckpt: str, env: dict, deadline: float | None = 
             if os.path.exists(path):
                 os.remove(path)  # a run that did not finish (and has no checkpoint) starts over
     cmd = run_command_line(args, run, warm_ckpt)
-    with open(os.path.join(rdir, "cmd.txt"), "w") as f:
+    cmd_path = os.path.join(rdir, "cmd.txt")
+    if resuming:  # only this run's own checkpoint: made by the same command (not another table's or other flags)
+        old = open(cmd_path).read().strip() if os.path.isfile(cmd_path) else None
+        if old != shlex.join(cmd):
+            why = "no cmd.txt" if old is None else "another command"
+            print(f"[mini_table] error: {ckpt} holds a checkpoint of {why} than {run.name}'s; delete it (or pass "
+                  f"another --ckpt-dir) to start the run over", flush=True)
+            return {"status": "failed", "exit": "stale checkpoint", "seconds": 0.0}
+    with open(cmd_path, "w") as f:
         f.write(shlex.join(cmd) + "\n")
     t0 = time.monotonic()
     rc = run_command(cmd, os.path.join(rdir, "stdout.log"), env, deadline=deadline if ckpt else None,
@@ -403,8 +411,11 @@ def progress_table(args, runs: list[Run], status: dict[str, str]) -> str:
                     if r.get("kind") == "train"]
             vals = [v for v in vals if v is not None]
             mism = f"{sum(vals) / len(vals):.4f}" if vals else "-"
+            bf16 = accuracy_of(fin, "accuracy_bf16")
+            if bf16 != bf16 and run.row.rollout == "BF16":  # evaluated once, in BF16: that is its BF16 accuracy
+                bf16 = accuracy_of(fin)
             lines.append(f"{run.name:44s} {st:8s} {accuracy_of(warm):6.3f} "
-                         f"{accuracy_of(fin):6.3f} {accuracy_of(fin, 'accuracy_bf16'):9.3f} "
+                         f"{accuracy_of(fin):6.3f} {bf16:9.3f} "
                          f"{mism:>9s} {rec.get('seconds', 0):6.0f}")
         else:
             lines.append(f"{run.name:44s} {st:8s}")
