@@ -1,9 +1,11 @@
 """Report of the mini precision table (examples/mini_table/run_mini_table.py): reads every run's results.json and
-train.jsonl under --runs and writes a markdown report with the accuracy table (mean +- std over seeds, HiF4 and
-MXFP4 columns as in SPEC §1), reward curves and per-layer rollout underflow plots (PNG), the train-rollout
-logprob mismatch per configuration, and a comparison with the paper's findings computed from the numbers.
+train.jsonl under --runs and writes a markdown report with the accuracy table (mean +- std over seeds and its 95%
+interval, HiF4 and MXFP4 columns as in SPEC §1), reward curves and per-layer rollout underflow plots (PNG), the
+train-rollout logprob mismatch per configuration, and a comparison with the paper's findings computed from the
+numbers. The same for the table on SmolLM2-135M-Instruct (run_mini_table.py --preset smollm2).
 
     python tools/plot_runs.py --runs runs/mini_table --out docs/results/mini_table.md
+    python tools/plot_runs.py --runs runs/real_table --out docs/results/real_table.md
 """
 
 from __future__ import annotations
@@ -19,7 +21,7 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, os.path.join(ROOT, "examples", "mini_table"))
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from _common import run_cli, tool_parser  # noqa: E402
-from run_mini_table import ROWS  # noqa: E402  (the rows and their labels: one source of truth)
+from run_mini_table import ROWS, accuracy_of  # noqa: E402  (the rows and their labels: one source of truth)
 
 PROG = "plot_runs.py"
 
@@ -91,7 +93,8 @@ def _check_record(rec, path: str) -> None:
         raise ValueError(f"{path}: seed={rec.get('seed')!r} is not an integer")
     for key in ("final", "warm_start"):
         v = rec.get(key, {})
-        if not isinstance(v, dict) or ("accuracy" in v and not _number(v["accuracy"])):
+        if not isinstance(v, dict) or any(not _number(x) for k, x in v.items()
+                                          if k == "accuracy" or k.endswith("/accuracy")):
             raise ValueError(f"{path}: {key}={v!r} is not valid; expected an object with a numeric accuracy")
     command = rec.get("command", "")
     if not isinstance(command, str):
@@ -151,13 +154,55 @@ def fmt_ms(m: float, s: float, n: int, scale: float = 100.0, digits: int = 1) ->
     return f"{m * scale:.{digits}f} ± {s * scale:.{digits}f} (n={n})"
 
 
+# two-sided 95% quantiles of Student's t by degrees of freedom (30 and more: 2.042 down to the normal's 1.96)
+T975 = {1: 12.706, 2: 4.303, 3: 3.182, 4: 2.776, 5: 2.571, 6: 2.447, 7: 2.365, 8: 2.306, 9: 2.262, 10: 2.228,
+        12: 2.179, 15: 2.131, 20: 2.086, 30: 2.042}
+
+
+def t975(df: int) -> float:
+    return T975[max(k for k in T975 if k <= df)] if df < 30 else 2.042 if df < 60 else 1.96
+
+
+def wilson95(p: float, n: int) -> tuple[float, float]:
+    """The 95% Wilson interval of a proportion ``p`` measured on ``n`` trials."""
+    z = 1.96
+    centre = (p + z * z / (2 * n)) / (1 + z * z / n)
+    half = z * math.sqrt(p * (1 - p) / n + z * z / (4 * n * n)) / (1 + z * z / n)
+    return max(0.0, centre - half), min(1.0, centre + half)
+
+
+def ci95(xs: list[float], n_eval: int | None = None) -> tuple[float, float, float, int]:
+    """(mean, low, high, k) over the k finite values: Student's t 95% interval of the mean over seeds for k >= 2;
+    for one seed, the Wilson interval of its held-out accuracy over ``n_eval`` problems when given (else NaNs)."""
+    m, s, k = mean_std(xs)
+    if k >= 2:
+        half = t975(k - 1) * s / math.sqrt(k)
+        return m, m - half, m + half, k
+    if k == 1 and n_eval:
+        return (m, *wilson95(m, n_eval), 1)
+    return m, float("nan"), float("nan"), k
+
+
+def fmt_ci(xs: list[float], n_eval: int | None = None, scale: float = 100.0, digits: int = 1) -> str:
+    """'mean ± std [95% interval] (n=k)' of a table cell."""
+    m, lo, hi, k = ci95(xs, n_eval)
+    if k == 0:
+        return "-"
+    s = mean_std(xs)[1]
+    spread = "" if math.isnan(s) else f" ± {s * scale:.{digits}f}"
+    interval = "" if math.isnan(lo) else f" [{lo * scale:.{digits}f}, {hi * scale:.{digits}f}]"
+    return f"{m * scale:.{digits}f}{spread}{interval} (n={k})"
+
+
 def cell(runs: list[dict], row_id: str, fmt: str) -> list[dict]:
     """The runs of one table cell (the format-free BF16/BF16 row fills both columns)."""
     return [r for r in runs if r["row"] == row_id and (r["format"] == fmt or r["format"] == "bf16")]
 
 
 def final_acc(r: dict) -> float:
-    return r.get("final", {}).get("accuracy", float("nan"))
+    """The run's final held-out accuracy in its rollout precision (``accuracy``, or ``SET/accuracy`` of a run with
+    --eval-prompt-data SET FILE)."""
+    return accuracy_of(r.get("final", {}))
 
 
 def mean_mismatch(r: dict) -> float:
@@ -190,7 +235,9 @@ def plot_rewards(runs: list[dict], path: str, smooth: int = 5) -> None:
         ax.set_xlabel("GRPO step")
         ax.grid(alpha=0.3)
     axes[0].set_ylabel("reward mean")
-    axes[-1].legend(fontsize=7, loc="lower right")
+    labelled = [ax for ax in axes if ax.get_legend_handles_labels()[0]]
+    if labelled:
+        labelled[-1].legend(fontsize=7, loc="lower right")
     fig.tight_layout()
     fig.savefig(path, dpi=110)
     plt.close(fig)
@@ -243,8 +290,9 @@ def plot_underflow(runs: list[dict], path: str, row_id: str = "fp4_fp4") -> bool
         ax.set_title(f"{NAMES[fmt]}: per-layer rollout activation underflow at the end of the FP4/FP4 run")
         ax.legend()
         ax.grid(axis="y", alpha=0.3)
-    fig.tight_layout()
-    fig.savefig(path, dpi=110)
+    if drew:
+        fig.tight_layout()
+        fig.savefig(path, dpi=110)
     plt.close(fig)
     return drew
 
@@ -372,38 +420,57 @@ def write_report(runs_dir: str, out_md: str, command: str, notes: str | None = N
     os.makedirs(out_dir, exist_ok=True)
     stem = os.path.splitext(os.path.basename(out_md))[0]
     ex = runs[0]
-    n_eval = int(flag_value(ex.get("command"), "--eval-samples", 256))
+    n_eval = int(ex.get("n_eval") or flag_value(ex.get("command"), "--eval-samples", 256))
     seeds = sorted({r["seed"] for r in runs})
-    lines = [f"# Mini precision table ({ex.get('preset', '?')} preset)", "",
-             "Produced by:", "", "```bash", command, "```", "",
-             f"Runs: {len(runs)} finished under `{runs_dir}`; seeds {seeds}; {ex.get('grpo_steps', '?')} GRPO steps "
-             f"per run from one supervised warm start per seed; dataset `{flag_value(ex.get('command'), '--dataset')}`"
-             f"; held-out greedy accuracy on {n_eval} problems (one run's binomial standard error at 50% is "
-             f"{100 * math.sqrt(0.25 / max(n_eval, 1)):.1f} points). Model: {flag_value(ex.get('command'), '--num-layers')}"
-             f" layers x {flag_value(ex.get('command'), '--hidden-size')} hidden, random init. Example run command:",
+    real = ex.get("model")  # a pretrained model (run_mini_table.py --preset smollm2): no warm-up, its own task
+    se50 = f"{100 * math.sqrt(0.25 / max(n_eval, 1)):.1f}"
+    if real:
+        title = f"# Precision table on {real} ({ex.get('preset', '?')} preset)"
+        about = (f"Runs: {len(runs)} finished under `{runs_dir}`; seeds {seeds}; {ex.get('grpo_steps', '?')} GRPO "
+                 f"steps per run, every run starting from the pretrained {real} (converted from its GGUF; no "
+                 f"warm-up); task: the GSM8K-style chat problems of examples/smollm2/run_grpo.py (`--rm-type "
+                 f"{flag_value(ex.get('command'), '--rm-type')}`), "
+                 f"{flag_value(ex.get('command'), '--rollout-batch-size')} prompts x "
+                 f"{flag_value(ex.get('command'), '--n-samples-per-prompt')} samples per step; held-out greedy "
+                 f"accuracy on the same {n_eval} problems for every run (one run's binomial standard error at 50% is "
+                 f"{se50} points). Example run command:")
+        start = ("the start is the pretrained model, the same for every run, evaluated in each row's rollout "
+                 "precision before GRPO")
+    else:
+        title = f"# Mini precision table ({ex.get('preset', '?')} preset)"
+        about = (f"Runs: {len(runs)} finished under `{runs_dir}`; seeds {seeds}; {ex.get('grpo_steps', '?')} GRPO "
+                 f"steps per run from one supervised warm start per seed; dataset "
+                 f"`{flag_value(ex.get('command'), '--dataset')}`; held-out greedy accuracy on {n_eval} problems (one "
+                 f"run's binomial standard error at 50% is {se50} points). Model: "
+                 f"{flag_value(ex.get('command'), '--num-layers')} layers x "
+                 f"{flag_value(ex.get('command'), '--hidden-size')} hidden, random init. Example run command:")
+        start = ("the warm start is the same weights for every row of a seed, evaluated in that row's rollout "
+                 "precision before GRPO")
+    lines = [title, "", "Produced by:", "", "```bash", command, "```", "", about,
              "", "```bash", short_command(ex.get("command", "")), "```", "",
              *([_read_notes(notes), ""] if notes else []),
-             "## Accuracy (held-out greedy accuracy in %, mean ± std over seeds, after GRPO)", "",
-             "Evaluated greedily in each run's own rollout precision; the warm start is the same weights for every "
-             "row of a seed, evaluated in that row's rollout precision before GRPO. Paper = SPEC §1 (Qwen2.5-3B, "
-             "GSM8K mean@1).", "",
-             "| training | rollout | HiF4 | MXFP4 | warm start HiF4 / MXFP4 | paper HiF4 | paper MXFP4 |",
+             "## Accuracy (held-out greedy accuracy in %, mean ± std over seeds [95% interval], after GRPO)", "",
+             f"Evaluated greedily in each run's own rollout precision; {start}. The 95% interval is Student's t "
+             f"interval of the mean over seeds (with one seed: the Wilson interval of that run's accuracy on the "
+             f"{n_eval} held-out problems). Paper = SPEC §1 (Qwen2.5-3B, GSM8K mean@1).", "",
+             f"| training | rollout | HiF4 | MXFP4 | {'start' if real else 'warm start'} HiF4 / MXFP4 | paper HiF4 | "
+             f"paper MXFP4 |",
              "|---|---|---|---|---|---|---|"]
-    for row in ROWS:
-        cells = [fmt_ms(*_acc_stats(runs, row.id, f)) for f in FORMATS]
-        warm = [fmt_ms(*mean_std([r.get("warm_start", {}).get("accuracy", float("nan"))
+    ran = [row for row in ROWS if any(r["row"] == row.id for r in runs)]  # rows left out of the plan: no line
+    for row in ran:
+        cells = [fmt_ci([final_acc(r) for r in cell(runs, row.id, f)], n_eval) for f in FORMATS]
+        warm = [fmt_ms(*mean_std([accuracy_of(r.get("warm_start", {}))
                                   for r in cell(runs, row.id, f)])).split(" (n=")[0] for f in FORMATS]
         paper = PAPER.get(row.id, ("-", "-"))
         lines.append(f"| {row.training} | {row.rollout} | {cells[0]} | {cells[1]} | {warm[0]} / {warm[1]} | "
                      f"{paper[0]} | {paper[1]} |")
     lines += ["", "## Train-rollout logprob mismatch", "",
               "Mean over GRPO steps of the token-mean |logp_train - logp_rollout| (`logp_abs_diff_mean`), mean ± std "
-              "over seeds; and the mean reward over the last 20% of steps.", "",
+              "over seeds [95% t interval]; and the mean reward over the last 20% of steps.", "",
               "| training | rollout | HiF4 mismatch | MXFP4 mismatch | HiF4 late reward | MXFP4 late reward |",
               "|---|---|---|---|---|---|"]
-    for row in ROWS:
-        mm = [fmt_ms(*mean_std([mean_mismatch(r) for r in cell(runs, row.id, f)]), scale=1.0, digits=4)
-              for f in FORMATS]
+    for row in ran:
+        mm = [fmt_ci([mean_mismatch(r) for r in cell(runs, row.id, f)], scale=1.0, digits=4) for f in FORMATS]
         late = []
         for f in FORMATS:
             vals = []

