@@ -52,15 +52,15 @@ def _on_rank0(fn) -> Any:
     return result
 
 
-def hf_config_of_model(model: Any, vocab_size: Optional[int] = None) -> dict:
-    """The config.json :func:`export_model_hf` writes for ``model`` (same ``vocab_size`` rule), without writing
+def hf_config_of_model(model: Any) -> dict:
+    """The config.json :func:`export_model_hf` writes for ``model`` with its default vocabulary, without writing
     anything: local, not collective."""
     margs = GPTModelArgs.from_model(model)
     info = margs.hf_info or {}
 
     class _View:  # the slice of a checkpoint that hf_config_from_checkpoint reads
         model_args = model_args_to_json(margs)
-        args = {"hf_config": info.get("config"), "hf_vocab_size": vocab_size or info.get("vocab_size"),
+        args = {"hf_config": info.get("config"), "hf_vocab_size": info.get("vocab_size"),
                 "hf_architecture": info.get("architecture")}
 
     return hf_config_from_checkpoint(_View())

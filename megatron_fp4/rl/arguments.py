@@ -17,7 +17,7 @@ from typing import Any, Optional, Sequence
 
 import yaml
 
-from megatron_fp4.rl.config import RLConfig, section_fields
+from megatron_fp4.rl.config import SGLANG_PORTS_PER_RANK, RLConfig, section_fields
 
 __all__ = ["build_parser", "load_args", "validate_args", "parse_args", "config_yaml", "convert_value", "flag_name",
            "rl_config"]
@@ -269,10 +269,11 @@ def validate_args(args: argparse.Namespace, world_size: int = 1) -> argparse.Nam
                              f"of one node, so --tensor-model-parallel-size {tp} must divide the processes per node "
                              f"({local})")
         master = int(os.environ.get("MASTER_PORT", "0") or 0)
-        if args.sglang_base_port <= master < args.sglang_base_port + 16 * local:
+        end = args.sglang_base_port + SGLANG_PORTS_PER_RANK * local
+        if args.sglang_base_port <= master < end:
             raise ValueError(f"--sglang-base-port={args.sglang_base_port}: the SGLang Engines' ports "
-                             f"{args.sglang_base_port}-{args.sglang_base_port + 16 * local - 1} include torchrun's "
-                             f"MASTER_PORT {master}; pick another --sglang-base-port")
+                             f"{args.sglang_base_port}-{end - 1} include torchrun's MASTER_PORT {master}; pick another "
+                             f"--sglang-base-port")
     if args.overlong_buffer_len >= args.max_response_length:
         raise ValueError(f"--overlong-buffer-len={args.overlong_buffer_len} must be smaller than "
                          f"--max-response-length={args.max_response_length}")

@@ -32,11 +32,14 @@ from megatron_fp4.rl.rewards import VALID_KINDS
 __all__ = ["knob", "positive", "non_negative", "at_least", "in_range", "ParallelConfig", "ModelConfig",
            "PrecisionConfig", "DataConfig", "RolloutConfig", "ActorConfig", "WarmupConfig", "CheckpointConfig",
            "RunConfig", "RLConfig", "SECTIONS", "section_fields", "FP4_FORMATS", "ROLLOUT_BACKENDS", "ADVANTAGES",
-           "INITS", "REWARD_KINDS", "WANDB_MODES", "ATTENTION_BACKENDS", "SGLANG_ATTENTION_BACKENDS"]
+           "INITS", "REWARD_KINDS", "WANDB_MODES", "ATTENTION_BACKENDS", "SGLANG_ATTENTION_BACKENDS",
+           "SGLANG_PORTS_PER_RANK"]
 
 FP4_FORMATS = (*RECIPES, "none")
 ROLLOUT_BACKENDS = ("native", "sglang")
 SGLANG_ATTENTION_BACKENDS = ("triton", "flashinfer", "fa3", "torch_native")
+#: Ports of each local rank's SGLang Engine from --sglang-base-port on: its port, and its NCCL port at + 8.
+SGLANG_PORTS_PER_RANK = 16
 ADVANTAGES = ("grpo", "drgrpo", "gspo", "reinforce_plus_plus")
 INITS = ("random",)
 REWARD_KINDS = VALID_KINDS

@@ -30,7 +30,7 @@ from typing import Any, Optional, Sequence
 import torch
 
 from megatron_fp4.rl import grpo
-from megatron_fp4.rl.config import RolloutConfig
+from megatron_fp4.rl.config import SGLANG_PORTS_PER_RANK, RolloutConfig
 from megatron_fp4.rl.data import Example, PromptSampler
 from megatron_fp4.rl.distributed import any_rank, dp_max, dp_rank_and_size, dp_sum, from_first_stage
 from megatron_fp4.rl.monitor import TrainingDivergedError
@@ -98,7 +98,7 @@ def sglang_engine_kwargs(cfg: RolloutConfig, dtype: torch.dtype, seed: int) -> d
     """``sglang.Engine`` keyword arguments of this rank's Engine, beside ``SGLangRolloutEngine.engine_args``' own:
     on this rank's GPU, its own ports (apart from the other local ranks' Engines), the memory share and kernels of
     the ``--sglang-*`` flags, the memory saver with --offload-rollout."""
-    port = cfg.sglang_base_port + 16 * int(os.environ.get("LOCAL_RANK", "0"))
+    port = cfg.sglang_base_port + SGLANG_PORTS_PER_RANK * int(os.environ.get("LOCAL_RANK", "0"))
     gpu = torch.cuda.current_device() if torch.cuda.is_available() else 0
     kwargs: dict[str, Any] = dict(
         device="cuda", base_gpu_id=gpu, port=port, nccl_port=port + 8, random_seed=seed,

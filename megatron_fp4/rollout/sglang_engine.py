@@ -64,11 +64,13 @@ def sglang_start_problem(needs_plugin: bool = True) -> Optional[str]:
     return None
 
 
-class _InMemoryCheckpoint:
-    """The slice of MegatronCheckpoint that iter_hf_tensors_from_megatron reads, over gathered tensors."""
+class InMemoryCheckpoint:
+    """The slice of MegatronCheckpoint that iter_hf_tensors_from_megatron reads, over megatron-named tensors of the
+    model ``hf_config`` describes (whole tensors here; :mod:`megatron_fp4.rollout.tp_group` gathers TP shards)."""
 
-    def __init__(self, tensors: dict[str, torch.Tensor], model_args: dict, hf_vocab_size: int) -> None:
-        self.tensors, self.model_args, self.args = tensors, model_args, {"hf_vocab_size": hf_vocab_size}
+    def __init__(self, tensors: dict[str, torch.Tensor], hf_config: dict) -> None:
+        self.tensors, self.model_args = tensors, model_args_from_hf_config(hf_config)
+        self.args = {"hf_vocab_size": int(hf_config["vocab_size"])}
 
     def full_tensor(self, name: str) -> torch.Tensor:
         try:
@@ -96,8 +98,7 @@ def iter_megatron_to_hf(named_tensors: Iterable[tuple[str, torch.Tensor]], hf_co
     hf_named = [n for n, _ in items if n.startswith(_HF_PREFIXES)]
     if hf_named:
         raise ValueError(f"update_weights: mixed HF ({hf_named[0]!r}) and megatron names; give one kind")
-    margs = model_args_from_hf_config(hf_config)
-    yield from iter_hf_tensors_from_megatron(_InMemoryCheckpoint(dict(items), margs, int(hf_config["vocab_size"])))
+    yield from iter_hf_tensors_from_megatron(InMemoryCheckpoint(dict(items), hf_config))
 
 
 def megatron_to_hf_tensors(named_tensors: Iterable[tuple[str, torch.Tensor]], hf_config: dict

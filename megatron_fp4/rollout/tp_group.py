@@ -22,29 +22,24 @@ from typing import Any, Iterable, Optional, Sequence
 import torch
 
 from megatron_fp4.models.checkpoint_io import merge_tp
-from megatron_fp4.models.hf_conversion import iter_hf_tensors_from_megatron, model_args_from_hf_config
+from megatron_fp4.models.hf_conversion import iter_hf_tensors_from_megatron
 from megatron_fp4.resq import RolloutPrecision
 from megatron_fp4.rollout.base import RolloutEngine, RolloutSample, SamplingParams, WeightSyncStats
+from megatron_fp4.rollout.sglang_engine import InMemoryCheckpoint
 
 __all__ = ["TPGroupEngine"]
 
 
-class _GatheredShards:
-    """The slice of a megatron checkpoint that iter_hf_tensors_from_megatron reads, over this rank's TP shards:
-    each full tensor is gathered over the group when it is asked for (a collective: every rank asks in the same
-    order)."""
+class _GatheredShards(InMemoryCheckpoint):
+    """:class:`InMemoryCheckpoint` over this rank's TP shards: each full tensor is gathered over the group when it
+    is asked for (a collective: every rank asks in the same order)."""
 
-    def __init__(self, shards: dict[str, torch.Tensor], model_args: dict, hf_vocab_size: int, group: Any) -> None:
-        self.shards, self.model_args, self.group = shards, model_args, group
-        self.args = {"hf_vocab_size": hf_vocab_size}
-        self.size = torch.distributed.get_world_size(group)
+    def __init__(self, shards: dict[str, torch.Tensor], hf_config: dict, group: Any) -> None:
+        super().__init__(shards, hf_config)
+        self.group, self.size = group, torch.distributed.get_world_size(group)
 
     def full_tensor(self, name: str) -> torch.Tensor:
-        try:
-            local = self.shards[name].detach().contiguous()
-        except KeyError:
-            raise KeyError(f"update_weights: megatron tensor {name!r} is missing (pass the policy's parameters)") \
-                from None
+        local = super().full_tensor(name).detach().contiguous()
         parts = [torch.empty_like(local) for _ in range(self.size)]
         torch.distributed.all_gather(parts, local, group=self.group)
         return merge_tp(name, parts)
@@ -87,9 +82,7 @@ class TPGroupEngine(RolloutEngine):
 
     def update_weights(self, named_tensors: Iterable[tuple[str, torch.Tensor]]) -> WeightSyncStats:
         """Gather this rank's TP shards (megatron-core names) tensor by tensor and push them from the first rank."""
-        shards = _GatheredShards(dict(named_tensors), model_args_from_hf_config(self.hf_config),
-                                 int(self.hf_config["vocab_size"]), self.group)
-        hf = iter_hf_tensors_from_megatron(shards)
+        hf = iter_hf_tensors_from_megatron(_GatheredShards(dict(named_tensors), self.hf_config, self.group))
         stats = WeightSyncStats()
         try:
             if self.leader:

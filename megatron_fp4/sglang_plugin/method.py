@@ -6,8 +6,9 @@ weight_loader, wrapped to mark the layer stale), ``weight_packed`` (uint8 ``[N, 
 is re-quantized from ``weight`` after loading and after every refit, in place: the Parameter objects and every
 GEMM operand's storage (the dequantized reference operand, the kernels' prepared weight) survive, so CUDA graphs
 captured over them stay valid. ``apply`` computes :func:`megatron_fp4.resq.rollout_linear` on the dequantized
-packed weight: the reference quantizer's operands bit for bit. On devices with a registered rollout backend (the Triton kernels on CUDA,
-``megatron_fp4.rollout.kernels_backend``) the backend computes the same numbers from its prepared weight.
+packed weight: the reference quantizer's operands bit for bit. On devices with a registered rollout backend (the
+Triton kernels on CUDA, ``megatron_fp4.rollout.kernels_backend``) the backend computes the same numbers from its
+prepared weight.
 """
 
 from __future__ import annotations
@@ -26,7 +27,8 @@ from sglang.srt.layers.quantization.unquant import UnquantizedLinearMethod
 from sglang.srt.utils import set_weight_attrs
 
 from megatron_fp4.formats import QuantizedTensor, get_format
-from megatron_fp4.resq import ROLLOUT_LINEAR_PATHS, QuantizedWeightCache, rollout_backend_for, rollout_linear
+from megatron_fp4.resq import (ROLLOUT_LINEAR_PATHS, QuantizedWeightCache, copy_into, rollout_backend_for,
+                               rollout_linear)
 from megatron_fp4.sglang_plugin.options import QUANT_METHOD, PluginOptions
 
 __all__ = ["MegatronFP4Config", "MegatronFP4LinearMethod", "requantize_stale_layers", "QUANT_METHOD"]
@@ -229,8 +231,7 @@ def _store_operand(layer: torch.nn.Module, wq: torch.Tensor) -> None:
     """``layer.megatron_fp4_wq = wq``, written into the existing tensor where there is one of the same shape,
     dtype and device (CUDA graphs captured its address); a first build or a change allocates."""
     old = getattr(layer, "megatron_fp4_wq", None)
-    if isinstance(old, torch.Tensor) and old.shape == wq.shape and old.dtype == wq.dtype and old.device == wq.device:
-        old.copy_(wq)
+    if old is not None and copy_into(old, wq):
         return
     if old is not None:
         REQUANT_STATS["reallocated"] += 1
