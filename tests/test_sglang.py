@@ -4,9 +4,11 @@ A tiny random Qwen2 model (plus a local WordLevel tokenizer) is written to a tem
 in bf16 / HiF4 W4A4 / HiF4 + ResQ 2:4 / MXFP4 + ResQ 2:4, and again after two refits through update_weights.
 
 - On a CUDA GPU with SGLang and the plug-in's entry point (the H200, SGLang 0.5.17 bundle): bf16 weights, triton
-  attention, CUDA graphs on. SGLang's greedy tokens are scored by the native engine teacher-forced (the same
-  tokens): logprobs within 2e-2 (max and mean printed), and the plug-in's trace (MEGATRON_FP4_PLUGIN_TRACE, written
-  by SGLang's scheduler process) shows every FP4 linear served by our kernels, none by the reference.
+  attention, decode CUDA graphs on. SGLang's greedy tokens are scored by the native engine teacher-forced (the same
+  tokens; max and mean printed): BF16 logprobs within 2e-2, W4A4 ones at most half as far from the native FP4 as
+  from the native BF16 (see _assert_same); the plug-in's trace (MEGATRON_FP4_PLUGIN_TRACE, written by SGLang's
+  scheduler process) shows every FP4 linear served by our kernels, none by the reference, each within one bf16
+  rounding of the reference's output on SGLang's own activations.
 - On a CPU with SGLang's CPU engine (sglang plus an sgl-kernel built for CPU; PyPI's wheels are CUDA builds, see
   docs/dev/SGLANG.md): fp32 ("bf16" rollout = the model dtype), greedy tokens equal and logprobs within 1e-4.
 Skipped elsewhere, with the reason.
@@ -117,9 +119,11 @@ def _sglang_engine(path, precision):
     from megatron_fp4.rollout.sglang_engine import SGLangRolloutEngine
 
     if ON_GPU:
+        # decode CUDA graphs on (batch sizes up to 8); the prefill graph (torch.compile'd) off: it only adds start time
         return SGLangRolloutEngine(path, precision, dtype="bfloat16", attention_backend="triton",
                                    sampling_backend="pytorch", grammar_backend="none", mem_fraction_static=0.3,
-                                   max_running_requests=8, disable_radix_cache=True)
+                                   max_running_requests=8, disable_radix_cache=True, cuda_graph_max_bs_decode=8,
+                                   disable_prefill_cuda_graph=True)
     return SGLangRolloutEngine(path, precision, device="cpu", attention_backend="torch_native", dtype="float32",
                                disable_cuda_graph=True, mem_fraction_static=0.3, max_running_requests=8,
                                max_total_tokens=4096, disable_radix_cache=True)
@@ -130,16 +134,33 @@ def _prompts():
     return [torch.randint(4, VOCAB, (n,), generator=g).tolist() for n in (5, 9, 3, 12)]
 
 
-def _assert_same(native, sgl, prompts, params):
+def _forced_diffs(native, prompts, samples) -> list[float]:
+    forced = native.forced_logprobs(prompts, [s.token_ids for s in samples])
+    return [abs(p - q) for s, f in zip(samples, forced) for p, q in zip(s.logprobs, f)]
+
+
+def _assert_same(native, sgl, prompts, params, native_bf16=None):
     """CPU: the same greedy tokens and logprobs within 1e-4. GPU: SGLang's tokens scored by the native engine
-    teacher-forced, logprobs within 2e-2 (bf16 and CUDA-graph kernels on both sides)."""
+    teacher-forced (bf16 and CUDA-graph kernels on both sides): BF16 within 2e-2; FP4 W4A4 at most half as far
+    from the native engine's FP4 as from its BF16 (``native_bf16``: the FP4 effect itself), on the mean. Two bf16
+    implementations round activations differently in the last bit, which flips FP4 roundings of W4A4
+    activations, so W4A4 logprobs cannot agree to 2e-2 across implementations (the native engine's own graph and
+    megatron paths differ by as much, docs/PERFORMANCE.md); that the kernels compute the reference's numbers on
+    SGLang's own activations is checked layer by layer (:func:`_assert_kernels_served`)."""
     b = sgl.generate(prompts, params)
     if ON_GPU:
-        forced = native.forced_logprobs(prompts, [s.token_ids for s in b])
-        diffs = [abs(p - q) for s, f in zip(b, forced) for p, q in zip(s.logprobs, f)]
+        diffs = _forced_diffs(native, prompts, b)
+        mean = sum(diffs) / len(diffs)
         print(f"{native.precision.label}: SGLang vs native teacher-forced logprobs: max {max(diffs):.3g}, "
-              f"mean {sum(diffs) / len(diffs):.3g} over {len(diffs)} tokens")
-        assert max(diffs) <= LOGPROB_TOL, f"logprobs differ by {max(diffs):.3g}"
+              f"mean {mean:.3g} over {len(diffs)} tokens")
+        if native.precision.mode != "w4a4":
+            assert max(diffs) <= LOGPROB_TOL, f"logprobs differ by {max(diffs):.3g}"
+            return b, b
+        gap = _forced_diffs(native_bf16, prompts, b)
+        gap_mean = sum(gap) / len(gap)
+        print(f"{native.precision.label}: SGLang vs native BF16 (the FP4 effect): max {max(gap):.3g}, "
+              f"mean {gap_mean:.3g}")
+        assert mean <= 0.5 * gap_mean, f"SGLang's FP4 is not the native FP4: mean {mean:.3g} vs BF16 {gap_mean:.3g}"
         return b, b
     a = native.generate(prompts, params)
     for i, (x, y) in enumerate(zip(a, b)):
@@ -152,29 +173,30 @@ def _assert_same(native, sgl, prompts, params):
 
 @pytest.fixture
 def plugin_trace(tmp_path, monkeypatch):
-    """The plug-in's per-layer trace file (SGLang's scheduler inherits the variable); returns a reader of the paths
-    that served the FP4 linears."""
+    """The plug-in's per-layer trace file (SGLang's scheduler inherits the variable); returns a reader of its rows."""
     from megatron_fp4.sglang_plugin.method import TRACE_ENV
 
     trace = tmp_path / "plugin_trace.jsonl"
     monkeypatch.setenv(TRACE_ENV, str(trace))
 
-    def paths() -> dict[str, set]:
-        out: dict[str, set] = {}
-        for line in (trace.read_text().splitlines() if trace.exists() else []):
-            row = json.loads(line)
-            out.setdefault(row["path"], set()).add(row["layer"])
-        return out
+    def rows() -> list[dict]:
+        return [json.loads(line) for line in (trace.read_text().splitlines() if trace.exists() else [])]
 
-    return paths
+    return rows
 
 
-def _assert_kernels_served(paths, precision):
-    """On the GPU every FP4 linear of SGLang's model ran on our kernels (none fell back to the reference)."""
+def _assert_kernels_served(rows, precision):
+    """On the GPU every FP4 linear of SGLang's model ran on our kernels (none fell back to the reference), and on
+    SGLang's own activations the kernels' output equals the reference's up to one bf16 rounding of the output."""
     if not ON_GPU or precision.mode == "bf16":
         return
-    served = paths()
-    assert served.get("kernels") and not served.get("reference"), f"served by: {served}"
+    traced = rows()
+    paths = {r["path"] for r in traced}
+    assert paths == {"kernels"}, f"served by: {paths} ({len(traced)} layers traced)"
+    worst = max(r["rel_diff_vs_reference"] for r in traced)
+    print(f"{precision.label}: {len(traced)} layers served by the kernels; largest difference from the reference, "
+          f"relative to its largest output: {worst:.2e}")
+    assert worst <= 2 ** -7, traced
 
 
 @pytest.fixture(scope="module")
@@ -202,9 +224,10 @@ def test_greedy_matches_native(tiny_model, plugin_trace, name):
     path, hf = tiny_model
     precision = PRECISIONS[name]
     native = _native_engine(hf, precision)
+    native_bf16 = _native_engine(hf, PRECISIONS["bf16"]) if ON_GPU else None
     params = SamplingParams(temperature=0.0, max_new_tokens=12, stop_token_ids=STOP)
     with _sglang_engine(path, precision) as sgl:
-        a, _ = _assert_same(native, sgl, _prompts(), params)
+        a, _ = _assert_same(native, sgl, _prompts(), params, native_bf16)
     assert sum(len(s.token_ids) for s in a) > 8
     _assert_kernels_served(plugin_trace, precision)
 
@@ -214,6 +237,7 @@ def test_refit_matches_native_twice(tiny_model, plugin_trace, name):
     path, hf = tiny_model
     precision = PRECISIONS[name]
     native = _native_engine(hf, precision)
+    native_bf16 = _native_engine(hf, PRECISIONS["bf16"]) if ON_GPU else None
     params = SamplingParams(temperature=0.0, max_new_tokens=12, stop_token_ids=STOP)
     prompts = _prompts()
     g = torch.Generator().manual_seed(11)
@@ -223,9 +247,11 @@ def test_refit_matches_native_twice(tiny_model, plugin_trace, name):
             new = {n: p.detach() + 0.05 * torch.randn(p.shape, generator=g).to(p.device, p.dtype)
                    for n, p in native.model.named_parameters()}
             native.update_weights(new.items())
+            if native_bf16 is not None:
+                native_bf16.update_weights(new.items())
             stats = sgl.update_weights(new.items())  # megatron names -> HF through hf_conversion
             assert stats.num_tensors > 0 and stats.total_seconds > 0
-            _, after = _assert_same(native, sgl, prompts, params)
+            _, after = _assert_same(native, sgl, prompts, params, native_bf16)
             assert [s.token_ids for s in after] != [s.token_ids for s in before], f"refit {step} changed nothing"
             before = after
     _assert_kernels_served(plugin_trace, precision)

@@ -39,9 +39,12 @@ _BACKEND_CACHE = QuantizedWeightCache()
 #: whose GEMM operands a refit could not rewrite in place (new buffers: CUDA graphs captured before must be
 #: recaptured).
 REQUANT_STATS = {"layers": 0, "seconds": 0.0, "reallocated": 0}
-#: ``MEGATRON_FP4_PLUGIN_TRACE=FILE``: each FP4 linear appends one JSON line at its first forward in this process,
-#: ``{"layer", "path": "kernels" | "reference", "device", "pid"}``: which path served it, visible from outside
-#: SGLang's scheduler processes (the GPU tests check that no layer silently fell back to the reference).
+#: ``MEGATRON_FP4_PLUGIN_TRACE=FILE``: each FP4 linear appends one JSON line at its first forward in this process
+#: outside CUDA-graph capture and torch.compile tracing, ``{"layer", "path": "kernels" | "reference", "device",
+#: "pid", "rel_diff_vs_reference"}``: which path served it and, for the kernels, how far their output is from the
+#: PyTorch reference's on the same input, visible from outside SGLang's scheduler processes (the GPU tests check
+#: that no layer silently fell back to the reference and that the kernels computed the reference's numbers).
+#: A debugging aid: the check costs a reference GEMM and a host sync per layer, once.
 TRACE_ENV = "MEGATRON_FP4_PLUGIN_TRACE"
 _BACKENDS_TRIED: set = set()
 
@@ -218,13 +221,27 @@ class MegatronFP4LinearMethod(LinearMethodBase):
             y = rollout_linear(x, layer.weight, bias, self.precision, cache=_BACKEND_CACHE)
         else:
             y = rollout_linear(x, layer.weight, bias, self.precision, weight_q=layer.megatron_fp4_wq)
-        if trace:
-            layer.megatron_fp4_traced = True
-            path = "kernels" if ROLLOUT_LINEAR_PATHS["backend"] > served_by_backend else "reference"
-            with open(trace, "a") as f:
-                f.write(json.dumps({"layer": self.prefix, "path": path, "device": x.device.type,
-                                    "pid": os.getpid()}) + "\n")
+        if trace and not _capturing(x):
+            self._trace(layer, x, bias, y, trace, ROLLOUT_LINEAR_PATHS["backend"] > served_by_backend)
         return y
+
+    def _trace(self, layer, x, bias, y, trace: str, by_backend: bool) -> None:
+        """One trace line for ``layer`` (its first forward outside graph capture and compilation): the path that
+        served it and, for the kernels, their largest difference from the PyTorch reference on the same input,
+        relative to the reference's largest output (up to one rounding of the output dtype)."""
+        layer.megatron_fp4_traced = True
+        row = {"layer": self.prefix, "path": "kernels" if by_backend else "reference", "device": x.device.type,
+               "pid": os.getpid()}
+        if by_backend:
+            ref = rollout_linear(x, layer.weight, bias, self.precision, weight_q=layer.megatron_fp4_wq).float()
+            row["rel_diff_vs_reference"] = float((y.float() - ref).abs().max() / ref.abs().max().clamp_min(1e-30))
+        with open(trace, "a") as f:
+            f.write(json.dumps(row) + "\n")
+
+
+def _capturing(x: torch.Tensor) -> bool:
+    """Whether this forward is being captured into a CUDA graph or traced by torch.compile (no host syncs there)."""
+    return torch.compiler.is_compiling() or (x.is_cuda and torch.cuda.is_current_stream_capturing())
 
 
 def _store_operand(layer: torch.nn.Module, wq: torch.Tensor) -> None:
