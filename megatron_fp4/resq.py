@@ -459,8 +459,10 @@ ROLLOUT_LINEAR_PATHS = {"backend": 0, "reference": 0}
 def register_rollout_backend(device_type: str, fn: Optional[Callable]) -> None:
     """Serve quantized :func:`rollout_linear` calls on ``device_type`` with ``fn`` (None removes it).
 
-    ``fn(x2d, weight, precision, cache) -> fp32 [M, n]`` or ``NotImplemented`` (then the PyTorch reference runs);
-    it must return the reference's numbers up to fp32 summation order. An optional attribute
+    ``fn(x2d, weight, precision, cache, out_dtype) -> [M, n]`` in ``out_dtype`` or ``NotImplemented`` (then the
+    PyTorch reference runs); it must return the reference's numbers up to fp32 summation order. ``out_dtype`` is
+    x's dtype where the linear has no bias (the GEMM's fp32 sums round once to it, as the reference's cast does,
+    and no fp32 output is written and cast back) and fp32 where a bias is added after it. An optional attribute
     ``fn.prepare_weight(weight, precision, cache)`` quantizes a weight ahead of time (weight sync).
     """
     if fn is None:
@@ -514,7 +516,8 @@ def rollout_linear(
         return F.linear(x, weight, bias)
     backend = _ROLLOUT_BACKENDS.get(x.device.type) if weight_q is None else None
     if backend is not None:
-        y = backend(x.reshape(-1, x.shape[-1]), weight, precision, cache)
+        y = backend(x.reshape(-1, x.shape[-1]), weight, precision, cache,
+                    out_dtype=torch.float32 if bias is not None else x.dtype)
         if y is not NotImplemented:
             ROLLOUT_LINEAR_PATHS["backend"] += 1
             if bias is not None:

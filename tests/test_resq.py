@@ -332,7 +332,7 @@ def test_weight_cache_refits_prepared_weights_in_place(fmt):
 
     from megatron_fp4.resq import register_rollout_backend
 
-    def backend(x2, weight, precision, cache):
+    def backend(x2, weight, precision, cache, out_dtype):
         return NotImplemented
 
     def prepare_weight(weight, precision, cache):
@@ -401,14 +401,16 @@ def test_paper_rows_and_cost_model():
 def test_rollout_backend_registry():
     from megatron_fp4.resq import register_rollout_backend, rollout_backend_for
 
-    calls = []
+    calls, out_dtypes = [], []
 
-    def backend(x2, weight, precision, cache):
+    def backend(x2, weight, precision, cache, out_dtype):
         calls.append(precision.label)
+        out_dtypes.append(out_dtype)
         if precision.sparsity == "dense":
             return NotImplemented  # falls back to the reference
         wq = cache.get_prepared(weight, "test", lambda w: get_format(precision.format).fake_quantize(w))
-        return resq_activation(x2, precision.format, precision.sparsity, out_dtype=torch.float32) @ wq.t()
+        return (resq_activation(x2, precision.format, precision.sparsity, out_dtype=torch.float32) @ wq.t()).to(
+            out_dtype)
 
     def prepare_weight(weight, precision, cache):
         return cache.get_prepared(weight, "test", lambda w: get_format(precision.format).fake_quantize(w))
@@ -428,12 +430,19 @@ def test_rollout_backend_registry():
         y = rollout_linear(x, w, b, p, cache=cache)
         assert calls == [p.label] and cache.quantize_calls == 1 and y.shape == (2, 3, 16)
         torch.testing.assert_close(y, ref, rtol=1e-5, atol=1e-5)
+        wq_p = get_format("mxfp4").fake_quantize(w)
         pd = RolloutPrecision("w4a4", "mxfp4", "dense")
         wq = get_format("mxfp4").fake_quantize(w)
         torch.testing.assert_close(rollout_linear(x, w, b, pd), rollout_linear(x, w, b, pd, weight_q=wq))
         assert len(calls) == 2  # the explicit weight_q call bypasses the backend
         torch.testing.assert_close(rollout_linear(x, w, b, "bf16"), x @ w.t() + b)
         assert len(calls) == 2  # bf16 never reaches a backend
+        # the GEMM rounds once to a bf16 input's dtype where no bias follows; with a bias it stays fp32 until after
+        xb = x.to(torch.bfloat16)
+        for bias, dtype in ((None, torch.bfloat16), (b, torch.float32)):
+            y = rollout_linear(xb, w, bias, p, cache=cache)
+            assert out_dtypes[-1] == dtype and y.dtype == torch.bfloat16
+            torch.testing.assert_close(y, rollout_linear(xb, w, bias, p, weight_q=wq_p), rtol=0, atol=0)
     finally:
         register_rollout_backend("cpu", None)
     assert rollout_backend_for("cpu") is None

@@ -251,10 +251,10 @@ def _kernel_like_backend(calls: list):
         return cache.get_prepared(weight, f"kernels:{precision.format}",
                                   lambda w: dispatch.prepare_weight(w, precision.format))
 
-    def backend(x2, weight, precision, cache):
+    def backend(x2, weight, precision, cache, out_dtype):
         calls.append(precision.label)
         pw = prepare_weight(weight, precision, cache)
-        return rollout_linear(x2, weight, None, precision, weight_q=pw.packed.dequantize()).float()
+        return rollout_linear(x2, weight, None, precision, weight_q=pw.packed.dequantize()).to(out_dtype)
 
     backend.prepare_weight = prepare_weight
     return backend
@@ -282,7 +282,9 @@ def _operand_tensors(layer) -> list:
 
 def test_trace_names_the_path_that_served_each_layer(tmp_path, monkeypatch):
     """MEGATRON_FP4_PLUGIN_TRACE: one line per layer at its first forward, naming the backend ("kernels") or the
-    reference, also when a registered backend declines the call (the fallback the GPU tests must see)."""
+    reference, also when a registered backend declines the call (the fallback the GPU tests must see); a backend's
+    line carries its difference from the reference on the same input (0 for the exact kernel twin, large for a
+    backend that computes something else)."""
     from megatron_fp4.resq import register_rollout_backend
     from megatron_fp4.sglang_plugin.method import TRACE_ENV, _BACKEND_CACHE
 
@@ -305,11 +307,16 @@ def test_trace_names_the_path_that_served_each_layer(tmp_path, monkeypatch):
             register_rollout_backend("cpu", None)
         rows = [json.loads(line) for line in trace.read_text().splitlines()]
         assert sorted(r["layer"] for r in rows) == sorted(m.quant_method.prefix for m in layers.values())
-        return {r["path"] for r in rows}
+        diffs = [r.get("rel_diff_vs_reference") for r in rows]
+        return {r["path"] for r in rows}, diffs
 
-    assert traced(None, "none") == {"reference"}
-    assert traced(_kernel_like_backend([]), "kernels") == {"kernels"}
-    assert traced(lambda x2, weight, precision, cache: NotImplemented, "declined") == {"reference"}
+    assert traced(None, "none") == ({"reference"}, [None] * 3)  # qkv, gate_up, down
+    paths, diffs = traced(_kernel_like_backend([]), "kernels")
+    assert paths == {"kernels"} and len(diffs) == 3 and max(diffs) <= 1e-6, diffs
+    assert traced(lambda x2, weight, precision, cache, out_dtype: NotImplemented, "declined") == ({"reference"}, [None] * 3)
+    # a backend that forgets the activation quantization is caught by the difference
+    paths, diffs = traced(lambda x2, weight, precision, cache, out_dtype: x2.float() @ weight.float().t(), "wrong")
+    assert paths == {"kernels"} and min(diffs) > 1e-3, diffs
 
 
 @pytest.mark.parametrize("with_backend", [False, True], ids=["reference", "kernel-like-backend"])

@@ -50,12 +50,12 @@ def register_kernel_backend(device_type: str = "cuda") -> bool:
         return cache.get_prepared(weight, f"kernels:{fmt}", lambda w: dispatch.prepare_weight(w, fmt))
 
     def backend(x2: torch.Tensor, weight: torch.Tensor, precision: RolloutPrecision,
-                cache: Optional[QuantizedWeightCache]):
+                cache: Optional[QuantizedWeightCache], out_dtype: torch.dtype = torch.float32):
         plan = _plan(precision, x2.dtype, KERNEL_FORMATS)
         if plan is None or not kernels_usable(x2, weight):
             return NotImplemented
         return dispatch.linear(x2.contiguous(), prepared(weight, precision.format, cache), **plan,
-                               out_dtype=torch.float32)
+                               out_dtype=out_dtype)
 
     def prepare_weight(weight: torch.Tensor, precision: RolloutPrecision, cache: QuantizedWeightCache):
         if _plan(precision, None, KERNEL_FORMATS) is None or not kernels_usable(weight):
