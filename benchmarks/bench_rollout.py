@@ -16,10 +16,12 @@ transformers' ``generate`` with a static cache on the same shape.
 Backends: "native" (:class:`megatron_fp4.rollout.NativeRolloutEngine`; ``--decode`` picks its path) and "sglang"
 (:class:`megatron_fp4.rollout.sglang_engine.SGLangRolloutEngine`: the same random model written as an HF folder
 under --work-dir, one ``sglang.Engine`` per precision (the quantization is fixed at start; triton attention,
-PyTorch sampling, no grammar, CUDA graphs on), rows of the same schema with the logprob check against the
-megatron-core teacher-forced forward; needs a CUDA GPU with SGLang, sgl-kernel and the plug-in's entry point, and
-has not run yet: written on a CPU machine for the GPU session of issue 19). Rows: ``{"backend", "shape",
-"precision", "batch", "tokens_per_s", ...}``.
+PyTorch sampling, no grammar, decode CUDA graphs up to the batch, no prefill graph), rows of the same schema with
+the logprob check against the megatron-core teacher-forced forward; needs a CUDA GPU with SGLang, sgl-kernel and
+the plug-in's entry point: on the H200, ``source tools/sglang_bundle_env.sh BUNDLE_DIR`` first). Rows:
+``{"backend", "shape", "precision", "batch", "tokens_per_s", ...}``. ``--append`` adds this run's rows to --out's
+(replacing rows of the same backend, shape, precision, batch and path), so one results file collects a grid run
+over several GPU calls.
 """
 
 from __future__ import annotations
@@ -125,7 +127,9 @@ def sglang_rows(a, shape: str, model, args, prompts, params) -> list[dict]:
         p = RolloutPrecision(*PRECISIONS[name])
         t0 = time.perf_counter()
         with SGLangRolloutEngine(hf, p, device="cuda", attention_backend="triton", sampling_backend="pytorch",
-                                 grammar_backend="none", enable_memory_saver=False) as engine:
+                                 grammar_backend="none", enable_memory_saver=False,
+                                 cuda_graph_max_bs_decode=max(a.batch, 8),  # no graphs above the batch
+                                 disable_prefill_cuda_graph=True) as engine:
             start = time.perf_counter() - t0
             samples = engine.generate(prompts, params)  # warm-up (kernel autotuning happens outside capture)
             times = []
@@ -150,6 +154,19 @@ def sglang_rows(a, shape: str, model, args, prompts, params) -> list[dict]:
     return rows
 
 
+def _row_key(r: dict) -> tuple:
+    return tuple(r.get(k) for k in ("backend", "shape", "precision", "batch", "path"))
+
+
+def merge_results(old: dict, new: dict) -> dict:
+    """``new`` added to ``old`` (--append): ``new``'s rows replace ``old``'s of the same (backend, shape, precision,
+    batch, path); ``info`` becomes the list of both runs' infos; checks are concatenated."""
+    keys = {_row_key(r) for r in new["rows"]}
+    infos = old["info"] if isinstance(old["info"], list) else [old["info"]]
+    return dict(info=[*infos, new["info"]], rows=[r for r in old["rows"] if _row_key(r) not in keys] + new["rows"],
+                checks=old.get("checks", []) + new["checks"])
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--backend", default="native", choices=("native", "sglang"),
@@ -170,6 +187,8 @@ def main() -> None:
                     help="also time the megatron path (BF16, first shape) and score its tokens via the graph path")
     ap.add_argument("--hf-anchor", action="store_true", help="also time HF transformers generate (static cache)")
     ap.add_argument("--out", default=os.path.join(os.path.dirname(__file__), "results", "rollout.json"))
+    ap.add_argument("--append", action="store_true",
+                    help="keep --out's rows of other (backend, shape, precision, batch, path) and its infos")
     a = ap.parse_args()
     unknown = [p for p in a.precisions.split(",") if p not in PRECISIONS]
     if unknown:
@@ -283,8 +302,11 @@ def main() -> None:
                 batch=a.batch, prompt_len=a.prompt_len, new_tokens=a.new_tokens, decode=a.decode,
                 sampling="temperature 1, no stop tokens", wall_s=time.time() - t_start)
     os.makedirs(os.path.dirname(a.out) or ".", exist_ok=True)
+    record = dict(info=info, rows=rows + anchors, checks=checks)
+    if a.append and os.path.exists(a.out):
+        record = merge_results(json.load(open(a.out)), record)
     with open(a.out, "w") as f:
-        json.dump(dict(info=info, rows=rows + anchors, checks=checks), f, indent=1)
+        json.dump(record, f, indent=1)
     print("\n| backend | shape | precision | path | batch | tok/s | vs engine BF16 | |dlogp| graph vs eager max / mean "
           "| |dlogp| vs teacher-forced max / mean |")
     print("|---|---|---|---|---|---|---|---|---|")
