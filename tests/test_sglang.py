@@ -193,6 +193,7 @@ def _assert_kernels_served(rows, precision):
     traced = rows()
     paths = {r["path"] for r in traced}
     assert paths == {"kernels"}, f"served by: {paths} ({len(traced)} layers traced)"
+    assert all(r["reference_abs_max"] > 0 for r in traced), traced  # compared on real outputs, not zeros
     worst = max(r["rel_diff_vs_reference"] for r in traced)
     print(f"{precision.label}: {len(traced)} layers served by the kernels; largest difference from the reference, "
           f"relative to its largest output: {worst:.2e}")

@@ -308,12 +308,14 @@ def test_trace_names_the_path_that_served_each_layer(tmp_path, monkeypatch):
         rows = [json.loads(line) for line in trace.read_text().splitlines()]
         assert sorted(r["layer"] for r in rows) == sorted(m.quant_method.prefix for m in layers.values())
         diffs = [r.get("rel_diff_vs_reference") for r in rows]
+        assert all(r["reference_abs_max"] > 0 for r in rows if "rel_diff_vs_reference" in r)
         return {r["path"] for r in rows}, diffs
 
     assert traced(None, "none") == ({"reference"}, [None] * 3)  # qkv, gate_up, down
     paths, diffs = traced(_kernel_like_backend([]), "kernels")
     assert paths == {"kernels"} and len(diffs) == 3 and max(diffs) <= 1e-6, diffs
-    assert traced(lambda x2, weight, precision, cache, out_dtype: NotImplemented, "declined") == ({"reference"}, [None] * 3)
+    declined = traced(lambda x2, weight, precision, cache, out_dtype: NotImplemented, "declined")
+    assert declined == ({"reference"}, [None] * 3)
     # a backend that forgets the activation quantization is caught by the difference
     paths, diffs = traced(lambda x2, weight, precision, cache, out_dtype: x2.float() @ weight.float().t(), "wrong")
     assert paths == {"kernels"} and min(diffs) > 1e-3, diffs

@@ -41,9 +41,9 @@ _BACKEND_CACHE = QuantizedWeightCache()
 REQUANT_STATS = {"layers": 0, "seconds": 0.0, "reallocated": 0}
 #: ``MEGATRON_FP4_PLUGIN_TRACE=FILE``: each FP4 linear appends one JSON line at its first forward in this process
 #: outside CUDA-graph capture and torch.compile tracing, ``{"layer", "path": "kernels" | "reference", "device",
-#: "pid", "rel_diff_vs_reference"}``: which path served it and, for the kernels, how far their output is from the
-#: PyTorch reference's on the same input, visible from outside SGLang's scheduler processes (the GPU tests check
-#: that no layer silently fell back to the reference and that the kernels computed the reference's numbers).
+#: "pid", "rel_diff_vs_reference", "reference_abs_max"}``: which path served it and, for the kernels, how far their
+#: output is from the PyTorch reference's on the same input, visible from outside SGLang's scheduler processes (the
+#: GPU tests check that no layer silently fell back to the reference and that the kernels computed its numbers).
 #: A debugging aid: the check costs a reference GEMM and a host sync per layer, once.
 TRACE_ENV = "MEGATRON_FP4_PLUGIN_TRACE"
 _BACKENDS_TRIED: set = set()
@@ -234,7 +234,8 @@ class MegatronFP4LinearMethod(LinearMethodBase):
                "pid": os.getpid()}
         if by_backend:
             ref = rollout_linear(x, layer.weight, bias, self.precision, weight_q=layer.megatron_fp4_wq).float()
-            row["rel_diff_vs_reference"] = float((y.float() - ref).abs().max() / ref.abs().max().clamp_min(1e-30))
+            top = row["reference_abs_max"] = float(ref.abs().max())  # > 0: the comparison saw a real output
+            row["rel_diff_vs_reference"] = float((y.float() - ref).abs().max()) / max(top, 1e-30)
         with open(trace, "a") as f:
             f.write(json.dumps(row) + "\n")
 
