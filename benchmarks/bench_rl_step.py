@@ -10,7 +10,13 @@ precision (``--extra`` adds flags to every run): a random model of the shape (``
 a WordLevel tokenizer of the shape's vocabulary written to --work-dir, and prompts of exactly --prompt-len random
 tokens (no stop token is likely, so responses run to --new-tokens). The rows are the medians over the steps after
 the first (warm-up: kernel autotuning, graph capture) of the driver's own ``step_s``, ``rollout_s``, ``train_s``
-and ``rollout/weight_sync_total_s``, plus the speed-up of every run's step against the first run's.
+and ``rollout/weight_sync_total_s``, plus the speed-up of every run's step against the first run's; on a GPU the
+largest ``mem/*`` of the steps (device-wide use, an SGLang Engine included, and the trainer's own); and every step's
+train-rollout mismatch ``logp_abs_diff_mean`` (printed side by side when there are several runs). For the
+mismatch of the two backends on the same run, compare one precision over many steps:
+
+    python3 benchmarks/bench_rl_step.py --shape qwen2.5-1.5b --runs native:w4a4+resq,sglang:w4a4+resq --steps 20 \\
+        --out benchmarks/results/rl_mismatch_h200.json
 
 Run names: ``BACKEND:PRECISION`` with PRECISION one of bf16, w4a16, w4a4, w4a4+resq (HiF4 by default;
 ``--format mxfp4``; ResQ 2:4 in its bf16-sum form). FP4 training stays as --fp4-train says (off by default here:
@@ -92,7 +98,9 @@ def run_one(args, backend: str, precision: str, tok_dir: str, data: str, shape: 
            "--rollout-backend", backend, *PRECISION_FLAGS[precision],
            *(["--bf16"] if args.bf16 else []), *([] if args.fp4_train else ["--no-fp4-train"]), *args.extra]
     t0 = time.monotonic()
-    r = subprocess.run(cmd, cwd=ROOT, env={**os.environ, "PYTHONPATH": ROOT}, capture_output=True, text=True)
+    path = os.pathsep.join([ROOT, *filter(None, os.environ.get("PYTHONPATH", "").split(os.pathsep))])
+    r = subprocess.run(cmd, cwd=ROOT, env={**os.environ, "PYTHONPATH": path},  # keeps SGLang's and megatron's folders
+                       capture_output=True, text=True)
     if r.returncode:
         raise SystemExit(f"bench_rl_step.py: {backend}:{precision} failed (exit {r.returncode}):\n{r.stderr[-3000:]}")
     rows = [json.loads(line) for line in open(log) if '"kind": "train"' in line]
@@ -100,8 +108,11 @@ def run_one(args, backend: str, precision: str, tok_dir: str, data: str, shape: 
     med = {k: statistics.median(float(row.get(k, 0.0)) for row in timed)
            for k in ("step_s", "rollout_s", "train_s", "rollout/weight_sync_total_s", "rollout_tokens_per_s",
                      "logp_abs_diff_mean")}
+    mem = {k: max(row[k] for row in rows) for k in ("mem/device_used_gib", "mem/reserved_gib",
+                                                     "mem/peak_allocated_gib") if all(k in row for row in rows)}
     return {"backend": backend, "precision": precision, "format": args.format, "steps": len(rows),
-            "timed_steps": len(timed), "wall_s": time.monotonic() - t0, **med}
+            "timed_steps": len(timed), "wall_s": time.monotonic() - t0, **med, **mem,
+            "logp_abs_diff_mean_per_step": [row.get("logp_abs_diff_mean") for row in rows]}
 
 
 def main() -> None:
@@ -138,15 +149,20 @@ def main() -> None:
     tok_dir, data = write_inputs(args.work_dir, shape["vocab_size"], args.prompts, args.prompt_len, args.seed)
     rows = []
     print(f"{'run':<28} {'step s':>8} {'rollout s':>10} {'train s':>8} {'sync s':>7} {'rollout tok/s':>14} "
-          f"{'|dlogp|':>8} {'speed-up':>9}", flush=True)
+          f"{'|dlogp|':>8} {'speed-up':>9} {'GPU used GiB':>13} {'own GiB':>8}", flush=True)
     for backend, precision in args.runs:
         row = run_one(args, backend, precision, tok_dir, data, shape)
         row["speedup"] = rows[0]["step_s"] / row["step_s"] if rows else 1.0
         rows.append(row)
         print(f"{backend + ':' + precision:<28} {row['step_s']:>8.2f} {row['rollout_s']:>10.2f} "
               f"{row['train_s']:>8.2f} {row['rollout/weight_sync_total_s']:>7.2f} "
-              f"{row['rollout_tokens_per_s']:>14.0f} {row['logp_abs_diff_mean']:>8.4f} {row['speedup']:>8.2f}x",
+              f"{row['rollout_tokens_per_s']:>14.0f} {row['logp_abs_diff_mean']:>8.4f} {row['speedup']:>8.2f}x "
+              f"{row.get('mem/device_used_gib', float('nan')):>13.1f} {row.get('mem/reserved_gib', float('nan')):>8.1f}",
               flush=True)
+    if len(rows) > 1:  # the train-rollout mismatch of every run, step by step
+        print("\n|dlogp| per step: " + " | ".join(f"{r['backend']}:{r['precision']}" for r in rows))
+        for i, vals in enumerate(zip(*(r["logp_abs_diff_mean_per_step"] for r in rows)), 1):
+            print(f"step {i:>3}: " + " | ".join("-" if v is None else f"{v:.4f}" for v in vals))
     info = {"shape": args.shape, **shape, "prompts": args.prompts, "group_size": args.group_size,
             "prompt_len": args.prompt_len, "new_tokens": args.new_tokens, "steps": args.steps, "bf16": args.bf16,
             "fp4_train": args.fp4_train, "extra": args.extra, "torch": torch.__version__,

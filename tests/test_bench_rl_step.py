@@ -34,6 +34,8 @@ def test_rows_hold_the_drivers_step_timings(tmp_path):
     assert (row["backend"], row["precision"], row["steps"], row["timed_steps"]) == ("native", "bf16", 2, 1)
     assert row["step_s"] >= row["rollout_s"] > 0 and row["train_s"] > 0 and row["speedup"] == 1.0
     assert row["rollout_tokens_per_s"] > 0
+    assert len(row["logp_abs_diff_mean_per_step"]) == 2 and all(v >= 0 for v in row["logp_abs_diff_mean_per_step"])
+    assert not any(k.startswith("mem/") for k in row)  # GPU only
 
 
 def test_bad_run_names_the_allowed_values(tmp_path):

@@ -68,3 +68,22 @@ def test_wandb_run_receives_every_record(tmp_path, monkeypatch):
     assert run.config["eval_prompt_data"] == ["toy", "toy.jsonl"] and run.group == "g"
     logger.close()
     assert logger.wandb_run is None and list(tmp_path.glob("wandb/offline-run-*/run-*.wandb"))
+
+
+def test_device_memory_metrics(monkeypatch):
+    """Nothing without CUDA; on a GPU the device-wide use (other processes such as an SGLang Engine included), this
+    process's reserved memory and its peak since the last call, which the call resets."""
+    from megatron_fp4.rl.monitor import device_memory_metrics
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    assert device_memory_metrics() == {}
+    gib = 2 ** 30
+    resets = []
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "mem_get_info", lambda: (100 * gib, 140 * gib))
+    monkeypatch.setattr(torch.cuda, "memory_reserved", lambda: 30 * gib)
+    monkeypatch.setattr(torch.cuda, "max_memory_allocated", lambda: 25 * gib)
+    monkeypatch.setattr(torch.cuda, "reset_peak_memory_stats", lambda: resets.append(1))
+    assert device_memory_metrics() == {"mem/device_used_gib": 40.0, "mem/reserved_gib": 30.0,
+                                       "mem/peak_allocated_gib": 25.0}
+    assert resets == [1]

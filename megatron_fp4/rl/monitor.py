@@ -12,7 +12,8 @@ from typing import IO, Any, Mapping
 
 import torch
 
-__all__ = ["TrainingDivergedError", "NonFiniteGuard", "MetricsLogger", "format_metrics", "init_wandb"]
+__all__ = ["TrainingDivergedError", "NonFiniteGuard", "MetricsLogger", "format_metrics", "init_wandb",
+           "device_memory_metrics"]
 
 log = logging.getLogger(__name__)
 
@@ -59,6 +60,21 @@ class NonFiniteGuard:
 
     def load_state_dict(self, state: Mapping[str, int]) -> None:
         self.consecutive, self.total_skipped = int(state["consecutive"]), int(state["total_skipped"])
+
+
+def device_memory_metrics() -> dict[str, float]:
+    """This rank's GPU memory at the end of a step, in GiB (nothing without CUDA): ``mem/device_used_gib`` (the
+    whole device, every process on it: an SGLang Engine on the same GPU included), ``mem/reserved_gib`` (this
+    process's caching allocator) and ``mem/peak_allocated_gib`` (this process's peak since the last call, which
+    resets it). device_used - reserved is what the other processes (and the CUDA contexts) take."""
+    if not torch.cuda.is_available():
+        return {}
+    free, total = torch.cuda.mem_get_info()
+    gib = float(2 ** 30)
+    out = {"mem/device_used_gib": (total - free) / gib, "mem/reserved_gib": torch.cuda.memory_reserved() / gib,
+           "mem/peak_allocated_gib": torch.cuda.max_memory_allocated() / gib}
+    torch.cuda.reset_peak_memory_stats()
+    return out
 
 
 def _fmt(v: float) -> str:

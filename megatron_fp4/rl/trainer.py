@@ -16,7 +16,7 @@ from megatron_fp4.rl.actor import Actor
 from megatron_fp4.rl.checkpointer import Checkpointer, StartPlan
 from megatron_fp4.rl.config import RLConfig
 from megatron_fp4.rl.evaluator import Evaluator
-from megatron_fp4.rl.monitor import MetricsLogger
+from megatron_fp4.rl.monitor import MetricsLogger, device_memory_metrics
 from megatron_fp4.rl.rollout_manager import RolloutManager
 from megatron_fp4.rl.warmup import SupervisedWarmup
 
@@ -63,7 +63,7 @@ class GRPOTrainer:
     def train_step(self) -> dict[str, float]:
         """One GRPO step: rollout() -> Sequences, update(sequences), then the new weights to the rollout engine.
         Wall times: ``rollout_s`` (generation), ``train_s`` (the update), ``step_s`` (all of it, scoring and the
-        weight sync included)."""
+        weight sync included); on a GPU the memory at the step's end (:func:`device_memory_metrics`)."""
         t0 = time.perf_counter()
         sequences, metrics = self.rollout.rollout(self.step)
         self.step += 1
@@ -77,6 +77,7 @@ class GRPOTrainer:
             metrics.update(self.sync_weights())
         self.actor.set_lr(self.actor.lr_at(self.step))
         metrics["step_s"] = time.perf_counter() - t0
+        metrics.update(device_memory_metrics())
         return metrics
 
     def sync_weights(self) -> dict[str, float]:
