@@ -1,6 +1,8 @@
 """Pipeline-parallel weight gather for rollout (torchrun, 2 ranks, gloo, CPU): the stages' parameters gathered by
 megatron_fp4.models.pp_gather equal the full (PP = 1 layout) model's, with untied and tied embeddings; a stage copied
-from a full model equals the stage; a PP = 2 checkpoint loads into a full-depth model built under PP = 2.
+from a full model equals the stage; a PP = 2 checkpoint loads into a full-depth model built under PP = 2; the rollout
+manager's sync with an engine on the first stage alone (SGLang's layout) pushes the whole depth from there and gives
+the native engine beside it the whole depth on every stage.
 This file is also the worker script: ``torchrun --nproc-per-node 2 tests/test_pp_gather.py --out DIR``."""
 
 from __future__ import annotations
@@ -96,6 +98,7 @@ def worker(out_dir: str) -> None:
         load_checkpoint_into_model(loaded, ckpt)
         checks[f"{tag}/checkpoint_into_full"] = all(torch.equal(p, full_state[n])
                                                     for n, p in loaded.named_parameters())
+        checks.update({f"{tag}/{k}": v for k, v in _first_stage_sync_checks(stage, full_model(), full_state).items()})
     every = [None] * torch.distributed.get_world_size()
     torch.distributed.all_gather_object(every, checks)
     if torch.distributed.get_rank() == 0:
@@ -104,6 +107,53 @@ def worker(out_dir: str) -> None:
             json.dump(merged, f)
     torch.distributed.barrier()
     torch.distributed.destroy_process_group()
+
+
+def _first_stage_sync_checks(stage, diagnostics_model, full_state) -> dict[str, bool]:
+    """RolloutManager.sync_weights at PP = 2 with a recording engine on the first stage only (FirstStageEngine, as
+    --rollout-backend sglang builds it) and a native engine over a zeroed full-depth model beside it."""
+    from megatron.core import parallel_state as ps
+
+    from megatron_fp4.resq import RolloutPrecision
+    from megatron_fp4.rl.config import RolloutConfig
+    from megatron_fp4.rl.rollout_manager import RolloutManager
+    from megatron_fp4.rollout import NativeRolloutEngine, RolloutEngine, WeightSyncStats
+    from megatron_fp4.rollout.tp_group import FirstStageEngine
+
+    bf16 = RolloutPrecision("bf16")
+
+    class Recorder(RolloutEngine):
+        precision = bf16
+        pushed: dict = {}
+
+        def generate(self, prompts, sampling_params):
+            raise AssertionError("not generating here")
+
+        def update_weights(self, named_tensors):
+            self.pushed = {n: t.clone() for n, t in named_tensors}
+            return WeightSyncStats(num_tensors=len(self.pushed))
+
+        def release_memory(self):
+            pass
+
+        def resume_memory(self):
+            pass
+
+    with torch.no_grad():
+        for p in diagnostics_model.parameters():
+            p.zero_()
+    first = ps.is_pipeline_first_stage(ignore_virtual=True)
+    recorder = Recorder() if first else None
+    engine = FirstStageEngine(recorder, bf16, ps.get_pipeline_model_parallel_group())
+    manager = RolloutManager(RolloutConfig(), engine, tokenizer=None, train_examples=[None], seed=0,
+                             diagnostics_engine=NativeRolloutEngine(diagnostics_model, bf16))
+    metrics = manager.sync_weights(stage, step=1, last_checkpoint=None)
+    diag = dict(manager.diagnostics_engine.model.named_parameters())
+    return {"sync/pushed_whole_depth_on_first_stage": (not first or (
+                sorted(recorder.pushed) == sorted(full_state)
+                and all(torch.equal(t, full_state[n]) for n, t in recorder.pushed.items()))),
+            "sync/pushed_count_logged": metrics["rollout/weight_sync_tensors"] == (len(full_state) if first else 0),
+            "sync/diagnostics_engine_whole_depth": all(torch.equal(p, full_state[n]) for n, p in diag.items())}
 
 
 @pytest.fixture(scope="module")
@@ -124,7 +174,7 @@ def checks(tmp_path_factory):
 
 
 def test_gathered_stages_equal_the_full_model(checks):
-    assert len(checks) == 2 * 2 * 7
+    assert len(checks) == 2 * 2 * 10
     failed = sorted(k for k, ok in checks.items() if not ok)
     assert not failed, failed
 

@@ -260,9 +260,6 @@ def validate_args(args: argparse.Namespace, world_size: int = 1) -> argparse.Nam
         problem = sglang_start_problem(needs_plugin=args.rollout_precision != "bf16")
         if problem is not None:
             raise ValueError(f"--rollout-backend sglang cannot run here: {problem}; use --rollout-backend native")
-        if pp > 1:
-            raise ValueError(f"--rollout-backend sglang runs with --pipeline-model-parallel-size 1 only (got {pp}); "
-                             f"use --rollout-backend native with pipeline parallelism")
         local = int(os.environ.get("LOCAL_WORLD_SIZE", "1"))
         if local % tp:
             raise ValueError(f"--rollout-backend sglang: each tensor-parallel group's Engine runs on the group's GPUs "

@@ -15,9 +15,11 @@ the policy trains and restored at the sync. SGLang serves one precision: evaluat
 and the underflow diagnostics run on a native engine beside it, whose weights are copied only when it is used.
 Every rank of a tensor-parallel group gets the same samples (the native engine: generated in lockstep with the
 same seed; SGLang: broadcast from the group's first rank); data-parallel ranks take different prompts. With
-pipeline parallelism (native engine) every rank's engine holds the whole model: the sync gathers the stages'
-parameters over the pipeline group first (megatron_fp4.models.pp_gather), the stages generate in lockstep, and
-the first stage's samples are used everywhere so that all stages train on the same data.
+pipeline parallelism the sync gathers the stages' parameters over the pipeline group first
+(megatron_fp4.models.pp_gather), and the first stage's samples are used everywhere so that all stages train on the
+same data: the native engine holds the whole model on every rank and the stages generate in lockstep; SGLang runs
+only on the first stage (one Engine per TP group there, holding the whole depth), the later stages receive its
+samples.
 """
 
 from __future__ import annotations
@@ -63,35 +65,40 @@ def make_engines(cfg: RolloutConfig, rollout_model: torch.nn.Module, precision, 
 
 def _sglang_engine(cfg: RolloutConfig, precision, hf_dir: Optional[str], dtype: torch.dtype, seed: int
                    ) -> RolloutEngine:
-    """This rank's view of its tensor-parallel group's SGLang Engine: the Engine itself at TP = 1; else a
-    TPGroupEngine over the Engine the group's first rank starts with tp_size = TP on the group's GPUs."""
+    """This rank's view of its SGLang Engine: the Engine itself at TP = PP = 1; else a TPGroupEngine over the Engine
+    the first rank of the (first stage's) tensor-parallel group starts with tp_size = TP on the group's GPUs, and
+    with PP > 1 a FirstStageEngine over that, through which the later stages get the first stage's samples."""
     from megatron.core import parallel_state as ps
 
     from megatron_fp4.rollout.sglang_engine import SGLangRolloutEngine
-    from megatron_fp4.rollout.tp_group import TPGroupEngine
+    from megatron_fp4.rollout.tp_group import FirstStageEngine, TPGroupEngine
 
     if hf_dir is None:
         raise ValueError("--rollout-backend sglang needs the folder of a config.json to start its Engine from")
-    tp = ps.get_tensor_model_parallel_world_size()
-    leader = ps.get_tensor_model_parallel_rank() == 0
+    tp, pp = ps.get_tensor_model_parallel_world_size(), ps.get_pipeline_model_parallel_world_size()
+    first_stage = ps.is_pipeline_first_stage(ignore_virtual=True)
     engine, error = None, None
-    if leader:
+    if first_stage and ps.get_tensor_model_parallel_rank() == 0:
         try:
             engine = SGLangRolloutEngine(hf_dir, precision, tp_size=tp,
                                          weight_bucket_bytes=cfg.update_weight_buffer_size,
                                          **sglang_engine_kwargs(cfg, dtype, seed))
         except Exception as e:  # the group stops together, not waiting for an Engine that never started
             error = e
-    if tp == 1:
+    if tp == 1 and pp == 1:
         if error is not None:
             raise error
         return engine
-    if any_rank(error is not None, group=ps.get_tensor_model_parallel_group()):
-        raise RuntimeError(f"the SGLang Engine of this tensor-parallel group did not start"
+    if any_rank(error is not None, group=ps.get_model_parallel_group()):
+        raise RuntimeError(f"the SGLang Engine of this model-parallel group did not start"
                            f"{f': {error}' if error is not None else ' (see its first rank)'}")
-    with open(os.path.join(hf_dir, "config.json")) as f:
-        hf_config = json.load(f)
-    return TPGroupEngine(engine, precision, hf_config, ps.get_tensor_model_parallel_group())
+    if tp > 1 and first_stage:
+        with open(os.path.join(hf_dir, "config.json")) as f:
+            hf_config = json.load(f)
+        engine = TPGroupEngine(engine, precision, hf_config, ps.get_tensor_model_parallel_group())
+    if pp > 1:
+        engine = FirstStageEngine(engine, precision, ps.get_pipeline_model_parallel_group())
+    return engine
 
 
 def sglang_engine_kwargs(cfg: RolloutConfig, dtype: torch.dtype, seed: int) -> dict[str, Any]:
@@ -298,7 +305,8 @@ class RolloutManager:
 
         Non-finite weights on any rank stop the run (TrainingDivergedError naming ``step`` and the last good
         checkpoint) before they reach the sampler. With pipeline parallelism the stages' parameters are gathered
-        first (a collective; ``rollout/weight_sync_gather_s`` times it)."""
+        first (a collective; ``rollout/weight_sync_gather_s`` times it), and a diagnostics engine beside SGLang gets
+        them at once (a pipeline stage's policy alone does not hold the whole depth)."""
         from megatron.core import parallel_state as ps
 
         self._check_finite(policy, step, last_checkpoint)
@@ -308,17 +316,21 @@ class RolloutManager:
             self.engine.resume_memory()
             self._released = False
             metrics["rollout/resume_memory_s"] = time.perf_counter() - t0
-        if self.diagnostics_engine is not None:
-            self._diagnostics_policy = policy
         if ps.get_pipeline_model_parallel_world_size() == 1:
+            if self.diagnostics_engine is not None:
+                self._diagnostics_policy = policy
             return {**metrics, **self.engine.update_weights(policy.named_parameters()).as_metrics()}
         from megatron_fp4.models.pp_gather import gather_pipeline_parameters
 
         t0 = time.perf_counter()
-        rollout_model = getattr(self.engine, "model", None)
-        full_names = None if rollout_model is None else [n for n, _ in rollout_model.named_parameters()]
+        whole = getattr(self.engine, "model", None)  # a full-depth model: the native engine's, or the one beside SGLang
+        if whole is None:
+            whole = getattr(self.diagnostics_engine, "model", None)
+        full_names = None if whole is None else [n for n, _ in whole.named_parameters()]
         named = gather_pipeline_parameters(policy, full_names)
         t_gather = time.perf_counter() - t0
+        if self.diagnostics_engine is not None:
+            self.diagnostics_engine.update_weights(named)
         metrics.update(self.engine.update_weights(named).as_metrics())
         metrics["rollout/weight_sync_gather_s"] = t_gather
         metrics["rollout/weight_sync_total_s"] += t_gather
