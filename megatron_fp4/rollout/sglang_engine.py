@@ -60,7 +60,8 @@ def sglang_start_problem(needs_plugin: bool = True) -> Optional[str]:
     if needs_plugin and not any(ep.value.startswith("megatron_fp4.")
                                 for ep in entry_points(group="sglang.srt.plugins")):
         return (f"the {QUANT_METHOD} plug-in's 'sglang.srt.plugins' entry point is not installed, so SGLang's "
-                f"scheduler cannot load the FP4 rollout method (pip install --no-deps -e . into SGLang's environment)")
+                f"scheduler cannot load the FP4 rollout method (pip install --no-deps -e . into SGLang's environment, "
+                f"or with an offline SGLang bundle: source tools/sglang_bundle_env.sh BUNDLE_DIR)")
     return None
 
 
