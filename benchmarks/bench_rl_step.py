@@ -1,7 +1,8 @@
 """GRPO step benchmark: the wall time of whole ``pretrain_rl.py`` steps (rollout, update, weight sync) per rollout
 backend and precision, on a Qwen2.5-shaped random model; one table, JSON under benchmarks/results/.
 
-    PYTHONPATH=. python3 benchmarks/bench_rl_step.py --shape qwen2.5-1.5b --runs native:bf16,sglang:w4a4+resq \\
+    PYTHONPATH=. python3 benchmarks/bench_rl_step.py --shape qwen2.5-1.5b \\
+        --runs native-megatron:bf16,native:bf16,sglang:bf16,sglang:w4a4+resq \\
         --prompts 64 --group-size 8 --prompt-len 128 --new-tokens 256 --steps 3 \\
         --out benchmarks/results/rl_step_h200.json
 
@@ -18,8 +19,9 @@ mismatch of the two backends on the same run, compare one precision over many st
     python3 benchmarks/bench_rl_step.py --shape qwen2.5-1.5b --runs native:w4a4+resq,sglang:w4a4+resq --steps 20 \\
         --out benchmarks/results/rl_mismatch_h200.json
 
-Run names: ``BACKEND:PRECISION`` with PRECISION one of bf16, w4a16, w4a4, w4a4+resq (HiF4 by default;
-``--format mxfp4``; ResQ 2:4 in its bf16-sum form). FP4 training stays as --fp4-train says (off by default here:
+Run names: ``BACKEND:PRECISION`` with BACKEND one of native (the native engine's default decode path: CUDA graphs
+on a GPU), native-megatron (its megatron-core path) or sglang, and PRECISION one of bf16, w4a16, w4a4, w4a4+resq
+(HiF4 by default; ``--format mxfp4``; ResQ 2:4 in its bf16-sum form). FP4 training stays as --fp4-train says (off by default here:
 the comparison is about rollout).
 """
 
@@ -45,7 +47,12 @@ PRECISION_FLAGS = {
     "w4a4": ["--rollout-precision", "w4a4", "--resq", "none"],
     "w4a4+resq": ["--rollout-precision", "w4a4", "--resq", "2:4", "--resq-combine", "bf16"],
 }
-BACKENDS = ("native", "sglang")
+#: run backends -> driver flags: the native engine on its default decode path (CUDA graphs on a GPU), the same engine
+#: on megatron-core's forward (the rollout every GRPO step used before the graph path: the "today's native" of
+#: issue 19's 5x target), and SGLang
+BACKENDS = {"native": ["--rollout-backend", "native"],
+            "native-megatron": ["--rollout-backend", "native", "--rollout-decode", "megatron"],
+            "sglang": ["--rollout-backend", "sglang"]}
 
 
 def parse_runs(text: str) -> list[tuple[str, str]]:
@@ -95,7 +102,7 @@ def run_one(args, backend: str, precision: str, tok_dir: str, data: str, shape: 
            "--max-prompt-length", str(args.prompt_len), "--max-response-length", str(args.new_tokens),
            "--micro-batch-size", str(args.micro_batch_size), "--train-iters", str(args.steps),
            "--sft-iters", "0", "--no-overlong-filter", "--fp4-block-format", args.format, "--log-jsonl", log,
-           "--rollout-backend", backend, *PRECISION_FLAGS[precision],
+           *BACKENDS[backend], *PRECISION_FLAGS[precision],
            *(["--bf16"] if args.bf16 else []), *([] if args.fp4_train else ["--no-fp4-train"]), *args.extra]
     t0 = time.monotonic()
     path = os.pathsep.join([ROOT, *filter(None, os.environ.get("PYTHONPATH", "").split(os.pathsep))])

@@ -25,13 +25,13 @@ def _bench(tmp_path, *args):
 
 
 def test_rows_hold_the_drivers_step_timings(tmp_path):
-    r = _bench(tmp_path, "--runs", "native:bf16", "--steps", "2")
+    r = _bench(tmp_path, "--runs", "native-megatron:bf16", "--steps", "2")
     assert r.returncode == 0, r.stderr[-3000:]
-    assert "native:bf16" in r.stdout and "speed-up" in r.stdout
+    assert "native-megatron:bf16" in r.stdout and "speed-up" in r.stdout
     out = json.loads((tmp_path / "out.json").read_text())
     assert out["info"]["shape"] == "tiny" and out["info"]["new_tokens"] == 4
     (row,) = out["rows"]
-    assert (row["backend"], row["precision"], row["steps"], row["timed_steps"]) == ("native", "bf16", 2, 1)
+    assert (row["backend"], row["precision"], row["steps"], row["timed_steps"]) == ("native-megatron", "bf16", 2, 1)
     assert row["step_s"] >= row["rollout_s"] > 0 and row["train_s"] > 0 and row["speedup"] == 1.0
     assert row["rollout_tokens_per_s"] > 0
     assert len(row["logp_abs_diff_mean_per_step"]) == 2 and all(v >= 0 for v in row["logp_abs_diff_mean_per_step"])
@@ -41,4 +41,5 @@ def test_rows_hold_the_drivers_step_timings(tmp_path):
 def test_bad_run_names_the_allowed_values(tmp_path):
     r = _bench(tmp_path, "--runs", "vllm:bf16")
     assert r.returncode != 0
-    assert "BACKEND in native, sglang and PRECISION in bf16, w4a16, w4a4, w4a4+resq" in r.stderr
+    assert ("BACKEND in native, native-megatron, sglang and PRECISION in bf16, w4a16, w4a4, w4a4+resq"
+            in r.stderr)
