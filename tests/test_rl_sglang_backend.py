@@ -192,3 +192,37 @@ def test_sglang_layout_checks_name_the_flag(monkeypatch):
     with pytest.raises(ValueError, match="--sglang-base-port=30000: .* include torchrun's MASTER_PORT 30020"):
         check([], MASTER_PORT="30020", LOCAL_WORLD_SIZE="2")
     assert check(["--sglang-base-port", "31000"], MASTER_PORT="30020", LOCAL_WORLD_SIZE="2").sglang_base_port == 31000
+
+
+def test_sglang_server_args_pass_through(monkeypatch):
+    """--sglang-server-args: a JSON object of further ServerArgs fields reaches the Engine's arguments; bad JSON, a
+    non-object, a field the driver sets (naming its flag) and, where SGLang is installed, a field ServerArgs does not
+    have (with close matches) are refused at parse time."""
+    import torch
+
+    from megatron_fp4.rl.arguments import load_args, rl_config, validate_args
+    from megatron_fp4.rl.rollout_manager import sglang_engine_kwargs
+    from megatron_fp4.rollout import sglang_engine
+
+    monkeypatch.setattr(sglang_engine, "sglang_start_problem", lambda needs_plugin=True: None)
+    monkeypatch.setattr(sglang_engine, "sglang_server_args_fields",
+                        lambda: ["chunked_prefill_size", "max_running_requests", "port", "mem_fraction_static"])
+    monkeypatch.setenv("LOCAL_WORLD_SIZE", "1")
+
+    def check(value):
+        return validate_args(load_args(["--rollout-backend", "sglang", "--sglang-server-args", value]))
+
+    args = check('{"chunked_prefill_size": 4096, "max_running_requests": 256}')
+    kwargs = sglang_engine_kwargs(rl_config(args).rollout, torch.bfloat16, seed=0)
+    assert (kwargs["chunked_prefill_size"], kwargs["max_running_requests"]) == (4096, 256)
+    assert "chunked_prefill_size" not in sglang_engine_kwargs(rl_config(check("")).rollout, torch.bfloat16, seed=0)
+    with pytest.raises(ValueError, match=r"--sglang-server-args is not valid JSON"):
+        check("{chunked_prefill_size: 4096}")
+    with pytest.raises(ValueError, match=r"--sglang-server-args must be a JSON object"):
+        check("[1, 2]")
+    with pytest.raises(ValueError, match=r"'port' is set by --sglang-base-port; 'mem_fraction_static' is set by "
+                                         r"--sglang-mem-fraction-static"):
+        check('{"port": 1, "mem_fraction_static": 0.5}')
+    with pytest.raises(ValueError, match=r"not SGLang ServerArgs fields: 'chunked_prefil_size' \(did you mean "
+                                         r"'chunked_prefill_size'\?\)"):
+        check('{"chunked_prefil_size": 4096}')

@@ -614,7 +614,8 @@ def test_engine_args_are_valid_server_args(tmp_path, precision):
 
 def test_driver_engine_args_are_valid_server_args(tmp_path):
     """pretrain_rl.py's Engine arguments (--sglang-* flags, ports per local rank, dummy load, memory saver with
-    --offload-rollout) are ServerArgs fields of the installed SGLang (0.5.17 has the same names)."""
+    --offload-rollout, --sglang-server-args) are ServerArgs fields of the installed SGLang (0.5.17 has the same
+    names), and so is every field --sglang-server-args refuses as the driver's own."""
     import torch
     from sglang.srt.server_args import ServerArgs
 
@@ -622,14 +623,21 @@ def test_driver_engine_args_are_valid_server_args(tmp_path):
     from megatron_fp4.rl.rollout_manager import sglang_engine_kwargs
     from megatron_fp4.rollout.sglang_engine import SGLangRolloutEngine
 
+    from megatron_fp4.rl.config import SGLANG_DRIVER_FIELDS
+    from megatron_fp4.rollout.sglang_engine import sglang_server_args_fields
+
+    fields = sglang_server_args_fields()
+    assert "chunked_prefill_size" in fields
+    assert not set(SGLANG_DRIVER_FIELDS) - set(fields)  # what --sglang-server-args refuses names real fields
     cfg = RolloutConfig(sglang_mem_fraction_static=0.35, sglang_cuda_graph_max_bs=96, offload_rollout=True,
-                        sglang_attention_backend="flashinfer", sglang_base_port=32000)
+                        sglang_attention_backend="flashinfer", sglang_base_port=32000,
+                        sglang_server_args='{"chunked_prefill_size": 2048}')
     kwargs = SGLangRolloutEngine.engine_args(_tiny_hf_folder(tmp_path / "m"), RolloutPrecision("w4a4", "hif4", "2:4"),
                                              **sglang_engine_kwargs(cfg, torch.bfloat16, seed=3))
     sa = ServerArgs(**kwargs)
     assert (sa.load_format, sa.mem_fraction_static, sa.attention_backend) == ("dummy", 0.35, "flashinfer")
     assert (sa.port, sa.nccl_port, sa.random_seed, sa.enable_memory_saver) == (32000, 32008, 3, True)
-    assert sa.cuda_graph_max_bs_decode == 96
+    assert sa.cuda_graph_max_bs_decode == 96 and sa.chunked_prefill_size == 2048
 
 
 @pytest.mark.parametrize("name", ["hif4+2:4", "mxfp4+2:4"])

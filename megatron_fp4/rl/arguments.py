@@ -17,7 +17,7 @@ from typing import Any, Optional, Sequence
 
 import yaml
 
-from megatron_fp4.rl.config import SGLANG_PORTS_PER_RANK, RLConfig, section_fields
+from megatron_fp4.rl.config import SGLANG_PORTS_PER_RANK, RLConfig, section_fields, sglang_server_args
 
 __all__ = ["build_parser", "load_args", "validate_args", "parse_args", "config_yaml", "convert_value", "flag_name",
            "rl_config"]
@@ -265,6 +265,9 @@ def validate_args(args: argparse.Namespace, world_size: int = 1) -> argparse.Nam
             raise ValueError(f"--rollout-backend sglang: each tensor-parallel group's Engine runs on the group's GPUs "
                              f"of one node, so --tensor-model-parallel-size {tp} must divide the processes per node "
                              f"({local})")
+        from megatron_fp4.rollout.sglang_engine import sglang_server_args_fields
+
+        sglang_server_args(args.sglang_server_args, sglang_server_args_fields())
         master = int(os.environ.get("MASTER_PORT", "0") or 0)
         end = args.sglang_base_port + SGLANG_PORTS_PER_RANK * local
         if args.sglang_base_port <= master < end:

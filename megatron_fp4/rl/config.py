@@ -18,8 +18,9 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import json
 from dataclasses import dataclass, field
-from typing import Any, Callable, Optional, get_type_hints
+from typing import Any, Callable, Optional, Sequence, get_type_hints
 
 from megatron_fp4.ops import GEMM_MODES
 from megatron_fp4.parallel.attention import ATTENTION_BACKENDS
@@ -33,7 +34,7 @@ __all__ = ["knob", "positive", "non_negative", "at_least", "in_range", "Parallel
            "PrecisionConfig", "DataConfig", "RolloutConfig", "ActorConfig", "WarmupConfig", "CheckpointConfig",
            "RunConfig", "RLConfig", "SECTIONS", "section_fields", "FP4_FORMATS", "ROLLOUT_BACKENDS", "ADVANTAGES",
            "INITS", "REWARD_KINDS", "WANDB_MODES", "ATTENTION_BACKENDS", "SGLANG_ATTENTION_BACKENDS",
-           "SGLANG_PORTS_PER_RANK"]
+           "SGLANG_PORTS_PER_RANK", "SGLANG_DRIVER_FIELDS", "sglang_server_args"]
 
 FP4_FORMATS = (*RECIPES, "none")
 ROLLOUT_BACKENDS = ("native", "sglang")
@@ -196,6 +197,10 @@ class RolloutConfig:
     sglang_cuda_graph_max_bs: int = knob(0, "--rollout-backend sglang: the largest decode batch SGLang captures as a "
                                             "CUDA graph (0: SGLang's default)", check=non_negative)
     sglang_disable_cuda_graph: bool = knob(False, "--rollout-backend sglang: run SGLang's decode eagerly")
+    sglang_server_args: str = knob("", "--rollout-backend sglang: further SGLang ServerArgs fields for the Engine, as a "
+                                       "JSON object (e.g. '{\"chunked_prefill_size\": 4096, "
+                                       "\"max_running_requests\": 256}'; slime forwards each --sglang-* flag); "
+                                       "fields this driver sets are refused, naming their flag")
     update_weight_buffer_size: int = knob(512 * 2**20, "--rollout-backend sglang: bytes of weights per push into the "
                                                        "Engine at each sync (whole decoder layers, so each FP4 "
                                                        "linear is re-quantized once; slime's name)",
@@ -404,3 +409,41 @@ def section_fields() -> list[tuple[type, dataclasses.Field, Any]]:
         hints = get_type_hints(section)
         out += [(section, f, hints[f.name]) for f in dataclasses.fields(section)]
     return out
+
+
+#: ServerArgs fields the driver sets itself, and what sets them (--sglang-server-args may not give them).
+SGLANG_DRIVER_FIELDS = {
+    "model_path": "the policy's config.json", "load_format": "the weight sync (dummy load)",
+    "skip_tokenizer_init": "token ids in and out", "custom_weight_loader": "the weight sync",
+    "quantization": "--rollout-precision", "json_model_override_args": "--rollout-precision, --resq",
+    "tp_size": "--tensor-model-parallel-size", "device": "CUDA", "base_gpu_id": "the rank's GPU",
+    "port": "--sglang-base-port", "nccl_port": "--sglang-base-port", "random_seed": "--seed", "dtype": "--bf16",
+    "enable_memory_saver": "--offload-rollout", "mem_fraction_static": "--sglang-mem-fraction-static",
+    "attention_backend": "--sglang-attention-backend", "disable_cuda_graph": "--sglang-disable-cuda-graph",
+    "cuda_graph_max_bs_decode": "--sglang-cuda-graph-max-bs", "sampling_backend": "the driver (pytorch)",
+    "grammar_backend": "the driver (none)", "log_level": "the driver (error)"}
+
+
+def sglang_server_args(text: str, server_args_fields: Optional[Sequence[str]] = None) -> dict[str, Any]:
+    """--sglang-server-args parsed: a JSON object of ServerArgs fields, none of those the driver sets, and (given
+    ``server_args_fields``, the installed SGLang's) each one a field; ValueError naming the flag otherwise."""
+    if not text.strip():
+        return {}
+    try:
+        extra = json.loads(text)
+    except json.JSONDecodeError as e:
+        raise ValueError(f"--sglang-server-args is not valid JSON ({e.msg} at character {e.pos}): {text!r}") from None
+    if not isinstance(extra, dict):
+        raise ValueError(f"--sglang-server-args must be a JSON object of SGLang ServerArgs fields, got {text!r}")
+    taken = {k: SGLANG_DRIVER_FIELDS[k] for k in extra if k in SGLANG_DRIVER_FIELDS}
+    if taken:
+        raise ValueError("--sglang-server-args: " + "; ".join(f"{k!r} is set by {v}" for k, v in taken.items()))
+    if server_args_fields is not None:
+        import difflib
+
+        unknown = [k for k in extra if k not in server_args_fields]
+        if unknown:
+            hints = {k: difflib.get_close_matches(k, server_args_fields, n=3) for k in unknown}
+            raise ValueError("--sglang-server-args: not SGLang ServerArgs fields: " + "; ".join(
+                f"{k!r}" + (f" (did you mean {', '.join(map(repr, h))}?)" if h else "") for k, h in hints.items()))
+    return extra

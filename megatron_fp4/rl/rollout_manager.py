@@ -32,7 +32,7 @@ from typing import Any, Optional, Sequence
 import torch
 
 from megatron_fp4.rl import grpo
-from megatron_fp4.rl.config import SGLANG_PORTS_PER_RANK, RolloutConfig
+from megatron_fp4.rl.config import SGLANG_PORTS_PER_RANK, RolloutConfig, sglang_server_args
 from megatron_fp4.rl.data import Example, PromptSampler
 from megatron_fp4.rl.distributed import any_rank, dp_max, dp_rank_and_size, dp_sum, from_first_stage
 from megatron_fp4.rl.monitor import TrainingDivergedError
@@ -115,7 +115,9 @@ def sglang_engine_kwargs(cfg: RolloutConfig, dtype: torch.dtype, seed: int) -> d
         load_format="dummy")  # the weights come from the policy at the first sync
     if cfg.sglang_cuda_graph_max_bs:
         kwargs["cuda_graph_max_bs_decode"] = cfg.sglang_cuda_graph_max_bs  # its name in 0.5.17 and 0.5.23
+    kwargs.update(sglang_server_args(cfg.sglang_server_args))
     return kwargs
+
 
 
 class RolloutManager:

@@ -31,7 +31,7 @@ from megatron_fp4.sglang_plugin.loader import REQUANTIZING_LOADER
 from megatron_fp4.sglang_plugin.options import QUANT_METHOD, PluginOptions
 
 __all__ = ["SGLangRolloutEngine", "megatron_to_hf_tensors", "layer_buckets", "check_model_for_precision",
-           "sglang_start_problem"]
+           "sglang_start_problem", "sglang_server_args_fields"]
 
 _HF_PREFIXES = ("model.", "lm_head.")
 #: HF linear modules of a transformer block with their K (in_features) source in config.json.
@@ -63,6 +63,19 @@ def sglang_start_problem(needs_plugin: bool = True) -> Optional[str]:
                 f"scheduler cannot load the FP4 rollout method (pip install --no-deps -e . into SGLang's environment, "
                 f"or with an offline SGLang bundle: source tools/sglang_bundle_env.sh BUNDLE_DIR)")
     return None
+
+
+def sglang_server_args_fields() -> Optional[list[str]]:
+    """The field names of the installed SGLang's ServerArgs: its constructor's keyword arguments (a dataclass in
+    0.5.17, annotated argument groups in 0.5.23); None where SGLang cannot be imported."""
+    import inspect
+
+    try:
+        from sglang.srt.server_args import ServerArgs
+    except Exception:  # noqa: BLE001 (not installed, or broken here: the caller's start check says why)
+        return None
+    return [n for n, p in inspect.signature(ServerArgs).parameters.items()
+            if p.kind in (p.POSITIONAL_OR_KEYWORD, p.KEYWORD_ONLY)]
 
 
 class InMemoryCheckpoint:
