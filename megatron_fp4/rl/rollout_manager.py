@@ -12,7 +12,8 @@ The engine (--rollout-backend: the in-process native one, or one SGLang Engine p
 group's GPUs, behind the same interface) holds its own copy of the weights in the rollout precision, refreshed
 after every optimizer step and re-quantized once per update; with --offload-rollout its memory is released while
 the policy trains and restored at the sync. SGLang serves one precision: evaluations in others (``accuracy_bf16``)
-and the underflow diagnostics run on a native engine beside it, whose weights are copied only when it is used.
+and the underflow diagnostics run on a native engine beside it, whose weights are copied only when it is used
+(at every sync with pipeline parallelism).
 Every rank of a tensor-parallel group gets the same samples (the native engine: generated in lockstep with the
 same seed; SGLang: broadcast from the group's first rank); data-parallel ranks take different prompts. With
 pipeline parallelism the sync gathers the stages' parameters over the pipeline group first
@@ -117,7 +118,6 @@ def sglang_engine_kwargs(cfg: RolloutConfig, dtype: torch.dtype, seed: int) -> d
         kwargs["cuda_graph_max_bs_decode"] = cfg.sglang_cuda_graph_max_bs  # its name in 0.5.17 and 0.5.23
     kwargs.update(sglang_server_args(cfg.sglang_server_args))
     return kwargs
-
 
 
 class RolloutManager:
