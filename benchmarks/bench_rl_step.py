@@ -105,9 +105,8 @@ def run_one(args, backend: str, precision: str, tok_dir: str, data: str, shape: 
            *BACKENDS[backend], *PRECISION_FLAGS[precision],
            *(["--bf16"] if args.bf16 else []), *([] if args.fp4_train else ["--no-fp4-train"]), *args.extra]
     t0 = time.monotonic()
-    path = os.pathsep.join([ROOT, *filter(None, os.environ.get("PYTHONPATH", "").split(os.pathsep))])
-    r = subprocess.run(cmd, cwd=ROOT, env={**os.environ, "PYTHONPATH": path},  # keeps SGLang's and megatron's folders
-                       capture_output=True, text=True)
+    path = ROOT + os.pathsep + os.environ.get("PYTHONPATH", "")  # keeps SGLang's and megatron's folders
+    r = subprocess.run(cmd, cwd=ROOT, env={**os.environ, "PYTHONPATH": path}, capture_output=True, text=True)
     if r.returncode:
         raise SystemExit(f"bench_rl_step.py: {backend}:{precision} failed (exit {r.returncode}):\n{r.stderr[-3000:]}")
     rows = [json.loads(line) for line in open(log) if '"kind": "train"' in line]

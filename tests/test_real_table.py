@@ -82,7 +82,7 @@ def test_a_stopped_run_resumes_and_keeps_its_metrics(tmp_path, monkeypatch):
             for step in (1, 2, 3):
                 f.write(json.dumps({"kind": "train", "step": step, "logp_abs_diff_mean": 0.1 * step}) + "\n")
         ckpt.mkdir(parents=True)
-        (ckpt / mt.CKPT_TRACKER).write_text("2")
+        (ckpt / mt.TRACKER_FILE).write_text("2")
         time.sleep(0.05)
         return mt.STOPPED
 
@@ -119,7 +119,7 @@ def test_a_checkpoint_of_another_command_is_not_resumed(tmp_path, monkeypatch, c
     run = mt.plan([1], ["hif4"], ["fp4_fp4"])[0]
     ckpt = tmp_path / "runs_ckpt" / run.name
     ckpt.mkdir(parents=True)
-    (ckpt / mt.CKPT_TRACKER).write_text("20")
+    (ckpt / mt.TRACKER_FILE).write_text("20")
     monkeypatch.setattr(mt, "run_command", lambda *a, **k: pytest.fail("the driver must not start"))
     out = mt.run_one(args, run, "unused", {})  # no cmd.txt in OUT: someone else's checkpoint
     assert out["status"] == "failed" and "holds a checkpoint of no cmd.txt" in capsys.readouterr().out

@@ -30,8 +30,8 @@ TINY = ["--num-layers", "2", "--hidden-size", "64", "--ffn-hidden-size", "128", 
 
 
 def _run(tmp_path, name, args, fake=True, nproc=1):
-    path = [ROOT, os.path.join(ROOT, "tests"), *filter(None, os.environ.get("PYTHONPATH", "").split(os.pathsep))]
-    env = {**os.environ, "PYTHONPATH": os.pathsep.join(path),  # keeps SGLang's own folders on a GPU machine
+    path = os.pathsep.join([ROOT, os.path.join(ROOT, "tests"), os.environ.get("PYTHONPATH", "")])
+    env = {**os.environ, "PYTHONPATH": path,  # keeps SGLang's own folders on a GPU machine
            "OMP_NUM_THREADS": "1", "FAKE_SGLANG_LOG": str(tmp_path / f"{name}.engine.jsonl")}
     log = tmp_path / f"{name}.jsonl"
     if nproc > 1:

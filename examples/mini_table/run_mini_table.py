@@ -37,6 +37,9 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+if ROOT not in sys.path:
+    sys.path.insert(0, ROOT)
+from megatron_fp4.ownership import TRACKER_FILE  # noqa: E402  (standard library only)
 
 
 @dataclass(frozen=True)
@@ -113,7 +116,6 @@ SAVE_INTERVAL = {"smollm2": 10, "smollm2-tiny": 1}
 DEFAULT_ONLY = {p: ("bf16_bf16", "bf16_fp4", "fp4_fp4", "fp4_fp4_resq_2of4") for p in SMOLLM2}
 PRESETS = tuple(sorted(MODEL)) + tuple(SMOLLM2)
 MIN_START_S = 60.0  # a resumable run is started only with at least this much of --time-budget left
-CKPT_TRACKER = "latest_checkpointed_iteration.txt"
 
 
 def smollm2_example():
@@ -277,7 +279,7 @@ def ensure_warm(args, seed: int, env: dict) -> str:
         return ensure_pretrained(args, seed)
     ckpt = os.path.join(args.ckpt_dir, f"seed{seed}", "warm")
     rdir = os.path.join(args.out, f"seed{seed}", "warm")
-    if os.path.isfile(os.path.join(ckpt, "latest_checkpointed_iteration.txt")):
+    if os.path.isfile(os.path.join(ckpt, TRACKER_FILE)):
         return ckpt
     os.makedirs(rdir, exist_ok=True)
     res = os.path.join(rdir, "pretrain_result.json")
@@ -341,7 +343,7 @@ def run_one(args, run: Run, warm_ckpt: str, env: dict, deadline: float | None = 
     os.makedirs(rdir, exist_ok=True)
     jsonl, res = os.path.join(rdir, "train.jsonl"), os.path.join(rdir, "pretrain_result.json")
     ckpt = run_ckpt_dir(args, run)
-    resuming = ckpt is not None and os.path.isfile(os.path.join(ckpt, CKPT_TRACKER))
+    resuming = ckpt is not None and os.path.isfile(os.path.join(ckpt, TRACKER_FILE))
     progress_path = os.path.join(rdir, "progress.json")
     progress = {"seconds": 0.0, "calls": 0}
     if resuming and os.path.isfile(progress_path):
@@ -366,7 +368,7 @@ def run_one(args, run: Run, warm_ckpt: str, env: dict, deadline: float | None = 
     rc = run_command(cmd, os.path.join(rdir, "stdout.log"), env, deadline=deadline if ckpt else None,
                      append=resuming)
     progress = {"seconds": progress["seconds"] + time.monotonic() - t0, "calls": progress["calls"] + 1}
-    if rc == STOPPED or rc != 0:
+    if rc != 0:
         if ckpt is not None:
             with open(progress_path, "w") as f:
                 json.dump(progress, f)

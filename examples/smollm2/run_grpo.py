@@ -218,9 +218,11 @@ def prepare(work: Path, preset: dict) -> tuple[Path, Path, Path, dict]:
     folder = smollm2_dir()
     work.mkdir(parents=True, exist_ok=True)
     train, eval_ = write_data(work / "data", preset["train"], preset["eval"])
+    from megatron_fp4.ownership import TRACKER_FILE
+
     ckpt = work / "ckpt"
     info: dict = {}
-    if not (ckpt / "latest_checkpointed_iteration.txt").is_file():
+    if not (ckpt / TRACKER_FILE).is_file():
         t0 = time.monotonic()
         tmp = work / f"ckpt.tmp{os.getpid()}"
         shutil.rmtree(tmp, ignore_errors=True)
@@ -230,7 +232,7 @@ def prepare(work: Path, preset: dict) -> tuple[Path, Path, Path, dict]:
             os.rename(tmp, ckpt)
             os.replace(work / f"convert{os.getpid()}.log", work / "convert.log")
         except OSError:  # another process converted it meanwhile (or a stale empty folder is in the way)
-            if not (ckpt / "latest_checkpointed_iteration.txt").is_file():
+            if not (ckpt / TRACKER_FILE).is_file():
                 raise
             shutil.rmtree(tmp, ignore_errors=True)
         info["convert_s"] = time.monotonic() - t0
