@@ -41,6 +41,16 @@ def prompts():
     return [torch.randint(6, VOCAB, (n,), generator=g).tolist() for n in (5, 9, 3, 6, 3, 11, 2)]
 
 
+def _assert_stops(prompts, samples, stops, max_new, max_seq):
+    """Each sample ends at its first stop token ("stop") or runs to the length limit without one ("length")."""
+    for p, s in zip(prompts, samples):
+        assert len(s.token_ids) == len(s.logprobs) >= 1
+        if s.finish_reason == "stop":
+            assert s.token_ids[-1] in stops and not set(s.token_ids[:-1]) & set(stops)
+        else:
+            assert not set(s.token_ids) & set(stops) and len(s.token_ids) == min(max_new, max_seq - len(p))
+
+
 def _maxdiff(a, b):
     return max(abs(x - y) for s, r in zip(a, b) for x, y in zip(s, r))
 
@@ -69,14 +79,7 @@ def test_static_sampling_stops_limits_and_seeds(model, prompts):
     a = eng.generate(prompts, params)
     b = eng.generate(prompts, params)
     assert [s.token_ids for s in a] == [s.token_ids for s in b]  # seeded: reproducible
-    for p, s in zip(prompts, a):
-        assert len(s.token_ids) == len(s.logprobs) >= 1
-        assert len(p) + len(s.token_ids) <= 48  # max_seq_len caps prompt + response
-        if s.finish_reason == "stop":
-            assert s.token_ids[-1] in (3, 4, 5) and not set(s.token_ids[:-1]) & {3, 4, 5}
-        else:
-            assert not set(s.token_ids) & {3, 4, 5}
-            assert len(s.token_ids) == min(40, 48 - len(p))
+    _assert_stops(prompts, a, (3, 4, 5), max_new=40, max_seq=48)  # max_seq_len caps prompt + response
     tf = teacher_forced_logprobs(model, prompts, [s.token_ids for s in a], eng.precision, temperature=0.8)
     assert _maxdiff([s.logprobs for s in a], tf) < 1e-4
     assert eng.generate([], params) == []
@@ -174,6 +177,7 @@ def test_gpu_graph_path_matches_eager(precision):
     assert st["path"] == "graph" and st["graphs"] >= 1
     tf = teacher_forced_logprobs(m, ps, [s.token_ids for s in out], precision)
     assert _maxdiff([s.logprobs for s in out], tf) < 0.1  # bf16 model: rounding order + FP4 boundary flips
+    _assert_stops(ps, out, (3,), max_new=24, max_seq=96)
     eager = NativeRolloutEngine(m, precision, decode="static", max_batch_size=8)
     forced = eager.forced_logprobs(ps, [s.token_ids for s in out])
     assert _maxdiff([s.logprobs for s in out], forced) < 0.1
@@ -183,7 +187,14 @@ def test_gpu_graph_path_matches_eager(precision):
             p.mul_(1.01)
     graph.update_weights(None)
     assert graph._static.has_graphs  # refreshed in place: the captured graphs stay valid
+    # small tensors take the memory the first call's temporaries had: a graph that read a per-call stop-id tensor
+    # would compare the sampled tokens with these values and never stop (seen on SmolLM2: BF16 rollouts ran to the
+    # length limit)
+    churn = [torch.full((1,), 5, dtype=torch.long, device="cuda") for _ in range(256)]
     out2 = graph.generate(ps, params)
+    del churn
+    _assert_stops(ps, out2, (3,), max_new=24, max_seq=96)
+    assert any(s.finish_reason == "stop" for s in out2)
     tf2 = teacher_forced_logprobs(m, ps, [s.token_ids for s in out2], precision)
     assert _maxdiff([s.logprobs for s in out2], tf2) < 0.1
     greedy = SamplingParams(temperature=0.0, max_new_tokens=16)

@@ -150,6 +150,7 @@ class StaticCacheGenerator:
         self._precision = RolloutPrecision()
         self._cache: Optional[QuantizedWeightCache] = None
         self._graphs: dict = {}
+        self._stop_ids: dict = {}  # stop token ids -> the device tensor every call (and graph) with them reads
         self._pool = None
         self._state: Optional[dict] = None
         self._forcing = False
@@ -161,6 +162,16 @@ class StaticCacheGenerator:
     def has_graphs(self) -> bool:
         """Whether captured decode graphs exist (they read the weights and prepared weights by address)."""
         return bool(self._graphs)
+
+    def _stop_tensor(self, ids: Sequence[int], device) -> torch.Tensor:
+        """The stop token ids as a device tensor that lives as long as this object. A captured graph reads, at every
+        replay, the memory of the tensor it was captured with: a per-call tensor would be freed when the capturing
+        call returns and its memory reused by other tensors, and later replays would compare the sampled tokens
+        with whatever was written there (the sequences then never stop, or stop at random)."""
+        key = (tuple(ids) or (-1,), str(device))
+        if key not in self._stop_ids:
+            self._stop_ids[key] = torch.tensor(key[0], dtype=torch.long, device=device)
+        return self._stop_ids[key]
 
     def invalidate(self) -> None:
         """Drop the captured graphs (weights re-prepared into new tensors); the KV cache is kept."""
@@ -322,7 +333,7 @@ class StaticCacheGenerator:
         prev = self._state["slots"] if self._state is not None else 0
         st = self._ensure_state(max(cap, prev), seq, params.max_new_tokens, chunk, device, dtype)
         nslots = st["slots"]
-        stop_ids = torch.tensor(params.stop_token_ids or [-1], dtype=torch.long, device=device)
+        stop_ids = self._stop_tensor(params.stop_token_ids, device)
         limits = [min(params.max_new_tokens, max_seq_len - n, seq - n) for n in lens_all]
         if forced is not None:
             if len(forced) != P or any(not 0 < len(r) <= lim for r, lim in zip(forced, limits)):
