@@ -212,3 +212,20 @@ def test_chat_template_from_a_tiny_tokenizer(tmp_path):
     with pytest.raises(ValueError, match="unsupported file type '.csv'"):
         (tmp_path / "p.csv").write_text("a,b\n")
         load_prompt_data(tmp_path / "p.csv")
+
+
+def test_prompt_jsonl_without_the_datasets_library(tmp_path, monkeypatch):
+    """JSON lines read the same without ``datasets`` (a GPU image that lacks it); other formats still need it."""
+    from megatron_fp4.rl.data import read_records
+
+    rows = [{"prompt": [{"role": "user", "content": "1 + 2?"}], "label": "3"}, {"prompt": "x", "label": 4}]
+    path = tmp_path / "p.jsonl"
+    path.write_text("".join(json.dumps(r) + "\n" for r in rows) + "\n")
+    monkeypatch.setitem(__import__("sys").modules, "datasets", None)  # import datasets -> ImportError
+    assert read_records(path) == rows
+    (tmp_path / "p.parquet").write_bytes(b"")
+    with pytest.raises(ImportError, match="needs the datasets library"):
+        read_records(tmp_path / "p.parquet")
+    (tmp_path / "empty.jsonl").write_text("\n")
+    with pytest.raises(ValueError, match="no records"):
+        read_records(tmp_path / "empty.jsonl")

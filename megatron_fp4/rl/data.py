@@ -108,7 +108,8 @@ def _chat(prompt: str | list, chat_template: ChatTemplate | Any | None) -> str:
 
 def read_records(path: str | Path) -> list[dict]:
     """The records of a local .jsonl, .json or .parquet file, read with the ``datasets`` library (nothing is
-    downloaded: HF_DATASETS_OFFLINE is set; its Arrow cache lives in a temporary directory)."""
+    downloaded: HF_DATASETS_OFFLINE is set; its Arrow cache lives in a temporary directory); .jsonl without it
+    where it is not installed."""
     p = Path(path)
     if not p.is_file():
         raise FileNotFoundError(f"dataset file not found: {p}")
@@ -120,6 +121,11 @@ def read_records(path: str | Path) -> list[dict]:
     try:
         import datasets
     except ImportError:
+        if p.suffix == ".jsonl":  # plain JSON lines need no library (a GPU image without datasets)
+            rows = [json.loads(line) for line in p.read_text().splitlines() if line.strip()]
+            if not rows:
+                raise ValueError(f"{p}: no records") from None
+            return rows
         raise ImportError(f"reading {p} needs the datasets library: pip install datasets pyarrow (or pip install "
                           f"-e .[rl])") from None
     datasets.disable_progress_bars()
