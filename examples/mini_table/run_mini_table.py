@@ -33,7 +33,7 @@ import subprocess
 import sys
 import threading
 import time
-from concurrent.futures import ThreadPoolExecutor
+from collections import deque
 from dataclasses import dataclass
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
@@ -374,7 +374,8 @@ def run_one(args, run: Run, warm_ckpt: str, env: dict, deadline: float | None = 
                 json.dump(progress, f)
         if rc == STOPPED:
             return {"status": "stopped", "seconds": progress["seconds"]}
-        return {"status": "failed", "exit": rc, "seconds": time.monotonic() - t0}
+        status = "oom" if ran_out_of_memory(os.path.join(rdir, "stdout.log")) else "failed"
+        return {"status": status, "exit": rc, "seconds": time.monotonic() - t0}
     with open(res) as f:
         result = json.load(f)
     record = {"seed": run.seed, "format": run.fmt, "row": run.row.id, "training": run.row.training,
@@ -392,6 +393,17 @@ def run_one(args, run: Run, warm_ckpt: str, env: dict, deadline: float | None = 
 
         shutil.rmtree(ckpt, ignore_errors=True)  # done: its results are in results.json (135M + Adam: ~2 GB)
     return {"status": "done", **record}
+
+
+def ran_out_of_memory(log_path: str) -> bool:
+    """Whether a failed run's log ends in a device out-of-memory error (runs side by side on one GPU can
+    outgrow it together; such a run is worth another try with fewer neighbours)."""
+    if not os.path.isfile(log_path):
+        return False
+    with open(log_path, "rb") as f:
+        f.seek(max(0, os.path.getsize(log_path) - 20000))
+        tail = f.read().decode(errors="replace")
+    return "OutOfMemoryError" in tail or "CUDA out of memory" in tail
 
 
 def load_record(args, run: Run) -> dict | None:
@@ -514,6 +526,9 @@ def main(argv=None) -> int:
     resumable = args.preset in SMOLLM2
     deadline = t_start + args.time_budget if args.time_budget and resumable else None
 
+    queue = deque(todo)
+    jobs = {"limit": args.jobs, "live": 0, "oom": set()}
+
     def work(run: Run) -> None:
         with lock:
             estimate = max(durations) if durations else 0.0
@@ -536,16 +551,35 @@ def main(argv=None) -> int:
                 durations.append(out["seconds"])
                 print(f"[mini_table] {run.name}: accuracy {accuracy_of(out['warm_start']):.3f} -> "
                       f"{accuracy_of(out['final']):.3f} ({out['seconds']:.0f}s)", flush=True)
+            elif out["status"] == "oom" and run.name not in jobs["oom"] and jobs["limit"] > 1:
+                jobs["oom"].add(run.name)  # once per run: back to the front of the queue, one job fewer
+                jobs["limit"] -= 1
+                queue.appendleft(run)
+                print(f"[mini_table] {run.name} ran out of device memory; it will run again, with at most "
+                      f"{jobs['limit']} runs at once from now on", flush=True)
             elif out["status"] == "stopped":
                 print(f"[mini_table] {run.name}: stopped at the time budget after {out['seconds']:.0f}s in all; "
                       f"re-run the same command to resume it from its last checkpoint", flush=True)
             else:
+                status[run.name] = "failed"
                 print(f"[mini_table] {run.name} FAILED (exit {out['exit']}); see {args.out}/{run.name}/stdout.log",
                       flush=True)
 
-    with ThreadPoolExecutor(max_workers=args.jobs) as pool:
-        for f in [pool.submit(work, r) for r in todo]:
-            f.result()
+    def worker() -> None:
+        while True:
+            with lock:
+                if not queue or jobs["live"] > jobs["limit"]:
+                    jobs["live"] -= 1
+                    return
+                run = queue.popleft()
+            work(run)
+
+    jobs["live"] = min(args.jobs, len(todo))
+    threads = [threading.Thread(target=worker) for _ in range(jobs["live"])]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
     failed = sum(1 for v in status.values() if v == "failed")
     if args.preset in SMOLLM2 and any(v == "done" for v in status.values()):
         print(f"[mini_table] report: python tools/plot_runs.py --runs {args.out} --out docs/results/real_table.md",
