@@ -1,0 +1,67 @@
+#!/usr/bin/env bash
+# The real-model table (issue 22 item 4) on one H200 through the device tool: one call = one run of this script, from
+# the repository root on the GPU machine. README.md ("On the H200") has the calls in order.
+#
+#   bash examples/mini_table/real_table_h200.sh stage                  # setup only (e.g. a call bringing a GGUF half)
+#   bash examples/mini_table/real_table_h200.sh run JOBS SEEDS [FLAGS]  # the table's runs until the call's end
+#
+# Setup, every call (cheap once done): the wheels of .whl/ into /tmp/site (megatron-core, gguf first on the path;
+# sentencepiece, pyyaml, safetensors, tqdm after the image's own packages); the GGUF halves a call carried
+# (.smol/gguf.part00, .smol/gguf.part01) copied to /tmp/smol, outside the checkout, where they outlive the next
+# call's sync, and joined there once both have come; the CUDA MPS daemon. `run` starts run_mini_table.py --preset
+# smollm2 with --time-budget set so that the call ends within CALL_S seconds (default 575 of the 600 allowed),
+# prints each run's last step every 45 s, then the status table, and leaves runs/real_table (small files) in
+# $OUT/real_table.tgz. FLAGS go to run_mini_table.py (e.g. "--only bf16_bf16 -- --lr 1e-5"); TABLE_OUT=DIR puts the
+# runs in DIR instead of runs/real_table (a trial schedule apart from the table).
+set -u
+T0=$(date +%s)
+MODE=${1:-run}
+if [ ! -f /tmp/site/.ok ]; then
+  python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --target /tmp/site \
+    .whl/megatron_core*.whl .whl/gguf*.whl || exit 1
+  python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --target /tmp/site2 \
+    .whl/sentencepiece*.whl .whl/pyyaml*.whl .whl/safetensors*.whl .whl/tqdm*.whl || exit 1
+  touch /tmp/site/.ok
+fi
+export PYTHONPATH=/tmp/site:$PWD:/tmp/site2
+GGUF=/tmp/smol/SmolLM2-135M-Instruct.Q4_1.gguf
+mkdir -p /tmp/smol runs /tmp/mps /tmp/mpslog
+cp .smol/gguf.part0? /tmp/smol/ 2>/dev/null
+if [ ! -f $GGUF ] && [ -f /tmp/smol/gguf.part00 ] && [ -f /tmp/smol/gguf.part01 ]; then
+  cat /tmp/smol/gguf.part00 /tmp/smol/gguf.part01 > $GGUF.tmp && mv $GGUF.tmp $GGUF && rm /tmp/smol/gguf.part0?
+fi
+ls -l /tmp/smol
+export SMOLLM2_GGUF_DIR=/tmp/smol CUDA_MPS_PIPE_DIRECTORY=/tmp/mps CUDA_MPS_LOG_DIRECTORY=/tmp/mpslog
+export PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True
+pgrep -f nvidia-cuda-mps-control >/dev/null || nvidia-cuda-mps-control -d
+[ "$MODE" = stage ] && exit 0
+[ "$MODE" = run ] || { echo "mode: stage or run, not '$MODE'"; exit 2; }
+[ -f $GGUF ] || { echo "no $GGUF yet: bring .smol/gguf.part00 and .smol/gguf.part01 first (two calls)"; exit 2; }
+JOBS=${2:?JOBS}; SEEDS=${3:?SEEDS}; shift 3
+TABLE=${TABLE_OUT:-runs/real_table}
+BUDGET=$(( ${CALL_S:-575} - 25 - ($(date +%s) - T0) ))
+echo "time budget ${BUDGET}s, --jobs $JOBS, --seeds $SEEDS $*"
+python3 examples/mini_table/run_mini_table.py --preset smollm2 --out "$TABLE" --seeds "$SEEDS" \
+  --jobs "$JOBS" --time-budget $BUDGET "$@" >> "$TABLE.log" 2>&1 &
+pid=$!
+while kill -0 $pid 2>/dev/null; do
+  sleep 45
+  echo "== $(( $(date +%s) - T0 ))s, GPU $(nvidia-smi --query-gpu=memory.used,utilization.gpu --format=csv,noheader)"
+  TABLE=$TABLE python3 - <<'PY'
+import glob, json, os
+table = os.environ["TABLE"]
+for f in sorted(glob.glob(f"{table}/seed*/*/*/train.jsonl")):
+    rows = [json.loads(line) for line in open(f) if '"kind": "train"' in line]
+    if rows:
+        r = rows[-1]
+        print(f"  {f[len(table) + 1:-12]:32s} step {r['step']:3d}", {k: round(r[k], 3) for k in
+              ("step_s", "rollout_s", "train_s", "reward_mean", "response_length_mean", "logp_abs_diff_mean",
+               "mem/peak_allocated_gib") if isinstance(r.get(k), (int, float))})
+PY
+done
+wait $pid
+echo "run_mini_table.py exit $?"
+tail -n 30 "$TABLE.log"
+python3 examples/mini_table/run_mini_table.py --preset smollm2 --out "$TABLE" --seeds "$SEEDS" --list "$@" \
+  2>/dev/null | grep -v " todo"
+tar czf "$OUT/real_table.tgz" "$TABLE" "$TABLE.log"
