@@ -176,7 +176,8 @@ def test_a_run_out_of_device_memory_runs_again_with_fewer_neighbours(tmp_path, m
     rc = mt.main(["--tiny", "--out", str(tmp_path / "runs"), "--formats", "hif4", "--only", rows, "--jobs", "3"])
     out = capsys.readouterr().out
     assert "ran out of device memory; it will run again, with at most 2 runs at once" in out
-    done = [r for r in mt.plan([1], ["hif4"], rows.split(",")) if (tmp_path / "runs" / r.name / "results.json").exists()]
+    done = [r for r in mt.plan([1], ["hif4"], rows.split(","))
+            if (tmp_path / "runs" / r.name / "results.json").exists()]
     if ooms == 1:
         assert rc == 0 and len(done) == 6
         # the run started after the OOM was seen had at most 2 neighbours running (itself included)

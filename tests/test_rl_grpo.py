@@ -117,6 +117,25 @@ def test_tis_and_kl_helpers_by_hand():
         grpo_loss(lt, lo, lr, adv, mask, kl_beta=0.1)
 
 
+def test_kl_clamps_keep_the_loss_finite():
+    """A token the policy and the reference disagree on by 100 nats: k3 would overflow (inf loss, skipped update);
+    clamped as verl does, it counts 10 and passes no gradient, the other tokens theirs."""
+    logp = torch.tensor([-101.0, -1.0, -2.0, -3.0], dtype=torch.float64, requires_grad=True)
+    ref = torch.tensor([-1.0, -1.5, -1.0, -3.0], dtype=torch.float64)
+    kl = kl_k3(logp, ref)
+    d = ref[1:] - logp[1:].detach()
+    torch.testing.assert_close(kl, torch.cat([torch.tensor([10.0], dtype=torch.float64), d.exp() - d - 1]))
+    kl.sum().backward()
+    torch.testing.assert_close(logp.grad, torch.cat([torch.zeros(1, dtype=torch.float64), 1 - d.exp()]))
+    assert kl_k3(torch.tensor([-200.0]), torch.tensor([0.0])).item() == 10.0  # fp32: no inf on the way either
+    lt, lo, lr, lref, adv, mask = _inputs()
+    far = lref.clone()
+    far[0, 0] = lt[0, 0].detach() + 150.0
+    loss = grpo_loss(lt, lo, lr, adv, mask, logp_ref=far, kl_beta=0.1)
+    loss.backward()
+    assert torch.isfinite(loss) and torch.isfinite(lt.grad).all()
+
+
 def test_no_tis_on_policy_and_per_token_advantages():
     lt, lo, lr, lref, adv, mask = _inputs()
     # logp_old=None: on-policy, rho == 1 -> L = -sum(A)/N; per-token advantages [B,T] broadcast the same way

@@ -9,7 +9,8 @@ The math runs in fp32 (fp64 inputs stay fp64): bf16/fp16 logprobs are upcast fir
     rho   = exp(logp_train - logp_old)            (GSPO: exp of the mean over the response's tokens, per sequence,
                                                    and the surrogate counted once per sequence: / |y| per token)
     w_tis = min(exp(logp_old - logp_rollout), C)   (truncated importance sampling vs the rollout engine)
-    kl    = exp(logp_ref - logp_train) - (logp_ref - logp_train) - 1      (k3 estimator of KL(pi || pi_ref))
+    kl    = exp(d) - d - 1,  d = logp_ref - logp_train     (k3 estimator of KL(pi || pi_ref); d clamped to +-20 and
+                                                           kl to <= 10, as verl / OpenRLHF)
     L_tok = -min(rho*A, clip(rho, 1-eps_low, 1+eps_high)*A) * w_tis + beta * kl
     L     = sum(L_tok * mask) / N,   N = mask.sum() or the given global token count
 
@@ -195,10 +196,21 @@ def masked_mean(x: torch.Tensor, mask: torch.Tensor, num_tokens: int | float | t
     return torch.where(m, x, torch.zeros((), dtype=x.dtype, device=x.device)).sum() / _count(m, num_tokens)
 
 
+#: k3's log-ratio and value clamps (verl's and OpenRLHF's ``low_var_kl``): a token the policy and the reference
+#: disagree on by more than 88 nats makes exp overflow, the loss inf and the update skipped. FP4 training forwards are
+#: discontinuous: on SmolLM2-135M one Adam-sized step (+-2e-6 per weight) moves MXFP4's per-token logprobs by up to
+#: 8 nats (k3 mean 7.3), and on the H200 MXFP4 runs skipped steps 2-19 for a non-finite loss (most likely this)
+#: before the clamp.
+KL_LOG_RATIO_CLAMP = 20.0
+KL_VALUE_CLAMP = 10.0
+
+
 def kl_k3(logp: torch.Tensor, logp_ref: torch.Tensor) -> torch.Tensor:
-    """Per-token k3 estimator of KL(pi || pi_ref): exp(ref - logp) - (ref - logp) - 1 (>= 0)."""
-    d = logp_ref - logp
-    return torch.exp(d) - d - 1.0
+    """Per-token k3 estimator of KL(pi || pi_ref): exp(d) - d - 1 with d = ref - logp (>= 0), d clamped to
+    +-KL_LOG_RATIO_CLAMP and the value to at most KL_VALUE_CLAMP, as verl and OpenRLHF do (no gradient where a clamp
+    holds)."""
+    d = (logp_ref - logp).clamp(-KL_LOG_RATIO_CLAMP, KL_LOG_RATIO_CLAMP)
+    return (torch.exp(d) - d - 1.0).clamp(max=KL_VALUE_CLAMP)
 
 
 def tis_weights(logp_old: torch.Tensor, logp_rollout: torch.Tensor, cap: float) -> torch.Tensor:
