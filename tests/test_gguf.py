@@ -76,9 +76,8 @@ def test_gguf_argument_errors_are_one_line(tmp_path):
 
 
 @pytest.mark.slow
-def test_mechanism_example_runs_and_reports(tmp_path):
-    """examples/smollm2/mechanism.py on 2 prompts: the report and JSON have every row, the FP4 training forward is
-    the W4A4 rollout's, and ResQ 2:4 never leaves more zeros than plain FP4."""
+def _run_example(script: str, tmp_path) -> tuple[dict, str]:
+    """examples/smollm2/SCRIPT on 2 GSM8K prompts of at most 4 answer tokens: its JSON and markdown report."""
     import json
     import os
     import subprocess
@@ -88,12 +87,17 @@ def test_mechanism_example_runs_and_reports(tmp_path):
 
     _smollm2_dir()
     env = dict(os.environ, PYTHONWARNINGS="ignore", PYTHONPATH=str(REPO))
-    r = subprocess.run([sys.executable, str(REPO / "examples" / "smollm2" / "mechanism.py"), "--num-prompts", "2",
-                        "--max-new-tokens", "4", "--out", str(tmp_path / "mech")], env=env, capture_output=True,
+    r = subprocess.run([sys.executable, str(REPO / "examples" / "smollm2" / script), "--num-prompts", "2",
+                        "--max-new-tokens", "4", "--out", str(tmp_path / "out")], env=env, capture_output=True,
                        text=True, timeout=900)
     assert r.returncode == 0, r.stderr[-3000:]
-    res = json.loads((tmp_path / "mech.json").read_text())
-    md = (tmp_path / "mech.md").read_text()
+    return json.loads((tmp_path / "out.json").read_text()), (tmp_path / "out.md").read_text()
+
+
+def test_mechanism_example_runs_and_reports(tmp_path):
+    """examples/smollm2/mechanism.py on 2 prompts: the report and JSON have every row, the FP4 training forward is
+    the W4A4 rollout's, and ResQ 2:4 never leaves more zeros than plain FP4."""
+    res, md = _run_example("mechanism.py", tmp_path)
     assert "## HIF4: train-rollout mismatch" in md and "## What it shows" in md and "| 29 |" in md
     for fmt in ("hif4", "mxfp4"):
         rows = res["formats"][fmt]["rollout"]
@@ -133,23 +137,10 @@ def test_sensitivity_step_and_statistics():
 
 def test_sensitivity_example_runs_and_reports(tmp_path):
     """examples/smollm2/sensitivity.py on 2 prompts: every forward reported, with finite, ordered statistics."""
-    import json
-    import os
-    import subprocess
-    import sys
-
-    from test_tools_helpers import REPO
-
-    _smollm2_dir()
-    env = dict(os.environ, PYTHONWARNINGS="ignore", PYTHONPATH=str(REPO))
-    r = subprocess.run([sys.executable, str(REPO / "examples" / "smollm2" / "sensitivity.py"), "--num-prompts", "2",
-                        "--max-new-tokens", "4", "--out", str(tmp_path / "sens")], env=env, capture_output=True,
-                       text=True, timeout=900)
-    assert r.returncode == 0, r.stderr[-3000:]
-    res = json.loads((tmp_path / "sens.json").read_text())
+    res, md = _run_example("sensitivity.py", tmp_path)
     assert list(res["rows"]) == ["BF16", "FP4 training, HIF4", "W4A4 + ResQ 2:4 rollout, HIF4",
                                  "FP4 training, MXFP4", "W4A4 + ResQ 2:4 rollout, MXFP4"]
     assert res["changed"] > 0 and res["response_tokens"] > 0
     for s in res["rows"].values():
         assert 0.0 <= s["mean_abs"] <= s["max_abs"] and s["p99_abs"] <= s["max_abs"] and s["k3_mean"] >= 0.0
-    assert "| FP4 training, MXFP4 |" in (tmp_path / "sens.md").read_text()
+    assert "| FP4 training, MXFP4 |" in md

@@ -63,6 +63,30 @@ def machine() -> str:
             f"reference quantizers")
 
 
+def model_and_answers(data: str, num_prompts: int, max_new_tokens: int, batch: int):
+    """SmolLM2 in bf16 (megatron-core, from the GGUF), the first ``num_prompts`` GSM8K questions of ``data`` in its
+    chat template (token ids), and the BF16 model's own greedy answers to them (native engine, KV cache): the
+    tokens every measurement here is teacher-forced on. Returns (model, prompts, samples, seconds to load)."""
+    from transformers import AutoTokenizer
+
+    from megatron_fp4.models.checkpoint_io import load_gpt
+    from megatron_fp4.resq import RolloutPrecision
+    from megatron_fp4.rl.data import load_gsm8k
+    from megatron_fp4.rollout import NativeRolloutEngine, SamplingParams
+
+    t0 = time.monotonic()
+    folder = smollm2_dir()
+    tok = AutoTokenizer.from_pretrained(folder, gguf_file=GGUF_FILE, local_files_only=True)
+    model = load_gpt(folder, gguf_file=GGUF_FILE, params_dtype=torch.bfloat16)
+    examples = load_gsm8k(data, template="plain", chat_template=tok)[:num_prompts]
+    prompts = [tok.encode(e.prompt, add_special_tokens=False) for e in examples]
+    t_load = time.monotonic() - t0
+    engine = NativeRolloutEngine(model, RolloutPrecision("bf16"), max_batch_size=batch, pad_token_id=tok.pad_token_id)
+    samples = engine.generate(prompts, SamplingParams(temperature=0.0, max_new_tokens=max_new_tokens,
+                                                      stop_token_ids=(tok.eos_token_id,)))
+    return model, prompts, samples, t_load
+
+
 @torch.no_grad()
 def response_stats(model, prompts, responses, context, batch: int) -> dict[str, list]:
     """Teacher-forced per-token logprobs and argmax of ``responses`` under the forward that ``context()`` sets up
@@ -123,26 +147,12 @@ def main() -> None:
     torch.set_num_threads(a.threads)
     t_start = time.monotonic()
 
-    from transformers import AutoTokenizer
-
-    from megatron_fp4.models.checkpoint_io import load_gpt
     from megatron_fp4.recipe import fp4_autocast, recipe_for_format
     from megatron_fp4.resq import RolloutPrecision
-    from megatron_fp4.rl.data import load_gsm8k
-    from megatron_fp4.rollout import NativeRolloutEngine, RolloutUnderflowMonitor, SamplingParams
+    from megatron_fp4.rollout import RolloutUnderflowMonitor
     from megatron_fp4.rollout.precision import rollout_precision
 
-    folder = smollm2_dir()
-    tok = AutoTokenizer.from_pretrained(folder, gguf_file=GGUF_FILE, local_files_only=True)
-    model = load_gpt(folder, gguf_file=GGUF_FILE, params_dtype=torch.bfloat16)
-    examples = load_gsm8k(a.data, template="plain", chat_template=tok)[: a.num_prompts]
-    prompts = [tok.encode(e.prompt, add_special_tokens=False) for e in examples]
-    t_load = time.monotonic() - t_start
-
-    # the rollout tokens: the BF16 model's own greedy answers (native engine, KV cache)
-    engine = NativeRolloutEngine(model, RolloutPrecision("bf16"), max_batch_size=a.batch, pad_token_id=tok.pad_token_id)
-    samples = engine.generate(prompts, SamplingParams(temperature=0.0, max_new_tokens=a.max_new_tokens,
-                                                      stop_token_ids=(tok.eos_token_id,)))
+    model, prompts, samples, t_load = model_and_answers(a.data, a.num_prompts, a.max_new_tokens, a.batch)
     responses = [s.token_ids for s in samples]
     n_tokens = sum(len(r) for r in responses)
     t_gen = time.monotonic() - t_start - t_load

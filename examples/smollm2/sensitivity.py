@@ -29,7 +29,7 @@ ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from mechanism import GGUF_FILE, machine, response_stats, smollm2_dir  # noqa: E402
+from mechanism import GGUF_FILE, machine, model_and_answers, response_stats  # noqa: E402
 
 DATE = "2026-12-02"
 
@@ -112,23 +112,11 @@ def main() -> None:
         return
     torch.set_num_threads(a.threads)
     t0 = time.monotonic()
-    from transformers import AutoTokenizer
-
-    from megatron_fp4.models.checkpoint_io import load_gpt
     from megatron_fp4.recipe import fp4_autocast, recipe_for_format
     from megatron_fp4.resq import RolloutPrecision
-    from megatron_fp4.rl.data import load_gsm8k
-    from megatron_fp4.rollout import NativeRolloutEngine, SamplingParams
     from megatron_fp4.rollout.precision import rollout_precision
 
-    folder = smollm2_dir()
-    tok = AutoTokenizer.from_pretrained(folder, gguf_file=GGUF_FILE, local_files_only=True)
-    model = load_gpt(folder, gguf_file=GGUF_FILE, params_dtype=torch.bfloat16)
-    examples = load_gsm8k(a.data, template="plain", chat_template=tok)[: a.num_prompts]
-    prompts = [tok.encode(e.prompt, add_special_tokens=False) for e in examples]
-    engine = NativeRolloutEngine(model, RolloutPrecision("bf16"), max_batch_size=a.batch, pad_token_id=tok.pad_token_id)
-    samples = engine.generate(prompts, SamplingParams(temperature=0.0, max_new_tokens=a.max_new_tokens,
-                                                      stop_token_ids=(tok.eos_token_id,)))
+    model, prompts, samples, _ = model_and_answers(a.data, a.num_prompts, a.max_new_tokens, a.batch)
     responses = [s.token_ids for s in samples]
     forwards = {"BF16": lambda: rollout_precision(model, RolloutPrecision("bf16"))}
     for fmt in ("hif4", "mxfp4"):
