@@ -198,9 +198,9 @@ def masked_mean(x: torch.Tensor, mask: torch.Tensor, num_tokens: int | float | t
 
 #: k3's log-ratio and value clamps (verl's and OpenRLHF's ``low_var_kl``): a token the policy and the reference
 #: disagree on by more than 88 nats makes exp overflow, the loss inf and the update skipped. FP4 training forwards are
-#: discontinuous: on SmolLM2-135M one Adam-sized step (+-2e-6 per weight) moves MXFP4's per-token logprobs by up to
-#: 8 nats (k3 mean 7.3), and on the H200 MXFP4 runs skipped steps 2-19 for a non-finite loss (most likely this)
-#: before the clamp.
+#: discontinuous: on SmolLM2-135M one Adam-sized step (+-2e-6 per weight) moves the MXFP4 training forward's
+#: per-token logprobs by 0.73 nats on average and up to 10 (docs/results/real_model_sensitivity.md), and on the H200
+#: MXFP4 runs skipped steps 2-19 for a non-finite loss (most likely this) before the clamp.
 KL_LOG_RATIO_CLAMP = 20.0
 KL_VALUE_CLAMP = 10.0
 
