@@ -122,10 +122,7 @@ def read_records(path: str | Path) -> list[dict]:
         import datasets
     except ImportError:
         if p.suffix == ".jsonl":  # plain JSON lines need no library (a GPU image without datasets)
-            rows = [json.loads(line) for line in p.read_text().splitlines() if line.strip()]
-            if not rows:
-                raise ValueError(f"{p}: no records") from None
-            return rows
+            return load_jsonl(p, required_fields=())
         raise ImportError(f"reading {p} needs the datasets library: pip install datasets pyarrow (or pip install "
                           f"-e .[rl])") from None
     datasets.disable_progress_bars()
