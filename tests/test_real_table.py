@@ -188,6 +188,30 @@ def test_a_run_out_of_device_memory_runs_again_with_fewer_neighbours(tmp_path, m
         assert rc == 1 and len(done) == 5 and f"{target} FAILED" in out
 
 
+def test_shards_of_one_machine_make_the_warm_start_once(tmp_path, monkeypatch):
+    """Two shards (--shard 0/2, 1/2) start at once and need the same seed's warm start: one makes it, the other
+    waits for it (CI once saw both write the same checkpoint, and one fail)."""
+    import threading
+
+    made = []
+
+    def fake_warm_up(args, seed, env, ckpt):
+        made.append(seed)
+        time.sleep(0.3)  # long enough that the other shard asks while this one is still at it
+        os.makedirs(ckpt)
+        open(os.path.join(ckpt, mt.TRACKER_FILE), "w").close()
+
+    monkeypatch.setattr(mt, "warm_up", fake_warm_up)
+    args = mt.parse(["--tiny", "--out", str(tmp_path / "runs")])
+    got = []
+    shards = [threading.Thread(target=lambda: got.append(mt.ensure_warm(args, 1, {}))) for _ in range(2)]
+    for t in shards:
+        t.start()
+    for t in shards:
+        t.join()
+    assert made == [1] and got == [os.path.join(args.ckpt_dir, "seed1", "warm")] * 2
+
+
 def test_run_command_stops_a_process_at_its_deadline(tmp_path):
     log = tmp_path / "log.txt"
     t0 = time.monotonic()

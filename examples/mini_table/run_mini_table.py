@@ -26,6 +26,7 @@ runs again (train.jsonl is then appended to, not restarted); --time-budget stops
 from __future__ import annotations
 
 import argparse
+import fcntl
 import json
 import os
 import shlex
@@ -278,9 +279,17 @@ def ensure_warm(args, seed: int, env: dict) -> str:
     if args.preset in SMOLLM2:
         return ensure_pretrained(args, seed)
     ckpt = os.path.join(args.ckpt_dir, f"seed{seed}", "warm")
+    os.makedirs(os.path.dirname(ckpt), exist_ok=True)
+    with open(ckpt + ".lock", "w") as lock:  # shards of one machine (--shard) share the warm start: one makes it
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        if not os.path.isfile(os.path.join(ckpt, TRACKER_FILE)):
+            warm_up(args, seed, env, ckpt)
+    return ckpt
+
+
+def warm_up(args, seed: int, env: dict, ckpt: str) -> None:
+    """Makes the warm-start checkpoint ``ckpt`` of ``seed`` and OUT/seed{S}/warm/results.json."""
     rdir = os.path.join(args.out, f"seed{seed}", "warm")
-    if os.path.isfile(os.path.join(ckpt, TRACKER_FILE)):
-        return ckpt
     os.makedirs(rdir, exist_ok=True)
     res = os.path.join(rdir, "pretrain_result.json")
     cmd = [sys.executable, os.path.join(ROOT, "pretrain_rl.py"), *base_flags(args, WARMUP),
@@ -305,7 +314,6 @@ def ensure_warm(args, seed: int, env: dict) -> str:
     with open(previous, "w") as f:
         json.dump(record, f, indent=2)
     print(f"[mini_table] warm start seed {seed}: {record['warm_start']} ({record['seconds']:.0f}s)", flush=True)
-    return ckpt
 
 
 def run_ckpt_dir(args, run: Run) -> str | None:
