@@ -23,7 +23,7 @@ import triton  # noqa: E402
 
 from kernels import gemm as gm  # noqa: E402
 
-from kernels.gemm import fp4_matmul, mm_expanded, packed_matmul, w4_matmul  # noqa: E402
+from kernels.gemm import mm_expanded, packed_matmul, w4_matmul  # noqa: E402
 from kernels.quantize import Expanded, expand_packed, quantize  # noqa: E402
 from kernels.resq import resq_quantize  # noqa: E402
 
@@ -138,7 +138,7 @@ def bench_gemms(shapes, ms_list, skip_packed_large=False, on_row=None):
             def rec(name, ms):
                 res[name] = {"ms": ms, "TFLOP/s": flops / ms / 1e9}
 
-            # kernel time by CUDA-graph replay (the e2e prefill columns sync on row flags: not captured)
+            # kernel time by CUDA-graph replay (the e2e prefill columns: as launched, host overhead included)
             rec("cublas_bf16", bench([lambda i=i: xs[i % len(xs)] @ ws[i].t() for i in range(len(ws))], graph=True))
             x8 = x.to(torch.float8_e4m3fn)
             sa = torch.ones(M, 1, device="cuda", dtype=torch.float32)
@@ -180,13 +180,14 @@ def bench_gemms(shapes, ms_list, skip_packed_large=False, on_row=None):
                         qx, ex = quantize(x, fmt, expand=ex_mode)
                         rec(f"{fmt}_w4a4_gemm_{mode}", bench([lambda: mm_expanded(
                             ex, e0, out_dtype=torch.bfloat16, promote=promote)], graph=True))
-                        rec(f"{fmt}_w4a4_e2e_{mode}", bench([lambda: fp4_matmul(
-                            *quantize(x, fmt, expand=ex_mode), q0, e0, out_dtype=torch.bfloat16, promote=promote)]))
+                        rec(f"{fmt}_w4a4_e2e_{mode}", bench([lambda: mm_expanded(quantize(
+                            x, fmt, expand=ex_mode, packed=False)[1], e0, out_dtype=torch.bfloat16,
+                            promote=promote)]))
                         q, r, eq, er = resq_quantize(x, fmt, expand=ex_mode)
                         rec(f"{fmt}_resq24_gemm_{mode}", bench([lambda: mm_expanded(
                             eq, e0, er, out_dtype=torch.bfloat16, promote=promote)], graph=True))
-                        rec(f"{fmt}_resq24_e2e_{mode}", bench([lambda: (lambda t: fp4_matmul(
-                            t[0], t[2], q0, e0, qr=t[1], er=t[3], out_dtype=torch.bfloat16, promote=promote))(
+                        rec(f"{fmt}_resq24_e2e_{mode}", bench([lambda: (lambda t: mm_expanded(
+                            t[2], e0, t[3], out_dtype=torch.bfloat16, promote=promote))(
                             resq_quantize(x, fmt, expand=ex_mode))]))
                         if mode == "exact":
                             rec(f"{fmt}_resq24sum_e2e", bench([lambda: mm_expanded(resq_quantize(

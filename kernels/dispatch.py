@@ -68,7 +68,7 @@ def fp4_gemm(a: torch.Tensor, b: torch.Tensor, a_format, b_format=None, mode: st
     if a.shape[1] != b.shape[1]:
         raise InvalidTensorError(f"kernels.dispatch.fp4_gemm: reduction dims differ: a {tuple(a.shape)}, b "
                                  f"{tuple(b.shape)}")
-    from kernels.gemm import fp4_matmul, w4_matmul
+    from kernels.gemm import mm_expanded, w4_matmul
     from kernels.quantize import quantize
 
     fa = get_format(a_format)
@@ -80,9 +80,9 @@ def fp4_gemm(a: torch.Tensor, b: torch.Tensor, a_format, b_format=None, mode: st
         # scale and costs less than the device reduction and host sync that would decide it (needs_wide_decode)
         return w4_matmul(quantize(a, fa, expand="bf16")[1].values, quantize(b, fb), wide=True)
     ex = "bf16" if mode == "exact" else "native"
-    qa, ea = quantize(a, fa, expand=ex)
-    qb, eb = quantize(b, fb, expand=ex)
-    return fp4_matmul(qa, ea, qb, eb, promote=PROMOTE[mode])
+    ea = quantize(a, fa, expand=ex, packed=False)[1]
+    eb = quantize(b, fb, expand=ex, packed=False)[1]
+    return mm_expanded(ea, eb, promote=PROMOTE[mode])
 
 
 def ops_backend(a, b, a_fmt: Format, b_fmt: Format, a_rounding: str, b_rounding: str, generator=None):
@@ -97,12 +97,10 @@ def ops_backend(a, b, a_fmt: Format, b_fmt: Format, a_rounding: str, b_rounding:
 
 @dataclass
 class Operand:
-    """A training GEMM operand quantized along K: its expansion (``packed`` only in the FP8 modes, where rows the
-    FP8 expansion cannot hold exactly are recomputed from it)."""
+    """A training GEMM operand quantized along K: its GEMM-ready expansion."""
 
     fmt: Format
     expanded: object  # kernels.quantize.Expanded
-    packed: Optional[QuantizedTensor] = None
 
 
 #: Widest HiF4 operand that :meth:`KernelBackend.quantize_both` quantizes in one pass. Measured on the H200 (8192
@@ -117,8 +115,8 @@ class KernelBackend(FP4GemmBackend):
     kernel that writes only its GEMM-ready expansion, read strided (transposed views cost no copy), then one
     tensor-core GEMM rounding once to the caller's dtype. "exact" mode: BF16 expansions and cuBLAS's BF16 GEMM
     with fp32 accumulation (the reference's numbers up to summation order). MXFP4 "fp8" / "fp8_fast": E5M2
-    activations x E4M3 weights on cuBLAS's FP8 GEMM (two on-the-fly operands: the Triton FP8 GEMM); rows outside
-    the FP8 expansion's range are recomputed exactly (a host sync per GEMM). Declines stochastic rounding, mixed
+    activations x E4M3 weights on cuBLAS's FP8 GEMM (two on-the-fly operands: the Triton FP8 GEMM), values below
+    the FP8 window flushed (:class:`kernels.quantize.Expanded`; no host sync). Declines stochastic rounding, mixed
     formats and formats without kernels."""
 
     def quantize(self, x, fmt, rounding, generator, mode, weight):
@@ -128,8 +126,9 @@ class KernelBackend(FP4GemmBackend):
             return NotImplemented
         if mode == "exact" or fmt.name == "hif4":
             return Operand(fmt, quantize(x, fmt, expand="bf16", packed=False)[1])
-        q, e = quantize(x, fmt, expand="native")
-        return Operand(fmt, _e4m3_for_cublas(q, e) if weight else e, q)
+        if not weight:
+            return Operand(fmt, quantize(x, fmt, expand="native", packed=False)[1])
+        return Operand(fmt, _e4m3_for_cublas(*quantize(x, fmt, expand="native")))
 
     def quantize_both(self, x, fmt, mode):
         from kernels.quantize import quantize_both
@@ -144,14 +143,11 @@ class KernelBackend(FP4GemmBackend):
         return Operand(fmt, rows), Operand(fmt, cols)
 
     def matmul(self, qa, qb, out_dtype, mode):
-        from kernels.gemm import fp4_matmul, mm_expanded
+        from kernels.gemm import mm_expanded
 
         if qa.fmt.name != qb.fmt.name:
             return NotImplemented
-        if qa.packed is None or qb.packed is None:
-            return mm_expanded(qa.expanded, qb.expanded, out_dtype=out_dtype)
-        return fp4_matmul(qa.packed, qa.expanded, qb.packed, qb.expanded, out_dtype=out_dtype,
-                          promote=PROMOTE[mode])
+        return mm_expanded(qa.expanded, qb.expanded, out_dtype=out_dtype, promote=PROMOTE[mode])
 
 
 def _e4m3_for_cublas(q: QuantizedTensor, e):
@@ -258,7 +254,7 @@ def linear(x: torch.Tensor, w: PreparedWeight, resq: str = "none", activations: 
     ``resq_combine`` (2:4 only): "exact" (the residual product added exactly) or "bf16" (one GEMM on
     bf16(Q(x) + S(Q(r))), as ``megatron_fp4.resq.RolloutPrecision.resq_combine``).
     """
-    from kernels.gemm import fp4_matmul
+    from kernels.gemm import mm_expanded
     from kernels.quantize import quantize
     from kernels.resq import resq_matmul
     from megatron_fp4.resq import RESQ_COMBINES
@@ -287,14 +283,12 @@ def linear(x: torch.Tensor, w: PreparedWeight, resq: str = "none", activations: 
             xb = torch.nn.functional.pad(xb, (0, kp - K))
         if x.shape[0] <= DECODE_KERNEL_MAX_M:
             return decode_matmul(xb, w).to(out_dtype)
-        from kernels.gemm import mm_expanded
         from kernels.quantize import Expanded
 
         return mm_expanded(Expanded(xb), w.bf16_expanded(), out_dtype=out_dtype)
     if resq == "2:4":
         sum_prefill = resq_combine == "bf16" and x.shape[0] > DECODE_MAX_M  # one BF16 GEMM: BF16 weight operand
         if resq_combine == "bf16" and x.shape[0] <= DECODE_MAX_M:
-            from kernels.gemm import mm_expanded
             from kernels.resq import resq_quantize
 
             a = resq_quantize(x, w.fmt, expand="sum")[2]
@@ -305,8 +299,8 @@ def linear(x: torch.Tensor, w: PreparedWeight, resq: str = "none", activations: 
                            promote=PROMOTE[w.mode], wide=w.wide, combine=resq_combine)
     if x.shape[0] <= DECODE_KERNEL_MAX_M:
         return decode_matmul(quantize(x, w.fmt, expand="bf16")[1].values, w).to(out_dtype)
-    qx, ex = quantize(x, w.fmt, expand="bf16" if w.expanded.values.dtype == torch.bfloat16 else "native")
-    return fp4_matmul(qx, ex, w.packed, w.expanded, out_dtype=out_dtype, promote=PROMOTE[w.mode])
+    ex = quantize(x, w.fmt, expand="bf16" if w.expanded.values.dtype == torch.bfloat16 else "native", packed=False)[1]
+    return mm_expanded(ex, w.expanded, out_dtype=out_dtype, promote=PROMOTE[w.mode])
 
 
 def _reference_linear(x: torch.Tensor, w: PreparedWeight, resq: str, activations: str,

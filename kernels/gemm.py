@@ -7,12 +7,13 @@ Two ways to feed the tensor cores, both exact with respect to ``Q(a) @ Q(b)^T`` 
   the power-of-two row/column scales applied only in the epilogue: cuBLAS where it applies (faster than our
   Triton GEMM on the H200), else a Triton GEMM with a single ``acc = tl.dot(a, b, acc)`` loop. BF16 for HiF4
   (element x micro-exponents x E6M2 needs <= 6 significant bits), FP8 for MXFP4 (E2M1 x block scale fits E5M2
-  relative to a per-row power of two whenever the row's blocks span <= 27 binades, E4M3 within 14; rows that do
-  not are flagged by the quantizer and recomputed exactly by :func:`_fix_rows`, never silently).
-  Measured on the H200: Hopper's FP8 MMA does NOT accumulate in full fp32 (partial sums keep about 13-14 bits
-  relative to the largest product), so the FP8 path is "exact products, approximate accumulation" (relative
-  error ~1e-4; ``promote`` narrows it at a speed cost). The exact path for both formats is the BF16 expansion
-  (MXFP4 values are exact in BF16 too), whose tensor cores accumulate in fp32.
+  relative to a per-row power of two for blocks within 27 binades of the row's largest, E4M3 within 14; values
+  further down are flushed to zero by the quantizer, each under 2^-29 (E5M2) or 2^-16 (E4M3) of the row's
+  largest value: :class:`kernels.quantize.Expanded`). Measured on the H200: Hopper's FP8 MMA does NOT accumulate
+  in full fp32 (partial sums keep about 13-14 bits relative to the largest product), so the FP8 path is "exact
+  products of the held values, approximate accumulation" (relative error ~1e-4; ``promote`` narrows it at a
+  speed cost). The exact path for both formats is the BF16 expansion (MXFP4 values are exact in BF16 too),
+  whose tensor cores accumulate in fp32.
 - packed (``packed_matmul``/``w4_matmul``): the kernel reads the 4-bit codes and scales and dequantizes to BF16
   in its prologue. ``w4_matmul`` is the decode kernel (M <= 64): packed weights x BF16 activations (W4A16, or
   the exact BF16 expansions of FP4 activations for W4A4), optionally with a second activation (the ResQ
@@ -31,7 +32,7 @@ from kernels.quantize import Expanded
 from megatron_fp4.formats import QuantizedTensor
 from megatron_fp4.formats.packing import unpack_nibbles
 
-__all__ = ["IMPLS", "mm_expanded", "fp4_matmul", "packed_matmul", "w4_matmul", "needs_wide_decode", "dequantize_rows"]
+__all__ = ["IMPLS", "mm_expanded", "packed_matmul", "w4_matmul", "needs_wide_decode", "dequantize_rows"]
 
 if HAS_TRITON:
 
@@ -479,51 +480,6 @@ def dequantize_rows(qt: QuantizedTensor, rows: torch.Tensor) -> torch.Tensor:
     codes = unpack_nibbles(codes2).reshape(codes2.shape[0], nblk, f.block_size)
     scales = qt.scales.reshape(-1, nblk, f.scale_bytes)[rows]
     return f._decode(codes, scales, qt.global_scale).reshape(codes2.shape[0], -1)
-
-
-def _fix_rows(out: torch.Tensor, qa, ea: Expanded, qb, eb: Expanded, qr=None) -> torch.Tensor:
-    """Recompute exactly (fp32, PyTorch) the output rows/columns whose FP8 expansion was flagged inexact."""
-    bad_a = (~ea.row_ok).nonzero().flatten() if ea.row_ok is not None else None
-    bad_b = (~eb.row_ok).nonzero().flatten() if eb.row_ok is not None else None
-    if bad_a is not None and bad_a.numel():
-        a_rows = dequantize_rows(qa, bad_a)
-        if qr is not None:
-            a_rows = torch.cat([a_rows, dequantize_rows(qr, bad_a)], 1)
-        b_all = dequantize_rows(qb, torch.arange(qb.codes.reshape(-1, qb.codes.shape[-1]).shape[0],
-                                                 device=out.device))
-        if qr is not None:
-            b_all = torch.cat([b_all, b_all], 1)
-        out[bad_a] = (a_rows @ b_all.t()).to(out.dtype)
-    if bad_b is not None and bad_b.numel():
-        all_a = torch.arange(qa.codes.reshape(-1, qa.codes.shape[-1]).shape[0], device=out.device)
-        a_all = dequantize_rows(qa, all_a)
-        b_rows = dequantize_rows(qb, bad_b)
-        if qr is not None:
-            a_all = torch.cat([a_all, dequantize_rows(qr, all_a)], 1)
-            b_rows = torch.cat([b_rows, b_rows], 1)
-        out[:, bad_b] = (a_all @ b_rows.t()).to(out.dtype)
-    return out
-
-
-def fp4_matmul(qa: QuantizedTensor, ea: Expanded, qb: QuantizedTensor, eb: Expanded,
-               qr: Optional[QuantizedTensor] = None, er: Optional[Expanded] = None,
-               out_dtype: torch.dtype = torch.float32, promote: int = 0, check_rows: bool = True
-               ) -> torch.Tensor:
-    """Exact ``Q(a) [+ S(Q(r))] @ Q(b)^T`` from packed + expanded operands (fallback rows handled).
-
-    ``check_rows=False`` skips the host check of the FP8 row flags (no device sync); use it only where the
-    flags are known to be all true.
-    """
-    out = mm_expanded(ea, eb, er, out_dtype=out_dtype, promote=promote)
-    if check_rows and (ea.row_ok is not None or eb.row_ok is not None):
-        bad = False
-        if ea.row_ok is not None:
-            bad = bad or not bool(ea.row_ok.all())
-        if eb.row_ok is not None:
-            bad = bad or not bool(eb.row_ok.all())
-        if bad:
-            out = _fix_rows(out, qa, ea, qb, eb, qr)
-    return out
 
 
 def _scale_arg(qt: QuantizedTensor) -> torch.Tensor:

@@ -6,8 +6,8 @@
 Rows are the dimensions other than ``dim``; the kernel reads them through strides, so ``dim=0`` of a ``[K, n]``
 tensor (the wgrad/dgrad operands) needs no transpose copy. ``expand`` also writes the dequantized operand:
 "bf16" (exact for both formats) or "native" (HiF4: bf16; MXFP4: FP8 E5M2 relative to a power-of-two row scale
-2^row_exp, with ``row_ok`` false for rows whose blocks do not all fit E5M2's normal range; such rows must take
-an exact fallback, see ``kernels.gemm``). The PyTorch twin is ``Format.quantize``/``dequantize``.
+2^row_exp, values below E5M2's normal range flushed to zero: see :class:`Expanded`). The PyTorch twin is
+``Format.quantize``/``dequantize`` (and :func:`expand_packed` for the expansions).
 """
 
 from __future__ import annotations
@@ -31,8 +31,12 @@ class Expanded(NamedTuple):
     """A dequantized GEMM operand ``[R, K_pad]``: value = values * 2^row_exp[r] (row_exp None means 0).
 
     ``values`` is bfloat16 (exact for HiF4 and MXFP4), float8_e5m2 (MXFP4 "native") or float8_e4m3fn (MXFP4
-    weights for cuBLAS, :func:`expand_packed` mode "e4m3"); ``row_ok`` (bool [R], fp8 only) says which rows are
-    exact in the fp8 format; rows where it is False hold no meaningful fp8 values.
+    weights for cuBLAS, :func:`expand_packed` mode "e4m3"). The FP8 forms hold every value relative to a
+    power-of-two row scale 2^row_exp chosen from the row's largest block; values below the FP8 window are flushed
+    to a signed zero (E5M2: those more than 2^-27 below the row's largest block scale, so under 2^-29 of its
+    largest value; E4M3: 2^-14 and 2^-16), NaN/Inf blocks are NaN. ``row_ok`` (bool [R], fp8 only) says which rows
+    were held exactly (nothing flushed): diagnostics; the GEMMs read the flushed values as they are (no host
+    check, no fallback: "fp8" is an approximate mode, SPEC §3).
     """
 
     values: torch.Tensor
@@ -171,8 +175,10 @@ if HAS_TRITON:
         return codes, X, bad, val
 
     @triton.jit
-    def _mx_e5m2(codes, X, S, BR: tl.constexpr, BK: tl.constexpr):
-        """E5M2 bit patterns (int32) of MXFP4 codes relative to the row scale 2^S, and an all-exact flag [BR]."""
+    def _mx_e5m2(codes, X, S, bad, BR: tl.constexpr, BK: tl.constexpr):
+        """E5M2 bit patterns (int32) of MXFP4 codes relative to the row scale 2^S, and a flag [BR]: no value of the
+        row was flushed. Values below E5M2's normal range (more than 2^-27 below the row's largest block) are
+        flushed to a signed zero; bad (NaN/Inf) blocks become E5M2 NaN, as the reference's values are."""
         NB: tl.constexpr = BK // 32
         mag = codes & 7
         ee = mag >> 1
@@ -180,7 +186,9 @@ if HAS_TRITON:
         E = tl.where(ee == 0, -1, ee - 1) + _bcast(X, BR, NB, 32) - S[:, None]
         field = E + 15
         ok = (mag == 0) | ((field >= 1) & (field <= 30))
-        bits = ((codes & 8) << 4) | tl.where(mag == 0, 0, (field << 2) | tl.where(ee == 0, 0, m << 1))
+        sign = (codes & 8) << 4
+        bits = sign | tl.where(ok & (mag != 0), (field << 2) | tl.where(ee == 0, 0, m << 1), 0)
+        bits = tl.where(_bcast(bad.to(tl.int32), BR, NB, 32) != 0, 0x7F, bits)
         return bits, tl.min(ok.to(tl.int32), axis=1)
 
     @triton.jit
@@ -275,9 +283,8 @@ if HAS_TRITON:
                          tl.where(bad, 255, X + 127).to(tl.uint8), mask=rmask[:, None] & (jb[None, :] < KP // 32))
             emask = rmask[:, None] & (cols[None, :] < KP)
             if EXPAND == 1:
-                bits, okt = _mx_e5m2(codes, X, S, BR, BK)
-                badt = tl.max(bad.to(tl.int32), axis=1)
-                ok = ok & okt & (1 - badt)
+                bits, okt = _mx_e5m2(codes, X, S, bad, BR, BK)
+                ok = ok & okt
                 tl.store(ex_ptr + rows[:, None] * stride_er + cols[None, :], bits.to(tl.uint8), mask=emask)
             if EXPAND == 2:
                 tl.store(ex_ptr + rows[:, None] * stride_er + cols[None, :], val.to(tl.bfloat16), mask=emask)
@@ -523,15 +530,22 @@ def expand_packed(qt: QuantizedTensor, mode: str = "native") -> Expanded:
     # MXFP4 native: E5M2 relative to 2^S with S = clamp(max X - 13, -126, 127) (what the quantize kernel writes);
     # e4m3 (weights for cuBLAS, which multiplies E5M2 only by E4M3): the largest block maps to 6 * 2^6 = 384 <= 448,
     # so blocks down to 2^-14 of it are exact (subnormals included; the round trip below checks every value).
+    # Values below the window are flushed to a signed zero (row_ok False), NaN blocks stay NaN (see Expanded).
     X = scales[..., 0].to(torch.int32) - 127
     bad = scales[..., 0] == 255
     xmax = torch.where(bad, torch.full_like(X, -127), X).amax(-1)
     e4m3 = mode == "e4m3"
-    S = (xmax - (6 if e4m3 else 13)).clamp(-126, 127)
+    S = (xmax - (6 if e4m3 else 13)).clamp(-126, 127).to(torch.int32)
+    return fp8_rows(vals, S, e4m3)
+
+
+def fp8_rows(vals: torch.Tensor, S: torch.Tensor, e4m3: bool = False) -> Expanded:
+    """fp32 MXFP4 values ``[R, K]`` as FP8 relative to 2^S[r] (int32 [R]): E5M2 in its normal range (the quantize
+    kernel's rule), or E4M3 subnormals included; values the FP8 form cannot hold are flushed to a signed zero."""
     scaled = vals * torch.exp2(-S.to(torch.float32))[:, None]
-    f8 = scaled.to(torch.float8_e4m3fn if e4m3 else torch.float8_e5m2)
-    exact = (f8.to(torch.float32) == scaled) | (scaled == 0)
+    f8dtype = torch.float8_e4m3fn if e4m3 else torch.float8_e5m2
+    exact = (scaled.to(f8dtype).to(torch.float32) == scaled) | (scaled == 0) | scaled.isnan()
     if not e4m3:  # also require normal range (matches the kernel's check): |v| >= 2^-14 for nonzero values
-        exact &= (scaled.abs() >= 2.0 ** -14) | (scaled == 0)
-    ok = exact.all(-1) & ~bad.any(-1)
-    return Expanded(f8, S.to(torch.int32), ok, torch.exp2(S.to(torch.float32)))
+        exact &= (scaled.abs() >= 2.0 ** -14) | (scaled == 0) | scaled.isnan()
+    f8 = torch.where(exact, scaled, scaled * 0).to(f8dtype)  # scaled * 0: the flushed value's signed zero
+    return Expanded(f8, S, exact.all(-1), torch.exp2(S.to(torch.float32)))

@@ -16,7 +16,7 @@ import torch
 
 from kernels._common import (DECODE_MAX_M, HAS_TRITON, HIF4_RECIP, KERNEL_FORMATS, cdiv, kernels_usable, tl, triton,
                              tune_bucket)
-from kernels.quantize import Expanded, _block_config, _fixed_launch, _rows_view, expand_packed
+from kernels.quantize import Expanded, _block_config, _fixed_launch, _rows_view, expand_packed, fp8_rows
 from megatron_fp4.formats import QuantizedTensor, get_format
 from megatron_fp4.resq import RESQ_COMBINES
 
@@ -110,10 +110,9 @@ if HAS_TRITON:
             if EXPAND == 3:
                 tl.store(ex_ptr + eptr, _bf16_rne(val + rval).to(tl.bfloat16), mask=emask)
             if EXPAND == 1 and FMT != 0:
-                bits, okt = _mx_e5m2(codes, X, S, BR, BK)
-                rbits, rokt = _mx_e5m2(rcodes, RX, S, BR, BK)
-                badt = tl.max(bad.to(tl.int32), axis=1) | tl.max(rbad.to(tl.int32), axis=1)
-                ok = ok & okt & rokt & (1 - badt)
+                bits, okt = _mx_e5m2(codes, X, S, bad, BR, BK)
+                rbits, rokt = _mx_e5m2(rcodes, RX, S, rbad, BR, BK)
+                ok = ok & okt & rokt
                 tl.store(ex_ptr + eptr, bits.to(tl.uint8), mask=emask)
                 tl.store(exr_ptr + eptr, rbits.to(tl.uint8), mask=emask)
         if FMT != 0 and EXPAND == 1:
@@ -157,12 +156,7 @@ def _reference_resq_quantize(x: torch.Tensor, f, expand: Optional[str]):
 def _rescale(qt: QuantizedTensor, S: torch.Tensor) -> Expanded:
     from kernels.gemm import dequantize_rows
 
-    rows = torch.arange(S.numel(), device=S.device)
-    vals = dequantize_rows(qt, rows)
-    scaled = vals * torch.exp2(-S.float())[:, None]
-    f8 = scaled.to(torch.float8_e5m2)
-    ok = (((f8.float() == scaled) & (scaled.abs() >= 2.0 ** -14)) | (scaled == 0)).all(-1)
-    return Expanded(f8, S, ok)
+    return fp8_rows(dequantize_rows(qt, torch.arange(S.numel(), device=S.device)), S)
 
 
 def resq_quantize(x: torch.Tensor, fmt, expand: Optional[str] = None, config: Optional[tuple] = None):
@@ -248,7 +242,7 @@ def resq_matmul(x: torch.Tensor, qw: QuantizedTensor, ew: Optional[Expanded] = N
     :func:`kernels.gemm.mm_expanded`). ``combine="bf16"``: ``bf16(Q(X) + S(Q(R))) Q(W)^T``, one GEMM of the
     plain W4A4 size (decode kernel, or BF16 GEMM against ``ew`` if it is BF16, else the weight's BF16 expansion).
     """
-    from kernels.gemm import fp4_matmul, mm_expanded, w4_matmul
+    from kernels.gemm import mm_expanded, w4_matmul
 
     if combine not in RESQ_COMBINES:
         raise ValueError(f"combine={combine!r} is not valid; allowed values: {', '.join(map(repr, RESQ_COMBINES))}")
@@ -274,5 +268,5 @@ def resq_matmul(x: torch.Tensor, qw: QuantizedTensor, ew: Optional[Expanded] = N
     if ew is None:
         ew = expand_packed(qw, "bf16")
     mode = "bf16" if ew.values.dtype == torch.bfloat16 else "native"
-    q, r, eq, er = resq_quantize(x, qw.fmt, expand=mode)
-    return fp4_matmul(q, eq, qw, ew, qr=r, er=er, out_dtype=out_dtype, promote=promote)
+    _, _, eq, er = resq_quantize(x, qw.fmt, expand=mode)
+    return mm_expanded(eq, ew, er, out_dtype=out_dtype, promote=promote)

@@ -64,7 +64,8 @@ class FP4Recipe:
     high_precision_last_layers: int = 0
     #: How the GEMM kernels multiply (``megatron_fp4.ops.GEMM_MODES``): "exact" (fp32 accumulation of the exact
     #: products), or for MXFP4 "fp8" / "fp8_fast": fprop and dgrad on the FP8 tensor cores (promoted / Hopper's
-    #: default accumulation; approximate, see docs/PERFORMANCE.md); wgrad stays exact. The PyTorch reference
+    #: default accumulation, and values under 2^-29 (activations, gradients) or 2^-16 (weights) of their row's
+    #: largest flushed to zero; approximate, see docs/PERFORMANCE.md); wgrad stays exact. The PyTorch reference
     #: computes every mode exactly.
     gemm_mode: str = "exact"
 

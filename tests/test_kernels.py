@@ -15,7 +15,7 @@ if not torch.cuda.is_available():
 triton = pytest.importorskip("triton")
 
 from kernels import dispatch  # noqa: E402
-from kernels.gemm import fp4_matmul, mm_expanded, packed_matmul, w4_matmul  # noqa: E402
+from kernels.gemm import mm_expanded, packed_matmul, w4_matmul  # noqa: E402
 from kernels.quantize import expand_packed, quantize  # noqa: E402
 from kernels.resq import _reference_resq_quantize, resq_matmul, resq_quantize  # noqa: E402
 from megatron_fp4.formats import get_format  # noqa: E402
@@ -72,11 +72,32 @@ def _check_pack(x, name, dim, config=None):
         assert torch.equal(got.isnan(), rows.isnan())
         assert torch.equal(torch.nan_to_num(got), torch.nan_to_num(rows))
     else:
-        got = ex.values.float() * torch.exp2(ex.row_exp.float())[:, None]
-        ok = ex.row_ok
-        assert torch.equal(got[ok][:, :k], rows[ok])
+        _check_fp8(ex, rows, k)
+        # the kernel's E5M2 bytes, flushes included, equal the twin's; rows with a NaN block (their GEMM rows are
+        # NaN whatever the rest holds) may differ in row scale: the kernel also counts that block's finite values
+        fin = ~rows.isnan().any(1)
         twin = expand_packed(r, "native")
-        assert torch.equal(twin.row_ok, ok) and torch.equal(twin.row_exp[ok], ex.row_exp[ok])
+        assert torch.equal(twin.row_ok[fin], ex.row_ok[fin]) and torch.equal(twin.row_exp[fin], ex.row_exp[fin])
+        assert torch.equal(_fp8_bytes(twin.values)[fin], _fp8_bytes(ex.values)[fin])
+
+
+def _fp8_bytes(v):
+    """FP8 bytes with every NaN as 0x7F (the kernel writes 0x7F, PyTorch's conversion may keep NaN's sign)."""
+    return torch.where(v.float().isnan(), 0x7F, v.view(torch.uint8).int())
+
+
+def _check_fp8(ex, rows, k, window=-14):
+    """An FP8 expansion of the exact values ``rows`` [R, k]: every value held exactly or, where it is below the
+    FP8 window (2^(row_exp + window)), flushed to zero; NaN where the reference is NaN; ``row_ok`` = nothing
+    flushed."""
+    got = (ex.values.float() * torch.exp2(ex.row_exp.float())[:, None])[:, :k]
+    nan = rows.isnan()
+    assert torch.equal(got.isnan(), nan)
+    flushed = (got != rows) & ~nan
+    assert torch.equal(got[flushed], torch.zeros_like(got[flushed]))
+    below = rows.abs() < torch.exp2(ex.row_exp.float() + window)[:, None]
+    assert bool((below | ~flushed).all()), "a value inside the FP8 window was flushed"
+    assert torch.equal(ex.row_ok.cpu(), ~flushed.any(1).cpu())
 
 
 # ---------------------------------------------------------------------------------------------- CPU interpreter
@@ -147,6 +168,28 @@ def _check_resq(x, name, config=None):
     want = resq_activation(x, name, "2:4", out_dtype=torch.bfloat16)
     got = es.values[:, :x.shape[1]]
     assert torch.equal(got.isnan(), want.isnan()) and torch.equal(got.nan_to_num(), want.nan_to_num())
+    if name != "hif4":  # MXFP4 "native": both E5M2 operands on one row scale, flushes as the twin's
+        _, _, en, enr = resq_quantize(x, name, expand="native", config=config)
+        _, _, tn, tnr = _reference_resq_quantize(x, get_format(name), "native")
+        fin = ~q2.dequantize().isnan().any(1)  # rows with a NaN block: see _check_pack
+        assert torch.equal(en.row_exp[fin], tn.row_exp[fin]) and torch.equal(enr.row_exp, en.row_exp)
+        assert torch.equal(en.row_ok[fin], (tn.row_ok & tnr.row_ok)[fin])
+        for a, b in ((en, tn), (enr, tnr)):
+            assert torch.equal(_fp8_bytes(a.values)[fin], _fp8_bytes(b.values)[fin])
+
+
+@pytest.mark.parametrize("name", ["mxfp4", "mxfp4_rceil"])
+def test_fp8_expansion_flushes_as_the_twin(name):
+    """Finite rows whose blocks span more binades than E5M2 holds: the quantize and ResQ kernels flush the same
+    values to zero as the PyTorch twin (expand_packed / the reference ResQ), byte for byte, and flag the rows."""
+    x = _inputs("random", (6, 200), device="cpu" if ON_CPU else DEV, seed=4)
+    x[1] *= 1e-12
+    x[1, 7] = 1e6
+    x[4, 100:] *= 1e-10
+    _check_pack(x, name, -1)
+    _check_resq(x, name)
+    _, ex = quantize(x, name, expand="native")
+    assert ex.row_ok.tolist() == [True, False, True, True, False, True]
 
 
 @pytest.mark.parametrize("name", ["hif4", "mxfp4"])
@@ -155,13 +198,17 @@ def test_gemms_exact_small(name):
     a = _inputs("random", (40, 192), seed=1)
     b = _inputs("random", (24, 192), seed=2)
     a[3] *= 1e-12
-    a[3, 5] = 1e6  # MXFP4: row 3's blocks span too many binades for E5M2 -> exact fallback
+    a[3, 5] = 1e6  # MXFP4: row 3's blocks span too many binades for E5M2: its small values are flushed
     ref = _ref_mm(a, b, f)
     qa, ea = quantize(a, name, expand="native")
     qb, eb = quantize(b, name, expand="native")
     if name == "mxfp4":
         assert not bool(ea.row_ok[3]) and bool(ea.row_ok.sum() == 39)
-    assert _rel(fp4_matmul(qa, ea, qb, eb).cpu(), ref) < 1e-6
+        _check_fp8(ea, qa.dequantize().float(), 192)
+        ref_flushed = (ea.values.float() * torch.exp2(ea.row_exp.float())[:, None]).double().cpu()
+        ref_flushed = ref_flushed @ qb.dequantize().double().cpu().t()
+        assert _rel(mm_expanded(ea, eb).cpu()[3], ref_flushed[3]) < 1e-12  # the product of the held values
+    assert _rel(mm_expanded(ea, eb).cpu(), ref) < 1e-6  # and what was flushed is negligible
     assert _rel(packed_matmul(qa, qb).cpu(), ref) < 1e-6
     _, eab = quantize(a, name, expand="bf16")  # decode W4A4: the activations' exact BF16 expansion
     assert _rel(w4_matmul(eab.values, qb).cpu(), ref) < 1e-6
@@ -250,13 +297,12 @@ def test_e4m3_weight_expansion_and_row_fallback():
     assert e4.values.dtype == torch.float8_e4m3fn
     keep = torch.arange(32, device=w.device) != 3
     assert not bool(e4.row_ok[3]) and bool(e4.row_ok[keep].all())
-    rows = qw.dequantize().float()
-    got = e4.values.float()[:, :136] * torch.exp2(e4.row_exp.float())[:, None]
-    assert torch.equal(got[keep], rows[keep])
+    _check_fp8(e4, qw.dequantize().float(), 136, window=-8)  # E4M3 (subnormal steps of 2^-9) holds E2M1 from 2^-8
     x = _inputs("outliers", (20, 136), seed=6)
     qx, ex = quantize(x, "mxfp4", expand="native")
-    # exact in the interpreter (fp32 dots); on a GPU cuBLAS's FP8 accumulation is approximate (see PERFORMANCE.md)
-    assert _rel(fp4_matmul(qx, ex, qw, e4, promote=32).cpu(), _ref_mm(x, w, f)) < (1e-6 if ON_CPU else 1e-4)
+    # the flushed 1e-6-scale weights cost < 1e-6; exact in the interpreter (fp32 dots), on a GPU cuBLAS's FP8
+    # accumulation is approximate (see PERFORMANCE.md)
+    assert _rel(mm_expanded(ex, e4, promote=32).cpu(), _ref_mm(x, w, f)) < (1e-6 if ON_CPU else 1e-4)
     with pytest.raises(ValueError, match="mode='e5m3'"):
         expand_packed(qw, "e5m3")
     with pytest.raises(ValueError, match="impl='cuda'"):
@@ -412,11 +458,11 @@ def test_gpu_gemm_exact(name, m):
     ref = _ref_mm(a, b, f).cuda()
     qa, ea = quantize(a, name, expand="bf16")
     qb, eb = quantize(b, name, expand="bf16")
-    assert _rel(fp4_matmul(qa, ea, qb, eb), ref) < 1e-5  # the exact path: BF16 tensor cores, fp32 accumulation
+    assert _rel(mm_expanded(ea, eb), ref) < 1e-5  # the exact path: BF16 tensor cores, fp32 accumulation
     if name == "mxfp4":  # FP8 E5M2 path: exact products, Hopper's reduced-precision FP8 accumulation
         qa8, ea8 = quantize(a, name, expand="native")
         qb8, eb8 = quantize(b, name, expand="native")
-        errs = {p: _rel(fp4_matmul(qa8, ea8, qb8, eb8, promote=p), ref) for p in (0, 128, 32)}
+        errs = {p: _rel(mm_expanded(ea8, eb8, promote=p), ref) for p in (0, 128, 32)}
         print(f"mxfp4 fp8 m={m}: rel error by promote interval {errs}")
         assert errs[0] < 1e-3 and errs[32] < 1e-5
         assert _rel(dispatch.fp4_gemm(a, b, name, mode="fp8"), ref) < 1e-3
