@@ -136,6 +136,33 @@ def test_kl_clamps_keep_the_loss_finite():
     assert torch.isfinite(loss) and torch.isfinite(lt.grad).all()
 
 
+def test_ratio_log_clamp_and_dual_clip_by_hand():
+    """A token whose FP4 training logprob jumped 100 nats above the old one: exp would overflow fp32 and a negative
+    advantage make the loss inf; the log-ratio is clamped to +-20 first (verl). Dual-clip PPO (--eps-clip-c c)
+    bounds a negative-advantage token's loss by -c * A, with no gradient there."""
+    lt = torch.tensor([[100.0, 1.0, 0.2]], requires_grad=True)  # log-ratios against lo = 0
+    lo = torch.zeros(1, 3)
+    adv = torch.tensor([-1.0])
+    mask = torch.ones(1, 3, dtype=torch.bool)
+    tok = grpo_token_loss(lt, lo, None, adv, mask, tis_cap=None, clip_low=0.2, clip_high=0.2)
+    torch.testing.assert_close(tok.detach(), torch.tensor([[math.exp(20.0), math.e, math.exp(0.2)]]))
+    tok.sum().backward()
+    torch.testing.assert_close(lt.grad, torch.tensor([[0.0, math.e, math.exp(0.2)]]))  # clamped: no gradient
+    lt.grad = None
+    tok = grpo_token_loss(lt, lo, None, adv, mask, tis_cap=None, clip_low=0.2, clip_high=0.2, clip_c=2.0)
+    torch.testing.assert_close(tok.detach(), torch.tensor([[2.0, 2.0, math.exp(0.2)]]))
+    tok.sum().backward()
+    torch.testing.assert_close(lt.grad, torch.tensor([[0.0, 0.0, math.exp(0.2)]]))  # rho < c: as before
+    pos = grpo_token_loss(lt, lo, None, torch.tensor([1.0]), mask, tis_cap=None, clip_c=2.0)
+    torch.testing.assert_close(pos.detach(), torch.tensor([[-1.2, -1.2, -1.2]]))  # A > 0: the dual clip does nothing
+    m = grpo_metrics(lt.detach(), lo, None, adv, mask, tis_cap=None, clip_c=2.0)
+    assert m["ppo_dual_clip_frac"] == pytest.approx(2 / 3) and m["ratio_max"] == pytest.approx(math.exp(20), rel=1e-6)
+    assert "ppo_dual_clip_frac" not in grpo_metrics(lt.detach(), lo, None, adv, mask, tis_cap=None)
+    with pytest.raises(ValueError, match="clip_c"):
+        GRPOConfig(clip_c=1.0)
+    assert GRPOConfig(clip_c=3.0).loss_kwargs()["clip_c"] == 3.0
+
+
 def test_no_tis_on_policy_and_per_token_advantages():
     lt, lo, lr, lref, adv, mask = _inputs()
     # logp_old=None: on-policy, rho == 1 -> L = -sum(A)/N; per-token advantages [B,T] broadcast the same way

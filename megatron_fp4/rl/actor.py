@@ -68,6 +68,15 @@ def pack_index(mask: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Te
     return rows, cols, cu, int(kept.max())
 
 
+def _to_device(batch: dict, dev: torch.device) -> dict:
+    """A micro-batch's CPU tensors on ``dev``. To a GPU through pinned memory, asynchronously: a copy from pageable
+    memory would wait for everything queued on the stream (the previous micro-batch's backward) first."""
+    if dev.type != "cuda":
+        return {k: v.to(dev) for k, v in batch.items()}
+    return {k: v.to(dev) if v.device.type != "cpu" else v.pin_memory().to(dev, non_blocking=True)
+            for k, v in batch.items()}
+
+
 def run_schedule(model, batches: list[dict], loss_fn: Callable, forward_only: bool, pack: bool = False
                  ) -> list[dict]:
     """Megatron's forward(/backward) schedule over micro-batches; returns the last stage's loss dicts. ``pack``: each
@@ -81,14 +90,14 @@ def run_schedule(model, batches: list[dict], loss_fn: Callable, forward_only: bo
         dev = next(model_chunk.parameters()).device  # batches are built on the CPU; the model may be on a GPU
         if pack:
             rows, cols, cu, longest = pack_index(batch["mask"])  # on the CPU: no device sync
-            batch = {k: v.to(dev) for k, v in batch.items()}
-            rows, cols, cu = rows.to(dev), cols.to(dev), cu.to(dev)
+            batch = _to_device(batch, dev)
+            rows, cols, cu = _to_device({"r": rows, "c": cols, "cu": cu}, dev).values()
             batch["pack"] = (rows, cols)
             params = PackedSeqParams(qkv_format="thd", cu_seqlens_q=cu, cu_seqlens_kv=cu, max_seqlen_q=longest,
                                      max_seqlen_kv=longest)
             out = model_chunk(batch["inputs"][rows, cols][None], cols[None], None, packed_seq_params=params)
             return out, partial(loss_fn, batch)
-        batch = {k: v.to(dev) for k, v in batch.items()}
+        batch = _to_device(batch, dev)
         T = batch["inputs"].shape[1]
         pos = torch.arange(T, device=dev).unsqueeze(0).expand_as(batch["inputs"])
         out = model_chunk(batch["inputs"], pos, None)
@@ -161,17 +170,14 @@ def _grpo_loss(cfg: grpo.GRPOConfig, batch, logits):
         kw["kl_beta"] = 0.0
     tok = grpo.grpo_token_loss(lp, batch.get("logp_old"), batch["logp_rollout"], batch["advantages"], m,
                                logp_ref=logp_ref, **kw)
-    with torch.no_grad():
+    with torch.no_grad():  # tensors, no host sync: reduce_token_stats reads them once per optimizer step
         ent = _entropy(batch, logits)
-        mets = grpo.grpo_metrics(lp, batch.get("logp_old"), batch["logp_rollout"], batch["advantages"], m,
-                                 logp_ref=logp_ref, entropy=ent, **kw)
-    n = m.sum()
-    mets = {k: torch.tensor(v * float(n)) for k, v in mets.items() if k != "num_tokens"}  # token-weighted
-    mets["num_tokens"] = n.detach()
-    for k in ("logp_abs_diff_max", "ratio_max"):  # maxima are not token-weighted
-        if k in mets:
-            mets[k] = mets[k] / max(float(n), 1.0)
-    return tok.sum(), n.to(torch.int), mets
+        mets = grpo.grpo_metric_tensors(lp, batch.get("logp_old"), batch["logp_rollout"], batch["advantages"], m,
+                                        logp_ref=logp_ref, entropy=ent, **kw)
+        n = mets.pop("num_tokens")
+        mets = {k: v if k in TOKEN_STAT_MAXIMA else v * n for k, v in mets.items()}  # means token-weighted
+        mets["num_tokens"] = n
+    return tok.sum(), m.sum().to(torch.int), mets
 
 
 def _combine_stats(parts: list[tuple[dict[str, float], float]]) -> dict[str, float]:
@@ -195,7 +201,7 @@ class Actor:
             group_size=group_size, clip_low=cfg.clip_low, clip_high=cfg.clip_high,
             tis_cap=cfg.tis_cap if cfg.tis_cap > 0 else 5.0, use_tis=cfg.tis_cap > 0,
             kl_beta=cfg.kl_beta if cfg.use_kl_loss else 0.0, normalize_std=cfg.advantage in ("grpo", "gspo"),
-            ratio_level="sequence" if cfg.advantage == "gspo" else "token")
+            ratio_level="sequence" if cfg.advantage == "gspo" else "token", clip_c=cfg.clip_c)
 
     @property
     def module(self) -> torch.nn.Module:

@@ -62,6 +62,11 @@ def at_least(lo: float) -> Callable[[Any], Optional[str]]:
     return lambda v: None if v >= lo else f">= {lo}"
 
 
+def greater_than(lo: float) -> Callable[[Any], Optional[str]]:
+    """A check for v > lo."""
+    return lambda v: None if v > lo else f"> {lo}"
+
+
 def in_range(lo: float, hi: float, *, low_open: bool = False,
              high_open: bool = False) -> Callable[[Any], Optional[str]]:
     """A check for lo <= v <= hi (either end open on request)."""
@@ -285,6 +290,9 @@ class ActorConfig:
     clip_high: Optional[float] = knob(None, "PPO ratio clipped above at 1 + clip_high (default: --clip-low; "
                                             "clip-higher when larger)", check=non_negative,
                                       aliases=("--eps-clip-high",))
+    clip_c: Optional[float] = knob(None, "dual-clip PPO: for a negative advantage A a token's policy loss is at most "
+                                         "-clip_c * A (> 1; default off; verl's clip_ratio_c)",
+                                   check=greater_than(1.0), aliases=("--eps-clip-c",))
     tis_cap: float = knob(_GRPO.tis_cap, "truncated importance sampling cap against the rollout engine's logprobs "
                                          "(0 = off)", check=non_negative)
     advantage: str = knob("grpo", "grpo: (r - mean) / std per group; drgrpo: r - mean (Dr.GRPO); gspo: grpo's "

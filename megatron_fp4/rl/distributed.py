@@ -88,18 +88,18 @@ def reduce_token_stats(store: Iterable[dict], maxima: tuple[str, ...] = TOKEN_ST
                                             group=ps.get_pipeline_model_parallel_group())
     keys = obj[0]
     dev = collective_device()
+    is_max = torch.tensor([k in maxima for k in keys], dtype=torch.bool, device=dev)
     vals = torch.zeros(len(keys), dtype=torch.float64, device=dev)
-    for i, k in enumerate(keys):
-        for d in store:
-            v = float(d[k])
-            vals[i] = max(vals[i], v) if k in maxima else vals[i] + v
+    if store:  # one [micro-batches, keys] table (the values may be device tensors): one transfer, not one per value
+        table = torch.stack([torch.stack([torch.as_tensor(d[k]).to(dev, torch.float64).reshape(()) for k in keys])
+                             for d in store])
+        vals = torch.where(is_max, table.amax(0).clamp_min(0.0), table.sum(0))
     for group in (ps.get_pipeline_model_parallel_group(), ps.get_data_parallel_group()):
         s = vals.clone()
         torch.distributed.all_reduce(s, group=group)
         mx = vals.clone()
         torch.distributed.all_reduce(mx, op=torch.distributed.ReduceOp.MAX, group=group)
-        vals = torch.tensor([float(mx[i]) if k in maxima else float(s[i]) for i, k in enumerate(keys)],
-                            dtype=torch.float64, device=dev)
+        vals = torch.where(is_max, mx, s)
     out = dict(zip(keys, vals.tolist()))
     n = max(out.pop("num_tokens", 1.0), 1.0)
     return {k: (v if k in maxima else v / n) for k, v in out.items()}

@@ -12,6 +12,8 @@ The math runs in fp32 (fp64 inputs stay fp64): bf16/fp16 logprobs are upcast fir
     kl    = exp(d) - d - 1,  d = logp_ref - logp_train     (k3 estimator of KL(pi || pi_ref); d clamped to +-20 and
                                                            kl to <= 10, as verl / OpenRLHF)
     L_tok = -min(rho*A, clip(rho, 1-eps_low, 1+eps_high)*A) * w_tis + beta * kl
+            (dual-clip PPO, clip_c = c > 1: for A < 0 the surrogate is at least c*A, i.e. L_tok's policy term at
+             most -c*A; the log-ratio inside rho is clamped to +-20 before exp, as verl does)
     L     = sum(L_tok * mask) / N,   N = mask.sum() or the given global token count
 
 Also here: REINFORCE++'s advantages (discounted returns whitened over the batch, ``discounted_returns`` and
@@ -34,8 +36,8 @@ import torch
 
 __all__ = ["GRPOConfig", "RATIO_LEVELS", "group_advantages", "dynamic_sampling_keep", "response_mask", "is_truncated",
            "overlong_filter", "overlong_penalty", "discounted_returns", "masked_moments", "whiten", "masked_mean",
-           "kl_k3", "tis_weights", "policy_ratio", "grpo_token_loss", "grpo_loss", "grpo_metrics", "rollout_metrics",
-           "token_logprobs", "entropy_from_logits"]
+           "kl_k3", "tis_weights", "policy_ratio", "grpo_token_loss", "grpo_loss", "grpo_metrics", "grpo_metric_tensors",
+           "rollout_metrics", "token_logprobs", "entropy_from_logits"]
 
 #: "token": PPO/GRPO's per-token ratio; "sequence": GSPO's per-sequence ratio (geometric mean over the response).
 RATIO_LEVELS = ("token", "sequence")
@@ -57,6 +59,7 @@ class GRPOConfig:
     dynamic_sampling: bool = False  # drop groups whose rewards are all equal
     overlong_filter: bool = True    # mask responses truncated at max length out of the loss
     ratio_level: str = "token"      # "sequence" = GSPO's sequence-level importance ratio
+    clip_c: float | None = None     # dual-clip PPO's c (> 1): the A < 0 surrogate is bounded below by c * A
 
     def __post_init__(self) -> None:
         if not isinstance(self.group_size, int) or self.group_size < 2:
@@ -73,12 +76,14 @@ class GRPOConfig:
             raise ValueError(f"adv_eps must be >= 0, got {self.adv_eps!r}")
         if self.ratio_level not in RATIO_LEVELS:
             raise ValueError(f"ratio_level must be one of {RATIO_LEVELS}, got {self.ratio_level!r}")
+        if self.clip_c is not None and not self.clip_c > 1.0:
+            raise ValueError(f"clip_c (dual-clip PPO) must be > 1 or None, got {self.clip_c!r}")
 
     def loss_kwargs(self) -> dict:
         """Keyword arguments of grpo_loss / grpo_metrics taken from this config."""
         return dict(clip_low=self.clip_low, clip_high=self.clip_high,
                     tis_cap=self.tis_cap if self.use_tis else None, kl_beta=self.kl_beta,
-                    ratio_level=self.ratio_level)
+                    ratio_level=self.ratio_level, clip_c=self.clip_c)
 
     def advantage_kwargs(self) -> dict:
         """Keyword arguments of group_advantages taken from this config."""
@@ -244,23 +249,38 @@ def _prepare(logp_train, logp_old, logp_rollout, advantages, mask, logp_ref):
     return m, lt, lo, lr, adv, lref
 
 
+#: The policy ratio's log is clamped to +-this before exp (verl's compute_policy_loss does the same): FP4 training
+#: forwards move some tokens' logprobs by several nats per step (see KL_LOG_RATIO_CLAMP), and exp of a log-ratio
+#: above ~88 is inf in fp32, which a negative advantage turns into an infinite loss.
+RATIO_LOG_CLAMP = 20.0
+
+
 def policy_ratio(lt: torch.Tensor, lo: torch.Tensor, mask: torch.Tensor, ratio_level: str = "token") -> torch.Tensor:
     """The importance ratio [B, T] of the (masked, prepared) train and old logprobs: exp(lt - lo) per token, or
     GSPO's s = exp(mean over the response of (lt - lo)), the same for every token of a sequence (d s / d logp_t =
-    s / |y|)."""
+    s / |y|); the log-ratio clamped to +-RATIO_LOG_CLAMP (no gradient beyond)."""
     if ratio_level == "token":
-        return torch.exp(lt - lo)
+        return torch.exp((lt - lo).clamp(-RATIO_LOG_CLAMP, RATIO_LOG_CLAMP))
     if ratio_level != "sequence":
         raise ValueError(f"ratio_level must be one of {RATIO_LEVELS}, got {ratio_level!r}")
     m = mask.to(lt.dtype)
     seq = ((lt - lo) * m).sum(dim=1, keepdim=True) / m.sum(dim=1, keepdim=True).clamp_min(1.0)
-    return torch.exp(seq).expand_as(lt)
+    return torch.exp(seq.clamp(-RATIO_LOG_CLAMP, RATIO_LOG_CLAMP)).expand_as(lt)
+
+
+def _surrogate(rho: torch.Tensor, adv: torch.Tensor, clip_low: float, clip_high: float,
+               clip_c: float | None) -> torch.Tensor:
+    """PPO's clipped surrogate min(rho A, clip(rho) A), with dual clip max(., c A) where A < 0 when clip_c is set."""
+    surr = torch.minimum(rho * adv, rho.clamp(1.0 - clip_low, 1.0 + clip_high) * adv)
+    if clip_c is None:
+        return surr
+    return torch.where(adv < 0, torch.maximum(surr, clip_c * adv), surr)
 
 
 def grpo_token_loss(logp_train: torch.Tensor, logp_old: torch.Tensor | None, logp_rollout: torch.Tensor | None,
                     advantages: torch.Tensor, mask: torch.Tensor, *, logp_ref: torch.Tensor | None = None,
                     clip_low: float = 0.2, clip_high: float = 0.2, tis_cap: float | None = 5.0,
-                    kl_beta: float = 0.0, ratio_level: str = "token") -> torch.Tensor:
+                    kl_beta: float = 0.0, ratio_level: str = "token", clip_c: float | None = None) -> torch.Tensor:
     """Per-token GRPO loss [B, T] (zero outside mask); see the module docstring for the formula.
 
     logp_old None = on-policy (logp_train detached, rho = 1 with gradient). logp_rollout None or tis_cap None =
@@ -272,7 +292,7 @@ def grpo_token_loss(logp_train: torch.Tensor, logp_old: torch.Tensor | None, log
     """
     m, lt, lo, lr, adv, lref = _prepare(logp_train, logp_old, logp_rollout, advantages, mask, logp_ref)
     rho = policy_ratio(lt, lo, m, ratio_level)
-    surr = torch.minimum(rho * adv, rho.clamp(1.0 - clip_low, 1.0 + clip_high) * adv)
+    surr = _surrogate(rho, adv, clip_low, clip_high, clip_c)
     if ratio_level == "sequence":
         surr = surr / m.sum(dim=1, keepdim=True).clamp_min(1).to(surr.dtype)
     if lr is not None and tis_cap is not None:
@@ -288,60 +308,77 @@ def grpo_token_loss(logp_train: torch.Tensor, logp_old: torch.Tensor | None, log
 def grpo_loss(logp_train: torch.Tensor, logp_old: torch.Tensor | None, logp_rollout: torch.Tensor | None,
               advantages: torch.Tensor, mask: torch.Tensor, *, logp_ref: torch.Tensor | None = None,
               clip_low: float = 0.2, clip_high: float = 0.2, tis_cap: float | None = 5.0, kl_beta: float = 0.0,
-              num_tokens: int | float | torch.Tensor | None = None, ratio_level: str = "token") -> torch.Tensor:
+              num_tokens: int | float | torch.Tensor | None = None, ratio_level: str = "token",
+              clip_c: float | None = None) -> torch.Tensor:
     """Scalar GRPO loss: the token losses summed over mask and divided by N (mask.sum() or num_tokens)."""
     tok = grpo_token_loss(logp_train, logp_old, logp_rollout, advantages, mask, logp_ref=logp_ref,
                           clip_low=clip_low, clip_high=clip_high, tis_cap=tis_cap, kl_beta=kl_beta,
-                          ratio_level=ratio_level)
+                          ratio_level=ratio_level, clip_c=clip_c)
     return tok.sum() / _count(mask.bool(), num_tokens)
 
 
 @torch.no_grad()
-def grpo_metrics(logp_train: torch.Tensor, logp_old: torch.Tensor | None, logp_rollout: torch.Tensor | None,
-                 advantages: torch.Tensor, mask: torch.Tensor, *, logp_ref: torch.Tensor | None = None,
-                 entropy: torch.Tensor | None = None, clip_low: float = 0.2, clip_high: float = 0.2,
-                 tis_cap: float | None = 5.0, kl_beta: float = 0.0, ratio_level: str = "token") -> dict[str, float]:
-    """Masked-mean diagnostics of one (micro-)batch as python floats.
-
-    ppo_clip_frac: tokens where the clipped surrogate is the one used (its gradient is zero), split into
-    ppo_clip_frac_low (rho < 1 - eps_low, A < 0) and ppo_clip_frac_high (rho > 1 + eps_high, A > 0);
-    tis_clip_frac: tokens whose importance weight hit the cap; kl_mean: k3 KL to the reference;
-    logp_abs_diff_mean / _max: |logp_train - logp_rollout| (train-rollout mismatch); entropy_mean when given.
-    """
+def grpo_metric_tensors(logp_train: torch.Tensor, logp_old: torch.Tensor | None, logp_rollout: torch.Tensor | None,
+                        advantages: torch.Tensor, mask: torch.Tensor, *, logp_ref: torch.Tensor | None = None,
+                        entropy: torch.Tensor | None = None, clip_low: float = 0.2, clip_high: float = 0.2,
+                        tis_cap: float | None = 5.0, kl_beta: float = 0.0, ratio_level: str = "token",
+                        clip_c: float | None = None) -> dict[str, torch.Tensor]:
+    """:func:`grpo_metrics` as 0-dim fp32 tensors on the inputs' device: no host sync (what the training loop
+    calls per micro-batch; it reads them once per step)."""
     m, lt, lo, lr, adv, lref = _prepare(logp_train, logp_old, logp_rollout, advantages, mask, logp_ref)
     mf = m.to(torch.float32)
     n = mf.sum().clamp_min(1.0)
 
     def mean(x):
-        return float((x.to(torch.float32) * mf).sum() / n)
+        return (x.to(torch.float32) * mf).sum() / n
+
+    def masked_max(x):  # x >= 0: 0 when nothing is masked in
+        return torch.where(m, x, torch.zeros_like(x)).max().to(torch.float32)
 
     rho = policy_ratio(lt, lo, m, ratio_level)
     clipped = rho.clamp(1.0 - clip_low, 1.0 + clip_high)
     out = {
-        "num_tokens": float(mf.sum()),
+        "num_tokens": mf.sum(),
         "ppo_clip_frac": mean(-adv * clipped > -adv * rho),
         "ppo_clip_frac_low": mean((rho < 1.0 - clip_low) & (adv < 0)),
         "ppo_clip_frac_high": mean((rho > 1.0 + clip_high) & (adv > 0)),
         "ratio_mean": mean(rho),
-        "ratio_max": float(torch.where(m, rho, torch.zeros_like(rho)).max()) if m.any() else 0.0,
+        "ratio_max": masked_max(rho),
         "advantage_mean": mean(adv),
-        "loss": float(grpo_token_loss(logp_train, logp_old, logp_rollout, advantages, mask, logp_ref=logp_ref,
-                                      clip_low=clip_low, clip_high=clip_high, tis_cap=tis_cap,
-                                      kl_beta=kl_beta if logp_ref is not None else 0.0,
-                                      ratio_level=ratio_level).sum() / n),
+        "loss": (grpo_token_loss(logp_train, logp_old, logp_rollout, advantages, mask, logp_ref=logp_ref,
+                                 clip_low=clip_low, clip_high=clip_high, tis_cap=tis_cap,
+                                 kl_beta=kl_beta if logp_ref is not None else 0.0,
+                                 ratio_level=ratio_level, clip_c=clip_c).sum() / n).to(torch.float32),
     }
+    if clip_c is not None:  # verl's pg_clipfrac_lower: tokens whose loss the dual clip bounds (no gradient)
+        out["ppo_dual_clip_frac"] = mean((adv < 0) & (torch.maximum(rho, clipped) > clip_c))
     if lr is not None:
         raw = torch.exp(lo - lr)
         diff = (lt - lr).abs()
         out["logp_abs_diff_mean"] = mean(diff)
-        out["logp_abs_diff_max"] = float(torch.where(m, diff, torch.zeros_like(diff)).max()) if m.any() else 0.0
+        out["logp_abs_diff_max"] = masked_max(diff)
         out["tis_weight_mean"] = mean(raw.clamp(max=tis_cap) if tis_cap is not None else raw)
-        out["tis_clip_frac"] = mean(raw > tis_cap) if tis_cap is not None else 0.0
+        out["tis_clip_frac"] = mean(raw > tis_cap) if tis_cap is not None else torch.zeros_like(n)
     if lref is not None:
         out["kl_mean"] = mean(kl_k3(lt, lref))
     if entropy is not None:
         out["entropy_mean"] = mean(entropy.detach())
     return out
+
+
+def grpo_metrics(logp_train: torch.Tensor, logp_old: torch.Tensor | None, logp_rollout: torch.Tensor | None,
+                 advantages: torch.Tensor, mask: torch.Tensor, **kwargs) -> dict[str, float]:
+    """Masked-mean diagnostics of one (micro-)batch as python floats (keyword arguments as
+    :func:`grpo_metric_tensors`, which returns them as tensors without a host sync).
+
+    ppo_clip_frac: tokens where the clipped surrogate is the one used (its gradient is zero), split into
+    ppo_clip_frac_low (rho < 1 - eps_low, A < 0) and ppo_clip_frac_high (rho > 1 + eps_high, A > 0);
+    ppo_dual_clip_frac (with clip_c): tokens with A < 0 whose surrogate the dual clip raised to c * A;
+    tis_clip_frac: tokens whose importance weight hit the cap; kl_mean: k3 KL to the reference;
+    logp_abs_diff_mean / _max: |logp_train - logp_rollout| (train-rollout mismatch); entropy_mean when given.
+    """
+    t = grpo_metric_tensors(logp_train, logp_old, logp_rollout, advantages, mask, **kwargs)
+    return dict(zip(t, torch.stack(list(t.values())).tolist()))
 
 
 @torch.no_grad()
