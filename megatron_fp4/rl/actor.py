@@ -231,13 +231,13 @@ class Actor:
         of every rank, not only the model-parallel peers: under --use-distributed-optimizer the gradient buffers
         are reduce-scattered, so each data-parallel rank holds only its own range reduced (the rest its local
         gradients) and data-parallel ranks could otherwise disagree, one stepping (a collective) and one not."""
-        bad = False
+        finite = []
         for p in self.module.parameters():
             g = getattr(p, "main_grad", None)
             g = p.grad if g is None else g
-            if g is not None and not bool(torch.isfinite(g).all()):
-                bad = True
-                break
+            if g is not None:
+                finite.append(torch.isfinite(g).all())
+        bad = bool(finite) and not bool(torch.stack(finite).all())  # one host read, not one per parameter
         return not any_rank(bad)
 
     def _backward(self, batches: list[dict], loss_fn: Callable) -> list[dict]:
