@@ -4,10 +4,12 @@ On a machine without CUDA the kernels run in Triton's CPU interpreter (TRITON_IN
 dots); without Triton those tests skip. GPU tests are marked ``gpu``.
 """
 
+import dataclasses
 import os
 
 import pytest
 import torch
+from torch.utils._python_dispatch import TorchDispatchMode
 
 if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
@@ -47,6 +49,18 @@ def _inputs(kind, shape, dtype=torch.float32, device=DEV, seed=0):
         flat[min(77, flat.numel() - 1)] = -0.0
         flat[min(140, flat.numel() - 1):] *= 1e-30
     return x.to(dtype).to(device)
+
+
+class _HostReads(TorchDispatchMode):
+    """Counts aten._local_scalar_dense (what item() / float() / bool() of a tensor run: a host sync on a GPU)."""
+
+    def __init__(self):
+        super().__init__()
+        self.count = 0
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        self.count += func is torch.ops.aten._local_scalar_dense.default
+        return func(*args, **(kwargs or {}))
 
 
 def _rel(a, b):
@@ -383,8 +397,17 @@ def test_training_backend_expansion_only_and_strided(name):
     prev = ops.fp4_gemm_backend_for(dtype)
     ops.register_fp4_gemm_backend(dtype, be)
     try:
-        with ops.quantized_weight_cache():
+        with ops.quantized_weight_cache(), _HostReads() as reads:
             got = fwd_bwd()
+        assert reads.count == 0  # no host sync in an FP4 linear's forward and backward (a GPU would wait there)
+        if name == "mxfp4":  # the FP8 mode too: its rows are no longer checked on the host
+            with ops.quantized_weight_cache(), _HostReads() as reads:
+                recipe = dataclasses.replace(recipe, gemm_mode="fp8")
+                got8 = fwd_bwd()
+            assert reads.count == 0
+            for a, b in zip(got8, want):  # exact dots in the interpreter; cuBLAS's FP8 accumulation on a GPU
+                assert _rel(a.cpu(), b.cpu()) < (1e-6 if ON_CPU else 1e-2)
+            recipe = recipe_for_format(name)
     finally:
         ops.unregister_fp4_gemm_backend(dtype)
         if prev is not None:
