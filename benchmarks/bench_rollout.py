@@ -241,7 +241,8 @@ def main() -> None:
             ref = teacher_forced_logprobs(model, [prompts[i] for i in sub], [samples[i].token_ids for i in sub], p)
             dmax, dmean = _diffs([samples[i].logprobs for i in sub], ref)
             gmax = gmean = None
-            if st.get("path") == "graph":  # the same decode steps run eagerly, teacher-forced on the graph's tokens
+            if st.get("path", "").startswith("graph"):  # the same decode steps run eagerly, teacher-forced on the
+                # graph's tokens (with the same fused kernels under MEGATRON_FP4_DECODE_FUSED=1: path "graph+fused")
                 engine.decode = "static"
                 eager_lp = engine.forced_logprobs([prompts[i] for i in sub], [samples[i].token_ids for i in sub])
                 engine.decode = "graph"

@@ -9,6 +9,8 @@ Modules (import them directly; importing the package loads nothing heavy):
 - ``kernels.resq``: the fused Rollout-ResQ quantizer (Q(X), 2:4-sparse Q(X - Q(X))) and its GEMM.
 - ``kernels.cuda_decode``: the CUDA C++ decode GEMM (``csrc/w4_decode.cu``, built with nvcc on first use) and the
   weight layout it reads, with a PyTorch emulation of its dequantization for CPU tests.
+- ``kernels.decode_ops``: fused elementwise kernels of the native engine's decode step (residual add + RMSNorm,
+  RoPE + KV-cache write, SwiGLU), each beside its PyTorch twin.
 - ``kernels.dispatch``: what the rest of the project calls (``fp4_gemm``, ``prepare_weight``, ``linear``,
   ``register`` for ``megatron_fp4.ops``); falls back to the PyTorch reference without Triton or a GPU.
 

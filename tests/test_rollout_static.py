@@ -71,6 +71,23 @@ def test_static_greedy_equals_megatron_path(model, prompts, precision):
     assert _maxdiff([s.logprobs for s in out], tf) < 1e-4
 
 
+@pytest.mark.parametrize("precision", [RolloutPrecision("bf16"), RolloutPrecision("w4a4", "hif4", "2:4")],
+                         ids=lambda p: p.label)
+def test_fused_decode_kernels_equal_the_unfused_steps(model, prompts, precision, monkeypatch):
+    """MEGATRON_FP4_DECODE_FUSED=1: the decode steps' norms + residual adds, RoPE + KV writes and SwiGLU run as
+    kernels/decode_ops.py's fused kernels (here in Triton's interpreter); same greedy tokens, logprobs within fp32
+    rounding of the unfused static path, the same stop and length handling."""
+    params = SamplingParams(temperature=0.0, max_new_tokens=8, stop_token_ids=(7,))
+    ref = NativeRolloutEngine(model, precision, decode="static", max_batch_size=3, graph_chunk=4)
+    monkeypatch.setenv("MEGATRON_FP4_DECODE_FUSED", "1")
+    eng = NativeRolloutEngine(model, precision, decode="static", max_batch_size=3, graph_chunk=4)
+    want, got = ref.generate(prompts, params), eng.generate(prompts, params)
+    assert eng.last_generate_stats["path"] == "static+fused" and ref.last_generate_stats["path"] == "static"
+    assert [s.token_ids for s in got] == [s.token_ids for s in want]
+    assert [s.finish_reason for s in got] == [s.finish_reason for s in want]
+    assert _maxdiff([s.logprobs for s in got], [s.logprobs for s in want]) < 1e-4
+
+
 def test_static_sampling_stops_limits_and_seeds(model, prompts):
     eng = NativeRolloutEngine(model, RolloutPrecision("w4a4", "mxfp4"), decode="static", max_batch_size=2,
                               graph_chunk=3)
@@ -165,7 +182,10 @@ def test_weight_cache_refresh_in_place(model):
 @pytest.mark.parametrize("precision", [RolloutPrecision("bf16"), RolloutPrecision("w4a16", "hif4"),
                                        RolloutPrecision("w4a4", "mxfp4", "2:4", resq_combine="bf16"),
                                        RolloutPrecision("w4a4", "hif4", "2:4")], ids=lambda p: p.label)
-def test_gpu_graph_path_matches_eager(precision):
+@pytest.mark.parametrize("fused", [False, True], ids=["unfused", "fused"])
+def test_gpu_graph_path_matches_eager(precision, fused, monkeypatch):
+    """fused: kernels/decode_ops.py in the decode steps (MEGATRON_FP4_DECODE_FUSED=1), graph and eager alike."""
+    monkeypatch.setenv("MEGATRON_FP4_DECODE_FUSED", "1" if fused else "0")
     initialize_parallel(1, 1, seed=3)
     m = build_gpt_model(_args(params_dtype=torch.bfloat16, init_method_std=0.02, max_seq_len=96))
     g = torch.Generator().manual_seed(0)
@@ -174,7 +194,7 @@ def test_gpu_graph_path_matches_eager(precision):
     graph = NativeRolloutEngine(m, precision, decode="graph", max_batch_size=8, graph_chunk=8)
     out = graph.generate(ps, params)
     st = graph.last_generate_stats
-    assert st["path"] == "graph" and st["graphs"] >= 1
+    assert st["path"] == ("graph+fused" if fused else "graph") and st["graphs"] >= 1
     tf = teacher_forced_logprobs(m, ps, [s.token_ids for s in out], precision)
     assert _maxdiff([s.logprobs for s in out], tf) < 0.1  # bf16 model: rounding order + FP4 boundary flips
     _assert_stops(ps, out, (3,), max_new=24, max_seq=96)

@@ -335,6 +335,8 @@ class NativeRolloutEngine(RolloutEngine):
         }
         if path != "megatron":
             self.last_generate_stats.update(self._static.last_stats)
+            if self._static.fused:  # kernels/decode_ops.py's fused decode-step kernels (MEGATRON_FP4_DECODE_FUSED=1)
+                self.last_generate_stats["path"] = path + "+fused"
         return results
 
     @torch.no_grad()

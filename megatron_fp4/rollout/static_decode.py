@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
+import os
 import time
 from dataclasses import dataclass
 from typing import Optional, Sequence
@@ -33,6 +34,7 @@ from typing import Optional, Sequence
 import torch
 import torch.nn.functional as F
 
+from kernels import decode_ops
 from megatron_fp4.resq import QuantizedWeightCache, RolloutPrecision, rollout_linear
 from megatron_fp4.rollout.base import RolloutSample, SamplingParams
 from megatron_fp4.rollout.sampling import filter_logits
@@ -124,7 +126,7 @@ class _Layer:
 class StaticCacheGenerator:
     """Generation with a static KV cache, SDPA prefill and (on CUDA) CUDA-graph decode steps; see the module doc."""
 
-    def __init__(self, model: torch.nn.Module) -> None:
+    def __init__(self, model: torch.nn.Module, fused: Optional[bool] = None) -> None:
         why = static_decode_support(model)
         if why is not None:
             raise NotImplementedError(f"StaticCacheGenerator cannot run this model: {why}")
@@ -156,6 +158,9 @@ class StaticCacheGenerator:
         self._forcing = False
         self._generation = 0
         self.last_stats: dict = {}
+        #: Decode steps through kernels/decode_ops.py (fused RMSNorm + residual add, RoPE + KV write, SwiGLU) where
+        #: those kernels can run: ``fused`` or MEGATRON_FP4_DECODE_FUSED=1 (off by default until measured on a GPU).
+        self.fused = fused if fused is not None else os.environ.get("MEGATRON_FP4_DECODE_FUSED", "0") == "1"
 
     # -- buffers -----------------------------------------------------------------------------------------------------
     @property
@@ -226,13 +231,22 @@ class StaticCacheGenerator:
         return t * cos + rot * sin
 
     def _mlp(self, layer: _Layer, x: torch.Tensor) -> torch.Tensor:
-        a = self._linear(layer.fc1, layer.ln2(x))
-        if self.gated:
-            a0, a1 = torch.chunk(a, 2, dim=-1)
-            a = self.act(a0) * a1
-        else:
-            a = self.act(a)
-        return self._linear(layer.fc2, a)
+        return self._linear(layer.fc2, self._act(self._linear(layer.fc1, layer.ln2(x))))
+
+    def _act(self, a: torch.Tensor) -> torch.Tensor:
+        if not self.gated:
+            return self.act(a)
+        if self.fused:
+            return decode_ops.swiglu(a)  # gated MLPs here are SiLU (static_decode_support)
+        a0, a1 = torch.chunk(a, 2, dim=-1)
+        return self.act(a0) * a1
+
+    def _add_norm(self, x: torch.Tensor, delta: Optional[torch.Tensor], norm: torch.nn.Module
+                  ) -> tuple[torch.Tensor, torch.Tensor]:
+        """(norm(x + delta), x + delta); ``delta`` None: (norm(x), x)."""
+        if self.fused:
+            return decode_ops.add_rms_norm(x, delta, norm)
+        return decode_ops.add_rms_norm_reference(x, delta, norm)
 
     def _split_qkv(self, qkv: torch.Tensor):
         """[..., ng * (G + 2) * hd] -> q [..., ng, G, hd], k [..., ng, hd], v [..., ng, hd] (megatron's layout)."""
@@ -263,23 +277,25 @@ class StaticCacheGenerator:
         return self._logits(last)
 
     def _decode(self, st: dict, B: int) -> torch.Tensor:
-        """One token for slots [0, B): reads st tok/pos, writes K/V at pos, returns fp32 logits [B, V]."""
+        """One token for slots [0, B): reads st tok/pos, writes K/V at pos, returns fp32 logits [B, V]. Each residual
+        add is done with the norm that follows it (one kernel each when ``fused``)."""
         tok, pos = st["tok"][:B], st["pos"][:B]
         x = F.embedding(tok, self.embedding.weight)  # [B, h]
-        cos, sin = st["cos"][pos][:, None], st["sin"][pos][:, None]  # [B, 1, hd]
+        cos, sin = st["cos"][pos], st["sin"][pos]  # [B, hd]
         valid = (st["ar_seq"][None, :] <= pos[:, None]).view(B, 1, 1, -1)
-        rows = torch.arange(B, device=tok.device)
+        rope_kv = decode_ops.rope_kv_write if self.fused else decode_ops.rope_kv_write_reference
+        delta = None
         for i, layer in enumerate(self.layers):
-            q, k, v = self._split_qkv(self._linear(layer.qkv, layer.ln1(x)))  # q [B, ng, G, hd], k/v [B, ng, hd]
-            q = self._rope(q, cos[:, None], sin[:, None])
-            k = self._rope(k, cos, sin)
+            h, x = self._add_norm(x, delta, layer.ln1)
+            qkv = self._linear(layer.qkv, h).view(B, self.kv_heads, self.group + 2, self.head_dim)
             kc, vc = st["k"][i, :B], st["v"][i, :B]  # [B, ng, S, hd]
-            kc[rows, :, pos] = k
-            vc[rows, :, pos] = v
+            q = rope_kv(qkv, cos, sin, kc, vc, pos, self.group)  # [B, ng, G, hd]; k, v written at pos
             o = F.scaled_dot_product_attention(q, kc, vc, attn_mask=valid, scale=self.scale)  # [B, ng, G, hd]
-            x = x + self._linear(layer.proj, o.reshape(B, self.heads * self.head_dim))
-            x = x + self._mlp(layer, x)
-        return self._logits(x)
+            delta = self._linear(layer.proj, o.reshape(B, self.heads * self.head_dim))
+            h, x = self._add_norm(x, delta, layer.ln2)
+            delta = self._linear(layer.fc2, self._act(self._linear(layer.fc1, h)))
+        h, _ = self._add_norm(x, delta, self.final_norm)
+        return F.linear(h, self.output_weight, self.output_bias).float()
 
     def _record(self, st: dict, B: int, tok: torch.Tensor, lp: torch.Tensor, params: SamplingParams,
                 stop_ids: torch.Tensor) -> None:

@@ -1,0 +1,189 @@
+"""Fused elementwise kernels for one decode step of the native engine (a few tokens per call: launch-bound).
+
+A decoder layer's decode step ran ~40 kernels, most of them tiny elementwise ones (torch's RMSNorm on bf16 inputs
+with fp32 weights takes its unfused path; RoPE is five kernels per tensor); these put each group into one launch:
+
+    y, s = add_rms_norm(x, delta, weight, eps)     # s = x + delta (x's dtype), y = RMSNorm(s) as torch.nn.RMSNorm
+    q = rope_kv_write(qkv, cos, sin, k_cache, v_cache, pos, group)   # RoPE on q and k, k and v into the cache
+    a = swiglu(a)                                   # silu(a[:, :F]) * a[:, F:]
+
+Each has its PyTorch twin (``*_reference``: what the static decode path computes without them) and matches it up
+to the rounding of one fused computation (fp32 inside, one rounding to the output dtype where torch rounds after
+every op: tests/test_decode_ops.py). CUDA, or Triton's CPU interpreter (fp32/fp16 in the tests; the interpreter
+rounds fp32 to bf16 by truncation).
+"""
+
+from __future__ import annotations
+
+from typing import Optional
+
+import torch
+import torch.nn.functional as F
+
+from kernels._common import HAS_TRITON, kernels_usable, tl, triton
+
+__all__ = ["add_rms_norm", "add_rms_norm_reference", "rope_kv_write", "rope_kv_write_reference", "swiglu",
+           "swiglu_reference", "usable"]
+
+
+def usable(*tensors: torch.Tensor) -> bool:
+    """Whether the fused kernels can run on these tensors."""
+    return kernels_usable(*tensors)
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# PyTorch twins: the ops the static decode path runs without the kernels
+# ----------------------------------------------------------------------------------------------------------------
+def add_rms_norm_reference(x: torch.Tensor, delta: Optional[torch.Tensor], norm: torch.nn.Module
+                           ) -> tuple[torch.Tensor, torch.Tensor]:
+    s = x if delta is None else x + delta
+    return norm(s), s
+
+
+def rope_kv_write_reference(qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, k_cache: torch.Tensor,
+                            v_cache: torch.Tensor, pos: torch.Tensor, group: int) -> torch.Tensor:
+    """``qkv [B, ng, group + 2, hd]`` (megatron's layout: a kv group's query heads, then k, then v); ``cos, sin
+    [B, hd]`` at each token's position; caches ``[B, ng, S, hd]``. Writes rotated k and v at ``pos``; returns the
+    rotated queries ``[B, ng, group, hd]``."""
+    def rope(t, c, s):
+        h = t.shape[-1] // 2
+        return t * c + torch.cat((-t[..., h:], t[..., :h]), dim=-1) * s
+
+    rows = torch.arange(qkv.shape[0], device=qkv.device)
+    q = rope(qkv[:, :, :group], cos[:, None, None], sin[:, None, None])
+    k_cache[rows, :, pos] = rope(qkv[:, :, group], cos[:, None], sin[:, None])
+    v_cache[rows, :, pos] = qkv[:, :, group + 1]
+    return q
+
+
+def swiglu_reference(a: torch.Tensor) -> torch.Tensor:
+    a0, a1 = torch.chunk(a, 2, dim=-1)
+    return F.silu(a0) * a1
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# Triton device code
+# ----------------------------------------------------------------------------------------------------------------
+if HAS_TRITON:
+
+    @triton.jit
+    def _add_rms_norm_kernel(x_ptr, d_ptr, w_ptr, y_ptr, s_ptr, N, eps, stride_x, stride_d, stride_y, stride_s,
+                             HAS_DELTA: tl.constexpr, BLOCK: tl.constexpr):
+        """One row: s = x + d rounded to x's dtype (stored), r = rsqrt(mean(s^2) + eps), y = s * r * w in fp32
+        rounded once to y's dtype (torch.nn.RMSNorm's computation)."""
+        row = tl.program_id(0)
+        cols = tl.arange(0, BLOCK)
+        m = cols < N
+        x = tl.load(x_ptr + row * stride_x + cols, mask=m, other=0.0)
+        if HAS_DELTA:
+            d = tl.load(d_ptr + row * stride_d + cols, mask=m, other=0.0)
+            x = (x.to(tl.float32) + d.to(tl.float32)).to(x_ptr.dtype.element_ty)
+            tl.store(s_ptr + row * stride_s + cols, x, mask=m)
+        xf = x.to(tl.float32)
+        r = 1.0 / tl.sqrt(tl.sum(xf * xf, axis=0) / N + eps)
+        w = tl.load(w_ptr + cols, mask=m, other=0.0).to(tl.float32)
+        tl.store(y_ptr + row * stride_y + cols, (xf * r * w).to(y_ptr.dtype.element_ty), mask=m)
+
+    @triton.jit
+    def _rope_kv_kernel(qkv_ptr, cos_ptr, sin_ptr, q_ptr, kc_ptr, vc_ptr, pos_ptr, G, H, stride_t, stride_g,
+                        stride_r, stride_c, stride_q, stride_qg, stride_qr, stride_kb, stride_kg, stride_ks,
+                        RP: tl.constexpr, BH: tl.constexpr):
+        """One (token, kv group): rows 0..G-1 of qkv are query heads, row G the key, G + 1 the value; the first and
+        second halves (H values each) of a row rotate as t * cos + rotate_half(t) * sin."""
+        b = tl.program_id(0)
+        g = tl.program_id(1)
+        r = tl.arange(0, RP)[:, None]
+        c = tl.arange(0, BH)[None, :]
+        mask = (r < G + 2) & (c < H)
+        base = qkv_ptr + b * stride_t + g * stride_g + r * stride_r
+        t1 = tl.load(base + c, mask=mask, other=0.0).to(tl.float32)
+        t2 = tl.load(base + H + c, mask=mask, other=0.0).to(tl.float32)
+        cmask = c < H
+        c1 = tl.load(cos_ptr + b * stride_c + c, mask=cmask, other=0.0).to(tl.float32)
+        c2 = tl.load(cos_ptr + b * stride_c + H + c, mask=cmask, other=0.0).to(tl.float32)
+        s1 = tl.load(sin_ptr + b * stride_c + c, mask=cmask, other=0.0).to(tl.float32)
+        s2 = tl.load(sin_ptr + b * stride_c + H + c, mask=cmask, other=0.0).to(tl.float32)
+        o1 = (t1 * c1 - t2 * s1).to(q_ptr.dtype.element_ty)
+        o2 = (t2 * c2 + t1 * s2).to(q_ptr.dtype.element_ty)
+        qm = mask & (r < G)
+        qbase = q_ptr + b * stride_q + g * stride_qg + r * stride_qr
+        tl.store(qbase + c, o1, mask=qm)
+        tl.store(qbase + H + c, o2, mask=qm)
+        p = tl.load(pos_ptr + b)
+        kbase = b * stride_kb + g * stride_kg + p * stride_ks + c + r * 0
+        km = mask & (r == G)
+        tl.store(kc_ptr + kbase, o1, mask=km)
+        tl.store(kc_ptr + kbase + H, o2, mask=km)
+        vm = mask & (r == G + 1)
+        tl.store(vc_ptr + kbase, t1.to(vc_ptr.dtype.element_ty), mask=vm)
+        tl.store(vc_ptr + kbase + H, t2.to(vc_ptr.dtype.element_ty), mask=vm)
+
+    @triton.jit
+    def _swiglu_kernel(a_ptr, y_ptr, F_, stride_a, stride_y, BLOCK: tl.constexpr):
+        """silu(a0) rounded to a's dtype (as F.silu), times a1, rounded once more (as torch's multiply)."""
+        row = tl.program_id(0)
+        cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
+        m = cols < F_
+        a0 = tl.load(a_ptr + row * stride_a + cols, mask=m, other=0.0).to(tl.float32)
+        a1 = tl.load(a_ptr + row * stride_a + F_ + cols, mask=m, other=0.0).to(tl.float32)
+        s = (a0 / (1.0 + tl.exp(-a0))).to(a_ptr.dtype.element_ty).to(tl.float32)
+        tl.store(y_ptr + row * stride_y + cols, (s * a1).to(y_ptr.dtype.element_ty), mask=m)
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# entry points
+# ----------------------------------------------------------------------------------------------------------------
+def _rms_params(norm: torch.nn.Module, x: torch.Tensor) -> Optional[tuple[torch.Tensor, float]]:
+    """(weight, eps) of a torch RMSNorm over x's last dim, or None where the kernel does not apply."""
+    w = getattr(norm, "weight", None)
+    if (type(norm) is not torch.nn.RMSNorm or w is None or w.dim() != 1 or w.shape[0] != x.shape[-1]
+            or x.dim() != 2 or x.stride(-1) != 1):
+        return None
+    eps = norm.eps if norm.eps is not None else torch.finfo(x.dtype).eps
+    return w, float(eps)
+
+
+def add_rms_norm(x: torch.Tensor, delta: Optional[torch.Tensor], norm: torch.nn.Module
+                 ) -> tuple[torch.Tensor, torch.Tensor]:
+    """(``norm(x + delta)``, ``x + delta``) for ``x, delta [B, N]`` (``delta`` None: no add): one kernel for a
+    torch RMSNorm (output in x's dtype, as torch's), the twin otherwise."""
+    p = _rms_params(norm, x)
+    if p is None or not usable(x) or (delta is not None and (delta.shape != x.shape or delta.stride(-1) != 1)):
+        return add_rms_norm_reference(x, delta, norm)
+    w, eps = p
+    B, N = x.shape
+    y = torch.empty((B, N), dtype=x.dtype, device=x.device)
+    s = torch.empty_like(x) if delta is not None else x
+    d = delta if delta is not None else x
+    _add_rms_norm_kernel[(B,)](x, d, w, y, s, N, eps, x.stride(0), d.stride(0), y.stride(0), s.stride(0),
+                               HAS_DELTA=delta is not None, BLOCK=triton.next_power_of_2(N))
+    return y, s
+
+
+def rope_kv_write(qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, k_cache: torch.Tensor,
+                  v_cache: torch.Tensor, pos: torch.Tensor, group: int) -> torch.Tensor:
+    """:func:`rope_kv_write_reference` in one kernel (one program per token and kv group)."""
+    B, ng, R, hd = qkv.shape
+    if (not usable(qkv, cos, sin, k_cache, v_cache, pos) or R != group + 2 or hd % 2 or qkv.stride(-1) != 1
+            or k_cache.stride(-1) != 1 or v_cache.stride() != k_cache.stride() or cos.stride(-1) != 1
+            or cos.stride() != sin.stride()):
+        return rope_kv_write_reference(qkv, cos, sin, k_cache, v_cache, pos, group)
+    q = torch.empty((B, ng, group, hd), dtype=qkv.dtype, device=qkv.device)
+    H = hd // 2
+    _rope_kv_kernel[(B, ng)](qkv, cos, sin, q, k_cache, v_cache, pos, group, H, qkv.stride(0), qkv.stride(1),
+                             qkv.stride(2), cos.stride(0), q.stride(0), q.stride(1), q.stride(2), k_cache.stride(0),
+                             k_cache.stride(1), k_cache.stride(2), RP=triton.next_power_of_2(group + 2),
+                             BH=triton.next_power_of_2(H))
+    return q
+
+
+def swiglu(a: torch.Tensor) -> torch.Tensor:
+    """:func:`swiglu_reference` for ``a [B, 2F]`` in one kernel."""
+    if not usable(a) or a.dim() != 2 or a.shape[1] % 2 or a.stride(-1) != 1:
+        return swiglu_reference(a)
+    B, F2 = a.shape
+    F_ = F2 // 2
+    y = torch.empty((B, F_), dtype=a.dtype, device=a.device)
+    BLOCK = min(1024, triton.next_power_of_2(F_))
+    _swiglu_kernel[(B, triton.cdiv(F_, BLOCK))](a, y, F_, a.stride(0), y.stride(0), BLOCK=BLOCK)
+    return y

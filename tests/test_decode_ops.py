@@ -1,0 +1,79 @@
+"""kernels/decode_ops.py (the native engine's fused decode-step kernels) against their PyTorch twins, in Triton's
+CPU interpreter (fp32 and fp16: the interpreter rounds fp32 to bf16 by truncation) or on a GPU (bf16 too)."""
+
+import os
+
+import pytest
+import torch
+
+if not torch.cuda.is_available():
+    os.environ.setdefault("TRITON_INTERPRET", "1")
+
+pytest.importorskip("triton")
+
+from kernels import decode_ops  # noqa: E402
+from kernels._common import interpreting  # noqa: E402
+
+DEV = "cuda" if torch.cuda.is_available() else "cpu"
+if DEV == "cpu" and not interpreting():
+    pytest.skip("Triton interpreter not active for kernels/", allow_module_level=True)
+DTYPES = [torch.float32, torch.float16] + ([torch.bfloat16] if DEV == "cuda" else [])
+
+
+def _tol(dtype):
+    """One fused computation against torch's op-by-op roundings: a couple of units in the last place."""
+    return {torch.float32: dict(atol=1e-6, rtol=1e-5), torch.float16: dict(atol=4e-3, rtol=4e-3),
+            torch.bfloat16: dict(atol=3e-2, rtol=3e-2)}[dtype]
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("with_delta", [False, True])
+@pytest.mark.parametrize("w_dtype", [torch.float32, None])
+def test_add_rms_norm_matches_torch(dtype, with_delta, w_dtype):
+    g = torch.Generator().manual_seed(0)
+    x = (torch.randn(5, 96, generator=g) * 3).to(dtype).to(DEV)
+    delta = torch.randn(5, 96, generator=g).to(dtype).to(DEV) if with_delta else None
+    norm = torch.nn.RMSNorm(96, eps=1e-6).to(DEV)
+    with torch.no_grad():
+        norm.weight.copy_(torch.rand(96, generator=g) + 0.5)
+    if w_dtype is None:
+        norm = norm.to(dtype)  # weights in the activations' dtype
+    y, s = decode_ops.add_rms_norm(x, delta, norm)
+    y_ref, s_ref = decode_ops.add_rms_norm_reference(x, delta, norm)
+    assert y.dtype == y_ref.dtype and s.dtype == s_ref.dtype
+    assert torch.equal(s, s_ref)  # the residual add rounds once, as torch's
+    torch.testing.assert_close(y, y_ref, **_tol(dtype))
+    # not a torch RMSNorm (LayerNorm): the twin serves the call
+    ln = torch.nn.LayerNorm(96).to(DEV).to(dtype)
+    y2, _ = decode_ops.add_rms_norm(x, delta, ln)
+    assert torch.equal(y2, decode_ops.add_rms_norm_reference(x, delta, ln)[0])
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("group", [1, 3])
+def test_rope_kv_write_matches_torch(dtype, group):
+    g = torch.Generator().manual_seed(1)
+    B, ng, hd, S = 4, 2, 16, 9
+    qkv = torch.randn(B, ng, group + 2, hd, generator=g).to(dtype).to(DEV)
+    pos = torch.tensor([0, 3, 8, 5], device=DEV)
+    ang = torch.outer(torch.arange(S, dtype=torch.float32), 1.0 / 10000 ** (torch.arange(0, hd, 2) / hd))
+    emb = torch.cat((ang, ang), dim=-1)
+    cos, sin = torch.cos(emb).to(dtype).to(DEV)[pos], torch.sin(emb).to(dtype).to(DEV)[pos]
+    caches = [torch.randn(B, ng, S, hd, generator=g).to(dtype).to(DEV) for _ in range(2)]
+    kc, vc = caches[0].clone(), caches[1].clone()
+    kr, vr = caches[0].clone(), caches[1].clone()
+    q = decode_ops.rope_kv_write(qkv, cos, sin, kc, vc, pos, group)
+    q_ref = decode_ops.rope_kv_write_reference(qkv, cos, sin, kr, vr, pos, group)
+    torch.testing.assert_close(q, q_ref, **_tol(dtype))
+    torch.testing.assert_close(kc, kr, **_tol(dtype))
+    assert torch.equal(vc, vr)  # values are copied, not rotated
+    untouched = torch.ones(B, S, dtype=torch.bool)
+    untouched[torch.arange(B), pos.cpu()] = False
+    assert torch.equal(kc.cpu().transpose(1, 2)[untouched], caches[0].cpu().transpose(1, 2)[untouched])
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_swiglu_matches_torch(dtype):
+    g = torch.Generator().manual_seed(2)
+    a = (torch.randn(3, 2 * 1500, generator=g) * 4).to(dtype).to(DEV)  # F = 1500: two column blocks, a ragged one
+    torch.testing.assert_close(decode_ops.swiglu(a), decode_ops.swiglu_reference(a), **_tol(dtype))
