@@ -21,7 +21,7 @@ import torch
 
 from kernels._common import DECODE_MAX_M, KERNEL_FORMATS, kernels_usable
 from megatron_fp4.formats import Format, InvalidTensorError, QuantizedTensor, check_tensor, get_format
-from megatron_fp4.ops import GEMM_MODES, FP4GemmBackend
+from megatron_fp4.ops import GEMM_MODES, FP4GemmBackend, reference_fp4_gemm
 
 __all__ = ["available", "register", "ops_backend", "KernelBackend", "fp4_gemm", "PreparedWeight", "prepare_weight", "linear",
            "decode_matmul"]
@@ -33,12 +33,6 @@ def available(device: Optional[torch.device] = None) -> bool:
     if dev.type == "cuda" and not torch.cuda.is_available():
         return False
     return kernels_usable(torch.empty(0, device=dev if dev.type != "cuda" or torch.cuda.is_available() else "cpu"))
-
-
-def _reference_gemm(a, b, fa: Format, fb: Format) -> torch.Tensor:
-    aq = fa.fake_quantize(a.float(), dim=-1)
-    bq = fb.fake_quantize(b.float(), dim=-1)
-    return torch.matmul(aq, bq.t())
 
 
 #: GEMM modes for M > 64 (MXFP4; HiF4 always uses the exact BF16 path): "exact" BF16 tensor cores (cuBLAS on
@@ -74,7 +68,7 @@ def fp4_gemm(a: torch.Tensor, b: torch.Tensor, a_format, b_format=None, mode: st
     fa = get_format(a_format)
     fb = get_format(b_format) if b_format is not None else fa
     if fa.name != fb.name or fa.name not in KERNEL_FORMATS or not kernels_usable(a, b):
-        return _reference_gemm(a, b, fa, fb)
+        return reference_fp4_gemm(a, b, fa, fb)
     if a.shape[0] <= DECODE_MAX_M:
         # b is quantized here, so its scales are unknown to the host: the two-factor MXFP4 path is exact for every
         # scale and costs less than the device reduction and host sync that would decide it (needs_wide_decode)
