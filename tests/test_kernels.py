@@ -607,3 +607,25 @@ def test_fallback_without_triton_is_the_reference(monkeypatch, name):
     monkeypatch.setenv("TRITON_INTERPRET", "0")  # CPU tensors without the interpreter: reference as well
     assert torch.equal(dispatch.fp4_gemm(a, b, name), ref)
     assert ops.fp4_gemm_backend_for("cpu") is None
+
+
+def test_falling_back_to_the_reference_on_cuda_is_said_once(monkeypatch):
+    """Where the kernels cannot serve CUDA (switched off, or no usable GPU as on this CPU machine), the training
+    GEMMs run on the reference: the user is told so, with the reason, once per process."""
+    from megatron_fp4 import ops
+
+    for env, why in (("0", "MEGATRON_FP4_KERNELS=0"), ("1", "Triton cannot run the kernels")):
+        if env == "1" and torch.cuda.is_available():
+            continue  # a GPU machine registers the kernels: nothing to say
+        monkeypatch.setenv("MEGATRON_FP4_KERNELS", env)
+        monkeypatch.setattr(ops, "_AUTO_TRIED", set())
+        monkeypatch.setattr(ops, "_WARNED", set())
+        monkeypatch.setattr(ops, "_BACKENDS", {k: v for k, v in ops._BACKENDS.items() if k != "cuda"})
+        with pytest.warns(UserWarning, match=f"training FP4 GEMMs on cuda run on the PyTorch reference.*{why}"):
+            assert ops.fp4_gemm_backend_for("cuda") is None
+        monkeypatch.setattr(ops, "_AUTO_TRIED", set())
+        import warnings
+
+        with warnings.catch_warnings():
+            warnings.simplefilter("error")  # said once: not again
+            ops.fp4_gemm_backend_for("cuda")

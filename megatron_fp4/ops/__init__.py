@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import contextlib
 import os
+import warnings
 from typing import Callable, Iterator, NamedTuple, Optional, Union
 
 import torch
@@ -41,6 +42,7 @@ __all__ = [
     "unregister_fp4_gemm_backend",
     "fp4_gemm_backend_for",
     "use_reference_backend",
+    "warn_reference_fallback",
 ]
 
 FormatLike = Union[str, Format]
@@ -59,6 +61,7 @@ GemmBackend = Callable[
 _BACKENDS: dict[str, GemmBackend] = {}
 _FORCE_REFERENCE: list[bool] = []
 _AUTO_TRIED: set[str] = set()
+_WARNED: set[tuple[str, str]] = set()
 
 
 def reference_fp4_gemm(
@@ -135,12 +138,29 @@ def _auto_register(device_type: str) -> None:
         return
     _AUTO_TRIED.add(device_type)
     if os.environ.get("MEGATRON_FP4_KERNELS", "1") == "0":
+        warn_reference_fallback("training FP4 GEMMs", device_type, "MEGATRON_FP4_KERNELS=0")
         return
     try:
         from kernels import dispatch
-    except ImportError:  # Triton or the kernels package missing: the reference serves
+    except ImportError as e:  # Triton or the kernels package missing: the reference serves
+        warn_reference_fallback("training FP4 GEMMs", device_type, f"the kernels cannot be imported: {e}")
         return
-    dispatch.register(device_type)
+    if not dispatch.register(device_type):
+        warn_reference_fallback("training FP4 GEMMs", device_type, "Triton cannot run the kernels on this device")
+
+
+def warn_reference_fallback(what: str, device_type: str, why: str) -> None:
+    """Say once per process (on rank 0) that ``what`` runs on the slow PyTorch reference on ``device_type``, and
+    why: the numbers are the same, the speed is not."""
+    key = (what, device_type)
+    if key in _WARNED:
+        return
+    _WARNED.add(key)
+    dist = torch.distributed
+    if dist.is_available() and dist.is_initialized() and dist.get_rank() != 0:
+        return
+    warnings.warn(f"megatron_fp4: {what} on {device_type} run on the PyTorch reference (same numbers, much slower): "
+                  f"{why}", stacklevel=3)
 
 
 def fp4_gemm_backend_for(device_type: str) -> Optional[GemmBackend]:

@@ -23,6 +23,7 @@ from typing import Iterable, Optional, Sequence
 import torch
 from megatron.core.inference.contexts import StaticInferenceContext
 
+from megatron_fp4.ops import warn_reference_fallback
 from megatron_fp4.resq import RolloutPrecision, rollout_backend_for
 from megatron_fp4.rollout.kernels_backend import register_kernel_backend
 from megatron_fp4.rollout.base import RolloutEngine, RolloutSample, SamplingParams, WeightSyncStats
@@ -179,9 +180,11 @@ class NativeRolloutEngine(RolloutEngine):
             if why is not None:
                 raise ValueError(f"decode={decode!r} cannot run this model ({why}); use 'megatron' or 'auto'")
             self._static = StaticCacheGenerator(model)
-        if (device.type == "cuda" and rollout_backend_for("cuda") is None
-                and os.environ.get("MEGATRON_FP4_KERNELS", "1") != "0"):
-            register_kernel_backend("cuda")  # Triton FP4 GEMMs where they apply (same numbers as the reference)
+        if device.type == "cuda" and rollout_backend_for("cuda") is None:
+            if os.environ.get("MEGATRON_FP4_KERNELS", "1") == "0":
+                warn_reference_fallback("rollout FP4 GEMMs", "cuda", "MEGATRON_FP4_KERNELS=0")
+            elif not register_kernel_backend("cuda"):  # Triton FP4 GEMMs where they apply (the reference's numbers)
+                warn_reference_fallback("rollout FP4 GEMMs", "cuda", "Triton or the kernels cannot run here")
         #: Statistics of the last generate() and update_weights() calls.
         self.last_generate_stats: dict[str, float] = {}
         self.last_weight_sync: Optional[WeightSyncStats] = None
