@@ -12,7 +12,9 @@ Modules (import them directly; importing the package loads nothing heavy):
 - ``kernels.decode_ops``: fused elementwise kernels of the native engine's decode step (residual add + RMSNorm,
   RoPE + KV-cache write, SwiGLU), each beside its PyTorch twin.
 - ``kernels.dispatch``: what the rest of the project calls (``fp4_gemm``, ``prepare_weight``, ``linear``,
-  ``register`` for ``megatron_fp4.ops``); falls back to the PyTorch reference without Triton or a GPU.
+  ``decode_matmul``); falls back to the PyTorch reference without Triton or a GPU. The training GEMMs reach the
+  kernels through ``megatron_fp4.ops.kernels_backend`` (nothing here imports ``megatron_fp4.ops`` but its
+  ``backend`` module: the interface and the reference).
 
 Numbers and targets: docs/PERFORMANCE.md. Tests: tests/test_kernels.py (CPU interpreter + ``gpu`` marker).
 """

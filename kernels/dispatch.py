@@ -1,8 +1,6 @@
 """Entry points that ``megatron_fp4.ops`` and the rollout code call: Triton kernels on CUDA, the PyTorch reference
 elsewhere, with the same numbers (SPEC §3/§4; fp32 summation order aside).
 
-    from kernels import dispatch
-    dispatch.register()                      # make ops.fp4_gemm use the kernels for CUDA tensors
     y = dispatch.fp4_gemm(a, b, "hif4")      # fp32 Q(a) @ Q(b)^T, a [m, K], b [n, K]
     w = dispatch.prepare_weight(W, "mxfp4")  # packed + pre-expanded weight, once per weight update
                                              # (mode="fp8": MXFP4 FP8 fast path, approximate accumulation)
@@ -21,10 +19,10 @@ import torch
 
 from kernels._common import DECODE_MAX_M, KERNEL_FORMATS, kernels_usable
 from megatron_fp4.formats import Format, InvalidTensorError, QuantizedTensor, check_tensor, get_format
-from megatron_fp4.ops import GEMM_MODES, FP4GemmBackend, reference_fp4_gemm
+from megatron_fp4.ops.backend import GEMM_MODES, reference_fp4_gemm
 
-__all__ = ["available", "register", "ops_backend", "KernelBackend", "fp4_gemm", "PreparedWeight", "prepare_weight", "linear",
-           "decode_matmul"]
+__all__ = ["available", "fp4_gemm", "e4m3_for_cublas", "PreparedWeight", "prepare_weight", "linear", "decode_matmul",
+           "MODES", "PROMOTE"]
 
 
 def available(device: Optional[torch.device] = None) -> bool:
@@ -79,72 +77,7 @@ def fp4_gemm(a: torch.Tensor, b: torch.Tensor, a_format, b_format=None, mode: st
     return mm_expanded(ea, eb, promote=PROMOTE[mode])
 
 
-def ops_backend(a, b, a_fmt: Format, b_fmt: Format, a_rounding: str, b_rounding: str, generator=None):
-    """A plain-function backend for ``megatron_fp4.ops.register_fp4_gemm_backend`` (:func:`fp4_gemm`, decode
-    kernels for M <= 64 included); NotImplemented where the kernels don't apply."""
-    if a_rounding != "nearest" or b_rounding != "nearest":
-        return NotImplemented  # stochastic rounding stays on the reference (its RNG stream defines the numbers)
-    if a_fmt.name != b_fmt.name or a_fmt.name not in KERNEL_FORMATS or not kernels_usable(a, b):
-        return NotImplemented
-    return fp4_gemm(a, b, a_fmt, b_fmt)
-
-
-@dataclass
-class Operand:
-    """A training GEMM operand quantized along K: its GEMM-ready expansion."""
-
-    fmt: Format
-    expanded: object  # kernels.quantize.Expanded
-
-
-#: Widest HiF4 operand that :meth:`KernelBackend.quantize_both` quantizes in one pass. Measured on the H200 (8192
-#: bf16 rows, docs/PERFORMANCE.md): the one-pass kernel takes 105 us at K = 1536 (two row-kernel passes and a
-#: transpose: 225 us, launch-bound) but 530 us at K = 8960 (those: 280 us; HiF4's tile math on 64 x 64 tiles costs
-#: more per value than the row kernel's long tiles). MXFP4's one pass wins at both widths (49 vs 196, 214 vs 277 us).
-HIF4_BOTH_MAX_K = 4096
-
-
-class KernelBackend(FP4GemmBackend):
-    """The training GEMMs on the kernels (what :func:`register` installs): each operand quantized by one Triton
-    kernel that writes only its GEMM-ready expansion, read strided (transposed views cost no copy), then one
-    tensor-core GEMM rounding once to the caller's dtype. "exact" mode: BF16 expansions and cuBLAS's BF16 GEMM
-    with fp32 accumulation (the reference's numbers up to summation order). MXFP4 "fp8" / "fp8_fast": E5M2
-    activations x E4M3 weights on cuBLAS's FP8 GEMM (two on-the-fly operands: the Triton FP8 GEMM), values below
-    the FP8 window flushed (:class:`kernels.quantize.Expanded`; no host sync). Declines stochastic rounding, mixed
-    formats and formats without kernels."""
-
-    def quantize(self, x, fmt, rounding, generator, mode, weight):
-        from kernels.quantize import quantize
-
-        if rounding != "nearest" or fmt.name not in KERNEL_FORMATS or not kernels_usable(x):
-            return NotImplemented
-        if mode == "exact" or fmt.name == "hif4":
-            return Operand(fmt, quantize(x, fmt, expand="bf16", packed=False)[1])
-        if not weight:
-            return Operand(fmt, quantize(x, fmt, expand="native", packed=False)[1])
-        return Operand(fmt, _e4m3_for_cublas(*quantize(x, fmt, expand="native")))
-
-    def quantize_both(self, x, fmt, mode):
-        from kernels.quantize import quantize_both
-
-        if fmt.name not in KERNEL_FORMATS or not kernels_usable(x):
-            return NotImplemented
-        if mode != "exact" and fmt.name != "hif4":  # the FP8 row operand: its own kernel
-            return super().quantize_both(x, fmt, mode)
-        if fmt.name == "hif4" and x.shape[1] > HIF4_BOTH_MAX_K:
-            return super().quantize_both(x, fmt, mode)  # row kernel + transpose + row kernel: faster there
-        rows, cols = quantize_both(x, fmt)
-        return Operand(fmt, rows), Operand(fmt, cols)
-
-    def matmul(self, qa, qb, out_dtype, mode):
-        from kernels.gemm import mm_expanded
-
-        if qa.fmt.name != qb.fmt.name:
-            return NotImplemented
-        return mm_expanded(qa.expanded, qb.expanded, out_dtype=out_dtype, promote=PROMOTE[mode])
-
-
-def _e4m3_for_cublas(q: QuantizedTensor, e):
+def e4m3_for_cublas(q: QuantizedTensor, e):
     """A weight's E5M2 expansion as E4M3 where cuBLAS's FP8 GEMM can then take it (it multiplies E5M2 activations
     by E4M3 weights only), else as it is."""
     from kernels.gemm import _cublas_applies
@@ -154,16 +87,6 @@ def _e4m3_for_cublas(q: QuantizedTensor, e):
         return e
     e4 = expand_packed(q, "e4m3")
     return e4 if _cublas_applies(e, e4) else e
-
-
-def register(device_type: str = "cuda") -> bool:
-    """Register the kernels as the ops backend for ``device_type`` if they can run there; returns whether."""
-    from megatron_fp4 import ops
-
-    if device_type == "cuda" and not (torch.cuda.is_available() and available()):
-        return False
-    ops.register_fp4_gemm_backend(device_type, KernelBackend())
-    return True
 
 
 @dataclass
@@ -202,7 +125,7 @@ def prepare_weight(w: torch.Tensor, fmt, mode: str = "exact") -> PreparedWeight:
     check_tensor(w, "w", "kernels.dispatch.prepare_weight", ndim=2)
     f = get_format(fmt)
     q, e = quantize(w, f, dim=-1, expand="bf16" if mode == "exact" else "native")
-    e = _e4m3_for_cublas(q, e)
+    e = e4m3_for_cublas(q, e)
     wide = needs_wide_decode(q)
     return PreparedWeight(q, e, f, mode, wide, decode=_decode_layout(q, wide))
 

@@ -21,6 +21,7 @@ from kernels.gemm import mm_expanded, packed_matmul, w4_matmul  # noqa: E402
 from kernels.quantize import expand_packed, quantize  # noqa: E402
 from kernels.resq import _reference_resq_quantize, resq_matmul, resq_quantize  # noqa: E402
 from megatron_fp4.formats import get_format  # noqa: E402
+from megatron_fp4.ops import kernels_backend  # noqa: E402
 from megatron_fp4.resq import resq_activation, resq_components  # noqa: E402
 
 FORMATS = ["hif4", "mxfp4", "mxfp4_rceil"]
@@ -349,7 +350,7 @@ def test_quantize_both_bit_exact(name):
 @pytest.mark.parametrize("name", ["hif4", "mxfp4"])
 def test_training_backend_expansion_only_and_strided(name):
     """The training GEMMs' quantizer writes only the expansion (packed=False), equal to the packed call's, and
-    reads transposed views as they are; KernelBackend's GEMMs (exact; MXFP4 fp8 mode in the interpreter's exact
+    reads transposed views as they are; kernels_backend.KernelBackend's GEMMs (exact; MXFP4 fp8 mode in the interpreter's exact
     dots) equal the reference's, and the FP4 linear's forward and gradients through it equal the reference's."""
     from megatron_fp4 import ops
     from megatron_fp4.linear import fp4_linear
@@ -373,7 +374,7 @@ def test_training_backend_expansion_only_and_strided(name):
         big = _inputs("outliers", (4096, 1000), dtype=torch.bfloat16).t()
         assert torch.equal(quantize(big, name, expand="bf16", packed=False)[1].values,
                            quantize(big.contiguous(), name, expand="bf16")[1].values)
-    be = dispatch.KernelBackend()
+    be = kernels_backend.KernelBackend()
     f = get_format(name)
     w = _inputs("random", (40, 136), device=dev, seed=3)
     for mode in (("exact", "fp8") if name == "mxfp4" else ("exact",)):
@@ -426,9 +427,9 @@ def test_dispatch_registers_and_falls_back():
         ref = ops.reference_fp4_gemm(a, b, f, f)
         assert torch.allclose(dispatch.fp4_gemm(a, b, name), ref, rtol=1e-6, atol=1e-6)
     # the ops backend declines what it does not implement
-    assert dispatch.ops_backend(a, b, get_format("hif4"), get_format("hif4"), "stochastic", "nearest") \
+    assert kernels_backend.ops_backend(a, b, get_format("hif4"), get_format("hif4"), "stochastic", "nearest") \
         is NotImplemented
-    assert dispatch.ops_backend(a, b, get_format("nvfp4"), get_format("nvfp4"), "nearest", "nearest") \
+    assert kernels_backend.ops_backend(a, b, get_format("nvfp4"), get_format("nvfp4"), "nearest", "nearest") \
         is NotImplemented
     w = dispatch.prepare_weight(b, "hif4")
     for act in ("fp4", "bf16"):
@@ -563,7 +564,7 @@ def test_gpu_cublas_paths(name):
 def test_gpu_ops_backend_matches_reference():
     from megatron_fp4 import ops
 
-    assert dispatch.register()
+    assert ops.register_kernel_backend()
     try:
         a = torch.randn(256, 512, device="cuda")
         b = torch.randn(128, 512, device="cuda")
@@ -591,7 +592,7 @@ def test_fallback_without_triton_is_the_reference(monkeypatch, name):
     assert torch.equal(q.codes, r.codes) and torch.equal(q.scales, r.scales)
     ref = ops.reference_fp4_gemm(a, b, f, f)
     assert torch.equal(dispatch.fp4_gemm(a, b, name), ref)
-    assert dispatch.ops_backend(a, b, f, f, "nearest", "nearest") is NotImplemented
+    assert kernels_backend.ops_backend(a, b, f, f, "nearest", "nearest") is NotImplemented
     w = dispatch.prepare_weight(b, name)
     assert torch.equal(dispatch.linear(a, w), f.fake_quantize(a) @ f.fake_quantize(b).t())
     qq, ss = resq_components(a, name, "2:4")

@@ -24,11 +24,12 @@ from __future__ import annotations
 import contextlib
 import os
 import warnings
-from typing import Callable, Iterator, NamedTuple, Optional, Union
+from typing import Iterator, NamedTuple, Optional, Union
 
 import torch
 
 from megatron_fp4.formats import Format, InvalidTensorError, check_tensor, get_format
+from megatron_fp4.ops.backend import GEMM_MODES, FP4GemmBackend, GemmBackend, reference_fp4_gemm
 
 __all__ = [
     "GEMM_MODES",
@@ -39,6 +40,7 @@ __all__ = [
     "fp4_gemm",
     "reference_fp4_gemm",
     "register_fp4_gemm_backend",
+    "register_kernel_backend",
     "unregister_fp4_gemm_backend",
     "fp4_gemm_backend_for",
     "use_reference_backend",
@@ -47,67 +49,10 @@ __all__ = [
 
 FormatLike = Union[str, Format]
 
-#: How a backend multiplies FP4 operands (:attr:`megatron_fp4.recipe.FP4Recipe.gemm_mode`): "exact" (fp32
-#: accumulation of the exact products; the reference's numbers up to summation order), "fp8" / "fp8_fast" (MXFP4 on
-#: the FP8 tensor cores with promoted / Hopper's default accumulation: approximate, kernels/dispatch.py says how
-#: much). The reference computes every mode exactly.
-GEMM_MODES = ("exact", "fp8", "fp8_fast")
-
-#: Signature of a backend: (a, b, a_format, b_format, a_rounding, b_rounding, generator) -> fp32 [m, n].
-GemmBackend = Callable[
-    [torch.Tensor, torch.Tensor, Format, Format, str, str, Optional[torch.Generator]], torch.Tensor
-]
-
 _BACKENDS: dict[str, GemmBackend] = {}
 _FORCE_REFERENCE: list[bool] = []
 _AUTO_TRIED: set[str] = set()
 _WARNED: set[tuple[str, str]] = set()
-
-
-def reference_fp4_gemm(
-    a: torch.Tensor,
-    b: torch.Tensor,
-    a_format: Format,
-    b_format: Format,
-    a_rounding: str = "nearest",
-    b_rounding: str = "nearest",
-    generator: Optional[torch.Generator] = None,
-) -> torch.Tensor:
-    """PyTorch reference: fake-quantize both operands along K (in fp32) and multiply with fp32 accumulation."""
-    aq = a_format.fake_quantize(a.float(), dim=-1, rounding=a_rounding, generator=generator)
-    bq = b_format.fake_quantize(b.float(), dim=-1, rounding=b_rounding, generator=generator)
-    return torch.matmul(aq, bq.t())
-
-
-class FP4GemmBackend:
-    """A backend in two steps; either step may return ``NotImplemented`` (the reference then serves the call).
-    This base class is the PyTorch reference; calling an instance runs both steps (a plain backend's contract)."""
-
-    def quantize(self, x: torch.Tensor, fmt: Format, rounding: str, generator: Optional[torch.Generator],
-                 mode: str, weight: bool) -> object:
-        """The GEMM-ready form of ``x [rows, K]`` (any strides) quantized along K; ``weight``: ``x`` is a weight
-        (kept across micro-batches, so a slower, GEMM-friendlier form pays off)."""
-        return fmt.fake_quantize(x.float(), dim=-1, rounding=rounding, generator=generator)
-
-    def matmul(self, qa: object, qb: object, out_dtype: torch.dtype, mode: str) -> torch.Tensor:
-        """``qa @ qb^T`` accumulated in fp32, rounded once to ``out_dtype``."""
-        return torch.matmul(qa, qb.t()).to(out_dtype)
-
-    def quantize_both(self, x: torch.Tensor, fmt: Format, mode: str) -> object:
-        """(``x [R, K]`` quantized along K in ``mode``, ``x.t()`` quantized along R in exact mode), round to
-        nearest: a training linear's input (fprop, wgrad) or output gradient (dgrad, wgrad). A backend may do
-        both from one read of ``x``."""
-        return (self.quantize(x, fmt, "nearest", None, mode, False),
-                self.quantize(x.t(), fmt, "nearest", None, "exact", False))
-
-    def __call__(self, a, b, a_fmt, b_fmt, a_rounding, b_rounding, generator=None):
-        qa = self.quantize(a, a_fmt, a_rounding, generator, "exact", False)
-        qb = self.quantize(b, b_fmt, b_rounding, generator, "exact", False)
-        if qa is NotImplemented or qb is NotImplemented:
-            return NotImplemented
-        return self.matmul(qa, qb, torch.float32, "exact")
-
-
 _REFERENCE = FP4GemmBackend()
 
 
@@ -129,7 +74,8 @@ def unregister_fp4_gemm_backend(device_type: str) -> None:
 
 
 def _auto_register(device_type: str) -> None:
-    """On first CUDA use, register the Triton kernels (``kernels.dispatch``) when Triton and a GPU are present.
+    """On first CUDA use, register the Triton kernels (:mod:`megatron_fp4.ops.kernels_backend`) when Triton and a GPU
+    are present.
 
     They return the reference's numbers up to fp32 summation order and decline (NotImplemented) what they do not
     cover (stochastic rounding, NVFP4, mixed formats). ``MEGATRON_FP4_KERNELS=0`` turns this off.
@@ -141,12 +87,23 @@ def _auto_register(device_type: str) -> None:
         warn_reference_fallback("training FP4 GEMMs", device_type, "MEGATRON_FP4_KERNELS=0")
         return
     try:
-        from kernels import dispatch
+        ok = register_kernel_backend(device_type)
     except ImportError as e:  # Triton or the kernels package missing: the reference serves
         warn_reference_fallback("training FP4 GEMMs", device_type, f"the kernels cannot be imported: {e}")
         return
-    if not dispatch.register(device_type):
+    if not ok:
         warn_reference_fallback("training FP4 GEMMs", device_type, "Triton cannot run the kernels on this device")
+
+
+def register_kernel_backend(device_type: str = "cuda") -> bool:
+    """Serve ``device_type``'s FP4 GEMMs with the Triton kernels (``kernels_backend.KernelBackend``) if they can run
+    there; returns whether. The first CUDA GEMM does this by itself."""
+    from megatron_fp4.ops.kernels_backend import kernel_backend
+
+    be = kernel_backend(device_type)
+    if be is not None:
+        register_fp4_gemm_backend(device_type, be)
+    return be is not None
 
 
 def warn_reference_fallback(what: str, device_type: str, why: str) -> None:

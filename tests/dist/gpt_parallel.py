@@ -343,15 +343,15 @@ def main() -> None:
     ap.add_argument("--format", default="hif4")
     ap.add_argument("--steps", type=int, default=0)
     ap.add_argument("--seed", type=int, default=1234)
-    ap.add_argument("--kernels", action="store_true", help="route CUDA FP4 GEMMs through kernels.dispatch")
+    ap.add_argument("--kernels", action="store_true", help="route CUDA FP4 GEMMs through the kernels")
     a = ap.parse_args()
     kernel_calls = [0]
-    if a.kernels:  # route FP4 GEMMs through kernels.dispatch (CUDA, or the Triton interpreter on CPU)
-        from kernels import dispatch
+    if a.kernels:  # route FP4 GEMMs through the kernels (CUDA, or the Triton interpreter on CPU)
         from megatron_fp4 import ops
+        from megatron_fp4.ops.kernels_backend import ops_backend
 
         def counted(*args):
-            out = dispatch.ops_backend(*args)
+            out = ops_backend(*args)
             kernel_calls[0] += out is not NotImplemented
             return out
 

@@ -1,0 +1,90 @@
+"""The Triton kernels (``kernels/``) as an FP4 GEMM backend of :mod:`megatron_fp4.ops` (what the first CUDA GEMM
+registers, or ``ops.register_kernel_backend``): :class:`KernelBackend` for the training linears' two-step GEMMs and
+:func:`ops_backend`, the plain-function form. They return the reference's numbers up to fp32 summation order (the
+MXFP4 FP8 modes: approximately, see ``kernels.quantize.Expanded``) and decline what they do not cover.
+
+Layering: this module imports ``kernels`` and :mod:`megatron_fp4.ops.backend`; ``kernels`` never imports the rest of
+``megatron_fp4.ops``, and ``megatron_fp4.ops`` imports this module only when it registers it.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Optional
+
+import torch
+
+from kernels._common import KERNEL_FORMATS, kernels_usable
+from kernels.dispatch import PROMOTE, available, e4m3_for_cublas, fp4_gemm
+from kernels.gemm import mm_expanded
+from kernels.quantize import quantize, quantize_both
+from megatron_fp4.formats import Format
+from megatron_fp4.ops.backend import FP4GemmBackend
+
+__all__ = ["KernelBackend", "kernel_backend", "ops_backend", "HIF4_BOTH_MAX_K"]
+
+
+def ops_backend(a, b, a_fmt: Format, b_fmt: Format, a_rounding: str, b_rounding: str, generator=None):
+    """A plain-function backend for ``megatron_fp4.ops.register_fp4_gemm_backend`` (:func:`fp4_gemm`, decode
+    kernels for M <= 64 included); NotImplemented where the kernels don't apply."""
+    if a_rounding != "nearest" or b_rounding != "nearest":
+        return NotImplemented  # stochastic rounding stays on the reference (its RNG stream defines the numbers)
+    if a_fmt.name != b_fmt.name or a_fmt.name not in KERNEL_FORMATS or not kernels_usable(a, b):
+        return NotImplemented
+    return fp4_gemm(a, b, a_fmt, b_fmt)
+
+
+@dataclass
+class Operand:
+    """A training GEMM operand quantized along K: its GEMM-ready expansion."""
+
+    fmt: Format
+    expanded: object  # kernels.quantize.Expanded
+
+
+#: Widest HiF4 operand that :meth:`KernelBackend.quantize_both` quantizes in one pass. Measured on the H200 (8192
+#: bf16 rows, docs/PERFORMANCE.md): the one-pass kernel takes 105 us at K = 1536 (two row-kernel passes and a
+#: transpose: 225 us, launch-bound) but 530 us at K = 8960 (those: 280 us; HiF4's tile math on 64 x 64 tiles costs
+#: more per value than the row kernel's long tiles). MXFP4's one pass wins at both widths (49 vs 196, 214 vs 277 us).
+HIF4_BOTH_MAX_K = 4096
+
+
+class KernelBackend(FP4GemmBackend):
+    """The training GEMMs on the kernels (what ``ops.register_kernel_backend`` installs): each operand quantized by
+    one Triton kernel that writes only its GEMM-ready expansion, read strided (transposed views cost no copy), then
+    one tensor-core GEMM rounding once to the caller's dtype. "exact" mode: BF16 expansions and cuBLAS's BF16 GEMM
+    with fp32 accumulation (the reference's numbers up to summation order). MXFP4 "fp8" / "fp8_fast": E5M2
+    activations x E4M3 weights on cuBLAS's FP8 GEMM (two on-the-fly operands: the Triton FP8 GEMM), values below
+    the FP8 window flushed (:class:`kernels.quantize.Expanded`; no host sync). Declines stochastic rounding, mixed
+    formats and formats without kernels."""
+
+    def quantize(self, x, fmt, rounding, generator, mode, weight):
+        if rounding != "nearest" or fmt.name not in KERNEL_FORMATS or not kernels_usable(x):
+            return NotImplemented
+        if mode == "exact" or fmt.name == "hif4":
+            return Operand(fmt, quantize(x, fmt, expand="bf16", packed=False)[1])
+        if not weight:
+            return Operand(fmt, quantize(x, fmt, expand="native", packed=False)[1])
+        return Operand(fmt, e4m3_for_cublas(*quantize(x, fmt, expand="native")))
+
+    def quantize_both(self, x, fmt, mode):
+        if fmt.name not in KERNEL_FORMATS or not kernels_usable(x):
+            return NotImplemented
+        if mode != "exact" and fmt.name != "hif4":  # the FP8 row operand: its own kernel
+            return super().quantize_both(x, fmt, mode)
+        if fmt.name == "hif4" and x.shape[1] > HIF4_BOTH_MAX_K:
+            return super().quantize_both(x, fmt, mode)  # row kernel + transpose + row kernel: faster there
+        rows, cols = quantize_both(x, fmt)  # kernels.quantize's: one read of x, both expansions
+        return Operand(fmt, rows), Operand(fmt, cols)
+
+    def matmul(self, qa, qb, out_dtype, mode):
+        if qa.fmt.name != qb.fmt.name:
+            return NotImplemented
+        return mm_expanded(qa.expanded, qb.expanded, out_dtype=out_dtype, promote=PROMOTE[mode])
+
+
+def kernel_backend(device_type: str = "cuda") -> Optional[KernelBackend]:
+    """A :class:`KernelBackend` if the kernels can run on ``device_type``, else None."""
+    if device_type == "cuda" and not (torch.cuda.is_available() and available()):
+        return None
+    return KernelBackend()
