@@ -113,7 +113,7 @@ def test_underflow_diagnostics_on_gpt(results):
 
 @pytest.mark.gpu
 def test_cuda_matches_cpu_with_kernels(tmp_path):
-    """The same model on one GPU, FP4 GEMMs through kernels.dispatch, equals the CPU reference run."""
+    """The same model on one GPU, FP4 GEMMs through the kernels (ops.kernels_backend), equals the CPU reference run."""
     pytest.importorskip("triton")
     _run([sys.executable, SCRIPT, "--layouts", "ref", "--out", str(tmp_path / "gpu"), "--steps", "2", "--kernels"])
     _run([sys.executable, SCRIPT, "--layouts", "ref", "--out", str(tmp_path / "cpu"), "--steps", "2"],
