@@ -33,10 +33,10 @@ class Expanded(NamedTuple):
     ``values`` is bfloat16 (exact for HiF4 and MXFP4), float8_e5m2 (MXFP4 "native") or float8_e4m3fn (MXFP4
     weights for cuBLAS, :func:`expand_packed` mode "e4m3"). The FP8 forms hold every value relative to a
     power-of-two row scale 2^row_exp chosen from the row's largest block; values below the FP8 window are flushed
-    to a signed zero (E5M2: those more than 2^-27 below the row's largest block scale, so under 2^-29 of its
-    largest value; E4M3: 2^-14 and 2^-16), NaN/Inf blocks are NaN. ``row_ok`` (bool [R], fp8 only) says which rows
-    were held exactly (nothing flushed): diagnostics; the GEMMs read the flushed values as they are (no host
-    check, no fallback: "fp8" is an approximate mode, SPEC §3).
+    to a signed zero (E5M2: values under 2^(row_exp - 14), which is under 2^-29 of the row's largest value; E4M3:
+    under 2^(row_exp - 8), under 2^-16 of the row's largest), NaN/Inf blocks are NaN. ``row_ok`` (bool [R], fp8
+    only) says which rows were held exactly (nothing flushed): diagnostics; the GEMMs read the flushed values as
+    they are (no host check, no fallback: "fp8" is an approximate mode, SPEC §3).
     """
 
     values: torch.Tensor

@@ -350,8 +350,9 @@ def test_quantize_both_bit_exact(name):
 @pytest.mark.parametrize("name", ["hif4", "mxfp4"])
 def test_training_backend_expansion_only_and_strided(name):
     """The training GEMMs' quantizer writes only the expansion (packed=False), equal to the packed call's, and
-    reads transposed views as they are; kernels_backend.KernelBackend's GEMMs (exact; MXFP4 fp8 mode in the interpreter's exact
-    dots) equal the reference's, and the FP4 linear's forward and gradients through it equal the reference's."""
+    reads transposed views as they are; kernels_backend.KernelBackend's GEMMs (exact; MXFP4 fp8 mode in the
+    interpreter's exact dots) equal the reference's, and the FP4 linear's forward and gradients through it equal
+    the reference's, with no host sync."""
     from megatron_fp4 import ops
     from megatron_fp4.linear import fp4_linear
     from megatron_fp4.recipe import recipe_for_format

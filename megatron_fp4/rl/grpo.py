@@ -36,8 +36,8 @@ import torch
 
 __all__ = ["GRPOConfig", "RATIO_LEVELS", "group_advantages", "dynamic_sampling_keep", "response_mask", "is_truncated",
            "overlong_filter", "overlong_penalty", "discounted_returns", "masked_moments", "whiten", "masked_mean",
-           "kl_k3", "tis_weights", "policy_ratio", "grpo_token_loss", "grpo_loss", "grpo_metrics", "grpo_metric_tensors",
-           "rollout_metrics", "token_logprobs", "entropy_from_logits"]
+           "kl_k3", "tis_weights", "policy_ratio", "grpo_token_loss", "grpo_loss", "grpo_metrics",
+           "grpo_metric_tensors", "rollout_metrics", "token_logprobs", "entropy_from_logits"]
 
 #: "token": PPO/GRPO's per-token ratio; "sequence": GSPO's per-sequence ratio (geometric mean over the response).
 RATIO_LEVELS = ("token", "sequence")
