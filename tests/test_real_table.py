@@ -355,5 +355,8 @@ def test_h200_call_script_on_a_cpu(tmp_path):
     assert any(n.endswith("seed1/hif4/fp4_fp4/results.json") for n in names)
     assert any(n.endswith("t.shard1.log") for n in names)
     bad = subprocess.run(["bash", script, "train"], cwd=ROOT, env=env, capture_output=True, text=True)
-    assert bad.returncode == 2 and "mode: stage or run, not 'train'" in bad.stdout
+    assert bad.returncode == 2 and "mode: stage, test or run, not 'train'" in bad.stdout
+    t = subprocess.run(["bash", script, "test", "tests/test_decode_ops.py", "-k", "swiglu"], cwd=ROOT, env=env,
+                       capture_output=True, text=True, timeout=600)  # the GPU tests' mode, here on the CPU
+    assert t.returncode == 0 and " passed" in t.stdout, t.stdout[-2000:] + t.stderr[-2000:]
     shutil.rmtree(tmp_path / "runs", ignore_errors=True)

@@ -3,6 +3,7 @@
 # the repository root on the GPU machine. README.md ("On the H200") has the calls in order.
 #
 #   bash examples/mini_table/real_table_h200.sh stage                  # setup only (e.g. a call bringing a GGUF half)
+#   bash examples/mini_table/real_table_h200.sh test PYTEST_ARGS       # setup, then pytest (e.g. -m gpu tests/...)
 #   bash examples/mini_table/real_table_h200.sh run JOBS SEEDS [FLAGS]  # the table's runs until the call's end
 #
 # Setup, every call (cheap once done): the wheels of .whl/ into /tmp/site (megatron-core, gguf first on the path;
@@ -38,7 +39,12 @@ export SMOLLM2_GGUF_DIR=$SMOL CUDA_MPS_PIPE_DIRECTORY=/tmp/mps CUDA_MPS_LOG_DIRE
 export PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True
 pgrep -f nvidia-cuda-mps-control >/dev/null || nvidia-cuda-mps-control -d
 [ "$MODE" = stage ] && exit 0
-[ "$MODE" = run ] || { echo "mode: stage or run, not '$MODE'"; exit 2; }
+if [ "$MODE" = test ]; then  # the GPU tests with the same wheels and GGUF (SMOLLM2_GGUF_DIR) as the runs
+  shift
+  python3 -m pytest -q -p no:cacheprovider "$@"
+  exit $?
+fi
+[ "$MODE" = run ] || { echo "mode: stage, test or run, not '$MODE'"; exit 2; }
 [ -f $GGUF ] || { echo "no $GGUF yet: bring .smol/gguf.part00 and .smol/gguf.part01 first (two calls)"; exit 2; }
 JOBS=${2:?JOBS}; SEEDS=${3:?SEEDS}; shift 3
 TABLE=${TABLE_OUT:-runs/real_table}
