@@ -26,11 +26,11 @@ from adversarial_record import (input_error_types, is_clear, one_error_line, rec
                                 tree_digest)
 from test_tools_helpers import REPO, make_hf_model  # noqa: E402
 
-from megatron_fp4.models.checkpoint_io import MegatronCheckpoint, load_gpt  # noqa: E402
+from megatron_fp4.models.checkpoint_io import MegatronCheckpoint  # noqa: E402
 from megatron_fp4.models.fp4_checkpoint import export_fp4_checkpoint, load_fp4_checkpoint  # noqa: E402
-from megatron_fp4.models.hf_conversion import (HFFolderSource, convert_hf_to_megatron,  # noqa: E402
-                                               convert_megatron_to_hf, iter_hf_tensors_from_megatron,
-                                               open_hf_source)
+from megatron_fp4.models.hf_conversion import (HFFolderSource, convert_megatron_to_hf,  # noqa: E402
+                                               iter_hf_tensors_from_megatron)
+from megatron_fp4.models.loading import convert_hf_to_megatron, load_gpt, open_source  # noqa: E402
 from megatron_fp4.models.safetensors_io import SafetensorsFile, save_safetensors  # noqa: E402
 
 sys.path.insert(0, str(REPO / "tools"))
@@ -422,7 +422,7 @@ def test_convert_hf_to_megatron_command_lines(world, tmp_path_factory, data):
     if res is not None:  # the conversion holds the source model exactly
         p, src, out = res
         back = dict(iter_hf_tensors_from_megatron(MegatronCheckpoint(p[out])))
-        source = open_hf_source(p[src])
+        source = open_source(p[src])
         want = {k: source.get(k) for k in back}
         assert _same(back, want)
 

@@ -33,7 +33,8 @@ def test_smollm2_gguf_converts_with_its_tokenizer_and_matches_transformers(tmp_p
 
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    from megatron_fp4.models.checkpoint_io import MegatronCheckpoint, load_gpt
+    from megatron_fp4.models.checkpoint_io import MegatronCheckpoint
+    from megatron_fp4.models.loading import load_gpt
 
     ckpt = MegatronCheckpoint(tmp_path / "ckpt")
     assert ckpt.args["hf_architecture"] == "LlamaForCausalLM" and ckpt.args["hf_vocab_size"] == 49152

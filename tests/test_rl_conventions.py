@@ -132,7 +132,7 @@ def test_hf_checkpoint_adapter_reads_what_the_converter_writes(tmp_path):
     from test_tools_helpers import make_hf_model
 
     from megatron_fp4.models.checkpoint_io import MegatronCheckpoint, stage_param_names
-    from megatron_fp4.models.hf_conversion import convert_hf_to_megatron
+    from megatron_fp4.models.loading import convert_hf_to_megatron
     from megatron_fp4.models.hf_weights import HFCheckpointWeights, hf_gpt_model_args
 
     for name in ("qwen2_tied", "llama"):

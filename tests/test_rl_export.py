@@ -43,7 +43,7 @@ def workdir(tmp_path_factory):
     from tokenizers import Tokenizer, models, pre_tokenizers
     from transformers import PreTrainedTokenizerFast
 
-    from megatron_fp4.models.hf_conversion import convert_hf_to_megatron
+    from megatron_fp4.models.loading import convert_hf_to_megatron
 
     root = tmp_path_factory.mktemp("rl_export")
     make_hf_model("qwen2_tied", root / "hf")
@@ -286,8 +286,8 @@ def test_load_that_is_no_checkpoint_is_one_error_line(tmp_path):
 def test_live_bf16_model_exports_in_one_dtype(workdir, tmp_path):
     """A single-process bf16 model (megatron keeps its norms in fp32 on the CPU) exports every tensor in bf16, with
     the tokenizer of the checkpoint it was loaded from."""
-    from megatron_fp4.models.checkpoint_io import load_gpt
     from megatron_fp4.models.hf_conversion import HFFolderSource
+    from megatron_fp4.models.loading import load_gpt
     from megatron_fp4.rl.export import export_hf
 
     model = load_gpt(workdir / "converted", params_dtype=torch.bfloat16)

@@ -10,12 +10,9 @@ import torch
 
 from test_tools_helpers import VARIANTS, make_hf_model, run_tool
 
-from megatron_fp4.models.checkpoint_io import MegatronCheckpoint, load_gpt, shard_dirname
-from megatron_fp4.models.hf_conversion import (
-    HFFolderSource,
-    convert_hf_to_megatron,
-    convert_megatron_to_hf,
-)
+from megatron_fp4.models.checkpoint_io import MegatronCheckpoint, shard_dirname
+from megatron_fp4.models.hf_conversion import HFFolderSource, convert_megatron_to_hf
+from megatron_fp4.models.loading import convert_hf_to_megatron, load_gpt
 
 ATOL = 1e-4
 

@@ -11,14 +11,14 @@ import torch
 from test_tools_helpers import VARIANTS, make_hf_model, run_tool
 
 from megatron_fp4.formats import get_format
-from megatron_fp4.models.checkpoint_io import load_gpt
 from megatron_fp4.models.fp4_checkpoint import (
     QUANTIZED_LINEARS,
     FP4FolderSource,
     export_fp4_checkpoint,
     load_fp4_checkpoint,
 )
-from megatron_fp4.models.hf_conversion import HFFolderSource, convert_hf_to_megatron
+from megatron_fp4.models.hf_conversion import HFFolderSource
+from megatron_fp4.models.loading import convert_hf_to_megatron, load_gpt
 
 MEGATRON_LINEARS = ("linear_qkv.weight", "linear_proj.weight", "linear_fc1.weight", "linear_fc2.weight")
 

@@ -15,9 +15,9 @@ import torch
 from adversarial_record import is_clear, one_error_line, record, run_cli_inprocess, tree_digest
 from test_tools_helpers import REPO, make_hf_model, run_tool
 
-from megatron_fp4.models.checkpoint_io import MegatronCheckpoint, load_gpt
-from megatron_fp4.models.hf_conversion import (HFFolderSource, convert_hf_to_megatron, convert_megatron_to_hf,
-                                               iter_hf_tensors_from_megatron)
+from megatron_fp4.models.checkpoint_io import MegatronCheckpoint
+from megatron_fp4.models.hf_conversion import HFFolderSource, convert_megatron_to_hf, iter_hf_tensors_from_megatron
+from megatron_fp4.models.loading import convert_hf_to_megatron, load_gpt
 from megatron_fp4.models.safetensors_io import CHECKSUMS_KEY, WRITER_KEY, SafetensorsFile
 from megatron_fp4.ownership import OutputDirError
 

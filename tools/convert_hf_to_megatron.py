@@ -7,7 +7,7 @@ checkpoint.
     python tools/convert_hf_to_megatron.py --hf-path DIR --gguf-file SmolLM2-135M-Instruct.Q4_1.gguf --save ckpt/smol
 
 The result loads with ``pretrain_rl.py --load ckpt/...`` (any TP/PP dividing the model) and with
-``megatron_fp4.models.checkpoint_io.load_gpt(dir)``. Layout: see tools/README.md.
+``megatron_fp4.models.loading.load_gpt(dir)``. Layout: see tools/README.md.
 """
 
 from __future__ import annotations
@@ -43,7 +43,7 @@ def parse_args(argv=None) -> argparse.Namespace:
 
 def main(argv=None) -> None:
     args = parse_args(argv)
-    from megatron_fp4.models.hf_conversion import convert_hf_to_megatron
+    from megatron_fp4.models.loading import convert_hf_to_megatron
 
     hf_path, gguf_file = args.hf_path, args.gguf_file
     if hf_path is None:

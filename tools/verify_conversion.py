@@ -81,11 +81,11 @@ def main(argv=None) -> None:
             if not os.path.isdir(path):
                 raise FileNotFoundError(f"{flag} {path}: no such directory")
     from megatron_fp4.models.checkpoint_io import MegatronCheckpoint
-    from megatron_fp4.models.hf_conversion import open_hf_source
+    from megatron_fp4.models.loading import open_source
     from megatron_fp4.ownership import check_output_dir
 
     for hf_path, load in zip(args.hf_path, args.load):  # both readable before any process group starts
-        open_hf_source(hf_path)
+        open_source(hf_path)
         MegatronCheckpoint(load)
     if args.save:
         for index in range(len(args.load)):

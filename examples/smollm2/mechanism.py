@@ -69,7 +69,7 @@ def model_and_answers(data: str, num_prompts: int, max_new_tokens: int, batch: i
     tokens every measurement here is teacher-forced on. Returns (model, prompts, samples, seconds to load)."""
     from transformers import AutoTokenizer
 
-    from megatron_fp4.models.checkpoint_io import load_gpt
+    from megatron_fp4.models.loading import load_gpt
     from megatron_fp4.resq import RolloutPrecision
     from megatron_fp4.rl.data import load_gsm8k
     from megatron_fp4.rollout import NativeRolloutEngine, SamplingParams

@@ -80,7 +80,6 @@ __all__ = [
     "load_checkpoint_into_model",
     "rank_state",
     "gpt_model_args_from_checkpoint",
-    "load_gpt",
 ]
 
 CHECKPOINT_FORMAT = "megatron_fp4.gpt"
@@ -921,73 +920,3 @@ def gpt_model_args_from_checkpoint(path: PathLike, iteration: Optional[Union[int
 
     ckpt = path if isinstance(path, MegatronCheckpoint) else MegatronCheckpoint(path, iteration)
     return GPTModelArgs(**{**model_args_from_json(ckpt.model_args), "hf_info": hf_info_of(ckpt), **changes})
-
-
-def load_gpt(path: PathLike, iteration: Optional[Union[int, str]] = None, fp4_recipe: Any = None,
-             params_dtype: Optional[torch.dtype] = None, eval_mode: bool = True, gguf_file: Optional[str] = None,
-             **model_arg_changes: Any):
-    """A megatron-core GPTModel (TP=PP=1, this process) with the weights of ``path``.
-
-    ``path`` is a megatron-fp4 checkpoint (any TP/PP; merged on load), a Hugging Face Qwen2/Llama folder, an
-    FP4 export of ``tools/export_fp4_checkpoint.py`` (weights dequantized), or with ``gguf_file`` the folder holding
-    that GGUF file (read by transformers' GGUF loader). Initializes a single-process parallel_state if none exists.
-    ``fp4_recipe`` sets the model's FP4 recipe (None: high precision).
-    """
-    from megatron_fp4.models.gpt import GPTModelArgs, build_gpt_model
-    from megatron_fp4.parallel import initialize_parallel
-
-    path = Path(path)
-    if not path.exists():
-        raise FileNotFoundError(f"{path} does not exist")
-    tp_size, _, pp_size, _ = _parallel_ranks()
-    if tp_size != 1 or pp_size != 1:
-        raise RuntimeError(f"load_gpt builds a single-process model but parallel_state has TP={tp_size}, "
-                           f"PP={pp_size}; build the model with build_gpt_model and use load_checkpoint_into_model")
-    from megatron.core import parallel_state
-
-    if not parallel_state.model_parallel_is_initialized():
-        initialize_parallel(1, 1)  # (re-initializing would also re-seed the RNGs)
-    if is_megatron_checkpoint(path) and gguf_file is None:
-        ckpt = MegatronCheckpoint(path, iteration)
-        margs = model_args_from_json(ckpt.model_args)
-        margs["hf_info"] = hf_info_of(ckpt)
-        source = None
-    else:
-        from megatron_fp4.models.hf_conversion import SUPPORTED_ARCHITECTURES, open_hf_source
-
-        if gguf_file is not None:
-            from megatron_fp4.models.gguf import GGUFSource
-
-            source = GGUFSource(path, gguf_file)
-        else:
-            source = open_hf_source(path)
-        margs = source.model_args(tp=1)
-        config = {k: v for k, v in source.config.items() if k != "quantization_config"}
-        arch = (config.get("architectures") or [None])[0] or {
-            v: k for k, v in SUPPORTED_ARCHITECTURES.items()}[config["model_type"]]
-        margs["hf_info"] = {"config": config, "architecture": arch, "vocab_size": int(config["vocab_size"]),
-                            "assets_dir": None if gguf_file else str(path)}
-        ckpt = None
-    margs.update(model_arg_changes)
-    if params_dtype is not None:
-        margs["params_dtype"] = params_dtype
-    model = build_gpt_model(GPTModelArgs(**margs, fp4_recipe=fp4_recipe), parallel_output=False)
-    if ckpt is not None:
-        load_checkpoint_into_model(model, ckpt)
-    else:
-        from megatron_fp4.models.hf_conversion import megatron_tensor_from_hf
-
-        expected = _expected_state(model)
-        state = {k: megatron_tensor_from_hf(k, source, margs) for k in expected}
-        for k, v in state.items():
-            if tuple(v.shape) != tuple(expected[k].shape):
-                raise ValueError(f"shape mismatch for {k}: converted {tuple(v.shape)} vs model "
-                                 f"{tuple(expected[k].shape)}")
-        missing, unexpected = model.load_state_dict(state, strict=False)
-        missing = [k for k in missing if not k.endswith("_extra_state")]
-        if missing or unexpected:
-            raise KeyError(f"load_state_dict: missing {missing[:8]}, unexpected {unexpected[:8]}")
-    if eval_mode:
-        model.eval()
-    return model
-

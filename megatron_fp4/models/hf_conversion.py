@@ -24,9 +24,7 @@ import json
 import math
 import os
 import re
-import shutil
 import sys
-import uuid
 from pathlib import Path
 from typing import Any, Iterable, Iterator, Optional, Union
 
@@ -38,8 +36,6 @@ from megatron_fp4.models.checkpoint_io import (
     SHARD_FILENAME,
     MegatronCheckpoint,
     ShardedWeights,
-    _commit_iteration,
-    _tmp_iteration_dir,
     _write_text_atomic,
     asset_digests,
     checkpoint_args_doc,
@@ -61,6 +57,7 @@ __all__ = [
     "HFFolderSource",
     "DictSource",
     "open_hf_source",
+    "is_fp4_export",
     "model_args_from_hf_config",
     "check_parallel_sizes",
     "padded_vocab_size",
@@ -75,7 +72,6 @@ __all__ = [
     "progress_bar",
     "copy_hf_assets",
     "prepare_output_dir",
-    "convert_hf_to_megatron",
     "convert_megatron_to_hf",
 ]
 
@@ -404,17 +400,26 @@ class HFFolderSource(TensorSource):
         return str(self.path / self.weight_map.get(name, "?"))
 
 
+def is_fp4_export(path: PathLike) -> bool:
+    """Whether ``path`` is an FP4 export of ``tools/export_fp4_checkpoint.py`` (config.json's quantization_config
+    names quant_method 'megatron_fp4')."""
+    cfg_file = Path(path) / "config.json"
+    cfg = read_json_file(cfg_file) if cfg_file.is_file() else None
+    qc = cfg.get("quantization_config") if isinstance(cfg, dict) else None
+    return isinstance(qc, dict) and qc.get("quant_method") == "megatron_fp4"
+
+
 def open_hf_source(path: PathLike) -> TensorSource:
-    """The tensor source of an HF folder (plain, or an FP4 export whose weights are dequantized on access)."""
+    """The tensor source of a high-precision HF folder (:func:`megatron_fp4.models.loading.open_source` also opens
+    this package's FP4 exports and GGUF files)."""
     path = Path(path)
     cfg_file = path / "config.json"
     if cfg_file.is_file():
         cfg = read_json_file(cfg_file)
         qc = cfg.get("quantization_config") if isinstance(cfg, dict) else None
-        if isinstance(qc, dict) and qc.get("quant_method") == "megatron_fp4":
-            from megatron_fp4.models.fp4_checkpoint import FP4FolderSource
-
-            return FP4FolderSource(path)
+        if is_fp4_export(path):
+            raise ValueError(f"{path} is an FP4 export (quant_method 'megatron_fp4'): open it with "
+                             f"megatron_fp4.models.loading.open_source")
         if qc is not None:
             method = qc.get("quant_method") if isinstance(qc, dict) else qc
             raise ValueError(f"{cfg_file}: quantization_config (quant_method {method!r}) is not supported: the "
@@ -606,63 +611,6 @@ def _write_converted(source: TensorSource, save_dir: Path, tmp: Path, margs: dic
                               hf_architecture=archs[0], checkpoint_id=checkpoint_id, writer=writer,
                               extra={HF_ASSETS_DIRNAME: assets} if assets else None)
     _write_text_atomic(tmp / ARGS_FILENAME, json.dumps(doc, indent=2) + "\n")
-
-
-def convert_hf_to_megatron(hf_path: PathLike, save_dir: PathLike, tensor_model_parallel_size: int = 1,
-                           pipeline_model_parallel_size: int = 1, make_vocab_size_divisible_by: int = 1,
-                           iteration: Union[int, str] = "release", progress: bool = True,
-                           overwrite: bool = False, gguf_file: Optional[str] = None) -> Path:
-    """Convert an HF Qwen2/Llama folder to a TP x PP sharded megatron-fp4 checkpoint; returns the iteration dir.
-
-    ``gguf_file``: read the model from this GGUF file inside ``hf_path`` instead (through transformers' GGUF
-    loader, dequantized to fp32; its tokenizer and chat template go to hf_assets/). Shards are written one at a
-    time (each holds one TP rank of one PP stage) with their checksums into a temporary directory that is renamed
-    into place once complete; the tracker last. The output folder is checked before anything is read.
-    """
-    tp, pp = tensor_model_parallel_size, pipeline_model_parallel_size
-    iteration_dirname(iteration)  # validates
-    iteration = iteration if iteration == "release" else int(iteration)
-    for flag, v in (("--tensor-model-parallel-size", tp), ("--pipeline-model-parallel-size", pp),
-                    ("--make-vocab-size-divisible-by", make_vocab_size_divisible_by)):
-        if isinstance(v, bool) or not isinstance(v, int) or v < 1:
-            raise ValueError(f"{flag} {v!r} is not valid; expected an integer >= 1")
-    save_dir = Path(save_dir)
-    src_path = Path(hf_path) / gguf_file if gguf_file is not None else Path(hf_path)
-    prepare_output_dir(save_dir, overwrite, megatron_iteration=iteration, sources=[src_path])
-    if gguf_file is not None:
-        from megatron_fp4.models.gguf import GGUFSource
-
-        source = GGUFSource(hf_path, gguf_file)
-    else:
-        source = open_hf_source(hf_path)
-    margs = model_args_from_hf_config(source.config, source.config_where)
-    check_parallel_sizes(margs, tp, pp)
-    hf_vocab = margs["vocab_size"]
-    margs = source.model_args(tp, make_vocab_size_divisible_by)
-    checkpoint_id = uuid.uuid4().hex
-    writer = writer_record("tools/convert_hf_to_megatron.py (megatron_fp4.models.hf_conversion.convert_hf_to_megatron)",
-                           source=str(src_path.resolve()))
-    tmp = _tmp_iteration_dir(save_dir, iteration)
-    if tmp.exists():
-        shutil.rmtree(tmp)  # left by an interrupted conversion
-    created = not save_dir.exists()
-    try:
-        _write_converted(source, save_dir, tmp, margs, tp, pp, iteration, hf_vocab, checkpoint_id, writer, progress)
-    except BaseException:
-        shutil.rmtree(tmp, ignore_errors=True)  # nothing half-written stays behind (a kill leaves it to the next run)
-        if created and save_dir.is_dir() and not any(save_dir.iterdir()):
-            save_dir.rmdir()
-        raise
-    assets = tmp / HF_ASSETS_DIRNAME
-    if assets.is_dir():
-        final, aside = save_dir / HF_ASSETS_DIRNAME, save_dir / f".del_{HF_ASSETS_DIRNAME}"
-        if aside.exists():
-            shutil.rmtree(aside)
-        if final.exists():
-            os.replace(final, aside)
-        os.replace(assets, final)
-        shutil.rmtree(aside, ignore_errors=True)
-    return _commit_iteration(save_dir, iteration, tmp)
 
 
 # -- megatron -> HF --------------------------------------------------------------------------------------------------

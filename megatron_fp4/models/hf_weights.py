@@ -20,7 +20,8 @@ from typing import Any, Union
 import torch
 
 from megatron_fp4.models.checkpoint_io import ShardedWeights, stage_param_names
-from megatron_fp4.models.hf_conversion import megatron_tensor_from_hf, model_args_from_hf_config, open_hf_source
+from megatron_fp4.models.hf_conversion import megatron_tensor_from_hf, model_args_from_hf_config
+from megatron_fp4.models.loading import open_source
 
 __all__ = ["HFCheckpointWeights", "hf_gpt_model_args"]
 
@@ -32,7 +33,7 @@ class HFCheckpointWeights(ShardedWeights):
 
     def __init__(self, path: PathLike) -> None:
         self.dir = Path(path)
-        self.source = open_hf_source(self.dir)  # checks config.json and the weight files
+        self.source = open_source(self.dir)  # checks config.json and the weight files (an FP4 export too)
         real_vocab = model_args_from_hf_config(self.source.config)["vocab_size"]
         self.model_args: dict = self.source.model_args(tp=1)  # shapes checked; params_dtype = the embedding's
         self.args: dict = {"hf_vocab_size": real_vocab}
