@@ -18,7 +18,8 @@ timed ones (median). Columns:
 - loss, grad_norm: the first timed step's values (same seed per row: comparable across code versions).
 
 ``--profile`` adds, per row, the CUDA time of one step by kernel family (GEMM, FP4 quantize, attention, ...), the
-top kernels, and the host's top Python functions (cProfile: where a CPU-bound step spends its time). Recipes: bf16 (no recipe), hif4, mxfp4, and mxfp4-fp8 / mxfp4-fp8_fast (MXFP4 with --fp4-gemm-mode).
+top kernels, and the host's top Python functions (cProfile: where a CPU-bound step spends its time).
+``--host-overhead`` measures only each recipe's host time per linear forward + backward (tiny operands, no model). Recipes: bf16 (no recipe), hif4, mxfp4, and mxfp4-fp8 / mxfp4-fp8_fast (MXFP4 with --fp4-gemm-mode).
 """
 
 from __future__ import annotations
@@ -221,6 +222,32 @@ def run_row(args, recipe_name: str, batch: int, seq: int) -> dict:
     return row
 
 
+def host_overhead_us(recipe_name: str, iters: int = 300, device: str = "cuda") -> float:
+    """Host microseconds per linear forward + backward (one [16, 1536] x [1536, 1536] layer: the GPU work is a few
+    microseconds, so the wall time per iteration is the host's: Python wrappers and kernel launches)."""
+    from megatron_fp4.linear import fp4_linear
+    from megatron_fp4 import ops
+
+    recipe, _ = recipe_and_mode(recipe_name)
+    x = torch.randn(16, 1536, device=device, dtype=torch.bfloat16, requires_grad=True)
+    w = torch.randn(1536, 1536, device=device, dtype=torch.bfloat16, requires_grad=True)
+    sync = torch.cuda.synchronize if device == "cuda" else (lambda: None)
+
+    def step():
+        y = fp4_linear(x, w, None, recipe) if recipe is not None else torch.nn.functional.linear(x, w)
+        y.backward(torch.ones_like(y))
+
+    with ops.quantized_weight_cache():  # the weight quantized once, as over a schedule's micro-batches
+        for _ in range(20):
+            step()
+        sync()
+        t0 = time.perf_counter()
+        for _ in range(iters):
+            step()
+        sync()
+    return (time.perf_counter() - t0) / iters * 1e6
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--shape", default="qwen2.5-1.5b", choices=sorted(SHAPES))
@@ -235,6 +262,8 @@ def main() -> None:
     ap.add_argument("--distributed-optimizer", action="store_true")
     ap.add_argument("--attention-backend", default=None, help="passed to the model args when given")
     ap.add_argument("--profile", action="store_true")
+    ap.add_argument("--host-overhead", action="store_true",
+                    help="only measure each recipe's host time per linear forward + backward (tiny operands)")
     ap.add_argument("--out", default=os.path.join(os.path.dirname(__file__), "results", "train.json"))
     args = ap.parse_args()
     for r in args.recipes.split(","):
@@ -250,7 +279,12 @@ def main() -> None:
     torch.distributed.init_process_group("nccl", rank=0, world_size=1)
     initialize_parallel(tensor_model_parallel_size=1, pipeline_model_parallel_size=1, seed=args.seed)
     rows = []
-    batches = parse_batches(args.batches)
+    if args.host_overhead:
+        for r in args.recipes.split(","):
+            rows.append(dict(recipe=r, host_us_per_linear=host_overhead_us(r)))
+            print(f"{r:<15} host time per linear forward + backward: {rows[-1]['host_us_per_linear']:.1f} us",
+                  flush=True)
+    batches = [] if args.host_overhead else parse_batches(args.batches)
     print(f"{'recipe':<15} {'BxT':>8} {'tok/s':>9} {'MFU':>6} {'step s':>7} {'opt s':>6} {'peak GiB':>8} "
           f"{'no-opt':>7} {'loss':>9}", flush=True)
     for b, t, mb in batches:
