@@ -19,7 +19,8 @@ timed ones (median). Columns:
 
 ``--profile`` adds, per row, the CUDA time of one step by kernel family (GEMM, FP4 quantize, attention, ...), the
 top kernels, and the host's top Python functions (cProfile: where a CPU-bound step spends its time).
-``--host-overhead`` measures only each recipe's host time per linear forward + backward (tiny operands, no model). Recipes: bf16 (no recipe), hif4, mxfp4, and mxfp4-fp8 / mxfp4-fp8_fast (MXFP4 with --fp4-gemm-mode).
+``--host-overhead`` measures only each recipe's host time per linear forward + backward (tiny operands, no model).
+Recipes: bf16 (no recipe), hif4, mxfp4, and mxfp4-fp8 / mxfp4-fp8_fast (MXFP4 with --fp4-gemm-mode).
 """
 
 from __future__ import annotations

@@ -22,13 +22,8 @@ import torch.nn.functional as F
 
 from kernels._common import HAS_TRITON, kernels_usable, tl, triton
 
-__all__ = ["add_rms_norm", "add_rms_norm_reference", "rope_kv_write", "rope_kv_write_reference", "swiglu",
-           "swiglu_reference", "usable"]
-
-
-def usable(*tensors: torch.Tensor) -> bool:
-    """Whether the fused kernels can run on these tensors."""
-    return kernels_usable(*tensors)
+__all__ = ["add_rms_norm", "add_rms_norm_reference", "rope_reference", "rope_kv_write", "rope_kv_write_reference",
+           "swiglu", "swiglu_reference"]
 
 
 # ----------------------------------------------------------------------------------------------------------------
@@ -40,18 +35,20 @@ def add_rms_norm_reference(x: torch.Tensor, delta: Optional[torch.Tensor], norm:
     return norm(s), s
 
 
+def rope_reference(t: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """Rotate-half RoPE of ``t [..., hd]``: t * cos + rotate_half(t) * sin (cos, sin broadcast against t)."""
+    h = t.shape[-1] // 2
+    return t * cos + torch.cat((-t[..., h:], t[..., :h]), dim=-1) * sin
+
+
 def rope_kv_write_reference(qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, k_cache: torch.Tensor,
                             v_cache: torch.Tensor, pos: torch.Tensor, group: int) -> torch.Tensor:
     """``qkv [B, ng, group + 2, hd]`` (megatron's layout: a kv group's query heads, then k, then v); ``cos, sin
     [B, hd]`` at each token's position; caches ``[B, ng, S, hd]``. Writes rotated k and v at ``pos``; returns the
     rotated queries ``[B, ng, group, hd]``."""
-    def rope(t, c, s):
-        h = t.shape[-1] // 2
-        return t * c + torch.cat((-t[..., h:], t[..., :h]), dim=-1) * s
-
     rows = torch.arange(qkv.shape[0], device=qkv.device)
-    q = rope(qkv[:, :, :group], cos[:, None, None], sin[:, None, None])
-    k_cache[rows, :, pos] = rope(qkv[:, :, group], cos[:, None], sin[:, None])
+    q = rope_reference(qkv[:, :, :group], cos[:, None, None], sin[:, None, None])
+    k_cache[rows, :, pos] = rope_reference(qkv[:, :, group], cos[:, None], sin[:, None])
     v_cache[rows, :, pos] = qkv[:, :, group + 1]
     return q
 
@@ -148,7 +145,7 @@ def add_rms_norm(x: torch.Tensor, delta: Optional[torch.Tensor], norm: torch.nn.
     """(``norm(x + delta)``, ``x + delta``) for ``x, delta [B, N]`` (``delta`` None: no add): one kernel for a
     torch RMSNorm (output in x's dtype, as torch's), the twin otherwise."""
     p = _rms_params(norm, x)
-    if p is None or not usable(x) or (delta is not None and (delta.shape != x.shape or delta.stride(-1) != 1)):
+    if p is None or not kernels_usable(x) or (delta is not None and (delta.shape != x.shape or delta.stride(-1) != 1)):
         return add_rms_norm_reference(x, delta, norm)
     w, eps = p
     B, N = x.shape
@@ -164,7 +161,7 @@ def rope_kv_write(qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, k_cac
                   v_cache: torch.Tensor, pos: torch.Tensor, group: int) -> torch.Tensor:
     """:func:`rope_kv_write_reference` in one kernel (one program per token and kv group)."""
     B, ng, R, hd = qkv.shape
-    if (not usable(qkv, cos, sin, k_cache, v_cache, pos) or R != group + 2 or hd % 2 or qkv.stride(-1) != 1
+    if (not kernels_usable(qkv, cos, sin, k_cache, v_cache, pos) or R != group + 2 or hd % 2 or qkv.stride(-1) != 1
             or k_cache.stride(-1) != 1 or v_cache.stride() != k_cache.stride() or cos.stride(-1) != 1
             or cos.stride() != sin.stride()):
         return rope_kv_write_reference(qkv, cos, sin, k_cache, v_cache, pos, group)
@@ -179,7 +176,7 @@ def rope_kv_write(qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, k_cac
 
 def swiglu(a: torch.Tensor) -> torch.Tensor:
     """:func:`swiglu_reference` for ``a [B, 2F]`` in one kernel."""
-    if not usable(a) or a.dim() != 2 or a.shape[1] % 2 or a.stride(-1) != 1:
+    if not kernels_usable(a) or a.dim() != 2 or a.shape[1] % 2 or a.stride(-1) != 1:
         return swiglu_reference(a)
     B, F2 = a.shape
     F_ = F2 // 2

@@ -5,6 +5,7 @@ import random
 
 import pytest
 import torch
+from torch.utils._python_dispatch import TorchDispatchMode
 
 os.environ.setdefault("PYTHONHASHSEED", "0")
 # Small CPU matmuls are far faster on one intra-op thread than contending for both cores.
@@ -27,6 +28,25 @@ def pytest_collection_modifyitems(config, items):
     for item in items:
         if "gpu" in item.keywords:
             item.add_marker(skip_gpu)
+
+
+class HostReads(TorchDispatchMode):
+    """Counts aten._local_scalar_dense inside its block: the op behind item() / float() / bool() of a tensor, which
+    on a GPU is a host sync."""
+
+    def __init__(self):
+        super().__init__()
+        self.count = 0
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        self.count += func is torch.ops.aten._local_scalar_dense.default
+        return func(*args, **(kwargs or {}))
+
+
+@pytest.fixture
+def host_reads():
+    """``with host_reads() as r: ...`` then ``r.count``: how many device values the block read on the host."""
+    return HostReads
 
 
 @pytest.fixture(autouse=True)

@@ -9,7 +9,6 @@ import os
 
 import pytest
 import torch
-from torch.utils._python_dispatch import TorchDispatchMode
 
 if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
@@ -50,18 +49,6 @@ def _inputs(kind, shape, dtype=torch.float32, device=DEV, seed=0):
         flat[min(77, flat.numel() - 1)] = -0.0
         flat[min(140, flat.numel() - 1):] *= 1e-30
     return x.to(dtype).to(device)
-
-
-class _HostReads(TorchDispatchMode):
-    """Counts aten._local_scalar_dense (what item() / float() / bool() of a tensor run: a host sync on a GPU)."""
-
-    def __init__(self):
-        super().__init__()
-        self.count = 0
-
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        self.count += func is torch.ops.aten._local_scalar_dense.default
-        return func(*args, **(kwargs or {}))
 
 
 def _rel(a, b):
@@ -348,7 +335,7 @@ def test_quantize_both_bit_exact(name):
 
 
 @pytest.mark.parametrize("name", ["hif4", "mxfp4"])
-def test_training_backend_expansion_only_and_strided(name):
+def test_training_backend_expansion_only_and_strided(name, host_reads):
     """The training GEMMs' quantizer writes only the expansion (packed=False), equal to the packed call's, and
     reads transposed views as they are; kernels_backend.KernelBackend's GEMMs (exact; MXFP4 fp8 mode in the
     interpreter's exact dots) equal the reference's, and the FP4 linear's forward and gradients through it equal
@@ -399,11 +386,11 @@ def test_training_backend_expansion_only_and_strided(name):
     prev = ops.fp4_gemm_backend_for(dtype)
     ops.register_fp4_gemm_backend(dtype, be)
     try:
-        with ops.quantized_weight_cache(), _HostReads() as reads:
+        with ops.quantized_weight_cache(), host_reads() as reads:
             got = fwd_bwd()
         assert reads.count == 0  # no host sync in an FP4 linear's forward and backward (a GPU would wait there)
         if name == "mxfp4":  # the FP8 mode too: its rows are no longer checked on the host
-            with ops.quantized_weight_cache(), _HostReads() as reads:
+            with ops.quantized_weight_cache(), host_reads() as reads:
                 recipe = dataclasses.replace(recipe, gemm_mode="fp8")
                 got8 = fwd_bwd()
             assert reads.count == 0

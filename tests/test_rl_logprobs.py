@@ -127,31 +127,18 @@ def test_actor_losses_unchanged_bit_for_bit(dtype):
     assert torch.equal(nll, ref_nll) and torch.equal(a.grad, b.grad)
 
 
-class _HostReads(TorchDispatchMode):
-    """Counts aten._local_scalar_dense: the op behind item() / float() / bool() of a tensor, a host sync on a GPU."""
-
-    def __init__(self):
-        super().__init__()
-        self.count = 0
-
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        if func is torch.ops.aten._local_scalar_dense.default:
-            self.count += 1
-        return func(*args, **(kwargs or {}))
-
-
 @pytest.mark.parametrize("tis", [True, False])
-def test_grpo_loss_reads_nothing_back_to_the_host(tis):
+def test_grpo_loss_reads_nothing_back_to_the_host(tis, host_reads):
     """The per-micro-batch GRPO loss, its metrics and its backward never read a device value on the host (they used
     to, ~15 times per micro-batch); the statistics are read once per optimizer step, by reduce_token_stats."""
     cfg = grpo.GRPOConfig(group_size=2, kl_beta=0.01, use_tis=tis)
     batch = _batch()
     logits = _logits((4, 11, 37), torch.float32, seed=3).requires_grad_()
-    with _HostReads() as reads:
+    with host_reads() as reads:
         loss, n, mets = actor._grpo_loss(cfg, batch, logits)
         loss.backward()
     assert reads.count == 0
     assert all(isinstance(v, torch.Tensor) for v in mets.values()) and {"loss", "ratio_max", "num_tokens"} <= set(mets)
-    with _HostReads() as reads:
+    with host_reads() as reads:
         float(mets["loss"])
     assert reads.count == 1  # the counter does see a host read

@@ -400,13 +400,16 @@ class HFFolderSource(TensorSource):
         return str(self.path / self.weight_map.get(name, "?"))
 
 
+def _is_fp4_quantization(qc: Any) -> bool:
+    return isinstance(qc, dict) and qc.get("quant_method") == "megatron_fp4"
+
+
 def is_fp4_export(path: PathLike) -> bool:
     """Whether ``path`` is an FP4 export of ``tools/export_fp4_checkpoint.py`` (config.json's quantization_config
     names quant_method 'megatron_fp4')."""
     cfg_file = Path(path) / "config.json"
     cfg = read_json_file(cfg_file) if cfg_file.is_file() else None
-    qc = cfg.get("quantization_config") if isinstance(cfg, dict) else None
-    return isinstance(qc, dict) and qc.get("quant_method") == "megatron_fp4"
+    return _is_fp4_quantization(cfg.get("quantization_config") if isinstance(cfg, dict) else None)
 
 
 def open_hf_source(path: PathLike) -> TensorSource:
@@ -417,7 +420,7 @@ def open_hf_source(path: PathLike) -> TensorSource:
     if cfg_file.is_file():
         cfg = read_json_file(cfg_file)
         qc = cfg.get("quantization_config") if isinstance(cfg, dict) else None
-        if is_fp4_export(path):
+        if _is_fp4_quantization(qc):
             raise ValueError(f"{path} is an FP4 export (quant_method 'megatron_fp4'): open it with "
                              f"megatron_fp4.models.loading.open_source")
         if qc is not None:

@@ -225,13 +225,9 @@ class StaticCacheGenerator:
     def _linear(self, mod: torch.nn.Module, x: torch.Tensor) -> torch.Tensor:
         return rollout_linear(x, mod.weight, getattr(mod, "bias", None), self._precision, cache=self._cache)
 
-    def _rope(self, t: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-        h = t.shape[-1] // 2
-        rot = torch.cat((-t[..., h:], t[..., :h]), dim=-1)
-        return t * cos + rot * sin
-
-    def _mlp(self, layer: _Layer, x: torch.Tensor) -> torch.Tensor:
-        return self._linear(layer.fc2, self._act(self._linear(layer.fc1, layer.ln2(x))))
+    def _mlp(self, layer: _Layer, h: torch.Tensor) -> torch.Tensor:
+        """The MLP of the normed input ``h``."""
+        return self._linear(layer.fc2, self._act(self._linear(layer.fc1, h)))
 
     def _act(self, a: torch.Tensor) -> torch.Tensor:
         if not self.gated:
@@ -254,7 +250,8 @@ class StaticCacheGenerator:
         return qkv[..., : self.group, :], qkv[..., self.group, :], qkv[..., self.group + 1, :]
 
     def _logits(self, h: torch.Tensor) -> torch.Tensor:
-        return F.linear(self.final_norm(h), self.output_weight, self.output_bias).float()
+        """fp32 logits of the final-normed hidden states ``h``."""
+        return F.linear(h, self.output_weight, self.output_bias).float()
 
     def _prefill(self, st: dict, ids: torch.Tensor, lens: torch.Tensor, slots: torch.Tensor) -> torch.Tensor:
         """Run right-padded prompts ``ids [b, L]`` (lengths ``lens``) and write their K/V into cache ``slots``;
@@ -264,17 +261,17 @@ class StaticCacheGenerator:
         cos, sin = st["cos"][:L][None, :, None], st["sin"][:L][None, :, None]
         for i, layer in enumerate(self.layers):
             q, k, v = self._split_qkv(self._linear(layer.qkv, layer.ln1(x)))  # q [b, L, ng, G, hd]
-            q = self._rope(q.reshape(b, L, self.heads, self.head_dim), cos, sin)
-            k = self._rope(k, cos, sin)
+            q = decode_ops.rope_reference(q.reshape(b, L, self.heads, self.head_dim), cos, sin)
+            k = decode_ops.rope_reference(k, cos, sin)
             st["k"][i, slots, :, :L] = k.transpose(1, 2)
             st["v"][i, slots, :, :L] = v.transpose(1, 2)
             kk = k.transpose(1, 2).repeat_interleave(self.group, dim=1)
             vv = v.transpose(1, 2).repeat_interleave(self.group, dim=1)
             o = F.scaled_dot_product_attention(q.transpose(1, 2), kk, vv, is_causal=True, scale=self.scale)
             x = x + self._linear(layer.proj, o.transpose(1, 2).reshape(b, L, self.heads * self.head_dim))
-            x = x + self._mlp(layer, x)
+            x = x + self._mlp(layer, layer.ln2(x))
         last = x[torch.arange(b, device=x.device), lens - 1]
-        return self._logits(last)
+        return self._logits(self.final_norm(last))
 
     def _decode(self, st: dict, B: int) -> torch.Tensor:
         """One token for slots [0, B): reads st tok/pos, writes K/V at pos, returns fp32 logits [B, V]. Each residual
@@ -293,9 +290,8 @@ class StaticCacheGenerator:
             o = F.scaled_dot_product_attention(q, kc, vc, attn_mask=valid, scale=self.scale)  # [B, ng, G, hd]
             delta = self._linear(layer.proj, o.reshape(B, self.heads * self.head_dim))
             h, x = self._add_norm(x, delta, layer.ln2)
-            delta = self._linear(layer.fc2, self._act(self._linear(layer.fc1, h)))
-        h, _ = self._add_norm(x, delta, self.final_norm)
-        return F.linear(h, self.output_weight, self.output_bias).float()
+            delta = self._mlp(layer, h)
+        return self._logits(self._add_norm(x, delta, self.final_norm)[0])
 
     def _record(self, st: dict, B: int, tok: torch.Tensor, lp: torch.Tensor, params: SamplingParams,
                 stop_ids: torch.Tensor) -> None:
