@@ -17,11 +17,11 @@ from typing import Optional
 
 import torch
 
-from kernels._common import DECODE_MAX_M, KERNEL_FORMATS, kernels_usable
+from kernels._common import DECODE_MAX_M, KERNEL_FORMATS, interpreting, kernels_usable
 from megatron_fp4.formats import Format, InvalidTensorError, QuantizedTensor, check_tensor, get_format
 from megatron_fp4.ops.backend import GEMM_MODES, reference_fp4_gemm
 
-__all__ = ["available", "fp4_gemm", "e4m3_for_cublas", "PreparedWeight", "prepare_weight", "linear", "decode_matmul",
+__all__ = ["available", "fp4_gemm", "fp8_weight_expand", "PreparedWeight", "prepare_weight", "linear", "decode_matmul",
            "MODES", "PROMOTE"]
 
 
@@ -77,16 +77,11 @@ def fp4_gemm(a: torch.Tensor, b: torch.Tensor, a_format, b_format=None, mode: st
     return mm_expanded(ea, eb, promote=PROMOTE[mode])
 
 
-def e4m3_for_cublas(q: QuantizedTensor, e):
-    """A weight's E5M2 expansion as E4M3 where cuBLAS's FP8 GEMM can then take it (it multiplies E5M2 activations
-    by E4M3 weights only), else as it is."""
-    from kernels.gemm import _cublas_applies
-    from kernels.quantize import expand_packed
-
-    if e.values.dtype != torch.float8_e5m2:
-        return e
-    e4 = expand_packed(q, "e4m3")
-    return e4 if _cublas_applies(e, e4) else e
+def fp8_weight_expand(w: torch.Tensor) -> str:
+    """The ``kernels.quantize.quantize`` expansion of an MXFP4 weight ``[n, K]`` for the FP8 GEMM modes: "e4m3"
+    where cuBLAS's FP8 GEMM can then take it (it multiplies E5M2 activations by E4M3 weights only: CUDA, n a
+    multiple of 16), else "native" (E5M2, the Triton FP8 GEMM's)."""
+    return "e4m3" if w.is_cuda and not interpreting() and w.shape[0] % 16 == 0 else "native"
 
 
 @dataclass
@@ -124,8 +119,7 @@ def prepare_weight(w: torch.Tensor, fmt, mode: str = "exact") -> PreparedWeight:
     _check_mode(mode)
     check_tensor(w, "w", "kernels.dispatch.prepare_weight", ndim=2)
     f = get_format(fmt)
-    q, e = quantize(w, f, dim=-1, expand="bf16" if mode == "exact" else "native")
-    e = e4m3_for_cublas(q, e)
+    q, e = quantize(w, f, dim=-1, expand="bf16" if mode == "exact" or f.name == "hif4" else fp8_weight_expand(w))
     wide = needs_wide_decode(q)
     return PreparedWeight(q, e, f, mode, wide, decode=_decode_layout(q, wide))
 

@@ -22,8 +22,9 @@ from megatron_fp4.formats import QuantizedTensor, check_tensor, get_format
 
 __all__ = ["Expanded", "quantize", "quantize_both", "expand_packed", "EXPAND_MODES"]
 
-EXPAND_MODES = (None, "native", "bf16")
-#: expand_packed also writes MXFP4 weights as E4M3 (the cuBLAS FP8 GEMM's second operand).
+#: "e4m3": MXFP4 only, E4M3 relative to a row scale (weights for the cuBLAS FP8 GEMM, which multiplies E5M2
+#: activations by E4M3 weights only).
+EXPAND_MODES = (None, "native", "bf16", "e4m3")
 WEIGHT_EXPAND_MODES = ("native", "bf16", "e4m3")
 
 
@@ -192,6 +193,28 @@ if HAS_TRITON:
         return bits, tl.min(ok.to(tl.int32), axis=1)
 
     @triton.jit
+    def _mx_e4m3(codes, X, S, bad, BR: tl.constexpr, BK: tl.constexpr):
+        """E4M3 (fn) bit patterns (int32) of MXFP4 codes relative to the row scale 2^S (S = the row's largest
+        block exponent - 6: its 6 * 2^X is 384), subnormals included, and the flag [BR] of :func:`_mx_e5m2`.
+        A value 1.m * 2^E is normal for E >= -6; E4M3's subnormals k/8 * 2^-6 hold it for E = -7, -8 and, for
+        m = 0, E = -9 (k = 2m' * 2^(E + 8) with 2m' = 2 or 3); smaller ones are flushed to a signed zero; bad
+        blocks become NaN (0x7F), as :func:`fp8_rows` of the reference's values."""
+        NB: tl.constexpr = BK // 32
+        mag = codes & 7
+        ee = mag >> 1
+        m2 = tl.where(ee == 0, 2, 2 + (mag & 1))  # twice the significand: 2 (1.0) or 3 (1.5)
+        E = tl.where(ee == 0, -1, ee - 1) + _bcast(X, BR, NB, 32) - S[:, None]
+        normal = E >= -6
+        sub = (E >= -8) | ((E == -9) & (m2 == 2))
+        k = tl.where(E >= -8, m2 << tl.maximum(E + 8, 0), 1)
+        ok = (mag == 0) | normal | sub
+        sign = (codes & 8) << 4
+        bits = tl.where(normal, ((E + 7) << 3) | ((m2 - 2) << 2), k)
+        bits = sign | tl.where(ok & (mag != 0), bits, 0)
+        bits = tl.where(_bcast(bad.to(tl.int32), BR, NB, 32) != 0, 0x7F, bits)
+        return bits, tl.min(ok.to(tl.int32), axis=1)
+
+    @triton.jit
     def _store_packed(codes_ptr, codes, rows, rmask, k0, KP, stride_cr, BR: tl.constexpr, BK: tl.constexpr):
         lo, hi = tl.split(tl.reshape(codes, (BR, BK // 2, 2)))
         byte = (lo | (hi << 4)).to(tl.uint8)
@@ -262,15 +285,19 @@ if HAS_TRITON:
     def _mx_quant_kernel(x_ptr, codes_ptr, scales_ptr, ex_ptr, rexp_ptr, rok_ptr, R, K, KP, stride_xr,
                          stride_xk, stride_cr, stride_sr, stride_er, K_BUCKET, RCEIL: tl.constexpr, EXPAND: tl.constexpr,
                          BR: tl.constexpr, BK: tl.constexpr, PREFETCH: tl.constexpr = 0, PACKED: tl.constexpr = 1):
-        """EXPAND: 0 none, 1 E5M2 + row scale (two passes over x), 2 bf16. PACKED: store the codes and scales."""
+        """EXPAND: 0 none, 1 E5M2 + row scale (two passes over x), 2 bf16, 3 E4M3 + row scale (two passes; weights
+        for cuBLAS's FP8 GEMM). PACKED: store the codes and scales."""
         NB: tl.constexpr = BK // 32
         rows = tl.program_id(0) * BR + tl.arange(0, BR)
         rmask = rows < R
         S = tl.zeros((BR,), dtype=tl.int32)
         ok = tl.full((BR,), 1, dtype=tl.int32)
-        if EXPAND == 1:
+        if EXPAND == 1:  # the row's largest block maps to E5M2's 2^2 binade (6 * 2^X -> 1.5 * 2^15)
             am = _row_amax(x_ptr, rows, rmask, K, stride_xr, stride_xk, BR, BK)
             S = tl.minimum(tl.maximum(_mx_x(am, RCEIL) - 13, -126), 127)
+        if EXPAND == 3:  # ... and to E4M3's 384 (6 * 2^X -> 1.5 * 2^8 <= 448)
+            am = _row_amax(x_ptr, rows, rmask, K, stride_xr, stride_xk, BR, BK)
+            S = tl.minimum(tl.maximum(_mx_x(am, RCEIL) - 6, -126), 127)
         xn = _first_tile(x_ptr, rows, rmask, K, stride_xr, stride_xk, BR, BK, PREFETCH)
         for k0 in range(tl.program_id(1) * BK, KP, tl.num_programs(1) * BK):
             cols = k0 + tl.arange(0, BK)
@@ -288,7 +315,11 @@ if HAS_TRITON:
                 tl.store(ex_ptr + rows[:, None] * stride_er + cols[None, :], bits.to(tl.uint8), mask=emask)
             if EXPAND == 2:
                 tl.store(ex_ptr + rows[:, None] * stride_er + cols[None, :], val.to(tl.bfloat16), mask=emask)
-        if EXPAND == 1:
+            if EXPAND == 3:
+                bits, okt = _mx_e4m3(codes, X, S, bad, BR, BK)
+                ok = ok & okt
+                tl.store(ex_ptr + rows[:, None] * stride_er + cols[None, :], bits.to(tl.uint8), mask=emask)
+        if EXPAND % 2 == 1:  # the FP8 forms (1, 3): their row scales and flags
             tl.store(rexp_ptr + rows, S, mask=rmask)
             tl.store(rok_ptr + rows, ok.to(tl.int8), mask=rmask)
 
@@ -411,7 +442,9 @@ def quantize(x: torch.Tensor, fmt, dim: int = -1, expand: Optional[str] = None,
     """
     f = get_format(fmt)
     if expand not in EXPAND_MODES:
-        raise ValueError(f"expand={expand!r} is not valid; allowed values: None, 'native', 'bf16'")
+        raise ValueError(f"expand={expand!r} is not valid; allowed values: None, 'native', 'bf16', 'e4m3'")
+    if expand == "e4m3" and f.name == "hif4":
+        raise ValueError("expand='e4m3' is MXFP4's FP8 weight form; HiF4 expands to 'native' or 'bf16' (BF16)")
     if x.dim() == 0:
         raise ValueError("cannot quantize a 0-d tensor along a dimension")
     if not packed and not expand:
@@ -432,7 +465,7 @@ def quantize(x: torch.Tensor, fmt, dim: int = -1, expand: Optional[str] = None,
     codes = torch.empty((R, kp // 2) if packed else (1, 1), dtype=torch.uint8, device=dev)
     BR, BK, warps, *pf = config or _block_config(f.name, x2)
     pf = pf[0] if pf else 0
-    fixed, grid = _fixed_launch(x2, kp, BR, BK, config, row_pass=f.name != "hif4" and expand == "native")
+    fixed, grid = _fixed_launch(x2, kp, BR, BK, config, row_pass=f.name != "hif4" and expand in ("native", "e4m3"))
     tgrid = lambda meta: (cdiv(R, meta["BR"]), 1)  # noqa: E731
     ex = None
     if f.name == "hif4":
@@ -450,9 +483,9 @@ def quantize(x: torch.Tensor, fmt, dim: int = -1, expand: Optional[str] = None,
         scales_out = scales.reshape(*outer, nblk, 4) if packed else None
     else:
         scales = torch.empty((R, nblk) if packed else (1, 1), dtype=torch.uint8, device=dev)
-        mode = {None: 0, "native": 1, "bf16": 2}[expand]
+        mode = {None: 0, "native": 1, "bf16": 2, "e4m3": 3}[expand]
         rexp = rok = None
-        if mode == 1:
+        if mode % 2 == 1:
             ex = Expanded(torch.empty((R, kp), dtype=torch.uint8, device=dev),
                           torch.empty((R,), dtype=torch.int32, device=dev),
                           torch.empty((R,), dtype=torch.int8, device=dev))
@@ -469,8 +502,9 @@ def quantize(x: torch.Tensor, fmt, dim: int = -1, expand: Optional[str] = None,
             _mx_quant_kernel[grid](*args, **kw, BR=BR, BK=BK, PREFETCH=pf, num_warps=warps)
         else:
             _mx_quant_tuned[tgrid](*args, **kw)
-        if mode == 1:
-            ex = Expanded(ex.values.view(torch.float8_e5m2), ex.row_exp, ex.row_ok.bool())
+        if mode % 2 == 1:
+            ex = Expanded(ex.values.view(torch.float8_e5m2 if mode == 1 else torch.float8_e4m3fn), ex.row_exp,
+                          ex.row_ok.bool())
         scales_out = scales.reshape(*outer, nblk) if packed else None
     if not packed:
         return None, ex

@@ -81,6 +81,13 @@ def _check_pack(x, name, dim, config=None):
         twin = expand_packed(r, "native")
         assert torch.equal(twin.row_ok[fin], ex.row_ok[fin]) and torch.equal(twin.row_exp[fin], ex.row_exp[fin])
         assert torch.equal(_fp8_bytes(twin.values)[fin], _fp8_bytes(ex.values)[fin])
+        # the E4M3 weight form (cuBLAS's FP8 GEMM): its window ends at 2^(row_exp - 8), subnormals included
+        _, e4 = quantize(x, name, dim=dim, expand="e4m3", config=config, packed=False)
+        assert e4.values.dtype == torch.float8_e4m3fn
+        _check_fp8(e4, rows, k, window=-8)
+        twin = expand_packed(r, "e4m3")
+        assert torch.equal(twin.row_ok[fin], e4.row_ok[fin]) and torch.equal(twin.row_exp[fin], e4.row_exp[fin])
+        assert torch.equal(_fp8_bytes(twin.values)[fin], _fp8_bytes(e4.values)[fin])
 
 
 def _fp8_bytes(v):
@@ -182,16 +189,23 @@ def _check_resq(x, name, config=None):
 
 @pytest.mark.parametrize("name", ["mxfp4", "mxfp4_rceil"])
 def test_fp8_expansion_flushes_as_the_twin(name):
-    """Finite rows whose blocks span more binades than E5M2 holds: the quantize and ResQ kernels flush the same
-    values to zero as the PyTorch twin (expand_packed / the reference ResQ), byte for byte, and flag the rows."""
+    """Finite rows whose blocks span more binades than E5M2 (E4M3) holds: the quantize and ResQ kernels flush the
+    same values to zero as the PyTorch twin (expand_packed / the reference ResQ), byte for byte, and flag the
+    rows."""
     x = _inputs("random", (6, 200), device="cpu" if ON_CPU else DEV, seed=4)
     x[1] *= 1e-12
     x[1, 7] = 1e6
     x[4, 100:] *= 1e-10
+    for j, e in enumerate((7, 8, 9, 10, 16)):  # row 5's blocks in E4M3's subnormal range and below it
+        x[5, 32 * (j + 1):32 * (j + 2)] *= 2.0 ** -e
     _check_pack(x, name, -1)
     _check_resq(x, name)
     _, ex = quantize(x, name, expand="native")
     assert ex.row_ok.tolist() == [True, False, True, True, False, True]
+    _, e4 = quantize(x, name, expand="e4m3", packed=False)
+    bits = e4.values.view(torch.uint8)
+    assert bool((((bits & 0x78) == 0) & ((bits & 7) != 0)).any()), "no E4M3 subnormal was written"
+    assert e4.row_ok.tolist() == [True, False, True, True, False, False]
 
 
 @pytest.mark.parametrize("name", ["hif4", "mxfp4"])

@@ -15,7 +15,7 @@ from typing import Optional
 import torch
 
 from kernels._common import KERNEL_FORMATS, kernels_usable
-from kernels.dispatch import PROMOTE, available, e4m3_for_cublas, fp4_gemm
+from kernels.dispatch import PROMOTE, available, fp4_gemm, fp8_weight_expand
 from kernels.gemm import mm_expanded
 from kernels.quantize import quantize, quantize_both
 from megatron_fp4.formats import Format
@@ -65,7 +65,7 @@ class KernelBackend(FP4GemmBackend):
             return Operand(fmt, quantize(x, fmt, expand="bf16", packed=False)[1])
         if not weight:
             return Operand(fmt, quantize(x, fmt, expand="native", packed=False)[1])
-        return Operand(fmt, e4m3_for_cublas(*quantize(x, fmt, expand="native")))
+        return Operand(fmt, quantize(x, fmt, expand=fp8_weight_expand(x), packed=False)[1])
 
     def quantize_both(self, x, fmt, mode):
         if fmt.name not in KERNEL_FORMATS or not kernels_usable(x):
