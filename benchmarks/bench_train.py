@@ -223,9 +223,10 @@ def run_row(args, recipe_name: str, batch: int, seq: int) -> dict:
     return row
 
 
-def host_overhead_us(recipe_name: str, iters: int = 300, device: str = "cuda") -> float:
+def host_overhead_us(recipe_name: str, iters: int = 300, device: str = "cuda", profile: bool = False):
     """Host microseconds per linear forward + backward (one [16, 1536] x [1536, 1536] layer: the GPU work is a few
-    microseconds, so the wall time per iteration is the host's: Python wrappers and kernel launches)."""
+    microseconds, so the wall time per iteration is the host's: Python wrappers and kernel launches); with
+    ``profile`` also the top host functions of 50 more iterations (:func:`cpu_profile_step`)."""
     from megatron_fp4.linear import fp4_linear
     from megatron_fp4 import ops
 
@@ -246,7 +247,10 @@ def host_overhead_us(recipe_name: str, iters: int = 300, device: str = "cuda") -
         for _ in range(iters):
             step()
         sync()
-    return (time.perf_counter() - t0) / iters * 1e6
+        us = (time.perf_counter() - t0) / iters * 1e6
+        if not profile:
+            return us
+        return us, cpu_profile_step(lambda: [step() for _ in range(50)])
 
 
 def main() -> None:
@@ -282,9 +286,12 @@ def main() -> None:
     rows = []
     if args.host_overhead:
         for r in args.recipes.split(","):
-            rows.append(dict(recipe=r, host_us_per_linear=host_overhead_us(r)))
-            print(f"{r:<15} host time per linear forward + backward: {rows[-1]['host_us_per_linear']:.1f} us",
-                  flush=True)
+            us = host_overhead_us(r, profile=args.profile)
+            us, prof = us if args.profile else (us, None)
+            rows.append(dict(recipe=r, host_us_per_linear=us, **({"host_profile_50": prof} if prof else {})))
+            print(f"{r:<15} host time per linear forward + backward: {us:.1f} us", flush=True)
+            for fn, calls, tt, ct in (prof or [])[:6]:
+                print(f"    {fn[:70]:<70} {calls:>6} {tt:>8.2f} ms own {ct:>8.2f} ms cum", flush=True)
     batches = [] if args.host_overhead else parse_batches(args.batches)
     print(f"{'recipe':<15} {'BxT':>8} {'tok/s':>9} {'MFU':>6} {'step s':>7} {'opt s':>6} {'peak GiB':>8} "
           f"{'no-opt':>7} {'loss':>9}", flush=True)
