@@ -2,7 +2,7 @@
 schedule functions), per FP4 recipe, with the optimizer step timed apart; one table, JSON under benchmarks/results/.
 
     PYTHONPATH=. python benchmarks/bench_train.py --shape qwen2.5-1.5b --recipes bf16,hif4,mxfp4,mxfp4-fp8 \\
-        --batches 4x2048,8x4096 --out benchmarks/results/train_h200.json
+        --batches 4x2048,8x4096/2 --out benchmarks/results/train_h200.json
 
 Models are randomly initialized Qwen2.5-shaped megatron-core GPTModels (the FP4 layer spec; bf16 parameters, fp32
 gradients and Adam state in megatron's DDP and optimizer, the driver's settings) on one GPU; the batch is random
