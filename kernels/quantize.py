@@ -405,6 +405,19 @@ def _rows_view(x: torch.Tensor, dim: int):
     return xm, outer, k
 
 
+_UNUSED: dict = {}
+
+
+def _unused(shape: tuple, device: torch.device) -> torch.Tensor:
+    """A small uint8 tensor standing in for an output the kernel does not write (``packed=False``: codes and
+    scales), made once per device and shape rather than allocated per call (each allocation costs host time)."""
+    key = (device, shape)
+    t = _UNUSED.get(key)
+    if t is None:
+        t = _UNUSED[key] = torch.empty(shape, dtype=torch.uint8, device=device)
+    return t
+
+
 def _row_major(x2: torch.Tensor) -> torch.Tensor:
     """A row-major copy of the transposed view ``x2`` ([R, K] with strides (1, R)), made by a tiled Triton
     transpose (a few times faster than torch's copy of a transposed view on the H200, and than quantizing along
@@ -470,14 +483,14 @@ def quantize(x: torch.Tensor, fmt, dim: int = -1, expand: Optional[str] = None,
     kp = cdiv(k, bs) * bs
     nblk = kp // bs
     dev = x.device
-    codes = torch.empty((R, kp // 2) if packed else (1, 1), dtype=torch.uint8, device=dev)
+    codes = torch.empty((R, kp // 2), dtype=torch.uint8, device=dev) if packed else _unused((1, 1), dev)
     BR, BK, warps, *pf = config or _block_config(f.name, x2)
     pf = pf[0] if pf else 0
     fixed, grid = _fixed_launch(x2, kp, BR, BK, config, row_pass=f.name != "hif4" and expand in ("native", "e4m3"))
     tgrid = lambda meta: (cdiv(R, meta["BR"]), 1)  # noqa: E731
     ex = None
     if f.name == "hif4":
-        scales = torch.empty((R, nblk, 4) if packed else (1, 1, 4), dtype=torch.uint8, device=dev)
+        scales = torch.empty((R, nblk, 4), dtype=torch.uint8, device=dev) if packed else _unused((1, 1, 4), dev)
         if expand:
             ex = Expanded(torch.empty((R, kp), dtype=torch.bfloat16, device=dev))
         exv = ex.values if ex is not None else codes
@@ -490,7 +503,7 @@ def quantize(x: torch.Tensor, fmt, dim: int = -1, expand: Optional[str] = None,
             _hif4_quant_tuned[tgrid](*args, **kw)
         scales_out = scales.reshape(*outer, nblk, 4) if packed else None
     else:
-        scales = torch.empty((R, nblk) if packed else (1, 1), dtype=torch.uint8, device=dev)
+        scales = torch.empty((R, nblk), dtype=torch.uint8, device=dev) if packed else _unused((1, 1), dev)
         mode = {None: 0, "native": 1, "bf16": 2, "e4m3": 3}[expand]
         rexp = rok = None
         if mode % 2 == 1:
