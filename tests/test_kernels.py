@@ -81,6 +81,8 @@ def _check_pack(x, name, dim, config=None):
         twin = expand_packed(r, "native")
         assert torch.equal(twin.row_ok[fin], ex.row_ok[fin]) and torch.equal(twin.row_exp[fin], ex.row_exp[fin])
         assert torch.equal(_fp8_bytes(twin.values)[fin], _fp8_bytes(ex.values)[fin])
+        if dim % x.dim() != x.dim() - 1:
+            return  # weights (the E4M3 form's use) are quantized along their last dimension only
         # the E4M3 weight form (cuBLAS's FP8 GEMM): its window ends at 2^(row_exp - 8), subnormals included
         _, e4 = quantize(x, name, dim=dim, expand="e4m3", config=config, packed=False)
         assert e4.values.dtype == torch.float8_e4m3fn
