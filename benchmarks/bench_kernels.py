@@ -21,9 +21,11 @@ sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."
 
 import triton  # noqa: E402
 
-from kernels import gemm as gm  # noqa: E402
+from kernels import decode_gemm as gm  # noqa: E402
 
-from kernels.gemm import mm_expanded, packed_matmul, w4_matmul  # noqa: E402
+from kernels.decode_gemm import w4_matmul  # noqa: E402
+from kernels.gemm import mm_expanded  # noqa: E402
+from kernels.packed_gemm import packed_matmul  # noqa: E402
 from kernels.quantize import Expanded, expand_packed, quantize  # noqa: E402
 from kernels.resq import resq_quantize  # noqa: E402
 
@@ -212,8 +214,8 @@ def bench_gemms(shapes, ms_list, skip_packed_large=False, on_row=None):
 
 def sweep_decode():
     """Time the decode kernel over tile configs (largest 7B shape, M = 16 and 64, both formats) and make the
-    fastest per format and M the default (kernels.gemm.DECODE_CONFIGS) for the table."""
-    from kernels import gemm as gm
+    fastest per format and M the default (kernels.decode_gemm.DECODE_CONFIGS) for the table."""
+    from kernels import decode_gemm as gm
 
     out = []
     K, N = 3584, 18944

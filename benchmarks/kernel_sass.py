@@ -70,9 +70,9 @@ def loop_opcodes(cubin: bytes) -> collections.Counter:
 
 def decode_case(fmt: str, BN: int, BM: int, res: bool, wide: bool, prefetch: bool, xperm: bool):
     """(kernel, signature, constexprs, divisible args, weight values per loop iteration) of the decode GEMM."""
-    from kernels import gemm
+    from kernels import decode_gemm
 
-    fn = gemm._w4_decode_kernel
+    fn = decode_gemm._w4_decode_kernel
     signature = {"x_ptr": "*bf16", "r_ptr": "*bf16", "b_ptr": "*i16", "bs_ptr": "*i32" if fmt == "hif4" else "*u8",
                  "c_ptr": "*fp32", "M": "i32", "N": "i32", "KH2": "i32", "stride_xm": "i32", "stride_rm": "i32",
                  "stride_bn": "i32", "stride_bsn": "i32", "stride_cm": "i32"}
@@ -106,7 +106,7 @@ def quantize_case(fmt: str, BR: int, BK: int, expand: int, prefetch: bool):
 def main(argv=None):
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("kernel", choices=["decode", "quantize"],
-                   help="decode: the decode GEMM (kernels.gemm.w4_matmul); quantize: the row quantize kernel")
+                   help="decode: the decode GEMM (kernels.decode_gemm.w4_matmul); quantize: the row quantize kernel")
     p.add_argument("--fmt", choices=["hif4", "mxfp4"], default="mxfp4")
     p.add_argument("--BN", type=int, default=64, help="weight rows per program")
     p.add_argument("--BM", type=int, default=16, help="token columns (16, 32 or 64)")

@@ -3,9 +3,11 @@
 Modules (import them directly; importing the package loads nothing heavy):
 
 - ``kernels.quantize``: fused quantize+pack along any dim (row or column variant), optional GEMM-ready expansion.
-- ``kernels.gemm``: exact pre-expanded GEMMs (BF16; MXFP4 FP8 modes), the decode GEMM (packed weights
-  dequantized in registers x BF16 activations or the activations' exact expansions; ResQ on the same weight
-  read), the packed-prologue GEMM.
+- ``kernels.gemm``: the pre-expanded GEMMs (one tensor-core GEMM on the operands' BF16 / MXFP4 FP8 expansions,
+  cuBLAS where it applies), what the training linears and prefill run.
+- ``kernels.packed_gemm``: the packed-prologue GEMM (both operands read packed, dequantized in the main loop).
+- ``kernels.decode_gemm``: the Triton decode GEMM (M <= 64: packed weights dequantized in registers x BF16
+  activations or the activations' exact expansions; ResQ on the same weight read).
 - ``kernels.resq``: the fused Rollout-ResQ quantizer (Q(X), 2:4-sparse Q(X - Q(X))) and its GEMM.
 - ``kernels.cuda_decode``: the CUDA C++ decode GEMM (``csrc/w4_decode.cu``, built with nvcc on first use) and the
   weight layout it reads, with a PyTorch emulation of its dequantization for CPU tests.

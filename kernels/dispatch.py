@@ -60,7 +60,8 @@ def fp4_gemm(a: torch.Tensor, b: torch.Tensor, a_format, b_format=None, mode: st
     if a.shape[1] != b.shape[1]:
         raise InvalidTensorError(f"kernels.dispatch.fp4_gemm: reduction dims differ: a {tuple(a.shape)}, b "
                                  f"{tuple(b.shape)}")
-    from kernels.gemm import mm_expanded, w4_matmul
+    from kernels.decode_gemm import w4_matmul
+    from kernels.gemm import mm_expanded
     from kernels.quantize import quantize
 
     fa = get_format(a_format)
@@ -87,7 +88,7 @@ def fp8_weight_expand(w: torch.Tensor) -> str:
 @dataclass
 class PreparedWeight:
     """A weight ``[n, K]`` quantized along K: packed (decode kernels) and expanded (prefill GEMM); ``wide``:
-    the decode kernel needs its two-factor MXFP4 path (:func:`kernels.gemm.needs_wide_decode`)."""
+    the decode kernel needs its two-factor MXFP4 path (:func:`kernels.decode_gemm.needs_wide_decode`)."""
 
     packed: QuantizedTensor
     expanded: object  # kernels.quantize.Expanded or None
@@ -113,7 +114,7 @@ class PreparedWeight:
 def prepare_weight(w: torch.Tensor, fmt, mode: str = "exact") -> PreparedWeight:
     """Quantize a weight once per weight update: packed codes + the GEMM-ready expansion (BF16, or for MXFP4
     with ``mode`` "fp8"/"fp8_fast" FP8: E4M3 for cuBLAS on CUDA where the width allows, else E5M2)."""
-    from kernels.gemm import needs_wide_decode
+    from kernels.decode_gemm import needs_wide_decode
     from kernels.quantize import quantize
 
     _check_mode(mode)
@@ -134,9 +135,9 @@ def _decode_layout(q: QuantizedTensor, wide: bool):
 
 def decode_matmul(a: torch.Tensor, w: PreparedWeight) -> torch.Tensor:
     """fp32 ``a [M, K_pad] . deq(W)^T`` for BF16 ``a`` (M <= 64): the CUDA decode kernel where the weight has its
-    layout, else the Triton one (:func:`kernels.gemm.w4_matmul`)."""
+    layout, else the Triton one (:func:`kernels.decode_gemm.w4_matmul`)."""
     from kernels import cuda_decode
-    from kernels.gemm import w4_matmul
+    from kernels.decode_gemm import w4_matmul
 
     check_tensor(a, "a", "kernels.dispatch.decode_matmul", dtypes=None, ndim=2)
     if not isinstance(w, PreparedWeight):

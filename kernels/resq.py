@@ -154,7 +154,7 @@ def _reference_resq_quantize(x: torch.Tensor, f, expand: Optional[str]):
 
 
 def _rescale(qt: QuantizedTensor, S: torch.Tensor) -> Expanded:
-    from kernels.gemm import dequantize_rows
+    from kernels.packed_gemm import dequantize_rows
 
     return fp8_rows(dequantize_rows(qt, torch.arange(S.numel(), device=S.device)), S)
 
@@ -236,13 +236,14 @@ def resq_matmul(x: torch.Tensor, qw: QuantizedTensor, ew: Optional[Expanded] = N
 
     ``combine="exact"``: M <= DECODE_MAX_M: the decode kernel on the packed weight and the BF16 expansions of both
     activation operands, the residual riding on the same weight read (``wide``: see
-    :func:`kernels.gemm.w4_matmul`). Larger M: the pre-expanded GEMM in concatenated-K form; ``ew`` (from
+    :func:`kernels.decode_gemm.w4_matmul`). Larger M: the pre-expanded GEMM in concatenated-K form; ``ew`` (from
     ``expand_packed``/``quantize(..., expand=...)``, once per weight update) picks the mode: BF16 (exact, the
     default when None) or FP8 (MXFP4: E5M2, or E4M3 for cuBLAS; ``promote`` as in
     :func:`kernels.gemm.mm_expanded`). ``combine="bf16"``: ``bf16(Q(X) + S(Q(R))) Q(W)^T``, one GEMM of the
     plain W4A4 size (decode kernel, or BF16 GEMM against ``ew`` if it is BF16, else the weight's BF16 expansion).
     """
-    from kernels.gemm import mm_expanded, w4_matmul
+    from kernels.decode_gemm import w4_matmul
+    from kernels.gemm import mm_expanded
 
     if combine not in RESQ_COMBINES:
         raise ValueError(f"combine={combine!r} is not valid; allowed values: {', '.join(map(repr, RESQ_COMBINES))}")

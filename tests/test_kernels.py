@@ -16,7 +16,9 @@ if not torch.cuda.is_available():
 triton = pytest.importorskip("triton")
 
 from kernels import dispatch  # noqa: E402
-from kernels.gemm import mm_expanded, packed_matmul, w4_matmul  # noqa: E402
+from kernels.decode_gemm import w4_matmul  # noqa: E402
+from kernels.gemm import mm_expanded  # noqa: E402
+from kernels.packed_gemm import packed_matmul  # noqa: E402
 from kernels.quantize import expand_packed, quantize  # noqa: E402
 from kernels.resq import _reference_resq_quantize, resq_matmul, resq_quantize  # noqa: E402
 from megatron_fp4.formats import get_format  # noqa: E402
@@ -240,7 +242,7 @@ def test_w4_decode_edge_cases(name):
     """The decode kernel's bit-level unpack on the values that stress it: weights needing MXFP4 block scales
     above 2^1 (the two-factor path), scales at the bottom of E8M0 (subnormal products), NaN blocks/units, zero
     rows, a K that ends half-way through a 64-value step, N not a multiple of the tile, and the ResQ residual."""
-    from kernels.gemm import needs_wide_decode
+    from kernels.decode_gemm import needs_wide_decode
 
     f = get_format(name)
     w = _inputs("outliers", (40, 200), seed=8)
