@@ -21,8 +21,8 @@ from kernels._common import DECODE_MAX_M, KERNEL_FORMATS, interpreting, kernels_
 from megatron_fp4.formats import Format, InvalidTensorError, QuantizedTensor, check_tensor, get_format
 from megatron_fp4.ops.backend import GEMM_MODES, reference_fp4_gemm
 
-__all__ = ["available", "fp4_gemm", "fp8_weight_expand", "PreparedWeight", "prepare_weight", "linear", "decode_matmul",
-           "MODES", "PROMOTE"]
+__all__ = ["available", "fp4_gemm", "fp8_weight_expand", "PreparedWeight", "prepare_weight", "linear",
+           "linear_reference", "decode_matmul", "MODES", "PROMOTE"]
 
 
 def available(device: Optional[torch.device] = None) -> bool:
@@ -188,7 +188,7 @@ def linear(x: torch.Tensor, w: PreparedWeight, resq: str = "none", activations: 
     K = x.shape[-1]
     kp = w.packed.codes.shape[-1] * 2
     if not kernels_usable(x) or w.fmt.name not in KERNEL_FORMATS:
-        return _reference_linear(x, w, resq, activations, resq_combine).to(out_dtype)
+        return linear_reference(x, w, resq, activations, resq_combine).to(out_dtype)
     if activations == "bf16":
         xb = x.to(torch.bfloat16)
         if kp != K:
@@ -215,7 +215,7 @@ def linear(x: torch.Tensor, w: PreparedWeight, resq: str = "none", activations: 
     return mm_expanded(ex, w.expanded, out_dtype=out_dtype, promote=PROMOTE[w.mode])
 
 
-def _reference_linear(x: torch.Tensor, w: PreparedWeight, resq: str, activations: str,
+def linear_reference(x: torch.Tensor, w: PreparedWeight, resq: str, activations: str,
                       resq_combine: str = "exact") -> torch.Tensor:
     """PyTorch twin of :func:`linear` (fp32 results)."""
     if resq == "2:4" and activations == "fp4":

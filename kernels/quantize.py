@@ -21,7 +21,7 @@ from kernels._common import (DECODE_MAX_M, HAS_TRITON, HIF4_RECIP, KERNEL_FORMAT
 from kernels._launch import fast
 from megatron_fp4.formats import QuantizedTensor, check_tensor, get_format
 
-__all__ = ["Expanded", "quantize", "quantize_both", "expand_packed", "EXPAND_MODES"]
+__all__ = ["Expanded", "quantize", "quantize_reference", "quantize_both", "expand_packed", "fp8_rows", "EXPAND_MODES"]
 
 #: "e4m3": MXFP4 only, E4M3 relative to a row scale (weights for the cuBLAS FP8 GEMM, which multiplies E5M2
 #: activations by E4M3 weights only).
@@ -472,7 +472,7 @@ def quantize(x: torch.Tensor, fmt, dim: int = -1, expand: Optional[str] = None,
         raise ValueError("packed=False needs expand ('native' or 'bf16'): there would be nothing to return")
     dim = dim % x.dim()
     if f.name not in KERNEL_FORMATS or not kernels_usable(x) or x.numel() == 0:
-        out = _reference_quantize(x, f, dim, expand)
+        out = quantize_reference(x, f, dim, expand)
         return out if packed else (None, out[1])
     x2, outer, k = _rows_view(x, dim)
     R = x2.shape[0]
@@ -542,7 +542,7 @@ def quantize_both(x: torch.Tensor, fmt, num_warps: Optional[int] = None) -> tupl
     f = get_format(fmt)
     check_tensor(x, "x", "kernels.quantize.quantize_both", ndim=2)
     if f.name not in KERNEL_FORMATS or not kernels_usable(x):
-        return _reference_quantize(x, f, 1, "bf16")[1], _reference_quantize(x.t(), f, 1, "bf16")[1]
+        return quantize_reference(x, f, 1, "bf16")[1], quantize_reference(x.t(), f, 1, "bf16")[1]
     R, K = x.shape
     bs = f.block_size
     rp, kp = cdiv(R, bs) * bs, cdiv(K, bs) * bs
@@ -560,7 +560,7 @@ def quantize_both(x: torch.Tensor, fmt, num_warps: Optional[int] = None) -> tupl
     return Expanded(er), Expanded(ec)
 
 
-def _reference_quantize(x: torch.Tensor, f, dim: int, expand: Optional[str]):
+def quantize_reference(x: torch.Tensor, f, dim: int, expand: Optional[str]):
     """PyTorch twin of :func:`quantize` (the formats reference plus a torch expansion)."""
     qt = f.quantize(x, dim=dim)
     if not expand:

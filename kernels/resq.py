@@ -20,7 +20,7 @@ from kernels.quantize import Expanded, _block_config, _fixed_launch, _rows_view,
 from megatron_fp4.formats import QuantizedTensor, get_format
 from megatron_fp4.resq import RESQ_COMBINES
 
-__all__ = ["resq_quantize", "resq_matmul", "DECODE_MAX_M", "RESQ_EXPAND_MODES"]
+__all__ = ["resq_quantize", "resq_quantize_reference", "resq_matmul", "DECODE_MAX_M", "RESQ_EXPAND_MODES"]
 
 RESQ_EXPAND_MODES = (None, "native", "bf16", "sum")
 
@@ -126,7 +126,7 @@ if HAS_TRITON:
     _resq_tuned = triton.autotune(**{**_TUNE, "key": _TUNE["key"] + ["FMT"]})(_resq_kernel)
 
 
-def _reference_resq_quantize(x: torch.Tensor, f, expand: Optional[str]):
+def resq_quantize_reference(x: torch.Tensor, f, expand: Optional[str]):
     """PyTorch twin: Q(X) and S(Q(R)) as packed tensors (2:4 zeroes dropped codes), plus expansions (for "sum":
     the BF16 sum and None)."""
     from megatron_fp4.resq import _two_of_four_mask
@@ -173,7 +173,7 @@ def resq_quantize(x: torch.Tensor, fmt, expand: Optional[str] = None, config: Op
         raise ValueError(f"expand={expand!r} is not valid; allowed values: "
                          f"{', '.join(map(repr, RESQ_EXPAND_MODES))}")
     if f.name not in KERNEL_FORMATS or not kernels_usable(x) or x.numel() == 0:
-        return _reference_resq_quantize(x, f, expand)
+        return resq_quantize_reference(x, f, expand)
     x2, outer, k = _rows_view(x, x.dim() - 1)
     R = x2.shape[0]
     bs = f.block_size

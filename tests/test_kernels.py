@@ -20,7 +20,7 @@ from kernels.decode_gemm import w4_matmul  # noqa: E402
 from kernels.gemm import mm_expanded  # noqa: E402
 from kernels.packed_gemm import packed_matmul  # noqa: E402
 from kernels.quantize import expand_packed, quantize  # noqa: E402
-from kernels.resq import _reference_resq_quantize, resq_matmul, resq_quantize  # noqa: E402
+from kernels.resq import resq_quantize_reference, resq_matmul, resq_quantize  # noqa: E402
 from megatron_fp4.formats import get_format  # noqa: E402
 from megatron_fp4.ops import kernels_backend  # noqa: E402
 from megatron_fp4.resq import resq_activation, resq_components  # noqa: E402
@@ -173,7 +173,7 @@ def test_quantize_prefetch_tiles_small(name):
 def _check_resq(x, name, config=None):
     """Packed Q(X), S(Q(R)) and the one-operand BF16 sum (resq_combine="bf16") equal the reference bit for bit."""
     q, r, eq, er = resq_quantize(x, name, expand="bf16", config=config)
-    q2, r2, _, _ = _reference_resq_quantize(x, get_format(name), None)
+    q2, r2, _, _ = resq_quantize_reference(x, get_format(name), None)
     for a, b in ((q, q2), (r, r2)):
         assert torch.equal(a.codes, b.codes) and torch.equal(a.scales, b.scales)
     q3, r3, es, none = resq_quantize(x, name, expand="sum", config=config)
@@ -183,7 +183,7 @@ def _check_resq(x, name, config=None):
     assert torch.equal(got.isnan(), want.isnan()) and torch.equal(got.nan_to_num(), want.nan_to_num())
     if name != "hif4":  # MXFP4 "native": both E5M2 operands on one row scale, flushes as the twin's
         _, _, en, enr = resq_quantize(x, name, expand="native", config=config)
-        _, _, tn, tnr = _reference_resq_quantize(x, get_format(name), "native")
+        _, _, tn, tnr = resq_quantize_reference(x, get_format(name), "native")
         fin = ~q2.dequantize().isnan().any(1)  # rows with a NaN block: see _check_pack
         assert torch.equal(en.row_exp[fin], tn.row_exp[fin]) and torch.equal(enr.row_exp, en.row_exp)
         assert torch.equal(en.row_ok[fin], (tn.row_ok & tnr.row_ok)[fin])
@@ -510,7 +510,7 @@ def test_gpu_resq_and_w4a16(name):
     x = _inputs("outliers", (512, 1024), seed=11)
     w = _inputs("random", (256, 1024), seed=12)
     q, r, eq, er = resq_quantize(x, name, expand="native")
-    q2, r2, _, _ = _reference_resq_quantize(x, f, None)
+    q2, r2, _, _ = resq_quantize_reference(x, f, None)
     assert torch.equal(q.codes, q2.codes) and torch.equal(r.codes, r2.codes) and torch.equal(r.scales, r2.scales)
     qq, ss = resq_components(x, name, "2:4")
     wq = f.fake_quantize(w.float()).double()
@@ -608,7 +608,7 @@ def test_fallback_without_triton_is_the_reference(monkeypatch, name):
     ref_sum = (qq + ss).to(torch.bfloat16).float() @ wq.t()
     assert torch.equal(dispatch.linear(a, w, resq="2:4", resq_combine="bf16"), ref_sum)
     q1, r1, _, _ = resq_quantize(a, name)
-    q2, r2, _, _ = _reference_resq_quantize(a, f, None)
+    q2, r2, _, _ = resq_quantize_reference(a, f, None)
     assert torch.equal(r1.codes, r2.codes)
     monkeypatch.setattr(common, "HAS_TRITON", True)
     monkeypatch.setenv("TRITON_INTERPRET", "0")  # CPU tensors without the interpreter: reference as well
