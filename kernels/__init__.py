@@ -17,8 +17,8 @@ Modules (import them directly; importing the package loads nothing heavy):
   specialization's first launch (the training quantize kernels; opt-in, ``MEGATRON_FP4_FAST_LAUNCH=1``).
 - ``kernels.dispatch``: what the rest of the project calls (``fp4_gemm``, ``prepare_weight``, ``linear``,
   ``decode_matmul``); falls back to the PyTorch reference without Triton or a GPU. The training GEMMs reach the
-  kernels through ``megatron_fp4.ops.kernels_backend`` (nothing here imports ``megatron_fp4.ops`` but its
-  ``backend`` module: the interface and the reference).
+  kernels through ``megatron_fp4.ops.kernels_backend``; nothing here imports ``megatron_fp4.ops`` (only
+  ``megatron_fp4.gemm_backend``: the backend interface and the reference GEMM).
 
 Numbers and targets: docs/PERFORMANCE.md. Tests: tests/test_kernels.py (CPU interpreter + ``gpu`` marker).
 """

@@ -19,7 +19,7 @@ import torch
 
 from kernels._common import DECODE_MAX_M, KERNEL_FORMATS, interpreting, kernels_usable
 from megatron_fp4.formats import Format, InvalidTensorError, QuantizedTensor, check_tensor, get_format
-from megatron_fp4.ops.backend import GEMM_MODES, reference_fp4_gemm
+from megatron_fp4.gemm_backend import GEMM_MODES, reference_fp4_gemm
 
 __all__ = ["available", "fp4_gemm", "fp8_weight_expand", "PreparedWeight", "prepare_weight", "linear",
            "linear_reference", "decode_matmul", "MODES", "PROMOTE"]

@@ -29,7 +29,7 @@ from typing import Iterator, NamedTuple, Optional, Union
 import torch
 
 from megatron_fp4.formats import Format, InvalidTensorError, check_tensor, get_format
-from megatron_fp4.ops.backend import GEMM_MODES, FP4GemmBackend, GemmBackend, reference_fp4_gemm
+from megatron_fp4.gemm_backend import GEMM_MODES, FP4GemmBackend, GemmBackend, reference_fp4_gemm
 
 __all__ = [
     "GEMM_MODES",

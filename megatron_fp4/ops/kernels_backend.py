@@ -3,8 +3,9 @@ registers, or ``ops.register_kernel_backend``): :class:`KernelBackend` for the t
 :func:`ops_backend`, the plain-function form. They return the reference's numbers up to fp32 summation order (the
 MXFP4 FP8 modes: approximately, see ``kernels.quantize.Expanded``) and decline what they do not cover.
 
-Layering: this module imports ``kernels`` and :mod:`megatron_fp4.ops.backend`; ``kernels`` never imports the rest of
-``megatron_fp4.ops``, and ``megatron_fp4.ops`` imports this module only when it registers it.
+Layering: this module imports ``kernels`` and :mod:`megatron_fp4.gemm_backend` (the interface and the reference, below
+both); ``kernels`` never imports ``megatron_fp4.ops``, and ``megatron_fp4.ops`` imports this module only when it
+registers it.
 """
 
 from __future__ import annotations
@@ -19,7 +20,7 @@ from kernels.dispatch import PROMOTE, available, fp4_gemm, fp8_weight_expand
 from kernels.gemm import mm_expanded
 from kernels.quantize import quantize, quantize_both
 from megatron_fp4.formats import Format
-from megatron_fp4.ops.backend import FP4GemmBackend
+from megatron_fp4.gemm_backend import FP4GemmBackend
 
 __all__ = ["KernelBackend", "kernel_backend", "ops_backend", "HIF4_BOTH_MAX_K"]
 
