@@ -15,7 +15,7 @@ from megatron_fp4.rollout.base import (
     WeightSyncStats,
 )
 from megatron_fp4.rollout.diagnostics import RolloutUnderflowMonitor, underflow_counts
-from megatron_fp4.rollout.kernels_backend import register_kernel_backend, unregister_kernel_backend
+from megatron_fp4.rollout_kernels import register_kernel_backend, unregister_kernel_backend
 from megatron_fp4.rollout.native import NativeRolloutEngine, full_forward_logits, teacher_forced_logprobs
 from megatron_fp4.rollout.precision import (
     apply_rollout_precision,

@@ -25,7 +25,7 @@ from megatron.core.inference.contexts import StaticInferenceContext
 
 from megatron_fp4.ops import warn_reference_fallback
 from megatron_fp4.resq import RolloutPrecision, rollout_backend_for
-from megatron_fp4.rollout.kernels_backend import register_kernel_backend
+from megatron_fp4.rollout_kernels import register_kernel_backend
 from megatron_fp4.rollout.base import RolloutEngine, RolloutSample, SamplingParams, WeightSyncStats
 from megatron_fp4.rollout.precision import (
     get_weight_cache,

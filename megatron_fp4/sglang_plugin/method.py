@@ -7,7 +7,7 @@ is re-quantized from ``weight`` after loading and after every refit, in place: t
 GEMM operand's storage (the dequantized reference operand, the kernels' prepared weight) survive, so CUDA graphs
 captured over them stay valid. ``apply`` computes :func:`megatron_fp4.resq.rollout_linear` on the dequantized
 packed weight: the reference quantizer's operands bit for bit. On devices with a registered rollout backend (the
-Triton kernels on CUDA, ``megatron_fp4.rollout.kernels_backend``) the backend computes the same numbers from its
+Triton kernels on CUDA, ``megatron_fp4.rollout_kernels``) the backend computes the same numbers from its
 prepared weight.
 """
 
@@ -51,7 +51,7 @@ _BACKENDS_TRIED: set = set()
 
 def _ensure_backend(device_type: str) -> None:
     """On first use of a CUDA device in this process, let the Triton kernels serve rollout GEMMs (when usable:
-    ``megatron_fp4.rollout.kernels_backend``; ``MEGATRON_FP4_KERNELS=0`` keeps the PyTorch reference)."""
+    ``megatron_fp4.rollout_kernels``; ``MEGATRON_FP4_KERNELS=0`` keeps the PyTorch reference)."""
     if device_type in _BACKENDS_TRIED:
         return
     _BACKENDS_TRIED.add(device_type)
@@ -59,7 +59,7 @@ def _ensure_backend(device_type: str) -> None:
         return
     if rollout_backend_for(device_type) is None:
         try:
-            from megatron_fp4.rollout.kernels_backend import register_kernel_backend
+            from megatron_fp4.rollout_kernels import register_kernel_backend
 
             register_kernel_backend(device_type)
         except Exception:  # pragma: no cover - the kernels are optional; the reference serves

@@ -1,6 +1,8 @@
 """Serve rollout GEMMs with the Triton FP4 kernels (``kernels.dispatch``) on CUDA; PyTorch reference elsewhere.
+The kernels as a backend of :mod:`megatron_fp4.resq`'s rollout linear, used by the native engine
+(``megatron_fp4.rollout``) and the SGLang plug-in alike (both build on it; it knows neither).
 
-    from megatron_fp4.rollout.kernels_backend import register_kernel_backend
+    from megatron_fp4.rollout_kernels import register_kernel_backend
     register_kernel_backend()     # True when CUDA + Triton kernels are usable; rollout_linear then uses them
 
 Covered: W4A4 with ResQ "none" / "2:4" (either ``resq_combine``) and W4A16 with bf16 activations, formats
