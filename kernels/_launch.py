@@ -4,8 +4,9 @@ launcher directly.
 
 Why: a training FP4 linear launches about six quantize kernels per forward + backward, and Triton's Python launch
 path (``JITFunction.run``: device and stream lookup, binding, the cache key with ``str(options)``, the global-value
-check; an autotuner's key on top) cost ~100 us per launch on the H200 machine's host (bench_train.py
---host-overhead: 1,030 us per HiF4 linear against 250 us for BF16). That made the FP4 training step host-bound.
+check; an autotuner's key on top) cost ~90-120 us per launch on the H200 machine's host (bench_train.py
+--host-overhead: ~1,050 us per HiF4 linear forward + backward against ~200-250 us for BF16), and the FP4 training
+step is host-bound there (docs/PERFORMANCE.md).
 
 Correctness: the compiled kernel is reused only for a call that Triton would send to the same compiled kernel.
 The key holds what Triton specializes on (each tensor's dtype and 16-byte alignment; each integer's range class,
@@ -107,7 +108,8 @@ class FastKernel:
             return
         if self.tuner is not None:
             full = self._full_args(args, kw)
-            tkey = (tuple(full[i] for i in self.tune_at), tuple(a.dtype for a in args if isinstance(a, torch.Tensor)))
+            tkey = (tuple(full[i] for i in self.tune_at),
+                    tuple(a.dtype for a in args if isinstance(a, torch.Tensor)))  # the autotuner's key
             cfg = self.configs.get(tkey)
             if cfg is None:  # the autotuner's own launch for a new tuning key (it benchmarks the configurations)
                 self.kernel[grid](*args, **kw)

@@ -240,9 +240,9 @@ def test_layers_equal_native_megatron_linears(name):
 
 
 def _kernel_like_backend(calls: list):
-    """A CPU rollout backend shaped like megatron_fp4/rollout_kernels.py: it prepares ``kernels.dispatch.PreparedWeight``
-    (packed codes and scales + the GEMM expansion; the pure-PyTorch quantizer here) in the plug-in's cache and
-    serves the GEMM from the prepared packed weight."""
+    """A CPU rollout backend shaped like megatron_fp4/rollout_kernels.py: it prepares
+    ``kernels.dispatch.PreparedWeight`` (packed codes and scales + the GEMM expansion; the pure-PyTorch quantizer
+    here) in the plug-in's cache and serves the GEMM from the prepared packed weight."""
     from kernels import dispatch
 
     def prepare_weight(weight, precision, cache):
