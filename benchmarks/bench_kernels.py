@@ -89,6 +89,39 @@ def bench_quantize(rows=16384, K=3584):
     return out
 
 
+#: (tokens, K) of the training linears' X and dY on the Qwen2.5-1.5B shape (bench_train.py's 4 x 2048 step): X of
+#: qkv/proj/fc1 and dY of proj/fc2 (1536), dY of qkv (2048), X of fc2 (8960), dY of fc1 (17920).
+TRAIN_OPERANDS = [(8192, 1536), (8192, 2048), (8192, 8960), (8192, 17920)]
+
+
+def bench_training_operands(operands=TRAIN_OPERANDS):
+    """A training operand X [tokens, K] quantized into both GEMM layouts (along K and along tokens, BF16
+    expansions): the one-pass kernel (``kernels.quantize.quantize_both``) against two passes (the row kernel on
+    x, then on x.t(): what ``KernelBackend`` runs for HiF4 wider than ``HIF4_BOTH_MAX_K``). Kernel time from CUDA
+    graph replays; GB/s counts 2 bytes read and 4 written per value."""
+    from kernels.quantize import quantize_both
+    from megatron_fp4.formats import get_format
+    from megatron_fp4.gemm_backend import FP4GemmBackend
+    from megatron_fp4.ops.kernels_backend import HIF4_BOTH_MAX_K, KernelBackend
+
+    be, out = KernelBackend(), []
+    for rows, K in operands:
+        xs = [torch.randn(rows, K, device="cuda", dtype=torch.bfloat16) for _ in range(copies_for(2 * rows * K))]
+        for fmt in ("hif4", "mxfp4"):
+            f = get_format(fmt)
+            one = bench([lambda x=x: quantize_both(x, f) for x in xs], graph=True)
+            two = bench([lambda x=x: FP4GemmBackend.quantize_both(be, x, f, "exact") for x in xs], graph=True)
+            picks = "one pass" if fmt != "hif4" or K <= HIF4_BOTH_MAX_K else "two passes"
+            row = {"fmt": fmt, "rows": rows, "K": K, "one_pass_us": one * 1e3, "two_pass_us": two * 1e3,
+                   "one_pass_GBps": 6 * rows * K / one / 1e6, "two_pass_GBps": 6 * rows * K / two / 1e6,
+                   "backend_picks": picks, "faster": "one pass" if one <= two else "two passes"}
+            out.append(row)
+            print(f"  {fmt:<6s} {rows} x {K:<6d} one pass {row['one_pass_us']:7.1f} us ({row['one_pass_GBps']:5.0f} GB/s)"
+                  f"  two passes {row['two_pass_us']:7.1f} us ({row['two_pass_GBps']:5.0f} GB/s)  faster: "
+                  f"{row['faster']}; the backend runs: {picks}", flush=True)
+    return out
+
+
 def sweep_quantize(rows=16384, K=3584):
     """GB/s of the row quantize kernel (pack only) for every tile config autotuning chooses from."""
     from kernels import quantize as qm
@@ -386,6 +419,9 @@ def main():
                    help="only issue 20's decode table (CUDA decode kernel vs cuBLAS BF16 at M = 16 and 64) "
                         "-> --out (default benchmarks/results/decode_h200.json)")
     p.add_argument("--decode-sweep", action="store_true", help="with --decode: also sweep the CUDA kernel's tiles")
+    p.add_argument("--training-operands", action="store_true",
+                   help="only the training operands' one-pass against two-pass quantization (Qwen2.5-1.5B's X and "
+                        "dY at 8192 tokens) -> --out (default benchmarks/results/training_quant_h200.json)")
     p.add_argument("--merge", nargs="+", metavar="JSON",
                    help="write --out as these results files' GEMM rows in one file (runs split over GPUs), exit")
     args = p.parse_args()
@@ -412,6 +448,19 @@ def main():
             json.dump(d, fh, indent=1)
         print(decode_markdown(d))
         print(f"wrote {out} in {time.time() - t0:.0f} s")
+        return
+    if args.training_operands:
+        out = args.out if args.out != p.get_default("out") else "benchmarks/results/training_quant_h200.json"
+        t0 = time.time()
+        copy_gbs, _ = ceilings()
+        d = {"gpu": torch.cuda.get_device_name(), "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
+             "torch": torch.__version__, "triton": triton.__version__, "copy_GBps": copy_gbs,
+             "rows": bench_training_operands()}
+        d["wall_s"] = time.time() - t0
+        os.makedirs(os.path.dirname(out) or ".", exist_ok=True)
+        with open(out, "w") as fh:
+            json.dump(d, fh, indent=1)
+        print(f"wrote {out} in {d['wall_s']:.0f} s")
         return
     if args.merge:
         parts = [json.load(open(f)) for f in args.merge]

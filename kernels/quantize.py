@@ -177,6 +177,61 @@ if HAS_TRITON:
         return codes, X, bad, val
 
     @triton.jit
+    def _hif4_units(x, R1: tl.constexpr, R2: tl.constexpr, R3: tl.constexpr):
+        """HiF4 dequantized fp32 values of units x [BR, NU, 8, 2, 4] (one 64-value unit per [r, u], as 8 pairs of
+        fours): :func:`_hif4_tile`'s values, computed on the unit's own shape. The group maxima are reductions
+        over trailing axes and the scales reach their values by broadcasting, so no 2-D reshape moves values
+        between threads (on the 64 x 64 tiles of the one-pass kernel, HiF4's 2-D form needed ~2x the instructions
+        per value and spilled registers: Triton 3.6's sm_90 SASS)."""
+        xb = x.to(tl.int32, bitcast=True)
+        ab = xb & 0x7FFFFFFF  # |x| bits: integer order is value order, Inf/NaN above all finite values
+        b16 = tl.max(ab, axis=4)
+        b8 = tl.max(b16, axis=3)
+        bmax = tl.max(b8, axis=2)
+        bad = bmax >= 0x7F800000
+        vmax = tl.where(bad, 0.0, bmax.to(tl.float32, bitcast=True))
+        sf = _bf16_rne(vmax * 0.142578125)
+        sf = tl.minimum(tl.maximum(sf, 3.552713678800501e-15), 49152.0)
+        sb = sf.to(tl.int32, bitcast=True)
+        rb = (sb + 0xFFFFF + ((sb >> 21) & 1)) & -2097152  # RNE to 2 mantissa bits, carry into the exponent
+        e6m2 = rb.to(tl.float32, bitcast=True)
+        e = ((rb >> 23) & 0xFF) - 127
+        m2 = (rb >> 21) & 3
+        r = tl.where(m2 == 0, 1.0, tl.where(m2 == 1, R1, tl.where(m2 == 2, R2, R3))) * _pow2(-e)  # [BR, NU]
+        r3 = r[:, :, None]
+        e18 = (b8.to(tl.float32, bitcast=True) * r3) >= 4.0  # [BR, NU, 8]
+        p16 = b16.to(tl.float32, bitcast=True) * r3[:, :, :, None]  # [BR, NU, 8, 2]
+        e18x = e18[:, :, :, None]
+        shift = e18x.to(tl.int32) + (tl.where(e18x, p16 * 0.5, p16) >= 2.0).to(tl.int32)
+        # 4 m = |x| * (r * 2^(2 - shift)): a power of two times r is exact, so this is (|x| r) 2^(2 - shift)
+        # wherever k can be nonzero (the two differ only for subnormal |x| r, which rounds to k = 0 either way)
+        m4 = ab.to(tl.float32, bitcast=True) * (r3[:, :, :, None] * tl.where(
+            shift == 0, 4.0, tl.where(shift == 1, 2.0, 1.0)))[:, :, :, :, None]
+        kf = tl.floor(m4)
+        kf = tl.minimum(tl.where(m4 - kf >= 0.5, kf + 1.0, kf), 7.0)
+        gs = e6m2[:, :, None, None] * tl.where(shift == 0, 0.25, tl.where(shift == 1, 0.5, 1.0))  # E6M2 2^shift / 4
+        val = kf * gs[:, :, :, :, None]
+        val = (val.to(tl.int32, bitcast=True) | (xb & -2147483648)).to(tl.float32, bitcast=True)  # x's sign
+        return tl.where(bad[:, :, None, None, None], float("nan"), val)
+
+    @triton.jit
+    def _mx_units(x, RCEIL: tl.constexpr):
+        """MXFP4 dequantized fp32 values of blocks x [BR, NB, 8, 4] (one 32-value block per [r, b], as 8 fours):
+        :func:`_mx_tile`'s values on the block's own shape (see :func:`_hif4_units`)."""
+        xb = x.to(tl.int32, bitcast=True)
+        ab = xb & 0x7FFFFFFF
+        bmax = tl.max(tl.max(ab, axis=3), axis=2)
+        bad = bmax >= 0x7F800000
+        X = _mx_x(tl.where(bad, 0.0, bmax.to(tl.float32, bitcast=True)), RCEIL)
+        inv = ((127 - X) << 23).to(tl.float32, bitcast=True)  # 2^-X, X <= 126 for finite blocks
+        c = _e2m1_code(ab.to(tl.float32, bitcast=True) * inv[:, :, None, None])
+        v2 = ((tl.full(c.shape, -932957680, tl.int32) >> (c * 4)) & 0xF).to(tl.float32)  # 2 * E2M1 value
+        px = tl.where(X == -127, 5.877471754111438e-39, ((X + 127) << 23).to(tl.float32, bitcast=True))
+        val = (v2 * 0.5) * px[:, :, None, None]
+        val = (val.to(tl.int32, bitcast=True) | (xb & -2147483648)).to(tl.float32, bitcast=True)
+        return tl.where(bad[:, :, None, None], float("nan"), val)
+
+    @triton.jit
     def _mx_e5m2(codes, X, S, bad, BR: tl.constexpr, BK: tl.constexpr):
         """E5M2 bit patterns (int32) of MXFP4 codes relative to the row scale 2^S, and a flag [BR]: no value of the
         row was flushed. Values below E5M2's normal range (more than 2^-27 below the row's largest block) are
@@ -329,24 +384,32 @@ if HAS_TRITON:
     def _dual_quant_kernel(x_ptr, er_ptr, ec_ptr, R, K, RP, KP, stride_xr, stride_xk, stride_er, stride_ec,
                            K_BUCKET, FMT: tl.constexpr, B: tl.constexpr, R1: tl.constexpr, R2: tl.constexpr,
                            R3: tl.constexpr):
-        """One read of a [B, B] tile of x [R, K], two BF16 expansions: quantized along K (er [R, KP]) and along R
-        (ec [K, RP], row-major: the transpose's quantization). FMT: 0 HiF4, 1 MXFP4, 2 MXFP4 rceil. B = 64 is one
-        HiF4 unit / two MXFP4 blocks in each direction, so each program's tile is self-contained; padding is 0."""
-        rows = tl.program_id(0) * B + tl.arange(0, B)
-        cols = tl.program_id(1) * B + tl.arange(0, B)
-        x = tl.load(x_ptr + rows[:, None] * stride_xr + cols[None, :] * stride_xk,
-                    mask=(rows[:, None] < R) & (cols[None, :] < K), other=0.0).to(tl.float32)
-        xt = tl.trans(x)
-        if FMT == 0:
-            val = _hif4_tile(x, B, B, R1, R2, R3)[2]
-            valt = _hif4_tile(xt, B, B, R1, R2, R3)[2]
-        else:
-            val = _mx_tile(x, B, B, FMT == 2)[3]
-            valt = _mx_tile(xt, B, B, FMT == 2)[3]
-        tl.store(er_ptr + rows[:, None] * stride_er + cols[None, :], val.to(tl.bfloat16),
-                 mask=(rows[:, None] < R) & (cols[None, :] < KP))
-        tl.store(ec_ptr + cols[:, None] * stride_ec + rows[None, :], valt.to(tl.bfloat16),
-                 mask=(cols[:, None] < K) & (rows[None, :] < RP))
+        """One [64, 64] tile of x [R, K], two BF16 expansions: quantized along K (er [R, KP]) and along R (ec [K,
+        RP], row-major: the transpose's quantization). FMT: 0 HiF4, 1 MXFP4, 2 MXFP4 rceil. The tile is one HiF4
+        unit / two MXFP4 blocks in each direction, so each program is self-contained; padding is 0. Each
+        direction loads the tile in its units' shape ([rows, units, ...] along K, then [columns, ...] along R:
+        the second load finds the tile in the cache), so the quantization never moves values between threads.
+        B must be 64."""
+        r0 = tl.program_id(0) * B
+        c0 = tl.program_id(1) * B
+        if FMT == 0:  # a HiF4 unit = 8 pairs of fours
+            i = tl.arange(0, B)[:, None, None, None, None]
+            w = (tl.arange(0, 8)[None, None, :, None, None] * 8 + tl.arange(0, 2)[None, None, None, :, None] * 4
+                 + tl.arange(0, 4)[None, None, None, None, :])
+        else:  # two MXFP4 blocks = 8 fours each
+            i = tl.arange(0, B)[:, None, None, None]
+            w = (tl.arange(0, 2)[None, :, None, None] * 32 + tl.arange(0, 8)[None, None, :, None] * 4
+                 + tl.arange(0, 4)[None, None, None, :])
+        rows, cols = r0 + i, c0 + w  # along K: unit = a row, its values in columns
+        x = tl.load(x_ptr + rows * stride_xr + cols * stride_xk, mask=(rows < R) & (cols < K),
+                    other=0.0).to(tl.float32)
+        val = _hif4_units(x, R1, R2, R3) if FMT == 0 else _mx_units(x, FMT == 2)
+        tl.store(er_ptr + rows * stride_er + cols, val.to(tl.bfloat16), mask=(rows < R) & (cols < KP))
+        rows, cols = r0 + w, c0 + i  # along R: unit = a column, its values in rows
+        xt = tl.load(x_ptr + rows * stride_xr + cols * stride_xk, mask=(rows < R) & (cols < K),
+                     other=0.0).to(tl.float32)
+        valt = _hif4_units(xt, R1, R2, R3) if FMT == 0 else _mx_units(xt, FMT == 2)
+        tl.store(ec_ptr + cols * stride_ec + rows, valt.to(tl.bfloat16), mask=(cols < K) & (rows < RP))
 
     @triton.jit
     def _transpose_kernel(x_ptr, y_ptr, R, C, stride_xr, stride_yr, BR: tl.constexpr, BC: tl.constexpr):
@@ -379,7 +442,7 @@ if HAS_TRITON:
     _TUNE = dict(configs=[_qconfig(*c) for c in _ROW_CFGS + _COL_CFGS], key=["K_BUCKET", "stride_xk", "EXPAND"],
                  prune_configs_by={"early_config_prune": _prune})
     _QTUNE = {**_TUNE, "key": _TUNE["key"] + ["PACKED"]}
-    _dual_quant_tuned = triton.autotune(configs=[triton.Config({}, num_warps=w) for w in (4, 8, 16)],
+    _dual_quant_tuned = triton.autotune(configs=[triton.Config({}, num_warps=w) for w in (2, 4, 8)],
                                         key=["K_BUCKET", "FMT"])(_dual_quant_kernel)
     _hif4_quant_tuned = triton.autotune(**_QTUNE)(_hif4_quant_kernel)
     _mx_quant_tuned = triton.autotune(**_QTUNE)(_mx_quant_kernel)

@@ -44,9 +44,11 @@ class Operand:
 
 
 #: Widest HiF4 operand that :meth:`KernelBackend.quantize_both` quantizes in one pass. Measured on the H200 (8192
-#: bf16 rows, docs/PERFORMANCE.md): the one-pass kernel takes 105 us at K = 1536 (two row-kernel passes and a
-#: transpose: 225 us, launch-bound) but 530 us at K = 8960 (those: 280 us; HiF4's tile math on 64 x 64 tiles costs
-#: more per value than the row kernel's long tiles). MXFP4's one pass wins at both widths (49 vs 196, 214 vs 277 us).
+#: bf16 rows, 2026-12-01) with the first one-pass kernel: 105 us at K = 1536 (two row-kernel passes and a
+#: transpose: 225 us, launch-bound) but 530 us at K = 8960 (those: 280 us). MXFP4's one pass won at both widths (49
+#: vs 196, 214 vs 277 us). The one-pass kernel has since been rewritten on the units' own shapes (HiF4: about half
+#: the instructions per value, no register spills, in Triton 3.6's sm_90 SASS); ``bench_kernels.py
+#: --training-operands`` measures both paths per width and decides this bound anew on the GPU.
 HIF4_BOTH_MAX_K = 4096
 
 
