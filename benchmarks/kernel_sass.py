@@ -7,9 +7,12 @@ checked here before it costs a device call:
     python benchmarks/kernel_sass.py decode --fmt mxfp4 --BN 64 --BM 16 --num-warps 4
     python benchmarks/kernel_sass.py decode --fmt hif4 --res --histogram
     python benchmarks/kernel_sass.py quantize --fmt hif4 --BR 4 --BK 512 --expand 1 --prefetch --num-stages 3
+    python benchmarks/kernel_sass.py one-pass --fmt hif4 --num-warps 4
 
-Prints the instructions per loop iteration, per weight value and the busiest opcodes. The loop is the longest
-backward branch in the disassembly. Pointers and sizes get Triton's ``divisibility=16`` specialization (what a
+Prints the instructions per loop iteration, per value and the busiest opcodes, and the layout conversions in
+Triton's GPU IR (each moves values between threads, through shared memory). The loop is the longest backward
+branch in the disassembly; a kernel without a loop (one-pass: the training quantizer's 64 x 64 tile, both
+directions) counts whole, per value and direction. Pointers and sizes get Triton's ``divisibility=16`` specialization (what a
 real launch with aligned shapes compiles to; without it loads do not vectorize and counts mislead). A count is a
 proxy: run 8's decode kernel was latency-bound, so fewer instructions stopped helping (docs/PERFORMANCE.md); and
 it comes from the Triton installed here, which may pick other layouts than the GPU machine's (3.9 here, 3.6
@@ -58,14 +61,30 @@ def loop_opcodes(cubin: bytes) -> collections.Counter:
     start, end = 0, -1
     for i, ln in enumerate(lines):
         m = re.search(r"BRA `\((\.L_x_\d+)\)", ln)
-        if m and labels.get(m.group(1), i) < i and i - labels[m.group(1)] > end - start:
+        if m and labels.get(m.group(1), i) < i - 1 and i - labels[m.group(1)] > end - start:  # not the exit trap
             start, end = labels[m.group(1)], i
+    if end < 0:  # no loop: the whole kernel
+        start, end = 0, len(lines) - 1
     ops = collections.Counter()
     for ln in lines[start:end + 1]:
         m = re.search(r"\*/\s+(?:@!?U?P\w+\s+)?([A-Z][A-Z0-9_]*)", ln)
         if m and not ln.strip().startswith("/* 0x"):
             ops[m.group(1)] += 1
     return ops
+
+
+def registers(ptx: str) -> str:
+    """ptxas's register and spill report of the kernel ("" where this ptxas cannot read the PTX)."""
+    import triton
+
+    ptxas = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "ptxas")
+    with tempfile.NamedTemporaryFile(suffix=".ptx", mode="w") as fh:
+        fh.write(ptx)
+        fh.flush()
+        v = subprocess.run([ptxas, "-arch=sm_90a", "-v", fh.name, "-o", os.devnull], capture_output=True,
+                           text=True).stderr
+    regs, spill = re.search(r"Used (\d+) registers", v), re.search(r"(\d+) bytes spill stores", v)
+    return f"; {regs.group(1)} registers, {spill.group(1) if spill else '?'} bytes spilled" if regs else ""
 
 
 def decode_case(fmt: str, BN: int, BM: int, res: bool, wide: bool, prefetch: bool, xperm: bool):
@@ -103,10 +122,27 @@ def quantize_case(fmt: str, BR: int, BK: int, expand: int, prefetch: bool):
     return fn, sig, const, divisible, BR * BK
 
 
+def one_pass_case(fmt: str):
+    """(kernel, signature, constexprs, divisible args, values per program: 64 x 64, two directions) of the
+    training operands' one-pass quantizer (``kernels.quantize.quantize_both``)."""
+    from kernels import quantize as qm
+    from kernels._common import HIF4_RECIP
+
+    sig = {"x_ptr": "*bf16", "er_ptr": "*bf16", "ec_ptr": "*bf16"}
+    sig.update({k: "i32" for k in ("R", "K", "RP", "KP", "stride_xr", "stride_xk", "stride_er", "stride_ec",
+                                   "K_BUCKET")})
+    # a contiguous x: Triton specializes its unit stride as the constant 1
+    const = dict(FMT=0 if fmt == "hif4" else 1, B=64, R1=HIF4_RECIP[1], R2=HIF4_RECIP[2], R3=HIF4_RECIP[3],
+                 stride_xk=1)
+    divisible = [k for k in sig if k not in ("stride_xk", "K_BUCKET")]
+    return qm._dual_quant_kernel, sig, const, divisible, 2 * 64 * 64
+
+
 def main(argv=None):
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("kernel", choices=["decode", "quantize"],
-                   help="decode: the decode GEMM (kernels.decode_gemm.w4_matmul); quantize: the row quantize kernel")
+    p.add_argument("kernel", choices=["decode", "quantize", "one-pass"],
+                   help="decode: the decode GEMM (kernels.decode_gemm.w4_matmul); quantize: the row quantize "
+                        "kernel; one-pass: the training operands' quantizer along both dimensions (quantize_both)")
     p.add_argument("--fmt", choices=["hif4", "mxfp4"], default="mxfp4")
     p.add_argument("--BN", type=int, default=64, help="weight rows per program")
     p.add_argument("--BM", type=int, default=16, help="token columns (16, 32 or 64)")
@@ -127,16 +163,21 @@ def main(argv=None):
     if args.kernel == "decode":
         fn, sig, const, div, values = decode_case(args.fmt, args.BN, args.BM, args.res, args.wide, args.prefetch,
                                                   args.xperm)
-    else:
+    elif args.kernel == "quantize":
         fn, sig, const, div, values = quantize_case(args.fmt, args.BR, args.BK, args.expand, args.prefetch)
+    else:
+        fn, sig, const, div, values = one_pass_case(args.fmt)
     compiled = compile_sm90(fn, sig, const, div, args.num_warps, args.num_stages)
     ops = loop_opcodes(compiled.asm["cubin"])
     n = sum(ops.values())
     per_thread = values / (32 * args.num_warps)
+    convert = compiled.asm["ttgir"].count("ttg.convert_layout")
     print(f"{args.kernel} {const}: {n} instructions per loop iteration, {values} values "
-          f"-> {n / per_thread:.2f} per value per thread; shared memory {compiled.metadata.shared} bytes")
+          f"-> {n / per_thread:.2f} per value per thread; shared memory {compiled.metadata.shared} bytes; "
+          f"{convert} layout conversions{registers(compiled.asm['ptx'])}")
     top = ops.most_common() if args.histogram else ops.most_common(12)
     print("  " + ", ".join(f"{k} {v}" for k, v in top))
+    main.convert_layouts = convert  # for tests
     return n / per_thread
 
 
