@@ -122,18 +122,18 @@ def quantize_case(fmt: str, BR: int, BK: int, expand: int, prefetch: bool):
     return fn, sig, const, divisible, BR * BK
 
 
-def one_pass_case(fmt: str):
+def one_pass_case(fmt: str, fp8_rows: bool):
     """(kernel, signature, constexprs, divisible args, values per program: 64 x 64, two directions) of the
-    training operands' one-pass quantizer (``kernels.quantize.quantize_both``)."""
+    training operands' one-pass quantizer (``kernels.quantize.quantize_both``; ``fp8_rows``: MXFP4's E5M2 rows)."""
     from kernels import quantize as qm
     from kernels._common import HIF4_RECIP
 
-    sig = {"x_ptr": "*bf16", "er_ptr": "*bf16", "ec_ptr": "*bf16"}
+    sig = {"x_ptr": "*bf16", "er_ptr": "*u8" if fp8_rows else "*bf16", "ec_ptr": "*bf16", "rexp_ptr": "*i32"}
     sig.update({k: "i32" for k in ("R", "K", "RP", "KP", "stride_xr", "stride_xk", "stride_er", "stride_ec",
                                    "K_BUCKET")})
     # a contiguous x: Triton specializes its unit stride as the constant 1
     const = dict(FMT=0 if fmt == "hif4" else 1, B=64, R1=HIF4_RECIP[1], R2=HIF4_RECIP[2], R3=HIF4_RECIP[3],
-                 stride_xk=1)
+                 stride_xk=1, ROWS_FP8=int(fp8_rows))
     divisible = [k for k in sig if k not in ("stride_xk", "K_BUCKET")]
     return qm._dual_quant_kernel, sig, const, divisible, 2 * 64 * 64
 
@@ -155,7 +155,8 @@ def main(argv=None):
     p.add_argument("--BR", type=int, default=8, help="quantize: rows per program")
     p.add_argument("--BK", type=int, default=256, help="quantize: K values per step")
     p.add_argument("--expand", type=int, choices=[0, 1, 2], default=0,
-                   help="quantize: 0 none, 1 native, 2 bf16 (HiF4: any nonzero is its bf16 expansion)")
+                   help="quantize: 0 none, 1 native, 2 bf16 (HiF4: any nonzero is its bf16 expansion); one-pass: "
+                        "1 = MXFP4's E5M2 rows (the FP8 GEMM mode), else BF16")
     p.add_argument("--histogram", action="store_true", help="print every opcode's count")
     args = p.parse_args(argv)
     if args.BM not in (16, 32, 64):
@@ -166,7 +167,9 @@ def main(argv=None):
     elif args.kernel == "quantize":
         fn, sig, const, div, values = quantize_case(args.fmt, args.BR, args.BK, args.expand, args.prefetch)
     else:
-        fn, sig, const, div, values = one_pass_case(args.fmt)
+        if args.expand == 1 and args.fmt == "hif4":
+            p.error("--expand 1 (E5M2 rows) is MXFP4's; HiF4 expands to BF16")
+        fn, sig, const, div, values = one_pass_case(args.fmt, args.expand == 1)
     compiled = compile_sm90(fn, sig, const, div, args.num_warps, args.num_stages)
     ops = loop_opcodes(compiled.asm["cubin"])
     n = sum(ops.values())

@@ -37,8 +37,9 @@ class Expanded(NamedTuple):
     power-of-two row scale 2^row_exp chosen from the row's largest block; values below the FP8 window are flushed
     to a signed zero (E5M2: values under 2^(row_exp - 14), which is under 2^-29 of the row's largest value; E4M3:
     under 2^(row_exp - 8), under 2^-16 of the row's largest), NaN/Inf blocks are NaN. ``row_ok`` (bool [R], fp8
-    only) says which rows were held exactly (nothing flushed): diagnostics; the GEMMs read the flushed values as
-    they are (no host check, no fallback: "fp8" is an approximate mode, SPEC §3).
+    only; None from the one-pass :func:`quantize_both`) says which rows were held exactly (nothing flushed):
+    diagnostics; the GEMMs read the flushed values as they are (no host check, no fallback: "fp8" is an
+    approximate mode, SPEC §3).
     """
 
     values: torch.Tensor
@@ -215,21 +216,38 @@ if HAS_TRITON:
         return tl.where(bad[:, :, None, None, None], float("nan"), val)
 
     @triton.jit
-    def _mx_units(x, RCEIL: tl.constexpr):
-        """MXFP4 dequantized fp32 values of blocks x [BR, NB, 8, 4] (one 32-value block per [r, b], as 8 fours):
-        :func:`_mx_tile`'s values on the block's own shape (see :func:`_hif4_units`)."""
+    def _mx_unit_codes(x, RCEIL: tl.constexpr):
+        """(E2M1 magnitude codes [BR, NB, 8, 4], scale exponents X [BR, NB], bad-block flags [BR, NB], x's bits) of
+        fp32 blocks x [BR, NB, 8, 4] (one 32-value block per [r, b], as 8 fours): :func:`_mx_tile`'s numbers on
+        the block's own shape (see :func:`_hif4_units`)."""
         xb = x.to(tl.int32, bitcast=True)
         ab = xb & 0x7FFFFFFF
         bmax = tl.max(tl.max(ab, axis=3), axis=2)
         bad = bmax >= 0x7F800000
         X = _mx_x(tl.where(bad, 0.0, bmax.to(tl.float32, bitcast=True)), RCEIL)
         inv = ((127 - X) << 23).to(tl.float32, bitcast=True)  # 2^-X, X <= 126 for finite blocks
-        c = _e2m1_code(ab.to(tl.float32, bitcast=True) * inv[:, :, None, None])
+        return _e2m1_code(ab.to(tl.float32, bitcast=True) * inv[:, :, None, None]), X, bad, xb
+
+    @triton.jit
+    def _mx_units(x, RCEIL: tl.constexpr):
+        """MXFP4 dequantized fp32 values of blocks x [BR, NB, 8, 4]."""
+        c, X, bad, xb = _mx_unit_codes(x, RCEIL)
         v2 = ((tl.full(c.shape, -932957680, tl.int32) >> (c * 4)) & 0xF).to(tl.float32)  # 2 * E2M1 value
         px = tl.where(X == -127, 5.877471754111438e-39, ((X + 127) << 23).to(tl.float32, bitcast=True))
         val = (v2 * 0.5) * px[:, :, None, None]
         val = (val.to(tl.int32, bitcast=True) | (xb & -2147483648)).to(tl.float32, bitcast=True)
         return tl.where(bad[:, :, None, None], float("nan"), val)
+
+    @triton.jit
+    def _mx_units_e5m2(x, S, RCEIL: tl.constexpr):
+        """E5M2 bit patterns (int32) of the MXFP4 blocks x [BR, NB, 8, 4] relative to the row scales 2^S [BR]:
+        :func:`_mx_e5m2`'s bytes (values below E5M2's normal range flushed to a signed zero, bad blocks NaN)."""
+        c, X, bad, xb = _mx_unit_codes(x, RCEIL)
+        ee = c >> 1
+        field = tl.where(ee == 0, -1, ee - 1) + X[:, :, None, None] - S[:, None, None, None] + 15
+        keep = (c != 0) & (field >= 1) & (field <= 30)
+        bits = tl.where(keep, (field << 2) | tl.where(ee == 0, 0, (c & 1) << 1), 0) | ((xb >> 24) & 0x80)
+        return tl.where(bad[:, :, None, None], 0x7F, bits)
 
     @triton.jit
     def _mx_e5m2(codes, X, S, bad, BR: tl.constexpr, BK: tl.constexpr):
@@ -381,11 +399,12 @@ if HAS_TRITON:
 
 
     @triton.jit
-    def _dual_quant_kernel(x_ptr, er_ptr, ec_ptr, R, K, RP, KP, stride_xr, stride_xk, stride_er, stride_ec,
-                           K_BUCKET, FMT: tl.constexpr, B: tl.constexpr, R1: tl.constexpr, R2: tl.constexpr,
-                           R3: tl.constexpr):
-        """One [64, 64] tile of x [R, K], two BF16 expansions: quantized along K (er [R, KP]) and along R (ec [K,
-        RP], row-major: the transpose's quantization). FMT: 0 HiF4, 1 MXFP4, 2 MXFP4 rceil. The tile is one HiF4
+    def _dual_quant_kernel(x_ptr, er_ptr, ec_ptr, rexp_ptr, R, K, RP, KP, stride_xr, stride_xk, stride_er,
+                           stride_ec, K_BUCKET, FMT: tl.constexpr, B: tl.constexpr, R1: tl.constexpr,
+                           R2: tl.constexpr, R3: tl.constexpr, ROWS_FP8: tl.constexpr = 0):
+        """One [64, 64] tile of x [R, K], two expansions: quantized along K (er [R, KP]: BF16, or with ROWS_FP8
+        (MXFP4) E5M2 bytes relative to 2^rexp[r], the row scales of :func:`_row_exp_kernel`) and along R (ec [K,
+        RP], BF16, row-major: the transpose's quantization). FMT: 0 HiF4, 1 MXFP4, 2 MXFP4 rceil. The tile is one HiF4
         unit / two MXFP4 blocks in each direction, so each program is self-contained; padding is 0. Each
         direction loads the tile in its units' shape ([rows, units, ...] along K, then [columns, ...] along R:
         the second load finds the tile in the cache), so the quantization never moves values between threads.
@@ -403,13 +422,28 @@ if HAS_TRITON:
         rows, cols = r0 + i, c0 + w  # along K: unit = a row, its values in columns
         x = tl.load(x_ptr + rows * stride_xr + cols * stride_xk, mask=(rows < R) & (cols < K),
                     other=0.0).to(tl.float32)
-        val = _hif4_units(x, R1, R2, R3) if FMT == 0 else _mx_units(x, FMT == 2)
-        tl.store(er_ptr + rows * stride_er + cols, val.to(tl.bfloat16), mask=(rows < R) & (cols < KP))
+        if ROWS_FP8:
+            S = tl.load(rexp_ptr + r0 + tl.arange(0, B), mask=r0 + tl.arange(0, B) < R, other=0)
+            bits = _mx_units_e5m2(x, S, FMT == 2)
+            tl.store(er_ptr + rows * stride_er + cols, bits.to(tl.uint8), mask=(rows < R) & (cols < KP))
+        else:
+            val = _hif4_units(x, R1, R2, R3) if FMT == 0 else _mx_units(x, FMT == 2)
+            tl.store(er_ptr + rows * stride_er + cols, val.to(tl.bfloat16), mask=(rows < R) & (cols < KP))
         rows, cols = r0 + w, c0 + i  # along R: unit = a column, its values in rows
         xt = tl.load(x_ptr + rows * stride_xr + cols * stride_xk, mask=(rows < R) & (cols < K),
                      other=0.0).to(tl.float32)
         valt = _hif4_units(xt, R1, R2, R3) if FMT == 0 else _mx_units(xt, FMT == 2)
         tl.store(ec_ptr + cols * stride_ec + rows, valt.to(tl.bfloat16), mask=(cols < K) & (rows < RP))
+
+    @triton.jit
+    def _row_exp_kernel(x_ptr, rexp_ptr, R, K, stride_xr, stride_xk, RCEIL: tl.constexpr, BR: tl.constexpr,
+                        BK: tl.constexpr):
+        """The E5M2 row scale exponent S of each row of x [R, K]: the row's largest block maps to E5M2's 2^2
+        binade (what :func:`_mx_quant_kernel` computes first for EXPAND=1)."""
+        rows = tl.program_id(0) * BR + tl.arange(0, BR)
+        rmask = rows < R
+        am = _row_amax(x_ptr, rows, rmask, K, stride_xr, stride_xk, BR, BK)
+        tl.store(rexp_ptr + rows, tl.minimum(tl.maximum(_mx_x(am, RCEIL) - 13, -126), 127), mask=rmask)
 
     @triton.jit
     def _transpose_kernel(x_ptr, y_ptr, R, C, stride_xr, stride_yr, BR: tl.constexpr, BC: tl.constexpr):
@@ -443,14 +477,14 @@ if HAS_TRITON:
                  prune_configs_by={"early_config_prune": _prune})
     _QTUNE = {**_TUNE, "key": _TUNE["key"] + ["PACKED"]}
     _dual_quant_tuned = triton.autotune(configs=[triton.Config({}, num_warps=w) for w in (2, 4, 8)],
-                                        key=["K_BUCKET", "FMT"])(_dual_quant_kernel)
+                                        key=["K_BUCKET", "FMT", "ROWS_FP8"])(_dual_quant_kernel)
     _hif4_quant_tuned = triton.autotune(**_QTUNE)(_hif4_quant_kernel)
     _mx_quant_tuned = triton.autotune(**_QTUNE)(_mx_quant_kernel)
 
     # The host wrappers launch through kernels._launch (Triton's Python launch path was most of an FP4 training
     # linear's host time).
-    _hif4_quant_fast, _mx_quant_fast, _dual_quant_fast, _transpose_fast = map(
-        fast, (_hif4_quant_kernel, _mx_quant_kernel, _dual_quant_kernel, _transpose_kernel))
+    _hif4_quant_fast, _mx_quant_fast, _dual_quant_fast, _transpose_fast, _row_exp_fast = map(
+        fast, (_hif4_quant_kernel, _mx_quant_kernel, _dual_quant_kernel, _transpose_kernel, _row_exp_kernel))
     _hif4_quant_tuned, _mx_quant_tuned, _dual_quant_tuned = map(
         fast, (_hif4_quant_tuned, _mx_quant_tuned, _dual_quant_tuned))
 
@@ -597,29 +631,44 @@ def quantize(x: torch.Tensor, fmt, dim: int = -1, expand: Optional[str] = None,
     return (qt, ex) if expand else qt
 
 
-def quantize_both(x: torch.Tensor, fmt, num_warps: Optional[int] = None) -> tuple[Expanded, Expanded]:
-    """The BF16 expansions of 2-D ``x [R, K]`` (any strides) quantized along K and along R, from one read of x
-    (one launch): ``[R, K_pad]`` and ``[K, R_pad]`` (the quantization of ``x.t()``), each equal to
-    ``fmt.quantize``'s values; what a training linear needs of its input X (fprop, wgrad) and of dY (dgrad, wgrad).
-    The PyTorch reference where the kernels cannot run."""
+def quantize_both(x: torch.Tensor, fmt, num_warps: Optional[int] = None,
+                  rows: str = "bf16") -> tuple[Expanded, Expanded]:
+    """2-D ``x [R, K]`` (any strides) quantized along K and along R, from one read of x (one launch; two for
+    E5M2 rows, whose row scales need a first pass): ``[R, K_pad]`` and ``[K, R_pad]`` (the quantization of
+    ``x.t()``), each equal to ``fmt.quantize``'s values; what a training linear needs of its input X (fprop,
+    wgrad) and of dY (dgrad, wgrad). ``rows``: "bf16", or "native" (:func:`quantize`'s expand modes: for MXFP4 the
+    FP8 GEMMs' E5M2 operand with its row exponents, the same bytes as ``quantize(x, expand="native")``, without
+    ``row_ok``, a diagnostic the one pass does not gather); the columns are BF16. The PyTorch reference where the
+    kernels cannot run."""
     f = get_format(fmt)
     check_tensor(x, "x", "kernels.quantize.quantize_both", ndim=2)
+    if rows not in ("bf16", "native"):
+        raise ValueError(f"rows={rows!r} is not valid; allowed values: 'bf16', 'native'")
+    fp8 = rows == "native" and f.name != "hif4"
     if f.name not in KERNEL_FORMATS or not kernels_usable(x):
-        return quantize_reference(x, f, 1, "bf16")[1], quantize_reference(x.t(), f, 1, "bf16")[1]
+        r = quantize_reference(x, f, 1, rows)[1]
+        return (r._replace(row_ok=None) if fp8 else r), quantize_reference(x.t(), f, 1, "bf16")[1]
     R, K = x.shape
     bs = f.block_size
     rp, kp = cdiv(R, bs) * bs, cdiv(K, bs) * bs
-    er = torch.empty((R, kp), dtype=torch.bfloat16, device=x.device)
-    ec = torch.empty((K, rp), dtype=torch.bfloat16, device=x.device)
+    dev = x.device
+    er = torch.empty((R, kp), dtype=torch.uint8 if fp8 else torch.bfloat16, device=dev)
+    ec = torch.empty((K, rp), dtype=torch.bfloat16, device=dev)
+    rexp = torch.empty((R,), dtype=torch.int32, device=dev) if fp8 else _unused((1,), dev)
+    code = {"hif4": 0, "mxfp4": 1, "mxfp4_rceil": 2}[f.name]
+    if fp8:
+        _row_exp_fast[(cdiv(R, 8),)](x, rexp, R, K, x.stride(0), x.stride(1), RCEIL=code == 2, BR=8, BK=256,
+                                     num_warps=4)
     B = 64
-    args = (x, er, ec, R, K, rp, kp, x.stride(0), x.stride(1), er.stride(0), ec.stride(0), tune_bucket(K))
-    kw = dict(FMT={"hif4": 0, "mxfp4": 1, "mxfp4_rceil": 2}[f.name], B=B, R1=HIF4_RECIP[1], R2=HIF4_RECIP[2],
-              R3=HIF4_RECIP[3])
+    args = (x, er, ec, rexp, R, K, rp, kp, x.stride(0), x.stride(1), er.stride(0), ec.stride(0), tune_bucket(K))
+    kw = dict(FMT=code, B=B, R1=HIF4_RECIP[1], R2=HIF4_RECIP[2], R3=HIF4_RECIP[3], ROWS_FP8=int(fp8))
     grid = (cdiv(R, B), cdiv(K, B))
     if num_warps is not None or interpreting() or R * K < (1 << 16):  # small inputs: no autotuning
         _dual_quant_fast[grid](*args, **kw, num_warps=num_warps or 4)
     else:
         _dual_quant_tuned[grid](*args, **kw)
+    if fp8:
+        return Expanded(er.view(torch.float8_e5m2), rexp), Expanded(ec)
     return Expanded(er), Expanded(ec)
 
 

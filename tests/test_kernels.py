@@ -350,6 +350,14 @@ def test_quantize_both_bit_exact(name):
                 # equal values (a GPU build may write +0 for -0: the same GEMM operand)
                 assert torch.equal(g[~nan], want[~nan])
                 assert not got[:, n:].any()
+            if name != "hif4":  # E5M2 rows for the FP8 GEMMs: the row kernel's bytes and row exponents
+                rows8, cols8 = quantize_both(xin, name, rows="native")
+                want8 = quantize(xin, name, expand="native")[1]
+                assert torch.equal(rows8.values.view(torch.uint8), want8.values.view(torch.uint8))
+                assert torch.equal(rows8.row_exp, want8.row_exp) and rows8.row_ok is None
+                assert torch.equal(cols8.values.view(torch.int16), cols.values.view(torch.int16))
+    with pytest.raises(ValueError, match="rows='e4m3' is not valid; allowed values: 'bf16', 'native'"):
+        quantize_both(x, name, rows="e4m3")
 
 
 @pytest.mark.parametrize("name", ["hif4", "mxfp4"])

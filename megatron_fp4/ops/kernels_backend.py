@@ -73,8 +73,9 @@ class KernelBackend(FP4GemmBackend):
     def quantize_both(self, x, fmt, mode):
         if fmt.name not in KERNEL_FORMATS or not kernels_usable(x):
             return NotImplemented
-        if mode != "exact" and fmt.name != "hif4":  # the FP8 row operand: its own kernel
-            return super().quantize_both(x, fmt, mode)
+        if mode != "exact" and fmt.name != "hif4":  # E5M2 rows (after a row-scale pass), BF16 columns
+            rows, cols = quantize_both(x, fmt, rows="native")
+            return Operand(fmt, rows), Operand(fmt, cols)
         if fmt.name == "hif4" and x.shape[1] > HIF4_BOTH_MAX_K:
             return super().quantize_both(x, fmt, mode)  # row kernel + transpose + row kernel: faster there
         rows, cols = quantize_both(x, fmt)  # kernels.quantize's: one read of x, both expansions
