@@ -331,47 +331,6 @@ def test_weight_cache_quantizes_each_weight_once_per_schedule(fmt):
         ops.unregister_fp4_gemm_backend("cpu")
 
 
-@pytest.mark.parametrize("both", [False, True])
-def test_last_forward_drops_the_forward_operands(both):
-    """After ops.last_forward() each FP4 linear drops its weight's forward operand from the weight cache once its
-    forward GEMM has it: the backward keeps only W^T's, the numbers do not change, and a later forward (activation
-    recomputation) quantizes W again."""
-    recipe = recipe_for_format("hif4")
-    torch.manual_seed(0)
-    w = torch.randn(24, 64)
-    xs = [torch.randn(3, 5, 64) for _ in range(3)]
-
-    def run(mark_last: bool):
-        backend = BothLayoutsBackend() if both else CountingBackend()
-        ops.register_fp4_gemm_backend("cpu", backend)
-        wr, outs = w.clone().requires_grad_(True), []
-        try:
-            with ops.quantized_weight_cache() as cache:
-                for i, x in enumerate(xs):
-                    if mark_last and i == len(xs) - 1:
-                        ops.last_forward()
-                    xr = x.clone().requires_grad_(True)
-                    y = fp4_linear(xr, wr, recipe=recipe)
-                    held = [k for k in cache if k[2] == tuple(wr.shape)]  # the entries of W's own view
-                    (y * torch.linspace(-1, 1, 24)).sum().backward()
-                    outs += [y.detach(), xr.grad]
-                with torch.no_grad():
-                    fp4_linear(xs[0], wr, recipe=recipe)  # a forward after the last one: W again
-        finally:
-            ops.unregister_fp4_gemm_backend("cpu")
-        return outs + [wr.grad], held, backend
-
-    kept, held_kept, b_kept = run(False)
-    dropped, held_dropped, b_dropped = run(True)
-    assert len(held_kept) == 1 and held_dropped == []  # W's forward operand gone after the last forward
-    for a, b in zip(kept, dropped):
-        assert torch.equal(a, b)
-    if both:
-        assert (b_kept.both, b_kept.weights, b_dropped.both, b_dropped.weights) == (1, 0, 1, 1)
-    else:
-        assert (b_kept.weights, b_dropped.weights) == (2, 3)
-
-
 def test_gemm_strided_operands_and_out_dtype():
     """Transposed views are quantized as they are (no copy needed: same numbers as contiguous operands), and
     out_dtype rounds the fp32 product once."""

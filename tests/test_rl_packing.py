@@ -143,19 +143,3 @@ def test_driver_step_with_and_without_packing(tmp_path):
     assert a["grad_norm"] > 0 and a["loss"] != 0
     for k in ("loss", "entropy_mean", "kl_mean", "logp_abs_diff_mean", "ratio_mean", "grad_norm"):
         assert math.isclose(a[k], b[k], rel_tol=1e-5, abs_tol=1e-7), (k, a[k], b[k])
-
-
-def test_schedule_marks_its_last_forward(model, monkeypatch):
-    """run_schedule tells the FP4 weight cache when its last micro-batch's forward begins (ops.last_forward), once,
-    so the weights' forward operands can leave the cache before the backward passes."""
-    events = []
-    monkeypatch.setattr(actor.ops, "last_forward", lambda: events.append("last"))
-
-    def loss_fn(batch, logits):
-        events.append("forward")
-        return actor._nll_loss(batch, logits)
-
-    for forward_only in (False, True):
-        events.clear()
-        _run(model, loss_fn, pack=False, forward_only=forward_only)
-        assert events == ["forward", "last", "forward"]

@@ -35,8 +35,6 @@ __all__ = [
     "GEMM_MODES",
     "FP4GemmBackend",
     "quantized_weight_cache",
-    "last_forward",
-    "forward_done",
     "Quantized",
     "quantize_both",
     "fp4_gemm",
@@ -167,13 +165,7 @@ def quantize_both(x: torch.Tensor, fmt: FormatLike, mode: str = "exact") -> Opti
     raise AssertionError("the reference backend declined a quantization")  # unreachable
 
 
-class _WeightCache(dict):
-    """One :func:`quantized_weight_cache` block: view key -> (root tensor, {(backend id, format, mode): operand})."""
-
-    last_forward = False  # set by :func:`last_forward`
-
-
-_CACHES: list[_WeightCache] = []
+_CACHES: list[dict] = []
 
 
 @contextlib.contextmanager
@@ -184,10 +176,9 @@ def quantized_weight_cache() -> Iterator[dict]:
     An entry is keyed by the tensor's storage, view (offset, shape, strides), dtype and version counter (in-place
     updates through autograd-visible ops bump it), the format, rounding mode and GEMM mode. Weights changed through
     ``.data`` are not seen: open the block around work that does not update the weights (one forward/backward
-    schedule), as the actor does. The cache (and the memory it holds) is dropped at the end of the block; a
-    weight's forward operand leaves it earlier, after the schedule's last forward (:func:`last_forward`).
+    schedule), as the actor does. The cache (and the memory it holds) is dropped at the end of the block.
     """
-    cache = _WeightCache()
+    cache: dict = {}
     _CACHES.append(cache)
     try:
         yield cache
@@ -196,26 +187,11 @@ def quantized_weight_cache() -> Iterator[dict]:
         cache.clear()
 
 
-def last_forward() -> None:
-    """The schedule's last forward begins (the actor says so before its last micro-batch): from now on the FP4
-    linears drop each weight's forward operand from the open weight cache after its forward GEMM
-    (:func:`forward_done`), so the backward passes run without them (half the cache's memory: only W^T, dgrad's
-    operand, stays). A forward after that (activation recomputation) quantizes the weight again: same numbers."""
-    if _CACHES:
-        _CACHES[-1].last_forward = True
-
-
-def forward_done(weight: torch.Tensor) -> None:
-    """An FP4 linear's forward GEMM on ``weight`` is done: after :func:`last_forward`, its cached forward operand
-    is dropped (the backward's operand, a transposed view, is another entry)."""
-    if _CACHES and _CACHES[-1].last_forward:
-        _CACHES[-1].pop(_view_key(weight)[0], None)
-
-
-def _view_key(x: torch.Tensor):
-    """(key of ``x``'s view and version in the weight cache, ``x``'s root tensor)."""
+def _cache_key(backend: FP4GemmBackend, x: torch.Tensor, fmt: Format, mode: str):
+    """(root tensor of ``x``, key of ``x``'s view and version in the weight cache)."""
     base = x if x._base is None else x._base
-    return (id(base), x.storage_offset(), tuple(x.shape), x.stride(), x.dtype, x._version), base
+    return base, (id(backend), id(base), x.storage_offset(), tuple(x.shape), x.stride(), x.dtype, x._version,
+                  fmt.name, mode)
 
 
 def _quantize(backend: FP4GemmBackend, x: torch.Tensor, fmt: Format, rounding: str,
@@ -224,27 +200,19 @@ def _quantize(backend: FP4GemmBackend, x: torch.Tensor, fmt: Format, rounding: s
     ``x.t()`` (the weight's dgrad layout) and cache it, from the same pass where the backend can."""
     if not (cache and _CACHES and rounding == "nearest"):
         return backend.quantize(x, fmt, rounding, generator, mode, cache)
-    entries, what = _CACHES[-1], (id(backend), fmt.name, mode)
-    key, base = _view_key(x)
-    slot = entries.get(key)
-    if slot is not None and slot[0] is base and what in slot[1]:  # ``base`` held: its id cannot be reused
-        return slot[1][what]
-
-    def put(k, q):
-        s = entries.get(k)
-        if s is None or s[0] is not base:
-            s = entries[k] = (base, {})
-        s[1][what] = q
-
+    base, key = _cache_key(backend, x, fmt, mode)
+    hit = _CACHES[-1].get(key)
+    if hit is not None and hit[0] is base:
+        return hit[1]
     if cache_t:
         both = backend.quantize_weight_both(x, fmt, mode)
         if both is not NotImplemented and all(q is not NotImplemented for q in both):
-            put(key, both[0])
-            put(_view_key(x.t())[0], both[1])
+            _CACHES[-1][key] = (base, both[0])
+            _CACHES[-1][_cache_key(backend, x.t(), fmt, mode)[1]] = (base, both[1])
             return both[0]
     q = backend.quantize(x, fmt, rounding, generator, mode, True)
     if q is not NotImplemented:
-        put(key, q)
+        _CACHES[-1][key] = (base, q)  # holds ``base``: its id cannot be reused while the entry lives
     return q
 
 

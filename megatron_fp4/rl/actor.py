@@ -81,18 +81,12 @@ def run_schedule(model, batches: list[dict], loss_fn: Callable, forward_only: bo
                  ) -> list[dict]:
     """Megatron's forward(/backward) schedule over micro-batches; returns the last stage's loss dicts. ``pack``: each
     micro-batch as one THD pack of its sequences (:func:`pack_index`; the loss functions read ``batch["pack"]``). The
-    FP4 linears quantize each weight once for the whole schedule (``ops.quantized_weight_cache``) and drop its forward
-    operand after the last micro-batch's forward (``ops.last_forward``)."""
+    FP4 linears quantize each weight once for the whole schedule (``ops.quantized_weight_cache``)."""
     from megatron.core.packed_seq_params import PackedSeqParams
     from megatron.core.pipeline_parallel import get_forward_backward_func
 
-    taken = [0]
-
     def forward_step(data_iterator, model_chunk):
         batch = next(data_iterator)
-        taken[0] += 1
-        if taken[0] == len(batches):  # no forward follows this one: the FP4 weights' forward operands can go
-            ops.last_forward()
         dev = next(model_chunk.parameters()).device  # batches are built on the CPU; the model may be on a GPU
         if pack:
             rows, cols, cu, longest = pack_index(batch["mask"])  # on the CPU: no device sync
