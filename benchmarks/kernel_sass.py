@@ -101,8 +101,9 @@ def decode_case(fmt: str, BN: int, BM: int, res: bool, wide: bool, prefetch: boo
     return fn, signature, constexprs, divisible, BN * 64
 
 
-def quantize_case(fmt: str, BR: int, BK: int, expand: int, prefetch: bool):
-    """(kernel, signature, constexprs, divisible args, values per loop iteration) of the row quantize kernel."""
+def quantize_case(fmt: str, BR: int, BK: int, expand: int, prefetch: bool, unpacked: bool = False):
+    """(kernel, signature, constexprs, divisible args, values per loop iteration) of the row quantize kernel
+    (``unpacked``: the expansion only, as the training GEMMs read it; a row-major x, unit stride specialized)."""
     from kernels import quantize as qm
     from kernels._common import HIF4_RECIP
 
@@ -116,6 +117,8 @@ def quantize_case(fmt: str, BR: int, BK: int, expand: int, prefetch: bool):
         fn = qm._mx_quant_kernel
         sig.update({"rexp_ptr": "*i32", "rok_ptr": "*i8"})
         const = dict(RCEIL=False, EXPAND=expand, BR=BR, BK=BK, PREFETCH=int(prefetch))
+    if unpacked:
+        const.update(PACKED=0, stride_xk=1)
     sig.update({k: "i32" for k in ("R", "K", "KP", "stride_xr", "stride_xk", "stride_cr", "stride_sr", "stride_er",
                                    "K_BUCKET")})
     divisible = [k for k in sig if k not in ("R", "stride_xk", "K_BUCKET")]
@@ -157,6 +160,7 @@ def main(argv=None):
     p.add_argument("--expand", type=int, choices=[0, 1, 2], default=0,
                    help="quantize: 0 none, 1 native, 2 bf16 (HiF4: any nonzero is its bf16 expansion); one-pass: "
                         "1 = MXFP4's E5M2 rows (the FP8 GEMM mode), else BF16")
+    p.add_argument("--unpacked", action="store_true", help="quantize: the expansion only (PACKED=0, training)")
     p.add_argument("--histogram", action="store_true", help="print every opcode's count")
     args = p.parse_args(argv)
     if args.BM not in (16, 32, 64):
@@ -165,7 +169,10 @@ def main(argv=None):
         fn, sig, const, div, values = decode_case(args.fmt, args.BN, args.BM, args.res, args.wide, args.prefetch,
                                                   args.xperm)
     elif args.kernel == "quantize":
-        fn, sig, const, div, values = quantize_case(args.fmt, args.BR, args.BK, args.expand, args.prefetch)
+        if args.unpacked and not args.expand:
+            p.error("--unpacked needs --expand 1 or 2 (the expansion is all the kernel writes then)")
+        fn, sig, const, div, values = quantize_case(args.fmt, args.BR, args.BK, args.expand, args.prefetch,
+                                                    args.unpacked)
     else:
         if args.expand == 1 and args.fmt == "hif4":
             p.error("--expand 1 (E5M2 rows) is MXFP4's; HiF4 expands to BF16")

@@ -338,22 +338,33 @@ if HAS_TRITON:
                            stride_sr, stride_er, K_BUCKET, EXPAND: tl.constexpr, BR: tl.constexpr, BK: tl.constexpr,
                            R1: tl.constexpr, R2: tl.constexpr, R3: tl.constexpr, PREFETCH: tl.constexpr = 0,
                            PACKED: tl.constexpr = 1):
-        """PACKED: store the codes and scales (0: only the expansion, what the training GEMMs read)."""
+        """PACKED: store the codes and scales (0: only the expansion, what the training GEMMs read: computed on the
+        units' own shape, :func:`_hif4_units`, without PREFETCH)."""
         rows = tl.program_id(0) * BR + tl.arange(0, BR)
         rmask = rows < R
-        xn = _first_tile(x_ptr, rows, rmask, K, stride_xr, stride_xk, BR, BK, PREFETCH)
-        for k0 in range(tl.program_id(1) * BK, KP, tl.num_programs(1) * BK):
-            cols = k0 + tl.arange(0, BK)
-            x, xn = _k_tile(x_ptr, rows, rmask, cols, xn, K, stride_xr, stride_xk, BK, PREFETCH)
-            codes, word, val, bad = _hif4_tile(x, BR, BK, R1, R2, R3)
-            if PACKED:
+        if PACKED:
+            xn = _first_tile(x_ptr, rows, rmask, K, stride_xr, stride_xk, BR, BK, PREFETCH)
+            for k0 in range(tl.program_id(1) * BK, KP, tl.num_programs(1) * BK):
+                cols = k0 + tl.arange(0, BK)
+                x, xn = _k_tile(x_ptr, rows, rmask, cols, xn, K, stride_xr, stride_xk, BK, PREFETCH)
+                codes, word, val, bad = _hif4_tile(x, BR, BK, R1, R2, R3)
                 _store_packed(codes_ptr, codes, rows, rmask, k0, KP, stride_cr, BR, BK)
                 ju = k0 // 64 + tl.arange(0, BK // 64)
                 tl.store(scales_ptr + rows[:, None] * stride_sr + ju[None, :], word,
                          mask=rmask[:, None] & (ju[None, :] < KP // 64))
-            if EXPAND:
-                tl.store(ex_ptr + rows[:, None] * stride_er + cols[None, :], val.to(tl.bfloat16),
-                         mask=rmask[:, None] & (cols[None, :] < KP))
+                if EXPAND:
+                    tl.store(ex_ptr + rows[:, None] * stride_er + cols[None, :], val.to(tl.bfloat16),
+                             mask=rmask[:, None] & (cols[None, :] < KP))
+        else:
+            r5 = rows[:, None, None, None, None]
+            m5 = rmask[:, None, None, None, None]
+            w = (tl.arange(0, BK // 64)[None, :, None, None, None] * 64 + tl.arange(0, 8)[None, None, :, None, None] * 8
+                 + tl.arange(0, 2)[None, None, None, :, None] * 4 + tl.arange(0, 4)[None, None, None, None, :])
+            for k0 in range(tl.program_id(1) * BK, KP, tl.num_programs(1) * BK):
+                cols = k0 + w
+                x = tl.load(x_ptr + r5 * stride_xr + cols * stride_xk, mask=m5 & (cols < K), other=0.0)
+                val = _hif4_units(x.to(tl.float32), R1, R2, R3)
+                tl.store(ex_ptr + r5 * stride_er + cols, val.to(tl.bfloat16), mask=m5 & (cols < KP))
 
     @triton.jit
     def _mx_quant_kernel(x_ptr, codes_ptr, scales_ptr, ex_ptr, rexp_ptr, rok_ptr, R, K, KP, stride_xr,

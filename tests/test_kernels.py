@@ -372,10 +372,11 @@ def test_training_backend_expansion_only_and_strided(name, host_reads):
 
     dev = "cpu" if ON_CPU else DEV
     x = _inputs("outliers", (96, 136), device=dev)
-    for expand in ("bf16", "native"):
-        q, e = quantize(x, name, expand=expand)
-        none, e2 = quantize(x, name, expand=expand, packed=False)
-        assert none is None and torch.equal(e2.values.view(torch.uint8), e.values.view(torch.uint8))
+    for xin in (x, _inputs("special", (70, 130), device=dev)):  # NaN/Inf units, zeros, subnormals
+        for expand in ("bf16", "native"):
+            q, e = quantize(xin, name, expand=expand)
+            none, e2 = quantize(xin, name, expand=expand, packed=False)
+            assert none is None and torch.equal(e2.values.view(torch.uint8), e.values.view(torch.uint8))
     xt = x.t()  # [136, 96], strides (1, 136)
     ref = quantize(xt.contiguous(), name, expand="bf16")[1].values
     assert torch.equal(quantize(xt, name, expand="bf16", packed=False)[1].values, ref)
