@@ -71,7 +71,7 @@ def fp4_gemm(a: torch.Tensor, b: torch.Tensor, a_format, b_format=None, mode: st
     if a.shape[0] <= DECODE_MAX_M:
         # b is quantized here, so its scales are unknown to the host: the two-factor MXFP4 path is exact for every
         # scale and costs less than the device reduction and host sync that would decide it (needs_wide_decode)
-        return w4_matmul(quantize(a, fa, expand="bf16")[1].values, quantize(b, fb), wide=True)
+        return w4_matmul(quantize(a, fa, expand="bf16", packed=False)[1].values, quantize(b, fb), wide=True)
     ex = "bf16" if mode == "exact" else "native"
     ea = quantize(a, fa, expand=ex, packed=False)[1]
     eb = quantize(b, fb, expand=ex, packed=False)[1]
@@ -210,7 +210,7 @@ def linear(x: torch.Tensor, w: PreparedWeight, resq: str = "none", activations: 
         return resq_matmul(x, w.packed, w.bf16_expanded() if sum_prefill else w.expanded, out_dtype=out_dtype,
                            promote=PROMOTE[w.mode], wide=w.wide, combine=resq_combine)
     if x.shape[0] <= DECODE_KERNEL_MAX_M:
-        return decode_matmul(quantize(x, w.fmt, expand="bf16")[1].values, w).to(out_dtype)
+        return decode_matmul(quantize(x, w.fmt, expand="bf16", packed=False)[1].values, w).to(out_dtype)
     ex = quantize(x, w.fmt, expand="bf16" if w.expanded.values.dtype == torch.bfloat16 else "native", packed=False)[1]
     return mm_expanded(ex, w.expanded, out_dtype=out_dtype, promote=PROMOTE[w.mode])
 
