@@ -117,8 +117,9 @@ def quantize_case(fmt: str, BR: int, BK: int, expand: int, prefetch: bool, unpac
         fn = qm._mx_quant_kernel
         sig.update({"rexp_ptr": "*i32", "rok_ptr": "*i8"})
         const = dict(RCEIL=False, EXPAND=expand, BR=BR, BK=BK, PREFETCH=int(prefetch))
+    const["PACKED"] = int(not unpacked)
     if unpacked:
-        const.update(PACKED=0, stride_xk=1)
+        const["stride_xk"] = 1
     sig.update({k: "i32" for k in ("R", "K", "KP", "stride_xr", "stride_xk", "stride_cr", "stride_sr", "stride_er",
                                    "K_BUCKET")})
     divisible = [k for k in sig if k not in ("R", "stride_xk", "K_BUCKET")]

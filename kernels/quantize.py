@@ -82,6 +82,22 @@ if HAS_TRITON:
         return ab.to(tl.float32, bitcast=True), tl.max(tl.reshape(ab, (BR, BK // 4, 4)), axis=2)
 
     @triton.jit
+    def _hif4_scale(bmax, R1: tl.constexpr, R2: tl.constexpr, R3: tl.constexpr):
+        """HiF4's level 1 (SPEC §2.1 steps 2-4) from each unit's largest |x| as fp32 bits: (bad: a NaN or Inf in
+        the unit, whose other values do not matter then; E6M2; its exponent e and mantissa m2; r =
+        bf16_rne(1 / E6M2), as HIF4_RECIP[m2] * 2^-e)."""
+        bad = bmax >= 0x7F800000
+        vmax = tl.where(bad, 0.0, bmax.to(tl.float32, bitcast=True))
+        sf = _bf16_rne(vmax * 0.142578125)
+        sf = tl.minimum(tl.maximum(sf, 3.552713678800501e-15), 49152.0)
+        sb = sf.to(tl.int32, bitcast=True)
+        rb = (sb + 0xFFFFF + ((sb >> 21) & 1)) & -2097152  # RNE to 2 mantissa bits, carry into the exponent
+        e = ((rb >> 23) & 0xFF) - 127
+        m2 = (rb >> 21) & 3
+        r = tl.where(m2 == 0, 1.0, tl.where(m2 == 1, R1, tl.where(m2 == 2, R2, R3))) * _pow2(-e)
+        return bad, rb.to(tl.float32, bitcast=True), e, m2, r
+
+    @triton.jit
     def _hif4_tile(x, BR: tl.constexpr, BK: tl.constexpr, R1: tl.constexpr, R2: tl.constexpr,
                    R3: tl.constexpr):
         """HiF4 of an fp32 tile [BR, BK] (BK a multiple of 64): codes [BR,BK] int32, scale word [BR,BK/64] int32
@@ -93,20 +109,10 @@ if HAS_TRITON:
         a, b16 = _abs_bits(xb, BR, BK)
         b8 = tl.max(tl.reshape(b16, (BR, G8, 2)), axis=2)
         bmax = tl.max(tl.reshape(b8, (BR, NU, 8)), axis=2)
-        bad = bmax >= 0x7F800000  # a NaN or Inf in the unit (its other values do not matter then)
+        bad, e6m2, e, m2, r = _hif4_scale(bmax, R1, R2, R3)
         v16 = b16.to(tl.float32, bitcast=True)
         v8 = b8.to(tl.float32, bitcast=True)
-        vmax = tl.where(bad, 0.0, bmax.to(tl.float32, bitcast=True))
-        sf = _bf16_rne(vmax * 0.142578125)
-        sf = tl.minimum(tl.maximum(sf, 3.552713678800501e-15), 49152.0)
-        sb = sf.to(tl.int32, bitcast=True)
-        rb = (sb + 0xFFFFF + ((sb >> 21) & 1)) & -2097152  # RNE to 2 mantissa bits, carry into the exponent
-        e6m2 = rb.to(tl.float32, bitcast=True)
-        e = ((rb >> 23) & 0xFF) - 127
-        m2 = (rb >> 21) & 3
         code = (e + 48) * 4 + m2
-        t = tl.where(m2 == 0, 1.0, tl.where(m2 == 1, R1, tl.where(m2 == 2, R2, R3)))
-        r = t * _pow2(-e)  # == bf16_rne(1 / E6M2)
         e18 = (v8 * _bcast(r, BR, NU, 8)) >= 4.0  # [BR, G8]
         e18x = _bcast(e18.to(tl.int32), BR, G8, 2)  # [BR, G16]
         p16 = v16 * _bcast(r, BR, NU, 16)
@@ -188,17 +194,7 @@ if HAS_TRITON:
         ab = xb & 0x7FFFFFFF  # |x| bits: integer order is value order, Inf/NaN above all finite values
         b16 = tl.max(ab, axis=4)
         b8 = tl.max(b16, axis=3)
-        bmax = tl.max(b8, axis=2)
-        bad = bmax >= 0x7F800000
-        vmax = tl.where(bad, 0.0, bmax.to(tl.float32, bitcast=True))
-        sf = _bf16_rne(vmax * 0.142578125)
-        sf = tl.minimum(tl.maximum(sf, 3.552713678800501e-15), 49152.0)
-        sb = sf.to(tl.int32, bitcast=True)
-        rb = (sb + 0xFFFFF + ((sb >> 21) & 1)) & -2097152  # RNE to 2 mantissa bits, carry into the exponent
-        e6m2 = rb.to(tl.float32, bitcast=True)
-        e = ((rb >> 23) & 0xFF) - 127
-        m2 = (rb >> 21) & 3
-        r = tl.where(m2 == 0, 1.0, tl.where(m2 == 1, R1, tl.where(m2 == 2, R2, R3))) * _pow2(-e)  # [BR, NU]
+        bad, e6m2, e, m2, r = _hif4_scale(tl.max(b8, axis=2), R1, R2, R3)  # [BR, NU] each
         r3 = r[:, :, None]
         e18 = (b8.to(tl.float32, bitcast=True) * r3) >= 4.0  # [BR, NU, 8]
         p16 = b16.to(tl.float32, bitcast=True) * r3[:, :, :, None]  # [BR, NU, 8, 2]
