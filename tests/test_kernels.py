@@ -490,6 +490,37 @@ def test_gpu_quantize_every_tuned_config(name):
 
 
 @pytest.mark.gpu
+@pytest.mark.parametrize("name", FORMATS)
+def test_gpu_training_operands_every_config(name):
+    """The training operands' quantizers at every tile or warp count autotuning may pick: the expansion-only row
+    kernel (row and column tiles) writes the packed call's expansion, and the one-pass kernel (BF16 rows, and E5M2
+    rows for MXFP4's FP8 mode) writes quantize()'s bytes, on NaN/Inf units and an autotuned size too."""
+    from kernels import quantize as qm
+    from kernels.quantize import quantize_both
+
+    def same(a, b):  # equal values, NaN where NaN (a signed zero may come out either way in another kernel)
+        return torch.equal(a.isnan(), b.isnan()) and torch.equal(a[~a.isnan()], b[~b.isnan()])
+
+    x = _inputs("special", (300, 1100), dtype=torch.bfloat16)
+    for dim, cfgs in ((-1, qm._ROW_CFGS), (0, qm._COL_CFGS)):
+        want = quantize(x, name, dim=dim, expand="bf16")[1].values
+        for cfg in cfgs:
+            assert same(quantize(x, name, dim=dim, expand="bf16", packed=False, config=cfg)[1].values, want), cfg
+    big = _inputs("outliers", (2048, 1536), dtype=torch.bfloat16)  # large enough to autotune
+    for xin in (x, big, big.t()):
+        want_r = quantize(xin, name, expand="bf16")[1].values
+        want_c = quantize(xin.t(), name, expand="bf16")[1].values
+        want8 = quantize(xin, name, expand="native")[1] if name != "hif4" else None
+        for warps in (2, 4, 8, None):
+            rows, cols = quantize_both(xin, name, num_warps=warps)
+            assert same(rows.values, want_r) and same(cols.values, want_c), warps
+            if want8 is not None:
+                rows8, _ = quantize_both(xin, name, num_warps=warps, rows="native")
+                assert torch.equal(rows8.values.view(torch.uint8), want8.values.view(torch.uint8)), warps
+                assert torch.equal(rows8.row_exp, want8.row_exp), warps
+
+
+@pytest.mark.gpu
 @pytest.mark.parametrize("name", ["hif4", "mxfp4"])
 @pytest.mark.parametrize("m", [16, 64, 300, 1024])
 def test_gpu_gemm_exact(name, m):
