@@ -97,8 +97,9 @@ TRAIN_OPERANDS = [(8192, 1536), (8192, 2048), (8192, 8960), (8192, 17920)]
 def bench_training_operands(operands=TRAIN_OPERANDS):
     """A training operand X [tokens, K] quantized into both GEMM layouts (along K and along tokens, BF16
     expansions): the one-pass kernel (``kernels.quantize.quantize_both``) against two passes (the row kernel on
-    x, then on x.t(): what ``KernelBackend`` runs for HiF4 wider than ``HIF4_BOTH_MAX_K``). Kernel time from CUDA
-    graph replays; GB/s counts 2 bytes read and 4 written per value."""
+    x, then on x.t(): what ``KernelBackend`` runs for HiF4 wider than ``HIF4_BOTH_MAX_K``), and for MXFP4's FP8 mode
+    the one pass with E5M2 rows against the row kernel's E5M2 pass plus the column pass (what it replaced). Kernel
+    time from CUDA graph replays; GB/s counts 2 bytes read and 4 written per value (FP8 rows: 3)."""
     from kernels.quantize import quantize_both
     from megatron_fp4.formats import get_format
     from megatron_fp4.gemm_backend import FP4GemmBackend
@@ -112,14 +113,25 @@ def bench_training_operands(operands=TRAIN_OPERANDS):
             one = bench([lambda x=x: quantize_both(x, f) for x in xs], graph=True)
             two = bench([lambda x=x: FP4GemmBackend.quantize_both(be, x, f, "exact") for x in xs], graph=True)
             picks = "one pass" if fmt != "hif4" or K <= HIF4_BOTH_MAX_K else "two passes"
-            row = {"fmt": fmt, "rows": rows, "K": K, "one_pass_us": one * 1e3, "two_pass_us": two * 1e3,
-                   "one_pass_GBps": 6 * rows * K / one / 1e6, "two_pass_GBps": 6 * rows * K / two / 1e6,
-                   "backend_picks": picks, "faster": "one pass" if one <= two else "two passes"}
-            out.append(row)
-            print(f"  {fmt:<6s} {rows} x {K:<6d} one pass {row['one_pass_us']:7.1f} us ({row['one_pass_GBps']:5.0f} GB/s)"
-                  f"  two passes {row['two_pass_us']:7.1f} us ({row['two_pass_GBps']:5.0f} GB/s)  faster: "
-                  f"{row['faster']}; the backend runs: {picks}", flush=True)
+            out.append(_operand_row(fmt, "exact", rows, K, one, two, picks, 6))
+            if fmt == "mxfp4":  # --fp4-gemm-mode fp8: E5M2 rows (+ row-scale pass) and BF16 columns
+                one = bench([lambda x=x: quantize_both(x, f, rows="native") for x in xs], graph=True)
+                two = bench([lambda x=x: (be.quantize(x, f, "nearest", None, "fp8", False),
+                                          be.quantize(x.t(), f, "nearest", None, "exact", False)) for x in xs],
+                            graph=True)
+                out.append(_operand_row(fmt, "fp8", rows, K, one, two, "one pass", 5))
     return out
+
+
+def _operand_row(fmt, mode, rows, K, one_ms, two_ms, picks, bytes_per_value):
+    row = {"fmt": fmt, "mode": mode, "rows": rows, "K": K, "one_pass_us": one_ms * 1e3, "two_pass_us": two_ms * 1e3,
+           "one_pass_GBps": bytes_per_value * rows * K / one_ms / 1e6,
+           "two_pass_GBps": bytes_per_value * rows * K / two_ms / 1e6,
+           "backend_picks": picks, "faster": "one pass" if one_ms <= two_ms else "two passes"}
+    print(f"  {fmt:<6s} {mode:<5s} {rows} x {K:<6d} one pass {row['one_pass_us']:7.1f} us "
+          f"({row['one_pass_GBps']:5.0f} GB/s)  two passes {row['two_pass_us']:7.1f} us ({row['two_pass_GBps']:5.0f} "
+          f"GB/s)  faster: {row['faster']}; the backend runs: {picks}", flush=True)
+    return row
 
 
 def sweep_quantize(rows=16384, K=3584):
