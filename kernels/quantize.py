@@ -477,6 +477,8 @@ if HAS_TRITON:
         want = _ROW_CFGS if row_major else _COL_CFGS
         keep = [c for c in configs
                 if (c.kwargs["BR"], c.kwargs["BK"], c.num_warps, c.kwargs["PREFETCH"]) in want]
+        if kwargs.get("PACKED", 1) == 0 and "R1" in kwargs:  # HiF4's expansion-only loop does not prefetch
+            keep = [c for c in keep if not c.kwargs["PREFETCH"]]
         return keep or configs
 
     # K_BUCKET (K's next power of two) rather than K: the column variants see a new token count every step.

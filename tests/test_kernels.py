@@ -191,6 +191,24 @@ def _check_resq(x, name, config=None):
             assert torch.equal(_fp8_bytes(a.values)[fin], _fp8_bytes(b.values)[fin])
 
 
+def test_quantize_autotuning_candidates():
+    """The row quantizer tunes over row tiles for row-major inputs and column tiles for transposed ones; HiF4's
+    expansion-only loop does not prefetch, so its prefetching tiles are not tried (they would run the same code)."""
+    from kernels import quantize as qm
+    from kernels._common import HIF4_RECIP
+
+    tuner = getattr(qm._hif4_quant_tuned, "kernel", qm._hif4_quant_tuned)  # under kernels._launch.fast on a GPU
+
+    def tiles(stride_xk, **kw):
+        return {(c.kwargs["BR"], c.kwargs["BK"], c.num_warps, c.kwargs["PREFETCH"])
+                for c in qm._prune(tuner.configs, {"stride_xk": stride_xk}, **kw)}
+
+    hif4 = dict(R1=HIF4_RECIP[1], R2=HIF4_RECIP[2], R3=HIF4_RECIP[3])
+    assert tiles(1, PACKED=1, **hif4) == set(qm._ROW_CFGS) and tiles(4096, PACKED=1, **hif4) == set(qm._COL_CFGS)
+    assert tiles(1, PACKED=0, **hif4) == {c for c in qm._ROW_CFGS if not c[3]}
+    assert tiles(1, PACKED=0, RCEIL=False) == set(qm._ROW_CFGS)  # MXFP4's loop prefetches either way
+
+
 @pytest.mark.parametrize("name", ["mxfp4", "mxfp4_rceil"])
 def test_fp8_expansion_flushes_as_the_twin(name):
     """Finite rows whose blocks span more binades than E5M2 (E4M3) holds: the quantize and ResQ kernels flush the
