@@ -61,28 +61,32 @@ def _ref_mm(a, b, f):
     return f.fake_quantize(a.float().cpu()).double() @ f.fake_quantize(b.float().cpu()).double().t()
 
 
+def _exact(got, want, what=""):
+    """Bit-for-bit equal (NaN where NaN), naming the first differing index when not."""
+    torch.testing.assert_close(got, want, rtol=0, atol=0, equal_nan=True, msg=lambda m: f"{what}: {m}")
+
+
 def _check_pack(x, name, dim, config=None):
     f = get_format(name)
     q, ex = quantize(x, name, dim=dim, expand="native", config=config)
     r = f.quantize(x, dim=dim)
     assert q.codes.shape == r.codes.shape and q.scales.shape == r.scales.shape
-    assert torch.equal(q.codes, r.codes), "codes differ"
-    assert torch.equal(q.scales, r.scales), "scales differ"
-    assert torch.equal(q.dequantize(), r.dequantize(), ) or torch.equal(q.dequantize().isnan(), r.dequantize().isnan())
+    _exact(q.codes, r.codes, "codes")
+    _exact(q.scales, r.scales, "scales")
+    _exact(q.dequantize(), r.dequantize(), "dequantized values")
     rows = r.dequantize().float().movedim(dim, -1).reshape(ex.values.shape[0], -1)
     k = rows.shape[1]
     if ex.row_exp is None:
-        got = ex.values.float()[:, :k]
-        assert torch.equal(got.isnan(), rows.isnan())
-        assert torch.equal(torch.nan_to_num(got), torch.nan_to_num(rows))
+        _exact(ex.values.float()[:, :k], rows, "BF16 expansion")
     else:
         _check_fp8(ex, rows, k)
         # the kernel's E5M2 bytes, flushes included, equal the twin's; rows with a NaN block (their GEMM rows are
         # NaN whatever the rest holds) may differ in row scale: the kernel also counts that block's finite values
         fin = ~rows.isnan().any(1)
         twin = expand_packed(r, "native")
-        assert torch.equal(twin.row_ok[fin], ex.row_ok[fin]) and torch.equal(twin.row_exp[fin], ex.row_exp[fin])
-        assert torch.equal(_fp8_bytes(twin.values)[fin], _fp8_bytes(ex.values)[fin])
+        _exact(ex.row_ok[fin], twin.row_ok[fin], "E5M2 row_ok")
+        _exact(ex.row_exp[fin], twin.row_exp[fin], "E5M2 row_exp")
+        _exact(_fp8_bytes(ex.values)[fin], _fp8_bytes(twin.values)[fin], "E5M2 bytes")
         if dim % x.dim() != x.dim() - 1:
             return  # weights (the E4M3 form's use) are quantized along their last dimension only
         # the E4M3 weight form (cuBLAS's FP8 GEMM): its window ends at 2^(row_exp - 8), subnormals included
@@ -90,8 +94,9 @@ def _check_pack(x, name, dim, config=None):
         assert e4.values.dtype == torch.float8_e4m3fn
         _check_fp8(e4, rows, k, window=-8)
         twin = expand_packed(r, "e4m3")
-        assert torch.equal(twin.row_ok[fin], e4.row_ok[fin]) and torch.equal(twin.row_exp[fin], e4.row_exp[fin])
-        assert torch.equal(_fp8_bytes(twin.values)[fin], _fp8_bytes(e4.values)[fin])
+        _exact(e4.row_ok[fin], twin.row_ok[fin], "E4M3 row_ok")
+        _exact(e4.row_exp[fin], twin.row_exp[fin], "E4M3 row_exp")
+        _exact(_fp8_bytes(e4.values)[fin], _fp8_bytes(twin.values)[fin], "E4M3 bytes")
 
 
 def _fp8_bytes(v):
@@ -371,9 +376,10 @@ def test_quantize_both_bit_exact(name):
             if name != "hif4":  # E5M2 rows for the FP8 GEMMs: the row kernel's bytes and row exponents
                 rows8, cols8 = quantize_both(xin, name, rows="native")
                 want8 = quantize(xin, name, expand="native")[1]
-                assert torch.equal(rows8.values.view(torch.uint8), want8.values.view(torch.uint8))
-                assert torch.equal(rows8.row_exp, want8.row_exp) and rows8.row_ok is None
-                assert torch.equal(cols8.values.view(torch.int16), cols.values.view(torch.int16))
+                _exact(rows8.values.view(torch.uint8), want8.values.view(torch.uint8), "E5M2 rows")
+                _exact(rows8.row_exp, want8.row_exp, "row_exp")
+                assert rows8.row_ok is None
+                _exact(cols8.values.view(torch.int16), cols.values.view(torch.int16), "BF16 columns")
     with pytest.raises(ValueError, match="rows='e4m3' is not valid; allowed values: 'bf16', 'native'"):
         quantize_both(x, name, rows="e4m3")
 
@@ -516,14 +522,11 @@ def test_gpu_training_operands_every_config(name):
     from kernels import quantize as qm
     from kernels.quantize import quantize_both
 
-    def same(a, b):  # equal values, NaN where NaN (a signed zero may come out either way in another kernel)
-        return torch.equal(a.isnan(), b.isnan()) and torch.equal(a[~a.isnan()], b[~b.isnan()])
-
     x = _inputs("special", (300, 1100), dtype=torch.bfloat16)
     for dim, cfgs in ((-1, qm._ROW_CFGS), (0, qm._COL_CFGS)):
         want = quantize(x, name, dim=dim, expand="bf16")[1].values
         for cfg in cfgs:
-            assert same(quantize(x, name, dim=dim, expand="bf16", packed=False, config=cfg)[1].values, want), cfg
+            _exact(quantize(x, name, dim=dim, expand="bf16", packed=False, config=cfg)[1].values, want, str(cfg))
     big = _inputs("outliers", (2048, 1536), dtype=torch.bfloat16)  # large enough to autotune
     for xin in (x, big, big.t()):
         want_r = quantize(xin, name, expand="bf16")[1].values
@@ -531,11 +534,12 @@ def test_gpu_training_operands_every_config(name):
         want8 = quantize(xin, name, expand="native")[1] if name != "hif4" else None
         for warps in (2, 4, 8, None):
             rows, cols = quantize_both(xin, name, num_warps=warps)
-            assert same(rows.values, want_r) and same(cols.values, want_c), warps
+            _exact(rows.values, want_r, f"rows, {warps} warps")  # values: a signed zero may differ in sign
+            _exact(cols.values, want_c, f"columns, {warps} warps")
             if want8 is not None:
                 rows8, _ = quantize_both(xin, name, num_warps=warps, rows="native")
-                assert torch.equal(rows8.values.view(torch.uint8), want8.values.view(torch.uint8)), warps
-                assert torch.equal(rows8.row_exp, want8.row_exp), warps
+                _exact(rows8.values.view(torch.uint8), want8.values.view(torch.uint8), f"E5M2 rows, {warps} warps")
+                _exact(rows8.row_exp, want8.row_exp, f"row_exp, {warps} warps")
 
 
 @pytest.mark.gpu
