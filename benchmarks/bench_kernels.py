@@ -129,8 +129,8 @@ def _operand_row(fmt, mode, rows, K, one_ms, two_ms, picks, bytes_per_value):
            "two_pass_GBps": bytes_per_value * rows * K / two_ms / 1e6,
            "backend_picks": picks, "faster": "one pass" if one_ms <= two_ms else "two passes"}
     print(f"  {fmt:<6s} {mode:<5s} {rows} x {K:<6d} one pass {row['one_pass_us']:7.1f} us "
-          f"({row['one_pass_GBps']:5.0f} GB/s)  two passes {row['two_pass_us']:7.1f} us ({row['two_pass_GBps']:5.0f} "
-          f"GB/s)  faster: {row['faster']}; the backend runs: {picks}", flush=True)
+          f"({row['one_pass_GBps']:5.0f} GB/s)  two passes {row['two_pass_us']:7.1f} us "
+          f"({row['two_pass_GBps']:5.0f} GB/s)  faster: {row['faster']}; the backend runs: {picks}", flush=True)
     return row
 
 

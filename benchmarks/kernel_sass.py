@@ -9,12 +9,12 @@ checked here before it costs a device call:
     python benchmarks/kernel_sass.py quantize --fmt hif4 --BR 4 --BK 512 --expand 1 --prefetch --num-stages 3
     python benchmarks/kernel_sass.py one-pass --fmt hif4 --num-warps 4
 
-Prints the instructions per loop iteration, per value and the busiest opcodes, and the layout conversions in
-Triton's GPU IR (each moves values between threads, through shared memory). The loop is the longest backward
-branch in the disassembly; a kernel without a loop (one-pass: the training quantizer's 64 x 64 tile, both
-directions) counts whole, per value and direction. Pointers and sizes get Triton's ``divisibility=16`` specialization (what a
-real launch with aligned shapes compiles to; without it loads do not vectorize and counts mislead). A count is a
-proxy: run 8's decode kernel was latency-bound, so fewer instructions stopped helping (docs/PERFORMANCE.md); and
+Prints the instructions per loop iteration, per value and the busiest opcodes, the layout conversions in Triton's
+GPU IR (each moves values between threads, through shared memory) and ptxas's registers and spills. The loop is
+the longest backward branch in the disassembly; a kernel without a loop (one-pass: the training quantizer's
+64 x 64 tile, both directions) counts whole, per value and direction. Pointers and sizes get Triton's
+``divisibility=16`` specialization (what a real launch with aligned shapes compiles to; without it loads do not
+vectorize and counts mislead). A count is a proxy: run 8's decode kernel was latency-bound, so fewer instructions stopped helping (docs/PERFORMANCE.md); and
 it comes from the Triton installed here, which may pick other layouts than the GPU machine's (3.9 here, 3.6
 there: the HiF4 pack-only quantize tile counts 106 per value here, 2.8x its expanding twin, yet ran faster on the
 H200), so confirm on the GPU before trusting a difference.
