@@ -330,6 +330,14 @@ if HAS_TRITON:
         return am
 
     @triton.jit
+    def _fp8_row_exp(x_ptr, rows, rmask, K, stride_xr, stride_xk, RCEIL: tl.constexpr, TOP: tl.constexpr,
+                     BR: tl.constexpr, BK: tl.constexpr):
+        """The FP8 row scale exponent S of each row: 2^S maps the row's largest MXFP4 block (6 * 2^X) to the FP8
+        form's top binade (TOP = 13: E5M2's 1.5 * 2^15; TOP = 6: E4M3's 384 <= 448)."""
+        am = _row_amax(x_ptr, rows, rmask, K, stride_xr, stride_xk, BR, BK)
+        return tl.minimum(tl.maximum(_mx_x(am, RCEIL) - TOP, -126), 127)
+
+    @triton.jit
     def _hif4_quant_kernel(x_ptr, codes_ptr, scales_ptr, ex_ptr, R, K, KP, stride_xr, stride_xk, stride_cr,
                            stride_sr, stride_er, K_BUCKET, EXPAND: tl.constexpr, BR: tl.constexpr, BK: tl.constexpr,
                            R1: tl.constexpr, R2: tl.constexpr, R3: tl.constexpr, PREFETCH: tl.constexpr = 0,
@@ -374,11 +382,9 @@ if HAS_TRITON:
         S = tl.zeros((BR,), dtype=tl.int32)
         ok = tl.full((BR,), 1, dtype=tl.int32)
         if EXPAND == 1:  # the row's largest block maps to E5M2's 2^2 binade (6 * 2^X -> 1.5 * 2^15)
-            am = _row_amax(x_ptr, rows, rmask, K, stride_xr, stride_xk, BR, BK)
-            S = tl.minimum(tl.maximum(_mx_x(am, RCEIL) - 13, -126), 127)
+            S = _fp8_row_exp(x_ptr, rows, rmask, K, stride_xr, stride_xk, RCEIL, 13, BR, BK)
         if EXPAND == 3:  # ... and to E4M3's 384 (6 * 2^X -> 1.5 * 2^8 <= 448)
-            am = _row_amax(x_ptr, rows, rmask, K, stride_xr, stride_xk, BR, BK)
-            S = tl.minimum(tl.maximum(_mx_x(am, RCEIL) - 6, -126), 127)
+            S = _fp8_row_exp(x_ptr, rows, rmask, K, stride_xr, stride_xk, RCEIL, 6, BR, BK)
         xn = _first_tile(x_ptr, rows, rmask, K, stride_xr, stride_xk, BR, BK, PREFETCH)
         for k0 in range(tl.program_id(1) * BK, KP, tl.num_programs(1) * BK):
             cols = k0 + tl.arange(0, BK)
@@ -449,8 +455,8 @@ if HAS_TRITON:
         binade (what :func:`_mx_quant_kernel` computes first for EXPAND=1)."""
         rows = tl.program_id(0) * BR + tl.arange(0, BR)
         rmask = rows < R
-        am = _row_amax(x_ptr, rows, rmask, K, stride_xr, stride_xk, BR, BK)
-        tl.store(rexp_ptr + rows, tl.minimum(tl.maximum(_mx_x(am, RCEIL) - 13, -126), 127), mask=rmask)
+        S = _fp8_row_exp(x_ptr, rows, rmask, K, stride_xr, stride_xk, RCEIL, 13, BR, BK)
+        tl.store(rexp_ptr + rows, S, mask=rmask)
 
     @triton.jit
     def _transpose_kernel(x_ptr, y_ptr, R, C, stride_xr, stride_yr, BR: tl.constexpr, BC: tl.constexpr):
@@ -631,7 +637,7 @@ def quantize(x: torch.Tensor, fmt, dim: int = -1, expand: Optional[str] = None,
             _mx_quant_tuned[tgrid](*args, **kw)
         if mode % 2 == 1:
             ex = Expanded(ex.values.view(torch.float8_e5m2 if mode == 1 else torch.float8_e4m3fn), ex.row_exp,
-                          ex.row_ok.bool())
+                          ex.row_ok.view(torch.bool))  # the kernel writes 0/1 bytes: a view, no conversion
         scales_out = scales.reshape(*outer, nblk) if packed else None
     if not packed:
         return None, ex
