@@ -224,9 +224,9 @@ def run_row(args, recipe_name: str, batch: int, seq: int) -> dict:
 
 
 def host_overhead_us(recipe_name: str, iters: int = 300, device: str = "cuda", profile: bool = False):
-    """Host microseconds per linear forward + backward (one [16, 1536] x [1536, 1536] layer: the GPU work is a few
-    microseconds, so the wall time per iteration is the host's: Python wrappers and kernel launches); with
-    ``profile`` also the top host functions of 50 more iterations (:func:`cpu_profile_step`)."""
+    """(host microseconds per linear forward + backward, None or with ``profile`` the top host functions of 50 more
+    iterations (:func:`cpu_profile_step`)): one [16, 1536] x [1536, 1536] layer, whose GPU work is a few
+    microseconds, so the wall time per iteration is the host's (Python wrappers and kernel launches)."""
     from megatron_fp4.linear import fp4_linear
     from megatron_fp4 import ops
 
@@ -248,9 +248,7 @@ def host_overhead_us(recipe_name: str, iters: int = 300, device: str = "cuda", p
             step()
         sync()
         us = (time.perf_counter() - t0) / iters * 1e6
-        if not profile:
-            return us
-        return us, cpu_profile_step(lambda: [step() for _ in range(50)])
+        return us, (cpu_profile_step(lambda: [step() for _ in range(50)]) if profile else None)
 
 
 def main() -> None:
@@ -286,8 +284,7 @@ def main() -> None:
     rows = []
     if args.host_overhead:
         for r in args.recipes.split(","):
-            us = host_overhead_us(r, profile=args.profile)
-            us, prof = us if args.profile else (us, None)
+            us, prof = host_overhead_us(r, profile=args.profile)
             rows.append(dict(recipe=r, host_us_per_linear=us, **({"host_profile_50": prof} if prof else {})))
             print(f"{r:<15} host time per linear forward + backward: {us:.1f} us", flush=True)
             for fn, calls, tt, ct in (prof or [])[:6]:
