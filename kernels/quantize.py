@@ -184,6 +184,13 @@ if HAS_TRITON:
         return codes, X, bad, val
 
     @triton.jit
+    def _hif4_unit_offsets(NU: tl.constexpr):
+        """Offsets [1, NU, 8, 2, 4] of NU consecutive 64-value units (pairs of fours, fours, values): the shape
+        :func:`_hif4_units` computes on."""
+        return (tl.arange(0, NU)[None, :, None, None, None] * 64 + tl.arange(0, 8)[None, None, :, None, None] * 8
+                + tl.arange(0, 2)[None, None, None, :, None] * 4 + tl.arange(0, 4)[None, None, None, None, :])
+
+    @triton.jit
     def _hif4_units(x, R1: tl.constexpr, R2: tl.constexpr, R3: tl.constexpr):
         """HiF4 dequantized fp32 values of units x [BR, NU, 8, 2, 4] (one 64-value unit per [r, u], as 8 pairs of
         fours): :func:`_hif4_tile`'s values, computed on the unit's own shape. The group maxima are reductions
@@ -362,8 +369,7 @@ if HAS_TRITON:
         else:
             r5 = rows[:, None, None, None, None]
             m5 = rmask[:, None, None, None, None]
-            w = (tl.arange(0, BK // 64)[None, :, None, None, None] * 64 + tl.arange(0, 8)[None, None, :, None, None] * 8
-                 + tl.arange(0, 2)[None, None, None, :, None] * 4 + tl.arange(0, 4)[None, None, None, None, :])
+            w = _hif4_unit_offsets(BK // 64)
             for k0 in range(tl.program_id(1) * BK, KP, tl.num_programs(1) * BK):
                 cols = k0 + w
                 x = tl.load(x_ptr + r5 * stride_xr + cols * stride_xk, mask=m5 & (cols < K), other=0.0)
@@ -426,8 +432,7 @@ if HAS_TRITON:
         c0 = tl.program_id(1) * B
         if FMT == 0:  # a HiF4 unit = 8 pairs of fours
             i = tl.arange(0, B)[:, None, None, None, None]
-            w = (tl.arange(0, 8)[None, None, :, None, None] * 8 + tl.arange(0, 2)[None, None, None, :, None] * 4
-                 + tl.arange(0, 4)[None, None, None, None, :])
+            w = _hif4_unit_offsets(1)
         else:  # two MXFP4 blocks = 8 fours each
             i = tl.arange(0, B)[:, None, None, None]
             w = (tl.arange(0, 2)[None, :, None, None] * 32 + tl.arange(0, 8)[None, None, :, None] * 4
