@@ -32,6 +32,7 @@ import os
 import statistics
 import sys
 import time
+import traceback
 from functools import partial
 
 import torch
@@ -76,7 +77,8 @@ def flops_per_token(shape: dict, seq: int, params: int, head: int) -> float:
     return 6.0 * (params + head) + 6.0 * shape["num_layers"] * seq * shape["hidden_size"]
 
 
-def build(shape_name: str, seq: int, recipe, distributed_optimizer: bool, attention: str | None):
+def build(shape_name: str, seq: int, recipe, distributed_optimizer: bool, attention: str | None,
+          cuda_graph: bool = False):
     from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig, finalize_model_grads
     from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
 
@@ -86,7 +88,8 @@ def build(shape_name: str, seq: int, recipe, distributed_optimizer: bool, attent
     extra = {"attention_backend": attention} if attention else {}
     margs = GPTModelArgs(**shape, max_seq_len=seq, add_qkv_bias=True, tie_embeddings=shape_name == "qwen2.5-1.5b",
                          fp4_recipe=recipe, params_dtype=torch.bfloat16, **extra)
-    config = gpt_transformer_config(margs, calculate_per_token_loss=True)
+    graphs = {"cuda_graph_impl": "local"} if cuda_graph else {}
+    config = gpt_transformer_config(margs, calculate_per_token_loss=True, **graphs)
     model = build_gpt_model(margs, config=config, parallel_output=False)
     ddp = DistributedDataParallel(config, DistributedDataParallelConfig(
         grad_reduce_in_fp32=True, overlap_grad_reduce=False, use_distributed_optimizer=distributed_optimizer), model)
@@ -174,8 +177,9 @@ def run_row(args, recipe_name: str, batch: int, seq: int) -> dict:
     from megatron_fp4.parallel import set_seed
 
     recipe, mode = recipe_and_mode(recipe_name)
-    set_seed(args.seed)  # every row starts from the same weights, whatever ran before it
-    model, ddp, opt = build(args.shape, seq, recipe, args.distributed_optimizer, args.attention_backend)
+    set_seed(args.seed, cuda_graphs=args.cuda_graph)  # every row starts from the same weights
+    model, ddp, opt = build(args.shape, seq, recipe, args.distributed_optimizer, args.attention_backend,
+                            args.cuda_graph)
     shape = SHAPES[args.shape]
     batches = make_batches(shape["vocab_size"], batch, seq, args.micro_batch_size, args.seed)
     loss_fn = partial(_grpo_loss, grpo.GRPOConfig(group_size=2, kl_beta=0.0))
@@ -220,6 +224,8 @@ def run_row(args, recipe_name: str, batch: int, seq: int) -> dict:
     if args.profile:
         row["profile"] = profile_step(fwd_bwd)
         row["host_profile"] = cpu_profile_step(fwd_bwd)  # [function, calls, own ms, cumulative ms]
+    if args.cuda_graph:
+        row["cuda_graph"] = "local"
     return row
 
 
@@ -265,6 +271,10 @@ def main() -> None:
     ap.add_argument("--distributed-optimizer", action="store_true")
     ap.add_argument("--attention-backend", default=None, help="passed to the model args when given")
     ap.add_argument("--profile", action="store_true")
+    ap.add_argument("--cuda-graph", action="store_true",
+                    help="capture each transformer layer's forward and backward as CUDA graphs (megatron-core's "
+                         "cuda_graph_impl='local'): recorded in the first warm-up step, captured at its end, "
+                         "replayed after; needs --warmup >= 2")
     ap.add_argument("--host-overhead", action="store_true",
                     help="only measure each recipe's host time per linear forward + backward (tiny operands)")
     ap.add_argument("--out", default=os.path.join(os.path.dirname(__file__), "results", "train.json"))
@@ -275,6 +285,9 @@ def main() -> None:
                              f"{', '.join(RECIPES)}")
     if not torch.cuda.is_available():
         raise SystemExit("bench_train.py: error: needs a CUDA GPU (the step times are GPU times)")
+    if args.cuda_graph and args.warmup < 2:
+        raise SystemExit(f"bench_train.py: error: --cuda-graph needs --warmup >= 2 (the first step records and "
+                         f"captures the graphs, the second replays them), got --warmup {args.warmup}")
     from megatron_fp4.parallel import destroy_parallel, initialize_parallel
 
     os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
@@ -301,6 +314,15 @@ def main() -> None:
             except torch.OutOfMemoryError as e:
                 row = dict(recipe=r, batch=b, seq=t, error=f"out of memory: {str(e)[:160]}")
                 torch.cuda.empty_cache()
+            except Exception as e:  # noqa: BLE001  (one broken row must not lose the others)
+                traceback.print_exc()
+                row = dict(recipe=r, batch=b, seq=t, error=f"{type(e).__name__}: {str(e)[:300]}")
+            finally:
+                if args.cuda_graph:
+                    from megatron.core.transformer.cuda_graphs import delete_cuda_graphs
+
+                    delete_cuda_graphs()  # megatron's graph record is global: the next row captures its own
+                    torch.cuda.set_stream(torch.cuda.default_stream())
             args.micro_batch_size = saved
             gc.collect()  # the row's model and optimizer
             torch.cuda.empty_cache()
@@ -316,7 +338,7 @@ def main() -> None:
     info = dict(gpu=torch.cuda.get_device_name(), torch=torch.__version__, shape=args.shape,
                 date=time.strftime("%Y-%m-%d"), command=" ".join(sys.argv),
                 distributed_optimizer=args.distributed_optimizer, attention_backend=args.attention_backend,
-                peak_tflops=args.peak_tflops)
+                peak_tflops=args.peak_tflops, cuda_graph=args.cuda_graph)
     os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
     with open(args.out, "w") as f:
         json.dump({"info": info, "rows": rows}, f, indent=1)

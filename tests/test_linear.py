@@ -331,6 +331,31 @@ def test_weight_cache_quantizes_each_weight_once_per_schedule(fmt):
         ops.unregister_fp4_gemm_backend("cpu")
 
 
+def test_weight_cache_is_bypassed_while_a_cuda_graph_is_captured(monkeypatch):
+    """A CUDA graph's capture must not read the weight cache (the graph would keep the weights it found there after
+    the optimizer rewrites them) nor fill it: inside an open cache block, capturing quantizes W and W^T every time,
+    with the same numbers. (On CPU, ``ops._capturing`` stands in for the CUDA stream's capture state.)"""
+    recipe = recipe_for_format("hif4")
+    torch.manual_seed(0)
+    w, x = torch.randn(24, 64, requires_grad=True), torch.randn(4, 64, requires_grad=True)
+    backend = BothLayoutsBackend()
+    ops.register_fp4_gemm_backend("cpu", backend)
+    try:
+        with ops.quantized_weight_cache() as cache:
+            want = fp4_linear(x, w, recipe=recipe)
+            want.sum().backward()
+            assert (backend.both, backend.weights, len(cache)) == (1, 0, 2)
+            cache.clear()
+            monkeypatch.setattr(ops, "_capturing", lambda t: True)
+            for _ in range(2):
+                y = fp4_linear(x, w, recipe=recipe)
+                y.sum().backward()
+                assert torch.equal(y, want)
+            assert (backend.both, backend.weights, len(cache)) == (1, 4, 0)  # W and W^T per forward + backward
+    finally:
+        ops.unregister_fp4_gemm_backend("cpu")
+
+
 def test_gemm_strided_operands_and_out_dtype():
     """Transposed views are quantized as they are (no copy needed: same numbers as contiguous operands), and
     out_dtype rounds the fp32 product once."""

@@ -194,11 +194,20 @@ def _cache_key(backend: FP4GemmBackend, x: torch.Tensor, fmt: Format, mode: str)
                   fmt.name, mode)
 
 
+def _capturing(x: torch.Tensor) -> bool:
+    """Whether ``x``'s CUDA stream is being captured into a CUDA graph."""
+    return x.is_cuda and torch.cuda.is_current_stream_capturing()
+
+
 def _quantize(backend: FP4GemmBackend, x: torch.Tensor, fmt: Format, rounding: str,
               generator: Optional[torch.Generator], mode: str, cache: bool, cache_t: bool = False):
     """``backend.quantize`` of ``x``, through the open weight cache when ``cache``; ``cache_t``: also quantize
-    ``x.t()`` (the weight's dgrad layout) and cache it, from the same pass where the backend can."""
-    if not (cache and _CACHES and rounding == "nearest"):
+    ``x.t()`` (the weight's dgrad layout) and cache it, from the same pass where the backend can.
+
+    A CUDA graph being captured (megatron's ``cuda_graph_impl="local"``) bypasses the cache: the graph must
+    quantize the weight on every replay, since its Python (the cache's version check) never runs again and the
+    optimizer rewrites the weights in place between replays."""
+    if not (cache and _CACHES and rounding == "nearest") or _capturing(x):
         return backend.quantize(x, fmt, rounding, generator, mode, cache)
     base, key = _cache_key(backend, x, fmt, mode)
     hit = _CACHES[-1].get(key)

@@ -191,13 +191,15 @@ def initialize_parallel(
     set_seed(seed)
 
 
-def set_seed(seed: int) -> None:
-    """Seed torch (CPU and CUDA) and megatron's model-parallel RNG tracker (CPU-safe tracker without CUDA)."""
+def set_seed(seed: int, cuda_graphs: bool = False) -> None:
+    """Seed torch (CPU and CUDA) and megatron's model-parallel RNG tracker (CPU-safe tracker without CUDA).
+    ``cuda_graphs``: a tracker whose generators CUDA graphs can capture (what megatron's ``cuda_graph_impl="local"``
+    layers require)."""
     from megatron.core import tensor_parallel
 
     torch.manual_seed(seed)
     if torch.cuda.is_available():
-        tensor_parallel.model_parallel_cuda_manual_seed(seed)
+        tensor_parallel.model_parallel_cuda_manual_seed(seed, use_cudagraphable_rng=cuda_graphs, force_reset_rng=True)
     else:
         tensor_parallel.model_parallel_cuda_manual_seed(seed, inference_rng_tracker=True, force_reset_rng=True)
 

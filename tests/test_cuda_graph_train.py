@@ -1,0 +1,99 @@
+"""Training with megatron-core's CUDA graphs (``cuda_graph_impl="local"``: each transformer layer's forward and
+backward captured once, replayed every micro-batch) gives the eager path's GRPO losses and gradients, for BF16 and
+the FP4 recipes on the Triton kernels, across optimizer steps that rewrite the weights in place: a replayed graph
+re-quantizes the new weights (the FP4 weight cache is bypassed while a graph is captured). After capture no FP4 host
+code runs: the graphs replace the linears' Python and kernel launches (why the FP4 step was host-bound on the
+H200, docs/PERFORMANCE.md)."""
+
+from __future__ import annotations
+
+import dataclasses
+from functools import partial
+
+import pytest
+import torch
+
+from megatron_fp4 import ops
+from megatron_fp4.models import GPTModelArgs, build_gpt_model, gpt_transformer_config
+from megatron_fp4.parallel import initialize_parallel, set_seed
+from megatron_fp4.recipe import recipe_for_format
+from megatron_fp4.rl import actor, grpo
+
+pytestmark = pytest.mark.gpu
+
+
+def _batches(vocab, n=2, B=2, T=128):
+    g = torch.Generator().manual_seed(0)
+    return [{"inputs": torch.randint(1, vocab, (B, T), generator=g),
+             "labels": torch.randint(1, vocab, (B, T), generator=g), "mask": torch.ones(B, T),
+             "logp_rollout": -torch.rand(B, T, generator=g), "advantages": torch.randn(B, generator=g)}
+            for _ in range(n)]
+
+
+@pytest.mark.parametrize("name", ["bf16", "hif4", "mxfp4", "mxfp4-fp8"])
+def test_graphed_layers_match_eager_across_steps(name):
+    from megatron.core.transformer.cuda_graphs import _CudagraphGlobalRecord, delete_cuda_graphs
+
+    initialize_parallel(1, 1, seed=5)
+    fmt, _, mode = name.partition("-")
+    recipe = None if fmt == "bf16" else dataclasses.replace(recipe_for_format(fmt), gemm_mode=mode or "exact")
+    args = GPTModelArgs(num_layers=2, hidden_size=256, ffn_hidden_size=512, num_attention_heads=4,
+                        num_query_groups=2, vocab_size=512, max_seq_len=128, fp4_recipe=recipe,
+                        params_dtype=torch.bfloat16, attention_backend="sdpa")
+    loss_fn = partial(actor._grpo_loss, grpo.GRPOConfig(group_size=2, kl_beta=0.0))
+    batches = _batches(args.vocab_size)
+
+    set_seed(5, cuda_graphs=True)
+    eager = build_gpt_model(args, config=gpt_transformer_config(args, calculate_per_token_loss=True))
+    graphed = build_gpt_model(args, config=gpt_transformer_config(args, calculate_per_token_loss=True,
+                                                                  cuda_graph_impl="local"))
+    graphed.load_state_dict(eager.state_dict())
+
+    calls = {"quantize": 0}
+    backend = ops.fp4_gemm_backend_for("cuda")
+    if recipe is not None:  # count the FP4 linears' host calls (BF16 has none)
+        orig = backend.quantize_both
+
+        def counting_quantize_both(x, f, m):
+            calls["quantize"] += 1
+            return orig(x, f, m)
+
+        backend.quantize_both = counting_quantize_both
+
+    def step(model):
+        model.zero_grad(set_to_none=True)
+        store = actor.run_schedule(model, batches, loss_fn, forward_only=False)
+        loss = [float(d["loss"]) for d in store]
+        grads = {n: p.grad.float().clone() for n, p in model.named_parameters() if p.grad is not None}
+        with torch.no_grad():  # SGD, in place (what megatron's optimizer does to the model's parameters)
+            for p in model.parameters():
+                if p.grad is not None:
+                    p.add_(p.grad, alpha=-0.5)
+        return loss, grads
+
+    try:
+        history = []
+        for i in range(4):  # graphed: step 0 records and captures (eager numbers), steps 1-3 replay
+            want_loss, want_grad = step(eager)
+            calls["quantize"] = 0
+            got_loss, got_grad = step(graphed)
+            history.append(want_loss)
+            if i == 0:
+                assert _CudagraphGlobalRecord.cudagraph_created, "no CUDA graphs were captured"
+            elif recipe is not None:
+                assert calls["quantize"] == 0, "FP4 host code ran: the layers were not replayed from their graphs"
+            moved = max(abs(a - b) for a, b in zip(history[-1], history[0])) if i else None
+            for a, b in zip(got_loss, want_loss):
+                assert abs(a - b) <= 1e-3 * max(abs(b), 1e-3), (i, got_loss, want_loss)
+            if moved is not None:  # the weights moved enough that stale weights in a graph would show
+                assert moved > 20 * max(abs(a - b) for a, b in zip(got_loss, want_loss)), (i, history)
+            assert set(got_grad) == set(want_grad)
+            for n, g in want_grad.items():
+                rel = float((got_grad[n] - g).norm() / max(float(g.norm()), 1e-12))
+                assert rel < 2e-2, (i, n, rel)  # flash attention's backward is not bit-deterministic
+    finally:
+        if recipe is not None:
+            del backend.quantize_both
+        delete_cuda_graphs()
+        torch.cuda.set_stream(torch.cuda.default_stream())
+        set_seed(5)
