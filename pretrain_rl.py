@@ -65,7 +65,7 @@ def main(argv=None) -> dict:
         _error(str(e))
     torch.set_num_threads(max(1, (os.cpu_count() or 1) // int(os.environ.get("LOCAL_WORLD_SIZE", "1"))))
     initialize_parallel(cfg.parallel.tensor_model_parallel_size, cfg.parallel.pipeline_model_parallel_size,
-                        seed=cfg.run.seed)
+                        seed=cfg.run.seed, cuda_graphs=cfg.actor.cuda_graph_impl == "local")
     rank = torch.distributed.get_rank()
     t_start = time.monotonic()
     if rank == 0:

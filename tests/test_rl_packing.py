@@ -114,6 +114,62 @@ def test_flag_constraints():
     assert parse_args(["--pack-sequences", "--attention-backend", "sdpa"]).pack_sequences is True
 
 
+@pytest.mark.parametrize("kind", ["grpo", "nll"])
+def test_fixed_shape_padding_keeps_losses_and_gradients(model, kind):
+    """--cuda-graph-impl local pads every training micro-batch to one shape (more rows and positions, all masked):
+    the losses, statistics and gradients are the unpadded batch's."""
+    loss_fn = partial(actor._grpo_loss, grpo.GRPOConfig(group_size=2, kl_beta=0.01)) if kind == "grpo" \
+        else actor._nll_loss
+
+    def run(batches):
+        model.zero_grad(set_to_none=True)
+        store = actor.run_schedule(model, batches, loss_fn, forward_only=False)
+        return store, {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
+
+    plain, g_plain = run(_batches())
+    fixed = [actor.pad_batch(b, 6, 20) for b in _batches()]
+    assert all(v.shape[:2] == (6, 20) for b in fixed for k, v in b.items() if k != "advantages")
+    assert all(b["advantages"].shape == (6,) and not b["mask"][4:].any() for b in fixed)
+    padded, g_padded = run(fixed)
+    for a, b in zip(plain, padded):
+        assert set(a) == set(b)
+        for k in a:
+            assert math.isclose(float(b[k]), float(a[k]), rel_tol=1e-5, abs_tol=1e-6), (k, float(a[k]), float(b[k]))
+    for n, g in g_plain.items():
+        rel = float((g_padded[n] - g).norm() / g.norm())
+        assert rel < 1e-5, (n, rel)
+    with pytest.raises(ValueError, match="does not fit the fixed shape \\(4, 12\\)"):
+        actor.pad_batch(_batches()[0], 4, 12)
+
+
+def test_cuda_graph_flag_constraints(monkeypatch):
+    assert parse_args([]).cuda_graph_impl == "none"
+    with pytest.raises(ValueError, match="--cuda-graph-impl='full' is not valid; allowed: none, local"):
+        parse_args(["--cuda-graph-impl", "full"])
+    if not torch.cuda.is_available():
+        with pytest.raises(ValueError, match="--cuda-graph-impl local needs a CUDA GPU"):
+            parse_args(["--cuda-graph-impl", "local"])
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    with pytest.raises(ValueError, match="--cuda-graph-impl local needs one micro-batch shape; --pack-sequences"):
+        parse_args(["--cuda-graph-impl", "local", "--pack-sequences", "--attention-backend", "sdpa"])
+    with pytest.raises(ValueError, match="not supported with --pipeline-model-parallel-size=2 \\(allowed: 1\\)"):
+        parse_args(["--cuda-graph-impl", "local", "--pipeline-model-parallel-size", "2"], world_size=2)
+
+
+def test_graphed_layers_take_only_training_passes(model):
+    """With megatron's local CUDA graphs, a layer goes to its graph manager only when gradients are on: log-prob and
+    evaluation passes (no_grad) run eagerly, whatever their shape."""
+    layer = model.decoder.layers[0]
+    assert not layer._should_call_local_cudagraph(hidden_states=None)  # no graphs configured
+    layer.cudagraph_manager = object()
+    try:
+        assert layer._should_call_local_cudagraph(hidden_states=None)
+        with torch.no_grad():
+            assert not layer._should_call_local_cudagraph(hidden_states=None)
+    finally:
+        del layer.cudagraph_manager
+
+
 TINY = ["--num-layers", "2", "--hidden-size", "64", "--ffn-hidden-size", "128", "--num-attention-heads", "4",
         "--num-query-groups", "2", "--num-synthetic-examples", "600", "--eval-samples", "32",
         "--rollout-batch-size", "4", "--group-size", "4", "--micro-batch-size", "6", "--sft-iters", "0",

@@ -141,12 +141,13 @@ def initialize_parallel(
     seed: int = 1234,
     backend: Optional[str] = None,
     timeout_s: float = 300.0,
+    cuda_graphs: bool = False,
 ) -> None:
     """Initialize torch.distributed (gloo on CPU, nccl on GPU) and megatron ``parallel_state``, then seed RNGs.
 
     Works single-process (no ``torchrun`` environment: world size 1, in-memory store) and under
     ``torchrun`` (reads RANK / WORLD_SIZE / MASTER_ADDR / MASTER_PORT). Data-parallel size is what is left:
-    world_size / (TP * PP). Idempotent for the same sizes.
+    world_size / (TP * PP). Idempotent for the same sizes. ``cuda_graphs``: see :func:`set_seed`.
     """
     from megatron.core import parallel_state
 
@@ -181,14 +182,14 @@ def initialize_parallel(
     if parallel_state.model_parallel_is_initialized():
         if (parallel_state.get_tensor_model_parallel_world_size() == tensor_model_parallel_size
                 and parallel_state.get_pipeline_model_parallel_world_size() == pipeline_model_parallel_size):
-            set_seed(seed)
+            set_seed(seed, cuda_graphs)
             return
         parallel_state.destroy_model_parallel()
     parallel_state.initialize_model_parallel(
         tensor_model_parallel_size=tensor_model_parallel_size,
         pipeline_model_parallel_size=pipeline_model_parallel_size,
     )
-    set_seed(seed)
+    set_seed(seed, cuda_graphs)
 
 
 def set_seed(seed: int, cuda_graphs: bool = False) -> None:

@@ -21,6 +21,8 @@ import dataclasses
 from dataclasses import dataclass
 from typing import Optional
 
+import torch
+
 from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
 from megatron.core.transformer import TransformerConfig
 from megatron.core.transformer.spec_utils import ModuleSpec
@@ -72,6 +74,11 @@ class FP4TransformerLayer(TransformerLayer):
         for module in self.modules():
             if isinstance(module, FP4ParallelLinearMixin):
                 module.fp4_layer_number = self.layer_number
+
+    def _should_call_local_cudagraph(self, *args, **kwargs) -> bool:
+        """With ``cuda_graph_impl="local"``, only the passes that train (gradients on) go through megatron's CUDA
+        graphs; forward-only passes (log-probs, evaluation) run eagerly, in whatever shape they come."""
+        return torch.is_grad_enabled() and super()._should_call_local_cudagraph(*args, **kwargs)
 
 
 def get_gpt_layer_fp4_spec(

@@ -38,7 +38,7 @@ from megatron_fp4.rl.logprobs import vocab_parallel_entropy, vocab_parallel_logp
 from megatron_fp4.rl.monitor import NonFiniteGuard
 from megatron_fp4.rl.sequences import Sequences
 
-__all__ = ["Actor", "run_schedule", "microbatches", "lr_schedule", "pack_index"]
+__all__ = ["Actor", "run_schedule", "microbatches", "pad_batch", "lr_schedule", "pack_index"]
 
 
 def lr_schedule(it: int, *, lr: float, min_lr: Optional[float], warmup_iters: int, total_iters: int) -> float:
@@ -123,6 +123,24 @@ def microbatches(seqs: Sequences, size: int, extra: Optional[dict[str, torch.Ten
     return out
 
 
+def pad_batch(batch: dict, rows: int, cols: int) -> dict:
+    """A micro-batch dict padded with zeros to ``rows`` sequences (dim 0 of every tensor) and ``cols`` positions
+    (dim 1 of the [B, T] ones): padding token 0, mask 0, so the loss and its statistics are unchanged."""
+    out = {}
+    for k, v in batch.items():
+        if not torch.is_tensor(v) or v.dim() == 0:
+            out[k] = v
+            continue
+        if v.shape[0] > rows or (v.dim() > 1 and v.shape[1] > cols):
+            raise ValueError(f"micro-batch {k!r} of shape {tuple(v.shape)} does not fit the fixed shape "
+                             f"({rows}, {cols}) (--micro-batch-size, --seq-length)")
+        shape = (rows,) + ((cols,) + tuple(v.shape[2:]) if v.dim() > 1 else ())
+        padded = v.new_zeros(shape)
+        padded[tuple(slice(0, n) for n in v.shape[:2])] = v
+        out[k] = padded
+    return out
+
+
 def _tp_group():
     """The tensor-parallel group the output layer splits the vocabulary over (None without parallel_state)."""
     from megatron.core import parallel_state as ps
@@ -193,8 +211,12 @@ class Actor:
     steps per epoch, ``ppo_epochs`` epochs)."""
 
     def __init__(self, cfg: ActorConfig, policy, optimizer, reference, *, group_size: int, train_iters: int,
-                 max_nonfinite_steps: int, steps_per_rollout: int = 1) -> None:
+                 max_nonfinite_steps: int, steps_per_rollout: int = 1,
+                 fixed_shape: Optional[tuple[int, int]] = None) -> None:
+        """``fixed_shape``: (sequences, positions) every training micro-batch is padded to (fully masked rows and
+        positions), the one shape CUDA graphs of the training passes replay (``--cuda-graph-impl local``)."""
         self.cfg, self.policy, self.optimizer, self.reference = cfg, policy, optimizer, reference
+        self.fixed_shape = fixed_shape
         self.train_iters, self.steps_per_rollout = train_iters, steps_per_rollout
         self.guard = NonFiniteGuard(max_nonfinite_steps)
         self.grpo = grpo.GRPOConfig(
@@ -243,6 +265,8 @@ class Actor:
     def _backward(self, batches: list[dict], loss_fn: Callable) -> list[dict]:
         self.policy.zero_grad_buffer()
         self.optimizer.zero_grad()
+        if self.fixed_shape is not None:
+            batches = [pad_batch(b, *self.fixed_shape) for b in batches]
         return run_schedule(self.policy, batches, loss_fn, forward_only=False, pack=self.cfg.pack_sequences)
 
     @torch.no_grad()

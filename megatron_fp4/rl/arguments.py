@@ -254,6 +254,17 @@ def validate_args(args: argparse.Namespace, world_size: int = 1) -> argparse.Nam
                              + (" (local without CUDA)" if args.attention_backend == "auto" else ""))
         if pp > 1:
             raise ValueError(f"--pack-sequences is not supported with --pipeline-model-parallel-size={pp} (allowed: 1)")
+    if args.cuda_graph_impl == "local":
+        import torch
+
+        if not torch.cuda.is_available():
+            raise ValueError("--cuda-graph-impl local needs a CUDA GPU (CUDA graphs); use --cuda-graph-impl none")
+        if args.pack_sequences:
+            raise ValueError("--cuda-graph-impl local needs one micro-batch shape; --pack-sequences makes one per "
+                             "micro-batch (drop one of the two)")
+        if pp > 1:
+            raise ValueError(f"--cuda-graph-impl local is not supported with --pipeline-model-parallel-size={pp} "
+                             f"(allowed: 1)")
     if args.rollout_backend == "sglang":
         from megatron_fp4.rollout.sglang_engine import sglang_start_problem
 

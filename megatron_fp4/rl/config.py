@@ -272,6 +272,14 @@ class ActorConfig:
                                        "Needs the sdpa attention (--attention-backend sdpa, or auto on CUDA) and "
                                        "pipeline-parallel size 1. Losses equal the padded batch's up to rounding; "
                                        "FP4 wgrad blocks along the tokens then group other tokens")
+    cuda_graph_impl: str = knob("none", "CUDA graphs of the policy's training passes (Megatron-LM's flag): local "
+                                        "(megatron-core's own: each transformer layer's forward and backward "
+                                        "captured in the first training step and replayed after, so the FP4 "
+                                        "linears' host work and kernel launches are gone) or none. Needs a GPU, "
+                                        "pipeline-parallel size 1 and no --pack-sequences; training micro-batches "
+                                        "are padded to --micro-batch-size x --seq-length (the graphs' one shape); "
+                                        "log-prob and evaluation passes run eagerly",
+                                choices=("none", "local"))
     lr: float = knob(6e-4, "learning rate", check=positive)
     min_lr: Optional[float] = knob(1e-4, "cosine decay floor (= --lr for a constant lr)", check=non_negative)
     lr_warmup_iters: int = knob(0, "optimizer steps of linear LR warm-up from 0 (Megatron-LM's); the cosine decay "

@@ -160,9 +160,9 @@ def build_models(cfg: RLConfig, vocab_size: int, init_checkpoint: Any = None) ->
             rollout_margs, config=gpt_transformer_config(rollout_margs, pipeline_model_parallel_size=1),
             pre_process=True, post_process=True, parallel_output=False))
 
-    def schedule_config():
+    def schedule_config(**overrides):
         """The config of a model run through megatron's schedule (the policy, the reference)."""
-        c = gpt_transformer_config(margs, calculate_per_token_loss=True)
+        c = gpt_transformer_config(margs, calculate_per_token_loss=True, **overrides)
         if pp > 1:
             # a short last micro-batch is fine when the stages exchange activation shapes before the tensors (set
             # after construction: TransformerConfig rejects it with its default MoE token dispatcher, unused here)
@@ -170,7 +170,7 @@ def build_models(cfg: RLConfig, vocab_size: int, init_checkpoint: Any = None) ->
         return c
 
     # the policy and the reference keep vocab-parallel logits: the actor's log-probs reduce over the TP group
-    config = schedule_config()
+    config = schedule_config(cuda_graph_impl=act.cuda_graph_impl)  # the reference's forward-only passes: eager
     if full_model is None:
         policy = load_init(build_gpt_model(margs, config=config, parallel_output=True))
     else:
@@ -279,7 +279,9 @@ def build_trainer(cfg: RLConfig, plan: StartPlan):
     steps_per_rollout = ro.rollout_batch_size * ro.group_size // cfg.actor.global_batch_size
     actor = Actor(cfg.actor, models.policy, models.optimizer, models.reference, group_size=ro.group_size,
                   train_iters=run.train_iters, max_nonfinite_steps=run.max_nonfinite_steps,
-                  steps_per_rollout=steps_per_rollout)
+                  steps_per_rollout=steps_per_rollout,
+                  fixed_shape=((cfg.actor.micro_batch_size, cfg.model.seq_length)
+                               if cfg.actor.cuda_graph_impl == "local" else None))
     reward_fn = RewardFunction(ro.custom_rm_path, ro.group_rm, cfg.namespace())
     rollout = RolloutManager(ro, engine, tok, train_examples, seed=run.seed, reward_fn=reward_fn,
                              debug_data_path=run.save_debug_rollout_data, diagnostics_engine=diagnostics_engine)
