@@ -90,17 +90,19 @@ def _functions(res: dict) -> None:
     target[2, :] = 50
     up = torch.randn(5, 7, generator=g)
     sl = slice(rank * 50, (rank + 1) * 50)
-    for dtype, name in ((torch.float32, "fp32"), (torch.bfloat16, "bf16")):
+    for dtype, name, fused in ((torch.float32, "fp32", False), (torch.bfloat16, "bf16", False),
+                               (torch.float32, "fused_fp32", True), (torch.bfloat16, "fused_bf16", True)):
         x = full.to(dtype)
         ref_in = x.clone().requires_grad_()
         ref = token_logprobs(ref_in, target)
         (ref * up).sum().backward()
         shard = x[..., sl].clone().requires_grad_()
-        lp = vocab_parallel_logprobs(shard, target, group, chunk_rows=4)
+        lp = vocab_parallel_logprobs(shard, target, group, chunk_rows=4, fused=fused)
         (lp * up).sum().backward()
         res[f"{name}_logp"] = (lp.detach(), ref.detach())
         res[f"{name}_grad"] = (shard.grad, ref_in.grad[..., sl])
-        res[f"{name}_entropy"] = (vocab_parallel_entropy(shard, group, chunk_rows=4), entropy_from_logits(x))
+        res[f"{name}_entropy"] = (vocab_parallel_entropy(shard, group, chunk_rows=4, fused=fused),
+                                  entropy_from_logits(x))
 
 
 def _losses(res: dict) -> None:
@@ -218,16 +220,28 @@ def test_vocab_parallel_functions_equal_the_reference_fp32(results):
         torch.testing.assert_close(ent, ref_ent, rtol=1e-6, atol=1e-6)
 
 
-def test_vocab_parallel_functions_bf16_logits(results):
-    """bf16 logits: both compute in fp32 from the same bf16 values; the gradients round to bf16."""
+@pytest.mark.parametrize("fused", ["", "fused_"])
+def test_vocab_parallel_functions_bf16_logits(results, fused):
+    """bf16 logits: both compute in fp32 from the same bf16 values; the gradients round to bf16. fused_: the fused
+    kernels (kernels.logprobs, Triton's interpreter here) on each shard, their statistics combined over TP."""
     for r in results:
-        lp, ref = r["bf16_logp"]
+        lp, ref = r[f"{fused}bf16_logp"]
         torch.testing.assert_close(lp, ref, rtol=1e-6, atol=1e-6)
-        got, want = r["bf16_grad"]
+        got, want = r[f"{fused}bf16_grad"]
         assert got.dtype == torch.bfloat16
         torch.testing.assert_close(got.float(), want.float(), rtol=8e-3, atol=1e-6)
-        ent, ref_ent = r["bf16_entropy"]
-        torch.testing.assert_close(ent, ref_ent, rtol=1e-6, atol=1e-6)
+        ent, ref_ent = r[f"{fused}bf16_entropy"]
+        torch.testing.assert_close(ent, ref_ent, rtol=1e-6, atol=1e-6 if not fused else 1e-5)
+
+
+def test_fused_vocab_parallel_functions_fp32(results):
+    for r in results:
+        lp, ref = r["fused_fp32_logp"]
+        torch.testing.assert_close(lp, ref, rtol=1e-6, atol=2e-6)
+        got, want = r["fused_fp32_grad"]
+        torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-7)
+        ent, ref_ent = r["fused_fp32_entropy"]
+        torch.testing.assert_close(ent, ref_ent, rtol=1e-6, atol=1e-5)
 
 
 @pytest.mark.parametrize("kind", ["grpo", "nll"])

@@ -36,6 +36,40 @@ def test_bit_identical_to_the_reference(dtype, chunk_rows):
     assert torch.equal(vocab_parallel_entropy(x, chunk_rows=chunk_rows), grpo.entropy_from_logits(x))
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_fused_kernels_equal_the_reference(dtype):
+    """The fused path (kernels.logprobs: one read of the logits per pass; Triton's interpreter on the CPU, what CUDA
+    tensors use by default) equals the references up to fp32 summation order, and the gradient up to one rounding
+    of the logits' dtype; rows of -inf logits (a masked vocabulary) and a huge vocabulary block stay finite."""
+    x = _logits((4, 9, 2500), dtype)
+    x[1, 2, 100:2300] = -float("inf")
+    target = torch.randint(0, 100, (4, 9), generator=torch.Generator().manual_seed(1))
+    up = torch.randn(4, 9, generator=torch.Generator().manual_seed(2))
+    ref_in, new_in = x.clone().requires_grad_(), x.clone().requires_grad_()
+    ref, new = grpo.token_logprobs(ref_in, target), vocab_parallel_logprobs(new_in, target, fused=True)
+    (ref * up).sum().backward()
+    (new * up).sum().backward()
+    torch.testing.assert_close(new, ref, rtol=1e-6, atol=2e-6)
+    ulp = 2.0 ** -7 if dtype == torch.bfloat16 else 1e-6
+    assert new_in.grad.dtype == dtype
+    torch.testing.assert_close(new_in.grad.float(), ref_in.grad.float(), rtol=ulp, atol=1e-7)
+    ent, ref_ent = vocab_parallel_entropy(x, fused=True), grpo.entropy_from_logits(x)
+    assert torch.isnan(ref_ent[1, 2]) and torch.isfinite(ent).all() and torch.isfinite(new).all()  # 0 * -inf
+    ok = torch.isfinite(ref_ent)
+    torch.testing.assert_close(ent[ok], ref_ent[ok], rtol=1e-6, atol=1e-5)
+    x[1, 2, 100:2300] = -1e4  # the same row with finite logits for the masked entries: the same entropy
+    torch.testing.assert_close(ent[1, 2], grpo.entropy_from_logits(x)[1, 2], rtol=1e-6, atol=1e-5)
+    with pytest.raises(ValueError, match="fused=True: the fused log-prob kernels cannot run"):
+        import os
+
+        old = os.environ.pop("TRITON_INTERPRET", None)
+        try:
+            vocab_parallel_logprobs(x, target, fused=True)
+        finally:
+            if old is not None:
+                os.environ["TRITON_INTERPRET"] = old
+
+
 def test_non_contiguous_logits_and_shape_check():
     x = _logits((9, 4, 33), torch.float32).transpose(0, 1).requires_grad_()  # [4, 9, 33], not contiguous
     target = torch.randint(0, 33, (4, 9), generator=torch.Generator().manual_seed(1))
@@ -142,3 +176,30 @@ def test_grpo_loss_reads_nothing_back_to_the_host(tis, host_reads):
     with host_reads() as reads:
         float(mets["loss"])
     assert reads.count == 1  # the counter does see a host read
+
+
+@pytest.mark.gpu
+def test_fused_kernels_on_the_gpu_at_the_qwen_vocabulary():
+    """The fused kernels compiled for the GPU, on a Qwen2.5-sized vocabulary (151,936) and 2,048 bf16 rows: the same
+    log-probs, gradients and entropy as the chunked PyTorch path; prints both paths' times (not asserted)."""
+    g = torch.Generator(device="cuda").manual_seed(0)
+    x = (torch.randn(2048, 151936, device="cuda", generator=g) * 3).to(torch.bfloat16)
+    target = torch.randint(0, 151936, (2048,), device="cuda", generator=g)
+    up = torch.randn(2048, device="cuda", generator=g)
+    out = {}
+    for fused in (False, True, False, True):  # the second round is timed (the first compiles)
+        xi = x.clone().requires_grad_()
+        torch.cuda.synchronize()
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        lp = vocab_parallel_logprobs(xi, target, fused=fused)
+        (lp * up).sum().backward()
+        ent = vocab_parallel_entropy(x, fused=fused)
+        end.record()
+        torch.cuda.synchronize()
+        out[fused] = (lp.detach(), xi.grad, ent, start.elapsed_time(end))
+    print(f"logprobs + backward + entropy, 2048 x 151936 bf16: chunked {out[False][3]:.2f} ms, fused "
+          f"{out[True][3]:.2f} ms")
+    torch.testing.assert_close(out[True][0], out[False][0], rtol=1e-6, atol=2e-5)
+    torch.testing.assert_close(out[True][1].float(), out[False][1].float(), rtol=2.0 ** -7, atol=1e-9)
+    torch.testing.assert_close(out[True][2], out[False][2], rtol=1e-5, atol=1e-4)

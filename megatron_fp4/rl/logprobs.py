@@ -16,10 +16,17 @@ gradient, and the output layer's backward all-reduces its input gradient.
 With one shard (TP = 1) each chunk is ``log_softmax`` of the chunk in fp32 (and its backward ``log_softmax``'s),
 bit for bit :func:`megatron_fp4.rl.grpo.token_logprobs` / :func:`~megatron_fp4.rl.grpo.entropy_from_logits`, the
 full-vocabulary references; at TP > 1 the results equal them up to fp32 rounding.
+
+On CUDA tensors (``fused=None``: where Triton runs; ``MEGATRON_FP4_FUSED_LOGPROBS=0`` turns it off) the fused
+kernels of :mod:`kernels.logprobs` replace the chunks: one read of the logits for the per-row statistics (max,
+sum of exp, the target's logit and, for the entropy, sum of exp times logit), one read and one write for the
+gradient, instead of fp32 copies and a dozen elementwise passes. Same formulas, fp32 accumulation: equal to the
+chunked computation up to fp32 summation order (gradients: up to one rounding of the logits' dtype).
 """
 
 from __future__ import annotations
 
+import os
 from typing import Optional
 
 import torch
@@ -60,6 +67,35 @@ def _normalizer(x: torch.Tensor, group, chunk_rows, target_local: Optional[torch
     return m, torch.log(stats[0]), (stats[1] if target_local is not None else None)
 
 
+def _kernels():
+    """:mod:`kernels.logprobs` (Triton: imported only where the fused path may run)."""
+    from kernels import logprobs
+
+    return logprobs
+
+
+def _use_fused(x: torch.Tensor, fused: Optional[bool]) -> bool:
+    """Whether the fused kernels serve ``x``: ``fused`` if given (True where they cannot run is an error), else on
+    CUDA where Triton runs, unless ``MEGATRON_FP4_FUSED_LOGPROBS=0``."""
+    if fused is None and (not x.is_cuda or os.environ.get("MEGATRON_FP4_FUSED_LOGPROBS", "1") == "0"):
+        return False
+    if fused is None:
+        return _kernels().usable(x)
+    if fused and not _kernels().usable(x):
+        raise ValueError(f"fused=True: the fused log-prob kernels cannot run on a {x.device.type} tensor here (CUDA "
+                         f"with Triton, or Triton's CPU interpreter)")
+    return fused
+
+
+def _fused_stats(x: torch.Tensor, group, world: int, target: Optional[torch.Tensor] = None):
+    """(lse, target logit, entropy) per row over the whole vocabulary from the fused row statistics of this shard."""
+
+    def reduce(t, op):
+        dist.all_reduce(t, op=dist.ReduceOp.MAX if op == "max" else dist.ReduceOp.SUM, group=group)
+
+    return _kernels().combine_stats(_kernels().row_stats(x, target), reduce if world > 1 else None)
+
+
 def _local_targets(target: torch.Tensor, vocab_local: int, rank: int) -> torch.Tensor:
     """Column of each target in this rank's shard, -1 where another shard holds it."""
     t = target.long() - rank * vocab_local
@@ -71,11 +107,17 @@ class VocabParallelLogProb(torch.autograd.Function):
     docstring."""
 
     @staticmethod
-    def forward(ctx, logits: torch.Tensor, target: torch.Tensor, group, chunk_rows: Optional[int]) -> torch.Tensor:
+    def forward(ctx, logits: torch.Tensor, target: torch.Tensor, group, chunk_rows: Optional[int],
+                fused: bool = False) -> torch.Tensor:
         world, rank = _shards(group)
         n, vocab = logits.shape
         out = torch.empty(n, dtype=torch.float32, device=logits.device)
-        ctx.group, ctx.chunk_rows, ctx.world = group, chunk_rows, world
+        ctx.group, ctx.chunk_rows, ctx.world, ctx.fused = group, chunk_rows, world, fused
+        if fused:
+            t = _local_targets(target, vocab, rank) if world > 1 else target.long()
+            lse, picked, _ = _fused_stats(logits, group, world, t)
+            ctx.save_for_backward(logits, t, lse)
+            return picked - lse
         if world == 1:
             t = target.long()
             for c in _chunks(n, vocab, chunk_rows):
@@ -92,6 +134,8 @@ class VocabParallelLogProb(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad_out: torch.Tensor):
         logits, t = ctx.saved_tensors[:2]
+        if ctx.fused:
+            return _kernels().logprob_grad(logits, t, ctx.saved_tensors[2], grad_out), None, None, None, None
         grad = torch.empty_like(logits)
         g = grad_out.to(torch.float32)
         n, vocab = logits.shape
@@ -109,29 +153,33 @@ class VocabParallelLogProb(torch.autograd.Function):
                 rows = torch.arange(gi.shape[0], device=gi.device)[here]
                 gi[rows, tc[here]] += g[c][here]
                 grad[c] = gi
-        return grad, None, None, None
+        return grad, None, None, None, None
 
 
 def vocab_parallel_logprobs(logits: torch.Tensor, target: torch.Tensor,
                             group: Optional[dist.ProcessGroup] = None,
-                            chunk_rows: Optional[int] = None) -> torch.Tensor:
+                            chunk_rows: Optional[int] = None, fused: Optional[bool] = None) -> torch.Tensor:
     """log p(target) (fp32, target's shape) from ``logits [..., V / TP]``, this rank's vocabulary shard over
     ``group`` (None or one rank: the whole vocabulary); differentiable. ``chunk_rows`` rows per chunk (default: as
-    many as fit in :data:`CHUNK_ELEMENTS`)."""
+    many as fit in :data:`CHUNK_ELEMENTS`); ``fused``: the fused kernels (None: on CUDA, see the module doc)."""
     if logits.shape[:-1] != target.shape:
         raise ValueError(f"logits {tuple(logits.shape)} and target {tuple(target.shape)} must agree on every "
                          f"dimension but the vocabulary")
     flat = logits.reshape(-1, logits.shape[-1])
-    return VocabParallelLogProb.apply(flat, target.reshape(-1), group, chunk_rows).view(target.shape)
+    return VocabParallelLogProb.apply(flat, target.reshape(-1), group, chunk_rows,
+                                      _use_fused(flat, fused)).view(target.shape)
 
 
 @torch.no_grad()
 def vocab_parallel_entropy(logits: torch.Tensor, group: Optional[dist.ProcessGroup] = None,
-                           chunk_rows: Optional[int] = None) -> torch.Tensor:
+                           chunk_rows: Optional[int] = None, fused: Optional[bool] = None) -> torch.Tensor:
     """Entropy (fp32, ``logits.shape[:-1]``) of softmax over the whole vocabulary, from this rank's shard
-    ``logits [..., V / TP]`` over ``group``; no gradient. -sum p log p, chunked as the log-probs."""
+    ``logits [..., V / TP]`` over ``group``; no gradient. -sum p log p, chunked as the log-probs (``fused``: lse -
+    sum p x from the fused row statistics, see the module doc)."""
     world, _ = _shards(group)
     flat = logits.detach().reshape(-1, logits.shape[-1])
+    if _use_fused(flat, fused):
+        return _fused_stats(flat, group, world)[2].view(logits.shape[:-1])
     n, vocab = flat.shape
     out = torch.empty(n, dtype=torch.float32, device=flat.device)
     m = log_s = None
