@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import contextlib
 import os
+import sys
 import warnings
 from typing import Iterator, NamedTuple, Optional, Union
 
@@ -195,8 +196,15 @@ def _cache_key(backend: FP4GemmBackend, x: torch.Tensor, fmt: Format, mode: str)
 
 
 def _capturing(x: torch.Tensor) -> bool:
-    """Whether ``x``'s CUDA stream is being captured into a CUDA graph."""
-    return x.is_cuda and torch.cuda.is_current_stream_capturing()
+    """Whether ``x``'s CUDA stream is being captured into a CUDA graph, or megatron-core is creating its CUDA graphs
+    (whose warm-up runs must take the capture's path: they autotune the kernels it launches, which cannot be
+    tuned during the capture)."""
+    if not x.is_cuda:
+        return False
+    if torch.cuda.is_current_stream_capturing():
+        return True
+    graphs = sys.modules.get("megatron.core.transformer.cuda_graphs")  # megatron-core only if already loaded
+    return graphs is not None and graphs.is_graph_capturing()
 
 
 def _quantize(backend: FP4GemmBackend, x: torch.Tensor, fmt: Format, rounding: str,
