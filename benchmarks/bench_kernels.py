@@ -97,13 +97,13 @@ TRAIN_OPERANDS = [(8192, 1536), (8192, 2048), (8192, 8960), (8192, 17920)]
 def bench_training_operands(operands=TRAIN_OPERANDS):
     """A training operand X [tokens, K] quantized into both GEMM layouts (along K and along tokens, BF16
     expansions): the one-pass kernel (``kernels.quantize.quantize_both``) against two passes (the row kernel on
-    x, then on x.t(): what ``KernelBackend`` runs for HiF4 wider than ``HIF4_BOTH_MAX_K``), and for MXFP4's FP8 mode
-    the one pass with E5M2 rows against the row kernel's E5M2 pass plus the column pass (what it replaced). Kernel
-    time from CUDA graph replays; GB/s counts 2 bytes read and 4 written per value (FP8 rows: 3)."""
+    x, then on x.t(): what ``KernelBackend`` runs, measured faster at every width on 2026-12-02), and for MXFP4's
+    FP8 mode the one pass with E5M2 rows against the row kernel's E5M2 pass plus the column pass. Kernel time from
+    CUDA graph replays; GB/s counts 2 bytes read and 4 written per value (FP8 rows: 3)."""
     from kernels.quantize import quantize_both
     from megatron_fp4.formats import get_format
     from megatron_fp4.gemm_backend import FP4GemmBackend
-    from megatron_fp4.ops.kernels_backend import HIF4_BOTH_MAX_K, KernelBackend
+    from megatron_fp4.ops.kernels_backend import KernelBackend
 
     be, out = KernelBackend(), []
     for rows, K in operands:
@@ -112,14 +112,13 @@ def bench_training_operands(operands=TRAIN_OPERANDS):
             f = get_format(fmt)
             one = bench([lambda x=x: quantize_both(x, f) for x in xs], graph=True)
             two = bench([lambda x=x: FP4GemmBackend.quantize_both(be, x, f, "exact") for x in xs], graph=True)
-            picks = "one pass" if fmt != "hif4" or K <= HIF4_BOTH_MAX_K else "two passes"
-            out.append(_operand_row(fmt, "exact", rows, K, one, two, picks, 6))
+            out.append(_operand_row(fmt, "exact", rows, K, one, two, "two passes", 6))
             if fmt == "mxfp4":  # --fp4-gemm-mode fp8: E5M2 rows (+ row-scale pass) and BF16 columns
                 one = bench([lambda x=x: quantize_both(x, f, rows="native") for x in xs], graph=True)
                 two = bench([lambda x=x: (be.quantize(x, f, "nearest", None, "fp8", False),
                                           be.quantize(x.t(), f, "nearest", None, "exact", False)) for x in xs],
                             graph=True)
-                out.append(_operand_row(fmt, "fp8", rows, K, one, two, "one pass", 5))
+                out.append(_operand_row(fmt, "fp8", rows, K, one, two, "two passes", 5))
     return out
 
 

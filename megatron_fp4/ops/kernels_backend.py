@@ -18,11 +18,11 @@ import torch
 from kernels._common import KERNEL_FORMATS, kernels_usable
 from kernels.dispatch import PROMOTE, available, fp4_gemm, fp8_weight_expand
 from kernels.gemm import mm_expanded
-from kernels.quantize import quantize, quantize_both
+from kernels.quantize import quantize
 from megatron_fp4.formats import Format
 from megatron_fp4.gemm_backend import FP4GemmBackend
 
-__all__ = ["KernelBackend", "kernel_backend", "ops_backend", "HIF4_BOTH_MAX_K"]
+__all__ = ["KernelBackend", "kernel_backend", "ops_backend"]
 
 
 def ops_backend(a, b, a_fmt: Format, b_fmt: Format, a_rounding: str, b_rounding: str, generator=None):
@@ -43,15 +43,6 @@ class Operand:
     expanded: object  # kernels.quantize.Expanded
 
 
-#: Widest HiF4 operand that :meth:`KernelBackend.quantize_both` quantizes in one pass. Measured on the H200 (8192
-#: bf16 rows, 2026-12-01) with the first one-pass kernel: 105 us at K = 1536 (two row-kernel passes and a
-#: transpose: 225 us, launch-bound) but 530 us at K = 8960 (those: 280 us). MXFP4's one pass won at both widths (49
-#: vs 196, 214 vs 277 us). The one-pass kernel has since been rewritten on the units' own shapes (HiF4: about half
-#: the instructions per value, no register spills, in Triton 3.6's sm_90 SASS); ``bench_kernels.py
-#: --training-operands`` measures both paths per width and decides this bound anew on the GPU.
-HIF4_BOTH_MAX_K = 4096
-
-
 class KernelBackend(FP4GemmBackend):
     """The training GEMMs on the kernels (what ``ops.register_kernel_backend`` installs): each operand quantized by
     one Triton kernel that writes only its GEMM-ready expansion, read strided (transposed views cost no copy), then
@@ -59,7 +50,12 @@ class KernelBackend(FP4GemmBackend):
     with fp32 accumulation (the reference's numbers up to summation order). MXFP4 "fp8" / "fp8_fast": E5M2
     activations x E4M3 weights on cuBLAS's FP8 GEMM (two on-the-fly operands: the Triton FP8 GEMM), values below
     the FP8 window flushed (:class:`kernels.quantize.Expanded`; no host sync). Declines stochastic rounding, mixed
-    formats and formats without kernels."""
+    formats and formats without kernels.
+
+    An operand's two layouts (X along K and along the tokens; a weight's W and W^T) are two row-kernel passes, the
+    second on the transposed view: measured on the H200 (``bench_kernels.py --training-operands``, 8192 rows, K =
+    1536 to 17920, 2026-12-02) 1.3-2.4x faster than the one-pass kernel ``kernels.quantize.quantize_both`` at every
+    width, both formats and MXFP4's FP8 mode (the one pass runs at ~600-780 GB/s, ALU-bound)."""
 
     def quantize(self, x, fmt, rounding, generator, mode, weight):
         if rounding != "nearest" or fmt.name not in KERNEL_FORMATS or not kernels_usable(x):
@@ -69,22 +65,6 @@ class KernelBackend(FP4GemmBackend):
         if not weight:
             return Operand(fmt, quantize(x, fmt, expand="native", packed=False)[1])
         return Operand(fmt, quantize(x, fmt, expand=fp8_weight_expand(x), packed=False)[1])
-
-    def quantize_both(self, x, fmt, mode):
-        if fmt.name not in KERNEL_FORMATS or not kernels_usable(x):
-            return NotImplemented
-        if mode != "exact" and fmt.name != "hif4":  # E5M2 rows (after a row-scale pass), BF16 columns
-            rows, cols = quantize_both(x, fmt, rows="native")
-            return Operand(fmt, rows), Operand(fmt, cols)
-        if fmt.name == "hif4" and x.shape[1] > HIF4_BOTH_MAX_K:
-            return super().quantize_both(x, fmt, mode)  # row kernel + transpose + row kernel: faster there
-        rows, cols = quantize_both(x, fmt)  # kernels.quantize's: one read of x, both expansions
-        return Operand(fmt, rows), Operand(fmt, cols)
-
-    def quantize_weight_both(self, w, fmt, mode):
-        # Exact mode: both layouts are BF16 expansions, which quantize_both makes in one pass. The FP8 modes' E4M3
-        # weights need each layout's whole-row maximum first (a pass per layout).
-        return self.quantize_both(w, fmt, mode) if mode == "exact" else NotImplemented
 
     def matmul(self, qa, qb, out_dtype, mode):
         if qa.fmt.name != qb.fmt.name:
