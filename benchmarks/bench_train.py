@@ -20,6 +20,8 @@ timed ones (median). Columns:
 ``--profile`` adds, per row, the CUDA time of one step by kernel family (GEMM, FP4 quantize, attention, ...), the
 top kernels, and the host's top Python functions (cProfile: where a CPU-bound step spends its time).
 ``--host-overhead`` measures only each recipe's host time per linear forward + backward (tiny operands, no model).
+``--cuda-graph`` runs the step under megatron-core's CUDA graphs (``cuda_graph_impl="local"``, the driver's
+``--cuda-graph-impl local``): one recipe and batch per process.
 Recipes: bf16 (no recipe), hif4, mxfp4, and mxfp4-fp8 / mxfp4-fp8_fast (MXFP4 with --fp4-gemm-mode).
 """
 
@@ -274,7 +276,7 @@ def main() -> None:
     ap.add_argument("--cuda-graph", action="store_true",
                     help="capture each transformer layer's forward and backward as CUDA graphs (megatron-core's "
                          "cuda_graph_impl='local'): recorded in the first warm-up step, captured at its end, "
-                         "replayed after; needs --warmup >= 2")
+                         "replayed after; needs --warmup >= 2 and one recipe and batch per process")
     ap.add_argument("--host-overhead", action="store_true",
                     help="only measure each recipe's host time per linear forward + backward (tiny operands)")
     ap.add_argument("--out", default=os.path.join(os.path.dirname(__file__), "results", "train.json"))
@@ -283,6 +285,11 @@ def main() -> None:
         if r not in RECIPES:
             raise SystemExit(f"bench_train.py: error: --recipes: {r!r} is not valid; allowed values: "
                              f"{', '.join(RECIPES)}")
+    if args.cuda_graph and not args.host_overhead and (len(args.recipes.split(",")) > 1
+                                                       or len(parse_batches(args.batches)) > 1):
+        raise SystemExit("bench_train.py: error: --cuda-graph measures one row per process (megatron-core keeps a "
+                         "graphed model's memory pool until the process ends, so a second row would run short of "
+                         "memory): give one --recipes and one --batches, e.g. in a shell loop")
     if not torch.cuda.is_available():
         raise SystemExit("bench_train.py: error: needs a CUDA GPU (the step times are GPU times)")
     if args.cuda_graph and args.warmup < 2:
@@ -317,12 +324,6 @@ def main() -> None:
             except Exception as e:  # noqa: BLE001  (one broken row must not lose the others)
                 traceback.print_exc()
                 row = dict(recipe=r, batch=b, seq=t, error=f"{type(e).__name__}: {str(e)[:300]}")
-            finally:
-                if args.cuda_graph:
-                    from megatron.core.transformer.cuda_graphs import delete_cuda_graphs
-
-                    delete_cuda_graphs()  # megatron's graph record is global: the next row captures its own
-                    torch.cuda.set_stream(torch.cuda.default_stream())
             args.micro_batch_size = saved
             gc.collect()  # the row's model and optimizer
             torch.cuda.empty_cache()
