@@ -20,16 +20,22 @@ def _logits(shape, dtype, seed=0):
     return x.to(dtype)
 
 
+def _against_reference(x, vocab, **kw):
+    """(reference log-probs, vocab_parallel_logprobs(**kw), their gradients) for random targets below ``vocab``."""
+    target = torch.randint(0, vocab, x.shape[:-1], generator=torch.Generator().manual_seed(1))
+    up = torch.randn(*x.shape[:-1], generator=torch.Generator().manual_seed(2))
+    ref_in, new_in = x.clone().requires_grad_(), x.clone().requires_grad_()
+    ref, new = grpo.token_logprobs(ref_in, target), vocab_parallel_logprobs(new_in, target, **kw)
+    (ref * up).sum().backward()
+    (new * up).sum().backward()
+    return ref, new, ref_in, new_in, target
+
+
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("chunk_rows", [None, 1, 3, 7])
 def test_bit_identical_to_the_reference(dtype, chunk_rows):
     x = _logits((4, 9, 101), dtype)
-    target = torch.randint(0, 101, (4, 9), generator=torch.Generator().manual_seed(1))
-    up = torch.randn(4, 9, generator=torch.Generator().manual_seed(2))
-    ref_in, new_in = x.clone().requires_grad_(), x.clone().requires_grad_()
-    ref, new = grpo.token_logprobs(ref_in, target), vocab_parallel_logprobs(new_in, target, chunk_rows=chunk_rows)
-    (ref * up).sum().backward()
-    (new * up).sum().backward()
+    ref, new, ref_in, new_in, _ = _against_reference(x, 101, chunk_rows=chunk_rows)
     assert new.dtype == torch.float32 and new.shape == (4, 9)
     assert torch.equal(new, ref)
     assert new_in.grad.dtype == dtype and torch.equal(new_in.grad, ref_in.grad)
@@ -43,12 +49,7 @@ def test_fused_kernels_equal_the_reference(dtype):
     of the logits' dtype; rows of -inf logits (a masked vocabulary) and a huge vocabulary block stay finite."""
     x = _logits((4, 9, 2500), dtype)
     x[1, 2, 100:2300] = -float("inf")
-    target = torch.randint(0, 100, (4, 9), generator=torch.Generator().manual_seed(1))
-    up = torch.randn(4, 9, generator=torch.Generator().manual_seed(2))
-    ref_in, new_in = x.clone().requires_grad_(), x.clone().requires_grad_()
-    ref, new = grpo.token_logprobs(ref_in, target), vocab_parallel_logprobs(new_in, target, fused=True)
-    (ref * up).sum().backward()
-    (new * up).sum().backward()
+    ref, new, ref_in, new_in, target = _against_reference(x, 100, fused=True)
     torch.testing.assert_close(new, ref, rtol=1e-6, atol=2e-6)
     ulp = 2.0 ** -7 if dtype == torch.bfloat16 else 1e-6
     assert new_in.grad.dtype == dtype
