@@ -13,6 +13,8 @@ Modules (import them directly; importing the package loads nothing heavy):
   weight layout it reads, with a PyTorch emulation of its dequantization for CPU tests.
 - ``kernels.decode_ops``: fused elementwise kernels of the native engine's decode step (residual add + RMSNorm,
   RoPE + KV-cache write, SwiGLU), each beside its PyTorch twin.
+- ``kernels.logprobs``: fused next-token log-probs, entropy and their gradient over a (vocab-parallel) logits row,
+  one read of the logits per pass (the RL loss head on CUDA; ``megatron_fp4.rl.logprobs`` calls it).
 - ``kernels._launch``: ``fast(kernel)[grid](...)``, a launch that skips Triton's Python launch path after a
   specialization's first launch (the training quantize kernels; opt-in, ``MEGATRON_FP4_FAST_LAUNCH=1``).
 - ``kernels.dispatch``: what the rest of the project calls (``fp4_gemm``, ``prepare_weight``, ``linear``,
