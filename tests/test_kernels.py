@@ -497,6 +497,24 @@ def test_gpu_quantize_bit_exact(name, kind, dtype):
     _check_resq(_inputs(kind, (257, 1000), dtype=dtype), name)
 
 
+@pytest.mark.parametrize("name", ["hif4", "mxfp4"])
+def test_training_quantizer_every_tuned_config(name):
+    """The training backend's quantizer (expansion only, packed=False: BF16, and MXFP4's E5M2 / E4M3 for the FP8
+    modes) at every row and column tile autotuning may pick writes the packed call's expansion bit for bit, K not a
+    multiple of any tile; on the CPU in Triton's interpreter (the GPU test below compiles them)."""
+    from kernels import quantize as qm
+
+    x = _inputs("outliers", (40, 1100), dtype=torch.bfloat16)
+    for expand in ("bf16",) + (("native", "e4m3") if name == "mxfp4" else ()):
+        for dim, cfgs in ((-1, qm._ROW_CFGS), (0, qm._COL_CFGS)):
+            want = quantize(x, name, dim=dim, expand=expand)[1]
+            for cfg in cfgs:
+                got = quantize(x, name, dim=dim, expand=expand, packed=False, config=cfg)[1]
+                _exact(got.values.view(torch.uint8), want.values.view(torch.uint8), f"{expand} {dim} {cfg}")
+                if got.row_exp is not None:
+                    _exact(got.row_exp, want.row_exp, f"row_exp {expand} {dim} {cfg}")
+
+
 @pytest.mark.gpu
 @pytest.mark.parametrize("name", ["hif4", "mxfp4"])
 def test_gpu_quantize_every_tuned_config(name):
