@@ -17,6 +17,8 @@ bit for bit); ``megatron_fp4.rl.logprobs`` uses them on CUDA tensors.
 
 from __future__ import annotations
 
+from typing import Optional
+
 import torch
 
 from kernels._common import HAS_TRITON, cdiv, interpreting, kernels_usable, tl, triton
@@ -87,7 +89,7 @@ def _rows(x: torch.Tensor) -> torch.Tensor:
     return x if x.stride(-1) == 1 else x.contiguous()
 
 
-def row_stats(x: torch.Tensor, target: torch.Tensor = None) -> torch.Tensor:
+def row_stats(x: torch.Tensor, target: Optional[torch.Tensor] = None) -> torch.Tensor:
     """fp32 ``[N, 4]``: per row of ``x [N, V]`` its max m, sum exp(x - m), sum exp(x - m) x, and x[target] (0 where
     ``target`` is negative or absent). One read of ``x``."""
     x = _rows(x)
@@ -101,7 +103,7 @@ def row_stats(x: torch.Tensor, target: torch.Tensor = None) -> torch.Tensor:
     return out
 
 
-def row_stats_reference(x: torch.Tensor, target: torch.Tensor = None) -> torch.Tensor:
+def row_stats_reference(x: torch.Tensor, target: Optional[torch.Tensor] = None) -> torch.Tensor:
     """:func:`row_stats` in PyTorch (fp32)."""
     xf = x.to(torch.float32)
     m = xf.amax(-1)
