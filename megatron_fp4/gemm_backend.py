@@ -64,12 +64,6 @@ class FP4GemmBackend:
         return (self.quantize(x, fmt, "nearest", None, mode, False),
                 self.quantize(x.t(), fmt, "nearest", None, "exact", False))
 
-    def quantize_weight_both(self, w: torch.Tensor, fmt: Format, mode: str) -> object:
-        """(``w [N, K]`` quantized along K, ``w.t()`` quantized along N), both as weights in ``mode``, round to
-        nearest: a training weight's fprop and dgrad operands, from one read of ``w`` where a backend can.
-        ``NotImplemented`` (this default) makes the caller quantize each layout when it needs it."""
-        return NotImplemented
-
     def __call__(self, a, b, a_fmt, b_fmt, a_rounding, b_rounding, generator=None):
         qa = self.quantize(a, a_fmt, a_rounding, generator, "exact", False)
         qb = self.quantize(b, b_fmt, b_rounding, generator, "exact", False)

@@ -9,8 +9,7 @@ Each GEMM quantizes its two operands along ITS reduction dimension and accumulat
 
 X may be ``[..., K]``; leading dims are flattened to the token dimension m. The GEMMs go through
 ``megatron_fp4.ops.fp4_gemm``, which rounds each result once to the operand dtype and, inside
-``ops.quantized_weight_cache``, quantizes each weight (W for fprop, W^T for dgrad) once per weight version, both
-layouts from one pass where the backend can. Which recipe applies: an active ``fp4_autocast`` (including
+``ops.quantized_weight_cache``, quantizes each weight (W for fprop, W^T for dgrad) once per weight version. Which recipe applies: an active ``fp4_autocast`` (including
 ``enabled=False``) wins; otherwise the recipe given to the function/module; with none, the layer is a plain
 ``torch.nn.functional.linear`` (bit-identical to high precision).
 """
@@ -115,14 +114,13 @@ class FP4LinearFunction(torch.autograd.Function):
             pair = ops.quantize_both(x2, recipe.format("activation"), recipe.gemm_mode)
         if pair is not None:
             y = ops.fp4_gemm(pair[0], weight, None, recipe.format("weight"), out_dtype=x.dtype,
-                             mode=recipe.gemm_mode, cache_b=True, cache_bt=ctx.needs_input_grad[0])
+                             mode=recipe.gemm_mode, cache_b=True)
             ctx.xt = pair[1]  # Q_m(X^T): all the backward needs of X
             ctx.save_for_backward(weight)
         else:
             if recipe.quantize_fprop:
                 y = ops.fp4_gemm(x2, weight, recipe.format("activation"), recipe.format("weight"),
-                                 out_dtype=x.dtype, mode=recipe.gemm_mode, cache_b=True,
-                                 cache_bt=recipe.quantize_dgrad and wgrad_follows and ctx.needs_input_grad[0])
+                                 out_dtype=x.dtype, mode=recipe.gemm_mode, cache_b=True)
             else:
                 y = torch.matmul(x2, weight.t())
             ctx.save_for_backward(weight, x)

@@ -421,7 +421,6 @@ def test_training_backend_expansion_only_and_strided(name, host_reads):
         qb = be.quantize(w, f, "nearest", None, mode, True)
         assert _rel(be.matmul(qa, qb, torch.float32, mode).cpu(), _ref_mm(x, w, f)) < (1e-6 if ON_CPU else 1e-4)
     # both layouts: two row-kernel passes (faster than the one-pass kernel on the H200), W's only when asked
-    assert be.quantize_weight_both(w, f, "exact") is NotImplemented
     for got, want in zip(be.quantize_both(x, f, "exact"), (be.quantize(x, f, "nearest", None, "exact", False),
                                                           be.quantize(x.t(), f, "nearest", None, "exact", False))):
         assert torch.equal(got.expanded.values, want.expanded.values)

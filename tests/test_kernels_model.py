@@ -1,6 +1,6 @@
 """A whole megatron-core GPT model trained through the Triton kernel backend (CPU: Triton's interpreter; a GPU: the
-kernels) gives the reference backend's GRPO losses and gradients: the FP4 linears' one-pass operands, the weight
-cache with both weight layouts from one pass, MXFP4's FP8 mode (E5M2 rows) and the actor's schedule over two
+kernels) gives the reference backend's GRPO losses and gradients: the FP4 linears' operands in both GEMM layouts,
+the weight cache (W and W^T once per schedule), MXFP4's FP8 mode (E5M2 rows) and the actor's schedule over two
 micro-batches, together, before any GPU time is spent on a benchmark."""
 
 from __future__ import annotations
@@ -55,16 +55,16 @@ def test_model_losses_and_gradients_through_the_kernels(fmt, mode):
         return ([float(d["loss"]) for d in store],
                 {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None})
 
-    class Counting(KernelBackend):  # the kernels served the linears: both operand kinds, once per weight
+    class Counting(KernelBackend):  # the kernels served the linears: both operand kinds, each weight layout once
         calls = {"operands": 0, "weights": 0}
 
         def quantize_both(self, x, fmt, mode):
             self.calls["operands"] += 1
             return super().quantize_both(x, fmt, mode)
 
-        def quantize_weight_both(self, w, fmt, mode):
-            self.calls["weights"] += 1
-            return super().quantize_weight_both(w, fmt, mode)
+        def quantize(self, x, fmt, rounding, generator, mode, weight):
+            self.calls["weights"] += int(weight)
+            return super().quantize(x, fmt, rounding, generator, mode, weight)
 
     with ops.use_reference_backend():
         want_loss, want_grad = run()
@@ -77,8 +77,8 @@ def test_model_losses_and_gradients_through_the_kernels(fmt, mode):
         if prev is not None:
             ops.register_fp4_gemm_backend(DEV, prev)
     linears = 4 * args.num_layers  # qkv, proj, fc1, fc2 per layer
-    # X and dY per micro-batch; each W once per schedule (the backend then quantizes W and W^T apart)
-    assert Counting.calls == {"operands": 2 * 2 * linears, "weights": linears}
+    # X and dY per micro-batch; W and W^T once per schedule (two micro-batches)
+    assert Counting.calls == {"operands": 2 * 2 * linears, "weights": 2 * linears}
     tol = 1e-5 if DEV == "cpu" else 2e-2  # the interpreter's dots are exact fp32; a GPU's FP8 mode is not
     for a, b in zip(got_loss, want_loss):
         assert abs(a - b) <= tol * max(abs(b), 1e-6), (got_loss, want_loss)

@@ -208,9 +208,8 @@ def _capturing(x: torch.Tensor) -> bool:
 
 
 def _quantize(backend: FP4GemmBackend, x: torch.Tensor, fmt: Format, rounding: str,
-              generator: Optional[torch.Generator], mode: str, cache: bool, cache_t: bool = False):
-    """``backend.quantize`` of ``x``, through the open weight cache when ``cache``; ``cache_t``: also quantize
-    ``x.t()`` (the weight's dgrad layout) and cache it, from the same pass where the backend can.
+              generator: Optional[torch.Generator], mode: str, cache: bool):
+    """``backend.quantize`` of ``x``, through the open weight cache when ``cache``.
 
     A CUDA graph being captured (megatron's ``cuda_graph_impl="local"``) bypasses the cache: the graph must
     quantize the weight on every replay, since its Python (the cache's version check) never runs again and the
@@ -221,12 +220,6 @@ def _quantize(backend: FP4GemmBackend, x: torch.Tensor, fmt: Format, rounding: s
     hit = _CACHES[-1].get(key)
     if hit is not None and hit[0] is base:
         return hit[1]
-    if cache_t:
-        both = backend.quantize_weight_both(x, fmt, mode)
-        if both is not NotImplemented and all(q is not NotImplemented for q in both):
-            _CACHES[-1][key] = (base, both[0])
-            _CACHES[-1][_cache_key(backend, x.t(), fmt, mode)[1]] = (base, both[1])
-            return both[0]
     q = backend.quantize(x, fmt, rounding, generator, mode, True)
     if q is not NotImplemented:
         _CACHES[-1][key] = (base, q)  # holds ``base``: its id cannot be reused while the entry lives
@@ -245,13 +238,10 @@ def fp4_gemm(
     out_dtype: torch.dtype = torch.float32,
     mode: str = "exact",
     cache_b: bool = False,
-    cache_bt: bool = False,
 ) -> torch.Tensor:
     """``Q(a) @ Q(b)^T`` for ``a [m, K]``, ``b [n, K]``, each quantized along K in its format and rounding,
     accumulated in fp32 and rounded once to ``out_dtype``. ``mode``: one of :data:`GEMM_MODES`; ``cache_b``:
-    reuse ``b``'s quantization inside :func:`quantized_weight_cache` (for weights); ``cache_bt`` (with
-    ``cache_b``): a GEMM on ``b.t()`` follows (a training weight's dgrad), so quantize and cache that layout from
-    the same pass where the backend can (``FP4GemmBackend.quantize_weight_both``). Either operand may be
+    reuse ``b``'s quantization inside :func:`quantized_weight_cache` (for weights). Either operand may be
     :class:`Quantized` (its format and rounding then come with it; the other operand's backend is its backend)."""
     if mode not in GEMM_MODES:
         raise ValueError(f"fp4_gemm: mode={mode!r} is not valid; allowed values: {', '.join(map(repr, GEMM_MODES))}")
@@ -260,7 +250,7 @@ def fp4_gemm(
         qa = a.value if isinstance(a, Quantized) else be.quantize(a, get_format(a_format), a_rounding, generator,
                                                                   mode, False)
         qb = b.value if isinstance(b, Quantized) else _quantize(be, b, get_format(b_format), b_rounding, generator,
-                                                                mode, cache_b, cache_bt)
+                                                                mode, cache_b)
         out = NotImplemented if qa is NotImplemented or qb is NotImplemented else be.matmul(qa, qb, out_dtype, mode)
         if out is NotImplemented:
             raise ValueError(f"fp4_gemm: the {type(be).__name__} that quantized an operand cannot multiply it by "
@@ -281,7 +271,7 @@ def fp4_gemm(
         backend = None
     for be in ((backend, _REFERENCE) if backend is not None else (_REFERENCE,)):
         qa = be.quantize(a, a_fmt, a_rounding, generator, mode, False)  # a first: the stochastic-rounding stream
-        qb = (_quantize(be, b, b_fmt, b_rounding, generator, mode, cache_b, cache_bt) if qa is not NotImplemented
+        qb = (_quantize(be, b, b_fmt, b_rounding, generator, mode, cache_b) if qa is not NotImplemented
               else qa)
         if qb is not NotImplemented:
             out = be.matmul(qa, qb, out_dtype, mode)
