@@ -97,10 +97,11 @@ TRAIN_OPERANDS = [(8192, 1536), (8192, 2048), (8192, 8960), (8192, 17920)]
 def bench_training_operands(operands=TRAIN_OPERANDS):
     """A training operand X [tokens, K] quantized into both GEMM layouts (along K and along tokens, BF16
     expansions): the one-pass kernel (``kernels.quantize.quantize_both``) against two passes (the row kernel on
-    x, then on x.t(): what ``KernelBackend`` runs, measured faster at every width on 2026-12-02), and for MXFP4's
-    FP8 mode the one pass with E5M2 rows against the row kernel's E5M2 pass plus the column pass. Kernel time from
-    CUDA graph replays; GB/s counts 2 bytes read and 4 written per value (FP8 rows: 3)."""
-    from kernels.quantize import quantize_both
+    x, then x.t()'s quantization: what ``KernelBackend`` runs), and for MXFP4's FP8 mode the one pass with E5M2
+    rows against the row kernel's E5M2 pass plus the column pass. The column pass alone both ways: the column
+    kernel on the row-major x (``kernels.quantize.COLUMN_KERNEL``) and the transposed copy + row kernel. Kernel time from CUDA graph replays; GB/s counts 2 bytes read and 4 written per
+    value (FP8 rows: 3; a column pass: 4)."""
+    from kernels.quantize import _quantize_columns, _row_major, quantize, quantize_both
     from megatron_fp4.formats import get_format
     from megatron_fp4.gemm_backend import FP4GemmBackend
     from megatron_fp4.ops.kernels_backend import KernelBackend
@@ -112,7 +113,16 @@ def bench_training_operands(operands=TRAIN_OPERANDS):
             f = get_format(fmt)
             one = bench([lambda x=x: quantize_both(x, f) for x in xs], graph=True)
             two = bench([lambda x=x: FP4GemmBackend.quantize_both(be, x, f, "exact") for x in xs], graph=True)
-            out.append(_operand_row(fmt, "exact", rows, K, one, two, "two passes", 6))
+            col = bench([lambda x=x: _quantize_columns(x.t(), f, None) for x in xs], graph=True)
+            col_t = bench([lambda x=x: quantize(_row_major(x.t()), f, expand="bf16", packed=False) for x in xs],
+                          graph=True)
+            row = _operand_row(fmt, "exact", rows, K, one, two, "two passes", 6)
+            row.update(col_kernel_us=col * 1e3, transpose_then_rows_us=col_t * 1e3,
+                       col_kernel_GBps=4 * rows * K / col / 1e6, transpose_then_rows_GBps=4 * rows * K / col_t / 1e6)
+            print(f"         column pass: column kernel {col * 1e3:7.1f} us ({row['col_kernel_GBps']:5.0f} GB/s), "
+                  f"transposed copy + rows {col_t * 1e3:7.1f} us ({row['transpose_then_rows_GBps']:5.0f} GB/s)",
+                  flush=True)
+            out.append(row)
             if fmt == "mxfp4":  # --fp4-gemm-mode fp8: E5M2 rows (+ row-scale pass) and BF16 columns
                 one = bench([lambda x=x: quantize_both(x, f, rows="native") for x in xs], graph=True)
                 two = bench([lambda x=x: (be.quantize(x, f, "nearest", None, "fp8", False),

@@ -8,6 +8,7 @@ checked here before it costs a device call:
     python benchmarks/kernel_sass.py decode --fmt hif4 --res --histogram
     python benchmarks/kernel_sass.py quantize --fmt hif4 --BR 4 --BK 512 --expand 1 --prefetch --num-stages 3
     python benchmarks/kernel_sass.py one-pass --fmt hif4 --num-warps 4
+    python benchmarks/kernel_sass.py columns --fmt hif4 --BK 64 --num-warps 4
 
 Prints the instructions per loop iteration, per value and the busiest opcodes, the layout conversions in Triton's
 GPU IR (each moves values between threads, through shared memory) and ptxas's registers and spills. The loop is
@@ -142,11 +143,25 @@ def one_pass_case(fmt: str, fp8_rows: bool):
     return qm._dual_quant_kernel, sig, const, divisible, 2 * 64 * 64
 
 
+def columns_case(fmt: str, BC: int):
+    """(kernel, signature, constexprs, divisible args, values per program: 64 rows x BC columns) of the column
+    kernel (``kernels.quantize``'s exact expansion of a transposed view, read from the row-major tensor)."""
+    from kernels import quantize as qm
+    from kernels._common import HIF4_RECIP
+
+    sig = {"x_ptr": "*bf16", "ec_ptr": "*bf16"}
+    sig.update({k: "i32" for k in ("R", "K", "RP", "stride_xr", "stride_ec", "R_BUCKET")})
+    const = dict(FMT=0 if fmt == "hif4" else 1, BC=BC, R1=HIF4_RECIP[1], R2=HIF4_RECIP[2], R3=HIF4_RECIP[3])
+    divisible = [k for k in sig if k not in ("R_BUCKET",)]
+    return qm._col_quant_kernel, sig, const, divisible, 64 * BC
+
+
 def main(argv=None):
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("kernel", choices=["decode", "quantize", "one-pass"],
+    p.add_argument("kernel", choices=["decode", "quantize", "one-pass", "columns"],
                    help="decode: the decode GEMM (kernels.decode_gemm.w4_matmul); quantize: the row quantize "
-                        "kernel; one-pass: the training operands' quantizer along both dimensions (quantize_both)")
+                        "kernel; one-pass: the training operands' quantizer along both dimensions (quantize_both); columns: "
+                        "the column kernel (a transposed view's exact expansion, --BK columns per program)")
     p.add_argument("--fmt", choices=["hif4", "mxfp4"], default="mxfp4")
     p.add_argument("--BN", type=int, default=64, help="weight rows per program")
     p.add_argument("--BM", type=int, default=16, help="token columns (16, 32 or 64)")
@@ -174,6 +189,8 @@ def main(argv=None):
             p.error("--unpacked needs --expand 1 or 2 (the expansion is all the kernel writes then)")
         fn, sig, const, div, values = quantize_case(args.fmt, args.BR, args.BK, args.expand, args.prefetch,
                                                     args.unpacked)
+    elif args.kernel == "columns":
+        fn, sig, const, div, values = columns_case(args.fmt, args.BK)
     else:
         if args.expand == 1 and args.fmt == "hif4":
             p.error("--expand 1 (E5M2 rows) is MXFP4's; HiF4 expands to BF16")

@@ -12,6 +12,7 @@ tensor (the wgrad/dgrad operands) needs no transpose copy. ``expand`` also write
 
 from __future__ import annotations
 
+import os
 from typing import NamedTuple, Optional
 
 import torch
@@ -22,6 +23,13 @@ from kernels._launch import fast
 from megatron_fp4.formats import QuantizedTensor, check_tensor, get_format
 
 __all__ = ["Expanded", "quantize", "quantize_reference", "quantize_both", "expand_packed", "fp8_rows", "EXPAND_MODES"]
+
+#: Whether a large transposed view's exact expansion comes from the column kernel (:func:`_quantize_columns`, one
+#: read of the row-major tensor) rather than a transposed copy and the row kernel: 1.2-1.3x faster on the H200 at
+#: every training width (``bench_kernels.py --training-operands``, 2026-12-02), though its SASS has ~2.5x the row
+#: kernel's instructions per value (its units span threads after the transpose). ``MEGATRON_FP4_COLUMN_KERNEL=0``
+#: turns it off.
+COLUMN_KERNEL = os.environ.get("MEGATRON_FP4_COLUMN_KERNEL", "1") == "1"
 
 #: "e4m3": MXFP4 only, E4M3 relative to a row scale (weights for the cuBLAS FP8 GEMM, which multiplies E5M2
 #: activations by E4M3 weights only).
@@ -130,7 +138,7 @@ if HAS_TRITON:
         gs = e6m2[:, :, None] * tl.reshape(p2, (BR, NU, 16))  # E6M2 * 2^shift
         gsx = _bcast(tl.reshape(gs * 0.25, (BR, G16)), BR, G16, 4)
         val = kf * gsx
-        val = tl.where(xb < 0, -val, val)
+        val = (val.to(tl.int32, bitcast=True) | (xb & -2147483648)).to(tl.float32, bitcast=True)  # x's sign (-0)
         val = tl.where(badx, float("nan"), val)
         j8 = tl.arange(0, 8)[None, None, :]
         j16 = tl.arange(0, 16)[None, None, :]
@@ -179,7 +187,7 @@ if HAS_TRITON:
         v2 = ((tl.full(c.shape, -932957680, tl.int32) >> (c * 4)) & 0xF).to(tl.float32)
         px = tl.where(X == -127, 5.877471754111438e-39, ((X + 127) << 23).to(tl.float32, bitcast=True))
         val = (v2 * 0.5) * _bcast(px, BR, NB, 32)
-        val = tl.where(xb < 0, -val, val)
+        val = (val.to(tl.int32, bitcast=True) | (xb & -2147483648)).to(tl.float32, bitcast=True)  # x's sign (-0)
         val = tl.where(badx, float("nan"), val)
         return codes, X, bad, val
 
@@ -454,6 +462,26 @@ if HAS_TRITON:
         tl.store(ec_ptr + cols * stride_ec + rows, valt.to(tl.bfloat16), mask=(cols < K) & (rows < RP))
 
     @triton.jit
+    def _col_quant_kernel(x_ptr, ec_ptr, R, K, RP, stride_xr, stride_ec, R_BUCKET, FMT: tl.constexpr,
+                          BC: tl.constexpr, R1: tl.constexpr, R2: tl.constexpr, R3: tl.constexpr):
+        """Row-major x [R, K] quantized along R into the BF16 expansion ec [K, RP] (row-major: the quantization of
+        x.t(), what the wgrad and dgrad GEMMs read of X, dY and W) without a transposed copy of x: a program
+        loads 64 rows (one HiF4 unit / two MXFP4 blocks along R) by BC columns, coalesced, and quantizes the
+        transposed tile on its units' shape (Triton moves it between threads through shared memory). Rows past R
+        are zeros (the padding RP - R). FMT: 0 HiF4, 1 MXFP4, 2 MXFP4 rceil."""
+        r = tl.program_id(0) * 64 + tl.arange(0, 64)
+        c = tl.program_id(1) * BC + tl.arange(0, BC)
+        x = tl.load(x_ptr + r[:, None] * stride_xr + c[None, :], mask=(r[:, None] < R) & (c[None, :] < K),
+                    other=0.0).to(tl.float32)
+        xt = tl.trans(x)  # [BC, 64]: a column's 64 rows
+        if FMT == 0:
+            val = tl.reshape(_hif4_units(tl.reshape(xt, (BC, 1, 8, 2, 4)), R1, R2, R3), (BC, 64))
+        else:
+            val = tl.reshape(_mx_units(tl.reshape(xt, (BC, 2, 8, 4)), FMT == 2), (BC, 64))
+        tl.store(ec_ptr + c[:, None] * stride_ec + r[None, :], val.to(tl.bfloat16),
+                 mask=(c[:, None] < K) & (r[None, :] < RP))
+
+    @triton.jit
     def _row_exp_kernel(x_ptr, rexp_ptr, R, K, stride_xr, stride_xk, RCEIL: tl.constexpr, BR: tl.constexpr,
                         BK: tl.constexpr):
         """The E5M2 row scale exponent S of each row of x [R, K]: the row's largest block maps to E5M2's 2^2
@@ -498,15 +526,19 @@ if HAS_TRITON:
     _QTUNE = {**_TUNE, "key": _TUNE["key"] + ["PACKED"]}
     _dual_quant_tuned = triton.autotune(configs=[triton.Config({}, num_warps=w) for w in (2, 4, 8)],
                                         key=["K_BUCKET", "FMT", "ROWS_FP8"])(_dual_quant_kernel)
+    _col_quant_tuned = triton.autotune(configs=[triton.Config({"BC": bc}, num_warps=w)
+                                                for bc, w in ((32, 4), (64, 4), (64, 8), (128, 8))],
+                                       key=["R_BUCKET", "K", "FMT"])(_col_quant_kernel)
     _hif4_quant_tuned = triton.autotune(**_QTUNE)(_hif4_quant_kernel)
     _mx_quant_tuned = triton.autotune(**_QTUNE)(_mx_quant_kernel)
 
     # The host wrappers launch through kernels._launch (Triton's Python launch path was most of an FP4 training
     # linear's host time).
-    _hif4_quant_fast, _mx_quant_fast, _dual_quant_fast, _transpose_fast, _row_exp_fast = map(
-        fast, (_hif4_quant_kernel, _mx_quant_kernel, _dual_quant_kernel, _transpose_kernel, _row_exp_kernel))
-    _hif4_quant_tuned, _mx_quant_tuned, _dual_quant_tuned = map(
-        fast, (_hif4_quant_tuned, _mx_quant_tuned, _dual_quant_tuned))
+    _hif4_quant_fast, _mx_quant_fast, _dual_quant_fast, _transpose_fast, _row_exp_fast, _col_quant_fast = map(
+        fast, (_hif4_quant_kernel, _mx_quant_kernel, _dual_quant_kernel, _transpose_kernel, _row_exp_kernel,
+               _col_quant_kernel))
+    _hif4_quant_tuned, _mx_quant_tuned, _dual_quant_tuned, _col_quant_tuned = map(
+        fast, (_hif4_quant_tuned, _mx_quant_tuned, _dual_quant_tuned, _col_quant_tuned))
 
 
 # ----------------------------------------------------------------------------------------------------------------
@@ -547,6 +579,24 @@ def _row_major(x2: torch.Tensor) -> torch.Tensor:
     return y
 
 
+def _quantize_columns(x2: torch.Tensor, f, out: Optional[Expanded]) -> Expanded:
+    """The BF16 expansion of the transposed view ``x2`` ([R, K] with strides (1, s)) quantized along K, by the
+    column kernel on the row-major tensor under it (no transposed copy)."""
+    src = x2.t()  # row-major [K, R]: quantized along its rows' dimension
+    n, c = src.shape
+    rp = cdiv(n, f.block_size) * f.block_size
+    ex = Expanded(torch.empty((c, rp), dtype=torch.bfloat16, device=x2.device)) if out is None else _check_out(
+        out, (c, rp), torch.bfloat16)
+    args = (src, ex.values, n, c, rp, src.stride(0), ex.values.stride(0), tune_bucket(n))
+    kw = dict(FMT={"hif4": 0, "mxfp4": 1, "mxfp4_rceil": 2}[f.name], R1=HIF4_RECIP[1], R2=HIF4_RECIP[2],
+              R3=HIF4_RECIP[3])
+    if interpreting() or n * c < (1 << 16):
+        _col_quant_fast[(cdiv(n, 64), cdiv(c, 64))](*args, **kw, BC=64, num_warps=4)
+    else:
+        _col_quant_tuned[lambda meta: (cdiv(n, 64), cdiv(c, meta["BC"]))](*args, **kw)
+    return ex
+
+
 def _block_config(fmt_name: str, x2: torch.Tensor):
     """Fixed tile (rows, K step, warps) for small inputs and the interpreter (larger inputs autotune)."""
     transposed = x2.stride(1) != 1 and x2.stride(0) == 1
@@ -568,7 +618,7 @@ def _fixed_launch(x2: torch.Tensor, kp: int, BR: int, BK: int, config, row_pass:
 
 
 def quantize(x: torch.Tensor, fmt, dim: int = -1, expand: Optional[str] = None,
-             config: Optional[tuple] = None, packed: bool = True):
+             config: Optional[tuple] = None, packed: bool = True, out: Optional[Expanded] = None):
     """Quantize+pack ``x`` along ``dim`` with the Triton kernel (bit-exact with ``fmt.quantize``).
 
     Returns a QuantizedTensor, or ``(QuantizedTensor, Expanded)`` when ``expand`` is "native" or "bf16";
@@ -576,7 +626,8 @@ def quantize(x: torch.Tensor, fmt, dim: int = -1, expand: Optional[str] = None,
     GEMMs read nothing else).
     Falls back to the PyTorch reference where the kernels cannot run (no Triton, no GPU, other formats).
     ``config`` = (rows per program, K per step, warps[, prefetch 0/1]) skips autotuning (small inputs use a fixed
-    one).
+    one). ``out`` (with ``packed=False``): an :class:`Expanded` of the same expansion and shape, e.g. an earlier
+    result, whose buffers receive the new one (what a CUDA graph that reads them needs); it is returned.
     """
     f = get_format(fmt)
     if expand not in EXPAND_MODES:
@@ -587,12 +638,17 @@ def quantize(x: torch.Tensor, fmt, dim: int = -1, expand: Optional[str] = None,
         raise ValueError("cannot quantize a 0-d tensor along a dimension")
     if not packed and not expand:
         raise ValueError("packed=False needs expand ('native' or 'bf16'): there would be nothing to return")
+    if out is not None and packed:
+        raise ValueError("out= takes the expansion only: pass packed=False with it")
     dim = dim % x.dim()
     if f.name not in KERNEL_FORMATS or not kernels_usable(x) or x.numel() == 0:
-        out = quantize_reference(x, f, dim, expand)
-        return out if packed else (None, out[1])
+        ref = quantize_reference(x, f, dim, expand)
+        return ref if packed else (None, ref[1] if out is None else _write_into(out, ref[1]))
     x2, outer, k = _rows_view(x, dim)
     R = x2.shape[0]
+    if (COLUMN_KERNEL and not packed and expand == "bf16" and config is None and x2.stride(0) == 1
+            and x2.stride(1) != 1 and R > DECODE_MAX_M):  # a transposed view's exact expansion (X^T, dY^T, W^T)
+        return None, _quantize_columns(x2, f, out)
     if (x2.stride(1) != 1 and x2.stride(0) == 1 and R * k >= (1 << 20) and R > DECODE_MAX_M and config is None
             and not interpreting()):
         x2 = _row_major(x2)  # large column-major operands (the training GEMMs' transposed views)
@@ -609,7 +665,8 @@ def quantize(x: torch.Tensor, fmt, dim: int = -1, expand: Optional[str] = None,
     if f.name == "hif4":
         scales = torch.empty((R, nblk, 4), dtype=torch.uint8, device=dev) if packed else _unused((1, 1, 4), dev)
         if expand:
-            ex = Expanded(torch.empty((R, kp), dtype=torch.bfloat16, device=dev))
+            ex = (Expanded(torch.empty((R, kp), dtype=torch.bfloat16, device=dev)) if out is None
+                  else _check_out(out, (R, kp), torch.bfloat16))
         exv = ex.values if ex is not None else codes
         args = (x2, codes, scales.view(torch.int32), exv, R, k, kp, x2.stride(0), x2.stride(1), codes.stride(0),
                 nblk, exv.stride(0), tune_bucket(k))
@@ -624,12 +681,15 @@ def quantize(x: torch.Tensor, fmt, dim: int = -1, expand: Optional[str] = None,
         mode = {None: 0, "native": 1, "bf16": 2, "e4m3": 3}[expand]
         rexp = rok = None
         if mode % 2 == 1:
-            ex = Expanded(torch.empty((R, kp), dtype=torch.uint8, device=dev),
-                          torch.empty((R,), dtype=torch.int32, device=dev),
-                          torch.empty((R,), dtype=torch.int8, device=dev))
+            ex = (Expanded(torch.empty((R, kp), dtype=torch.uint8, device=dev),
+                           torch.empty((R,), dtype=torch.int32, device=dev),
+                           torch.empty((R,), dtype=torch.int8, device=dev)) if out is None else
+                  _check_out(out, (R, kp), torch.float8_e5m2 if mode == 1 else torch.float8_e4m3fn)._replace(
+                      values=out.values.view(torch.uint8), row_ok=out.row_ok.view(torch.int8)))
             rexp, rok = ex.row_exp, ex.row_ok
         elif mode == 2:
-            ex = Expanded(torch.empty((R, kp), dtype=torch.bfloat16, device=dev))
+            ex = (Expanded(torch.empty((R, kp), dtype=torch.bfloat16, device=dev)) if out is None
+                  else _check_out(out, (R, kp), torch.bfloat16))
         exv = ex.values if ex is not None else codes
         rexp = rexp if rexp is not None else scales
         rok = rok if rok is not None else scales
@@ -649,6 +709,24 @@ def quantize(x: torch.Tensor, fmt, dim: int = -1, expand: Optional[str] = None,
     qt = QuantizedTensor(fmt=f, codes=codes.reshape(*outer, kp // 2), scales=scales_out, shape=x.shape, dim=dim,
                          dtype=x.dtype)
     return (qt, ex) if expand else qt
+
+
+def _check_out(out: Expanded, shape: tuple, dtype: torch.dtype) -> Expanded:
+    """``out`` if its values are the ``shape`` and ``dtype`` this quantization writes."""
+    if tuple(out.values.shape) != tuple(shape) or out.values.dtype != dtype:
+        raise ValueError(f"out= holds {out.values.dtype} {tuple(out.values.shape)}; this quantization writes "
+                         f"{dtype} {tuple(shape)}")
+    return out
+
+
+def _write_into(out: Expanded, new: Expanded) -> Expanded:
+    """The reference's result ``new`` copied into ``out``'s buffers (``quantize(out=)`` where no kernel runs)."""
+    for dst, src in zip(out, new):
+        if (dst is None) != (src is None) or (dst is not None and (dst.shape != src.shape or dst.dtype != src.dtype)):
+            raise ValueError("out= does not match this quantization's expansion (shapes, dtypes or fields)")
+        if dst is not None:
+            dst.copy_(src)
+    return out
 
 
 def quantize_both(x: torch.Tensor, fmt, num_warps: Optional[int] = None,

@@ -460,6 +460,60 @@ def test_training_backend_expansion_only_and_strided(name, host_reads):
         assert _rel(a.cpu(), b.cpu()) < (1e-6 if ON_CPU else 1e-3)
 
 
+@pytest.mark.parametrize("name", FORMATS)
+@pytest.mark.parametrize("kind", ["outliers", "special"])
+def test_column_kernel_bit_exact(name, kind):
+    """A transposed view's exact expansion (the wgrad/dgrad operands X^T, dY^T, W^T) comes from the column kernel
+    on the row-major tensor under it, bit for bit the reference's quantization of the transposed copy: ragged
+    sizes (rows not a multiple of 64: zero padding; columns not a multiple of the tile), NaN/Inf units, a row
+    stride wider than the rows."""
+    from kernels.quantize import quantize_reference
+
+    dev = "cpu" if ON_CPU else DEV
+    f = get_format(name)
+    for rows, cols in ((150, 72), (64, 200)):
+        x = _inputs(kind, (rows, cols + 8), device=dev)[:, :cols]  # row stride cols + 8
+        got = quantize(x.t(), f, expand="bf16", packed=False)[1].values
+        want = quantize_reference(x.t().contiguous().cpu(), f, 1, "bf16")[1].values
+        assert got.shape == want.shape
+        _exact(got.cpu(), want, f"{rows} x {cols}")
+
+
+@pytest.mark.parametrize("name", ["hif4", "mxfp4"])
+def test_requantize_writes_into_the_same_buffers(name):
+    """``quantize(out=)`` and ``KernelBackend.requantize`` (what CUDA graphs' persistent weights are refreshed by)
+    write a new weight's quantization into an earlier result's buffers, bit for bit what a fresh call returns, in
+    every expansion the training GEMMs use (MXFP4's FP8 weight form with its row exponents included); a buffer of
+    another shape or dtype is refused."""
+    dev = "cpu" if ON_CPU else DEV
+    f = get_format(name)
+    w_old, w_new = _inputs("outliers", (48, 136), device=dev), _inputs("special", (48, 136), device=dev, seed=4)
+    expands = ["bf16"] + (["native", "e4m3"] if name == "mxfp4" else [])
+    for expand in expands:
+        for view in (lambda t: t, lambda t: t.t()):  # W and W^T (a strided view)
+            out = quantize(view(w_old), f, expand=expand, packed=False)[1]
+            ptrs = [t.data_ptr() for t in out if t is not None]
+            got = quantize(view(w_new), f, expand=expand, packed=False, out=out)[1]
+            want = quantize(view(w_new), f, expand=expand, packed=False)[1]
+            assert [t.data_ptr() for t in got if t is not None] == ptrs
+            for a, b in zip(got, want):
+                assert (a is None) == (b is None)
+                if a is not None:
+                    assert torch.equal(a.view(torch.uint8), b.view(torch.uint8)), expand  # bits: NaN units
+    with pytest.raises(ValueError, match="out= holds"):
+        quantize(w_new[:, :64], f, expand="bf16", packed=False, out=quantize(w_old, f, expand="bf16",
+                                                                             packed=False)[1])
+    with pytest.raises(ValueError, match="packed=False"):
+        quantize(w_new, f, expand="bf16", out=quantize(w_old, f, expand="bf16", packed=False)[1])
+    be = kernels_backend.KernelBackend()
+    for mode in (("exact", "fp8") if name == "mxfp4" else ("exact",)):
+        q = be.quantize(w_old, f, "nearest", None, mode, True)
+        before = q.expanded.values.data_ptr()
+        assert be.requantize(w_new, f, mode, q) is q and q.expanded.values.data_ptr() == before
+        fresh = be.quantize(w_new, f, "nearest", None, mode, True)
+        assert torch.equal(q.expanded.values.view(torch.uint8), fresh.expanded.values.view(torch.uint8))
+
+
 def test_dispatch_registers_and_falls_back():
     from megatron_fp4 import ops
 
