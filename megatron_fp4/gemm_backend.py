@@ -53,6 +53,15 @@ class FP4GemmBackend:
         (kept across micro-batches, so a slower, GEMM-friendlier form pays off)."""
         return fmt.fake_quantize(x.float(), dim=-1, rounding=rounding, generator=generator)
 
+    def requantize(self, x: torch.Tensor, fmt: Format, mode: str, q: object) -> object:
+        """Write the (nearest-rounded, weight) quantization of ``x`` into the buffers of ``q``, an earlier
+        ``quantize`` result of the same arguments and shape, and return ``q``: what a CUDA graph that reads ``q``
+        sees after its weights changed. No allocation the caller keeps; capturable in a CUDA graph."""
+        if not torch.is_tensor(q):
+            raise NotImplementedError(f"{type(self).__name__} must implement requantize for its quantized form "
+                                      f"{type(q).__name__}")
+        return q.copy_(self.quantize(x, fmt, "nearest", None, mode, True))
+
     def matmul(self, qa: object, qb: object, out_dtype: torch.dtype, mode: str) -> torch.Tensor:
         """``qa @ qb^T`` accumulated in fp32, rounded once to ``out_dtype``."""
         return torch.matmul(qa, qb.t()).to(out_dtype)

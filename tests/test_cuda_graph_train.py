@@ -1,7 +1,8 @@
 """Training with megatron-core's CUDA graphs (``cuda_graph_impl="local"``: each transformer layer's forward and
 backward captured once, replayed every micro-batch) gives the eager path's GRPO losses and gradients, for BF16 and
-the FP4 recipes on the Triton kernels, across optimizer steps that rewrite the weights in place: a replayed graph
-re-quantizes the new weights (the FP4 weight cache is bypassed while a graph is captured). After capture no FP4 host
+the FP4 recipes on the Triton kernels, across optimizer steps that rewrite the weights in place: the graphs read the
+FP4 weights from persistent buffers that ``ops.refresh_persistent_weights`` rewrites once per schedule (one graph of
+its own), so a replay sees the new weights without quantizing them per micro-batch. After capture no FP4 host
 code runs: the graphs replace the linears' Python and kernel launches (why the FP4 step was host-bound on the
 H200, docs/PERFORMANCE.md)."""
 
@@ -80,6 +81,8 @@ def test_graphed_layers_match_eager_across_steps(name):
             history.append(want_loss)
             if i == 0:
                 assert _CudagraphGlobalRecord.cudagraph_created, "no CUDA graphs were captured"
+                if recipe is not None:  # W and W^T of the 2 x 4 linears, held for the graphs
+                    assert len(ops._PERSISTENT.entries) == 16, len(ops._PERSISTENT.entries)
             elif recipe is not None:
                 assert calls["quantize"] == 0, "FP4 host code ran: the layers were not replayed from their graphs"
             moved = max(abs(a - b) for a, b in zip(history[-1], history[0])) if i else None
@@ -95,6 +98,7 @@ def test_graphed_layers_match_eager_across_steps(name):
         if recipe is not None:
             del backend.quantize_both
         delete_cuda_graphs()
+        ops.clear_persistent_weights()
         torch.cuda.set_stream(torch.cuda.default_stream())
         set_seed(5)
 

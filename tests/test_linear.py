@@ -1,5 +1,6 @@
 """FP4 linear: each GEMM equals a float64 reference on operands quantized along that GEMM's reduction dim."""
 
+import contextlib
 import zlib
 
 import pytest
@@ -310,29 +311,59 @@ def test_weight_cache_quantizes_each_weight_once_per_schedule(fmt):
         ops.unregister_fp4_gemm_backend("cpu")
 
 
-def test_weight_cache_is_bypassed_while_a_cuda_graph_is_captured(monkeypatch):
-    """A CUDA graph's capture must not read the weight cache (the graph would keep the weights it found there after
-    the optimizer rewrites them) nor fill it: inside an open cache block, capturing quantizes W and W^T every time,
-    with the same numbers. (On CPU, ``ops._capturing`` stands in for the CUDA stream's capture state.)"""
+class RequantizeCounting(CountingBackend):
+    def __init__(self):
+        super().__init__()
+        self.requantized = 0
+
+    def requantize(self, x, fmt, mode, q):
+        self.requantized += 1
+        return super().requantize(x, fmt, mode, q)
+
+
+@pytest.mark.parametrize("via", ["forced", "capture"])
+def test_weights_persist_for_cuda_graphs_and_refresh_in_place(monkeypatch, via):
+    """While CUDA graphs are made (megatron's warm-up and capture; on CPU ``ops._capturing`` or
+    ``ops.persistent_weights`` stand in) W and W^T are quantized once into persistent buffers, outside the open
+    per-schedule cache, and every later pass reads those buffers (a graph reads their addresses): an in-place
+    weight update is seen only after ``ops.refresh_persistent_weights``, which rewrites the same buffers with the
+    numbers of quantizing the new weights."""
     recipe = recipe_for_format("hif4")
     torch.manual_seed(0)
     w, x = torch.randn(24, 64, requires_grad=True), torch.randn(4, 64, requires_grad=True)
-    backend = CountingBackend()
+    backend = RequantizeCounting()
     ops.register_fp4_gemm_backend("cpu", backend)
+    ctx = ops.persistent_weights() if via == "forced" else contextlib.nullcontext()
     try:
         with ops.quantized_weight_cache() as cache:
             want = fp4_linear(x, w, recipe=recipe)
             want.sum().backward()
-            assert (backend.weights, len(cache)) == (2, 2)
-            cache.clear()
+        if via == "capture":
             monkeypatch.setattr(ops, "_capturing", lambda t: True)
+        with ctx, ops.quantized_weight_cache() as cache:
             for _ in range(2):
                 y = fp4_linear(x, w, recipe=recipe)
                 y.sum().backward()
                 assert torch.equal(y, want)
-            assert (backend.weights, len(cache)) == (2 + 4, 0)  # W and W^T per forward + backward
+            assert (backend.weights, len(cache)) == (2 + 2, 0)  # W and W^T once, outside the schedule's cache
+            buffers = [e[5].data_ptr() for e in ops._PERSISTENT.entries.values()]
+            assert len(buffers) == 2
+            with torch.no_grad():
+                w.mul_(2.0)  # the optimizer's in-place step
+            assert torch.equal(fp4_linear(x, w, recipe=recipe), want)  # stale until refreshed, as a graph's
+            ops.refresh_persistent_weights()
+            assert backend.requantized == 2
+            assert [e[5].data_ptr() for e in ops._PERSISTENT.entries.values()] == buffers
+            assert torch.equal(fp4_linear(x, w, recipe=recipe), 2 * want)
+        monkeypatch.setattr(ops, "_capturing", lambda t: False)
+        with ops.quantized_weight_cache():  # outside: the schedule's cache again, the buffers untouched
+            assert torch.equal(fp4_linear(x, w, recipe=recipe), 2 * want)
+        assert backend.weights == 4 + 2 + 1  # the refresh (the reference quantizes, then copies) and one W
     finally:
+        ops.clear_persistent_weights()
         ops.unregister_fp4_gemm_backend("cpu")
+    ops.refresh_persistent_weights()  # nothing held: nothing to do
+    assert backend.requantized == 2
 
 
 def test_gemm_strided_operands_and_out_dtype():

@@ -17,6 +17,11 @@ two forms) or a plain function of both operands. The two steps let a caller reus
 :func:`quantized_weight_cache` (the actor opens one per optimizer step's forward/backward schedule) the operands
 passed with ``cache_b=True`` (the FP4 linears' weights, W for fprop and W^T for dgrad) are quantized once per
 weight version, not once per micro-batch.
+
+Under CUDA graphs (megatron-core's ``cuda_graph_impl="local"``) no Python runs on a replay, so the weights' quantized
+forms live in persistent buffers instead (:func:`persistent_weights`): the graphs read them, and
+:func:`refresh_persistent_weights` (the actor calls it at the start of each schedule, after the optimizer step)
+rewrites them in place, in one CUDA graph of its own: once per optimizer step, not once per micro-batch.
 """
 
 from __future__ import annotations
@@ -36,6 +41,9 @@ __all__ = [
     "GEMM_MODES",
     "FP4GemmBackend",
     "quantized_weight_cache",
+    "persistent_weights",
+    "refresh_persistent_weights",
+    "clear_persistent_weights",
     "Quantized",
     "quantize_both",
     "fp4_gemm",
@@ -188,13 +196,6 @@ def quantized_weight_cache() -> Iterator[dict]:
         cache.clear()
 
 
-def _cache_key(backend: FP4GemmBackend, x: torch.Tensor, fmt: Format, mode: str):
-    """(root tensor of ``x``, key of ``x``'s view and version in the weight cache)."""
-    base = x if x._base is None else x._base
-    return base, (id(backend), id(base), x.storage_offset(), tuple(x.shape), x.stride(), x.dtype, x._version,
-                  fmt.name, mode)
-
-
 def _capturing(x: torch.Tensor) -> bool:
     """Whether ``x``'s CUDA stream is being captured into a CUDA graph, or megatron-core is creating its CUDA graphs
     (whose warm-up runs must take the capture's path: they autotune the kernels it launches, which cannot be
@@ -207,14 +208,105 @@ def _capturing(x: torch.Tensor) -> bool:
     return graphs is not None and graphs.is_graph_capturing()
 
 
+class _PersistentWeights:
+    """Weights' quantized forms in buffers that outlive the optimizer steps (what CUDA graphs read).
+
+    ``entries`` maps a weight view and its quantization (backend, view, dtype, format, GEMM mode: no version: the
+    buffers are rewritten in place) to ``[base, view, backend, format, mode, quantized]``. ``refresh`` re-quantizes
+    every entry into its buffers; on CUDA after the first refresh it captures that loop as one CUDA graph (hundreds
+    of quantize launches would otherwise cost more host time than their GPU time) and replays it, capturing again
+    when entries were added."""
+
+    def __init__(self):
+        self.entries: dict = {}
+        self.forced: list[bool] = []
+        self.graph = None
+        self.graph_entries = -1  # how many entries the graph re-quantizes
+        self.refreshes = 0
+
+    def get(self, backend: FP4GemmBackend, x: torch.Tensor, fmt: Format, mode: str):
+        base, key = _cache_key(backend, x, fmt, mode, version=False)
+        hit = self.entries.get(key)
+        if hit is not None and hit[0] is base:
+            return hit[5]
+        if x.is_cuda and torch.cuda.is_current_stream_capturing():
+            return backend.quantize(x, fmt, "nearest", None, mode, True)  # unseen before the capture: in the graph
+        q = backend.quantize(x, fmt, "nearest", None, mode, True)
+        if q is not NotImplemented:
+            self.entries[key] = [base, x, backend, fmt, mode, q]
+        return q
+
+    @torch.no_grad()
+    def _requantize_all(self) -> None:
+        for _, x, backend, fmt, mode, q in self.entries.values():
+            backend.requantize(x, fmt, mode, q)
+
+    def refresh(self) -> None:
+        if not self.entries:
+            return
+        self.refreshes += 1
+        cuda = all(e[1].is_cuda for e in self.entries.values())
+        if not cuda or os.environ.get("MEGATRON_FP4_REFRESH_GRAPH", "1") == "0":
+            self._requantize_all()
+            return
+        if self.graph is None or self.graph_entries != len(self.entries):
+            self._requantize_all()  # eagerly first: what the capture launches is tuned and compiled
+            self.graph = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(self.graph):
+                self._requantize_all()
+            self.graph_entries = len(self.entries)
+        self.graph.replay()
+
+    def clear(self) -> None:
+        self.entries.clear()
+        self.graph, self.graph_entries = None, -1
+
+
+_PERSISTENT = _PersistentWeights()
+
+
+@contextlib.contextmanager
+def persistent_weights(enabled: bool = True) -> Iterator[None]:
+    """Inside the block, weights (``cache_b=True`` operands) take the path they take while CUDA graphs are made
+    (on any device): their quantized forms are held in persistent buffers, made on first use and rewritten in
+    place only by :func:`refresh_persistent_weights`. For tests and for callers that run the same weights through
+    their own graphs."""
+    _PERSISTENT.forced.append(enabled)
+    try:
+        yield
+    finally:
+        _PERSISTENT.forced.pop()
+
+
+def refresh_persistent_weights() -> None:
+    """Re-quantize every weight held for CUDA graphs into its buffers (after an optimizer step changed the
+    weights; one CUDA-graph replay on the GPU). Nothing to do, and nothing done, when no graph uses FP4 weights."""
+    _PERSISTENT.refresh()
+
+
+def clear_persistent_weights() -> None:
+    """Drop the persistent quantized weights (and their memory): after the CUDA graphs that read them are gone."""
+    _PERSISTENT.clear()
+
+
+def _cache_key(backend: FP4GemmBackend, x: torch.Tensor, fmt: Format, mode: str, version: bool = True):
+    """(root tensor of ``x``, key of ``x``'s view and, with ``version``, its version, in a weight cache)."""
+    base = x if x._base is None else x._base
+    return base, (id(backend), id(base), x.storage_offset(), tuple(x.shape), x.stride(), x.dtype,
+                  x._version if version else None, fmt.name, mode)
+
+
 def _quantize(backend: FP4GemmBackend, x: torch.Tensor, fmt: Format, rounding: str,
               generator: Optional[torch.Generator], mode: str, cache: bool):
     """``backend.quantize`` of ``x``, through the open weight cache when ``cache``.
 
-    A CUDA graph being captured (megatron's ``cuda_graph_impl="local"``) bypasses the cache: the graph must
-    quantize the weight on every replay, since its Python (the cache's version check) never runs again and the
-    optimizer rewrites the weights in place between replays."""
-    if not (cache and _CACHES and rounding == "nearest") or _capturing(x):
+    While CUDA graphs are made (megatron's ``cuda_graph_impl="local"``: warm-up runs and capture) a weight comes
+    from the persistent buffers (:class:`_PersistentWeights`) instead: the graph reads them on every replay, and
+    :func:`refresh_persistent_weights` rewrites them after the optimizer changed the weights in place (the graph's
+    Python, the cache's version check, never runs again)."""
+    if cache and rounding == "nearest" and ((_PERSISTENT.forced and _PERSISTENT.forced[-1]) or _capturing(x)):
+        return _PERSISTENT.get(backend, x, fmt, mode)
+    if not (cache and _CACHES and rounding == "nearest"):
         return backend.quantize(x, fmt, rounding, generator, mode, cache)
     base, key = _cache_key(backend, x, fmt, mode)
     hit = _CACHES[-1].get(key)

@@ -57,14 +57,18 @@ class KernelBackend(FP4GemmBackend):
     1536 to 17920, 2026-12-02) 1.3-2.4x faster than the one-pass kernel ``kernels.quantize.quantize_both`` at every
     width, both formats and MXFP4's FP8 mode (the one pass runs at ~600-780 GB/s, ALU-bound)."""
 
-    def quantize(self, x, fmt, rounding, generator, mode, weight):
+    def quantize(self, x, fmt, rounding, generator, mode, weight, out=None):
         if rounding != "nearest" or fmt.name not in KERNEL_FORMATS or not kernels_usable(x):
             return NotImplemented
         if mode == "exact" or fmt.name == "hif4":
-            return Operand(fmt, quantize(x, fmt, expand="bf16", packed=False)[1])
-        if not weight:
-            return Operand(fmt, quantize(x, fmt, expand="native", packed=False)[1])
-        return Operand(fmt, quantize(x, fmt, expand=fp8_weight_expand(x), packed=False)[1])
+            expand = "bf16"
+        else:
+            expand = fp8_weight_expand(x) if weight else "native"
+        return Operand(fmt, quantize(x, fmt, expand=expand, packed=False, out=out)[1])
+
+    def requantize(self, x, fmt, mode, q):
+        self.quantize(x, fmt, "nearest", None, mode, True, out=q.expanded)  # the kernels write into q's buffers
+        return q
 
     def matmul(self, qa, qb, out_dtype, mode):
         if qa.fmt.name != qb.fmt.name:

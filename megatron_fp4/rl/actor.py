@@ -81,7 +81,8 @@ def run_schedule(model, batches: list[dict], loss_fn: Callable, forward_only: bo
                  ) -> list[dict]:
     """Megatron's forward(/backward) schedule over micro-batches; returns the last stage's loss dicts. ``pack``: each
     micro-batch as one THD pack of its sequences (:func:`pack_index`; the loss functions read ``batch["pack"]``). The
-    FP4 linears quantize each weight once for the whole schedule (``ops.quantized_weight_cache``)."""
+    FP4 linears quantize each weight once for the whole schedule (``ops.quantized_weight_cache``; under CUDA graphs
+    ``ops.refresh_persistent_weights``)."""
     from megatron.core.packed_seq_params import PackedSeqParams
     from megatron.core.pipeline_parallel import get_forward_backward_func
 
@@ -104,6 +105,8 @@ def run_schedule(model, batches: list[dict], loss_fn: Callable, forward_only: bo
         return out, partial(loss_fn, batch)
 
     fb = get_forward_backward_func()
+    if not forward_only:  # the training passes' CUDA graphs read the FP4 weights from buffers: this step's weights
+        ops.refresh_persistent_weights()
     with ops.quantized_weight_cache():  # the weights hold still over one schedule: FP4-quantize each once
         return fb(forward_step_func=forward_step, data_iterator=iter(batches), model=[model],
                   num_microbatches=len(batches), seq_length=batches[0]["inputs"].shape[1],
