@@ -338,7 +338,7 @@ class NativeRolloutEngine(RolloutEngine):
         }
         if path != "megatron":
             self.last_generate_stats.update(self._static.last_stats)
-            if self._static.fused:  # kernels/decode_ops.py's fused decode-step kernels (MEGATRON_FP4_DECODE_FUSED=1)
+            if self._static.fused:  # kernels/decode_ops.py's fused decode-step kernels (the GPU default)
                 self.last_generate_stats["path"] = path + "+fused"
         return results
 
