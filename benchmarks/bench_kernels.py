@@ -96,12 +96,13 @@ TRAIN_OPERANDS = [(8192, 1536), (8192, 2048), (8192, 8960), (8192, 17920)]
 
 def bench_training_operands(operands=TRAIN_OPERANDS):
     """A training operand X [tokens, K] quantized into both GEMM layouts (along K and along tokens, BF16
-    expansions): the one-pass kernel (``kernels.quantize.quantize_both``) against two passes (the row kernel on
-    x, then x.t()'s quantization: what ``KernelBackend`` runs), and for MXFP4's FP8 mode the one pass with E5M2
-    rows against the row kernel's E5M2 pass plus the column pass. The column pass alone both ways: the column
-    kernel on the row-major x (``kernels.quantize.COLUMN_KERNEL``) and the transposed copy + row kernel. Kernel time from CUDA graph replays; GB/s counts 2 bytes read and 4 written per
-    value (FP8 rows: 3; a column pass: 4)."""
-    from kernels.quantize import _quantize_columns, _row_major, quantize, quantize_both
+    expansions), as ``KernelBackend`` does it: the row kernel on x and the column kernel on x.t() (MXFP4's FP8
+    mode: E5M2 rows with their row-scale pass); and the column pass alone both ways: the column kernel on the
+    row-major x (``kernels.quantize.COLUMN_KERNEL``) against a tiled transposed copy + the row kernel. (The one-pass
+    kernel that wrote both layouts from one read ran at 600-780 GB/s, 1.3-2.4x slower than two passes at every
+    width, and was removed in session 16.) Kernel time from CUDA graph replays; GB/s counts 2 bytes read and 4
+    written per value (FP8 rows: 3; a column pass alone: 4)."""
+    from kernels.quantize import _quantize_columns, _row_major, quantize
     from megatron_fp4.formats import get_format
     from megatron_fp4.gemm_backend import FP4GemmBackend
     from megatron_fp4.ops.kernels_backend import KernelBackend
@@ -111,36 +112,26 @@ def bench_training_operands(operands=TRAIN_OPERANDS):
         xs = [torch.randn(rows, K, device="cuda", dtype=torch.bfloat16) for _ in range(copies_for(2 * rows * K))]
         for fmt in ("hif4", "mxfp4"):
             f = get_format(fmt)
-            one = bench([lambda x=x: quantize_both(x, f) for x in xs], graph=True)
-            two = bench([lambda x=x: FP4GemmBackend.quantize_both(be, x, f, "exact") for x in xs], graph=True)
-            col = bench([lambda x=x: _quantize_columns(x.t(), f, None) for x in xs], graph=True)
-            col_t = bench([lambda x=x: quantize(_row_major(x.t()), f, expand="bf16", packed=False) for x in xs],
-                          graph=True)
-            row = _operand_row(fmt, "exact", rows, K, one, two, "two passes", 6)
-            row.update(col_kernel_us=col * 1e3, transpose_then_rows_us=col_t * 1e3,
-                       col_kernel_GBps=4 * rows * K / col / 1e6, transpose_then_rows_GBps=4 * rows * K / col_t / 1e6)
-            print(f"         column pass: column kernel {col * 1e3:7.1f} us ({row['col_kernel_GBps']:5.0f} GB/s), "
-                  f"transposed copy + rows {col_t * 1e3:7.1f} us ({row['transpose_then_rows_GBps']:5.0f} GB/s)",
-                  flush=True)
-            out.append(row)
-            if fmt == "mxfp4":  # --fp4-gemm-mode fp8: E5M2 rows (+ row-scale pass) and BF16 columns
-                one = bench([lambda x=x: quantize_both(x, f, rows="native") for x in xs], graph=True)
-                two = bench([lambda x=x: (be.quantize(x, f, "nearest", None, "fp8", False),
-                                          be.quantize(x.t(), f, "nearest", None, "exact", False)) for x in xs],
-                            graph=True)
-                out.append(_operand_row(fmt, "fp8", rows, K, one, two, "two passes", 5))
+            modes = ("exact", "fp8") if fmt == "mxfp4" else ("exact",)
+            for mode in modes:
+                ms = bench([lambda x=x: FP4GemmBackend.quantize_both(be, x, f, mode) for x in xs], graph=True)
+                row = {"fmt": fmt, "mode": mode, "rows": rows, "K": K, "both_layouts_us": ms * 1e3,
+                       "both_layouts_GBps": (6 if mode == "exact" else 5) * rows * K / ms / 1e6}
+                if mode == "exact":
+                    col = bench([lambda x=x: _quantize_columns(x.t(), f, None) for x in xs], graph=True)
+                    col_t = bench([lambda x=x: quantize(_row_major(x.t()), f, expand="bf16", packed=False)
+                                   for x in xs], graph=True)
+                    row.update(col_kernel_us=col * 1e3, transpose_then_rows_us=col_t * 1e3,
+                               col_kernel_GBps=4 * rows * K / col / 1e6,
+                               transpose_then_rows_GBps=4 * rows * K / col_t / 1e6)
+                print(f"  {fmt:<6s} {mode:<5s} {rows} x {K:<6d} both layouts {row['both_layouts_us']:7.1f} us "
+                      f"({row['both_layouts_GBps']:5.0f} GB/s)" + (
+                          f"; column pass: column kernel {row['col_kernel_us']:7.1f} us "
+                          f"({row['col_kernel_GBps']:5.0f} GB/s), transposed copy + rows "
+                          f"{row['transpose_then_rows_us']:7.1f} us ({row['transpose_then_rows_GBps']:5.0f} GB/s)"
+                          if mode == "exact" else ""), flush=True)
+                out.append(row)
     return out
-
-
-def _operand_row(fmt, mode, rows, K, one_ms, two_ms, picks, bytes_per_value):
-    row = {"fmt": fmt, "mode": mode, "rows": rows, "K": K, "one_pass_us": one_ms * 1e3, "two_pass_us": two_ms * 1e3,
-           "one_pass_GBps": bytes_per_value * rows * K / one_ms / 1e6,
-           "two_pass_GBps": bytes_per_value * rows * K / two_ms / 1e6,
-           "backend_picks": picks, "faster": "one pass" if one_ms <= two_ms else "two passes"}
-    print(f"  {fmt:<6s} {mode:<5s} {rows} x {K:<6d} one pass {row['one_pass_us']:7.1f} us "
-          f"({row['one_pass_GBps']:5.0f} GB/s)  two passes {row['two_pass_us']:7.1f} us "
-          f"({row['two_pass_GBps']:5.0f} GB/s)  faster: {row['faster']}; the backend runs: {picks}", flush=True)
-    return row
 
 
 def sweep_quantize(rows=16384, K=3584):
@@ -441,8 +432,9 @@ def main():
                         "-> --out (default benchmarks/results/decode_h200.json)")
     p.add_argument("--decode-sweep", action="store_true", help="with --decode: also sweep the CUDA kernel's tiles")
     p.add_argument("--training-operands", action="store_true",
-                   help="only the training operands' one-pass against two-pass quantization (Qwen2.5-1.5B's X and "
-                        "dY at 8192 tokens) -> --out (default benchmarks/results/training_quant_h200.json)")
+                   help="only the training operands' quantization into both GEMM layouts, and the column pass two "
+                        "ways (Qwen2.5-1.5B's X and dY at 8192 tokens) -> --out (default "
+                        "benchmarks/results/training_quant_h200.json)")
     p.add_argument("--merge", nargs="+", metavar="JSON",
                    help="write --out as these results files' GEMM rows in one file (runs split over GPUs), exit")
     args = p.parse_args()

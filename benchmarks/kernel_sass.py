@@ -7,13 +7,12 @@ checked here before it costs a device call:
     python benchmarks/kernel_sass.py decode --fmt mxfp4 --BN 64 --BM 16 --num-warps 4
     python benchmarks/kernel_sass.py decode --fmt hif4 --res --histogram
     python benchmarks/kernel_sass.py quantize --fmt hif4 --BR 4 --BK 512 --expand 1 --prefetch --num-stages 3
-    python benchmarks/kernel_sass.py one-pass --fmt hif4 --num-warps 4
     python benchmarks/kernel_sass.py columns --fmt hif4 --BK 64 --num-warps 4
 
 Prints the instructions per loop iteration, per value and the busiest opcodes, the layout conversions in Triton's
 GPU IR (each moves values between threads, through shared memory) and ptxas's registers and spills. The loop is
-the longest backward branch in the disassembly; a kernel without a loop (one-pass: the training quantizer's
-64 x 64 tile, both directions) counts whole, per value and direction. Pointers and sizes get Triton's
+the longest backward branch in the disassembly; a kernel without a loop (columns: the training quantizer's
+64-row tile of a transposed operand) counts whole, per value. Pointers and sizes get Triton's
 ``divisibility=16`` specialization (what a real launch with aligned shapes compiles to; without it loads do not
 vectorize and counts mislead). A count is a proxy: run 8's decode kernel was latency-bound, so fewer instructions stopped helping (docs/PERFORMANCE.md); and
 it comes from the Triton installed here, which may pick other layouts than the GPU machine's (3.9 here, 3.6
@@ -127,22 +126,6 @@ def quantize_case(fmt: str, BR: int, BK: int, expand: int, prefetch: bool, unpac
     return fn, sig, const, divisible, BR * BK
 
 
-def one_pass_case(fmt: str, fp8_rows: bool):
-    """(kernel, signature, constexprs, divisible args, values per program: 64 x 64, two directions) of the
-    training operands' one-pass quantizer (``kernels.quantize.quantize_both``; ``fp8_rows``: MXFP4's E5M2 rows)."""
-    from kernels import quantize as qm
-    from kernels._common import HIF4_RECIP
-
-    sig = {"x_ptr": "*bf16", "er_ptr": "*u8" if fp8_rows else "*bf16", "ec_ptr": "*bf16", "rexp_ptr": "*i32"}
-    sig.update({k: "i32" for k in ("R", "K", "RP", "KP", "stride_xr", "stride_xk", "stride_er", "stride_ec",
-                                   "K_BUCKET")})
-    # a contiguous x: Triton specializes its unit stride as the constant 1
-    const = dict(FMT=0 if fmt == "hif4" else 1, B=64, R1=HIF4_RECIP[1], R2=HIF4_RECIP[2], R3=HIF4_RECIP[3],
-                 stride_xk=1, ROWS_FP8=int(fp8_rows))
-    divisible = [k for k in sig if k not in ("stride_xk", "K_BUCKET")]
-    return qm._dual_quant_kernel, sig, const, divisible, 2 * 64 * 64
-
-
 def columns_case(fmt: str, BC: int):
     """(kernel, signature, constexprs, divisible args, values per program: 64 rows x BC columns) of the column
     kernel (``kernels.quantize``'s exact expansion of a transposed view, read from the row-major tensor)."""
@@ -158,10 +141,9 @@ def columns_case(fmt: str, BC: int):
 
 def main(argv=None):
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("kernel", choices=["decode", "quantize", "one-pass", "columns"],
+    p.add_argument("kernel", choices=["decode", "quantize", "columns"],
                    help="decode: the decode GEMM (kernels.decode_gemm.w4_matmul); quantize: the row quantize "
-                        "kernel; one-pass: the training operands' quantizer along both dimensions (quantize_both); columns: "
-                        "the column kernel (a transposed view's exact expansion, --BK columns per program)")
+                        "kernel; columns: the column kernel (a transposed view's exact expansion, --BK columns per program)")
     p.add_argument("--fmt", choices=["hif4", "mxfp4"], default="mxfp4")
     p.add_argument("--BN", type=int, default=64, help="weight rows per program")
     p.add_argument("--BM", type=int, default=16, help="token columns (16, 32 or 64)")
@@ -172,10 +154,9 @@ def main(argv=None):
     p.add_argument("--prefetch", action="store_true")
     p.add_argument("--xperm", action="store_true")
     p.add_argument("--BR", type=int, default=8, help="quantize: rows per program")
-    p.add_argument("--BK", type=int, default=256, help="quantize: K values per step")
+    p.add_argument("--BK", type=int, default=256, help="quantize: K values per step; columns: columns per program")
     p.add_argument("--expand", type=int, choices=[0, 1, 2], default=0,
-                   help="quantize: 0 none, 1 native, 2 bf16 (HiF4: any nonzero is its bf16 expansion); one-pass: "
-                        "1 = MXFP4's E5M2 rows (the FP8 GEMM mode), else BF16")
+                   help="quantize: 0 none, 1 native, 2 bf16 (HiF4: any nonzero is its bf16 expansion)")
     p.add_argument("--unpacked", action="store_true", help="quantize: the expansion only (PACKED=0, training)")
     p.add_argument("--histogram", action="store_true", help="print every opcode's count")
     args = p.parse_args(argv)
@@ -189,12 +170,8 @@ def main(argv=None):
             p.error("--unpacked needs --expand 1 or 2 (the expansion is all the kernel writes then)")
         fn, sig, const, div, values = quantize_case(args.fmt, args.BR, args.BK, args.expand, args.prefetch,
                                                     args.unpacked)
-    elif args.kernel == "columns":
-        fn, sig, const, div, values = columns_case(args.fmt, args.BK)
     else:
-        if args.expand == 1 and args.fmt == "hif4":
-            p.error("--expand 1 (E5M2 rows) is MXFP4's; HiF4 expands to BF16")
-        fn, sig, const, div, values = one_pass_case(args.fmt, args.expand == 1)
+        fn, sig, const, div, values = columns_case(args.fmt, args.BK)
     compiled = compile_sm90(fn, sig, const, div, args.num_warps, args.num_stages)
     ops = loop_opcodes(compiled.asm["cubin"])
     n = sum(ops.values())

@@ -2,7 +2,9 @@
 
 Modules (import them directly; importing the package loads nothing heavy):
 
-- ``kernels.quantize``: fused quantize+pack along any dim (row or column variant), optional GEMM-ready expansion.
+- ``kernels.quantize``: fused quantize+pack along any dim (row or column variant), optional GEMM-ready expansion
+  (written into given buffers with ``out=``: CUDA graphs' persistent weights); a transposed view's exact expansion
+  by the column kernel, from the row-major tensor.
 - ``kernels.gemm``: the pre-expanded GEMMs (one tensor-core GEMM on the operands' BF16 / MXFP4 FP8 expansions,
   cuBLAS where it applies), what the training linears and prefill run.
 - ``kernels.packed_gemm``: the packed-prologue GEMM (both operands read packed, dequantized in the main loop).

@@ -20,9 +20,9 @@ import torch
 from kernels._common import (DECODE_MAX_M, HAS_TRITON, HIF4_RECIP, KERNEL_FORMATS, cdiv, interpreting, k_split,
                              kernels_usable, tl, triton, tune_bucket)
 from kernels._launch import fast
-from megatron_fp4.formats import QuantizedTensor, check_tensor, get_format
+from megatron_fp4.formats import QuantizedTensor, get_format
 
-__all__ = ["Expanded", "quantize", "quantize_reference", "quantize_both", "expand_packed", "fp8_rows", "EXPAND_MODES"]
+__all__ = ["Expanded", "quantize", "quantize_reference", "expand_packed", "fp8_rows", "EXPAND_MODES"]
 
 #: Whether a large transposed view's exact expansion comes from the column kernel (:func:`_quantize_columns`, one
 #: read of the row-major tensor) rather than a transposed copy and the row kernel: 1.2-1.3x faster on the H200 at
@@ -30,6 +30,8 @@ __all__ = ["Expanded", "quantize", "quantize_reference", "quantize_both", "expan
 #: kernel's instructions per value (its units span threads after the transpose). ``MEGATRON_FP4_COLUMN_KERNEL=0``
 #: turns it off.
 COLUMN_KERNEL = os.environ.get("MEGATRON_FP4_COLUMN_KERNEL", "1") == "1"
+#: (columns per program, warps) the column kernel autotunes over (128 columns with 4 warps spill registers).
+COL_KERNEL_CFGS = [(32, 4), (64, 4), (64, 8), (128, 8)]
 
 #: "e4m3": MXFP4 only, E4M3 relative to a row scale (weights for the cuBLAS FP8 GEMM, which multiplies E5M2
 #: activations by E4M3 weights only).
@@ -45,7 +47,7 @@ class Expanded(NamedTuple):
     power-of-two row scale 2^row_exp chosen from the row's largest block; values below the FP8 window are flushed
     to a signed zero (E5M2: values under 2^(row_exp - 14), which is under 2^-29 of the row's largest value; E4M3:
     under 2^(row_exp - 8), under 2^-16 of the row's largest), NaN/Inf blocks are NaN. ``row_ok`` (bool [R], fp8
-    only; None from the one-pass :func:`quantize_both`) says which rows were held exactly (nothing flushed):
+    only) says which rows were held exactly (nothing flushed):
     diagnostics; the GEMMs read the flushed values as they are (no host check, no fallback: "fp8" is an
     approximate mode, SPEC §3).
     """
@@ -203,8 +205,8 @@ if HAS_TRITON:
         """HiF4 dequantized fp32 values of units x [BR, NU, 8, 2, 4] (one 64-value unit per [r, u], as 8 pairs of
         fours): :func:`_hif4_tile`'s values, computed on the unit's own shape. The group maxima are reductions
         over trailing axes and the scales reach their values by broadcasting, so no 2-D reshape moves values
-        between threads (on the 64 x 64 tiles of the one-pass kernel, HiF4's 2-D form needed ~2x the instructions
-        per value and spilled registers: Triton 3.6's sm_90 SASS)."""
+        between threads (on 64 x 64 tiles HiF4's 2-D form needed ~2x the instructions per value and spilled
+        registers: Triton 3.6's sm_90 SASS)."""
         xb = x.to(tl.int32, bitcast=True)
         ab = xb & 0x7FFFFFFF  # |x| bits: integer order is value order, Inf/NaN above all finite values
         b16 = tl.max(ab, axis=4)
@@ -248,17 +250,6 @@ if HAS_TRITON:
         val = (v2 * 0.5) * px[:, :, None, None]
         val = (val.to(tl.int32, bitcast=True) | (xb & -2147483648)).to(tl.float32, bitcast=True)
         return tl.where(bad[:, :, None, None], float("nan"), val)
-
-    @triton.jit
-    def _mx_units_e5m2(x, S, RCEIL: tl.constexpr):
-        """E5M2 bit patterns (int32) of the MXFP4 blocks x [BR, NB, 8, 4] relative to the row scales 2^S [BR]:
-        :func:`_mx_e5m2`'s bytes (values below E5M2's normal range flushed to a signed zero, bad blocks NaN)."""
-        c, X, bad, xb = _mx_unit_codes(x, RCEIL)
-        ee = c >> 1
-        field = tl.where(ee == 0, -1, ee - 1) + X[:, :, None, None] - S[:, None, None, None] + 15
-        keep = (c != 0) & (field >= 1) & (field <= 30)
-        bits = tl.where(keep, (field << 2) | tl.where(ee == 0, 0, (c & 1) << 1), 0) | ((xb >> 24) & 0x80)
-        return tl.where(bad[:, :, None, None], 0x7F, bits)
 
     @triton.jit
     def _mx_e5m2(codes, X, S, bad, BR: tl.constexpr, BK: tl.constexpr):
@@ -426,42 +417,6 @@ if HAS_TRITON:
 
 
     @triton.jit
-    def _dual_quant_kernel(x_ptr, er_ptr, ec_ptr, rexp_ptr, R, K, RP, KP, stride_xr, stride_xk, stride_er,
-                           stride_ec, K_BUCKET, FMT: tl.constexpr, B: tl.constexpr, R1: tl.constexpr,
-                           R2: tl.constexpr, R3: tl.constexpr, ROWS_FP8: tl.constexpr = 0):
-        """One [64, 64] tile of x [R, K], two expansions: quantized along K (er [R, KP]: BF16, or with ROWS_FP8
-        (MXFP4) E5M2 bytes relative to 2^rexp[r], the row scales of :func:`_row_exp_kernel`) and along R (ec [K,
-        RP], BF16, row-major: the transpose's quantization). FMT: 0 HiF4, 1 MXFP4, 2 MXFP4 rceil. The tile is one HiF4
-        unit / two MXFP4 blocks in each direction, so each program is self-contained; padding is 0. Each
-        direction loads the tile in its units' shape ([rows, units, ...] along K, then [columns, ...] along R:
-        the second load finds the tile in the cache), so the quantization never moves values between threads.
-        B must be 64."""
-        r0 = tl.program_id(0) * B
-        c0 = tl.program_id(1) * B
-        if FMT == 0:  # a HiF4 unit = 8 pairs of fours
-            i = tl.arange(0, B)[:, None, None, None, None]
-            w = _hif4_unit_offsets(1)
-        else:  # two MXFP4 blocks = 8 fours each
-            i = tl.arange(0, B)[:, None, None, None]
-            w = (tl.arange(0, 2)[None, :, None, None] * 32 + tl.arange(0, 8)[None, None, :, None] * 4
-                 + tl.arange(0, 4)[None, None, None, :])
-        rows, cols = r0 + i, c0 + w  # along K: unit = a row, its values in columns
-        x = tl.load(x_ptr + rows * stride_xr + cols * stride_xk, mask=(rows < R) & (cols < K),
-                    other=0.0).to(tl.float32)
-        if ROWS_FP8:
-            S = tl.load(rexp_ptr + r0 + tl.arange(0, B), mask=r0 + tl.arange(0, B) < R, other=0)
-            bits = _mx_units_e5m2(x, S, FMT == 2)
-            tl.store(er_ptr + rows * stride_er + cols, bits.to(tl.uint8), mask=(rows < R) & (cols < KP))
-        else:
-            val = _hif4_units(x, R1, R2, R3) if FMT == 0 else _mx_units(x, FMT == 2)
-            tl.store(er_ptr + rows * stride_er + cols, val.to(tl.bfloat16), mask=(rows < R) & (cols < KP))
-        rows, cols = r0 + w, c0 + i  # along R: unit = a column, its values in rows
-        xt = tl.load(x_ptr + rows * stride_xr + cols * stride_xk, mask=(rows < R) & (cols < K),
-                     other=0.0).to(tl.float32)
-        valt = _hif4_units(xt, R1, R2, R3) if FMT == 0 else _mx_units(xt, FMT == 2)
-        tl.store(ec_ptr + cols * stride_ec + rows, valt.to(tl.bfloat16), mask=(cols < K) & (rows < RP))
-
-    @triton.jit
     def _col_quant_kernel(x_ptr, ec_ptr, R, K, RP, stride_xr, stride_ec, R_BUCKET, FMT: tl.constexpr,
                           BC: tl.constexpr, R1: tl.constexpr, R2: tl.constexpr, R3: tl.constexpr):
         """Row-major x [R, K] quantized along R into the BF16 expansion ec [K, RP] (row-major: the quantization of
@@ -480,16 +435,6 @@ if HAS_TRITON:
             val = tl.reshape(_mx_units(tl.reshape(xt, (BC, 2, 8, 4)), FMT == 2), (BC, 64))
         tl.store(ec_ptr + c[:, None] * stride_ec + r[None, :], val.to(tl.bfloat16),
                  mask=(c[:, None] < K) & (r[None, :] < RP))
-
-    @triton.jit
-    def _row_exp_kernel(x_ptr, rexp_ptr, R, K, stride_xr, stride_xk, RCEIL: tl.constexpr, BR: tl.constexpr,
-                        BK: tl.constexpr):
-        """The E5M2 row scale exponent S of each row of x [R, K]: the row's largest block maps to E5M2's 2^2
-        binade (what :func:`_mx_quant_kernel` computes first for EXPAND=1)."""
-        rows = tl.program_id(0) * BR + tl.arange(0, BR)
-        rmask = rows < R
-        S = _fp8_row_exp(x_ptr, rows, rmask, K, stride_xr, stride_xk, RCEIL, 13, BR, BK)
-        tl.store(rexp_ptr + rows, S, mask=rmask)
 
     @triton.jit
     def _transpose_kernel(x_ptr, y_ptr, R, C, stride_xr, stride_yr, BR: tl.constexpr, BC: tl.constexpr):
@@ -524,21 +469,18 @@ if HAS_TRITON:
     _TUNE = dict(configs=[_qconfig(*c) for c in _ROW_CFGS + _COL_CFGS], key=["K_BUCKET", "stride_xk", "EXPAND"],
                  prune_configs_by={"early_config_prune": _prune})
     _QTUNE = {**_TUNE, "key": _TUNE["key"] + ["PACKED"]}
-    _dual_quant_tuned = triton.autotune(configs=[triton.Config({}, num_warps=w) for w in (2, 4, 8)],
-                                        key=["K_BUCKET", "FMT", "ROWS_FP8"])(_dual_quant_kernel)
-    _col_quant_tuned = triton.autotune(configs=[triton.Config({"BC": bc}, num_warps=w)
-                                                for bc, w in ((32, 4), (64, 4), (64, 8), (128, 8))],
-                                       key=["R_BUCKET", "K", "FMT"])(_col_quant_kernel)
+    _col_quant_tuned = triton.autotune(
+        configs=[triton.Config({"BC": bc}, num_warps=w) for bc, w in COL_KERNEL_CFGS],
+        key=["R_BUCKET", "K", "FMT"])(_col_quant_kernel)
     _hif4_quant_tuned = triton.autotune(**_QTUNE)(_hif4_quant_kernel)
     _mx_quant_tuned = triton.autotune(**_QTUNE)(_mx_quant_kernel)
 
     # The host wrappers launch through kernels._launch (Triton's Python launch path was most of an FP4 training
     # linear's host time).
-    _hif4_quant_fast, _mx_quant_fast, _dual_quant_fast, _transpose_fast, _row_exp_fast, _col_quant_fast = map(
-        fast, (_hif4_quant_kernel, _mx_quant_kernel, _dual_quant_kernel, _transpose_kernel, _row_exp_kernel,
-               _col_quant_kernel))
-    _hif4_quant_tuned, _mx_quant_tuned, _dual_quant_tuned, _col_quant_tuned = map(
-        fast, (_hif4_quant_tuned, _mx_quant_tuned, _dual_quant_tuned, _col_quant_tuned))
+    _hif4_quant_fast, _mx_quant_fast, _transpose_fast, _col_quant_fast = map(
+        fast, (_hif4_quant_kernel, _mx_quant_kernel, _transpose_kernel, _col_quant_kernel))
+    _hif4_quant_tuned, _mx_quant_tuned, _col_quant_tuned = map(fast, (_hif4_quant_tuned, _mx_quant_tuned,
+                                                                      _col_quant_tuned))
 
 
 # ----------------------------------------------------------------------------------------------------------------
@@ -579,9 +521,10 @@ def _row_major(x2: torch.Tensor) -> torch.Tensor:
     return y
 
 
-def _quantize_columns(x2: torch.Tensor, f, out: Optional[Expanded]) -> Expanded:
+def _quantize_columns(x2: torch.Tensor, f, out: Optional[Expanded], config: Optional[tuple] = None) -> Expanded:
     """The BF16 expansion of the transposed view ``x2`` ([R, K] with strides (1, s)) quantized along K, by the
-    column kernel on the row-major tensor under it (no transposed copy)."""
+    column kernel on the row-major tensor under it (no transposed copy). ``config`` = (columns per program, warps)
+    skips autotuning (small inputs and the interpreter use (64, 4))."""
     src = x2.t()  # row-major [K, R]: quantized along its rows' dimension
     n, c = src.shape
     rp = cdiv(n, f.block_size) * f.block_size
@@ -590,8 +533,9 @@ def _quantize_columns(x2: torch.Tensor, f, out: Optional[Expanded]) -> Expanded:
     args = (src, ex.values, n, c, rp, src.stride(0), ex.values.stride(0), tune_bucket(n))
     kw = dict(FMT={"hif4": 0, "mxfp4": 1, "mxfp4_rceil": 2}[f.name], R1=HIF4_RECIP[1], R2=HIF4_RECIP[2],
               R3=HIF4_RECIP[3])
-    if interpreting() or n * c < (1 << 16):
-        _col_quant_fast[(cdiv(n, 64), cdiv(c, 64))](*args, **kw, BC=64, num_warps=4)
+    if config is not None or interpreting() or n * c < (1 << 16):
+        bc, warps = config or (64, 4)
+        _col_quant_fast[(cdiv(n, 64), cdiv(c, bc))](*args, **kw, BC=bc, num_warps=warps)
     else:
         _col_quant_tuned[lambda meta: (cdiv(n, 64), cdiv(c, meta["BC"]))](*args, **kw)
     return ex
@@ -727,47 +671,6 @@ def _write_into(out: Expanded, new: Expanded) -> Expanded:
         if dst is not None:
             dst.copy_(src)
     return out
-
-
-def quantize_both(x: torch.Tensor, fmt, num_warps: Optional[int] = None,
-                  rows: str = "bf16") -> tuple[Expanded, Expanded]:
-    """2-D ``x [R, K]`` (any strides) quantized along K and along R, from one read of x (one launch; two for
-    E5M2 rows, whose row scales need a first pass): ``[R, K_pad]`` and ``[K, R_pad]`` (the quantization of
-    ``x.t()``), each equal to ``fmt.quantize``'s values; what a training linear needs of its input X (fprop,
-    wgrad) and of dY (dgrad, wgrad). ``rows``: "bf16", or "native" (:func:`quantize`'s expand modes: for MXFP4 the
-    FP8 GEMMs' E5M2 operand with its row exponents, the same bytes as ``quantize(x, expand="native")``, without
-    ``row_ok``, a diagnostic the one pass does not gather); the columns are BF16. The PyTorch reference where the
-    kernels cannot run."""
-    f = get_format(fmt)
-    check_tensor(x, "x", "kernels.quantize.quantize_both", ndim=2)
-    if rows not in ("bf16", "native"):
-        raise ValueError(f"rows={rows!r} is not valid; allowed values: 'bf16', 'native'")
-    fp8 = rows == "native" and f.name != "hif4"
-    if f.name not in KERNEL_FORMATS or not kernels_usable(x):
-        r = quantize_reference(x, f, 1, rows)[1]
-        return (r._replace(row_ok=None) if fp8 else r), quantize_reference(x.t(), f, 1, "bf16")[1]
-    R, K = x.shape
-    bs = f.block_size
-    rp, kp = cdiv(R, bs) * bs, cdiv(K, bs) * bs
-    dev = x.device
-    er = torch.empty((R, kp), dtype=torch.uint8 if fp8 else torch.bfloat16, device=dev)
-    ec = torch.empty((K, rp), dtype=torch.bfloat16, device=dev)
-    rexp = torch.empty((R,), dtype=torch.int32, device=dev) if fp8 else _unused((1,), dev)
-    code = {"hif4": 0, "mxfp4": 1, "mxfp4_rceil": 2}[f.name]
-    if fp8:
-        _row_exp_fast[(cdiv(R, 8),)](x, rexp, R, K, x.stride(0), x.stride(1), RCEIL=code == 2, BR=8, BK=256,
-                                     num_warps=4)
-    B = 64
-    args = (x, er, ec, rexp, R, K, rp, kp, x.stride(0), x.stride(1), er.stride(0), ec.stride(0), tune_bucket(K))
-    kw = dict(FMT=code, B=B, R1=HIF4_RECIP[1], R2=HIF4_RECIP[2], R3=HIF4_RECIP[3], ROWS_FP8=int(fp8))
-    grid = (cdiv(R, B), cdiv(K, B))
-    if num_warps is not None or interpreting() or R * K < (1 << 16):  # small inputs: no autotuning
-        _dual_quant_fast[grid](*args, **kw, num_warps=num_warps or 4)
-    else:
-        _dual_quant_tuned[grid](*args, **kw)
-    if fp8:
-        return Expanded(er.view(torch.float8_e5m2), rexp), Expanded(ec)
-    return Expanded(er), Expanded(ec)
 
 
 def quantize_reference(x: torch.Tensor, f, dim: int, expand: Optional[str]):

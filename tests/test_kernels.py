@@ -352,38 +352,6 @@ def test_e4m3_weight_expansion_and_row_fallback():
         mm_expanded(ex, e4, impl="cuda")
 
 
-@pytest.mark.parametrize("name", FORMATS)
-def test_quantize_both_bit_exact(name):
-    """One read, two expansions: x quantized along K and along R (x.t()), each bit-exact with the formats'
-    reference (NaN units, outliers, zero padding of both K and R), for strided inputs too."""
-    from kernels.quantize import quantize_both
-
-    f = get_format(name)
-    dev = "cpu" if ON_CPU else DEV
-    for shape in ((70, 130), (5, 200), (129, 33)):
-        x = _inputs("special" if shape == (70, 130) else "outliers", shape, device=dev)
-        for xin in (x, x.t().contiguous().t()):
-            rows, cols = quantize_both(xin, name)
-            want_r = f.quantize(x.cpu(), dim=-1).dequantize().float().to(torch.bfloat16)
-            want_c = f.quantize(x.t().contiguous().cpu(), dim=-1).dequantize().float().to(torch.bfloat16)
-            for got, want in ((rows.values.cpu(), want_r), (cols.values.cpu(), want_c)):
-                n = want.shape[1]
-                g, nan = got[:, :n], want.isnan()
-                assert torch.equal(g.isnan(), nan)  # a unit holding NaN/Inf expands to NaN
-                # equal values (a GPU build may write +0 for -0: the same GEMM operand)
-                assert torch.equal(g[~nan], want[~nan])
-                assert not got[:, n:].any()
-            if name != "hif4":  # E5M2 rows for the FP8 GEMMs: the row kernel's bytes and row exponents
-                rows8, cols8 = quantize_both(xin, name, rows="native")
-                want8 = quantize(xin, name, expand="native")[1]
-                _exact(rows8.values.view(torch.uint8), want8.values.view(torch.uint8), "E5M2 rows")
-                _exact(rows8.row_exp, want8.row_exp, "row_exp")
-                assert rows8.row_ok is None
-                _exact(cols8.values.view(torch.int16), cols.values.view(torch.int16), "BF16 columns")
-    with pytest.raises(ValueError, match="rows='e4m3' is not valid; allowed values: 'bf16', 'native'"):
-        quantize_both(x, name, rows="e4m3")
-
-
 @pytest.mark.parametrize("name", ["hif4", "mxfp4"])
 def test_training_backend_expansion_only_and_strided(name, host_reads):
     """The training GEMMs' quantizer writes only the expansion (packed=False), equal to the packed call's, and
@@ -420,7 +388,7 @@ def test_training_backend_expansion_only_and_strided(name, host_reads):
         qa = be.quantize(x, f, "nearest", None, mode, False)
         qb = be.quantize(w, f, "nearest", None, mode, True)
         assert _rel(be.matmul(qa, qb, torch.float32, mode).cpu(), _ref_mm(x, w, f)) < (1e-6 if ON_CPU else 1e-4)
-    # both layouts: two row-kernel passes (faster than the one-pass kernel on the H200), W's only when asked
+    # both layouts: x along K, then x.t() (the column kernel)
     for got, want in zip(be.quantize_both(x, f, "exact"), (be.quantize(x, f, "nearest", None, "exact", False),
                                                           be.quantize(x.t(), f, "nearest", None, "exact", False))):
         assert torch.equal(got.expanded.values, want.expanded.values)
@@ -553,8 +521,9 @@ def test_gpu_quantize_bit_exact(name, kind, dtype):
 @pytest.mark.parametrize("name", ["hif4", "mxfp4"])
 def test_training_quantizer_every_tuned_config(name):
     """The training backend's quantizer (expansion only, packed=False: BF16, and MXFP4's E5M2 / E4M3 for the FP8
-    modes) at every row and column tile autotuning may pick writes the packed call's expansion bit for bit, K not a
-    multiple of any tile; on the CPU in Triton's interpreter (the GPU test below compiles them)."""
+    modes) at every row and column tile autotuning may pick, and the column kernel at each of its tiles, write the
+    packed call's expansion bit for bit, K not a multiple of any tile; on the CPU in Triton's interpreter (the GPU
+    test below compiles them)."""
     from kernels import quantize as qm
 
     x = _inputs("outliers", (40, 1100), dtype=torch.bfloat16)
@@ -566,6 +535,10 @@ def test_training_quantizer_every_tuned_config(name):
                 _exact(got.values.view(torch.uint8), want.values.view(torch.uint8), f"{expand} {dim} {cfg}")
                 if got.row_exp is not None:
                     _exact(got.row_exp, want.row_exp, f"row_exp {expand} {dim} {cfg}")
+    want = quantize(x, name, dim=0, expand="bf16")[1].values  # the column kernel: x along its rows, from x itself
+    for cfg in qm.COL_KERNEL_CFGS:
+        got = qm._quantize_columns(x.t(), get_format(name), None, config=cfg).values
+        _exact(got.view(torch.uint8), want.view(torch.uint8), f"column kernel {cfg}")
 
 
 @pytest.mark.gpu
@@ -586,30 +559,24 @@ def test_gpu_quantize_every_tuned_config(name):
 @pytest.mark.gpu
 @pytest.mark.parametrize("name", FORMATS)
 def test_gpu_training_operands_every_config(name):
-    """The training operands' quantizers at every tile or warp count autotuning may pick: the expansion-only row
-    kernel (row and column tiles) writes the packed call's expansion, and the one-pass kernel (BF16 rows, and E5M2
-    rows for MXFP4's FP8 mode) writes quantize()'s bytes, on NaN/Inf units and an autotuned size too."""
+    """The training operands' quantizers at every tile autotuning may pick, compiled: the expansion-only row
+    kernel (row and column tiles) and the column kernel (a transposed view, read from the row-major tensor) write
+    the packed call's expansion bit for bit (signed zeros included), on NaN/Inf units and autotuned sizes too."""
     from kernels import quantize as qm
-    from kernels.quantize import quantize_both
 
+    f = get_format(name)
     x = _inputs("special", (300, 1100), dtype=torch.bfloat16)
     for dim, cfgs in ((-1, qm._ROW_CFGS), (0, qm._COL_CFGS)):
         want = quantize(x, name, dim=dim, expand="bf16")[1].values
         for cfg in cfgs:
-            _exact(quantize(x, name, dim=dim, expand="bf16", packed=False, config=cfg)[1].values, want, str(cfg))
+            got = quantize(x, name, dim=dim, expand="bf16", packed=False, config=cfg)[1].values
+            _exact(got.view(torch.uint8), want.view(torch.uint8), str(cfg))
     big = _inputs("outliers", (2048, 1536), dtype=torch.bfloat16)  # large enough to autotune
-    for xin in (x, big, big.t()):
-        want_r = quantize(xin, name, expand="bf16")[1].values
-        want_c = quantize(xin.t(), name, expand="bf16")[1].values
-        want8 = quantize(xin, name, expand="native")[1] if name != "hif4" else None
-        for warps in (2, 4, 8, None):
-            rows, cols = quantize_both(xin, name, num_warps=warps)
-            _exact(rows.values, want_r, f"rows, {warps} warps")  # values: a signed zero may differ in sign
-            _exact(cols.values, want_c, f"columns, {warps} warps")
-            if want8 is not None:
-                rows8, _ = quantize_both(xin, name, num_warps=warps, rows="native")
-                _exact(rows8.values.view(torch.uint8), want8.values.view(torch.uint8), f"E5M2 rows, {warps} warps")
-                _exact(rows8.row_exp, want8.row_exp, f"row_exp, {warps} warps")
+    for xin in (x, big, big[:, :1000]):
+        want = quantize(xin.t().contiguous(), name, expand="bf16")[1].values
+        for cfg in qm.COL_KERNEL_CFGS + [None]:
+            got = qm._quantize_columns(xin.t(), f, None, config=cfg).values
+            _exact(got.view(torch.uint8), want.view(torch.uint8), f"column kernel {cfg}")
 
 
 @pytest.mark.gpu

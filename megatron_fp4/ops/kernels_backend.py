@@ -52,10 +52,10 @@ class KernelBackend(FP4GemmBackend):
     the FP8 window flushed (:class:`kernels.quantize.Expanded`; no host sync). Declines stochastic rounding, mixed
     formats and formats without kernels.
 
-    An operand's two layouts (X along K and along the tokens; a weight's W and W^T) are two row-kernel passes, the
-    second on the transposed view: measured on the H200 (``bench_kernels.py --training-operands``, 8192 rows, K =
-    1536 to 17920, 2026-12-02) 1.3-2.4x faster than the one-pass kernel ``kernels.quantize.quantize_both`` at every
-    width, both formats and MXFP4's FP8 mode (the one pass runs at ~600-780 GB/s, ALU-bound)."""
+    An operand's two layouts (X along K and along the tokens; a weight's W and W^T) are two passes: the row kernel,
+    then the transposed view's (the column kernel where it applies, ``kernels.quantize.COLUMN_KERNEL``). Measured
+    on the H200 (``bench_kernels.py --training-operands``, 8192 rows, K = 1536 to 17920, 2026-12-02): 1.3-2.4x
+    faster than one kernel writing both layouts from one read (600-780 GB/s, ALU-bound; removed in session 16)."""
 
     def quantize(self, x, fmt, rounding, generator, mode, weight, out=None):
         if rounding != "nearest" or fmt.name not in KERNEL_FORMATS or not kernels_usable(x):
