@@ -139,9 +139,12 @@ def family(name: str) -> str:
 
 
 def profile_step(step) -> dict:
+    """CUDA time of one step by kernel family and the top kernels; and the top aten ops by their own CUDA time
+    with their input shapes (which op launched the copy/cast and elementwise kernels: an eager step only, a CUDA
+    graph's replay hides its ops)."""
     from torch.profiler import ProfilerActivity, profile
 
-    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA], record_shapes=True) as prof:
         step()
         torch.cuda.synchronize()
     kernels: dict[str, float] = {}
@@ -152,8 +155,12 @@ def profile_step(step) -> dict:
     for name, ms in kernels.items():
         fams[family(name)] = fams.get(family(name), 0.0) + ms
     top = sorted(kernels.items(), key=lambda kv: -kv[1])[:12]
+    ops = [[e.key, str(e.input_shapes)[:160], e.count, round(e.self_device_time_total / 1e3, 2)]
+           for e in prof.key_averages(group_by_input_shape=True)
+           if e.key.startswith("aten::") and e.self_device_time_total > 0]
     return {"families_ms": {k: round(v, 2) for k, v in sorted(fams.items(), key=lambda kv: -kv[1])},
-            "top_kernels_ms": [[n[:90], round(ms, 2)] for n, ms in top]}
+            "top_kernels_ms": [[n[:90], round(ms, 2)] for n, ms in top],
+            "top_ops_ms": sorted(ops, key=lambda r: -r[3])[:16]}  # [op, input shapes, calls, own CUDA ms]
 
 
 def cpu_profile_step(step) -> list:
@@ -311,7 +318,7 @@ def main() -> None:
                 print(f"    {fn[:70]:<70} {calls:>6} {tt:>8.2f} ms own {ct:>8.2f} ms cum", flush=True)
     batches = [] if args.host_overhead else parse_batches(args.batches)
     print(f"{'recipe':<15} {'BxT':>8} {'tok/s':>9} {'MFU':>6} {'step s':>7} {'opt s':>6} {'peak GiB':>8} "
-          f"{'no-opt':>7} {'loss':>9}", flush=True)
+          f"{'no-opt':>7} {'loss':>12}", flush=True)
     for b, t, mb in batches:
         for r in args.recipes.split(","):
             saved = args.micro_batch_size
@@ -333,9 +340,11 @@ def main() -> None:
             else:
                 print(f"{r:<15} {f'{b}x{t}':>8} {row['tokens_per_s']:>9.0f} {row['mfu']:>6.3f} {row['step_s']:>7.3f} "
                       f"{row['opt_s']:>6.3f} {row['peak_mem_gib']:>8.1f} {row['peak_mem_no_opt_gib']:>7.1f} "
-                      f"{row['loss']:>9.5f}", flush=True)
+                      f"{row['loss']:>12.5e}", flush=True)
                 if "profile" in row:
                     print("   ", json.dumps(row["profile"]["families_ms"]), flush=True)
+                    for op, shapes, calls, ms in row["profile"]["top_ops_ms"][:8]:
+                        print(f"    {ms:8.2f} ms {calls:>5} x {op} {shapes[:90]}", flush=True)
     info = dict(gpu=torch.cuda.get_device_name(), torch=torch.__version__, shape=args.shape,
                 date=time.strftime("%Y-%m-%d"), command=" ".join(sys.argv),
                 distributed_optimizer=args.distributed_optimizer, attention_backend=args.attention_backend,
