@@ -349,7 +349,7 @@ if HAS_TRITON:
                            R1: tl.constexpr, R2: tl.constexpr, R3: tl.constexpr, PREFETCH: tl.constexpr = 0,
                            PACKED: tl.constexpr = 1):
         """PACKED: store the codes and scales (0: only the expansion, what the training GEMMs read: computed on the
-        units' own shape, :func:`_hif4_units`, without PREFETCH)."""
+        units' own shape, :func:`_hif4_units`)."""
         rows = tl.program_id(0) * BR + tl.arange(0, BR)
         rmask = rows < R
         if PACKED:
@@ -369,9 +369,20 @@ if HAS_TRITON:
             r5 = rows[:, None, None, None, None]
             m5 = rmask[:, None, None, None, None]
             w = _hif4_unit_offsets(BK // 64)
-            for k0 in range(tl.program_id(1) * BK, KP, tl.num_programs(1) * BK):
+            step = tl.num_programs(1) * BK
+            if PREFETCH:  # the first tile now; each step then loads the next one before working on its own
+                c1 = tl.program_id(1) * BK + w
+                xn = tl.load(x_ptr + r5 * stride_xr + c1 * stride_xk, mask=m5 & (c1 < K), other=0.0)
+            else:
+                xn = tl.zeros((BR, BK // 64, 8, 2, 4), dtype=x_ptr.dtype.element_ty)
+            for k0 in range(tl.program_id(1) * BK, KP, step):
                 cols = k0 + w
-                x = tl.load(x_ptr + r5 * stride_xr + cols * stride_xk, mask=m5 & (cols < K), other=0.0)
+                if PREFETCH:
+                    x = xn
+                    xn = tl.load(x_ptr + r5 * stride_xr + (cols + step) * stride_xk, mask=m5 & (cols + step < K),
+                                 other=0.0)
+                else:
+                    x = tl.load(x_ptr + r5 * stride_xr + cols * stride_xk, mask=m5 & (cols < K), other=0.0)
                 val = _hif4_units(x.to(tl.float32), R1, R2, R3)
                 tl.store(ex_ptr + r5 * stride_er + cols, val.to(tl.bfloat16), mask=m5 & (cols < KP))
 
@@ -461,8 +472,6 @@ if HAS_TRITON:
         want = _ROW_CFGS if row_major else _COL_CFGS
         keep = [c for c in configs
                 if (c.kwargs["BR"], c.kwargs["BK"], c.num_warps, c.kwargs["PREFETCH"]) in want]
-        if kwargs.get("PACKED", 1) == 0 and "R1" in kwargs:  # HiF4's expansion-only loop does not prefetch
-            keep = [c for c in keep if not c.kwargs["PREFETCH"]]
         return keep or configs
 
     # K_BUCKET (K's next power of two) rather than K: the column variants see a new token count every step.

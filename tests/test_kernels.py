@@ -197,8 +197,8 @@ def _check_resq(x, name, config=None):
 
 
 def test_quantize_autotuning_candidates():
-    """The row quantizer tunes over row tiles for row-major inputs and column tiles for transposed ones; HiF4's
-    expansion-only loop does not prefetch, so its prefetching tiles are not tried (they would run the same code)."""
+    """The row quantizer tunes over row tiles for row-major inputs and column tiles for transposed ones, the
+    prefetching tiles included (both formats' loops prefetch, HiF4's expansion-only loop too)."""
     from kernels import quantize as qm
     from kernels._common import HIF4_RECIP
 
@@ -210,8 +210,7 @@ def test_quantize_autotuning_candidates():
 
     hif4 = dict(R1=HIF4_RECIP[1], R2=HIF4_RECIP[2], R3=HIF4_RECIP[3])
     assert tiles(1, PACKED=1, **hif4) == set(qm._ROW_CFGS) and tiles(4096, PACKED=1, **hif4) == set(qm._COL_CFGS)
-    assert tiles(1, PACKED=0, **hif4) == {c for c in qm._ROW_CFGS if not c[3]}
-    assert tiles(1, PACKED=0, RCEIL=False) == set(qm._ROW_CFGS)  # MXFP4's loop prefetches either way
+    assert tiles(1, PACKED=0, **hif4) == set(qm._ROW_CFGS) == tiles(1, PACKED=0, RCEIL=False)
 
 
 @pytest.mark.parametrize("name", ["mxfp4", "mxfp4_rceil"])
