@@ -222,17 +222,15 @@ class _PersistentWeights:
         self.forced: list[bool] = []
         self.graph = None
         self.graph_entries = -1  # how many entries the graph re-quantizes
-        self.refreshes = 0
 
     def get(self, backend: FP4GemmBackend, x: torch.Tensor, fmt: Format, mode: str):
         base, key = _cache_key(backend, x, fmt, mode, version=False)
         hit = self.entries.get(key)
         if hit is not None and hit[0] is base:
             return hit[5]
-        if x.is_cuda and torch.cuda.is_current_stream_capturing():
-            return backend.quantize(x, fmt, "nearest", None, mode, True)  # unseen before the capture: in the graph
         q = backend.quantize(x, fmt, "nearest", None, mode, True)
-        if q is not NotImplemented:
+        # unseen before a stream capture: quantized inside the graph (its buffer would belong to the graph's pool)
+        if q is not NotImplemented and not (x.is_cuda and torch.cuda.is_current_stream_capturing()):
             self.entries[key] = [base, x, backend, fmt, mode, q]
         return q
 
@@ -244,7 +242,6 @@ class _PersistentWeights:
     def refresh(self) -> None:
         if not self.entries:
             return
-        self.refreshes += 1
         cuda = all(e[1].is_cuda for e in self.entries.values())
         if not cuda or os.environ.get("MEGATRON_FP4_REFRESH_GRAPH", "1") == "0":
             self._requantize_all()
@@ -280,7 +277,8 @@ def persistent_weights(enabled: bool = True) -> Iterator[None]:
 
 def refresh_persistent_weights() -> None:
     """Re-quantize every weight held for CUDA graphs into its buffers (after an optimizer step changed the
-    weights; one CUDA-graph replay on the GPU). Nothing to do, and nothing done, when no graph uses FP4 weights."""
+    weights; one CUDA-graph replay on the GPU, ``MEGATRON_FP4_REFRESH_GRAPH=0``: eager launches). Nothing to do, and
+    nothing done, when no graph uses FP4 weights."""
     _PERSISTENT.refresh()
 
 
