@@ -126,7 +126,7 @@ def quantize_case(fmt: str, BR: int, BK: int, expand: int, prefetch: bool, unpac
     return fn, sig, const, divisible, BR * BK
 
 
-def columns_case(fmt: str, BC: int):
+def columns_case(fmt: str, BC: int, direct: bool):
     """(kernel, signature, constexprs, divisible args, values per program: 64 rows x BC columns) of the column
     kernel (``kernels.quantize``'s exact expansion of a transposed view, read from the row-major tensor)."""
     from kernels import quantize as qm
@@ -134,7 +134,8 @@ def columns_case(fmt: str, BC: int):
 
     sig = {"x_ptr": "*bf16", "ec_ptr": "*bf16"}
     sig.update({k: "i32" for k in ("R", "K", "RP", "stride_xr", "stride_ec", "R_BUCKET")})
-    const = dict(FMT=0 if fmt == "hif4" else 1, BC=BC, R1=HIF4_RECIP[1], R2=HIF4_RECIP[2], R3=HIF4_RECIP[3])
+    const = dict(FMT=0 if fmt == "hif4" else 1, BC=BC, R1=HIF4_RECIP[1], R2=HIF4_RECIP[2], R3=HIF4_RECIP[3],
+                 DIRECT=int(direct))
     divisible = [k for k in sig if k not in ("R_BUCKET",)]
     return qm._col_quant_kernel, sig, const, divisible, 64 * BC
 
@@ -157,6 +158,7 @@ def main(argv=None):
     p.add_argument("--BK", type=int, default=256, help="quantize: K values per step; columns: columns per program")
     p.add_argument("--expand", type=int, choices=[0, 1, 2], default=0,
                    help="quantize: 0 none, 1 native, 2 bf16 (HiF4: any nonzero is its bf16 expansion)")
+    p.add_argument("--direct", action="store_true", help="columns: load the units' shape directly (no transpose)")
     p.add_argument("--unpacked", action="store_true", help="quantize: the expansion only (PACKED=0, training)")
     p.add_argument("--histogram", action="store_true", help="print every opcode's count")
     args = p.parse_args(argv)
@@ -171,7 +173,7 @@ def main(argv=None):
         fn, sig, const, div, values = quantize_case(args.fmt, args.BR, args.BK, args.expand, args.prefetch,
                                                     args.unpacked)
     else:
-        fn, sig, const, div, values = columns_case(args.fmt, args.BK)
+        fn, sig, const, div, values = columns_case(args.fmt, args.BK, args.direct)
     compiled = compile_sm90(fn, sig, const, div, args.num_warps, args.num_stages)
     ops = loop_opcodes(compiled.asm["cubin"])
     n = sum(ops.values())

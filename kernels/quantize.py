@@ -26,12 +26,15 @@ __all__ = ["Expanded", "quantize", "quantize_reference", "expand_packed", "fp8_r
 
 #: Whether a large transposed view's exact expansion comes from the column kernel (:func:`_quantize_columns`, one
 #: read of the row-major tensor) rather than a transposed copy and the row kernel: 1.2-1.3x faster on the H200 at
-#: every training width (``bench_kernels.py --training-operands``, 2026-12-02), though its SASS has ~2.5x the row
-#: kernel's instructions per value (its units span threads after the transpose). ``MEGATRON_FP4_COLUMN_KERNEL=0``
-#: turns it off.
+#: every training width (``bench_kernels.py --training-operands``, 2026-12-02, transposing loads only), though
+#: that form has ~2.5x the row kernel's SASS instructions per value (its units span threads after the
+#: transpose). ``MEGATRON_FP4_COLUMN_KERNEL=0`` turns it off.
 COLUMN_KERNEL = os.environ.get("MEGATRON_FP4_COLUMN_KERNEL", "1") == "1"
-#: (columns per program, warps) the column kernel autotunes over (128 columns with 4 warps spill registers).
-COL_KERNEL_CFGS = [(32, 4), (64, 4), (64, 8), (128, 8)]
+#: (columns per program, warps, direct load) the column kernel autotunes over. Direct: each direction's units loaded
+#: in their own shape (no transpose through shared memory), about half the SASS instructions per value of the
+#: transposing load in Triton 3.6 (HiF4 26-34 vs 53-60) with less coalesced loads: not yet timed on a GPU, so
+#: both kinds are candidates. 128 columns with 4 warps spill registers when transposing.
+COL_KERNEL_CFGS = [(32, 4, 0), (64, 4, 0), (64, 8, 0), (128, 8, 0), (64, 4, 1), (128, 4, 1), (128, 8, 1)]
 
 #: "e4m3": MXFP4 only, E4M3 relative to a row scale (weights for the cuBLAS FP8 GEMM, which multiplies E5M2
 #: activations by E4M3 weights only).
@@ -429,23 +432,39 @@ if HAS_TRITON:
 
     @triton.jit
     def _col_quant_kernel(x_ptr, ec_ptr, R, K, RP, stride_xr, stride_ec, R_BUCKET, FMT: tl.constexpr,
-                          BC: tl.constexpr, R1: tl.constexpr, R2: tl.constexpr, R3: tl.constexpr):
+                          BC: tl.constexpr, R1: tl.constexpr, R2: tl.constexpr, R3: tl.constexpr,
+                          DIRECT: tl.constexpr = 0):
         """Row-major x [R, K] quantized along R into the BF16 expansion ec [K, RP] (row-major: the quantization of
         x.t(), what the wgrad and dgrad GEMMs read of X, dY and W) without a transposed copy of x: a program
         loads 64 rows (one HiF4 unit / two MXFP4 blocks along R) by BC columns, coalesced, and quantizes the
         transposed tile on its units' shape (Triton moves it between threads through shared memory). Rows past R
-        are zeros (the padding RP - R). FMT: 0 HiF4, 1 MXFP4, 2 MXFP4 rceil."""
-        r = tl.program_id(0) * 64 + tl.arange(0, 64)
-        c = tl.program_id(1) * BC + tl.arange(0, BC)
-        x = tl.load(x_ptr + r[:, None] * stride_xr + c[None, :], mask=(r[:, None] < R) & (c[None, :] < K),
-                    other=0.0).to(tl.float32)
-        xt = tl.trans(x)  # [BC, 64]: a column's 64 rows
-        if FMT == 0:
-            val = tl.reshape(_hif4_units(tl.reshape(xt, (BC, 1, 8, 2, 4)), R1, R2, R3), (BC, 64))
+        are zeros (the padding RP - R). FMT: 0 HiF4, 1 MXFP4, 2 MXFP4 rceil. DIRECT: load the tile straight in the
+        transposed units' shape ([columns, unit offsets along R]) instead of a coalesced load and a transpose."""
+        if DIRECT:
+            if FMT == 0:  # a HiF4 unit = 8 pairs of fours
+                i = tl.arange(0, BC)[:, None, None, None, None]
+                w = _hif4_unit_offsets(1)
+            else:  # two MXFP4 blocks = 8 fours each
+                i = tl.arange(0, BC)[:, None, None, None]
+                w = (tl.arange(0, 2)[None, :, None, None] * 32 + tl.arange(0, 8)[None, None, :, None] * 4
+                     + tl.arange(0, 4)[None, None, None, :])
+            rr = tl.program_id(0) * 64 + w
+            cc = tl.program_id(1) * BC + i
+            xt = tl.load(x_ptr + rr * stride_xr + cc, mask=(rr < R) & (cc < K), other=0.0).to(tl.float32)
+            val = _hif4_units(xt, R1, R2, R3) if FMT == 0 else _mx_units(xt, FMT == 2)
+            tl.store(ec_ptr + cc * stride_ec + rr, val.to(tl.bfloat16), mask=(cc < K) & (rr < RP))
         else:
-            val = tl.reshape(_mx_units(tl.reshape(xt, (BC, 2, 8, 4)), FMT == 2), (BC, 64))
-        tl.store(ec_ptr + c[:, None] * stride_ec + r[None, :], val.to(tl.bfloat16),
-                 mask=(c[:, None] < K) & (r[None, :] < RP))
+            r = tl.program_id(0) * 64 + tl.arange(0, 64)
+            c = tl.program_id(1) * BC + tl.arange(0, BC)
+            x = tl.load(x_ptr + r[:, None] * stride_xr + c[None, :], mask=(r[:, None] < R) & (c[None, :] < K),
+                        other=0.0).to(tl.float32)
+            xt = tl.trans(x)  # [BC, 64]: a column's 64 rows
+            if FMT == 0:
+                val = tl.reshape(_hif4_units(tl.reshape(xt, (BC, 1, 8, 2, 4)), R1, R2, R3), (BC, 64))
+            else:
+                val = tl.reshape(_mx_units(tl.reshape(xt, (BC, 2, 8, 4)), FMT == 2), (BC, 64))
+            tl.store(ec_ptr + c[:, None] * stride_ec + r[None, :], val.to(tl.bfloat16),
+                     mask=(c[:, None] < K) & (r[None, :] < RP))
 
     @triton.jit
     def _transpose_kernel(x_ptr, y_ptr, R, C, stride_xr, stride_yr, BR: tl.constexpr, BC: tl.constexpr):
@@ -479,7 +498,7 @@ if HAS_TRITON:
                  prune_configs_by={"early_config_prune": _prune})
     _QTUNE = {**_TUNE, "key": _TUNE["key"] + ["PACKED"]}
     _col_quant_tuned = triton.autotune(
-        configs=[triton.Config({"BC": bc}, num_warps=w) for bc, w in COL_KERNEL_CFGS],
+        configs=[triton.Config({"BC": bc, "DIRECT": d}, num_warps=w) for bc, w, d in COL_KERNEL_CFGS],
         key=["R_BUCKET", "K", "FMT"])(_col_quant_kernel)
     _hif4_quant_tuned = triton.autotune(**_QTUNE)(_hif4_quant_kernel)
     _mx_quant_tuned = triton.autotune(**_QTUNE)(_mx_quant_kernel)
@@ -532,8 +551,8 @@ def _row_major(x2: torch.Tensor) -> torch.Tensor:
 
 def _quantize_columns(x2: torch.Tensor, f, out: Optional[Expanded], config: Optional[tuple] = None) -> Expanded:
     """The BF16 expansion of the transposed view ``x2`` ([R, K] with strides (1, s)) quantized along K, by the
-    column kernel on the row-major tensor under it (no transposed copy). ``config`` = (columns per program, warps)
-    skips autotuning (small inputs and the interpreter use (64, 4))."""
+    column kernel on the row-major tensor under it (no transposed copy). ``config`` = (columns per program, warps,
+    direct load) skips autotuning (small inputs and the interpreter use (64, 4, 0))."""
     src = x2.t()  # row-major [K, R]: quantized along its rows' dimension
     n, c = src.shape
     rp = cdiv(n, f.block_size) * f.block_size
@@ -543,8 +562,8 @@ def _quantize_columns(x2: torch.Tensor, f, out: Optional[Expanded], config: Opti
     kw = dict(FMT={"hif4": 0, "mxfp4": 1, "mxfp4_rceil": 2}[f.name], R1=HIF4_RECIP[1], R2=HIF4_RECIP[2],
               R3=HIF4_RECIP[3])
     if config is not None or interpreting() or n * c < (1 << 16):
-        bc, warps = config or (64, 4)
-        _col_quant_fast[(cdiv(n, 64), cdiv(c, bc))](*args, **kw, BC=bc, num_warps=warps)
+        bc, warps, direct = config or (64, 4, 0)
+        _col_quant_fast[(cdiv(n, 64), cdiv(c, bc))](*args, **kw, BC=bc, DIRECT=direct, num_warps=warps)
     else:
         _col_quant_tuned[lambda meta: (cdiv(n, 64), cdiv(c, meta["BC"]))](*args, **kw)
     return ex
