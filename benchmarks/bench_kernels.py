@@ -104,7 +104,6 @@ def bench_training_operands(operands=TRAIN_OPERANDS):
     written per value (FP8 rows: 3; a column pass alone: 4)."""
     from kernels.quantize import _quantize_columns, _row_major, quantize
     from megatron_fp4.formats import get_format
-    from megatron_fp4.gemm_backend import FP4GemmBackend
     from megatron_fp4.ops.kernels_backend import KernelBackend
 
     be, out = KernelBackend(), []
@@ -114,7 +113,7 @@ def bench_training_operands(operands=TRAIN_OPERANDS):
             f = get_format(fmt)
             modes = ("exact", "fp8") if fmt == "mxfp4" else ("exact",)
             for mode in modes:
-                ms = bench([lambda x=x: FP4GemmBackend.quantize_both(be, x, f, mode) for x in xs], graph=True)
+                ms = bench([lambda x=x: be.quantize_both(x, f, mode) for x in xs], graph=True)
                 row = {"fmt": fmt, "mode": mode, "rows": rows, "K": K, "both_layouts_us": ms * 1e3,
                        "both_layouts_GBps": (6 if mode == "exact" else 5) * rows * K / ms / 1e6}
                 if mode == "exact":

@@ -569,10 +569,14 @@ def _quantize_columns(x2: torch.Tensor, f, out: Optional[Expanded], config: Opti
     return ex
 
 
+def _transposed(x2: torch.Tensor) -> bool:
+    """Whether the 2-D view ``x2`` is column-major (a transposed row-major tensor, e.g. a training operand's X^T)."""
+    return x2.stride(1) != 1 and x2.stride(0) == 1
+
+
 def _block_config(fmt_name: str, x2: torch.Tensor):
     """Fixed tile (rows, K step, warps) for small inputs and the interpreter (larger inputs autotune)."""
-    transposed = x2.stride(1) != 1 and x2.stride(0) == 1
-    if transposed:
+    if _transposed(x2):
         return (64, 64, 4)
     if x2.shape[0] <= DECODE_MAX_M:  # decode-sized activations: one row per program, long K steps
         return (1, 1024, 4)
@@ -618,11 +622,10 @@ def quantize(x: torch.Tensor, fmt, dim: int = -1, expand: Optional[str] = None,
         return ref if packed else (None, ref[1] if out is None else _write_into(out, ref[1]))
     x2, outer, k = _rows_view(x, dim)
     R = x2.shape[0]
-    if (COLUMN_KERNEL and not packed and expand == "bf16" and config is None and x2.stride(0) == 1
-            and x2.stride(1) != 1 and R > DECODE_MAX_M):  # a transposed view's exact expansion (X^T, dY^T, W^T)
+    if (COLUMN_KERNEL and not packed and expand == "bf16" and config is None and _transposed(x2)
+            and R > DECODE_MAX_M):  # a transposed view's exact expansion (X^T, dY^T, W^T)
         return None, _quantize_columns(x2, f, out)
-    if (x2.stride(1) != 1 and x2.stride(0) == 1 and R * k >= (1 << 20) and R > DECODE_MAX_M and config is None
-            and not interpreting()):
+    if _transposed(x2) and R * k >= (1 << 20) and R > DECODE_MAX_M and config is None and not interpreting():
         x2 = _row_major(x2)  # large column-major operands (the training GEMMs' transposed views)
     bs = f.block_size
     kp = cdiv(k, bs) * bs
