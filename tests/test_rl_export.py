@@ -284,14 +284,14 @@ def test_load_that_is_no_checkpoint_is_one_error_line(tmp_path):
 
 
 def test_live_bf16_model_exports_in_one_dtype(workdir, tmp_path):
-    """A single-process bf16 model (megatron keeps its norms in fp32 on the CPU) exports every tensor in bf16, with
-    the tokenizer of the checkpoint it was loaded from."""
+    """A single-process bf16 model (its norms in bf16 too, as Megatron-LM's Float16Module casts them) exports every
+    tensor in bf16, with the tokenizer of the checkpoint it was loaded from."""
     from megatron_fp4.models.hf_conversion import HFFolderSource
     from megatron_fp4.models.loading import load_gpt
     from megatron_fp4.rl.export import export_hf
 
     model = load_gpt(workdir / "converted", params_dtype=torch.bfloat16)
-    assert {p.dtype for p in model.parameters()} == {torch.bfloat16, torch.float32}
+    assert {p.dtype for p in model.parameters()} == {torch.bfloat16}
     export_hf(model, tmp_path / "hf")
     src = HFFolderSource(tmp_path / "hf")
     assert src.config["dtype"] == "bfloat16" and {src.get(k).dtype for k in src.keys()} == {torch.bfloat16}

@@ -168,6 +168,17 @@ def gpt_transformer_config(args: GPTModelArgs, **overrides: Any) -> FP4Transform
     return FP4TransformerConfig(**fields)
 
 
+def _norms_to_params_dtype(model: torch.nn.Module, dtype: torch.dtype) -> None:
+    """Give the norms (torch.nn.RMSNorm / LayerNorm without Transformer Engine or apex, which megatron-core builds
+    in fp32 whatever params_dtype says) the model's parameter dtype, as Megatron-LM's Float16Module does under
+    --bf16. A bf16 input with an fp32 weight takes torch's unfused norm (about ten elementwise kernels and casts
+    per norm and step on the GPU); matching dtypes take the fused one. Megatron's optimizer still keeps fp32 main
+    copies of them."""
+    for m in model.modules():
+        if isinstance(m, (torch.nn.RMSNorm, torch.nn.LayerNorm)):
+            m.to(dtype)
+
+
 def build_gpt_model(
     args: GPTModelArgs,
     config: Optional[FP4TransformerConfig] = None,
@@ -206,6 +217,7 @@ def build_gpt_model(
         rotary_base=args.rotary_base,
         vp_stage=vp_stage,
     )
+    _norms_to_params_dtype(model, config.params_dtype)
     model.hf_info = args.hf_info
     model.attention_backend = backend  # "sdpa" or "local" (what "auto" became)
     if torch.cuda.is_available():

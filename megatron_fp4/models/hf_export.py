@@ -71,8 +71,8 @@ def export_model_hf(model: Any, save_dir: PathLike, *, dtype: Optional[torch.dty
                     max_shard_bytes: int = 5 * 2**30, overwrite: bool = False, progress: bool = False) -> Path:
     """Write the HF folder of a live GPTModel (DDP / Float16 wrappers unwrapped); collective over all ranks.
 
-    ``dtype``: cast the weights (default: the model's parameter dtype, for every tensor: on the CPU megatron keeps
-    norms in fp32 beside bf16 weights). ``vocab_size``: rows of the exported
+    ``dtype``: cast the weights (default: the model's parameter dtype, for every tensor, also where a model built
+    elsewhere keeps its norms in fp32 beside bf16 weights). ``vocab_size``: rows of the exported
     vocabulary (default: the HF model's the weights came from, else the model's, padding included).
     ``hf_assets``: a folder of tokenizer files to copy instead of ``model.hf_info['assets_dir']``. An existing
     model in ``save_dir`` is replaced only with ``overwrite``. Returns ``save_dir``.
