@@ -101,18 +101,21 @@ def decode_case(fmt: str, BN: int, BM: int, res: bool, wide: bool, prefetch: boo
     return fn, signature, constexprs, divisible, BN * 64
 
 
-def quantize_case(fmt: str, BR: int, BK: int, expand: int, prefetch: bool, unpacked: bool = False):
+def quantize_case(fmt: str, BR: int, BK: int, expand: int, prefetch: bool, unpacked: bool = False,
+                  transpose: bool = False):
     """(kernel, signature, constexprs, divisible args, values per loop iteration) of the row quantize kernel
-    (``unpacked``: the expansion only, as the training GEMMs read it; a row-major x, unit stride specialized)."""
+    (``unpacked``: the expansion only, as the training GEMMs read it; a row-major x, unit stride specialized;
+    ``transpose``: HiF4's row pass also writing x's transposed copy, ``quantize_both_layouts``)."""
     from kernels import quantize as qm
     from kernels._common import HIF4_RECIP
 
     sig = {"x_ptr": "*bf16", "codes_ptr": "*u8", "scales_ptr": "*i32" if fmt == "hif4" else "*u8",
-           "ex_ptr": "*bf16" if expand != 1 else "*u8"}
+           "ex_ptr": "*bf16" if expand == 2 or (fmt == "hif4" and expand) else "*u8"}
     if fmt == "hif4":
         fn = qm._hif4_quant_kernel
+        sig.update({"xt_ptr": "*bf16", "stride_tr": "i32"})
         const = dict(EXPAND=bool(expand), BR=BR, BK=BK, R1=HIF4_RECIP[1], R2=HIF4_RECIP[2], R3=HIF4_RECIP[3],
-                     PREFETCH=int(prefetch))
+                     PREFETCH=int(prefetch), WRITE_T=int(transpose))
     else:
         fn = qm._mx_quant_kernel
         sig.update({"rexp_ptr": "*i32", "rok_ptr": "*i8"})
@@ -122,11 +125,11 @@ def quantize_case(fmt: str, BR: int, BK: int, expand: int, prefetch: bool, unpac
         const["stride_xk"] = 1
     sig.update({k: "i32" for k in ("R", "K", "KP", "stride_xr", "stride_xk", "stride_cr", "stride_sr", "stride_er",
                                    "K_BUCKET")})
-    divisible = [k for k in sig if k not in ("R", "stride_xk", "K_BUCKET")]
+    divisible = [k for k in sig if k not in ("stride_xk", "K_BUCKET")]  # R too: 8192 tokens, as in training
     return fn, sig, const, divisible, BR * BK
 
 
-def columns_case(fmt: str, BC: int, direct: bool):
+def columns_case(fmt: str, BC: int):
     """(kernel, signature, constexprs, divisible args, values per program: 64 rows x BC columns) of the column
     kernel (``kernels.quantize``'s exact expansion of a transposed view, read from the row-major tensor)."""
     from kernels import quantize as qm
@@ -134,8 +137,7 @@ def columns_case(fmt: str, BC: int, direct: bool):
 
     sig = {"x_ptr": "*bf16", "ec_ptr": "*bf16"}
     sig.update({k: "i32" for k in ("R", "K", "RP", "stride_xr", "stride_ec", "R_BUCKET")})
-    const = dict(FMT=0 if fmt == "hif4" else 1, BC=BC, R1=HIF4_RECIP[1], R2=HIF4_RECIP[2], R3=HIF4_RECIP[3],
-                 DIRECT=int(direct))
+    const = dict(FMT=0 if fmt == "hif4" else 1, BC=BC, R1=HIF4_RECIP[1], R2=HIF4_RECIP[2], R3=HIF4_RECIP[3])
     divisible = [k for k in sig if k not in ("R_BUCKET",)]
     return qm._col_quant_kernel, sig, const, divisible, 64 * BC
 
@@ -158,8 +160,9 @@ def main(argv=None):
     p.add_argument("--BK", type=int, default=256, help="quantize: K values per step; columns: columns per program")
     p.add_argument("--expand", type=int, choices=[0, 1, 2], default=0,
                    help="quantize: 0 none, 1 native, 2 bf16 (HiF4: any nonzero is its bf16 expansion)")
-    p.add_argument("--direct", action="store_true", help="columns: load the units' shape directly (no transpose)")
     p.add_argument("--unpacked", action="store_true", help="quantize: the expansion only (PACKED=0, training)")
+    p.add_argument("--transpose", action="store_true",
+                   help="quantize, HiF4 with --unpacked: the row pass also writes x's transposed copy")
     p.add_argument("--histogram", action="store_true", help="print every opcode's count")
     args = p.parse_args(argv)
     if args.BM not in (16, 32, 64):
@@ -171,9 +174,9 @@ def main(argv=None):
         if args.unpacked and not args.expand:
             p.error("--unpacked needs --expand 1 or 2 (the expansion is all the kernel writes then)")
         fn, sig, const, div, values = quantize_case(args.fmt, args.BR, args.BK, args.expand, args.prefetch,
-                                                    args.unpacked)
+                                                    args.unpacked, args.transpose)
     else:
-        fn, sig, const, div, values = columns_case(args.fmt, args.BK, args.direct)
+        fn, sig, const, div, values = columns_case(args.fmt, args.BK)
     compiled = compile_sm90(fn, sig, const, div, args.num_warps, args.num_stages)
     ops = loop_opcodes(compiled.asm["cubin"])
     n = sum(ops.values())

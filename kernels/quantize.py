@@ -22,19 +22,23 @@ from kernels._common import (DECODE_MAX_M, HAS_TRITON, HIF4_RECIP, KERNEL_FORMAT
 from kernels._launch import fast
 from megatron_fp4.formats import QuantizedTensor, get_format
 
-__all__ = ["Expanded", "quantize", "quantize_reference", "expand_packed", "fp8_rows", "EXPAND_MODES"]
+__all__ = ["Expanded", "quantize", "quantize_both_layouts", "quantize_reference", "expand_packed", "fp8_rows", "EXPAND_MODES"]
 
 #: Whether a large transposed view's exact expansion comes from the column kernel (:func:`_quantize_columns`, one
-#: read of the row-major tensor) rather than a transposed copy and the row kernel: 1.2-1.3x faster on the H200 at
-#: every training width (``bench_kernels.py --training-operands``, 2026-12-02, transposing loads only), though
-#: that form has ~2.5x the row kernel's SASS instructions per value (its units span threads after the
-#: transpose). ``MEGATRON_FP4_COLUMN_KERNEL=0`` turns it off.
+#: read of the row-major tensor) rather than a transposed copy and the row kernel, for the formats in
+#: ``COLUMN_KERNEL_FORMATS``. Measured on the H200 (2026-12-02, 8192 tokens x 1536 / 8960 / 17920): MXFP4's column
+#: kernel 1.2x faster than copy + rows (2.1 vs 1.8 TB/s); HiF4's 1.2-1.3x slower since its row kernel loads and
+#: stores coalesced (3.7 TB/s; the column kernel's units span threads after the transpose, ~2.5x the row kernel's
+#: SASS instructions per value, 1.5 TB/s). ``MEGATRON_FP4_COLUMN_KERNEL=0`` turns it off.
 COLUMN_KERNEL = os.environ.get("MEGATRON_FP4_COLUMN_KERNEL", "1") == "1"
-#: (columns per program, warps, direct load) the column kernel autotunes over. Direct: each direction's units loaded
-#: in their own shape (no transpose through shared memory), about half the SASS instructions per value of the
-#: transposing load in Triton 3.6 (HiF4 26-34 vs 53-60) with less coalesced loads: not yet timed on a GPU, so
-#: both kinds are candidates. 128 columns with 4 warps spill registers when transposing.
-COL_KERNEL_CFGS = [(32, 4, 0), (64, 4, 0), (64, 8, 0), (128, 8, 0), (64, 4, 1), (128, 4, 1), (128, 8, 1)]
+COLUMN_KERNEL_FORMATS = ("mxfp4", "mxfp4_rceil")
+#: Whether :func:`quantize_both_layouts` has HiF4's row pass write x's transposed copy too (one read of x for both
+#: passes instead of a separate transpose). ``MEGATRON_FP4_FUSED_TRANSPOSE=0`` turns it off.
+FUSED_TRANSPOSE = os.environ.get("MEGATRON_FP4_FUSED_TRANSPOSE", "1") == "1"
+#: (columns per program, warps) the column kernel autotunes over (128 columns with 4 warps spill registers).
+#: Loading each direction's units in their own shape (no transpose through shared memory, half the SASS
+#: instructions) never won autotuning on the H200 and was removed in session 17.
+COL_KERNEL_CFGS = [(32, 4), (64, 4), (64, 8), (128, 8)]
 
 #: "e4m3": MXFP4 only, E4M3 relative to a row scale (weights for the cuBLAS FP8 GEMM, which multiplies E5M2
 #: activations by E4M3 weights only).
@@ -347,12 +351,13 @@ if HAS_TRITON:
         return tl.minimum(tl.maximum(_mx_x(am, RCEIL) - TOP, -126), 127)
 
     @triton.jit
-    def _hif4_quant_kernel(x_ptr, codes_ptr, scales_ptr, ex_ptr, R, K, KP, stride_xr, stride_xk, stride_cr,
-                           stride_sr, stride_er, K_BUCKET, EXPAND: tl.constexpr, BR: tl.constexpr, BK: tl.constexpr,
-                           R1: tl.constexpr, R2: tl.constexpr, R3: tl.constexpr, PREFETCH: tl.constexpr = 0,
-                           PACKED: tl.constexpr = 1):
+    def _hif4_quant_kernel(x_ptr, codes_ptr, scales_ptr, ex_ptr, xt_ptr, R, K, KP, stride_xr, stride_xk, stride_cr,
+                           stride_sr, stride_er, stride_tr, K_BUCKET, EXPAND: tl.constexpr, BR: tl.constexpr,
+                           BK: tl.constexpr, R1: tl.constexpr, R2: tl.constexpr, R3: tl.constexpr,
+                           PREFETCH: tl.constexpr = 0, PACKED: tl.constexpr = 1, WRITE_T: tl.constexpr = 0):
         """PACKED: store the codes and scales (0: only the expansion, what the training GEMMs read: computed on the
-        units' own shape, :func:`_hif4_units`)."""
+        units' own shape, :func:`_hif4_units`). WRITE_T (with PACKED=0): also store x's transposed copy x^T [K, R]
+        (row stride stride_tr), what the column pass then quantizes along its rows: one read of x serves both."""
         rows = tl.program_id(0) * BR + tl.arange(0, BR)
         rmask = rows < R
         if PACKED:
@@ -368,26 +373,17 @@ if HAS_TRITON:
                 if EXPAND:
                     tl.store(ex_ptr + rows[:, None] * stride_er + cols[None, :], val.to(tl.bfloat16),
                              mask=rmask[:, None] & (cols[None, :] < KP))
-        else:
-            r5 = rows[:, None, None, None, None]
-            m5 = rmask[:, None, None, None, None]
-            w = _hif4_unit_offsets(BK // 64)
-            step = tl.num_programs(1) * BK
-            if PREFETCH:  # the first tile now; each step then loads the next one before working on its own
-                c1 = tl.program_id(1) * BK + w
-                xn = tl.load(x_ptr + r5 * stride_xr + c1 * stride_xk, mask=m5 & (c1 < K), other=0.0)
-            else:
-                xn = tl.zeros((BR, BK // 64, 8, 2, 4), dtype=x_ptr.dtype.element_ty)
-            for k0 in range(tl.program_id(1) * BK, KP, step):
-                cols = k0 + w
-                if PREFETCH:
-                    x = xn
-                    xn = tl.load(x_ptr + r5 * stride_xr + (cols + step) * stride_xk, mask=m5 & (cols + step < K),
-                                 other=0.0)
-                else:
-                    x = tl.load(x_ptr + r5 * stride_xr + cols * stride_xk, mask=m5 & (cols < K), other=0.0)
-                val = _hif4_units(x.to(tl.float32), R1, R2, R3)
-                tl.store(ex_ptr + r5 * stride_er + cols, val.to(tl.bfloat16), mask=m5 & (cols < KP))
+        else:  # the tile loads and stores as [BR, BK] (coalesced) and is computed on its units' shape
+            xn = _first_tile(x_ptr, rows, rmask, K, stride_xr, stride_xk, BR, BK, PREFETCH)
+            for k0 in range(tl.program_id(1) * BK, KP, tl.num_programs(1) * BK):
+                cols = k0 + tl.arange(0, BK)
+                x, xn = _k_tile(x_ptr, rows, rmask, cols, xn, K, stride_xr, stride_xk, BK, PREFETCH)
+                val = _hif4_units(tl.reshape(x, (BR, BK // 64, 8, 2, 4)), R1, R2, R3)
+                tl.store(ex_ptr + rows[:, None] * stride_er + cols[None, :],
+                         tl.reshape(val, (BR, BK)).to(tl.bfloat16), mask=rmask[:, None] & (cols[None, :] < KP))
+                if WRITE_T:  # Triton moves the tile between threads through shared memory: coalesced stores
+                    tl.store(xt_ptr + cols[:, None] * stride_tr + rows[None, :], tl.trans(x.to(xt_ptr.dtype.element_ty)),
+                             mask=rmask[None, :] & (cols[:, None] < K))
 
     @triton.jit
     def _mx_quant_kernel(x_ptr, codes_ptr, scales_ptr, ex_ptr, rexp_ptr, rok_ptr, R, K, KP, stride_xr,
@@ -432,39 +428,23 @@ if HAS_TRITON:
 
     @triton.jit
     def _col_quant_kernel(x_ptr, ec_ptr, R, K, RP, stride_xr, stride_ec, R_BUCKET, FMT: tl.constexpr,
-                          BC: tl.constexpr, R1: tl.constexpr, R2: tl.constexpr, R3: tl.constexpr,
-                          DIRECT: tl.constexpr = 0):
+                          BC: tl.constexpr, R1: tl.constexpr, R2: tl.constexpr, R3: tl.constexpr):
         """Row-major x [R, K] quantized along R into the BF16 expansion ec [K, RP] (row-major: the quantization of
         x.t(), what the wgrad and dgrad GEMMs read of X, dY and W) without a transposed copy of x: a program
         loads 64 rows (one HiF4 unit / two MXFP4 blocks along R) by BC columns, coalesced, and quantizes the
         transposed tile on its units' shape (Triton moves it between threads through shared memory). Rows past R
-        are zeros (the padding RP - R). FMT: 0 HiF4, 1 MXFP4, 2 MXFP4 rceil. DIRECT: load the tile straight in the
-        transposed units' shape ([columns, unit offsets along R]) instead of a coalesced load and a transpose."""
-        if DIRECT:
-            if FMT == 0:  # a HiF4 unit = 8 pairs of fours
-                i = tl.arange(0, BC)[:, None, None, None, None]
-                w = _hif4_unit_offsets(1)
-            else:  # two MXFP4 blocks = 8 fours each
-                i = tl.arange(0, BC)[:, None, None, None]
-                w = (tl.arange(0, 2)[None, :, None, None] * 32 + tl.arange(0, 8)[None, None, :, None] * 4
-                     + tl.arange(0, 4)[None, None, None, :])
-            rr = tl.program_id(0) * 64 + w
-            cc = tl.program_id(1) * BC + i
-            xt = tl.load(x_ptr + rr * stride_xr + cc, mask=(rr < R) & (cc < K), other=0.0).to(tl.float32)
-            val = _hif4_units(xt, R1, R2, R3) if FMT == 0 else _mx_units(xt, FMT == 2)
-            tl.store(ec_ptr + cc * stride_ec + rr, val.to(tl.bfloat16), mask=(cc < K) & (rr < RP))
+        are zeros (the padding RP - R). FMT: 0 HiF4, 1 MXFP4, 2 MXFP4 rceil."""
+        r = tl.program_id(0) * 64 + tl.arange(0, 64)
+        c = tl.program_id(1) * BC + tl.arange(0, BC)
+        x = tl.load(x_ptr + r[:, None] * stride_xr + c[None, :], mask=(r[:, None] < R) & (c[None, :] < K),
+                    other=0.0).to(tl.float32)
+        xt = tl.trans(x)  # [BC, 64]: a column's 64 rows
+        if FMT == 0:
+            val = tl.reshape(_hif4_units(tl.reshape(xt, (BC, 1, 8, 2, 4)), R1, R2, R3), (BC, 64))
         else:
-            r = tl.program_id(0) * 64 + tl.arange(0, 64)
-            c = tl.program_id(1) * BC + tl.arange(0, BC)
-            x = tl.load(x_ptr + r[:, None] * stride_xr + c[None, :], mask=(r[:, None] < R) & (c[None, :] < K),
-                        other=0.0).to(tl.float32)
-            xt = tl.trans(x)  # [BC, 64]: a column's 64 rows
-            if FMT == 0:
-                val = tl.reshape(_hif4_units(tl.reshape(xt, (BC, 1, 8, 2, 4)), R1, R2, R3), (BC, 64))
-            else:
-                val = tl.reshape(_mx_units(tl.reshape(xt, (BC, 2, 8, 4)), FMT == 2), (BC, 64))
-            tl.store(ec_ptr + c[:, None] * stride_ec + r[None, :], val.to(tl.bfloat16),
-                     mask=(c[:, None] < K) & (r[None, :] < RP))
+            val = tl.reshape(_mx_units(tl.reshape(xt, (BC, 2, 8, 4)), FMT == 2), (BC, 64))
+        tl.store(ec_ptr + c[:, None] * stride_ec + r[None, :], val.to(tl.bfloat16),
+                 mask=(c[:, None] < K) & (r[None, :] < RP))
 
     @triton.jit
     def _transpose_kernel(x_ptr, y_ptr, R, C, stride_xr, stride_yr, BR: tl.constexpr, BC: tl.constexpr):
@@ -482,6 +462,8 @@ if HAS_TRITON:
     _ROW_CFGS = [(8, 256, 4, 0), (16, 128, 4, 0), (4, 512, 4, 0), (16, 256, 8, 0), (32, 64, 4, 0), (2, 1024, 4, 0),
                  (1, 1024, 4, 0), (8, 256, 4, 1), (16, 256, 8, 1), (4, 512, 4, 1)]
     _COL_CFGS = [(64, 64, 4, 0), (128, 64, 4, 0), (256, 64, 8, 0), (128, 128, 8, 0), (32, 64, 2, 0)]
+    # HiF4's row pass writing the transposed copy too (WRITE_T): 16 rows or more per program.
+    _ROW_T_CFGS = [(16, 128, 4, 0), (16, 256, 8, 0), (32, 64, 4, 0), (32, 128, 8, 0), (64, 64, 4, 0)]
 
     def _qconfig(br, bk, w, pf):
         return triton.Config({"BR": br, "BK": bk, "PREFETCH": pf}, num_warps=w)
@@ -489,6 +471,8 @@ if HAS_TRITON:
     def _prune(configs, named_args, **kwargs):
         row_major = named_args["stride_xk"] == 1
         want = _ROW_CFGS if row_major else _COL_CFGS
+        if kwargs.get("WRITE_T"):  # tall tiles: each column of the transposed copy is written in runs of >= 32 B
+            want = _ROW_T_CFGS
         keep = [c for c in configs
                 if (c.kwargs["BR"], c.kwargs["BK"], c.num_warps, c.kwargs["PREFETCH"]) in want]
         return keep or configs
@@ -497,10 +481,12 @@ if HAS_TRITON:
     _TUNE = dict(configs=[_qconfig(*c) for c in _ROW_CFGS + _COL_CFGS], key=["K_BUCKET", "stride_xk", "EXPAND"],
                  prune_configs_by={"early_config_prune": _prune})
     _QTUNE = {**_TUNE, "key": _TUNE["key"] + ["PACKED"]}
+    _HIF4_TUNE = {**_QTUNE, "configs": _QTUNE["configs"] + [_qconfig(*c) for c in _ROW_T_CFGS if c not in _ROW_CFGS],
+                  "key": _QTUNE["key"] + ["WRITE_T"]}
     _col_quant_tuned = triton.autotune(
-        configs=[triton.Config({"BC": bc, "DIRECT": d}, num_warps=w) for bc, w, d in COL_KERNEL_CFGS],
+        configs=[triton.Config({"BC": bc}, num_warps=w) for bc, w in COL_KERNEL_CFGS],
         key=["R_BUCKET", "K", "FMT"])(_col_quant_kernel)
-    _hif4_quant_tuned = triton.autotune(**_QTUNE)(_hif4_quant_kernel)
+    _hif4_quant_tuned = triton.autotune(**_HIF4_TUNE)(_hif4_quant_kernel)
     _mx_quant_tuned = triton.autotune(**_QTUNE)(_mx_quant_kernel)
 
     # The host wrappers launch through kernels._launch (Triton's Python launch path was most of an FP4 training
@@ -551,8 +537,8 @@ def _row_major(x2: torch.Tensor) -> torch.Tensor:
 
 def _quantize_columns(x2: torch.Tensor, f, out: Optional[Expanded], config: Optional[tuple] = None) -> Expanded:
     """The BF16 expansion of the transposed view ``x2`` ([R, K] with strides (1, s)) quantized along K, by the
-    column kernel on the row-major tensor under it (no transposed copy). ``config`` = (columns per program, warps,
-    direct load) skips autotuning (small inputs and the interpreter use (64, 4, 0))."""
+    column kernel on the row-major tensor under it (no transposed copy). ``config`` = (columns per program, warps)
+    skips autotuning (small inputs and the interpreter use (64, 4))."""
     src = x2.t()  # row-major [K, R]: quantized along its rows' dimension
     n, c = src.shape
     rp = cdiv(n, f.block_size) * f.block_size
@@ -562,8 +548,8 @@ def _quantize_columns(x2: torch.Tensor, f, out: Optional[Expanded], config: Opti
     kw = dict(FMT={"hif4": 0, "mxfp4": 1, "mxfp4_rceil": 2}[f.name], R1=HIF4_RECIP[1], R2=HIF4_RECIP[2],
               R3=HIF4_RECIP[3])
     if config is not None or interpreting() or n * c < (1 << 16):
-        bc, warps, direct = config or (64, 4, 0)
-        _col_quant_fast[(cdiv(n, 64), cdiv(c, bc))](*args, **kw, BC=bc, DIRECT=direct, num_warps=warps)
+        bc, warps = config or (64, 4)
+        _col_quant_fast[(cdiv(n, 64), cdiv(c, bc))](*args, **kw, BC=bc, num_warps=warps)
     else:
         _col_quant_tuned[lambda meta: (cdiv(n, 64), cdiv(c, meta["BC"]))](*args, **kw)
     return ex
@@ -594,7 +580,8 @@ def _fixed_launch(x2: torch.Tensor, kp: int, BR: int, BK: int, config, row_pass:
 
 
 def quantize(x: torch.Tensor, fmt, dim: int = -1, expand: Optional[str] = None,
-             config: Optional[tuple] = None, packed: bool = True, out: Optional[Expanded] = None):
+             config: Optional[tuple] = None, packed: bool = True, out: Optional[Expanded] = None,
+             _xt: Optional[torch.Tensor] = None):
     """Quantize+pack ``x`` along ``dim`` with the Triton kernel (bit-exact with ``fmt.quantize``).
 
     Returns a QuantizedTensor, or ``(QuantizedTensor, Expanded)`` when ``expand`` is "native" or "bf16";
@@ -604,6 +591,7 @@ def quantize(x: torch.Tensor, fmt, dim: int = -1, expand: Optional[str] = None,
     ``config`` = (rows per program, K per step, warps[, prefetch 0/1]) skips autotuning (small inputs use a fixed
     one). ``out`` (with ``packed=False``): an :class:`Expanded` of the same expansion and shape, e.g. an earlier
     result, whose buffers receive the new one (what a CUDA graph that reads them needs); it is returned.
+    ``_xt`` (:func:`quantize_both_layouts`): a [K, R] buffer the HiF4 expansion-only row pass fills with x^T.
     """
     f = get_format(fmt)
     if expand not in EXPAND_MODES:
@@ -622,8 +610,8 @@ def quantize(x: torch.Tensor, fmt, dim: int = -1, expand: Optional[str] = None,
         return ref if packed else (None, ref[1] if out is None else _write_into(out, ref[1]))
     x2, outer, k = _rows_view(x, dim)
     R = x2.shape[0]
-    if (COLUMN_KERNEL and not packed and expand == "bf16" and config is None and _transposed(x2)
-            and R > DECODE_MAX_M):  # a transposed view's exact expansion (X^T, dY^T, W^T)
+    if (COLUMN_KERNEL and f.name in COLUMN_KERNEL_FORMATS and not packed and expand == "bf16" and config is None
+            and _transposed(x2) and R > DECODE_MAX_M):  # a transposed view's exact expansion (X^T, dY^T, W^T)
         return None, _quantize_columns(x2, f, out)
     if _transposed(x2) and R * k >= (1 << 20) and R > DECODE_MAX_M and config is None and not interpreting():
         x2 = _row_major(x2)  # large column-major operands (the training GEMMs' transposed views)
@@ -643,9 +631,11 @@ def quantize(x: torch.Tensor, fmt, dim: int = -1, expand: Optional[str] = None,
             ex = (Expanded(torch.empty((R, kp), dtype=torch.bfloat16, device=dev)) if out is None
                   else _check_out(out, (R, kp), torch.bfloat16))
         exv = ex.values if ex is not None else codes
-        args = (x2, codes, scales.view(torch.int32), exv, R, k, kp, x2.stride(0), x2.stride(1), codes.stride(0),
-                nblk, exv.stride(0), tune_bucket(k))
-        kw = dict(EXPAND=bool(expand), R1=HIF4_RECIP[1], R2=HIF4_RECIP[2], R3=HIF4_RECIP[3], PACKED=int(packed))
+        xt = _xt if _xt is not None else exv
+        args = (x2, codes, scales.view(torch.int32), exv, xt, R, k, kp, x2.stride(0), x2.stride(1), codes.stride(0),
+                nblk, exv.stride(0), xt.stride(0), tune_bucket(k))
+        kw = dict(EXPAND=bool(expand), R1=HIF4_RECIP[1], R2=HIF4_RECIP[2], R3=HIF4_RECIP[3], PACKED=int(packed),
+                  WRITE_T=int(_xt is not None))
         if fixed:
             _hif4_quant_fast[grid](*args, **kw, BR=BR, BK=BK, PREFETCH=pf, num_warps=warps)
         else:
@@ -684,6 +674,22 @@ def quantize(x: torch.Tensor, fmt, dim: int = -1, expand: Optional[str] = None,
     qt = QuantizedTensor(fmt=f, codes=codes.reshape(*outer, kp // 2), scales=scales_out, shape=x.shape, dim=dim,
                          dtype=x.dtype)
     return (qt, ex) if expand else qt
+
+
+def quantize_both_layouts(x: torch.Tensor, fmt, config: Optional[tuple] = None) -> tuple[Expanded, Expanded]:
+    """A training operand's exact BF16 expansions in both GEMM layouts: x [R, K] quantized along K and x.t()
+    quantized along R, bit for bit ``quantize(x, fmt, expand="bf16", packed=False)`` and the same of ``x.t()``.
+
+    HiF4, row-major x: the row pass also writes x's transposed copy, which a second row pass quantizes (one read of
+    x fewer than a separate transpose; HiF4's column kernel is slower, see ``COLUMN_KERNEL``). Other formats: the
+    two calls. ``config``: the fused passes' row tile (tests; else autotuned)."""
+    f = get_format(fmt)
+    if (not FUSED_TRANSPOSE or f.name != "hif4" or x.dim() != 2 or x.stride(-1) != 1 or x.numel() == 0
+            or not kernels_usable(x)):
+        return (quantize(x, f, expand="bf16", packed=False)[1], quantize(x.t(), f, expand="bf16", packed=False)[1])
+    xt = torch.empty((x.shape[1], x.shape[0]), dtype=x.dtype, device=x.device)
+    rows = quantize(x, f, expand="bf16", packed=False, config=config, _xt=xt)[1]
+    return rows, quantize(xt, f, expand="bf16", packed=False, config=config)[1]
 
 
 def _check_out(out: Expanded, shape: tuple, dtype: torch.dtype) -> Expanded:

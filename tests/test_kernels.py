@@ -430,8 +430,9 @@ def test_training_backend_expansion_only_and_strided(name, host_reads):
 @pytest.mark.parametrize("name", FORMATS)
 @pytest.mark.parametrize("kind", ["outliers", "special"])
 def test_column_kernel_bit_exact(name, kind):
-    """A transposed view's exact expansion (the wgrad/dgrad operands X^T, dY^T, W^T) comes from the column kernel
-    on the row-major tensor under it, bit for bit the reference's quantization of the transposed copy: ragged
+    """A transposed view's exact expansion (the wgrad/dgrad operands X^T, dY^T, W^T), by ``quantize`` (the column
+    kernel for MXFP4, a transposed copy and the row kernel for HiF4) and by the column kernel itself for either
+    format, is bit for bit the reference's quantization of the transposed copy: ragged
     sizes (rows not a multiple of 64: zero padding; columns not a multiple of the tile), NaN/Inf units, a row
     stride wider than the rows."""
     from kernels import quantize as qm
@@ -443,11 +444,43 @@ def test_column_kernel_bit_exact(name, kind):
         x = _inputs(kind, (rows, cols + 8), device=dev)[:, :cols]  # row stride cols + 8
         want = quantize_reference(x.t().contiguous().cpu(), f, 1, "bf16")[1].values
         got = quantize(x.t(), f, expand="bf16", packed=False)[1].values
-        direct = qm._quantize_columns(x.t(), f, None, config=(64, 4, 1)).values  # the units' own-shape load
+        cols = qm._quantize_columns(x.t(), f, None).values  # the column kernel, whichever route quantize() takes
         nan = want.isnan()
-        for g in (got.cpu(), direct.cpu()):
+        for g in (got.cpu(), cols.cpu()):
             assert g.shape == want.shape and torch.equal(g.isnan(), nan)
             _exact(g[~nan].view(torch.int16), want[~nan].view(torch.int16), f"{rows} x {cols}")  # zeros' signs
+
+
+@pytest.mark.parametrize("name", FORMATS)
+def test_both_layouts_bit_exact(name):
+    """A training operand's two expansions from ``quantize_both_layouts`` (HiF4: the row pass also writes x^T,
+    which a second row pass quantizes) are the reference's quantizations of x along K and of x^T along R, bit for
+    bit, at every tile the fused HiF4 pass may pick: ragged sizes, NaN/Inf units, a row stride wider than the rows.
+    The kernel backend's ``quantize_both`` serves them."""
+    from kernels import quantize as qm
+    from kernels.quantize import quantize_reference
+
+    dev = "cpu" if ON_CPU else DEV
+    f = get_format(name)
+    for rows, cols in ((150, 72), (40, 1100)):
+        x = _inputs("special", (rows, cols + 8), device=dev, dtype=torch.bfloat16)[:, :cols]
+        want_r = quantize_reference(x.cpu(), f, 1, "bf16")[1].values
+        want_c = quantize_reference(x.t().contiguous().cpu(), f, 1, "bf16")[1].values
+        cfgs = qm._ROW_T_CFGS + [(4, 512, 4, 0), (1, 1024, 4, 0)] if name == "hif4" else [None]
+        for cfg in cfgs:
+            got_r, got_c = (e.values.cpu() for e in qm.quantize_both_layouts(x, f, config=cfg))
+            for got, want in ((got_r, want_r), (got_c, want_c)):
+                nan = want.isnan()
+                assert got.shape == want.shape and torch.equal(got.isnan(), nan)
+                _exact(got[~nan].view(torch.int16), want[~nan].view(torch.int16), f"{rows} x {cols} {cfg}")
+    if not ON_CPU:
+        from megatron_fp4.ops.kernels_backend import KernelBackend
+
+        x = _inputs("outliers", (2048, 1536), dtype=torch.bfloat16)  # large enough to autotune
+        q_r, q_c = KernelBackend().quantize_both(x, f, "exact")
+        _exact(q_r.expanded.values.view(torch.int16), quantize(x, f, expand="bf16")[1].values.view(torch.int16))
+        _exact(q_c.expanded.values.view(torch.int16),
+               quantize(x.t().contiguous(), f, expand="bf16")[1].values.view(torch.int16))
 
 
 @pytest.mark.parametrize("name", ["hif4", "mxfp4"])

@@ -18,7 +18,7 @@ import torch
 from kernels._common import KERNEL_FORMATS, kernels_usable
 from kernels.dispatch import PROMOTE, available, fp4_gemm, fp8_weight_expand
 from kernels.gemm import mm_expanded
-from kernels.quantize import quantize
+from kernels.quantize import quantize, quantize_both_layouts
 from megatron_fp4.formats import Format
 from megatron_fp4.gemm_backend import FP4GemmBackend
 
@@ -52,10 +52,12 @@ class KernelBackend(FP4GemmBackend):
     the FP8 window flushed (:class:`kernels.quantize.Expanded`; no host sync). Declines stochastic rounding, mixed
     formats and formats without kernels.
 
-    An operand's two layouts (X along K and along the tokens; a weight's W and W^T) are two passes: the row kernel,
-    then the transposed view's (the column kernel where it applies, ``kernels.quantize.COLUMN_KERNEL``). Measured
-    on the H200 (``bench_kernels.py --training-operands``, 8192 rows, K = 1536 to 17920, 2026-12-02): 1.3-2.4x
-    faster than one kernel writing both layouts from one read (600-780 GB/s, ALU-bound; removed in session 16)."""
+    An operand's two layouts (X along K and along the tokens; a weight's W and W^T) are two passes
+    (``kernels.quantize.quantize_both_layouts``): MXFP4's row kernel, then the column kernel on the transposed
+    view; HiF4's row kernel writing x's transposed copy too, then the row kernel on that copy. Measured on the
+    H200 (``bench_kernels.py --training-operands``, 8192 rows, K = 1536 to 17920, 2026-12-02): two passes are
+    1.3-2.4x faster than one kernel writing both layouts from one read (600-780 GB/s, ALU-bound; removed in
+    session 16)."""
 
     def quantize(self, x, fmt, rounding, generator, mode, weight, out=None):
         if rounding != "nearest" or fmt.name not in KERNEL_FORMATS or not kernels_usable(x):
@@ -65,6 +67,12 @@ class KernelBackend(FP4GemmBackend):
         else:
             expand = fp8_weight_expand(x) if weight else "native"
         return Operand(fmt, quantize(x, fmt, expand=expand, packed=False, out=out)[1])
+
+    def quantize_both(self, x, fmt, mode):
+        if mode != "exact" or fmt.name not in KERNEL_FORMATS or not kernels_usable(x):
+            return super().quantize_both(x, fmt, mode)
+        rows, cols = quantize_both_layouts(x, fmt)
+        return Operand(fmt, rows), Operand(fmt, cols)
 
     def requantize(self, x, fmt, mode, q):
         self.quantize(x, fmt, "nearest", None, mode, True, out=q.expanded)  # the kernels write into q's buffers
