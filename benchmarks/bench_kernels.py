@@ -96,12 +96,13 @@ TRAIN_OPERANDS = [(8192, 1536), (8192, 2048), (8192, 8960), (8192, 17920)]
 
 def bench_training_operands(operands=TRAIN_OPERANDS):
     """A training operand X [tokens, K] quantized into both GEMM layouts (along K and along tokens, BF16
-    expansions), as ``KernelBackend`` does it: the row kernel on x and the column kernel on x.t() (MXFP4's FP8
-    mode: E5M2 rows with their row-scale pass); and the column pass alone both ways: the column kernel on the
-    row-major x (``kernels.quantize.COLUMN_KERNEL``) against a tiled transposed copy + the row kernel. (The one-pass
-    kernel that wrote both layouts from one read ran at 600-780 GB/s, 1.3-2.4x slower than two passes at every
-    width, and was removed in session 16.) Kernel time from CUDA graph replays; GB/s counts 2 bytes read and 4
-    written per value (FP8 rows: 3; a column pass alone: 4)."""
+    expansions), as ``KernelBackend.quantize_both`` does it (``kernels.quantize.quantize_both_layouts``: MXFP4's row
+    kernel + column kernel, its FP8 mode's E5M2 rows with their row-scale pass; HiF4's row pass writing x^T too +
+    the row kernel on x^T); the row pass alone; and the column pass alone both ways: the column kernel on the
+    row-major x against a tiled transposed copy + the row kernel. (The one-pass kernel that wrote both layouts
+    from one read ran at 600-780 GB/s, 1.3-2.4x slower than two passes at every width, and was removed in session
+    16.) Kernel time from CUDA graph replays; GB/s counts 2 bytes read and 4 written per value (FP8 rows: 3; one
+    pass alone: 4)."""
     from kernels.quantize import _quantize_columns, _row_major, quantize
     from megatron_fp4.formats import get_format
     from megatron_fp4.ops.kernels_backend import KernelBackend
@@ -117,6 +118,8 @@ def bench_training_operands(operands=TRAIN_OPERANDS):
                 row = {"fmt": fmt, "mode": mode, "rows": rows, "K": K, "both_layouts_us": ms * 1e3,
                        "both_layouts_GBps": (6 if mode == "exact" else 5) * rows * K / ms / 1e6}
                 if mode == "exact":
+                    rows_only = bench([lambda x=x: quantize(x, f, expand="bf16", packed=False) for x in xs], graph=True)
+                    row.update(row_pass_us=rows_only * 1e3, row_pass_GBps=4 * rows * K / rows_only / 1e6)
                     col = bench([lambda x=x: _quantize_columns(x.t(), f, None) for x in xs], graph=True)
                     col_t = bench([lambda x=x: quantize(_row_major(x.t()), f, expand="bf16", packed=False)
                                    for x in xs], graph=True)
@@ -125,7 +128,7 @@ def bench_training_operands(operands=TRAIN_OPERANDS):
                                transpose_then_rows_GBps=4 * rows * K / col_t / 1e6)
                 print(f"  {fmt:<6s} {mode:<5s} {rows} x {K:<6d} both layouts {row['both_layouts_us']:7.1f} us "
                       f"({row['both_layouts_GBps']:5.0f} GB/s)" + (
-                          f"; column pass: column kernel {row['col_kernel_us']:7.1f} us "
+                          f"; row pass {row['row_pass_us']:7.1f} us; column pass: column kernel {row['col_kernel_us']:7.1f} us "
                           f"({row['col_kernel_GBps']:5.0f} GB/s), transposed copy + rows "
                           f"{row['transpose_then_rows_us']:7.1f} us ({row['transpose_then_rows_GBps']:5.0f} GB/s)"
                           if mode == "exact" else ""), flush=True)
