@@ -128,7 +128,8 @@ def bench_training_operands(operands=TRAIN_OPERANDS):
                                transpose_then_rows_GBps=4 * rows * K / col_t / 1e6)
                 print(f"  {fmt:<6s} {mode:<5s} {rows} x {K:<6d} both layouts {row['both_layouts_us']:7.1f} us "
                       f"({row['both_layouts_GBps']:5.0f} GB/s)" + (
-                          f"; row pass {row['row_pass_us']:7.1f} us; column pass: column kernel {row['col_kernel_us']:7.1f} us "
+                          f"; row pass {row['row_pass_us']:7.1f} us; column pass: column kernel "
+                          f"{row['col_kernel_us']:7.1f} us "
                           f"({row['col_kernel_GBps']:5.0f} GB/s), transposed copy + rows "
                           f"{row['transpose_then_rows_us']:7.1f} us ({row['transpose_then_rows_GBps']:5.0f} GB/s)"
                           if mode == "exact" else ""), flush=True)

@@ -22,7 +22,8 @@ from kernels._common import (DECODE_MAX_M, HAS_TRITON, HIF4_RECIP, KERNEL_FORMAT
 from kernels._launch import fast
 from megatron_fp4.formats import QuantizedTensor, get_format
 
-__all__ = ["Expanded", "quantize", "quantize_both_layouts", "quantize_reference", "expand_packed", "fp8_rows", "EXPAND_MODES"]
+__all__ = ["Expanded", "quantize", "quantize_both_layouts", "quantize_reference", "expand_packed", "fp8_rows",
+           "EXPAND_MODES"]
 
 #: Whether a large transposed view's exact expansion comes from the column kernel (:func:`_quantize_columns`, one
 #: read of the row-major tensor) rather than a transposed copy and the row kernel, for the formats in
@@ -201,13 +202,6 @@ if HAS_TRITON:
         return codes, X, bad, val
 
     @triton.jit
-    def _hif4_unit_offsets(NU: tl.constexpr):
-        """Offsets [1, NU, 8, 2, 4] of NU consecutive 64-value units (pairs of fours, fours, values): the shape
-        :func:`_hif4_units` computes on."""
-        return (tl.arange(0, NU)[None, :, None, None, None] * 64 + tl.arange(0, 8)[None, None, :, None, None] * 8
-                + tl.arange(0, 2)[None, None, None, :, None] * 4 + tl.arange(0, 4)[None, None, None, None, :])
-
-    @triton.jit
     def _hif4_units(x, R1: tl.constexpr, R2: tl.constexpr, R3: tl.constexpr):
         """HiF4 dequantized fp32 values of units x [BR, NU, 8, 2, 4] (one 64-value unit per [r, u], as 8 pairs of
         fours): :func:`_hif4_tile`'s values, computed on the unit's own shape. The group maxima are reductions
@@ -382,8 +376,8 @@ if HAS_TRITON:
                 tl.store(ex_ptr + rows[:, None] * stride_er + cols[None, :],
                          tl.reshape(val, (BR, BK)).to(tl.bfloat16), mask=rmask[:, None] & (cols[None, :] < KP))
                 if WRITE_T:  # Triton moves the tile between threads through shared memory: coalesced stores
-                    tl.store(xt_ptr + cols[:, None] * stride_tr + rows[None, :], tl.trans(x.to(xt_ptr.dtype.element_ty)),
-                             mask=rmask[None, :] & (cols[:, None] < K))
+                    tl.store(xt_ptr + cols[:, None] * stride_tr + rows[None, :],
+                             tl.trans(x.to(xt_ptr.dtype.element_ty)), mask=rmask[None, :] & (cols[:, None] < K))
 
     @triton.jit
     def _mx_quant_kernel(x_ptr, codes_ptr, scales_ptr, ex_ptr, rexp_ptr, rok_ptr, R, K, KP, stride_xr,
