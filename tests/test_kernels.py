@@ -444,9 +444,9 @@ def test_column_kernel_bit_exact(name, kind):
         x = _inputs(kind, (rows, cols + 8), device=dev)[:, :cols]  # row stride cols + 8
         want = quantize_reference(x.t().contiguous().cpu(), f, 1, "bf16")[1].values
         got = quantize(x.t(), f, expand="bf16", packed=False)[1].values
-        cols = qm._quantize_columns(x.t(), f, None).values  # the column kernel, whichever route quantize() takes
+        by_kernel = qm._quantize_columns(x.t(), f, None).values  # the column kernel, whichever route quantize() takes
         nan = want.isnan()
-        for g in (got.cpu(), cols.cpu()):
+        for g in (got.cpu(), by_kernel.cpu()):
             assert g.shape == want.shape and torch.equal(g.isnan(), nan)
             _exact(g[~nan].view(torch.int16), want[~nan].view(torch.int16), f"{rows} x {cols}")  # zeros' signs
 

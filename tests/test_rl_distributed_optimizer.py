@@ -140,8 +140,9 @@ def test_distributed_optimizer_trains_and_resumes_like_the_replicated_one(tmp_pa
 def test_distributed_optimizer_with_bf16_weights_shards_and_restores_the_fp32_main_copies(tmp_path):
     """--bf16 (every parameter bf16, norms included): the distributed optimizer then keeps each rank's range of the
     fp32 main copies itself. DP=2 trains exactly as the replicated mixed-precision optimizer and saves the same
-    whole main copies and Adam state by name; its step-0 checkpoint (saved before the first step: main copies only, no Adam
-    state yet) and its step-2 checkpoint both resume into the uninterrupted run's metrics and step-4 state."""
+    whole main copies and Adam state by name; its step-0 checkpoint (saved before the first step: main copies
+    only, no Adam state yet) and its step-2 checkpoint both resume into the uninterrupted run's metrics and step-4
+    state."""
     bf16 = ["--bf16", "--keep-last", "3"]
     _, plain = _run(tmp_path, "plain", TORCHRUN, *bf16)
     _, dist = _run(tmp_path, "dist", TORCHRUN, *bf16, "--use-distributed-optimizer")
