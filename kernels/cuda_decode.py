@@ -16,23 +16,18 @@ serves). Without CUDA or nvcc nothing here runs but :func:`to_decode_layout` and
 from __future__ import annotations
 
 import ctypes
-import hashlib
 import os
-import shutil
-import subprocess
-import tempfile
-import threading
 from dataclasses import dataclass
 from typing import Optional
 
 import torch
 
+from kernels import _nvcc
 from megatron_fp4.formats import QuantizedTensor
 
 __all__ = ["DecodeWeight", "to_decode_layout", "decode_layout_dequantize", "available", "w4_decode",
            "DECODE_TILES", "build", "prebuild"]
 
-_SRC = os.path.join(os.path.dirname(os.path.abspath(__file__)), "csrc", "w4_decode.cu")
 _META_BYTES = {0: 80, 1: 32}  # per (16-row slab, 64-value chunk): HiF4, MXFP4
 _SLAB_PAD = 4  # slabs padded to a multiple of this (the largest slabs-per-warp tile)
 
@@ -201,30 +196,9 @@ DECODE_TILES = {  # from --decode-sweep on the 7B MLP shapes (docs/PERFORMANCE.m
 }
 #: Token counts up to which :func:`kernels.dispatch.decode_matmul` prefers this kernel to the Triton one.
 MAX_M = int(os.environ.get("MEGATRON_FP4_CUDA_DECODE_MAX_M", "64"))
-_LIBS: dict = {}
-_LOCK = threading.Lock()
 _ERR: Optional[str] = None
-
-
-def _nvcc() -> Optional[str]:
-    for cand in (shutil.which("nvcc"), os.path.join(os.environ.get("CUDA_HOME", "/usr/local/cuda"), "bin", "nvcc")):
-        if cand and os.path.exists(cand):
-            return cand
-    return None
-
-
-def _build_dir() -> str:
-    d = os.environ.get("MEGATRON_FP4_BUILD_DIR") or os.path.join(os.path.dirname(os.path.abspath(__file__)),
-                                                                 "_build")
-    try:
-        os.makedirs(d, exist_ok=True)
-        if os.access(d, os.W_OK):
-            return d
-    except OSError:
-        pass
-    d = os.path.join(tempfile.gettempdir(), "megatron_fp4_build")
-    os.makedirs(d, exist_ok=True)
-    return d
+_SOURCE = "w4_decode.cu"
+_ARGTYPES = [ctypes.c_void_p] * 4 + [ctypes.c_int] * 8 + [ctypes.c_void_p]  # w4_decode_launch
 
 
 def available() -> bool:
@@ -234,44 +208,23 @@ def available() -> bool:
         return False
     if not torch.cuda.is_available() or torch.cuda.get_device_capability() != (9, 0):
         return False
-    return _nvcc() is not None
+    return _nvcc.nvcc() is not None
 
 
-def _compile(key: tuple) -> str:
-    """Path of the shared library of configuration ``key`` (fmt, wide, NT, SPW, DEPTH, WARPS), built if missing."""
-    global _ERR
+def _defines(key: tuple) -> dict:
     fmt_id, wide, nt, spw, depth, warps = key
-    src = open(_SRC, "rb").read()
-    tag = hashlib.sha1(src + repr(tuple(int(v) for v in key)).encode()).hexdigest()[:16]
-    path = os.path.join(_build_dir(), f"w4_decode_{tag}.so")
-    if not os.path.exists(path):
-        tmp = f"{path}.{os.getpid()}.{threading.get_ident()}.tmp"
-        cmd = [_nvcc() or "nvcc", "-O3", "-std=c++17", "-gencode", "arch=compute_90a,code=sm_90a", "-shared",
-               "-Xcompiler", "-fPIC", f"-DFMT={fmt_id}", f"-DWIDE={int(wide)}", f"-DNT={nt}", f"-DSPW={spw}",
-               f"-DDEPTH={depth}", f"-DWARPS={warps}", _SRC, "-o", tmp]
-        r = subprocess.run(cmd, capture_output=True, text=True)
-        if r.returncode != 0:
-            _ERR = r.stderr[-2000:]
-            raise RuntimeError(f"building the CUDA decode kernel failed:\n{_ERR}")
-        os.replace(tmp, path)
-    return path
+    return dict(FMT=fmt_id, WIDE=wide, NT=nt, SPW=spw, DEPTH=depth, WARPS=warps)
 
 
 def build(fmt_id: int, wide: bool, nt: int, spw: int, depth: int, warps: int):
     """The compiled launcher of one configuration (built on first use; returns the ctypes function)."""
-    key = (fmt_id, int(wide), nt, spw, depth, warps)
-    fn = _LIBS.get(key)
-    if fn is not None:
-        return fn
-    path = _compile(key)
-    with _LOCK:
-        fn = _LIBS.get(key)
-        if fn is None:
-            fn = ctypes.CDLL(path).w4_decode_launch
-            fn.restype = ctypes.c_int
-            fn.argtypes = [ctypes.c_void_p] * 4 + [ctypes.c_int] * 8 + [ctypes.c_void_p]  # w4_decode_launch
-            _LIBS[key] = fn
-    return fn
+    global _ERR
+    try:
+        return _nvcc.launcher(_SOURCE, _defines((fmt_id, int(wide), nt, spw, depth, warps)), "w4_decode_launch",
+                              _ARGTYPES)
+    except RuntimeError as e:
+        _ERR = str(e)
+        raise
 
 
 def prebuild(tiles: Optional[list] = None, nts=(2, 8), workers: int = 0) -> int:
@@ -284,7 +237,7 @@ def prebuild(tiles: Optional[list] = None, nts=(2, 8), workers: int = 0) -> int:
     from concurrent.futures import ThreadPoolExecutor
 
     with ThreadPoolExecutor(max_workers=workers or os.cpu_count() or 4) as ex:
-        list(ex.map(_compile, sorted(keys)))
+        list(ex.map(lambda k: _nvcc.compile_library(_SOURCE, _defines(k)), sorted(keys)))
     return len(keys)
 
 
