@@ -103,7 +103,7 @@ def bench_training_operands(operands=TRAIN_OPERANDS):
     from one read ran at 600-780 GB/s, 1.3-2.4x slower than two passes at every width, and was removed in session
     16.) Kernel time from CUDA graph replays; GB/s counts 2 bytes read and 4 written per value (FP8 rows: 3; one
     pass alone: 4)."""
-    from kernels.quantize import _quantize_columns, _row_major, quantize
+    from kernels.quantize import _quantize_columns, _row_major, quantize, quantize_both_layouts
     from megatron_fp4.formats import get_format
     from megatron_fp4.ops.kernels_backend import KernelBackend
 
@@ -118,6 +118,8 @@ def bench_training_operands(operands=TRAIN_OPERANDS):
                 row = {"fmt": fmt, "mode": mode, "rows": rows, "K": K, "both_layouts_us": ms * 1e3,
                        "both_layouts_GBps": (6 if mode == "exact" else 5) * rows * K / ms / 1e6}
                 if mode == "exact":
+                    tri = bench([lambda x=x: quantize_both_layouts(x, f, backend="triton") for x in xs], graph=True)
+                    row.update(both_layouts_triton_us=tri * 1e3, both_layouts_triton_GBps=6 * rows * K / tri / 1e6)
                     rows_only = bench([lambda x=x: quantize(x, f, expand="bf16", packed=False) for x in xs], graph=True)
                     row.update(row_pass_us=rows_only * 1e3, row_pass_GBps=4 * rows * K / rows_only / 1e6)
                     col = bench([lambda x=x: _quantize_columns(x.t(), f, None) for x in xs], graph=True)
@@ -128,6 +130,7 @@ def bench_training_operands(operands=TRAIN_OPERANDS):
                                transpose_then_rows_GBps=4 * rows * K / col_t / 1e6)
                 print(f"  {fmt:<6s} {mode:<5s} {rows} x {K:<6d} both layouts {row['both_layouts_us']:7.1f} us "
                       f"({row['both_layouts_GBps']:5.0f} GB/s)" + (
+                          f" (Triton passes {row['both_layouts_triton_us']:7.1f} us)"
                           f"; row pass {row['row_pass_us']:7.1f} us; column pass: column kernel "
                           f"{row['col_kernel_us']:7.1f} us "
                           f"({row['col_kernel_GBps']:5.0f} GB/s), transposed copy + rows "

@@ -670,14 +670,25 @@ def quantize(x: torch.Tensor, fmt, dim: int = -1, expand: Optional[str] = None,
     return (qt, ex) if expand else qt
 
 
-def quantize_both_layouts(x: torch.Tensor, fmt, config: Optional[tuple] = None) -> tuple[Expanded, Expanded]:
+def quantize_both_layouts(x: torch.Tensor, fmt, config: Optional[tuple] = None,
+                          backend: str = "auto") -> tuple[Expanded, Expanded]:
     """A training operand's exact BF16 expansions in both GEMM layouts: x [R, K] quantized along K and x.t()
     quantized along R, bit for bit ``quantize(x, fmt, expand="bf16", packed=False)`` and the same of ``x.t()``.
 
-    HiF4, row-major x: the row pass also writes x's transposed copy, which a second row pass quantizes (one read of
-    x fewer than a separate transpose; HiF4's column kernel is slower, see ``COLUMN_KERNEL``). Other formats: the
-    two calls. ``config``: the fused passes' row tile (tests; else autotuned)."""
+    ``backend`` "auto": the CUDA kernel (:mod:`kernels.cuda_quantize`: one read of x, both layouts written from a
+    64 x 64 tile) where it takes x (bf16, rows of a multiple of 8 values, nvcc) and no Triton ``config`` is given,
+    else the Triton passes ("triton"): HiF4, row-major x: the row pass also writes x's transposed copy, which a
+    second row pass quantizes (HiF4's column kernel is slower, see ``COLUMN_KERNEL``); other formats: the two
+    calls. ``config``: the fused Triton passes' row tile (tests)."""
+    if backend not in ("auto", "triton"):
+        raise ValueError(f"backend={backend!r} is not valid; allowed values: 'auto', 'triton'")
     f = get_format(fmt)
+    if backend == "auto" and config is None and x.is_cuda:
+        from kernels import cuda_quantize
+
+        if cuda_quantize.usable(x, f.name):
+            rows, cols = cuda_quantize.both_layouts(x, f.name)
+            return Expanded(rows), Expanded(cols)
     if (not FUSED_TRANSPOSE or f.name != "hif4" or x.dim() != 2 or x.stride(-1) != 1 or x.numel() == 0
             or not kernels_usable(x)):
         return (quantize(x, f, expand="bf16", packed=False)[1], quantize(x.t(), f, expand="bf16", packed=False)[1])

@@ -52,12 +52,10 @@ class KernelBackend(FP4GemmBackend):
     the FP8 window flushed (:class:`kernels.quantize.Expanded`; no host sync). Declines stochastic rounding, mixed
     formats and formats without kernels.
 
-    An operand's two layouts (X along K and along the tokens; a weight's W and W^T) are two passes
-    (``kernels.quantize.quantize_both_layouts``): MXFP4's row kernel, then the column kernel on the transposed
-    view; HiF4's row kernel writing x's transposed copy too, then the row kernel on that copy. Measured on the
-    H200 (``bench_kernels.py --training-operands``, 8192 rows, K = 1536 to 17920, 2026-12-02): two passes are
-    1.3-2.4x faster than one kernel writing both layouts from one read (600-780 GB/s, ALU-bound; removed in
-    session 16)."""
+    An operand's two layouts (X along K and along the tokens; a weight's W and W^T) come from
+    ``kernels.quantize.quantize_both_layouts``: on a GPU with nvcc, one CUDA kernel that reads each 64 x 64 tile
+    of x once and writes both expansions (``kernels.cuda_quantize``); else two Triton passes (MXFP4's row kernel
+    and column kernel; HiF4's row kernel writing x's transposed copy too, then the row kernel on that copy)."""
 
     def quantize(self, x, fmt, rounding, generator, mode, weight, out=None):
         if rounding != "nearest" or fmt.name not in KERNEL_FORMATS or not kernels_usable(x):
