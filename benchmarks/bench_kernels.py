@@ -96,10 +96,11 @@ TRAIN_OPERANDS = [(8192, 1536), (8192, 2048), (8192, 8960), (8192, 17920)]
 
 def bench_training_operands(operands=TRAIN_OPERANDS):
     """A training operand X [tokens, K] quantized into both GEMM layouts (along K and along tokens, BF16
-    expansions), as ``KernelBackend.quantize_both`` does it (``kernels.quantize.quantize_both_layouts``: MXFP4's row
-    kernel + column kernel, its FP8 mode's E5M2 rows with their row-scale pass; HiF4's row pass writing x^T too +
-    the row kernel on x^T); the row pass alone; and the column pass alone both ways: the column kernel on the
-    row-major x against a tiled transposed copy + the row kernel. (The one-pass kernel that wrote both layouts
+    expansions), as ``KernelBackend.quantize_both`` does it (``kernels.quantize.quantize_both_layouts``: the CUDA
+    kernel where nvcc is there, else the Triton passes; MXFP4's FP8 mode: E5M2 rows with their row-scale pass),
+    and the Triton passes it replaces (MXFP4's row kernel + column kernel; HiF4's row pass writing x^T too + the row
+    kernel on x^T); the row pass alone; and the column pass alone both ways: the column kernel on the row-major x
+    against a tiled transposed copy + the row kernel. (The one-pass kernel that wrote both layouts
     from one read ran at 600-780 GB/s, 1.3-2.4x slower than two passes at every width, and was removed in session
     16.) Kernel time from CUDA graph replays; GB/s counts 2 bytes read and 4 written per value (FP8 rows: 3; one
     pass alone: 4)."""

@@ -69,3 +69,26 @@ def test_fp4_spec_swaps_only_the_four_linears():
     assert spec.submodules.mlp.module is local.submodules.mlp.module
     # the local spec itself is untouched
     assert local.submodules.mlp.submodules.linear_fc1.__name__ == "ColumnParallelLinear"
+
+
+def test_norms_take_the_params_dtype_except_the_first_graphed_input_norm():
+    """``_norms_to_params_dtype``: every torch norm in bf16 (the fused kernel), except, under megatron-core's local
+    CUDA graphs, the first layer's input norm, which stays fp32 so that its backward reads a graph-owned copy of
+    the graph's input buffer (megatron-core does not restore that buffer before the backward replay)."""
+    from megatron_fp4.models.gpt import _norms_to_params_dtype
+
+    def model():
+        layer = lambda: torch.nn.ModuleDict(  # noqa: E731
+            {"input_layernorm": torch.nn.RMSNorm(8), "pre_mlp_layernorm": torch.nn.RMSNorm(8)})
+        m = torch.nn.Module()
+        m.decoder = torch.nn.Module()
+        m.decoder.layers = torch.nn.ModuleList([layer(), layer()])
+        m.decoder.final_layernorm = torch.nn.RMSNorm(8)
+        return m
+
+    eager, graphed = model(), model()
+    _norms_to_params_dtype(eager, torch.bfloat16)
+    _norms_to_params_dtype(graphed, torch.bfloat16, graphed=True)
+    assert {p.dtype for p in eager.parameters()} == {torch.bfloat16}
+    fp32 = [n for n, p in graphed.named_parameters() if p.dtype == torch.float32]
+    assert fp32 == ["decoder.layers.0.input_layernorm.weight"]

@@ -168,14 +168,23 @@ def gpt_transformer_config(args: GPTModelArgs, **overrides: Any) -> FP4Transform
     return FP4TransformerConfig(**fields)
 
 
-def _norms_to_params_dtype(model: torch.nn.Module, dtype: torch.dtype) -> None:
+def _norms_to_params_dtype(model: torch.nn.Module, dtype: torch.dtype, graphed: bool = False) -> None:
     """Give the norms (torch.nn.RMSNorm / LayerNorm without Transformer Engine or apex, which megatron-core builds
     in fp32 whatever params_dtype says) the model's parameter dtype, as Megatron-LM's Float16Module does under
     --bf16. A bf16 input with an fp32 weight takes torch's unfused norm (about ten elementwise kernels and casts
     per norm and step on the GPU); matching dtypes take the fused one. Megatron's optimizer still keeps fp32 main
-    copies of them."""
+    copies of them.
+
+    ``graphed`` (megatron-core's local CUDA graphs): the first layer's input norm stays fp32. Its input is the
+    graph's static input buffer, which megatron-core (0.16, without Transformer Engine) does not restore before the
+    backward replay; the fused bf16 norm saves that buffer itself for its backward and so read other data there
+    (its weight gradient wrong, measured on the H200), while the fp32 norm casts it into a graph-owned copy first.
+    Later layers' inputs are the previous graph's outputs, which megatron-core restores."""
+    first = None
+    if graphed and getattr(model, "decoder", None) is not None and len(model.decoder.layers):
+        first = getattr(model.decoder.layers[0], "input_layernorm", None)
     for m in model.modules():
-        if isinstance(m, (torch.nn.RMSNorm, torch.nn.LayerNorm)):
+        if isinstance(m, (torch.nn.RMSNorm, torch.nn.LayerNorm)) and m is not first:
             m.to(dtype)
 
 
@@ -217,7 +226,8 @@ def build_gpt_model(
         rotary_base=args.rotary_base,
         vp_stage=vp_stage,
     )
-    _norms_to_params_dtype(model, config.params_dtype)
+    _norms_to_params_dtype(model, config.params_dtype,
+                           graphed=getattr(config, "cuda_graph_impl", "none") == "local")
     model.hf_info = args.hf_info
     model.attention_backend = backend  # "sdpa" or "local" (what "auto" became)
     if torch.cuda.is_available():
