@@ -74,7 +74,8 @@ QM_FN float fma_exact(float a, float b, float c) {
 // The largest |x| bits (16-bit bf16 pattern) of a part: on |x| bits integer order is value order, Inf and NaN
 // above every finite value.
 QM_FN uint32_t part_max(const uint32_t w[4]) {
-  const uint32_t m = vmax2(vmax2(w[0] & 0x7FFF7FFFu, w[1] & 0x7FFF7FFFu), vmax2(w[2] & 0x7FFF7FFFu, w[3] & 0x7FFF7FFFu));
+  const uint32_t m =
+      vmax2(vmax2(w[0] & 0x7FFF7FFFu, w[1] & 0x7FFF7FFFu), vmax2(w[2] & 0x7FFF7FFFu, w[3] & 0x7FFF7FFFu));
   return umax(m & 0xFFFFu, m >> 16);
 }
 
