@@ -5,8 +5,8 @@ expansions from one read of x.
 
 Bit for bit ``kernels.quantize.quantize(x, fmt, expand="bf16", packed=False)`` and the same of ``x.t()`` (the unit
 math, ``csrc/quant_math.h``, is shared with a host build that the CPU tests check against the PyTorch reference).
-Triton cannot express its layout: after the transpose each thread owns 8 consecutive tokens of a column, so a
-HiF4 unit is 8 lanes of one warp, reduced by shuffles (docs/PERFORMANCE.md, issue 21). Built with nvcc on first
+Triton cannot express its layout: after the transpose each thread owns 16 consecutive tokens of two columns, so a
+HiF4 unit is 4 lanes of one warp, reduced by shuffles (docs/PERFORMANCE.md, issue 21). Built with nvcc on first
 use (:mod:`kernels._nvcc`); ``MEGATRON_FP4_CUDA_QUANT=0`` turns it off (the Triton passes serve).
 """
 
@@ -62,9 +62,9 @@ def _launcher(fmt_id: int):
         raise
 
 
-def both_layouts(x: torch.Tensor, fmt_name: str, out: Optional[tuple] = None) -> tuple[torch.Tensor, torch.Tensor]:
+def both_layouts(x: torch.Tensor, fmt_name: str) -> tuple[torch.Tensor, torch.Tensor]:
     """(x quantized along K: bf16 [R, KP], x.t() quantized along R: bf16 [K, RP]) for x [R, K] that
-    :func:`usable` accepts; ``out``: two such tensors to write into (row-major)."""
+    :func:`usable` accepts."""
     if not usable(x, fmt_name):
         raise ValueError(f"both_layouts: needs a 2-D bf16 CUDA tensor with contiguous, 16-byte aligned rows, K a "
                          f"multiple of 8 and format one of {sorted(FORMAT_IDS)}; got {x.dtype} {tuple(x.shape)} "
@@ -72,13 +72,8 @@ def both_layouts(x: torch.Tensor, fmt_name: str, out: Optional[tuple] = None) ->
     R, K = x.shape
     bs = _BLOCK[fmt_name]
     kp, rp = -(-K // bs) * bs, -(-R // bs) * bs
-    if out is None:
-        rows = torch.empty((R, kp), dtype=torch.bfloat16, device=x.device)
-        cols = torch.empty((K, rp), dtype=torch.bfloat16, device=x.device)
-    else:
-        rows, cols = out
-        if (rows.shape, cols.shape) != ((R, kp), (K, rp)) or not (rows.is_contiguous() and cols.is_contiguous()):
-            raise ValueError(f"both_layouts: out= must be contiguous bf16 [{R}, {kp}] and [{K}, {rp}]")
+    rows = torch.empty((R, kp), dtype=torch.bfloat16, device=x.device)
+    cols = torch.empty((K, rp), dtype=torch.bfloat16, device=x.device)
     err = _launcher(FORMAT_IDS[fmt_name])(x.data_ptr(), rows.data_ptr(), cols.data_ptr(), R, K, kp, rp, x.stride(0),
                                           rows.stride(0), cols.stride(0),
                                           torch.cuda.current_stream(x.device).cuda_stream)
