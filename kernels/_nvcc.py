@@ -18,6 +18,7 @@ from typing import Optional
 CSRC = os.path.join(os.path.dirname(os.path.abspath(__file__)), "csrc")
 _LOCK = threading.Lock()
 _LIBS: dict = {}
+_FAILED: dict = {}  # source -> nvcc's message of its first failed build
 
 
 @functools.lru_cache(maxsize=None)
@@ -43,6 +44,11 @@ def build_dir() -> str:
     return d
 
 
+def build_failed(source: str) -> bool:
+    """Whether a build of ``csrc/<source>`` failed in this process (its users then stop trying it)."""
+    return source in _FAILED
+
+
 def compile_library(source: str, defines: dict, arch: str = "90a") -> str:
     """Path of the shared library of ``csrc/<source>`` built with ``defines`` for ``sm_<arch>``, compiled if
     missing (the key hashes the source, the headers of csrc/, the defines and the arch). Raises RuntimeError with
@@ -60,6 +66,7 @@ def compile_library(source: str, defines: dict, arch: str = "90a") -> str:
                "-o", tmp]
         r = subprocess.run(cmd, capture_output=True, text=True)
         if r.returncode != 0:
+            _FAILED.setdefault(source, r.stderr[-2000:])
             raise RuntimeError(f"building {source} with {defines} failed:\n{r.stderr[-2000:]}")
         os.replace(tmp, path)
     return path

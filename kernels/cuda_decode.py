@@ -196,7 +196,6 @@ DECODE_TILES = {  # from --decode-sweep on the 7B MLP shapes (docs/PERFORMANCE.m
 }
 #: Token counts up to which :func:`kernels.dispatch.decode_matmul` prefers this kernel to the Triton one.
 MAX_M = int(os.environ.get("MEGATRON_FP4_CUDA_DECODE_MAX_M", "64"))
-_ERR: Optional[str] = None
 _SOURCE = "w4_decode.cu"
 _ARGTYPES = [ctypes.c_void_p] * 4 + [ctypes.c_int] * 8 + [ctypes.c_void_p]  # w4_decode_launch
 
@@ -204,7 +203,7 @@ _ARGTYPES = [ctypes.c_void_p] * 4 + [ctypes.c_int] * 8 + [ctypes.c_void_p]  # w4
 def available() -> bool:
     """Whether the CUDA decode kernel can serve: a Hopper GPU (sm_90), nvcc to build it, not disabled by
     ``MEGATRON_FP4_CUDA_DECODE=0``, and no earlier build failure."""
-    if os.environ.get("MEGATRON_FP4_CUDA_DECODE", "1") == "0" or _ERR is not None:
+    if os.environ.get("MEGATRON_FP4_CUDA_DECODE", "1") == "0" or _nvcc.build_failed(_SOURCE):
         return False
     if not torch.cuda.is_available() or torch.cuda.get_device_capability() != (9, 0):
         return False
@@ -218,13 +217,8 @@ def _defines(key: tuple) -> dict:
 
 def build(fmt_id: int, wide: bool, nt: int, spw: int, depth: int, warps: int):
     """The compiled launcher of one configuration (built on first use; returns the ctypes function)."""
-    global _ERR
-    try:
-        return _nvcc.launcher(_SOURCE, _defines((fmt_id, int(wide), nt, spw, depth, warps)), "w4_decode_launch",
-                              _ARGTYPES)
-    except RuntimeError as e:
-        _ERR = str(e)
-        raise
+    return _nvcc.launcher(_SOURCE, _defines((fmt_id, int(wide), nt, spw, depth, warps)), "w4_decode_launch",
+                          _ARGTYPES)
 
 
 def prebuild(tiles: Optional[list] = None, nts=(2, 8), workers: int = 0) -> int:

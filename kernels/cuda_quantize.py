@@ -15,7 +15,6 @@ from __future__ import annotations
 import ctypes
 import functools
 import os
-from typing import Optional
 
 import torch
 
@@ -26,13 +25,13 @@ __all__ = ["available", "usable", "both_layouts", "FORMAT_IDS"]
 FORMAT_IDS = {"hif4": 0, "mxfp4": 1, "mxfp4_rceil": 2}
 _BLOCK = {"hif4": 64, "mxfp4": 32, "mxfp4_rceil": 32}
 _ARGTYPES = [ctypes.c_void_p] * 3 + [ctypes.c_int] * 4 + [ctypes.c_longlong] * 3 + [ctypes.c_void_p]
-_ERR: Optional[str] = None
+_SOURCE = "quant_both.cu"
 
 
 def available() -> bool:
     """Whether the kernel can run here: a CUDA GPU of compute capability 8.0 or newer, nvcc, not disabled by
     ``MEGATRON_FP4_CUDA_QUANT=0``, and no earlier build failure."""
-    if os.environ.get("MEGATRON_FP4_CUDA_QUANT", "1") == "0" or _ERR is not None:
+    if os.environ.get("MEGATRON_FP4_CUDA_QUANT", "1") == "0" or _nvcc.build_failed(_SOURCE):
         return False
     if not torch.cuda.is_available() or torch.cuda.get_device_capability()[0] < 8:
         return False
@@ -54,12 +53,7 @@ def _arch() -> str:
 
 
 def _launcher(fmt_id: int):
-    global _ERR
-    try:
-        return _nvcc.launcher("quant_both.cu", dict(FMT=fmt_id), "quant_both_launch", _ARGTYPES, arch=_arch())
-    except RuntimeError as e:
-        _ERR = str(e)
-        raise
+    return _nvcc.launcher(_SOURCE, dict(FMT=fmt_id), "quant_both_launch", _ARGTYPES, arch=_arch())
 
 
 def both_layouts(x: torch.Tensor, fmt_name: str) -> tuple[torch.Tensor, torch.Tensor]:
