@@ -78,7 +78,8 @@ def harness(tmp_path_factory):
 def _units(seed: int, n_units: int, unit: int) -> torch.Tensor:
     """bf16 values, ``n_units`` x ``unit``: every bf16 bit pattern at random (NaN, Inf, subnormals, the largest
     values), finite patterns only, Gaussians with outliers over 60 binades, units built from the formats' own
-    values times a scale (rounding ties and exact hits), and all-zero / single-value units."""
+    values times a scale (rounding ties and exact hits), and all-zero / single-value units; the units shuffled, so
+    that any prefix of the values holds every kind."""
     g = torch.Generator().manual_seed(seed)
     q = n_units // 6
     raw = torch.randint(-32768, 32768, (q, unit), generator=g, dtype=torch.int32).to(torch.int16).view(torch.bfloat16)
@@ -94,7 +95,8 @@ def _units(seed: int, n_units: int, unit: int) -> torch.Tensor:
     sparse = torch.zeros(n_units - 5 * q, unit)
     sparse[1::2, 5] = torch.randn(sparse[1::2].shape[0], generator=g) * 1e3
     parts = [raw, finite] + [t.to(torch.bfloat16) for t in (gauss, grid, halves, sparse)]
-    return torch.cat(parts).view(-1)
+    units = torch.cat(parts)
+    return units[torch.randperm(n_units, generator=g)].view(-1)
 
 
 @pytest.mark.parametrize("name", FORMATS)
@@ -136,7 +138,7 @@ def test_both_layouts_kernel_bit_exact(name):
     cq = _cuda_quantize()
     f = get_format(name)
     for (rows, cols), pad in (((150, 72), 8), ((64, 64), 0), ((40, 1096), 16), ((1000, 520), 0), ((8, 8), 0)):
-        x = _units(rows, rows * (cols + pad) // 8 * 8 // 64 * 64 + 64 * 6, 64)[: rows * (cols + pad)]
+        x = _units(rows, -(-rows * (cols + pad) // 64) + 6, 64)[: rows * (cols + pad)]
         x = x.view(rows, cols + pad)[:, :cols].cuda()
         r, c = cq.both_layouts(x, name)
         want_r = quantize_reference(x.cpu(), f, 1, "bf16")[1].values
