@@ -48,6 +48,10 @@ def test_graphed_layers_match_eager_across_steps(name):
     eager = build_gpt_model(args, config=gpt_transformer_config(args, calculate_per_token_loss=True))
     graphed = build_gpt_model(args, config=gpt_transformer_config(args, calculate_per_token_loss=True,
                                                                   cuda_graph_impl="local"))
+    graphed_params = dict(graphed.named_parameters())  # the graphed model keeps layer 0's input norm fp32
+    for name_, e in eager.named_modules():  # (models.gpt._norms_to_params_dtype): its eager twin does the same
+        if isinstance(e, (torch.nn.RMSNorm, torch.nn.LayerNorm)):
+            e.to(graphed_params[f"{name_}.weight"].dtype)
     graphed.load_state_dict(eager.state_dict())
 
     calls = {"quantize": 0}
