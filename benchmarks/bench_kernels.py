@@ -300,9 +300,14 @@ def sweep_decode():
     return out
 
 
-#: (SPW, DEPTH, WARPS, PER_SM) tiles of the CUDA decode kernel timed by --decode-sweep.
-SWEEP_TILES = ((2, 2, 8, 2), (2, 2, 8, 1), (2, 2, 8, 4), (1, 2, 8, 2), (1, 4, 8, 2), (2, 4, 8, 2), (2, 2, 4, 4),
-               (1, 2, 4, 4), (1, 4, 4, 4), (2, 4, 4, 2), (4, 2, 4, 2), (4, 2, 8, 1))
+#: Tiles of the CUDA decode kernels timed by --decode-sweep (kernels.cuda_decode: KERNEL and its tile keys).
+SWEEP_TILES = (
+    *(dict(KERNEL="mma", SPW=spw, DEPTH=depth, WARPS=warps, PER_SM=per_sm) for spw, depth, warps, per_sm in
+      ((2, 2, 8, 4), (1, 4, 4, 4))),
+    *(dict(KERNEL="wgmma", WGS=wgs, DEPTH=depth, XST=4, MINB=minb) for wgs, depth, minb in
+      ((2, 2, 2), (2, 4, 2), (2, 2, 3), (1, 4, 3), (1, 2, 4))),
+    *(dict(KERNEL="wgmma", WGS=2, DEPTH=2, XST=4, MINB=minb, SPLIT=split) for minb in (2, 3) for split in (1, 3, 9)),
+)
 DECODE_SHAPES = [(3584, 18944), (18944, 3584), (1536, 8960), (8960, 1536), (1536, 2048), (1536, 1536)]  # (K, N)
 
 
@@ -335,8 +340,9 @@ def bench_decode(shapes, ms_list=(16, 64), sweep=False):
                 sums = [resq_quantize(xi, fmt, expand="sum")[2].values for xi in xs]
                 # exactness: the CUDA kernel against the fp64 product of the same operands
                 ref = exs[0].double() @ ps[0].packed.dequantize().double().t()
-                got = cd.w4_decode(exs[0], ps[0].decode).double()
-                res[f"{fmt}_cuda_relerr"] = float((got - ref).norm() / ref.norm())
+                for kernel in ("mma", "wgmma"):
+                    got = cd.w4_decode(exs[0], ps[0].decode, config={"KERNEL": kernel}).double()
+                    res[f"{fmt}_{kernel}_relerr"] = float((got - ref).norm() / ref.norm())
                 rec(f"{fmt}_w4a16_cuda", bench([lambda i=i: cd.w4_decode(xs[i], ps[i].decode) for i in range(n)],
                                                graph=True))
                 rec(f"{fmt}_w4a4_gemm_cuda", bench([lambda i=i: cd.w4_decode(exs[i], ps[i].decode)
@@ -347,11 +353,13 @@ def bench_decode(shapes, ms_list=(16, 64), sweep=False):
                     resq_quantize(xs[i], fmt, expand="sum")[2].values, ps[i].decode) for i in range(n)], graph=True))
                 rec(f"{fmt}_resq24sum_gemm_cuda", bench([lambda i=i: cd.w4_decode(sums[i], ps[i].decode)
                                                          for i in range(n)], graph=True))
+                for kernel in ("mma", "wgmma"):  # the GEMM alone on each kernel (the columns above: the default)
+                    rec(f"{fmt}_w4a4_gemm_{kernel}", bench([lambda i=i: cd.w4_decode(
+                        exs[i], ps[i].decode, config={"KERNEL": kernel}) for i in range(n)], graph=True))
                 rec(f"{fmt}_w4a16_triton", bench([lambda i=i: w4_matmul(xs[i], ps[i].packed, wide=ps[i].wide)
                                                   for i in range(n)], graph=True))
                 if sweep and (K, N) in ((3584, 18944), (18944, 3584)):
-                    for spw, depth, warps, per_sm in SWEEP_TILES:
-                        cfg = dict(SPW=spw, DEPTH=depth, WARPS=warps, PER_SM=per_sm)
+                    for cfg in SWEEP_TILES:
                         try:
                             ms = bench([lambda i=i: cd.w4_decode(exs[i], ps[i].decode, config=cfg)
                                         for i in range(n)], graph=True)
@@ -375,7 +383,9 @@ def decode_markdown(d):
             ("mxfp4_w4a16_cuda", "MXFP4 W4A16"), ("mxfp4_w4a4_gemm_cuda", "MXFP4 W4A4"),
             ("mxfp4_w4a4_e2e_cuda", "MXFP4 quant+W4A4"),
             ("mxfp4_resq24sum_e2e_cuda", "MXFP4 ResQ bf16-sum quant+GEMM"),
-            ("hif4_w4a16_triton", "HiF4 W4A16 (Triton)"), ("mxfp4_w4a16_triton", "MXFP4 W4A16 (Triton)")]
+            ("hif4_w4a16_triton", "HiF4 W4A16 (Triton)"), ("mxfp4_w4a16_triton", "MXFP4 W4A16 (Triton)"),
+            ("hif4_w4a4_gemm_mma", "HiF4 W4A4 mma.sync"), ("hif4_w4a4_gemm_wgmma", "HiF4 W4A4 wgmma"),
+            ("mxfp4_w4a4_gemm_mma", "MXFP4 W4A4 mma.sync"), ("mxfp4_w4a4_gemm_wgmma", "MXFP4 W4A4 wgmma")]
     lines = ["| K x N | M | " + " | ".join(c[1] for c in cols) + " |", "|---|---|" + "---|" * len(cols)]
     for r in d["decode"]:
         base = r["cublas_bf16"]["ms"]
@@ -461,7 +471,9 @@ def main():
         from kernels import cuda_decode as cd
         d = {"gpu": dev, "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()), "torch": torch.__version__,
              "triton": triton.__version__, "copy_GBps": copy_gbs, "cublas_bf16_8192_TFLOPs": bf16_peak,
-             "tiles": {f"{f} M<={m}": v for (f, m), v in cd.DECODE_TILES.items()}, "decode": rows,
+             "wgmma_max_weight": cd.WGMMA_MAX_WEIGHT,
+             "tiles": {f"{f} M<={m}": v for (f, m), v in cd.DECODE_TILES.items()},
+             "wgmma_tiles": {f"{f} M<={m}": v for (f, m), v in cd.WGMMA_TILES.items()}, "decode": rows,
              "sweep": sweep_rows, "wall_s": time.time() - t0}
         os.makedirs(os.path.dirname(out) or ".", exist_ok=True)
         with open(out, "w") as fh:

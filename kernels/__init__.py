@@ -11,11 +11,12 @@ Modules (import them directly; importing the package loads nothing heavy):
 - ``kernels.decode_gemm``: the Triton decode GEMM (M <= 64: packed weights dequantized in registers x BF16
   activations or the activations' exact expansions; ResQ on the same weight read).
 - ``kernels.resq``: the fused Rollout-ResQ quantizer (Q(X), 2:4-sparse Q(X - Q(X))) and its GEMM.
-- ``kernels.cuda_decode``: the CUDA C++ decode GEMM (``csrc/w4_decode.cu``, built with nvcc on first use) and the
-  weight layout it reads, with a PyTorch emulation of its dequantization for CPU tests.
+- ``kernels.cuda_decode``: the CUDA C++ decode GEMMs (``csrc/w4_wgmma.cu`` on the warpgroup MMA, ``csrc/w4_decode.cu``
+  on mma.sync; their shared device code ``csrc/w4_device.h``; built with nvcc on first use) and the weight layout
+  they read, with a PyTorch emulation of its dequantization for CPU tests.
 - ``kernels.cuda_quantize``: the CUDA C++ both-layouts quantizer (``csrc/quant_both.cu``): a training operand's
   two exact BF16 expansions (along K and along the tokens) from one read; its unit math (``csrc/quant_math.h``)
-  is also built for the host in the CPU tests. ``kernels._nvcc`` builds and loads both CUDA sources.
+  is also built for the host in the CPU tests. ``kernels._nvcc`` builds and loads the CUDA sources.
 - ``kernels.decode_ops``: fused elementwise kernels of the native engine's decode step (residual add + RMSNorm,
   RoPE + KV-cache write, SwiGLU), each beside its PyTorch twin.
 - ``kernels.logprobs``: fused next-token log-probs, entropy and their gradient over a (vocab-parallel) logits row,

@@ -1,21 +1,26 @@
-"""The CUDA C++ decode GEMM (``kernels/csrc/w4_decode.cu``): packed HiF4/MXFP4 weights x BF16 activations, M <= 64.
+"""The CUDA C++ decode GEMMs: packed HiF4/MXFP4 weights x BF16 activations, M <= 64.
 
     dw = to_decode_layout(qt, wide)        # once per weight update (PreparedWeight.decode)
     y = w4_decode(x_bf16, dw)              # fp32 [M, N] = x . deq(W)^T, exact products, fp32 accumulation
 
 The weight is re-laid out once so that each lane of a warp reads, with one 16-byte load per 64 values of K, the
-codes of its mma.m16n8k16 A fragments (the .cu file says how); the kernel dequantizes them in registers with a few
-bit operations per pair of values (the same bit-exact tricks as the Triton decode kernel) and multiplies on the
-BF16 tensor cores with fp32 accumulation. W4A4 and ResQ's bf16 sum call it on the activations' exact BF16
-expansion. Built with nvcc per configuration on first use (sm_90a), cached in ``kernels/_build`` (or
-``MEGATRON_FP4_BUILD_DIR``), loaded with ctypes; ``MEGATRON_FP4_CUDA_DECODE=0`` turns it off (the Triton kernel
-serves). Without CUDA or nvcc nothing here runs but :func:`to_decode_layout` and :func:`decode_layout_dequantize`
-(its PyTorch emulation, what the CPU tests check bit for bit against the reference quantizer).
+codes of its BF16 MMA A fragments (``kernels/csrc/w4_decode.cu`` says how); the kernels dequantize them in registers
+with a few bit operations per pair of values (the same bit-exact tricks as the Triton decode kernel,
+``kernels/csrc/w4_device.h``) and multiply on the BF16 tensor cores with fp32 accumulation. Two kernels read that
+layout: ``w4_wgmma.cu`` (Hopper's warpgroup MMA: a warpgroup's 64 weight rows x up to 64 tokens per instruction,
+the activations staged once per block in shared memory) and ``w4_decode.cu`` (mma.sync m16n8k16);
+:func:`default_kernel` picks one by weight size (``MEGATRON_FP4_DECODE_KERNEL=wgmma|mma`` forces one). W4A4 and
+ResQ's bf16 sum call them on the activations' exact BF16 expansion. Built with nvcc per configuration on first use
+(sm_90a), cached in ``kernels/_build`` (or ``MEGATRON_FP4_BUILD_DIR``), loaded with ctypes;
+``MEGATRON_FP4_CUDA_DECODE=0`` turns them off (the Triton kernel serves). Without CUDA or nvcc nothing here runs but
+:func:`to_decode_layout` and :func:`decode_layout_dequantize` (its PyTorch emulation, what the CPU tests check bit
+for bit against the reference quantizer).
 """
 
 from __future__ import annotations
 
 import ctypes
+import functools
 import os
 from dataclasses import dataclass
 from typing import Optional
@@ -26,7 +31,8 @@ from kernels import _nvcc
 from megatron_fp4.formats import QuantizedTensor
 
 __all__ = ["DecodeWeight", "to_decode_layout", "decode_layout_dequantize", "available", "w4_decode",
-           "DECODE_TILES", "build", "prebuild"]
+           "DECODE_TILES", "WGMMA_TILES", "WGMMA_MAX_WEIGHT", "default_kernel", "build",
+           "prebuild"]
 
 _META_BYTES = {0: 80, 1: 32}  # per (16-row slab, 64-value chunk): HiF4, MXFP4
 _SLAB_PAD = 4  # slabs padded to a multiple of this (the largest slabs-per-warp tile)
@@ -126,7 +132,6 @@ def decode_layout_dequantize(dw: DecodeWeight) -> torch.Tensor:
     S, C = dw.slabs, dw.chunks
     w = dw.codes.to(torch.int64) & 0xFFFFFFFF  # [S, C, 32, 4]
     lane = torch.arange(32, device=w.device)
-    g = (lane >> 2).view(1, 1, 32, 1)
     s = torch.arange(4, device=w.device).view(1, 1, 1, 4)
     vals = []
     if dw.fmt_id == 1:
@@ -187,61 +192,111 @@ def decode_layout_dequantize(dw: DecodeWeight) -> torch.Tensor:
 # --------------------------------------------------------------------------------------------------------------------
 # Build, load, launch
 # --------------------------------------------------------------------------------------------------------------------
-#: Default tiles by (format id, token bucket): SPW slabs of 16 weight rows per warp, DEPTH chunks of 64 values in
-#: flight per warp (registers), WARPS per block (sharing each staged activation chunk), PER_SM target blocks per
-#: SM (split-K fills the GPU up to it).
+#: Default tiles of the mma.sync kernel by (format id, token bucket): SPW slabs of 16 weight rows per warp, DEPTH
+#: chunks of 64 values in flight per warp (registers), WARPS per block (sharing each staged activation chunk),
+#: PER_SM target blocks per SM (split-K fills the GPU up to it).
 DECODE_TILES = {  # from --decode-sweep on the 7B MLP shapes (docs/PERFORMANCE.md)
     **{(f, m): dict(SPW=2, DEPTH=2, WARPS=8, PER_SM=4) for f in (0, 1) for m in (8, 16)},
     **{(f, m): dict(SPW=1, DEPTH=4, WARPS=4, PER_SM=4) for f in (0, 1) for m in (32, 64)},
 }
-#: Token counts up to which :func:`kernels.dispatch.decode_matmul` prefers this kernel to the Triton one.
+#: Default tiles of the wgmma kernel by (format id, token bucket): WGS warpgroups (64 weight rows each) per block,
+#: DEPTH chunks in flight per warp, XST shared-memory stages of activations, MINB blocks per SM the registers allow
+#: (also the split-K target).
+WGMMA_TILES = {  # no register spills (ptxas); M = 16 and 64 measured on the H200 (docs/PERFORMANCE.md, session 19)
+    **{(f, m): dict(WGS=2, DEPTH=4, XST=4, MINB=2) for f in (0, 1) for m in (8, 16, 32)},
+    **{(f, 64): dict(WGS=2, DEPTH=2, XST=4, MINB=2) for f in (0, 1)},
+}
+#: Weights of up to this many values (N x K) take the wgmma kernel, larger ones the mma.sync kernel: on the H200 at
+#: M = 16 wgmma beat mma.sync on every Qwen2.5-1.5B weight (1536 x 1536 .. 1536 x 8960: 1.10-1.27x) and lost on the
+#: 7B MLP weights (3584 x 18944 both ways: 0.81-0.91x), benchmarks/results/decode_h200_s19.json.
+WGMMA_MAX_WEIGHT = 32 * 2 ** 20
+#: Token counts up to which :func:`kernels.dispatch.decode_matmul` prefers these kernels to the Triton one.
 MAX_M = int(os.environ.get("MEGATRON_FP4_CUDA_DECODE_MAX_M", "64"))
-_SOURCE = "w4_decode.cu"
-_ARGTYPES = [ctypes.c_void_p] * 4 + [ctypes.c_int] * 8 + [ctypes.c_void_p]  # w4_decode_launch
+_SOURCES = {"mma": "w4_decode.cu", "wgmma": "w4_wgmma.cu"}
+_SYMBOLS = {"mma": "w4_decode_launch", "wgmma": "w4_wgmma_launch"}
+_ARGTYPES = [ctypes.c_void_p] * 4 + [ctypes.c_int] * 8 + [ctypes.c_void_p]  # both launchers
 
 
 def available() -> bool:
-    """Whether the CUDA decode kernel can serve: a Hopper GPU (sm_90), nvcc to build it, not disabled by
+    """Whether the CUDA decode kernels can serve: a Hopper GPU (sm_90), nvcc to build them, not disabled by
     ``MEGATRON_FP4_CUDA_DECODE=0``, and no earlier build failure."""
-    if os.environ.get("MEGATRON_FP4_CUDA_DECODE", "1") == "0" or _nvcc.build_failed(_SOURCE):
+    if os.environ.get("MEGATRON_FP4_CUDA_DECODE", "1") == "0" or any(map(_nvcc.build_failed, _SOURCES.values())):
         return False
     if not torch.cuda.is_available() or torch.cuda.get_device_capability() != (9, 0):
         return False
     return _nvcc.nvcc() is not None
 
 
-def _defines(key: tuple) -> dict:
-    fmt_id, wide, nt, spw, depth, warps = key
-    return dict(FMT=fmt_id, WIDE=wide, NT=nt, SPW=spw, DEPTH=depth, WARPS=warps)
+def default_kernel(n: int, k: int) -> str:
+    """The decode kernel for a weight ``[n, k]``: "wgmma" up to :data:`WGMMA_MAX_WEIGHT` values, else "mma"."""
+    return "wgmma" if n * k <= WGMMA_MAX_WEIGHT else "mma"
 
 
-def build(fmt_id: int, wide: bool, nt: int, spw: int, depth: int, warps: int):
+def _kernel(dw: "DecodeWeight", config: Optional[dict]) -> str:
+    kernel = ((config or {}).get("KERNEL") or os.environ.get("MEGATRON_FP4_DECODE_KERNEL")
+              or default_kernel(dw.n, dw.k))
+    if kernel not in _SOURCES:
+        raise ValueError(f"decode kernel {kernel!r} is not valid; allowed values: {', '.join(map(repr, _SOURCES))}")
+    return kernel
+
+
+def _tile(kernel: str, fmt_id: int, ntok: int, config: Optional[dict]) -> dict:
+    cfg = dict((WGMMA_TILES if kernel == "wgmma" else DECODE_TILES)[(fmt_id, ntok)])
+    cfg.update({k: v for k, v in (config or {}).items() if k != "KERNEL"})
+    return cfg
+
+
+def _defines(kernel: str, fmt_id: int, wide: bool, ntok: int, cfg: dict) -> dict:
+    if kernel == "wgmma":
+        return dict(FMT=fmt_id, WIDE=int(wide), NTOK=ntok, WGS=cfg["WGS"], DEPTH=cfg["DEPTH"], XST=cfg["XST"],
+                    MINB=cfg["MINB"])
+    return dict(FMT=fmt_id, WIDE=int(wide), NT=ntok // 8, SPW=cfg["SPW"], DEPTH=cfg["DEPTH"], WARPS=cfg["WARPS"])
+
+
+def build(kernel: str, fmt_id: int, wide: bool, ntok: int, cfg: dict):
     """The compiled launcher of one configuration (built on first use; returns the ctypes function)."""
-    return _nvcc.launcher(_SOURCE, _defines((fmt_id, int(wide), nt, spw, depth, warps)), "w4_decode_launch",
-                          _ARGTYPES)
+    return _nvcc.launcher(_SOURCES[kernel], _defines(kernel, fmt_id, wide, ntok, cfg), _SYMBOLS[kernel], _ARGTYPES)
 
 
-def prebuild(tiles: Optional[list] = None, nts=(2, 8), workers: int = 0) -> int:
-    """Compile configurations in parallel ahead of use: every default tile for both formats, the wide MXFP4
-    variant and every token bucket, plus ``tiles`` (dicts with SPW / DEPTH / WARPS) for token buckets ``nts``
-    (NT = tokens / 8). Returns how many."""
-    keys = {(f, w, nt, t["SPW"], t["DEPTH"], t["WARPS"]) for t in DECODE_TILES.values()
-            for f, w in ((0, 0), (1, 0), (1, 1)) for nt in (1, 2, 4, 8)}
-    keys |= {(f, 0, nt, t["SPW"], t["DEPTH"], t["WARPS"]) for t in tiles or [] for f in (0, 1) for nt in nts}
+def prebuild(tiles: Optional[list] = None, ntoks=(16, 64), workers: int = 0) -> int:
+    """Compile configurations in parallel ahead of use: both kernels' default tiles for both formats, the wide
+    MXFP4 variant and every token bucket, plus ``tiles`` (dicts with KERNEL and its tile keys) for token buckets
+    ``ntoks``. Returns how many."""
+    jobs = {(kernel, f, w, m, tuple(sorted(_tile(kernel, f, m, None).items())))
+            for kernel in _SOURCES for f, w in ((0, 0), (1, 0), (1, 1)) for m in (8, 16, 32, 64)}
+    jobs |= {(t["KERNEL"], f, 0, m, tuple(sorted(_tile(t["KERNEL"], f, m, t).items())))
+             for t in tiles or [] for f in (0, 1) for m in ntoks}
     from concurrent.futures import ThreadPoolExecutor
 
+    def one(job):
+        kernel, f, w, m, cfg = job
+        _nvcc.compile_library(_SOURCES[kernel], _defines(kernel, f, bool(w), m, dict(cfg)))
+
     with ThreadPoolExecutor(max_workers=workers or os.cpu_count() or 4) as ex:
-        list(ex.map(lambda k: _nvcc.compile_library(_SOURCE, _defines(k)), sorted(keys)))
-    return len(keys)
+        list(ex.map(one, sorted(jobs)))
+    return len(jobs)
 
 
-def _nt(M: int) -> int:
-    return 1 if M <= 8 else 2 if M <= 16 else 4 if M <= 32 else 8
+@functools.lru_cache(maxsize=None)
+def _balanced_split(row_blocks: int, chunks: int, slots: int) -> int:
+    """Split-K for ``row_blocks`` x split blocks on ``slots`` resident blocks: the fewest splits that minimize
+    waves x (chunks per block + 2, its pipeline fill and epilogue): a second, nearly empty wave of blocks costs as
+    much as the first."""
+    def cost(split):
+        cps = -(-chunks // split)
+        return -(-row_blocks * -(-chunks // cps) // slots) * (cps + 2)
+
+    return min(range(1, chunks + 1), key=lambda sp: (cost(sp), sp))
+
+
+def _ntok(M: int) -> int:
+    return 8 if M <= 8 else 16 if M <= 16 else 32 if M <= 32 else 64
 
 
 def w4_decode(x: torch.Tensor, dw: DecodeWeight, config: Optional[dict] = None,
               out: Optional[torch.Tensor] = None) -> torch.Tensor:
-    """fp32 ``x [M, K] . deq(W)^T`` for BF16 ``x`` (M <= 64) and a :class:`DecodeWeight` (CUDA, sm_90)."""
+    """fp32 ``x [M, K] . deq(W)^T`` for BF16 ``x`` (M <= 64) and a :class:`DecodeWeight` (CUDA, sm_90).
+    ``config``: a tile override (``KERNEL`` "wgmma" | "mma" and that kernel's tile keys, SPLIT to force split-K)."""
     M = x.shape[0]
     if not 0 < M <= 64:
         raise ValueError(f"w4_decode is the decode kernel (0 < M <= 64), got M={M}")
@@ -254,15 +309,22 @@ def w4_decode(x: torch.Tensor, dw: DecodeWeight, config: Optional[dict] = None,
         x = torch.nn.functional.pad(x, (0, kc - x.shape[1]))
     if not x.is_contiguous() or x.data_ptr() % 16:
         x = x.contiguous()
-    nt = _nt(M)
-    cfg = dict(DECODE_TILES[(dw.fmt_id, 8 * nt)])
-    if config:
-        cfg.update(config)
-    fn = build(dw.fmt_id, dw.wide, nt, cfg["SPW"], cfg["DEPTH"], cfg["WARPS"])
+    ntok = _ntok(M)
+    kernel = _kernel(dw, config)
+    cfg = _tile(kernel, dw.fmt_id, ntok, config)
+    fn = build(kernel, dw.fmt_id, dw.wide, ntok, cfg)
     S, C = dw.slabs, dw.chunks
-    row_blocks = -(-S // (cfg["WARPS"] * cfg["SPW"]))
+    if kernel == "wgmma":
+        row_blocks, per_sm = -(-S // (4 * cfg["WGS"])), cfg["MINB"]
+    else:
+        row_blocks, per_sm = -(-S // (cfg["WARPS"] * cfg["SPW"])), cfg["PER_SM"]
     sms = torch.cuda.get_device_properties(x.device).multi_processor_count
-    split = cfg.get("SPLIT") or max(1, min(C, round(cfg["PER_SM"] * sms / row_blocks)))
+    if cfg.get("SPLIT"):
+        split = cfg["SPLIT"]
+    elif kernel == "wgmma":
+        split = _balanced_split(row_blocks, C, per_sm * sms)
+    else:
+        split = max(1, min(C, round(per_sm * sms / row_blocks)))
     cps = -(-C // split)
     split = -(-C // cps)
     if out is None:

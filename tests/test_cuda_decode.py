@@ -1,9 +1,10 @@
-"""The CUDA decode GEMM (kernels/cuda_decode.py, kernels/csrc/w4_decode.cu).
+"""The CUDA decode GEMMs (kernels/cuda_decode.py, kernels/csrc/w4_decode.cu and w4_wgmma.cu).
 
 CPU: the decode layout, read back with a PyTorch emulation of the kernel's bit operations, gives the reference
 quantizer's dequantized weight bit for bit (HiF4 and MXFP4, NaN units/blocks, MXFP4 wide scales, ragged N and K).
-GPU (``gpu``): the kernel itself, bit-exact on one-hot activations (each output is one weight value) and equal to
-the fp64 product of the same operands within fp32 summation error; the rollout dispatch path.
+GPU (``gpu``): both kernels (mma.sync and wgmma, several tiles each), bit-exact on one-hot activations (each output
+is one weight value) and equal to the fp64 product of the same operands within fp32 summation error; the rollout
+dispatch path.
 """
 
 import pytest
@@ -54,6 +55,21 @@ def test_decode_layout_rejects_other_formats():
         to_decode_layout(get_format("nvfp4").quantize(torch.randn(16, 64), dim=-1))
 
 
+def test_decode_kernel_choice_and_split():
+    from kernels import cuda_decode as cd
+
+    # the measured split: 7B MLP weights take mma.sync, the 1.5B ones (and 7B attention) wgmma
+    assert cd.default_kernel(18944, 3584) == cd.default_kernel(3584, 18944) == "mma"
+    assert {cd.default_kernel(n, k) for n, k in ((8960, 1536), (1536, 8960), (2048, 1536), (3584, 3584))} == {"wgmma"}
+    # whole waves: 148 row blocks x 56 chunks on 264 slots: not 2 splits (296 blocks, a second wave of 32)
+    assert cd._balanced_split(148, 56, 264) == 7
+    assert cd._balanced_split(28, 296, 264) == 9  # one wave of 252 blocks
+    assert cd._balanced_split(300, 4, 600) == 2 and cd._balanced_split(4, 1, 264) == 1
+    qt = get_format("hif4").quantize(torch.randn(16, 64), dim=-1)
+    with pytest.raises(ValueError, match="allowed values: 'mma', 'wgmma'"):
+        cd.w4_decode(torch.zeros(2, 64, dtype=torch.bfloat16), to_decode_layout(qt), config={"KERNEL": "tma"})
+
+
 # ---------------------------------------------------------------------------------------------------------------
 # GPU
 # ---------------------------------------------------------------------------------------------------------------
@@ -65,10 +81,16 @@ def _cuda_ready():
     return cuda_decode
 
 
+#: Tiles of both kernels: the defaults (None: per token bucket), and others that change the loop structure.
+GPU_TILES = [None, dict(KERNEL="mma", SPW=2, DEPTH=2, WARPS=4, PER_SM=2), dict(KERNEL="mma", SPW=1, DEPTH=8, WARPS=8,
+                                                                                PER_SM=4),
+             dict(KERNEL="wgmma"), dict(KERNEL="wgmma", WGS=2, DEPTH=2, XST=3, MINB=2),
+             dict(KERNEL="wgmma", WGS=1, DEPTH=4, XST=4, MINB=4)]
+
+
 @pytest.mark.gpu
 @pytest.mark.parametrize("name", ["hif4", "mxfp4"])
-@pytest.mark.parametrize("tile", [None, dict(SPW=2, DEPTH=2, WARPS=4, PER_SM=2), dict(SPW=1, DEPTH=8, WARPS=8,
-                                                                                      PER_SM=4)])
+@pytest.mark.parametrize("tile", GPU_TILES)
 def test_gpu_decode_bit_exact_one_hot(name, tile):
     cd = _cuda_ready()
     N, K = 72, 320
@@ -97,7 +119,8 @@ def test_gpu_decode_matches_fp64_product(name, M):
     dw = to_decode_layout(qt, _wide(qt))
     x = torch.randn(M, K, device="cuda").to(torch.bfloat16)
     ref = x.double() @ qt.dequantize().double().t()
-    for tile in (None, dict(SPW=2, DEPTH=4, WARPS=4, PER_SM=4), dict(SPLIT=1)):
+    for tile in (*GPU_TILES, dict(KERNEL="mma", SPLIT=1), dict(KERNEL="wgmma", SPLIT=1),
+                 dict(KERNEL="wgmma", SPLIT=3)):
         got = cd.w4_decode(x, dw, config=tile)
         assert got.shape == (M, N) and got.dtype == torch.float32
         assert ((got.double() - ref).norm() / ref.norm()).item() < 1e-5

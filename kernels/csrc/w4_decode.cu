@@ -44,20 +44,7 @@
 #define XST 4  // shared-memory stages of activation chunks
 #endif
 
-#define DINL __device__ __forceinline__
-
-DINL uint32_t bmul(uint32_t a, uint32_t b) {
-  uint32_t d;
-  asm("mul.rn.bf16x2 %0, %1, %2;" : "=r"(d) : "r"(a), "r"(b));
-  return d;
-}
-DINL uint32_t bfma(uint32_t a, uint32_t b, uint32_t c) {
-  uint32_t d;
-  asm("fma.rn.bf16x2 %0, %1, %2, %3;" : "=r"(d) : "r"(a), "r"(b), "r"(c));
-  return d;
-}
-DINL uint32_t dup_lo(uint32_t v) { return __byte_perm(v, 0, 0x1010); }
-DINL uint32_t dup_hi(uint32_t v) { return __byte_perm(v, 0, 0x3232); }
+#include "w4_device.h"
 
 DINL void mma(float* c, uint32_t a0, uint32_t a1, uint32_t a2, uint32_t a3, uint32_t b0, uint32_t b1) {
   asm volatile(
@@ -67,103 +54,6 @@ DINL void mma(float* c, uint32_t a0, uint32_t a1, uint32_t a2, uint32_t a3, uint
       : "r"(a0), "r"(a1), "r"(a2), "r"(a3), "r"(b0), "r"(b1));
 }
 
-#if FMT == 1
-// MXFP4 chunk state: bf16x2 factors per (row g / g + 8, block 0 / 1), duplicated in both halves.
-struct Scales {
-  uint32_t f[2][2];
-#if WIDE
-  uint32_t h[2][2];
-#endif
-};
-DINL uint32_t mx_pair(uint32_t p) {  // two E8M0 bytes in the 16-bit halves -> bf16 bits of 2^(s - 1), NaN for 255
-#if WIDE
-  uint32_t lo = p & 0xFFFF, hi = p >> 16;
-  lo = lo == 255 ? 0x7FC0u : (min(lo + 126u, 254u) << 7);
-  hi = hi == 255 ? 0x7FC0u : (min(hi + 126u, 254u) << 7);
-  return lo | (hi << 16);
-#else
-  uint32_t f = (p + 0x007E007Eu) << 7;
-  if (__builtin_expect((p & 0xFFu) == 0xFFu, 0)) f = (f & 0xFFFF0000u) | 0x7FC0u;
-  if (__builtin_expect((p & 0x00FF0000u) == 0x00FF0000u, 0)) f = (f & 0xFFFFu) | 0x7FC00000u;
-  return f;
-#endif
-}
-#if WIDE
-DINL uint32_t mx_pair2(uint32_t p) {  // the second factor 2^(max(s + 126 - 254, 0)) (bf16 bits)
-  uint32_t lo = p & 0xFFFF, hi = p >> 16;
-  lo = ((lo + 126u > 254u ? lo + 126u - 254u : 0u) + 127u) << 7;
-  hi = ((hi + 126u > 254u ? hi + 126u - 254u : 0u) + 127u) << 7;
-  return lo | (hi << 16);
-}
-#endif
-DINL Scales make_scales(uint32_t m) {  // m: bytes [s(g, b0), s(g, b1), s(g + 8, b0), s(g + 8, b1)]
-  Scales S;
-  const uint32_t p0 = __byte_perm(m, 0, 0x7270);  // lo = byte 0, hi = byte 2 (16-bit halves, zero-extended)
-  const uint32_t p1 = __byte_perm(m, 0, 0x7371);  // lo = byte 1, hi = byte 3
-  const uint32_t f0 = mx_pair(p0), f1 = mx_pair(p1);
-  S.f[0][0] = dup_lo(f0); S.f[1][0] = dup_hi(f0); S.f[0][1] = dup_lo(f1); S.f[1][1] = dup_hi(f1);
-#if WIDE
-  const uint32_t h0 = mx_pair2(p0), h1 = mx_pair2(p1);
-  S.h[0][0] = dup_lo(h0); S.h[1][0] = dup_hi(h0); S.h[0][1] = dup_lo(h1); S.h[1][1] = dup_hi(h1);
-#endif
-  return S;
-}
-template <int J>
-DINL uint32_t mx_val(uint32_t w, const Scales& S, int blk) {
-  const uint32_t src = w << (12 - 4 * J);
-  uint32_t a = ((src >> 6) & 0x01C001C0u) | (src & 0x80008000u);
-  a = bmul(a, S.f[J & 1][blk]);
-#if WIDE
-  a = bmul(a, S.h[J & 1][blk]);
-#endif
-  return a;
-}
-DINL void dequant(uint32_t w, const Scales& S, int s, uint32_t* a) {
-  const int blk = s >> 1;
-  a[0] = mx_val<0>(w, S, blk);
-  a[1] = mx_val<1>(w, S, blk);
-  a[2] = mx_val<2>(w, S, blk);
-  a[3] = mx_val<3>(w, S, blk);
-}
-#else
-// HiF4 chunk state: E (2-bit exponent sums e(row g, step s) at bits 2s, e(row g + 8, s) at 16 + 2s) and the
-// bf16 bits of E6M2 / 4 for rows g (low half) and g + 8 (high half).
-struct Scales {
-  uint32_t e, base;
-};
-DINL Scales make_scales(uint32_t m) {  // m: low 16 bits: e bits (lane); high 16 bits: E6M2 codes of rows g, g + 8
-  Scales S;
-  S.e = __byte_perm(m, 0, 0x7170);      // e bits of row g -> low half, row g + 8 -> high half
-  const uint32_t cp = __byte_perm(m, 0, 0x7372);  // E6M2 codes in the two halves
-  uint32_t base = ((((cp >> 2) & 0x003F003Fu) + 0x004D004Du) << 7) | ((cp & 0x00030003u) << 5);
-  if (__builtin_expect((cp & 0xFFu) == 0xFFu, 0)) base = (base & 0xFFFF0000u) | 0x7FC0u;
-  if (__builtin_expect((cp & 0x00FF0000u) == 0x00FF0000u, 0)) base = (base & 0xFFFFu) | 0x7FC00000u;
-  S.base = base;
-  return S;
-}
-DINL void dequant(uint32_t w, const Scales& S, int s, uint32_t* a) {
-  const uint32_t fp = S.base + (((S.e >> (2 * s)) & 0x00030003u) << 7);
-  const uint32_t fg = dup_lo(fp), fh = dup_hi(fp);
-  const uint32_t n128 = bmul(fg, 0xC300C300u), n8 = bmul(fh, 0xC100C100u);
-  const uint32_t t = w >> 8;
-  a[0] = bfma((w & 0x00070007u) | 0x43004300u, fg, n128) ^ ((w << 12) & 0x80008000u);
-  a[1] = bfma((w & 0x00700070u) | 0x41004100u, fh, n8) ^ ((w << 8) & 0x80008000u);
-  a[2] = bfma((t & 0x00070007u) | 0x43004300u, fg, n128) ^ ((w << 4) & 0x80008000u);
-  a[3] = bfma((t & 0x00700070u) | 0x41004100u, fh, n8) ^ (w & 0x80008000u);
-}
-#endif
-
-#if FMT == 1
-#define META_WORDS 8  // 32-bit words per (slab, chunk)
-DINL uint32_t load_meta(const uint32_t* __restrict__ p, int lane) { return __ldg(p + (lane >> 2)); }
-#else
-#define META_WORDS 20  // 80 bytes: 32 x 16-bit e bits (per lane), 8 x 16-bit E6M2 codes (per g)
-DINL uint32_t load_meta(const uint32_t* __restrict__ p, int lane) {
-  const uint16_t* q = reinterpret_cast<const uint16_t*>(p);
-  return (uint32_t)__ldg(q + lane) | ((uint32_t)__ldg(q + 32 + (lane >> 2)) << 16);
-}
-#endif
-
 #define XS 80  // bf16 per staged activation row: 64 values + 16 padding (LDS.64 of a warp conflict-free)
 #define MT (8 * NT)
 
@@ -171,9 +61,6 @@ DINL void cp_async16(void* smem, const void* gmem) {
   const uint32_t s = (uint32_t)__cvta_generic_to_shared(smem);
   asm volatile("cp.async.cg.shared.global [%0], [%1], 16;" ::"r"(s), "l"(gmem));
 }
-DINL void cp_commit() { asm volatile("cp.async.commit_group;"); }
-template <int N_>
-DINL void cp_wait() { asm volatile("cp.async.wait_group %0;" ::"n"(N_)); }
 
 // Stage activation chunk c (MT rows x 64 values; rows past M repeat row M - 1) into a shared-memory tile.
 DINL void stage_x(uint16_t* tile, const uint16_t* __restrict__ x, int M, int ldx, int c) {

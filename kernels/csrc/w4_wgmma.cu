@@ -1,0 +1,254 @@
+// Decode GEMM on Hopper's warpgroup MMA: out[M, N] (+)= x[M, K] . deq(W[N, K])^T for packed HiF4 / MXFP4 weights
+// in the decode layout (kernels/cuda_decode.py: to_decode_layout, the same layout as w4_decode.cu), M <= 64.
+//
+// Built per configuration by kernels/cuda_decode.py (nvcc, cached): -DFMT=0 (HiF4) | 1 (MXFP4), -DWIDE (MXFP4
+// block scales above 2^1), -DNTOK (token tile: the wgmma N, 8 | 16 | 32 | 64), -DWGS (warpgroups per block), -DDEPTH
+// (chunks of weights in flight per warp, in registers), -DXST (shared-memory stages of activation chunks), -DMINB
+// (blocks per SM the registers must allow).
+//
+// Each warpgroup owns one 64-row tile of W (four 16-row slabs of the decode layout, one per warp). Per 64-value chunk
+// of K a warp loads its slab's codes (one 16-byte load per lane), dequantizes them exactly into the BF16 A fragment of
+// wgmma m64nNk16 (per warp the same fragment as mma.m16n8k16's, so w4_device.h serves both kernels) and the
+// warpgroup issues four wgmma with A from registers and the activations (B, N = NTOK tokens) from shared memory,
+// fp32 accumulation. The wgmmas of chunk c run while the warps dequantize chunk c + 1 (two A register sets; one
+// wgmma group in flight).
+//
+// The decode layout permutes the MMA's K order within each k16 step (MMA k 2t + i <-> K 4t + i, MMA k 2t + 8 + i <->
+// K 4t + 2 + i), so the activations are staged in that order (store_x): the bf16 pairs of K {0,1}, {4,5}, {8,9},
+// {12,13} of a step form the first 8x8 core matrix and {2,3}, {6,7}, {10,11}, {14,15} the second (K-major, no
+// swizzle: core matrix (token group ng, K half kh) at byte (ng * 2 + kh) * 128 of the step, LBO 128, SBO 256).
+// Staging goes through registers, one chunk ahead: loaded in one iteration, stored to shared memory in the next,
+// read by the wgmmas XST - 2 iterations later. Tokens past M repeat token M - 1 (their sums are never stored).
+// Split-K: blockIdx.y takes chunks [y * cps, (y + 1) * cps); with gridDim.y > 1 partial sums are added atomically
+// into a zeroed fp32 output.
+#include <cuda_runtime.h>
+#include <stdint.h>
+
+#ifndef FMT
+#define FMT 1
+#endif
+#ifndef WIDE
+#define WIDE 0
+#endif
+#ifndef NTOK
+#define NTOK 64
+#endif
+#ifndef WGS
+#define WGS 2
+#endif
+#ifndef DEPTH
+#define DEPTH 4
+#endif
+#ifndef XST
+#define XST 4
+#endif
+#ifndef MINB
+#define MINB 2  // blocks per SM the register allocation must allow
+#endif
+#if DEPTH % 2 || XST < 3
+#error "DEPTH must be even (the two A register sets alternate per chunk) and XST >= 3"
+#endif
+
+#include "w4_device.h"
+
+#define THREADS (WGS * 128)
+#define STEP_BYTES (NTOK * 32)      // one k16 step of B: NTOK tokens x 16 bf16
+#define STAGE_BYTES (4 * STEP_BYTES)  // one 64-value chunk
+
+template <int N_>
+DINL void wgmma_rs(float* d, const uint32_t* a, uint64_t desc);
+template <>
+DINL void wgmma_rs<8>(float* d, const uint32_t* a, uint64_t desc) {
+  asm volatile(
+      "wgmma.mma_async.sync.aligned.m64n8k16.f32.bf16.bf16 "
+      "{%0, %1, %2, %3} "
+      ", {%4, %5, %6, %7}, %8, 1, 1, 1, 0;"
+      : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3])
+      : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(desc));
+}
+
+template <>
+DINL void wgmma_rs<16>(float* d, const uint32_t* a, uint64_t desc) {
+  asm volatile(
+      "wgmma.mma_async.sync.aligned.m64n16k16.f32.bf16.bf16 "
+      "{%0, %1, %2, %3, %4, %5, %6, %7} "
+      ", {%8, %9, %10, %11}, %12, 1, 1, 1, 0;"
+      : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]), "+f"(d[6]), "+f"(d[7])
+      : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(desc));
+}
+
+template <>
+DINL void wgmma_rs<32>(float* d, const uint32_t* a, uint64_t desc) {
+  asm volatile(
+      "wgmma.mma_async.sync.aligned.m64n32k16.f32.bf16.bf16 "
+      "{%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15} "
+      ", {%16, %17, %18, %19}, %20, 1, 1, 1, 0;"
+      : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]), "+f"(d[6]), "+f"(d[7]),
+        "+f"(d[8]), "+f"(d[9]), "+f"(d[10]), "+f"(d[11]), "+f"(d[12]), "+f"(d[13]), "+f"(d[14]), "+f"(d[15])
+      : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(desc));
+}
+
+template <>
+DINL void wgmma_rs<64>(float* d, const uint32_t* a, uint64_t desc) {
+  asm volatile(
+      "wgmma.mma_async.sync.aligned.m64n64k16.f32.bf16.bf16 "
+      "{%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, %16, %17, %18, %19, %20, "
+      "%21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31} "
+      ", {%32, %33, %34, %35}, %36, 1, 1, 1, 0;"
+      : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]), "+f"(d[6]), "+f"(d[7]),
+        "+f"(d[8]), "+f"(d[9]), "+f"(d[10]), "+f"(d[11]), "+f"(d[12]), "+f"(d[13]), "+f"(d[14]), "+f"(d[15]),
+        "+f"(d[16]), "+f"(d[17]), "+f"(d[18]), "+f"(d[19]), "+f"(d[20]), "+f"(d[21]), "+f"(d[22]), "+f"(d[23]),
+        "+f"(d[24]), "+f"(d[25]), "+f"(d[26]), "+f"(d[27]), "+f"(d[28]), "+f"(d[29]), "+f"(d[30]), "+f"(d[31])
+      : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(desc));
+}
+
+DINL void wgmma_fence() { asm volatile("wgmma.fence.sync.aligned;" ::: "memory"); }
+DINL void wgmma_commit() { asm volatile("wgmma.commit_group.sync.aligned;" ::: "memory"); }
+template <int N_>
+DINL void wgmma_wait() { asm volatile("wgmma.wait_group.sync.aligned %0;" ::"n"(N_) : "memory"); }
+// Keeps the compiler from moving accumulator reads or writes across the asynchronous wgmmas.
+DINL void pin(float* d) {
+#pragma unroll
+  for (int i = 0; i < NTOK / 2; ++i) asm volatile("" : "+f"(d[i])::"memory");
+}
+
+// Shared-memory matrix descriptor of a K-major, unswizzled B step at shared address addr.
+DINL uint64_t b_desc(uint32_t addr) {
+  return (uint64_t)((addr & 0x3FFFF) >> 4) | ((uint64_t)(128 >> 4) << 16) | ((uint64_t)(256 >> 4) << 32);
+}
+
+// Activation staging through registers: per (token, k16 step) one thread loads the 32 bytes of 16 values (two
+// 16-byte loads, natural K order: bf16 pairs w0..w7) and stores the pairs w0, w2, w4, w6 as the token's row of the
+// step's first core matrix and w1, w3, w5, w7 as its row of the second: the MMA's K order, two 16-byte stores.
+// Pair index p: token % 8 in the low 3 bits (8 lanes store 128 contiguous bytes), then the step, then token / 8.
+#define PAIRS (NTOK * 4)
+#define PAIRS_PER_THREAD ((PAIRS + THREADS - 1) / THREADS)
+struct XRegs {
+  uint4 v[PAIRS_PER_THREAD][2];
+};
+DINL void load_x(XRegs& r, const uint4* __restrict__ x, int M, int ldx16, int c) {
+#pragma unroll
+  for (int i = 0; i < PAIRS_PER_THREAD; ++i) {
+    const int p = threadIdx.x + i * THREADS;
+    if (PAIRS % THREADS == 0 || p < PAIRS) {
+      const int m = min((p >> 5) * 8 + (p & 7), M - 1), s = (p >> 3) & 3;
+      const uint4* src = x + (size_t)m * ldx16 + c * 8 + s * 2;
+      r.v[i][0] = __ldg(src);
+      r.v[i][1] = __ldg(src + 1);
+    }
+  }
+}
+DINL void store_x(const XRegs& r, uint8_t* stage) {
+#pragma unroll
+  for (int i = 0; i < PAIRS_PER_THREAD; ++i) {
+    const int p = threadIdx.x + i * THREADS;
+    if (PAIRS % THREADS == 0 || p < PAIRS) {
+      uint8_t* dst = stage + ((p >> 3) & 3) * STEP_BYTES + (p >> 5) * 256 + (p & 7) * 16;
+      const uint4 a = r.v[i][0], b = r.v[i][1];
+      *reinterpret_cast<uint4*>(dst) = make_uint4(a.x, a.z, b.x, b.z);
+      *reinterpret_cast<uint4*>(dst + 128) = make_uint4(a.y, a.w, b.y, b.w);
+    }
+  }
+  asm volatile("fence.proxy.async.shared::cta;" ::: "memory");  // these generic stores -> the wgmmas' reads
+}
+
+extern "C" __global__ void __launch_bounds__(THREADS, MINB)
+w4_wgmma_kernel(const uint4* __restrict__ codes, const uint32_t* __restrict__ meta, const uint4* __restrict__ x,
+                float* __restrict__ out, int M, int N, int S, int C, int ldx16, int ldo, int cps) {
+  __shared__ __align__(128) uint8_t xs[XST * STAGE_BYTES];
+  const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
+  const int g = lane >> 2, t = lane & 3;
+  const int slab = (blockIdx.x * WGS + (warp >> 2)) * 4 + (warp & 3);
+  const bool active = slab < S;  // S is a multiple of 4: a warpgroup is active as a whole
+  const int c0 = blockIdx.y * cps;
+  const int nch = min(C, c0 + cps) - c0;
+  if (nch <= 0) return;  // block-uniform
+  const uint32_t xs0 = (uint32_t)__cvta_generic_to_shared(xs);
+
+  const size_t unit = (size_t)min(slab, S - 1) * C + c0;
+  const uint4* wp = codes + unit * 32 + lane;
+  const uint32_t* mp = meta + unit * META_WORDS;
+  float acc[NTOK / 2];
+#pragma unroll
+  for (int i = 0; i < NTOK / 2; ++i) acc[i] = 0.f;
+
+  XRegs xr;
+#pragma unroll
+  for (int st = 0; st < XST - 2; ++st) {
+    if (st < nch) {
+      load_x(xr, x, M, ldx16, c0 + st);
+      store_x(xr, xs + st * STAGE_BYTES);
+    }
+  }
+  if (XST - 2 < nch) load_x(xr, x, M, ldx16, c0 + XST - 2);  // stored in iteration 0
+  uint4 wq[DEPTH];
+  uint32_t mq[DEPTH];
+#pragma unroll
+  for (int d = 0; d < DEPTH; ++d) {
+    if (d < nch) {
+      wq[d] = __ldg(wp + d * 32);
+      mq[d] = load_meta(mp + d * META_WORDS, lane);
+    }
+  }
+  uint32_t a[2][4][4];  // [chunk parity][k16 step][fragment register]
+
+  for (int k = 0; k < nch; k += DEPTH) {
+#pragma unroll
+    for (int d = 0; d < DEPTH; ++d) {
+      const int kk = k + d;
+      if (kk < nch) {  // block-uniform
+        const uint4 w = wq[d];
+        const Scales sc = make_scales(mq[d]);
+        if (kk + DEPTH < nch) {
+          wq[d] = __ldg(wp + (d + DEPTH) * 32);
+          mq[d] = load_meta(mp + (d + DEPTH) * META_WORDS, lane);
+        }
+        dequant(w.x, sc, 0, a[d & 1][0]);
+        dequant(w.y, sc, 1, a[d & 1][1]);
+        dequant(w.z, sc, 2, a[d & 1][2]);
+        dequant(w.w, sc, 3, a[d & 1][3]);
+        __syncthreads();  // chunk kk staged by all threads; every warpgroup has retired the wgmmas of chunk kk - 2
+        if (kk + XST - 2 < nch) store_x(xr, xs + ((kk + XST - 2) % XST) * STAGE_BYTES);
+        if (kk + XST - 1 < nch) load_x(xr, x, M, ldx16, c0 + kk + XST - 1);
+        // Every warpgroup issues its wgmmas (an idle one multiplies a clamped slab and stores nothing): a wgmma
+        // under a thread-dependent branch makes ptxas serialize all of them.
+        const uint32_t stage = xs0 + (kk % XST) * STAGE_BYTES;
+        wgmma_fence();
+        pin(acc);
+#pragma unroll
+        for (int s = 0; s < 4; ++s) wgmma_rs<NTOK>(acc, a[d & 1][s], b_desc(stage + s * STEP_BYTES));
+        wgmma_commit();
+        pin(acc);
+        wgmma_wait<1>();  // chunk kk - 1's group has retired: its A registers and stage are free
+      }
+    }
+    wp += DEPTH * 32;
+    mp += DEPTH * META_WORDS;
+  }
+  wgmma_wait<0>();
+  pin(acc);
+  if (!active) return;
+
+  const bool atomic = gridDim.y > 1;
+  const int n0 = slab * 16 + g;
+#pragma unroll
+  for (int i = 0; i < NTOK / 8; ++i) {
+#pragma unroll
+    for (int r = 0; r < 4; ++r) {
+      const int n = n0 + (r >> 1) * 8, m = 8 * i + 2 * t + (r & 1);
+      if (n < N && m < M) {
+        float* p = out + (size_t)m * ldo + n;
+        if (atomic) atomicAdd(p, acc[4 * i + r]);
+        else *p = acc[4 * i + r];
+      }
+    }
+  }
+}
+
+extern "C" int w4_wgmma_launch(const void* codes, const void* meta, const void* x, void* out, int M, int N, int S,
+                               int C, int ldx, int ldo, int split, int cps, void* stream) {
+  dim3 grid((S / 4 + WGS - 1) / WGS, split);
+  w4_wgmma_kernel<<<grid, THREADS, 0, (cudaStream_t)stream>>>(
+      (const uint4*)codes, (const uint32_t*)meta, (const uint4*)x, (float*)out, M, N, S, C, ldx / 8, ldo, cps);
+  return (int)cudaGetLastError();
+}
