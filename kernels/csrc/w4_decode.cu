@@ -22,12 +22,6 @@
 #include <cuda_runtime.h>
 #include <stdint.h>
 
-#ifndef FMT
-#define FMT 1
-#endif
-#ifndef WIDE
-#define WIDE 0
-#endif
 #ifndef NT
 #define NT 2
 #endif
@@ -61,6 +55,9 @@ DINL void cp_async16(void* smem, const void* gmem) {
   const uint32_t s = (uint32_t)__cvta_generic_to_shared(smem);
   asm volatile("cp.async.cg.shared.global [%0], [%1], 16;" ::"r"(s), "l"(gmem));
 }
+DINL void cp_commit() { asm volatile("cp.async.commit_group;"); }
+template <int N_>
+DINL void cp_wait() { asm volatile("cp.async.wait_group %0;" ::"n"(N_)); }
 
 // Stage activation chunk c (MT rows x 64 values; rows past M repeat row M - 1) into a shared-memory tile.
 DINL void stage_x(uint16_t* tile, const uint16_t* __restrict__ x, int M, int ldx, int c) {

@@ -1,9 +1,16 @@
 // Device code shared by the decode GEMMs (w4_decode.cu: mma.sync; w4_wgmma.cu: wgmma): dequantization of the
 // decode layout's FP4 codes into BF16 A fragments (mma.m16n8k16 and wgmma m64nNk16 from registers take the same
-// fragment per warp), the chunk metadata loads and the cp.async group helpers. Needs FMT (0 HiF4, 1 MXFP4) and
-// WIDE defined. The layout and the bit tricks are described in w4_decode.cu and kernels/cuda_decode.py.
+// fragment per warp) and the chunk metadata loads. Built per -DFMT (0 HiF4, 1 MXFP4) and -DWIDE. The layout and
+// the bit tricks are described in w4_decode.cu and kernels/cuda_decode.py.
 #pragma once
 #include <stdint.h>
+
+#ifndef FMT
+#define FMT 1
+#endif
+#ifndef WIDE
+#define WIDE 0
+#endif
 
 #define DINL __device__ __forceinline__
 
@@ -116,7 +123,3 @@ DINL uint32_t load_meta(const uint32_t* __restrict__ p, int lane) {
   return (uint32_t)__ldg(q + lane) | ((uint32_t)__ldg(q + 32 + (lane >> 2)) << 16);
 }
 #endif
-
-DINL void cp_commit() { asm volatile("cp.async.commit_group;"); }
-template <int N_>
-DINL void cp_wait() { asm volatile("cp.async.wait_group %0;" ::"n"(N_)); }

@@ -24,12 +24,6 @@
 #include <cuda_runtime.h>
 #include <stdint.h>
 
-#ifndef FMT
-#define FMT 1
-#endif
-#ifndef WIDE
-#define WIDE 0
-#endif
 #ifndef NTOK
 #define NTOK 64
 #endif
