@@ -335,6 +335,32 @@ def test_flipped_bytes_in_a_tensor_are_found_naming_file_tensor_and_previous_che
         ckpt.verify_checksums(mapped, damaged, ("model/",))
 
 
+def test_a_damaged_checksum_key_is_not_taken_for_a_file_from_before_checksums(tmp_path):
+    """A bit flip in the pickled key "checksums" (found by tests/test_fuzz.py) once made the file look like one
+    written before checksums existed: nothing was verified and a stray key was loaded. The metadata now says the
+    rank files carry checksums; without that entry (an old checkpoint) a file without a table still loads."""
+    state = {"model": {"w": torch.arange(64, dtype=torch.float32)}, "step": 3}
+    save_checkpoint(tmp_path, 1, state)
+    d = tmp_path / "iter_0000001"
+    path = d / "rank_00000.pt"
+    assert json.loads((d / "metadata.json").read_text())["checksums"] == ckpt.CHECKSUM_ALGORITHM
+    raw = bytearray(path.read_bytes())
+    at = raw.find(b"checksums")
+    raw[at + 4] ^= 1  # "checjsums"
+    path.write_bytes(bytes(raw))
+    for mmap in (False, True):
+        with pytest.raises(CheckpointError, match="its checksum table is missing") as e:
+            _, got = load_checkpoint(tmp_path, mmap=mmap)
+            ckpt.verify_checksums(got, path)  # what a memory-mapped reader calls
+        assert str(path) in str(e.value)
+    # a checkpoint from before checksums: no table in the file, none named in the metadata
+    torch.save(state, path)
+    meta = json.loads((d / "metadata.json").read_text())
+    del meta["checksums"]
+    (d / "metadata.json").write_text(json.dumps(meta))
+    assert torch.equal(load_checkpoint(tmp_path)[1]["model"]["w"], state["model"]["w"])
+
+
 def test_save_refuses_another_tools_folder_and_leaves_it_alone(tmp_path):
     other = tmp_path / "megatron_lm_run"
     (other / "iter_0000100" / "mp_rank_00").mkdir(parents=True)

@@ -206,10 +206,13 @@ def verify_checksums(state: dict, path: str | Path, prefixes: tuple[str, ...] = 
     """Recompute the checksums a rank file carries (only of the tensors under ``prefixes``, e.g. ``("model/",)``,
     when given) and raise CheckpointError naming the file and the first tensor that does not match, and the
     previous checkpoint."""
+    hint = _previous_hint(Path(path).parent)
     if "checksums" not in state:
+        if _metadata_names_checksums(Path(path).parent):  # a damaged key, not a file from before checksums
+            raise CheckpointError(f"{path}: its checksum table is missing though {_METADATA} says it was "
+                                  f"written: the file is damaged. {hint}")
         return  # written before checksums existed
     table = state["checksums"]
-    hint = _previous_hint(Path(path).parent)
     if not isinstance(table, dict) or table.get("algorithm") != CHECKSUM_ALGORITHM:
         raise CheckpointError(f"{path}: its checksum table is damaged. {hint}")
     if table.get("structure") != _structure_digest(state):
@@ -221,6 +224,14 @@ def verify_checksums(state: dict, path: str | Path, prefixes: tuple[str, ...] = 
             continue
         if key not in want or _digest(t) != want[key]:
             raise CheckpointError(f"{path}: tensor {key} does not match its checksum: the file is damaged. {hint}")
+
+
+def _metadata_names_checksums(iter_dir: Path) -> bool:
+    """Whether the iteration's metadata says its rank files carry checksum tables (every save since they exist)."""
+    try:
+        return bool(json.loads((iter_dir / _METADATA).read_text()).get("checksums"))
+    except (OSError, ValueError, AttributeError):
+        return False
 
 
 def _previous_hint(iter_dir: Path) -> str:
@@ -330,7 +341,8 @@ def save_checkpoint(save_dir: str | Path, iteration: int, state: dict, *, keep_l
     sync()
     if rank == 0:
         meta = {"iteration": iteration, "world_size": world_size,
-                "files": [_rank_file(r) for r in range(world_size)], "format": _FORMAT}
+                "files": [_rank_file(r) for r in range(world_size)], "format": _FORMAT,
+                "checksums": CHECKSUM_ALGORITHM}
         missing = [f for f in meta["files"] if not (tmp / f).is_file()]
         if missing:
             raise CheckpointError(f"{tmp}: rank files missing after the barrier: {missing}")
