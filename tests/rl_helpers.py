@@ -1,5 +1,6 @@
-"""Test fixtures of the RL-conventions tests: a tiny HF tokenizer with a chat template, a tiny Qwen2 HF model with
-the tokenizer's vocabulary, and prompt files (jsonl / json / parquet) with custom keys; all written into tmp_path."""
+"""Test fixtures of the RL tests: a tiny HF tokenizer with a chat template, a tiny Qwen2 HF model with the
+tokenizer's vocabulary, and prompt files (jsonl / json / parquet) with custom keys, all written into tmp_path; and
+a run directory rewritten as an older version wrote it (:func:`rewrite_as_older_version`)."""
 
 from __future__ import annotations
 
@@ -83,3 +84,18 @@ def addition_rows(n: int, input_key: str = "problem", label_key: str = "answer",
         a, b = (int(v) for v in torch.randint(0, 5, (2,), generator=g))
         rows.append({input_key: f"What is {a} + {b} ?", label_key: str(a + b), "metadata": {"a": a, "b": b}})
     return rows
+
+
+def rewrite_as_older_version(run_dir: Path, edit) -> None:
+    """Rewrite every rank file of a ``pretrain_rl.py --save`` directory as a version from before checksums wrote
+    it: ``edit(state)`` changes each rank's state in place (what that version stored differently); the checksum
+    table goes, and so does metadata.json's note that the rank files carry one (else the files read as damaged)."""
+    for f in Path(run_dir).glob("iter_*/rank_*.pt"):
+        state = torch.load(f, weights_only=True)
+        edit(state)
+        state.pop("checksums", None)
+        torch.save(state, f)
+    for m in Path(run_dir).glob("iter_*/metadata.json"):
+        meta = json.loads(m.read_text())
+        meta.pop("checksums", None)
+        m.write_text(json.dumps(meta))

@@ -162,14 +162,11 @@ def test_distributed_optimizer_with_bf16_weights_shards_and_restores_the_fp32_ma
 def test_checkpoint_without_named_optimizer_state_is_refused_with_the_flag(tmp_path):
     """A checkpoint of a version that stored the optimizer's own (positional, replicated) state dict cannot feed the
     distributed optimizer: a one-line error saying to resume without the flag, not a traceback."""
-    import torch
+    from rl_helpers import rewrite_as_older_version
 
     _run(tmp_path, "old", [sys.executable], "--train-iters", "0")
-    for f in (tmp_path / "old").glob("iter_*/rank_*.pt"):
-        state = torch.load(f, weights_only=True)
-        state["optimizer"] = state.pop("optimizer_named")  # where older versions kept the optimizer (no checksums)
-        state.pop("checksums")
-        torch.save(state, f)
+    # where older versions kept the optimizer
+    rewrite_as_older_version(tmp_path / "old", lambda s: s.update(optimizer=s.pop("optimizer_named")))
     r = subprocess.run([sys.executable, os.path.join(ROOT, "pretrain_rl.py"), *TINY, "--train-iters", "1",
                         "--save", str(tmp_path / "old"), "--use-distributed-optimizer"],
                        env=_env(), cwd=ROOT, capture_output=True, text=True, timeout=600)
