@@ -206,24 +206,25 @@ def verify_checksums(state: dict, path: str | Path, prefixes: tuple[str, ...] = 
     """Recompute the checksums a rank file carries (only of the tensors under ``prefixes``, e.g. ``("model/",)``,
     when given) and raise CheckpointError naming the file and the first tensor that does not match, and the
     previous checkpoint."""
-    hint = _previous_hint(Path(path).parent)
+    def damaged(what: str) -> CheckpointError:  # the previous checkpoint is looked up only for an error
+        return CheckpointError(f"{path}: {what} {_previous_hint(Path(path).parent)}")
+
     if "checksums" not in state:
         if _metadata_names_checksums(Path(path).parent):  # a damaged key, not a file from before checksums
-            raise CheckpointError(f"{path}: its checksum table is missing though {_METADATA} says it was "
-                                  f"written: the file is damaged. {hint}")
+            raise damaged(f"its checksum table is missing though {_METADATA} says it was written: the file is "
+                          f"damaged.")
         return  # written before checksums existed
     table = state["checksums"]
     if not isinstance(table, dict) or table.get("algorithm") != CHECKSUM_ALGORITHM:
-        raise CheckpointError(f"{path}: its checksum table is damaged. {hint}")
+        raise damaged("its checksum table is damaged.")
     if table.get("structure") != _structure_digest(state):
-        raise CheckpointError(f"{path}: its keys, values or tensor shapes and dtypes do not match their checksum: "
-                              f"the file is damaged. {hint}")
+        raise damaged("its keys, values or tensor shapes and dtypes do not match their checksum: the file is damaged.")
     want = table.get("tensors") or {}
     for key, t in _tensors({k: v for k, v in state.items() if k != "checksums"}):
         if prefixes and not key.startswith(prefixes):
             continue
         if key not in want or _digest(t) != want[key]:
-            raise CheckpointError(f"{path}: tensor {key} does not match its checksum: the file is damaged. {hint}")
+            raise damaged(f"tensor {key} does not match its checksum: the file is damaged.")
 
 
 def _metadata_names_checksums(iter_dir: Path) -> bool:
