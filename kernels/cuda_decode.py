@@ -262,18 +262,16 @@ def prebuild(tiles: Optional[list] = None, ntoks=(16, 64), workers: int = 0) -> 
     """Compile configurations in parallel ahead of use: both kernels' default tiles for both formats, the wide
     MXFP4 variant and every token bucket, plus ``tiles`` (dicts with KERNEL and its tile keys) for token buckets
     ``ntoks``. Returns how many."""
-    jobs = {(kernel, f, w, m, tuple(sorted(_tile(kernel, f, m, None).items())))
-            for kernel in _SOURCES for f, w in ((0, 0), (1, 0), (1, 1)) for m in (8, 16, 32, 64)}
-    jobs |= {(t["KERNEL"], f, 0, m, tuple(sorted(_tile(t["KERNEL"], f, m, t).items())))
-             for t in tiles or [] for f in (0, 1) for m in ntoks}
+    def job(kernel, f, w, m, tile):  # keyed by what reaches nvcc (a SPLIT override compiles nothing new)
+        return kernel, tuple(sorted(_defines(kernel, f, bool(w), m, _tile(kernel, f, m, tile)).items()))
+
+    jobs = {job(kernel, f, w, m, None) for kernel in _SOURCES for f, w in ((0, 0), (1, 0), (1, 1))
+            for m in (8, 16, 32, 64)}
+    jobs |= {job(t["KERNEL"], f, 0, m, t) for t in tiles or [] for f in (0, 1) for m in ntoks}
     from concurrent.futures import ThreadPoolExecutor
 
-    def one(job):
-        kernel, f, w, m, cfg = job
-        _nvcc.compile_library(_SOURCES[kernel], _defines(kernel, f, bool(w), m, dict(cfg)))
-
     with ThreadPoolExecutor(max_workers=workers or os.cpu_count() or 4) as ex:
-        list(ex.map(one, sorted(jobs)))
+        list(ex.map(lambda j: _nvcc.compile_library(_SOURCES[j[0]], dict(j[1])), sorted(jobs)))
     return len(jobs)
 
 
@@ -314,17 +312,13 @@ def w4_decode(x: torch.Tensor, dw: DecodeWeight, config: Optional[dict] = None,
     cfg = _tile(kernel, dw.fmt_id, ntok, config)
     fn = build(kernel, dw.fmt_id, dw.wide, ntok, cfg)
     S, C = dw.slabs, dw.chunks
-    if kernel == "wgmma":
-        row_blocks, per_sm = -(-S // (4 * cfg["WGS"])), cfg["MINB"]
-    else:
-        row_blocks, per_sm = -(-S // (cfg["WARPS"] * cfg["SPW"])), cfg["PER_SM"]
     sms = torch.cuda.get_device_properties(x.device).multi_processor_count
-    if cfg.get("SPLIT"):
-        split = cfg["SPLIT"]
-    elif kernel == "wgmma":
-        split = _balanced_split(row_blocks, C, per_sm * sms)
+    if kernel == "wgmma":
+        row_blocks = -(-S // (4 * cfg["WGS"]))
+        split = cfg.get("SPLIT") or _balanced_split(row_blocks, C, cfg["MINB"] * sms)
     else:
-        split = max(1, min(C, round(per_sm * sms / row_blocks)))
+        row_blocks = -(-S // (cfg["WARPS"] * cfg["SPW"]))
+        split = cfg.get("SPLIT") or max(1, min(C, round(cfg["PER_SM"] * sms / row_blocks)))
     cps = -(-C // split)
     split = -(-C // cps)
     if out is None:
