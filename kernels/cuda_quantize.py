@@ -2,8 +2,11 @@
 expansions from one read of x.
 
     rows, cols = both_layouts(x, "hif4")   # x [R, K] along K -> [R, KP]; x.t() along R -> [K, RP]
+    rows, cols = both_layouts_fp8(x, "mxfp4", cols_e4m3=True)  # MXFP4's FP8 form: (values, S, ok, 2^S) each
+    both_layouts(w, "hif4", out=(w_rows, w_cols))  # into existing buffers (a weight's, under CUDA graphs)
 
-Bit for bit ``kernels.quantize.quantize(x, fmt, expand="bf16", packed=False)`` and the same of ``x.t()`` (the unit
+Bit for bit ``kernels.quantize.quantize(x, fmt, expand="bf16", packed=False)`` and the same of ``x.t()`` (FP8:
+``expand="native"`` (E5M2) or ``"e4m3"`` for each layout, as the reference computes them; the unit
 math, ``csrc/quant_math.h``, is shared with a host build that the CPU tests check against the PyTorch reference).
 Triton cannot express its layout: after the transpose each thread owns 16 consecutive tokens of two columns, so a
 HiF4 unit is 4 lanes of one warp, reduced by shuffles (docs/PERFORMANCE.md, issue 21). Built with nvcc on first
@@ -15,16 +18,20 @@ from __future__ import annotations
 import ctypes
 import functools
 import os
+from typing import Optional
 
 import torch
 
 from kernels import _nvcc
 
-__all__ = ["available", "usable", "both_layouts", "FORMAT_IDS"]
+__all__ = ["available", "usable", "both_layouts", "both_layouts_fp8", "FORMAT_IDS", "FP8_FORMATS"]
 
 FORMAT_IDS = {"hif4": 0, "mxfp4": 1, "mxfp4_rceil": 2}
 _BLOCK = {"hif4": 64, "mxfp4": 32, "mxfp4_rceil": 32}
 _ARGTYPES = [ctypes.c_void_p] * 3 + [ctypes.c_int] * 4 + [ctypes.c_longlong] * 3 + [ctypes.c_void_p]
+_FP8_ARGTYPES = _ARGTYPES[:-1] + [ctypes.c_void_p] * 8 + [ctypes.c_int] * 2 + [ctypes.c_void_p]
+#: The formats with an FP8 form (MXFP4: E2M1 times a power of two fits FP8 relative to a row scale).
+FP8_FORMATS = ("mxfp4", "mxfp4_rceil")
 _SOURCE = "quant_both.cu"
 
 
@@ -52,25 +59,76 @@ def _arch() -> str:
     return "90a" if (major, minor) == (9, 0) else f"{major}{minor}"
 
 
-def _launcher(fmt_id: int):
-    return _nvcc.launcher(_SOURCE, dict(FMT=fmt_id), "quant_both_launch", _ARGTYPES, arch=_arch())
+def _launcher(fmt_id: int, fp8: bool = False):
+    return _nvcc.launcher(_SOURCE, dict(FMT=fmt_id), "quant_fp8_launch" if fp8 else "quant_both_launch",
+                          _FP8_ARGTYPES if fp8 else _ARGTYPES, arch=_arch())
 
 
-def both_layouts(x: torch.Tensor, fmt_name: str) -> tuple[torch.Tensor, torch.Tensor]:
-    """(x quantized along K: bf16 [R, KP], x.t() quantized along R: bf16 [K, RP]) for x [R, K] that
-    :func:`usable` accepts."""
-    if not usable(x, fmt_name):
+def _check(x: torch.Tensor, fmt_name: str, formats) -> None:
+    if not usable(x, fmt_name) or fmt_name not in formats:
         raise ValueError(f"both_layouts: needs a 2-D bf16 CUDA tensor with contiguous, 16-byte aligned rows, K a "
-                         f"multiple of 8 and format one of {sorted(FORMAT_IDS)}; got {x.dtype} {tuple(x.shape)} "
+                         f"multiple of 8 and format one of {sorted(formats)}; got {x.dtype} {tuple(x.shape)} "
                          f"strides {x.stride()} format {fmt_name!r}")
+
+
+def both_layouts(x: torch.Tensor, fmt_name: str, out: Optional[tuple] = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """(x quantized along K: bf16 [R, KP], x.t() quantized along R: bf16 [K, RP]) for x [R, K] that
+    :func:`usable` accepts; ``out``: those two tensors to write into (e.g. the buffers a CUDA graph reads)."""
+    _check(x, fmt_name, FORMAT_IDS)
     R, K = x.shape
     bs = _BLOCK[fmt_name]
     kp, rp = -(-K // bs) * bs, -(-R // bs) * bs
-    rows = torch.empty((R, kp), dtype=torch.bfloat16, device=x.device)
-    cols = torch.empty((K, rp), dtype=torch.bfloat16, device=x.device)
+    if out is None:
+        out = (torch.empty((R, kp), dtype=torch.bfloat16, device=x.device),
+               torch.empty((K, rp), dtype=torch.bfloat16, device=x.device))
+    rows, cols = out
+    _check_out(rows, (R, kp), (torch.bfloat16,), "rows")
+    _check_out(cols, (K, rp), (torch.bfloat16,), "cols")
     err = _launcher(FORMAT_IDS[fmt_name])(x.data_ptr(), rows.data_ptr(), cols.data_ptr(), R, K, kp, rp, x.stride(0),
                                           rows.stride(0), cols.stride(0),
                                           torch.cuda.current_stream(x.device).cuda_stream)
     if err:
         raise RuntimeError(f"quant_both launch failed (cudaError {err})")
-    return rows, cols
+    return out
+
+
+def _check_out(t: torch.Tensor, shape: tuple, dtypes: tuple, what: str) -> None:
+    if tuple(t.shape) != shape or t.dtype not in dtypes or not t.is_contiguous() or not t.is_cuda:
+        raise ValueError(f"out {what}: needs a contiguous CUDA {dtypes[0]} tensor of shape {shape}; got {t.dtype} "
+                         f"{tuple(t.shape)} strides {t.stride()} on {t.device}")
+
+
+def _fp8_dtype(e4m3: bool) -> torch.dtype:
+    return torch.float8_e4m3fn if e4m3 else torch.float8_e5m2
+
+
+def both_layouts_fp8(x: torch.Tensor, fmt_name: str, rows_e4m3: bool = False, cols_e4m3: bool = False,
+                     out: Optional[tuple] = None):
+    """MXFP4's FP8 form of x [R, K] along K ([R, KP]) and of x.t() along R ([K, RP]), each E4M3 where
+    ``rows_e4m3`` / ``cols_e4m3`` say, else E5M2, as (values, scale exponents S int32, no-flush flags bool, 2^S
+    fp32 or None): the fields of ``kernels.quantize.Expanded``. ``out``: two such tuples to write into (a None
+    2^S is not written). Two launches (the rows' and columns' maxima, then the bytes); no host sync."""
+    _check(x, fmt_name, FP8_FORMATS)
+    R, K = x.shape
+    kp, rp = -(-K // 32) * 32, -(-R // 32) * 32
+    dev = x.device
+    if out is None:
+        out = tuple((torch.empty((n, p), dtype=_fp8_dtype(e4), device=dev), torch.empty((n,), dtype=torch.int32,
+                     device=dev), torch.empty((n,), dtype=torch.bool, device=dev),
+                     torch.empty((n,), dtype=torch.float32, device=dev))
+                    for n, p, e4 in ((R, kp, rows_e4m3), (K, rp, cols_e4m3)))
+    for (v, sexp, ok, scale), n, p, e4, what in zip(out, (R, K), (kp, rp), (rows_e4m3, cols_e4m3), ("rows", "cols")):
+        _check_out(v, (n, p), (_fp8_dtype(e4),), what)
+        if sexp.shape != (n,) or sexp.dtype != torch.int32 or ok.shape != (n,) or ok.dtype != torch.bool or (
+                scale is not None and (scale.shape != (n,) or scale.dtype != torch.float32)):
+            raise ValueError(f"out {what}: needs S int32 [{n}], flags bool [{n}] and 2^S float32 [{n}] or None")
+    (rv, rexp, rok, rsc), (cv, cexp, cok, csc) = out
+    maxima = torch.zeros((R + K,), dtype=torch.int32, device=dev)
+    err = _launcher(FORMAT_IDS[fmt_name], fp8=True)(
+        x.data_ptr(), rv.data_ptr(), cv.data_ptr(), R, K, kp, rp, x.stride(0), rv.stride(0), cv.stride(0),
+        maxima.data_ptr(), maxima[R:].data_ptr(), rexp.data_ptr(), cexp.data_ptr(),
+        rsc.data_ptr() if rsc is not None else None, csc.data_ptr() if csc is not None else None,
+        rok.data_ptr(), cok.data_ptr(), int(rows_e4m3), int(cols_e4m3), torch.cuda.current_stream(dev).cuda_stream)
+    if err:
+        raise RuntimeError(f"quant_fp8 launch failed (cudaError {err})")
+    return out

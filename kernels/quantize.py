@@ -670,28 +670,44 @@ def quantize(x: torch.Tensor, fmt, dim: int = -1, expand: Optional[str] = None,
     return (qt, ex) if expand else qt
 
 
-def quantize_both_layouts(x: torch.Tensor, fmt, config: Optional[tuple] = None,
-                          backend: str = "auto") -> tuple[Expanded, Expanded]:
-    """A training operand's exact BF16 expansions in both GEMM layouts: x [R, K] quantized along K and x.t()
-    quantized along R, bit for bit ``quantize(x, fmt, expand="bf16", packed=False)`` and the same of ``x.t()``.
+def quantize_both_layouts(x: torch.Tensor, fmt, config: Optional[tuple] = None, backend: str = "auto",
+                          expand: tuple = ("bf16", "bf16"),
+                          out: Optional[tuple] = None) -> tuple[Expanded, Expanded]:
+    """A training operand's (or a weight's) expansions in both GEMM layouts: x [R, K] quantized along K and x.t()
+    quantized along R, bit for bit ``quantize(x, fmt, expand=expand[0], packed=False)`` and ``quantize(x.t(), fmt,
+    expand=expand[1], packed=False)``. ``expand``: both "bf16" (exact), or MXFP4's FP8 forms, each "native"
+    (E5M2) or "e4m3" (X: E5M2 rows, E4M3 columns; dY: E5M2 both; a weight: E4M3 both). ``out``: two earlier
+    results of the same call whose buffers receive these (what a CUDA graph that reads them needs).
 
     ``backend`` "auto": the CUDA kernel (:mod:`kernels.cuda_quantize`: one read of x, both layouts written from a
-    64 x 64 tile) where it takes x (bf16, rows of a multiple of 8 values, nvcc) and no Triton ``config`` is given,
-    else the Triton passes ("triton"): HiF4, row-major x: the row pass also writes x's transposed copy, which a
-    second row pass quantizes (HiF4's column kernel is slower, see ``COLUMN_KERNEL``); other formats: the two
-    calls. ``config``: the fused Triton passes' row tile (tests)."""
+    64 x 64 tile; FP8: a read for the row and column scales first) where it takes x (bf16, rows of a multiple of 8
+    values, nvcc) and no Triton ``config`` is given, else the Triton passes ("triton"): HiF4, row-major x: the row
+    pass also writes x's transposed copy, which a second row pass quantizes (HiF4's column kernel is slower, see
+    ``COLUMN_KERNEL``); other formats: the two calls. ``config``: the fused Triton passes' row tile (tests)."""
     if backend not in ("auto", "triton"):
         raise ValueError(f"backend={backend!r} is not valid; allowed values: 'auto', 'triton'")
+    fp8 = tuple(expand) != ("bf16", "bf16")
     f = get_format(fmt)
+    if fp8 and (f.name == "hif4" or not set(expand) <= {"native", "e4m3"} or len(expand) != 2):
+        raise ValueError(f"expand={expand!r} is not valid; allowed values: ('bf16', 'bf16'), or for MXFP4 a pair of "
+                         f"'native' (E5M2) and 'e4m3'")
+    rows_out, cols_out = out if out is not None else (None, None)
     if backend == "auto" and config is None and x.is_cuda:
         from kernels import cuda_quantize
 
-        if cuda_quantize.usable(x, f.name):
-            rows, cols = cuda_quantize.both_layouts(x, f.name)
-            return Expanded(rows), Expanded(cols)
-    if (not FUSED_TRANSPOSE or f.name != "hif4" or x.dim() != 2 or x.stride(-1) != 1 or x.numel() == 0
-            or not kernels_usable(x)):
-        return (quantize(x, f, expand="bf16", packed=False)[1], quantize(x.t(), f, expand="bf16", packed=False)[1])
+        if cuda_quantize.usable(x, f.name) and not fp8:
+            rows, cols = cuda_quantize.both_layouts(x, f.name, out=None if out is None else (rows_out.values,
+                                                                                             cols_out.values))
+            return (Expanded(rows), Expanded(cols)) if out is None else out
+        if cuda_quantize.usable(x, f.name) and f.name in cuda_quantize.FP8_FORMATS:
+            rows, cols = cuda_quantize.both_layouts_fp8(x, f.name, rows_e4m3=expand[0] == "e4m3",
+                                                        cols_e4m3=expand[1] == "e4m3",
+                                                        out=None if out is None else tuple(out))
+            return (Expanded(*rows), Expanded(*cols)) if out is None else out
+    if (fp8 or out is not None or not FUSED_TRANSPOSE or f.name != "hif4" or x.dim() != 2 or x.stride(-1) != 1
+            or x.numel() == 0 or not kernels_usable(x)):
+        return (quantize(x, f, expand=expand[0], packed=False, out=rows_out)[1],
+                quantize(x.t(), f, expand=expand[1], packed=False, out=cols_out)[1])
     xt = torch.empty((x.shape[1], x.shape[0]), dtype=x.dtype, device=x.device)
     rows = quantize(x, f, expand="bf16", packed=False, config=config, _xt=xt)[1]
     return rows, quantize(xt, f, expand="bf16", packed=False, config=config)[1]

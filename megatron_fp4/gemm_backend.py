@@ -62,16 +62,22 @@ class FP4GemmBackend:
                                       f"{type(q).__name__}")
         return q.copy_(self.quantize(x, fmt, "nearest", None, mode, True))
 
+    def requantize_both(self, x: torch.Tensor, fmt: Format, mode: str, q_rows: object, q_cols: object) -> tuple:
+        """:meth:`requantize` of a weight ``x`` and of ``x.t()`` into ``q_rows`` and ``q_cols`` (earlier weight
+        ``quantize`` results of ``x`` and ``x.t()``): a backend may do both from one read of ``x``."""
+        return self.requantize(x, fmt, mode, q_rows), self.requantize(x.t(), fmt, mode, q_cols)
+
     def matmul(self, qa: object, qb: object, out_dtype: torch.dtype, mode: str) -> torch.Tensor:
         """``qa @ qb^T`` accumulated in fp32, rounded once to ``out_dtype``."""
         return torch.matmul(qa, qb.t()).to(out_dtype)
 
-    def quantize_both(self, x: torch.Tensor, fmt: Format, mode: str) -> object:
-        """(``x [R, K]`` quantized along K in ``mode``, ``x.t()`` quantized along R in exact mode), round to
-        nearest: a training linear's input (fprop, wgrad) or output gradient (dgrad, wgrad). A backend may do
-        both from one read of ``x``."""
+    def quantize_both(self, x: torch.Tensor, fmt: Format, mode: str, b_cols: bool = False) -> object:
+        """(``x [R, K]`` quantized along K, ``x.t()`` quantized along R), GEMM mode ``mode``, round to nearest: a
+        training linear's input (fprop, wgrad) or output gradient (dgrad, wgrad). ``b_cols``: ``x.t()`` is its
+        GEMM's second operand (the input X^T in wgrad), which a backend may store in a weight's form (MXFP4 FP8
+        modes: E4M3). A backend may do both from one read of ``x``."""
         return (self.quantize(x, fmt, "nearest", None, mode, False),
-                self.quantize(x.t(), fmt, "nearest", None, "exact", False))
+                self.quantize(x.t(), fmt, "nearest", None, mode, False))
 
     def __call__(self, a, b, a_fmt, b_fmt, a_rounding, b_rounding, generator=None):
         qa = self.quantize(a, a_fmt, a_rounding, generator, "exact", False)

@@ -111,7 +111,7 @@ class FP4LinearFunction(torch.autograd.Function):
         ctx.recipe, ctx.has_bias, ctx.x_meta, ctx.xt = recipe, bias is not None, (x.shape, x.dtype), None
         pair = None
         if wgrad_follows and _one_pass_operands(recipe):
-            pair = ops.quantize_both(x2, recipe.format("activation"), recipe.gemm_mode)
+            pair = ops.quantize_both(x2, recipe.format("activation"), recipe.gemm_mode, b_cols=True)
         if pair is not None:
             y = ops.fp4_gemm(pair[0], weight, None, recipe.format("weight"), out_dtype=x.dtype,
                              mode=recipe.gemm_mode, cache_b=True)
@@ -142,7 +142,7 @@ class FP4LinearFunction(torch.autograd.Function):
             if ctx.needs_input_grad[0]:
                 grad_x = ops.fp4_gemm(dy_rows, weight.t(), g_fmt, w_fmt, out_dtype=x_dtype, mode=recipe.gemm_mode,
                                       cache_b=True).reshape(x_shape)
-            grad_w = ops.fp4_gemm(dy_cols, ctx.xt, g_fmt, None, out_dtype=weight.dtype)
+            grad_w = ops.fp4_gemm(dy_cols, ctx.xt, g_fmt, None, out_dtype=weight.dtype, mode=recipe.gemm_mode)
         else:
             x = saved_x[0]
             if ctx.needs_input_grad[0]:
@@ -162,7 +162,7 @@ class FP4LinearFunction(torch.autograd.Function):
                         a = random_hadamard_transform(a, recipe.hadamard_block_size, recipe.hadamard_seed)
                         b = random_hadamard_transform(b, recipe.hadamard_block_size, recipe.hadamard_seed)
                     grad_w = ops.fp4_gemm(a, b, g_fmt, recipe.format("activation"), a_rounding=g_round,
-                                          out_dtype=weight.dtype)
+                                          out_dtype=weight.dtype, mode=recipe.gemm_mode)
                 else:
                     grad_w = torch.matmul(dy2.t(), x2)
         if ctx.has_bias and ctx.needs_input_grad[2]:

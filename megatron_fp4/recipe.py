@@ -63,10 +63,10 @@ class FP4Recipe:
     #: Number of trailing transformer layers kept in high precision.
     high_precision_last_layers: int = 0
     #: How the GEMM kernels multiply (``megatron_fp4.ops.GEMM_MODES``): "exact" (fp32 accumulation of the exact
-    #: products), or for MXFP4 "fp8" / "fp8_fast": fprop and dgrad on the FP8 tensor cores (promoted / Hopper's
-    #: default accumulation, and values under 2^-29 (activations, gradients) or 2^-16 (weights) of their row's
-    #: largest flushed to zero; approximate, see docs/PERFORMANCE.md); wgrad stays exact. The PyTorch reference
-    #: computes every mode exactly.
+    #: products), or for MXFP4 "fp8" / "fp8_fast": the three GEMMs on the FP8 tensor cores (promoted / Hopper's
+    #: default accumulation, and values under 2^-29 (E5M2: activations, gradients) or 2^-16 (E4M3: weights, and
+    #: X^T in wgrad) of their row's largest flushed to zero; approximate, see docs/PERFORMANCE.md). The PyTorch
+    #: reference computes every mode exactly.
     gemm_mode: str = "exact"
 
     def __post_init__(self) -> None:

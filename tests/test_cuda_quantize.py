@@ -19,8 +19,6 @@ from megatron_fp4.formats import get_format
 FORMATS = ["hif4", "mxfp4", "mxfp4_rceil"]
 _CSRC = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "kernels", "csrc")
 
-# Reads: format id, value count n (a multiple of the unit), n fp32 bit patterns; writes n bf16 bit patterns: each
-# unit split into parts of 8 as the kernel's lanes hold them, the unit maximum taken over the parts.
 # Reads: format id, value count n (a multiple of the unit), n bf16 bit patterns; writes the n bf16 results: each
 # unit split into parts of 8 values (4 words) as the kernel's lanes hold them, the unit maximum taken over the parts.
 _HARNESS = r"""
@@ -52,16 +50,64 @@ int main(int argc, char** argv) {
 """
 
 
-@pytest.fixture(scope="module")
-def harness(tmp_path_factory):
+# MXFP4's FP8 form. Reads: rceil, e4m3, row length L (a multiple of 32), value count n (a multiple of L), n bf16
+# bit patterns; writes n FP8 bytes and n / L row flags (1: nothing flushed): each row's scale from its finite
+# blocks' largest |x| (fp8_row_s), each block quantized 16 values at a time (mx_fp8_parts<2>), as the kernel does.
+_FP8_HARNESS = r"""
+#include <cstdio>
+#include <vector>
+#include "quant_math.h"
+int main(int argc, char** argv) {
+  FILE* in = std::fopen(argv[1], "rb");
+  int rceil = 0, e4m3 = 0, L = 0; long n = 0;
+  if (std::fread(&rceil, 4, 1, in) != 1 || std::fread(&e4m3, 4, 1, in) != 1 || std::fread(&L, 4, 1, in) != 1 ||
+      std::fread(&n, 8, 1, in) != 1) return 2;
+  std::vector<uint32_t> x(n / 2), y(n / 4);
+  std::vector<unsigned char> ok(n / L);
+  if ((long)std::fread(x.data(), 4, n / 2, in) != n / 2) return 3;
+  std::fclose(in);
+  for (long r = 0; r < n / L; ++r) {
+    const uint32_t* row = &x[r * L / 2];
+    uint32_t rmax = 0;
+    for (int b = 0; b < L / 32; ++b) {
+      uint32_t bmax = 0;
+      for (int p = 0; p < 4; ++p) bmax = qm::umax(bmax, qm::part_max(&row[16 * b + 4 * p]));
+      if (bmax < 0x7F80u) rmax = qm::umax(rmax, bmax);
+    }
+    const int S = qm::fp8_row_s(rmax, rceil, e4m3);
+    bool flag = true;
+    for (int b = 0; b < L / 32; ++b) {
+      uint32_t bmax = 0;
+      for (int p = 0; p < 4; ++p) bmax = qm::umax(bmax, qm::part_max(&row[16 * b + 4 * p]));
+      for (int p = 0; p < 4; p += 2)
+        qm::mx_fp8_parts<2>(&row[16 * b + 4 * p], bmax, rceil, S, e4m3, &y[(r * L + 32 * b + 8 * p) / 4], flag);
+    }
+    ok[r] = flag;
+  }
+  FILE* out = std::fopen(argv[2], "wb");
+  std::fwrite(y.data(), 4, n / 4, out);
+  std::fwrite(ok.data(), 1, n / L, out);
+  std::fclose(out);
+  return 0;
+}
+"""
+
+
+def _build(tmp_path_factory, name: str, source: str):
     cxx = shutil.which("c++") or shutil.which("g++") or shutil.which("clang++")
     if cxx is None:
         pytest.skip("no C++ compiler to build quant_math.h for the host")
-    d = tmp_path_factory.mktemp("quant_math")
+    d = tmp_path_factory.mktemp(name)
     src, exe = d / "harness.cpp", d / "harness"
-    src.write_text(_HARNESS)
+    src.write_text(source)
     subprocess.run([cxx, "-O2", "-std=c++17", "-ffp-contract=off", f"-I{_CSRC}", str(src), "-o", str(exe)],
                    check=True, capture_output=True)
+    return d, exe
+
+
+@pytest.fixture(scope="module")
+def harness(tmp_path_factory):
+    d, exe = _build(tmp_path_factory, "quant_math", _HARNESS)
 
     def run(x: torch.Tensor, fmt_id: int) -> torch.Tensor:
         """bf16 bits (int16) of the host math on bf16 values x (a multiple of the unit, in units' order)."""
@@ -99,6 +145,24 @@ def _units(seed: int, n_units: int, unit: int) -> torch.Tensor:
     return units[torch.randperm(n_units, generator=g)].view(-1)
 
 
+@pytest.fixture(scope="module")
+def fp8_harness(tmp_path_factory):
+    d, exe = _build(tmp_path_factory, "quant_math_fp8", _FP8_HARNESS)
+
+    def run(x: torch.Tensor, rceil: bool, e4m3: bool, row: int):
+        """(FP8 bytes [n], row flags [n / row]) of the host math on bf16 values x, rows of ``row`` values."""
+        bits = x.contiguous().view(torch.int16).numpy()
+        fin, fout = d / "in.bin", d / "out.bin"
+        with open(fin, "wb") as fh:
+            fh.write(np.int32(rceil).tobytes() + np.int32(e4m3).tobytes() + np.int32(row).tobytes()
+                     + np.int64(bits.size).tobytes() + bits.tobytes())
+        subprocess.run([str(exe), str(fin), str(fout)], check=True)
+        out = torch.from_numpy(np.fromfile(fout, dtype=np.uint8).copy())
+        return out[: bits.size], out[bits.size:].bool()
+
+    return run
+
+
 @pytest.mark.parametrize("name", FORMATS)
 def test_host_unit_math_matches_reference(harness, name):
     """quant_math.h's per-part arithmetic, run as the kernel's lanes split a unit (8 values each, the unit maximum
@@ -115,6 +179,26 @@ def test_host_unit_math_matches_reference(harness, name):
         diff = (got[~nan] != want[~nan].view(torch.int16)).nonzero()
         assert diff.numel() == 0, (f"seed {seed}: {diff.numel()} values differ, first at {diff[0].item()}: "
                                    f"{got_v[~nan][diff[0]].item()} vs {want[~nan][diff[0]].item()}")
+
+
+@pytest.mark.parametrize("name", ["mxfp4", "mxfp4_rceil"])
+@pytest.mark.parametrize("form", ["native", "e4m3"])
+def test_host_fp8_math_matches_reference(fp8_harness, name, form):
+    """quant_math.h's FP8 form of MXFP4 (rows of 128 values: the row scale from the finite blocks, each block 16
+    values at a time) equals the reference's ``expand="native"`` (E5M2) / ``"e4m3"`` bytes and its row flags, on
+    every bf16 bit-pattern class (rows where values fall below the FP8 window, NaN/Inf blocks, all-zero rows)."""
+    f = get_format(name)
+    for seed in range(3):
+        x = _units(seed, 1200, 32)
+        got, ok = fp8_harness(x, name == "mxfp4_rceil", form == "e4m3", 128)
+        want = quantize_reference(x.view(-1, 128), f, 1, form)[1]
+        nan = want.values.float().isnan().reshape(-1)
+        got_nan = got.view(torch.float8_e4m3fn if form == "e4m3" else torch.float8_e5m2).float().isnan()
+        assert torch.equal(got_nan, nan), f"seed {seed}: NaN values differ"
+        diff = (got[~nan] != want.values.view(torch.uint8).reshape(-1)[~nan]).nonzero()
+        assert diff.numel() == 0, f"seed {seed}: {diff.numel()} bytes differ, first at {diff[0].item()}"
+        assert torch.equal(ok, want.row_ok), f"seed {seed}: row flags differ"
+        assert (~ok).any() and ok.any()  # the inputs reach both sides of the window
 
 
 # ------------------------------------------------------------------------------------------------------------------
@@ -141,6 +225,9 @@ def test_both_layouts_kernel_bit_exact(name):
         x = _units(rows, -(-rows * (cols + pad) // 64) + 6, 64)[: rows * (cols + pad)]
         x = x.view(rows, cols + pad)[:, :cols].cuda()
         r, c = cq.both_layouts(x, name)
+        out = cq.both_layouts(x * 2, name)
+        assert cq.both_layouts(x, name, out=out) is out and all(torch.equal(a.view(torch.int16), b.view(torch.int16))
+                                                                for a, b in zip(out, (r, c)))  # into given buffers
         want_r = quantize_reference(x.cpu(), f, 1, "bf16")[1].values
         want_c = quantize_reference(x.t().contiguous().cpu(), f, 1, "bf16")[1].values
         for got, want, what in ((r.cpu(), want_r, "rows"), (c.cpu(), want_c, "columns")):
@@ -167,3 +254,67 @@ def test_quantize_both_layouts_serves_through_the_kernel(name, monkeypatch):
     want = qm.quantize_both_layouts(x, name)
     for g, w in zip(got, want):
         assert torch.equal(g.values.view(torch.int16), w.values.view(torch.int16))
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("name", ["mxfp4", "mxfp4_rceil"])
+@pytest.mark.parametrize("forms", [("native", "native"), ("native", "e4m3"), ("e4m3", "e4m3"), ("e4m3", "native")])
+def test_fp8_both_layouts_kernel_bit_exact(name, forms):
+    """MXFP4's FP8 form (the "fp8" GEMM modes' X, dY and weights): the kernel's rows and columns (E5M2 "native" or
+    E4M3 each), their scale exponents, 2^S and no-flush flags are the reference's ``expand=forms[0]`` of x and
+    ``forms[1]`` of x^T, bit for bit, on ragged shapes, special values (NaN/Inf blocks, values below the window)
+    and a wide row stride; ``out=`` writes the same into given buffers."""
+    cq = _cuda_quantize()
+    f = get_format(name)
+    e4 = [form == "e4m3" for form in forms]
+    for (rows, ncols), pad in (((150, 72), 8), ((64, 64), 0), ((40, 1096), 16), ((1000, 520), 0), ((8, 8), 0)):
+        x = _units(rows + 1, -(-rows * (ncols + pad) // 64) + 6, 64)[: rows * (ncols + pad)]
+        x = x.view(rows, ncols + pad)[:, :ncols].cuda()
+        got_r, got_c = cq.both_layouts_fp8(x, name, rows_e4m3=e4[0], cols_e4m3=e4[1])
+        again = cq.both_layouts_fp8(x * 2, name, rows_e4m3=e4[0], cols_e4m3=e4[1])
+        ptrs = [t.data_ptr() for part in again for t in part]
+        assert cq.both_layouts_fp8(x, name, rows_e4m3=e4[0], cols_e4m3=e4[1], out=again) is again
+        assert [t.data_ptr() for part in again for t in part] == ptrs
+        for a, b in zip(again, (got_r, got_c)):
+            assert all(torch.equal(u.view(torch.uint8), v.view(torch.uint8)) for u, v in zip(a, b))
+        want_r = quantize_reference(x.cpu(), f, 1, forms[0])[1]
+        want_c = quantize_reference(x.t().contiguous().cpu(), f, 1, forms[1])[1]
+        for (values, sexp, ok, scale), want, what in ((got_r, want_r, "rows"), (got_c, want_c, "columns")):
+            tag = f"{rows} x {ncols} {what}"
+            assert values.shape == want.values.shape and values.dtype == want.values.dtype, tag
+            nan = want.values.float().isnan()
+            assert torch.equal(values.cpu().float().isnan(), nan), tag
+            assert torch.equal(values.cpu().view(torch.uint8)[~nan], want.values.view(torch.uint8)[~nan]), tag
+            assert torch.equal(sexp.cpu(), want.row_exp) and torch.equal(ok.cpu(), want.row_ok), tag
+            assert torch.equal(scale.cpu(), torch.exp2(want.row_exp.float())), tag
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("cols", ["native", "e4m3"])
+def test_fp8_quantize_both_layouts_serves_through_the_kernel(cols, monkeypatch):
+    """``quantize_both_layouts(expand=("native", cols))`` (the FP8 modes' X and dY) returns the CUDA kernel's
+    forms, equal to the Triton passes' on a training-sized operand, and the FP8 GEMM of two such operands (wgrad's
+    dY^T x X^T) equals the exact product of the reference's values to FP8 accumulation's error."""
+    cq = _cuda_quantize()
+    from kernels import quantize as qm
+    from kernels.gemm import mm_expanded
+
+    x = (torch.randn(4096, 1536, device="cuda") * torch.exp(torch.randn(4096, 1536, device="cuda") * 2)).bfloat16()
+    calls = []
+    real = cq.both_layouts_fp8
+    monkeypatch.setattr(cq, "both_layouts_fp8", lambda *a, **k: calls.append(1) or real(*a, **k))
+    got = qm.quantize_both_layouts(x, "mxfp4", expand=("native", cols))
+    assert calls, "the CUDA kernel did not serve"
+    monkeypatch.setenv("MEGATRON_FP4_CUDA_QUANT", "0")
+    want = qm.quantize_both_layouts(x, "mxfp4", expand=("native", cols))
+    for g, w in zip(got, want):
+        assert g.values.dtype == w.values.dtype
+        assert torch.equal(g.values.view(torch.uint8), w.values.view(torch.uint8))
+        assert torch.equal(g.row_exp, w.row_exp) and torch.equal(g.row_ok, w.row_ok)
+    monkeypatch.delenv("MEGATRON_FP4_CUDA_QUANT")
+    dy = torch.randn(4096, 256, device="cuda").bfloat16()
+    dy_cols = qm.quantize_both_layouts(dy, "mxfp4", expand=("native", "native"))[1]
+    dw = mm_expanded(dy_cols, got[1], promote=32)
+    a, b = (e.values.float() * torch.exp2(e.row_exp.float())[:, None] for e in (dy_cols, got[1]))
+    ref = a @ b.t()
+    assert (dw - ref).abs().max() / ref.abs().max() < 1e-3

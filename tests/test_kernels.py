@@ -387,10 +387,19 @@ def test_training_backend_expansion_only_and_strided(name, host_reads):
         qa = be.quantize(x, f, "nearest", None, mode, False)
         qb = be.quantize(w, f, "nearest", None, mode, True)
         assert _rel(be.matmul(qa, qb, torch.float32, mode).cpu(), _ref_mm(x, w, f)) < (1e-6 if ON_CPU else 1e-4)
-    # both layouts: x along K, then x.t() (the column kernel)
-    for got, want in zip(be.quantize_both(x, f, "exact"), (be.quantize(x, f, "nearest", None, "exact", False),
-                                                          be.quantize(x.t(), f, "nearest", None, "exact", False))):
-        assert torch.equal(got.expanded.values, want.expanded.values)
+    # both layouts: x along K, then x.t() (the column kernel); FP8 modes: X^T as wgrad's second operand (b_cols)
+    # takes a weight's form (E4M3 where cuBLAS then takes it), dY^T E5M2, both with their scales
+    for mode in (("exact", "fp8") if name == "mxfp4" else ("exact",)):
+        for b_cols in (False, True):
+            got = be.quantize_both(x, f, mode, b_cols)
+            want = (be.quantize(x, f, "nearest", None, mode, False), be.quantize(x.t(), f, "nearest", None, mode,
+                                                                                   b_cols))
+            for g, w_ in zip(got, want):
+                assert g.expanded.values.dtype == w_.expanded.values.dtype, (mode, b_cols)
+                assert torch.equal(g.expanded.values.view(torch.uint8), w_.expanded.values.view(torch.uint8))
+                for field in ("row_exp", "row_ok"):
+                    a, b = getattr(g.expanded, field), getattr(w_.expanded, field)
+                    assert (a is None) == (b is None) and (a is None or torch.equal(a, b)), (mode, b_cols, field)
     assert be.quantize(x, f, "stochastic", None, "exact", False) is NotImplemented
     assert be.quantize(x, get_format("nvfp4"), "nearest", None, "exact", False) is NotImplemented
     recipe = recipe_for_format(name)
@@ -487,8 +496,8 @@ def test_both_layouts_bit_exact(name):
 def test_requantize_writes_into_the_same_buffers(name):
     """``quantize(out=)`` and ``KernelBackend.requantize`` (what CUDA graphs' persistent weights are refreshed by)
     write a new weight's quantization into an earlier result's buffers, bit for bit what a fresh call returns, in
-    every expansion the training GEMMs use (MXFP4's FP8 weight form with its row exponents included); a buffer of
-    another shape or dtype is refused."""
+    every expansion the training GEMMs use (MXFP4's FP8 weight form with its row exponents included), W and W^T
+    also at once (``requantize_both``); a buffer of another shape or dtype is refused."""
     dev = "cpu" if ON_CPU else DEV
     f = get_format(name)
     w_old, w_new = _inputs("outliers", (48, 136), device=dev), _inputs("special", (48, 136), device=dev, seed=4)
@@ -516,6 +525,18 @@ def test_requantize_writes_into_the_same_buffers(name):
         assert be.requantize(w_new, f, mode, q) is q and q.expanded.values.data_ptr() == before
         fresh = be.quantize(w_new, f, "nearest", None, mode, True)
         assert torch.equal(q.expanded.values.view(torch.uint8), fresh.expanded.values.view(torch.uint8))
+        # W and W^T at once (the persistent weights' refresh; on a GPU one CUDA kernel reading W once): into the
+        # same buffers, the forms (MXFP4 FP8: E4M3 W, E5M2 W^T here: 136 rows) and bits of two fresh calls
+        q_t = be.quantize(w_old.t(), f, "nearest", None, mode, True)
+        ptrs = [t.data_ptr() for e in (q.expanded, q_t.expanded) for t in e if t is not None]
+        w2 = _inputs("outliers", (48, 136), device=dev, seed=5)
+        assert be.requantize_both(w2, f, mode, q, q_t) == (q, q_t)
+        assert [t.data_ptr() for e in (q.expanded, q_t.expanded) for t in e if t is not None] == ptrs
+        for got, view in ((q, w2), (q_t, w2.t())):
+            fresh = be.quantize(view, f, "nearest", None, mode, True).expanded
+            for a, b in zip(got.expanded, fresh):
+                assert (a is None) == (b is None) and (a is None or torch.equal(a.view(torch.uint8),
+                                                                                b.view(torch.uint8))), mode
 
 
 def test_dispatch_registers_and_falls_back():

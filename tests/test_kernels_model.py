@@ -58,9 +58,9 @@ def test_model_losses_and_gradients_through_the_kernels(fmt, mode):
     class Counting(KernelBackend):  # the kernels served the linears: both operand kinds, each weight layout once
         calls = {"operands": 0, "weights": 0}
 
-        def quantize_both(self, x, fmt, mode):
+        def quantize_both(self, x, fmt, mode, b_cols=False):
             self.calls["operands"] += 1
-            return super().quantize_both(x, fmt, mode)
+            return super().quantize_both(x, fmt, mode, b_cols)
 
         def quantize(self, x, fmt, rounding, generator, mode, weight):
             self.calls["weights"] += int(weight)

@@ -314,11 +314,15 @@ def test_weight_cache_quantizes_each_weight_once_per_schedule(fmt):
 class RequantizeCounting(CountingBackend):
     def __init__(self):
         super().__init__()
-        self.requantized = 0
+        self.requantized = self.pairs = 0
 
     def requantize(self, x, fmt, mode, q):
         self.requantized += 1
         return super().requantize(x, fmt, mode, q)
+
+    def requantize_both(self, x, fmt, mode, q_rows, q_cols):
+        self.pairs += 1
+        return super().requantize_both(x, fmt, mode, q_rows, q_cols)
 
 
 @pytest.mark.parametrize("via", ["forced", "capture"])
@@ -327,7 +331,7 @@ def test_weights_persist_for_cuda_graphs_and_refresh_in_place(monkeypatch, via):
     ``ops.persistent_weights`` stand in) W and W^T are quantized once into persistent buffers, outside the open
     per-schedule cache, and every later pass reads those buffers (a graph reads their addresses): an in-place
     weight update is seen only after ``ops.refresh_persistent_weights``, which rewrites the same buffers with the
-    numbers of quantizing the new weights."""
+    numbers of quantizing the new weights (W and its transposed view W^T in one ``requantize_both`` call)."""
     recipe = recipe_for_format("hif4")
     torch.manual_seed(0)
     w, x = torch.randn(24, 64, requires_grad=True), torch.randn(4, 64, requires_grad=True)
@@ -352,7 +356,7 @@ def test_weights_persist_for_cuda_graphs_and_refresh_in_place(monkeypatch, via):
                 w.mul_(2.0)  # the optimizer's in-place step
             assert torch.equal(fp4_linear(x, w, recipe=recipe), want)  # stale until refreshed, as a graph's
             ops.refresh_persistent_weights()
-            assert backend.requantized == 2
+            assert (backend.requantized, backend.pairs) == (2, 1)  # W and W^T in one call, which a backend may serve
             assert [e[5].data_ptr() for e in ops._PERSISTENT.entries.values()] == buffers
             assert torch.equal(fp4_linear(x, w, recipe=recipe), 2 * want)
         monkeypatch.setattr(ops, "_capturing", lambda t: False)

@@ -12,6 +12,9 @@
 
 #include <cmath>
 #include <cstring>
+#ifdef __CUDACC__
+#include <cuda_fp8.h>
+#endif
 
 #ifdef __CUDACC__
 #define QM_FN __host__ __device__ __forceinline__
@@ -83,6 +86,15 @@ QM_FN uint32_t part_max(const uint32_t w[4]) {
 QM_FN float bf16_rne(float v) {
   uint32_t b = as_u(v);
   return as_f((b + 0x7FFFu + ((b >> 16) & 1u)) & 0xFFFF0000u);
+}
+
+// Round to the nearest integer, ties to even (exact for |v| < 2^23).
+QM_FN float rint_(float v) {
+#ifdef __CUDA_ARCH__
+  return rintf(v);
+#else
+  return std::nearbyint(v);
+#endif
 }
 
 QM_FN float pow2(int e) { return as_f((uint32_t)(e + 127) << 23); }  // e in [-126, 127]
@@ -164,17 +176,22 @@ QM_FN float e2m1_round(float s) {
   return s < 1.0f ? lo : hi;
 }
 
+// The scale exponent X in [-127, 127] of a block whose largest |x| has the (finite) bf16 bits bmax.
+QM_FN int mx_x(uint32_t bmax, bool rceil) {
+  const uint32_t ab = bmax << 16;
+  const int eb = (int)(ab >> 23);
+  int X = eb - 129;
+  if (rceil) X += (int)((ab & 0x7FFFFFu) > 0x400000u);
+  if (eb == 0) X = -127;
+  return X < -127 ? -127 : (X > 127 ? 127 : X);
+}
+
 // MXFP4: N parts of one 32-value block, bmax the block's largest |x| (bf16 bits) (SPEC 2.2; rceil: NVIDIA's
 // never-clipping scale). A NaN/Inf block dequantizes to NaN.
 template <int N>
 QM_FN void mx_parts(const uint32_t w[4 * N], uint32_t bmax, bool rceil, uint32_t out[4 * N]) {
   const bool bad = bmax >= 0x7F80u;
-  const uint32_t ab = bad ? 0u : bmax << 16;
-  const int eb = (int)(ab >> 23);
-  int X = eb - 129;
-  if (rceil) X += (int)((ab & 0x7FFFFFu) > 0x400000u);
-  if (eb == 0) X = -127;
-  X = X < -127 ? -127 : (X > 127 ? 127 : X);
+  const int X = mx_x(bad ? 0u : bmax, rceil);
   const float inv = as_f((uint32_t)(127 - X) << 23);  // 2^-X (X <= 126 for finite blocks)
   const float px = X == -127 ? 5.877471754111438e-39f : as_f((uint32_t)(X + 127) << 23);
 #pragma unroll
@@ -186,6 +203,129 @@ QM_FN void mx_parts(const uint32_t w[4 * N], uint32_t bmax, bool rceil, uint32_t
       v[h] = mul(e2m1_round(mul(ax, inv)), px);  // E2M1 value 2^X
     }
     out[i] = pack(v[0], v[1], w[i], bad);
+  }
+}
+
+// MXFP4's FP8 form (the GEMM modes "fp8" / "fp8_fast"; kernels/quantize.py: _mx_e5m2, _mx_e4m3, fp8_rows): every
+// value of a row relative to the row scale 2^S, S = clamp(the row's largest block exponent - TOP, -126, 127) over
+// its finite blocks (rmax: the largest |x| bits of those blocks, 0 if none); TOP 13 maps the largest block's 6 * 2^X
+// to E5M2's 1.5 * 2^15, TOP 6 to E4M3's 384.
+QM_FN int fp8_row_s(uint32_t rmax, bool rceil, bool e4m3) {
+  const int s = mx_x(rmax, rceil) - (e4m3 ? 6 : 13);
+  return s < -126 ? -126 : (s > 127 ? 127 : s);
+}
+
+// FP8 magnitude bits of the E2M1 value q (0, 0.5, ..., 6) of a block of scale 2^X, relative to 2^S: E5M2 in its
+// normal range, E4M3 (fn) with its subnormals; a value the form cannot hold is 0 and clears ok (the GEMMs read it
+// flushed: an approximate mode). q 2^X at or above 2^128 (rceil scales of the largest bf16 values) is fp32's Inf
+// in the reference, so E5M2's Inf here and E4M3's NaN (not held: ok cleared).
+QM_FN uint32_t fp8_of(float q, int X, int S, bool e4m3, bool& ok) {
+  if (q == 0.0f) return 0u;
+  const uint32_t qb = as_u(q);
+  const int e = (int)(qb >> 23) - 127, E = e + X - S;  // q 2^(X - S) = (1 + m / 2) 2^E
+  const uint32_t m = (qb >> 22) & 1u;
+  if (e + X >= 128) {
+    if (!e4m3) return 0x7Cu;
+    ok = false;
+    return 0x7Fu;
+  }
+  if (!e4m3) {
+    if (E >= -14 && E <= 15) return ((uint32_t)(E + 15) << 2) | (m << 1);
+  } else {
+    if (E >= -6) return ((uint32_t)(E + 7) << 3) | (m << 2);  // E <= 8: q 2^d <= 384
+    if (E >= -8) return (2u + m) << (E + 8);                    // subnormal k 2^-9, k = (2 + m) 2^(E + 8)
+    if (E == -9 && m == 0u) return 1u;
+  }
+  ok = false;
+  return 0u;
+}
+
+// Two FP8 values (value order, low byte first) of exactly representable fp32 values a, b (0 and -0 included): the
+// hardware conversion on the device (one instruction per pair; satfinite, the only form the hardware has, changes
+// no value here: every value is finite and within range), the same bits from the fields on the host.
+QM_FN uint32_t fp8_pair(float a, float b, bool e4m3) {
+#ifdef __CUDA_ARCH__
+  return __nv_cvt_float2_to_fp8x2(make_float2(a, b), __NV_SATFINITE, e4m3 ? __NV_E4M3 : __NV_E5M2);
+#else
+  uint32_t out = 0u;
+  for (int h = 0; h < 2; ++h) {
+    const uint32_t vb = as_u(h ? b : a), sign = (vb >> 24) & 0x80u, ab = vb & 0x7FFFFFFFu;
+    const int e = (int)(ab >> 23) - 127;
+    uint32_t m = 0u;
+    if (ab != 0u) {
+      if (!e4m3) m = ((uint32_t)(e + 15) << 2) | ((ab >> 21) & 3u);
+      else if (e >= -6) m = ((uint32_t)(e + 7) << 3) | ((ab >> 20) & 7u);
+      else m = (uint32_t)(as_f(ab) * 512.0f);  // subnormal: k 2^-9
+    }
+    out |= (sign | m) << (8 * h);
+  }
+  return out;
+#endif
+}
+
+// The values of N parts of one block (mx_fp8_parts' fast path): q 2^d for p = 2^d, CHECK: whether values may
+// fall out of the FP8 form (flushed to a signed zero, ok cleared).
+template <int N, bool CHECK>
+QM_FN void fp8_block(const uint32_t w[4 * N], float inv, float p, bool e4m3, uint32_t out[2 * N], bool& ok) {
+  bool flushed = false;
+#pragma unroll
+  for (int i = 0; i < 4 * N; ++i) {
+    float v[2];
+#pragma unroll
+    for (int h = 0; h < 2; ++h) {
+      const uint32_t half = h ? w[i] >> 16 : w[i] & 0xFFFFu;
+      float a = mul(e2m1_round(mul(as_f((half & 0x7FFFu) << 16), inv)), p);
+      if (CHECK) {
+        const bool keep = e4m3 ? (a >= 0.015625f || mul(a, 512.0f) == rint_(mul(a, 512.0f)))
+                               : a >= 6.103515625e-05f;
+        flushed |= !keep && a != 0.0f;
+        a = keep ? a : 0.0f;
+      }
+      v[h] = as_f(as_u(a) | ((half & 0x8000u) << 16));
+    }
+    const uint32_t pair = fp8_pair(v[0], v[1], e4m3);
+    if (i & 1) out[i >> 1] |= pair << 16;
+    else out[i >> 1] = pair;
+  }
+  if (flushed) ok = false;
+}
+
+// N parts of one MXFP4 block as FP8 bytes (4 per word, value order) relative to 2^S (fp8_row_s); a NaN/Inf block
+// is NaN (0x7F); each value keeps x's sign (flushed values and zeros too). ok: cleared where a value was flushed.
+// Each value is q 2^d (d = X - S, exact in fp32) kept where the form holds it (E5M2: >= 2^-14; E4M3: >= 2^-6, or
+// a multiple of its subnormal step 2^-9), then converted in pairs; blocks of X = 126 (rceil only), where q 2^X
+// can overflow fp32 as the reference's values do, take fp8_of.
+template <int N>
+QM_FN void mx_fp8_parts(const uint32_t w[4 * N], uint32_t bmax, bool rceil, int S, bool e4m3, uint32_t out[2 * N],
+                        bool& ok) {
+  const bool bad = bmax >= 0x7F80u;
+  const int X = mx_x(bad ? 0u : bmax, rceil);
+  const float inv = as_f((uint32_t)(127 - X) << 23);  // 2^-X (X <= 126 for finite blocks)
+  if (bad) {
+#pragma unroll
+    for (int i = 0; i < 2 * N; ++i) out[i] = 0x7F7F7F7Fu;
+    return;
+  }
+  if (X >= 126) {  // bit by bit
+#pragma unroll
+    for (int i = 0; i < 2 * N; ++i) out[i] = 0u;
+#pragma unroll
+    for (int i = 0; i < 4 * N; ++i) {
+#pragma unroll
+      for (int h = 0; h < 2; ++h) {
+        const uint32_t half = h ? w[i] >> 16 : w[i] & 0xFFFFu;
+        const float q = e2m1_round(mul(as_f((half & 0x7FFFu) << 16), inv));
+        out[i >> 1] |= (((half >> 8) & 0x80u) | fp8_of(q, X, S, e4m3, ok)) << (8 * (2 * (i & 1) + h));
+      }
+    }
+    return;
+  }
+  const int d = X - S < -64 ? -64 : X - S;  // below 2^-64 every value is flushed either way
+  // The block's smallest nonzero value, 0.5 2^d, is held when d >= -13 (E5M2) / -8 (E4M3): no check needed then
+  if (d >= (e4m3 ? -8 : -13)) {
+    fp8_block<N, false>(w, inv, pow2(d), e4m3, out, ok);
+  } else {
+    fp8_block<N, true>(w, inv, pow2(d), e4m3, out, ok);
   }
 }
 

@@ -158,17 +158,19 @@ class Quantized(NamedTuple):
     fmt: Format
 
 
-def quantize_both(x: torch.Tensor, fmt: FormatLike, mode: str = "exact") -> Optional[tuple[Quantized, Quantized]]:
-    """``x [R, K]`` quantized along K (GEMM mode ``mode``) and ``x.t()`` along R (exact mode), nearest rounding,
-    by the backend serving ``x``'s device (one pass over ``x`` where it can); None where that backend is a plain
-    function (it only multiplies tensors: callers then pass tensors to :func:`fp4_gemm`)."""
+def quantize_both(x: torch.Tensor, fmt: FormatLike, mode: str = "exact",
+                  b_cols: bool = False) -> Optional[tuple[Quantized, Quantized]]:
+    """``x [R, K]`` quantized along K and ``x.t()`` along R (GEMM mode ``mode``), nearest rounding, by the backend
+    serving ``x``'s device (one pass over ``x`` where it can); ``b_cols``: ``x.t()`` is the second operand of its
+    GEMM (a linear's input X^T in wgrad). None where that backend is a plain function (it only multiplies
+    tensors: callers then pass tensors to :func:`fp4_gemm`)."""
     check_tensor(x, "x", "quantize_both", ndim=2)
     f = get_format(fmt)
     backend = fp4_gemm_backend_for(x.device.type)
     if backend is not None and not isinstance(backend, FP4GemmBackend):
         return None
     for be in ((backend, _REFERENCE) if backend is not None else (_REFERENCE,)):
-        out = be.quantize_both(x, f, mode)
+        out = be.quantize_both(x, f, mode, b_cols)
         if out is not NotImplemented and all(o is not NotImplemented for o in out):
             return Quantized(be, out[0], f), Quantized(be, out[1], f)
     raise AssertionError("the reference backend declined a quantization")  # unreachable
@@ -236,8 +238,27 @@ class _PersistentWeights:
 
     @torch.no_grad()
     def _requantize_all(self) -> None:
-        for _, x, backend, fmt, mode, q in self.entries.values():
-            backend.requantize(x, fmt, mode, q)
+        """Every entry re-quantized; a weight W held in both layouts (W for fprop, W^T for dgrad: the same storage,
+        transposed views) in one ``requantize_both`` call, which a backend may serve from one read of W."""
+        def view_key(entry, transposed: bool = False):
+            base, x, backend, fmt, mode, _ = entry
+            shape, stride = (x.shape[::-1], x.stride()[::-1]) if transposed else (x.shape, x.stride())
+            return id(base), x.storage_offset(), tuple(shape), tuple(stride), id(backend), fmt.name, mode
+
+        entries = list(self.entries.values())
+        views = {view_key(e): e for e in entries if e[1].dim() == 2}
+        partners = {}  # id(entry of a contiguous W) -> the entry of W.t()
+        for e in entries:
+            t = views.get(view_key(e, transposed=True)) if e[1].dim() == 2 and e[1].is_contiguous() else None
+            if t is not None and t is not e:
+                partners[id(e)] = t
+        paired = {id(t) for t in partners.values()}
+        for e in entries:
+            _, x, backend, fmt, mode, q = e
+            if id(e) in partners:
+                backend.requantize_both(x, fmt, mode, q, partners[id(e)][5])
+            elif id(e) not in paired:
+                backend.requantize(x, fmt, mode, q)
 
     def refresh(self) -> None:
         if not self.entries:

@@ -48,14 +48,16 @@ class KernelBackend(FP4GemmBackend):
     one Triton kernel that writes only its GEMM-ready expansion, read strided (transposed views cost no copy), then
     one tensor-core GEMM rounding once to the caller's dtype. "exact" mode: BF16 expansions and cuBLAS's BF16 GEMM
     with fp32 accumulation (the reference's numbers up to summation order). MXFP4 "fp8" / "fp8_fast": E5M2
-    activations x E4M3 weights on cuBLAS's FP8 GEMM (two on-the-fly operands: the Triton FP8 GEMM), values below
-    the FP8 window flushed (:class:`kernels.quantize.Expanded`; no host sync). Declines stochastic rounding, mixed
-    formats and formats without kernels.
+    activations and gradients x E4M3 weights (fprop, dgrad) or E4M3 X^T (wgrad) on cuBLAS's FP8 GEMM (two E5M2
+    operands: the Triton FP8 GEMM), values below the FP8 window flushed (:class:`kernels.quantize.Expanded`; no
+    host sync). Declines stochastic rounding, mixed formats and formats without kernels.
 
     An operand's two layouts (X along K and along the tokens; a weight's W and W^T) come from
     ``kernels.quantize.quantize_both_layouts``: on a GPU with nvcc, one CUDA kernel that reads each 64 x 64 tile
-    of x once and writes both expansions (``kernels.cuda_quantize``); else two Triton passes (MXFP4's row kernel
-    and column kernel; HiF4's row kernel writing x's transposed copy too, then the row kernel on that copy)."""
+    of x once and writes both expansions (``kernels.cuda_quantize``; MXFP4's FP8 form: a read for the row and
+    column scales, then that kernel); else two Triton passes (MXFP4's row kernel and column kernel, or in FP8 form
+    its row kernel on x and on x^T; HiF4's row kernel writing x's transposed copy too, then the row kernel on
+    that copy)."""
 
     def quantize(self, x, fmt, rounding, generator, mode, weight, out=None):
         if rounding != "nearest" or fmt.name not in KERNEL_FORMATS or not kernels_usable(x):
@@ -66,11 +68,22 @@ class KernelBackend(FP4GemmBackend):
             expand = fp8_weight_expand(x) if weight else "native"
         return Operand(fmt, quantize(x, fmt, expand=expand, packed=False, out=out)[1])
 
-    def quantize_both(self, x, fmt, mode):
-        if mode != "exact" or fmt.name not in KERNEL_FORMATS or not kernels_usable(x):
-            return super().quantize_both(x, fmt, mode)
-        rows, cols = quantize_both_layouts(x, fmt)
+    def quantize_both(self, x, fmt, mode, b_cols=False):
+        if fmt.name not in KERNEL_FORMATS or not kernels_usable(x):
+            return super().quantize_both(x, fmt, mode, b_cols)
+        expand = ("bf16", "bf16")
+        if mode != "exact" and fmt.name != "hif4":  # X^T (wgrad's b) in E4M3 where cuBLAS then takes it
+            expand = ("native", fp8_weight_expand(x.t()) if b_cols else "native")
+        rows, cols = quantize_both_layouts(x, fmt, expand=expand)
         return Operand(fmt, rows), Operand(fmt, cols)
+
+    def requantize_both(self, x, fmt, mode, q_rows, q_cols):
+        expand = tuple(_expand_of(q.expanded) for q in (q_rows, q_cols))
+        mixed = "bf16" in expand and expand != ("bf16", "bf16")  # one BF16 and one FP8 form: not one call's pair
+        if fmt.name not in KERNEL_FORMATS or not kernels_usable(x) or mixed:
+            return super().requantize_both(x, fmt, mode, q_rows, q_cols)
+        quantize_both_layouts(x, fmt, expand=expand, out=(q_rows.expanded, q_cols.expanded))
+        return q_rows, q_cols
 
     def requantize(self, x, fmt, mode, q):
         self.quantize(x, fmt, "nearest", None, mode, True, out=q.expanded)  # the kernels write into q's buffers
@@ -80,6 +93,11 @@ class KernelBackend(FP4GemmBackend):
         if qa.fmt.name != qb.fmt.name:
             return NotImplemented
         return mm_expanded(qa.expanded, qb.expanded, out_dtype=out_dtype, promote=PROMOTE[mode])
+
+
+def _expand_of(e) -> str:
+    """The ``kernels.quantize.quantize`` expansion mode that made the expansion ``e``."""
+    return {torch.bfloat16: "bf16", torch.float8_e5m2: "native", torch.float8_e4m3fn: "e4m3"}[e.values.dtype]
 
 
 def kernel_backend(device_type: str = "cuda") -> Optional[KernelBackend]:

@@ -138,7 +138,7 @@ class PrecisionConfig:
     fp4_high_precision_last_layers: int = knob(0, "last N transformer layers trained in high precision",
                                                check=non_negative)
     fp4_gemm_mode: str = knob("exact", "how the training GEMMs multiply on the GPU: exact (fp32 accumulation of the "
-                                       "exact FP4 products), or for MXFP4 fp8 / fp8_fast (fprop and dgrad on the FP8 "
+                                       "exact FP4 products), or for MXFP4 fp8 / fp8_fast (the three GEMMs on the FP8 "
                                        "tensor cores, promoted / fast accumulation, values far below their "
                                        "row's largest flushed: approximate, see docs/PERFORMANCE.md)",
                               choices=GEMM_MODES)
