@@ -95,32 +95,38 @@ TRAIN_OPERANDS = [(8192, 1536), (8192, 2048), (8192, 8960), (8192, 17920)]
 
 
 def bench_training_operands(operands=TRAIN_OPERANDS):
-    """A training operand X [tokens, K] quantized into both GEMM layouts (along K and along tokens, BF16
-    expansions), as ``KernelBackend.quantize_both`` does it (``kernels.quantize.quantize_both_layouts``: the CUDA
-    kernel where nvcc is there, else the Triton passes; MXFP4's FP8 mode: E5M2 rows with their row-scale pass),
-    and the Triton passes it replaces (MXFP4's row kernel + column kernel; HiF4's row pass writing x^T too + the row
-    kernel on x^T); the row pass alone; and the column pass alone both ways: the column kernel on the row-major x
-    against a tiled transposed copy + the row kernel. (The one-pass kernel that wrote both layouts
-    from one read ran at 600-780 GB/s, 1.3-2.4x slower than two passes at every width, and was removed in session
-    16.) Kernel time from CUDA graph replays; GB/s counts 2 bytes read and 4 written per value (FP8 rows: 3; one
-    pass alone: 4)."""
+    """A training operand X [tokens, K] quantized into both GEMM layouts (along K and along tokens) by
+    ``kernels.quantize.quantize_both_layouts`` (``KernelBackend.quantize_both``, and a weight's refresh,
+    ``requantize_both``): the CUDA kernel where nvcc is there (BF16 expansions; MXFP4's FP8 forms: a maxima pass
+    then the writing pass, X: E5M2 rows and E4M3 columns, dY: E5M2 both, W: E4M3 both), against the Triton passes
+    it replaces (MXFP4's row kernel + column kernel, or its FP8 row kernel on x and x^T; HiF4's row pass writing
+    x^T too + the row kernel on x^T); the row pass alone; and the column pass alone both ways: the column kernel on
+    the row-major x against a tiled transposed copy + the row kernel. (The one-pass Triton kernel that wrote both
+    layouts from one read ran at 600-780 GB/s, 1.3-2.4x slower than two passes at every width, and was removed in
+    session 16.) Kernel time from CUDA graph replays; GB/s counts 2 bytes read and 4 written per value (FP8: 2
+    written; one pass alone: 4)."""
     from kernels.quantize import _quantize_columns, _row_major, quantize, quantize_both_layouts
     from megatron_fp4.formats import get_format
-    from megatron_fp4.ops.kernels_backend import KernelBackend
 
-    be, out = KernelBackend(), []
+    out = []
     for rows, K in operands:
         xs = [torch.randn(rows, K, device="cuda", dtype=torch.bfloat16) for _ in range(copies_for(2 * rows * K))]
         for fmt in ("hif4", "mxfp4"):
             f = get_format(fmt)
-            modes = ("exact", "fp8") if fmt == "mxfp4" else ("exact",)
+            modes = ("exact", "fp8 X", "fp8 dY", "fp8 W") if fmt == "mxfp4" else ("exact",)
             for mode in modes:
-                ms = bench([lambda x=x: be.quantize_both(x, f, mode) for x in xs], graph=True)
+                # the FP8 forms: X (E5M2 rows, E4M3 X^T: wgrad's second operand), dY (E5M2 both), a weight W
+                # (E4M3 W and W^T: the persistent weights' refresh, ``KernelBackend.requantize_both``)
+                ex = {"exact": ("bf16", "bf16"), "fp8 X": ("native", "e4m3"), "fp8 dY": ("native", "native"),
+                      "fp8 W": ("e4m3", "e4m3")}[mode]
+                ms = bench([lambda x=x: quantize_both_layouts(x, f, expand=ex) for x in xs], graph=True)
+                gb = (6 if mode == "exact" else 4) * rows * K / 1e6  # bytes counted, in MB
+                tri = bench([lambda x=x: quantize_both_layouts(x, f, backend="triton", expand=ex) for x in xs],
+                            graph=True)
                 row = {"fmt": fmt, "mode": mode, "rows": rows, "K": K, "both_layouts_us": ms * 1e3,
-                       "both_layouts_GBps": (6 if mode == "exact" else 5) * rows * K / ms / 1e6}
+                       "both_layouts_GBps": gb / ms, "both_layouts_triton_us": tri * 1e3,
+                       "both_layouts_triton_GBps": gb / tri}
                 if mode == "exact":
-                    tri = bench([lambda x=x: quantize_both_layouts(x, f, backend="triton") for x in xs], graph=True)
-                    row.update(both_layouts_triton_us=tri * 1e3, both_layouts_triton_GBps=6 * rows * K / tri / 1e6)
                     rows_only = bench([lambda x=x: quantize(x, f, expand="bf16", packed=False) for x in xs], graph=True)
                     row.update(row_pass_us=rows_only * 1e3, row_pass_GBps=4 * rows * K / rows_only / 1e6)
                     col = bench([lambda x=x: _quantize_columns(x.t(), f, None) for x in xs], graph=True)
@@ -129,10 +135,9 @@ def bench_training_operands(operands=TRAIN_OPERANDS):
                     row.update(col_kernel_us=col * 1e3, transpose_then_rows_us=col_t * 1e3,
                                col_kernel_GBps=4 * rows * K / col / 1e6,
                                transpose_then_rows_GBps=4 * rows * K / col_t / 1e6)
-                print(f"  {fmt:<6s} {mode:<5s} {rows} x {K:<6d} both layouts {row['both_layouts_us']:7.1f} us "
-                      f"({row['both_layouts_GBps']:5.0f} GB/s)" + (
-                          f" (Triton passes {row['both_layouts_triton_us']:7.1f} us)"
-                          f"; row pass {row['row_pass_us']:7.1f} us; column pass: column kernel "
+                print(f"  {fmt:<6s} {mode:<6s} {rows} x {K:<6d} both layouts {row['both_layouts_us']:7.1f} us "
+                      f"({row['both_layouts_GBps']:5.0f} GB/s) (Triton passes {row['both_layouts_triton_us']:7.1f} us)"
+                      + (f"; row pass {row['row_pass_us']:7.1f} us; column pass: column kernel "
                           f"{row['col_kernel_us']:7.1f} us "
                           f"({row['col_kernel_GBps']:5.0f} GB/s), transposed copy + rows "
                           f"{row['transpose_then_rows_us']:7.1f} us ({row['transpose_then_rows_GBps']:5.0f} GB/s)"

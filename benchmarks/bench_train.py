@@ -20,6 +20,7 @@ timed ones (median). Columns:
 ``--profile`` adds, per row, the CUDA time of one step by kernel family (GEMM, FP4 quantize, attention, ...), the
 top kernels, and the host's top Python functions (cProfile: where a CPU-bound step spends its time).
 ``--host-overhead`` measures only each recipe's host time per linear forward + backward (tiny operands, no model).
+``--mode-error`` measures only how far MXFP4's FP8 GEMM modes are from its exact mode on the shape's linears.
 ``--cuda-graph`` runs the step under megatron-core's CUDA graphs (``cuda_graph_impl="local"``, the driver's
 ``--cuda-graph-impl local``): one recipe and batch per process.
 Recipes: bf16 (no recipe), hif4, mxfp4, and mxfp4-fp8 / mxfp4-fp8_fast (MXFP4 with --fp4-gemm-mode).
@@ -266,6 +267,45 @@ def host_overhead_us(recipe_name: str, iters: int = 300, device: str = "cuda", p
         return us, (cpu_profile_step(lambda: [step() for _ in range(50)]) if profile else None)
 
 
+def mode_error(shape: str, tokens: int = 8192, seed: int = 0) -> list[dict]:
+    """MXFP4's FP8 GEMM modes against its exact mode on the training linears of ``shape`` (qkv, proj, fc1, fc2;
+    ``tokens`` tokens, bf16): the relative error (max |diff| / max |exact|, and the Frobenius ratio) of the output
+    Y and of the gradients dX and dW of one forward + backward (the numbers the FP8 tensor cores change: their
+    accumulation and the flush of values below each row's FP8 window). Inputs: Gaussians with heavy-tailed per-channel
+    scales (a few outlier channels, as LLM activations have), gradients ~1e-4."""
+    from megatron_fp4 import ops
+    from megatron_fp4.linear import fp4_linear
+    from megatron_fp4.recipe import MXFP4BlockScaling
+
+    s = SHAPES[shape]
+    h, ffn, heads, groups = s["hidden_size"], s["ffn_hidden_size"], s["num_attention_heads"], s["num_query_groups"]
+    qkv = h + 2 * groups * (h // heads)
+    g = torch.Generator(device="cuda").manual_seed(seed)
+    rows = []
+    for name, n, k in (("qkv", qkv, h), ("proj", h, h), ("fc1", 2 * ffn, h), ("fc2", h, ffn)):
+        chan = torch.exp(torch.randn(k, device="cuda", generator=g) * 1.5)
+        x = (torch.randn(tokens, k, device="cuda", generator=g) * chan).bfloat16()
+        w = (torch.randn(n, k, device="cuda", generator=g) / k ** 0.5).bfloat16()
+        dy = (torch.randn(tokens, n, device="cuda", generator=g) * 1e-4).bfloat16()
+        out = {}
+        for mode in ("exact", "fp8", "fp8_fast"):
+            xr, wr = x.clone().requires_grad_(True), w.clone().requires_grad_(True)
+            with ops.quantized_weight_cache():
+                y = fp4_linear(xr, wr, recipe=MXFP4BlockScaling(gemm_mode=mode))
+                y.backward(dy)
+            out[mode] = {"y": y.detach().float(), "dx": xr.grad.float(), "dw": wr.grad.float()}
+        for mode in ("fp8", "fp8_fast"):
+            row = {"linear": name, "n": n, "k": k, "tokens": tokens, "mode": mode}
+            for t in ("y", "dx", "dw"):
+                ref, got = out["exact"][t], out[mode][t]
+                row[f"{t}_rel_max"] = float((got - ref).abs().max() / ref.abs().max())
+                row[f"{t}_rel_fro"] = float((got - ref).norm() / ref.norm())
+            rows.append(row)
+            print(f"  {name:<5} {n:>6} x {k:<6} {mode:<8} " + "  ".join(
+                f"{t} {row[f'{t}_rel_max']:.1e} / {row[f'{t}_rel_fro']:.1e}" for t in ("y", "dx", "dw")), flush=True)
+    return rows
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--shape", default="qwen2.5-1.5b", choices=sorted(SHAPES))
@@ -286,6 +326,9 @@ def main() -> None:
                          "replayed after; needs --warmup >= 2 and one recipe and batch per process")
     ap.add_argument("--host-overhead", action="store_true",
                     help="only measure each recipe's host time per linear forward + backward (tiny operands)")
+    ap.add_argument("--mode-error", action="store_true",
+                    help="only measure MXFP4's FP8 GEMM modes against exact on the shape's linears (relative error "
+                         "of Y, dX, dW; max and Frobenius)")
     ap.add_argument("--out", default=os.path.join(os.path.dirname(__file__), "results", "train.json"))
     args = ap.parse_args()
     for r in args.recipes.split(","):
@@ -316,7 +359,10 @@ def main() -> None:
             print(f"{r:<15} host time per linear forward + backward: {us:.1f} us", flush=True)
             for fn, calls, tt, ct in (prof or [])[:6]:
                 print(f"    {fn[:70]:<70} {calls:>6} {tt:>8.2f} ms own {ct:>8.2f} ms cum", flush=True)
-    batches = [] if args.host_overhead else parse_batches(args.batches)
+    if args.mode_error:
+        print("MXFP4 FP8 modes vs exact, relative error max / Frobenius:", flush=True)
+        rows.extend(mode_error(args.shape))
+    batches = [] if args.host_overhead or args.mode_error else parse_batches(args.batches)
     print(f"{'recipe':<15} {'BxT':>8} {'tok/s':>9} {'MFU':>6} {'step s':>7} {'opt s':>6} {'peak GiB':>8} "
           f"{'no-opt':>7} {'loss':>12}", flush=True)
     for b, t, mb in batches:
