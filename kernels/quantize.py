@@ -261,11 +261,12 @@ if HAS_TRITON:
         mag = codes & 7
         ee = mag >> 1
         m = mag & 1
-        E = tl.where(ee == 0, -1, ee - 1) + _bcast(X, BR, NB, 32) - S[:, None]
-        field = E + 15
+        EX = tl.where(ee == 0, -1, ee - 1) + _bcast(X, BR, NB, 32)  # q * 2^X = 1.m * 2^EX
+        field = EX - S[:, None] + 15
         ok = (mag == 0) | ((field >= 1) & (field <= 30))
         sign = (codes & 8) << 4
         bits = sign | tl.where(ok & (mag != 0), (field << 2) | tl.where(ee == 0, 0, m << 1), 0)
+        bits = tl.where(EX >= 128, sign | 0x7C, bits)  # fp32's Inf in the reference (rceil's X = 126): E5M2's Inf
         bits = tl.where(_bcast(bad.to(tl.int32), BR, NB, 32) != 0, 0x7F, bits)
         return bits, tl.min(ok.to(tl.int32), axis=1)
 
@@ -280,14 +281,17 @@ if HAS_TRITON:
         mag = codes & 7
         ee = mag >> 1
         m2 = tl.where(ee == 0, 2, 2 + (mag & 1))  # twice the significand: 2 (1.0) or 3 (1.5)
-        E = tl.where(ee == 0, -1, ee - 1) + _bcast(X, BR, NB, 32) - S[:, None]
+        EX = tl.where(ee == 0, -1, ee - 1) + _bcast(X, BR, NB, 32)
+        E = EX - S[:, None]
         normal = E >= -6
         sub = (E >= -8) | ((E == -9) & (m2 == 2))
         k = tl.where(E >= -8, m2 << tl.maximum(E + 8, 0), 1)
-        ok = (mag == 0) | normal | sub
+        ovf = EX >= 128  # fp32's Inf in the reference (rceil's X = 126), which E4M3 cannot hold: NaN, not ok
+        ok = (mag == 0) | ((normal | sub) & ~ovf)
         sign = (codes & 8) << 4
         bits = tl.where(normal, ((E + 7) << 3) | ((m2 - 2) << 2), k)
         bits = sign | tl.where(ok & (mag != 0), bits, 0)
+        bits = tl.where(ovf, sign | 0x7F, bits)
         bits = tl.where(_bcast(bad.to(tl.int32), BR, NB, 32) != 0, 0x7F, bits)
         return bits, tl.min(ok.to(tl.int32), axis=1)
 
@@ -327,13 +331,17 @@ if HAS_TRITON:
 
     @triton.jit
     def _row_amax(x_ptr, rows, rmask, K, stride_xr, stride_xk, BR: tl.constexpr, BK: tl.constexpr):
+        """Each row's largest |x| over its finite 32-value MXFP4 blocks (a NaN/Inf block's finite values do not
+        count: the reference takes the row scale from the finite blocks' exponents)."""
+        NB: tl.constexpr = BK // 32
         am = tl.zeros((BR,), dtype=tl.float32)
         for k0 in range(0, K, BK):
             cols = k0 + tl.arange(0, BK)
-            x = _load_x(x_ptr, rows, rmask, cols, K, stride_xr, stride_xk)
-            xb = x.to(tl.int32, bitcast=True)
-            a = tl.where((xb & 0x7F800000) != 0x7F800000, tl.abs(x), 0.0)
-            am = tl.maximum(am, tl.max(a, axis=1))
+            x = tl.reshape(_load_x(x_ptr, rows, rmask, cols, K, stride_xr, stride_xk), (BR, NB, 32))
+            finite = (x.to(tl.int32, bitcast=True) & 0x7F800000) != 0x7F800000
+            bad = tl.min(finite.to(tl.int32), axis=2) == 0
+            bmax = tl.max(tl.where(finite, tl.abs(x), 0.0), axis=2)
+            am = tl.maximum(am, tl.max(tl.where(bad, 0.0, bmax), axis=1))
         return am
 
     @triton.jit

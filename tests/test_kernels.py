@@ -80,13 +80,11 @@ def _check_pack(x, name, dim, config=None):
         _exact(ex.values.float()[:, :k], rows, "BF16 expansion")
     else:
         _check_fp8(ex, rows, k)
-        # the kernel's E5M2 bytes, flushes included, equal the twin's; rows with a NaN block (their GEMM rows are
-        # NaN whatever the rest holds) may differ in row scale: the kernel also counts that block's finite values
-        fin = ~rows.isnan().any(1)
+        # the kernel's E5M2 bytes, flushes included, and row scales equal the twin's (rows with NaN blocks too)
         twin = expand_packed(r, "native")
-        _exact(ex.row_ok[fin], twin.row_ok[fin], "E5M2 row_ok")
-        _exact(ex.row_exp[fin], twin.row_exp[fin], "E5M2 row_exp")
-        _exact(_fp8_bytes(ex.values)[fin], _fp8_bytes(twin.values)[fin], "E5M2 bytes")
+        _exact(ex.row_ok, twin.row_ok, "E5M2 row_ok")
+        _exact(ex.row_exp, twin.row_exp, "E5M2 row_exp")
+        _exact(_fp8_bytes(ex.values), _fp8_bytes(twin.values), "E5M2 bytes")
         if dim % x.dim() != x.dim() - 1:
             return  # weights (the E4M3 form's use) are quantized along their last dimension only
         # the E4M3 weight form (cuBLAS's FP8 GEMM): its window ends at 2^(row_exp - 8), subnormals included
@@ -94,9 +92,9 @@ def _check_pack(x, name, dim, config=None):
         assert e4.values.dtype == torch.float8_e4m3fn
         _check_fp8(e4, rows, k, window=-8)
         twin = expand_packed(r, "e4m3")
-        _exact(e4.row_ok[fin], twin.row_ok[fin], "E4M3 row_ok")
-        _exact(e4.row_exp[fin], twin.row_exp[fin], "E4M3 row_exp")
-        _exact(_fp8_bytes(e4.values)[fin], _fp8_bytes(twin.values)[fin], "E4M3 bytes")
+        _exact(e4.row_ok, twin.row_ok, "E4M3 row_ok")
+        _exact(e4.row_exp, twin.row_exp, "E4M3 row_exp")
+        _exact(_fp8_bytes(e4.values), _fp8_bytes(twin.values), "E4M3 bytes")
 
 
 def _fp8_bytes(v):
@@ -107,15 +105,16 @@ def _fp8_bytes(v):
 def _check_fp8(ex, rows, k, window=-14):
     """An FP8 expansion of the exact values ``rows`` [R, k]: every value held exactly or, where it is below the
     FP8 window (2^(row_exp + window)), flushed to zero; NaN where the reference is NaN; ``row_ok`` = nothing
-    flushed."""
+    flushed. E4M3 has no Inf: a value that is Inf in the reference (rceil's 4 * 2^126) is NaN there, and not ok."""
     got = (ex.values.float() * torch.exp2(ex.row_exp.float())[:, None])[:, :k]
-    nan = rows.isnan()
+    lost = rows.isinf() if ex.values.dtype == torch.float8_e4m3fn else torch.zeros_like(rows, dtype=torch.bool)
+    nan = rows.isnan() | lost
     assert torch.equal(got.isnan(), nan)
     flushed = (got != rows) & ~nan
     assert torch.equal(got[flushed], torch.zeros_like(got[flushed]))
     below = rows.abs() < torch.exp2(ex.row_exp.float() + window)[:, None]
     assert bool((below | ~flushed).all()), "a value inside the FP8 window was flushed"
-    assert torch.equal(ex.row_ok.cpu(), ~flushed.any(1).cpu())
+    assert torch.equal(ex.row_ok.cpu(), ~(flushed | lost).any(1).cpu())
 
 
 # ---------------------------------------------------------------------------------------------- CPU interpreter
@@ -125,6 +124,21 @@ def test_quantize_bit_exact_small(name, kind):
     _check_pack(_inputs(kind, (6, 200), device="cpu" if ON_CPU else DEV), name, -1)
     _check_resq(_inputs(kind, (6, 200), device="cpu" if ON_CPU else DEV), name)
     _check_pack(_inputs(kind, (130, 5), device="cpu" if ON_CPU else DEV), name, 0)  # column variant
+
+
+@pytest.mark.parametrize("name", ["mxfp4", "mxfp4_rceil"])
+def test_fp8_forms_at_the_edges(name):
+    """MXFP4's FP8 forms (E5M2 rows, E4M3 weights) bit for bit the reference's where row scales and values reach
+    their edges: a row whose largest finite value sits in a NaN block and one whose largest sits in an Inf block
+    (the row scale comes from the finite blocks only), a row of NaN blocks, and values near the largest bf16
+    (rceil's X = 126, where the reference's 4 * 2^126 and 6 * 2^126 are fp32's Inf)."""
+    x = _inputs("random", (5, 128), device="cpu" if ON_CPU else DEV)
+    x[0, 3], x[0, 4] = float("nan"), 1e6
+    x[1, 40], x[1, 41] = float("inf"), -1e6
+    x[2, ::32] = float("nan")
+    x[3, 70], x[3, 71], x[3, 100] = 3.0e38, -2.5e38, 1.0e38
+    x[4, 0], x[4, 33] = 3.3e38, -1.2e38
+    _check_pack(x, name, -1)
 
 
 @pytest.mark.parametrize("name", ["mxfp4", "mxfp4_rceil"])
