@@ -22,7 +22,8 @@ top kernels, and the host's top Python functions (cProfile: where a CPU-bound st
 ``--host-overhead`` measures only each recipe's host time per linear forward + backward (tiny operands, no model).
 ``--mode-error`` measures only how far MXFP4's FP8 GEMM modes are from its exact mode on the shape's linears.
 ``--cuda-graph`` runs the step under megatron-core's CUDA graphs (``cuda_graph_impl="local"``, the driver's
-``--cuda-graph-impl local``): one recipe and batch per process.
+``--cuda-graph-impl local``): each row in a process of its own (megatron-core keeps a graphed model's memory pool
+until its process ends), started by this one, which prints and writes the whole table.
 Recipes: bf16 (no recipe), hif4, mxfp4, and mxfp4-fp8 / mxfp4-fp8_fast (MXFP4 with --fp4-gemm-mode).
 """
 
@@ -65,6 +66,57 @@ def parse_batches(text: str) -> list[tuple[int, int, int | None]]:
             raise SystemExit(f"bench_train.py: error: --batches: {part!r} is not BxT[/micro-batch] (e.g. 4x2048 or "
                              f"8x4096/2)") from None
     return out
+
+
+def row_argv(argv: list[str], recipe: str, batch: tuple[int, int, int | None], out: str) -> list[str]:
+    """This script's command line ``argv`` (without the program) for one row: ``--recipes``, ``--batches`` and
+    ``--out`` replaced (either spelling, ``--flag value`` or ``--flag=value``), every other argument kept."""
+    replaced, keep, skip = ("--recipes", "--batches", "--out"), [], False
+    for a in argv:
+        if skip:
+            skip = False
+        elif a in replaced:
+            skip = True
+        elif not a.startswith(tuple(f + "=" for f in replaced)):
+            keep.append(a)
+    b, t, mb = batch
+    return keep + ["--recipes", recipe, "--batches", f"{b}x{t}" + (f"/{mb}" if mb else ""), "--out", out]
+
+
+def rows_in_processes(argv: list[str], recipes: list[str], batches: list) -> list[dict]:
+    """Each (batch, recipe) row run by this script in a process of its own (its output shown as it comes), its JSON
+    row collected; a process that fails or writes no row gives an error row (the others still run)."""
+    import subprocess
+    import tempfile
+
+    rows = []
+    with tempfile.TemporaryDirectory() as tmp:
+        for b, t, mb in batches:
+            for r in recipes:
+                out = os.path.join(tmp, f"{r}_{b}x{t}.json")
+                proc = subprocess.run([sys.executable, os.path.abspath(__file__), *row_argv(argv, r, (b, t, mb), out)])
+                got = json.load(open(out))["rows"] if os.path.exists(out) else []
+                rows.extend(got or [dict(recipe=r, batch=b, seq=t, error=f"the row's process exited with "
+                                                                        f"{proc.returncode} and wrote no row")])
+    return rows
+
+
+def print_row(row: dict) -> None:
+    r, b, t = row["recipe"], row.get("batch"), row.get("seq")
+    if "error" in row:
+        print(f"{r:<15} {f'{b}x{t}':>8} {row['error'][:80]}", flush=True)
+        return
+    print(f"{r:<15} {f'{b}x{t}':>8} {row['tokens_per_s']:>9.0f} {row['mfu']:>6.3f} {row['step_s']:>7.3f} "
+          f"{row['opt_s']:>6.3f} {row['peak_mem_gib']:>8.1f} {row['peak_mem_no_opt_gib']:>7.1f} "
+          f"{row['loss']:>12.5e}", flush=True)
+    if "profile" in row:
+        print("   ", json.dumps(row["profile"]["families_ms"]), flush=True)
+        for op, shapes, calls, ms in row["profile"]["top_ops_ms"][:8]:
+            print(f"    {ms:8.2f} ms {calls:>5} x {op} {shapes[:90]}", flush=True)
+
+
+TABLE_HEADER = (f"{'recipe':<15} {'BxT':>8} {'tok/s':>9} {'MFU':>6} {'step s':>7} {'opt s':>6} {'peak GiB':>8} "
+                f"{'no-opt':>7} {'loss':>12}")
 
 
 def recipe_and_mode(name: str):
@@ -307,7 +359,7 @@ def mode_error(shape: str, tokens: int = 8192, seed: int = 0) -> list[dict]:
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], allow_abbrev=False)
     ap.add_argument("--shape", default="qwen2.5-1.5b", choices=sorted(SHAPES))
     ap.add_argument("--recipes", default="bf16,hif4,mxfp4,mxfp4-fp8")
     ap.add_argument("--batches", default="4x2048", help="comma-separated BxT (sequences x tokens) per step, each "
@@ -323,7 +375,7 @@ def main() -> None:
     ap.add_argument("--cuda-graph", action="store_true",
                     help="capture each transformer layer's forward and backward as CUDA graphs (megatron-core's "
                          "cuda_graph_impl='local'): recorded in the first warm-up step, captured at its end, "
-                         "replayed after; needs --warmup >= 2 and one recipe and batch per process")
+                         "replayed after; needs --warmup >= 2; several rows run in processes of their own")
     ap.add_argument("--host-overhead", action="store_true",
                     help="only measure each recipe's host time per linear forward + backward (tiny operands)")
     ap.add_argument("--mode-error", action="store_true",
@@ -335,16 +387,22 @@ def main() -> None:
         if r not in RECIPES:
             raise SystemExit(f"bench_train.py: error: --recipes: {r!r} is not valid; allowed values: "
                              f"{', '.join(RECIPES)}")
-    if args.cuda_graph and not args.host_overhead and (len(args.recipes.split(",")) > 1
-                                                       or len(parse_batches(args.batches)) > 1):
-        raise SystemExit("bench_train.py: error: --cuda-graph measures one row per process (megatron-core keeps a "
-                         "graphed model's memory pool until the process ends, so a second row would run short of "
-                         "memory): give one --recipes and one --batches, e.g. in a shell loop")
+    batches = parse_batches(args.batches)
     if not torch.cuda.is_available():
         raise SystemExit("bench_train.py: error: needs a CUDA GPU (the step times are GPU times)")
     if args.cuda_graph and args.warmup < 2:
         raise SystemExit(f"bench_train.py: error: --cuda-graph needs --warmup >= 2 (the first step records and "
                          f"captures the graphs, the second replays them), got --warmup {args.warmup}")
+    own_processes = (args.cuda_graph and not args.host_overhead and not args.mode_error
+                     and len(args.recipes.split(",")) * len(batches) > 1)
+    if own_processes:  # one process per row; this one only collects (it never touches the GPU)
+        print(TABLE_HEADER, flush=True)
+        rows = rows_in_processes(sys.argv[1:], args.recipes.split(","), batches)
+        print(f"\n{'all rows':-^80}\n{TABLE_HEADER}", flush=True)
+        for row in rows:
+            print_row(row)
+        write_json(args, rows)  # CUDA initialized here only now, after the rows' processes ended
+        return
     from megatron_fp4.parallel import destroy_parallel, initialize_parallel
 
     os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
@@ -362,9 +420,8 @@ def main() -> None:
     if args.mode_error:
         print("MXFP4 FP8 modes vs exact, relative error max / Frobenius:", flush=True)
         rows.extend(mode_error(args.shape))
-    batches = [] if args.host_overhead or args.mode_error else parse_batches(args.batches)
-    print(f"{'recipe':<15} {'BxT':>8} {'tok/s':>9} {'MFU':>6} {'step s':>7} {'opt s':>6} {'peak GiB':>8} "
-          f"{'no-opt':>7} {'loss':>12}", flush=True)
+    batches = [] if args.host_overhead or args.mode_error else batches
+    print(TABLE_HEADER, flush=True)
     for b, t, mb in batches:
         for r in args.recipes.split(","):
             saved = args.micro_batch_size
@@ -381,16 +438,13 @@ def main() -> None:
             gc.collect()  # the row's model and optimizer
             torch.cuda.empty_cache()
             rows.append(row)
-            if "error" in row:
-                print(f"{r:<15} {f'{b}x{t}':>8} {row['error'][:80]}", flush=True)
-            else:
-                print(f"{r:<15} {f'{b}x{t}':>8} {row['tokens_per_s']:>9.0f} {row['mfu']:>6.3f} {row['step_s']:>7.3f} "
-                      f"{row['opt_s']:>6.3f} {row['peak_mem_gib']:>8.1f} {row['peak_mem_no_opt_gib']:>7.1f} "
-                      f"{row['loss']:>12.5e}", flush=True)
-                if "profile" in row:
-                    print("   ", json.dumps(row["profile"]["families_ms"]), flush=True)
-                    for op, shapes, calls, ms in row["profile"]["top_ops_ms"][:8]:
-                        print(f"    {ms:8.2f} ms {calls:>5} x {op} {shapes[:90]}", flush=True)
+            print_row(row)
+    write_json(args, rows)
+    destroy_parallel()
+
+
+def write_json(args, rows: list[dict]) -> None:
+    """``{"info", "rows"}`` to ``--out``."""
     info = dict(gpu=torch.cuda.get_device_name(), torch=torch.__version__, shape=args.shape,
                 date=time.strftime("%Y-%m-%d"), command=" ".join(sys.argv),
                 distributed_optimizer=args.distributed_optimizer, attention_backend=args.attention_backend,
@@ -399,7 +453,6 @@ def main() -> None:
     with open(args.out, "w") as f:
         json.dump({"info": info, "rows": rows}, f, indent=1)
     print(f"wrote {args.out}")
-    destroy_parallel()
 
 
 if __name__ == "__main__":
