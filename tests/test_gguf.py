@@ -11,6 +11,7 @@ import math
 import pytest
 import torch
 
+from data_helpers import gsm8k_file
 from test_tools_helpers import run_tool
 
 GGUF_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
@@ -89,8 +90,8 @@ def _run_example(script: str, tmp_path) -> tuple[dict, str]:
     _smollm2_dir()
     env = dict(os.environ, PYTHONWARNINGS="ignore", PYTHONPATH=str(REPO))
     r = subprocess.run([sys.executable, str(REPO / "examples" / "smollm2" / script), "--num-prompts", "2",
-                        "--max-new-tokens", "4", "--out", str(tmp_path / "out")], env=env, capture_output=True,
-                       text=True, timeout=900)
+                        "--max-new-tokens", "4", "--data", str(gsm8k_file("test")), "--out", str(tmp_path / "out")],
+                       env=env, capture_output=True, text=True, timeout=900)
     assert r.returncode == 0, r.stderr[-3000:]
     return json.loads((tmp_path / "out.json").read_text()), (tmp_path / "out.md").read_text()
 

@@ -3,22 +3,17 @@
 import json
 import random
 from fractions import Fraction
-from pathlib import Path
 
 import pytest
 
 from megatron_fp4.rl.rewards import (VALID_KINDS, answers_match, extract_answer, extract_reference, parse_number,
                                      score)
 
-GSM8K_TEST = Path("/work/shared/data/gsm8k/test.jsonl")
-if not GSM8K_TEST.exists():  # the checkout's sibling copy (SPEC 6: ../shared/data/gsm8k)
-    GSM8K_TEST = Path(__file__).resolve().parents[2] / "shared" / "data" / "gsm8k" / "test.jsonl"
+from data_helpers import gsm8k_file
 
 
 def _gsm8k_rows():
-    if not GSM8K_TEST.exists():
-        pytest.skip(f"GSM8K test split not found at {GSM8K_TEST}")
-    return [json.loads(line) for line in GSM8K_TEST.read_text().splitlines() if line.strip()]
+    return [json.loads(line) for line in gsm8k_file("test").read_text().splitlines() if line.strip()]
 
 
 def test_all_gsm8k_gold_solutions_score_one():

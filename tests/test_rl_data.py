@@ -1,7 +1,6 @@
 """Tests for megatron_fp4.rl.data: jsonl errors, templates, the resumable sampler, splits, synthetic tasks."""
 
 import json
-from pathlib import Path
 
 import pytest
 
@@ -9,10 +8,7 @@ from megatron_fp4.rl.data import (TEMPLATES, PromptSampler, check_arith_steps, f
                                   load_gsm8k, load_jsonl, load_math_jsonl, make_addition_examples,
                                   make_arith_examples, split_heldout)
 from megatron_fp4.rl.rewards import score
-
-GSM8K_DIR = Path("/work/shared/data/gsm8k")
-if not GSM8K_DIR.exists():
-    GSM8K_DIR = Path(__file__).resolve().parents[2] / "shared" / "data" / "gsm8k"
+from data_helpers import gsm8k_file
 
 
 def test_load_jsonl_errors_name_file_and_line(tmp_path):
@@ -38,9 +34,7 @@ def test_load_jsonl_errors_name_file_and_line(tmp_path):
 
 
 def test_gsm8k_loading_and_template():
-    path = GSM8K_DIR / "test.jsonl"
-    if not path.exists():
-        pytest.skip("GSM8K copy not available")
+    path = gsm8k_file("test")
     ex = load_gsm8k(path)
     assert len(ex) == 1319
     assert ex[0].prompt.startswith("Question: Janet") and ex[0].prompt.endswith("\nAnswer: Let's think step by step.")
