@@ -240,24 +240,16 @@ class _PersistentWeights:
     def _requantize_all(self) -> None:
         """Every entry re-quantized; a weight W held in both layouts (W for fprop, W^T for dgrad: the same storage,
         transposed views) in one ``requantize_both`` call, which a backend may serve from one read of W."""
-        def view_key(entry, transposed: bool = False):
-            base, x, backend, fmt, mode, _ = entry
-            shape, stride = (x.shape[::-1], x.stride()[::-1]) if transposed else (x.shape, x.stride())
-            return id(base), x.storage_offset(), tuple(shape), tuple(stride), id(backend), fmt.name, mode
-
-        entries = list(self.entries.values())
-        views = {view_key(e): e for e in entries if e[1].dim() == 2}
-        partners = {}  # id(entry of a contiguous W) -> the entry of W.t()
-        for e in entries:
-            t = views.get(view_key(e, transposed=True)) if e[1].dim() == 2 and e[1].is_contiguous() else None
-            if t is not None and t is not e:
-                partners[id(e)] = t
-        paired = {id(t) for t in partners.values()}
-        for e in entries:
-            _, x, backend, fmt, mode, q = e
-            if id(e) in partners:
-                backend.requantize_both(x, fmt, mode, q, partners[id(e)][5])
-            elif id(e) not in paired:
+        partners = {}  # key of a contiguous 2-D W -> key of W.t()'s entry
+        for key, (_, x, *_) in self.entries.items():
+            t = _transposed_key(key) if x.dim() == 2 and x.is_contiguous() else None
+            if t in self.entries and t != key:
+                partners[key] = t
+        paired = set(partners.values())
+        for key, (_, x, backend, fmt, mode, q) in self.entries.items():
+            if key in partners:
+                backend.requantize_both(x, fmt, mode, q, self.entries[partners[key]][5])
+            elif key not in paired:
                 backend.requantize(x, fmt, mode, q)
 
     def refresh(self) -> None:
@@ -313,6 +305,11 @@ def _cache_key(backend: FP4GemmBackend, x: torch.Tensor, fmt: Format, mode: str,
     base = x if x._base is None else x._base
     return base, (id(backend), id(base), x.storage_offset(), tuple(x.shape), x.stride(), x.dtype,
                   x._version if version else None, fmt.name, mode)
+
+
+def _transposed_key(key: tuple) -> tuple:
+    """The :func:`_cache_key` key of the transposed view (``x.t()``) of the 2-D view whose key is ``key``."""
+    return key[:3] + (key[3][::-1], key[4][::-1]) + key[5:]
 
 
 def _quantize(backend: FP4GemmBackend, x: torch.Tensor, fmt: Format, rounding: str,
