@@ -7,8 +7,8 @@ setup(
     version="0.1.0",
     description="FP4 (HiFloat4 / MXFP4) RL post-training with Rollout-ResQ on megatron-core",
     python_requires=">=3.10",
-    packages=find_packages(include=["megatron_fp4", "megatron_fp4.*", "kernels", "kernels.*"]),
-    package_data={"kernels": ["csrc/*.cu"]},  # the CUDA decode kernel, built with nvcc on first use
+    packages=find_packages(include=["megatron_fp4", "megatron_fp4.*"]),
+    package_data={"megatron_fp4.kernels": ["csrc/*.cu", "csrc/*.h"]},  # the CUDA kernels, built with nvcc on first use
     install_requires=[
         "torch>=2.4",
         "megatron-core>=0.16,<0.17",

@@ -21,13 +21,13 @@ sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."
 
 import triton  # noqa: E402
 
-from kernels import decode_gemm as gm  # noqa: E402
+from megatron_fp4.kernels import decode_gemm as gm  # noqa: E402
 
-from kernels.decode_gemm import w4_matmul  # noqa: E402
-from kernels.gemm import mm_expanded  # noqa: E402
-from kernels.packed_gemm import packed_matmul  # noqa: E402
-from kernels.quantize import Expanded, expand_packed, quantize  # noqa: E402
-from kernels.resq import resq_quantize  # noqa: E402
+from megatron_fp4.kernels.decode_gemm import w4_matmul  # noqa: E402
+from megatron_fp4.kernels.gemm import mm_expanded  # noqa: E402
+from megatron_fp4.kernels.packed_gemm import packed_matmul  # noqa: E402
+from megatron_fp4.kernels.quantize import Expanded, expand_packed, quantize  # noqa: E402
+from megatron_fp4.kernels.resq import resq_quantize  # noqa: E402
 
 SHAPES = [(2048, 2048), (2048, 11008), (11008, 2048), (3584, 18944), (18944, 3584)]  # (K, N)
 MS = [16, 64, 4096, 16384]
@@ -96,7 +96,7 @@ TRAIN_OPERANDS = [(8192, 1536), (8192, 2048), (8192, 8960), (8192, 17920)]
 
 def bench_training_operands(operands=TRAIN_OPERANDS):
     """A training operand X [tokens, K] quantized into both GEMM layouts (along K and along tokens) by
-    ``kernels.quantize.quantize_both_layouts`` (``KernelBackend.quantize_both``, and a weight's refresh,
+    ``megatron_fp4.kernels.quantize.quantize_both_layouts`` (``KernelBackend.quantize_both``, and a weight's refresh,
     ``requantize_both``): the CUDA kernel where nvcc is there (BF16 expansions; MXFP4's FP8 forms: a maxima pass
     then the writing pass, X: E5M2 rows and E4M3 columns, dY: E5M2 both, W: E4M3 both), against the Triton passes
     it replaces (MXFP4's row kernel + column kernel, or its FP8 row kernel on x and x^T; HiF4's row pass writing
@@ -105,7 +105,7 @@ def bench_training_operands(operands=TRAIN_OPERANDS):
     layouts from one read ran at 600-780 GB/s, 1.3-2.4x slower than two passes at every width, and was removed in
     session 16.) Kernel time from CUDA graph replays; GB/s counts 2 bytes read and 4 written per value (FP8: 2
     written; one pass alone: 4)."""
-    from kernels.quantize import _quantize_columns, _row_major, quantize, quantize_both_layouts
+    from megatron_fp4.kernels.quantize import _quantize_columns, _row_major, quantize, quantize_both_layouts
     from megatron_fp4.formats import get_format
 
     out = []
@@ -148,7 +148,7 @@ def bench_training_operands(operands=TRAIN_OPERANDS):
 
 def sweep_quantize(rows=16384, K=3584):
     """GB/s of the row quantize kernel (pack only) for every tile config autotuning chooses from."""
-    from kernels import quantize as qm
+    from megatron_fp4.kernels import quantize as qm
 
     x = torch.randn(rows, K, device="cuda", dtype=torch.bfloat16)
     out = []
@@ -163,8 +163,8 @@ def sweep_quantize(rows=16384, K=3584):
 
 
 def _best_config(fmt, name):
-    from kernels import quantize as qm
-    from kernels import resq as rm
+    from megatron_fp4.kernels import quantize as qm
+    from megatron_fp4.kernels import resq as rm
 
     t = rm._resq_tuned if "resq" in name else (qm._hif4_quant_tuned if fmt == "hif4" else qm._mx_quant_tuned)
     return str(getattr(t, "best_config", None))
@@ -271,8 +271,8 @@ def bench_gemms(shapes, ms_list, skip_packed_large=False, on_row=None):
 
 def sweep_decode():
     """Time the decode kernel over tile configs (largest 7B shape, M = 16 and 64, both formats) and make the
-    fastest per format and M the default (kernels.decode_gemm.DECODE_CONFIGS) for the table."""
-    from kernels import decode_gemm as gm
+    fastest per format and M the default (megatron_fp4.kernels.decode_gemm.DECODE_CONFIGS) for the table."""
+    from megatron_fp4.kernels import decode_gemm as gm
 
     out = []
     K, N = 3584, 18944
@@ -305,7 +305,8 @@ def sweep_decode():
     return out
 
 
-#: Tiles of the CUDA decode kernels timed by --decode-sweep (kernels.cuda_decode: KERNEL and its tile keys).
+#: Tiles of the CUDA decode kernels timed by --decode-sweep (megatron_fp4.kernels.cuda_decode: KERNEL and its tile
+#: keys).
 SWEEP_TILES = (
     *(dict(KERNEL="mma", SPW=spw, DEPTH=depth, WARPS=warps, PER_SM=per_sm) for spw, depth, warps, per_sm in
       ((2, 2, 8, 4), (1, 4, 4, 4))),
@@ -317,12 +318,12 @@ DECODE_SHAPES = [(3584, 18944), (18944, 3584), (1536, 8960), (8960, 1536), (1536
 
 
 def bench_decode(shapes, ms_list=(16, 64), sweep=False):
-    """Issue 20's decode table: the CUDA decode kernel (kernels.cuda_decode) against cuBLAS BF16 (and the Triton
-    decode kernel), W4A16, W4A4 on the exact BF16 expansion (GEMM alone and quantize + GEMM) and ResQ 2:4 in its
+    """Issue 20's decode table: the CUDA decode kernel (megatron_fp4.kernels.cuda_decode) against cuBLAS BF16 (and the
+    Triton decode kernel), W4A16, W4A4 on the exact BF16 expansion (GEMM alone and quantize + GEMM) and ResQ 2:4 in its
     bf16-sum form (quantize + GEMM), both formats; every column a CUDA-graph replay with weights rotated through
     more than the L2. Each CUDA result is checked against the fp64 product of the same operands."""
-    from kernels import cuda_decode as cd
-    from kernels.dispatch import prepare_weight
+    from megatron_fp4.kernels import cuda_decode as cd
+    from megatron_fp4.kernels.dispatch import prepare_weight
 
     rows, sweep_rows = [], []
     for (K, N) in shapes:
@@ -473,7 +474,7 @@ def main():
         if args.shapes:
             shapes = [tuple(int(v) for v in s.split("x")) for s in args.shapes.split(",")]
         rows, sweep_rows = bench_decode(shapes, sweep=args.decode_sweep)
-        from kernels import cuda_decode as cd
+        from megatron_fp4.kernels import cuda_decode as cd
         d = {"gpu": dev, "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()), "torch": torch.__version__,
              "triton": triton.__version__, "copy_GBps": copy_gbs, "cublas_bf16_8192_TFLOPs": bf16_peak,
              "wgmma_max_weight": cd.WGMMA_MAX_WEIGHT,

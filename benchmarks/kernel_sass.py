@@ -89,7 +89,7 @@ def registers(ptx: str) -> str:
 
 def decode_case(fmt: str, BN: int, BM: int, res: bool, wide: bool, prefetch: bool, xperm: bool):
     """(kernel, signature, constexprs, divisible args, weight values per loop iteration) of the decode GEMM."""
-    from kernels import decode_gemm
+    from megatron_fp4.kernels import decode_gemm
 
     fn = decode_gemm._w4_decode_kernel
     signature = {"x_ptr": "*bf16", "r_ptr": "*bf16", "b_ptr": "*i16", "bs_ptr": "*i32" if fmt == "hif4" else "*u8",
@@ -106,8 +106,8 @@ def quantize_case(fmt: str, BR: int, BK: int, expand: int, prefetch: bool, unpac
     """(kernel, signature, constexprs, divisible args, values per loop iteration) of the row quantize kernel
     (``unpacked``: the expansion only, as the training GEMMs read it; a row-major x, unit stride specialized;
     ``transpose``: HiF4's row pass also writing x's transposed copy, ``quantize_both_layouts``)."""
-    from kernels import quantize as qm
-    from kernels._common import HIF4_RECIP
+    from megatron_fp4.kernels import quantize as qm
+    from megatron_fp4.kernels._common import HIF4_RECIP
 
     sig = {"x_ptr": "*bf16", "codes_ptr": "*u8", "scales_ptr": "*i32" if fmt == "hif4" else "*u8",
            "ex_ptr": "*bf16" if expand == 2 or (fmt == "hif4" and expand) else "*u8"}
@@ -131,9 +131,10 @@ def quantize_case(fmt: str, BR: int, BK: int, expand: int, prefetch: bool, unpac
 
 def columns_case(fmt: str, BC: int):
     """(kernel, signature, constexprs, divisible args, values per program: 64 rows x BC columns) of the column
-    kernel (``kernels.quantize``'s exact expansion of a transposed view, read from the row-major tensor)."""
-    from kernels import quantize as qm
-    from kernels._common import HIF4_RECIP
+    kernel (``megatron_fp4.kernels.quantize``'s exact expansion of a transposed view, read from the row-major
+    tensor)."""
+    from megatron_fp4.kernels import quantize as qm
+    from megatron_fp4.kernels._common import HIF4_RECIP
 
     sig = {"x_ptr": "*bf16", "ec_ptr": "*bf16"}
     sig.update({k: "i32" for k in ("R", "K", "RP", "stride_xr", "stride_ec", "R_BUCKET")})
@@ -145,8 +146,9 @@ def columns_case(fmt: str, BC: int):
 def main(argv=None):
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("kernel", choices=["decode", "quantize", "columns"],
-                   help="decode: the decode GEMM (kernels.decode_gemm.w4_matmul); quantize: the row quantize "
-                        "kernel; columns: the column kernel (a transposed view's exact expansion, --BK columns per program)")
+                   help="decode: the decode GEMM (megatron_fp4.kernels.decode_gemm.w4_matmul); quantize: the row "
+                        "quantize kernel; columns: the column kernel (a transposed view's exact expansion, --BK "
+                        "columns per program)")
     p.add_argument("--fmt", choices=["hif4", "mxfp4"], default="mxfp4")
     p.add_argument("--BN", type=int, default=64, help="weight rows per program")
     p.add_argument("--BM", type=int, default=16, help="token columns (16, 32 or 64)")

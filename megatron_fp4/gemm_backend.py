@@ -3,7 +3,7 @@
 A backend is an :class:`FP4GemmBackend` (``quantize`` an operand into its GEMM-ready form, ``matmul`` two forms) or
 a plain function of both operands (:data:`GemmBackend`); :func:`reference_fp4_gemm` and :class:`FP4GemmBackend`
 itself are the reference every backend matches. Torch and ``megatron_fp4.formats`` only: the kernels
-(``kernels/``) build on this, and ``megatron_fp4.ops`` registers and dispatches.
+(``megatron_fp4/kernels/``) build on this, and ``megatron_fp4.ops`` registers and dispatches.
 """
 
 from __future__ import annotations
@@ -18,8 +18,8 @@ __all__ = ["GEMM_MODES", "GemmBackend", "FP4GemmBackend", "reference_fp4_gemm"]
 
 #: How a backend multiplies FP4 operands (:attr:`megatron_fp4.recipe.FP4Recipe.gemm_mode`): "exact" (fp32
 #: accumulation of the exact products; the reference's numbers up to summation order), "fp8" / "fp8_fast" (MXFP4 on
-#: the FP8 tensor cores with promoted / Hopper's default accumulation: approximate, kernels/dispatch.py says how
-#: much). The reference computes every mode exactly.
+#: the FP8 tensor cores with promoted / Hopper's default accumulation: approximate, megatron_fp4/kernels/dispatch.py
+#: says how much). The reference computes every mode exactly.
 GEMM_MODES = ("exact", "fp8", "fp8_fast")
 
 #: Signature of a backend: (a, b, a_format, b_format, a_rounding, b_rounding, generator) -> fp32 [m, n].

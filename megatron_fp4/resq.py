@@ -14,7 +14,7 @@ Q(X) + Q(X - Q(X))), "none" (no residual: plain FP4). Ties in "channel"/"tile32x
 "2:4" and "dense" are token-local (a token's result does not depend on the other tokens of the call);
 "channel" and "tile32x64" are not, by definition. ``RolloutPrecision(..., resq_combine="bf16")`` rounds
 Q(X) + S(Q(R)) once to BF16, so that one BF16 GEMM computes both products (the Hopper fast path of
-``kernels.dispatch``); the default "exact" keeps the sum in fp32.
+``megatron_fp4.kernels.dispatch``); the default "exact" keeps the sum in fp32.
 
 Baselines of the paper: W4A16 (weights only), W16A4 (activations only), BF16, OCC-style clipping with sparse
 high-precision compensation (:func:`occ_activation`) and the two-tensor split (:func:`split_activation`).

@@ -1,5 +1,5 @@
-"""Serve rollout GEMMs with the Triton FP4 kernels (``kernels.dispatch``) on CUDA; PyTorch reference elsewhere.
-The kernels as a backend of :mod:`megatron_fp4.resq`'s rollout linear, used by the native engine
+"""Serve rollout GEMMs with the Triton FP4 kernels (``megatron_fp4.kernels.dispatch``) on CUDA; PyTorch reference
+elsewhere. The kernels as a backend of :mod:`megatron_fp4.resq`'s rollout linear, used by the native engine
 (``megatron_fp4.rollout``) and the SGLang plug-in alike (both build on it; it knows neither).
 
     from megatron_fp4.rollout_kernels import register_kernel_backend
@@ -39,8 +39,8 @@ def _plan(precision: RolloutPrecision, x_dtype: Optional[torch.dtype], formats) 
 def register_kernel_backend(device_type: str = "cuda") -> bool:
     """Register the kernel backend for ``device_type`` if the kernels can run there; returns whether."""
     try:
-        from kernels import dispatch
-        from kernels._common import KERNEL_FORMATS, kernels_usable
+        from megatron_fp4.kernels import dispatch
+        from megatron_fp4.kernels._common import KERNEL_FORMATS, kernels_usable
     except ImportError:
         return False
     if device_type == "cuda" and not (torch.cuda.is_available() and dispatch.available()):

@@ -1,4 +1,4 @@
-"""The CUDA decode GEMMs (kernels/cuda_decode.py, kernels/csrc/w4_decode.cu and w4_wgmma.cu).
+"""The CUDA decode GEMMs (megatron_fp4/kernels/cuda_decode.py, megatron_fp4/kernels/csrc/w4_decode.cu and w4_wgmma.cu).
 
 CPU: the decode layout, read back with a PyTorch emulation of the kernel's bit operations, gives the reference
 quantizer's dequantized weight bit for bit (HiF4 and MXFP4, NaN units/blocks, MXFP4 wide scales, ragged N and K).
@@ -10,7 +10,7 @@ dispatch path.
 import pytest
 import torch
 
-from kernels.cuda_decode import decode_layout_dequantize, to_decode_layout
+from megatron_fp4.kernels.cuda_decode import decode_layout_dequantize, to_decode_layout
 from megatron_fp4.formats import get_format
 
 
@@ -56,7 +56,7 @@ def test_decode_layout_rejects_other_formats():
 
 
 def test_decode_kernel_choice_and_split():
-    from kernels import cuda_decode as cd
+    from megatron_fp4.kernels import cuda_decode as cd
 
     # the measured split: 7B MLP weights take mma.sync, the 1.5B ones (and 7B attention) wgmma
     assert cd.default_kernel(18944, 3584) == cd.default_kernel(3584, 18944) == "mma"
@@ -74,7 +74,7 @@ def test_decode_kernel_choice_and_split():
 # GPU
 # ---------------------------------------------------------------------------------------------------------------
 def _cuda_ready():
-    from kernels import cuda_decode
+    from megatron_fp4.kernels import cuda_decode
 
     if not cuda_decode.available():
         pytest.skip("CUDA decode kernel not available (needs sm_90 and nvcc)")
@@ -130,7 +130,7 @@ def test_gpu_decode_matches_fp64_product(name, M):
 @pytest.mark.parametrize("name", ["hif4", "mxfp4"])
 def test_gpu_dispatch_decode_uses_cuda_kernel(name):
     _cuda_ready()
-    from kernels import dispatch
+    from megatron_fp4.kernels import dispatch
     from megatron_fp4.resq import resq_activation
 
     f = get_format(name)

@@ -1,4 +1,5 @@
-"""The CUDA both-layouts quantizer (kernels/cuda_quantize.py, kernels/csrc/quant_both.cu, quant_math.h).
+"""The CUDA both-layouts quantizer (megatron_fp4/kernels/cuda_quantize.py, megatron_fp4/kernels/csrc/quant_both.cu,
+quant_math.h).
 
 CPU: the unit math of ``quant_math.h`` (what the kernel runs per thread), built for the host with the system C++
 compiler, against the PyTorch reference bit for bit (skipped without a compiler). GPU (``gpu`` marker): the kernel
@@ -13,11 +14,11 @@ import numpy as np
 import pytest
 import torch
 
-from kernels.quantize import quantize_reference
+from megatron_fp4.kernels.quantize import quantize_reference
 from megatron_fp4.formats import get_format
 
 FORMATS = ["hif4", "mxfp4", "mxfp4_rceil"]
-_CSRC = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "kernels", "csrc")
+_CSRC = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "megatron_fp4", "kernels", "csrc")
 
 # Reads: format id, value count n (a multiple of the unit), n bf16 bit patterns; writes the n bf16 results: each
 # unit split into parts of 8 values (4 words) as the kernel's lanes hold them, the unit maximum taken over the parts.
@@ -207,7 +208,7 @@ def test_host_fp8_math_matches_reference(fp8_harness, name, form):
 def _cuda_quantize():
     if not torch.cuda.is_available():
         pytest.skip("needs CUDA")
-    from kernels import cuda_quantize
+    from megatron_fp4.kernels import cuda_quantize
 
     if not cuda_quantize.available():
         pytest.skip("the CUDA quantizer cannot build here (nvcc) or is turned off")
@@ -239,10 +240,10 @@ def test_both_layouts_kernel_bit_exact(name):
 @pytest.mark.gpu
 @pytest.mark.parametrize("name", FORMATS)
 def test_quantize_both_layouts_serves_through_the_kernel(name, monkeypatch):
-    """``kernels.quantize.quantize_both_layouts`` (the training linears' X and dY) returns the CUDA kernel's
-    expansions, equal to the Triton passes' (``MEGATRON_FP4_CUDA_QUANT=0``) on a training-sized operand."""
+    """``megatron_fp4.kernels.quantize.quantize_both_layouts`` (the training linears' X and dY) returns the CUDA
+    kernel's expansions, equal to the Triton passes' (``MEGATRON_FP4_CUDA_QUANT=0``) on a training-sized operand."""
     cq = _cuda_quantize()
-    from kernels import quantize as qm
+    from megatron_fp4.kernels import quantize as qm
 
     x = (torch.randn(4096, 1536, device="cuda") * torch.exp(torch.randn(4096, 1536, device="cuda") * 2)).bfloat16()
     calls = []
@@ -296,8 +297,8 @@ def test_fp8_quantize_both_layouts_serves_through_the_kernel(cols, monkeypatch):
     forms, equal to the Triton passes' on a training-sized operand, and the FP8 GEMM of two such operands (wgrad's
     dY^T x X^T) equals the exact product of the reference's values to FP8 accumulation's error."""
     cq = _cuda_quantize()
-    from kernels import quantize as qm
-    from kernels.gemm import mm_expanded
+    from megatron_fp4.kernels import quantize as qm
+    from megatron_fp4.kernels.gemm import mm_expanded
 
     x = (torch.randn(4096, 1536, device="cuda") * torch.exp(torch.randn(4096, 1536, device="cuda") * 2)).bfloat16()
     calls = []

@@ -1,5 +1,5 @@
-"""kernels/decode_ops.py (the native engine's fused decode-step kernels) against their PyTorch twins, in Triton's
-CPU interpreter (fp32 and fp16: the interpreter rounds fp32 to bf16 by truncation) or on a GPU (bf16 too)."""
+"""megatron_fp4/kernels/decode_ops.py (the native engine's fused decode-step kernels) against their PyTorch twins, in
+Triton's CPU interpreter (fp32 and fp16: the interpreter rounds fp32 to bf16 by truncation) or on a GPU (bf16 too)."""
 
 import os
 
@@ -11,8 +11,8 @@ if not torch.cuda.is_available():
 
 pytest.importorskip("triton")
 
-from kernels import decode_ops  # noqa: E402
-from kernels._common import interpreting  # noqa: E402
+from megatron_fp4.kernels import decode_ops  # noqa: E402
+from megatron_fp4.kernels._common import interpreting  # noqa: E402
 
 DEV = "cuda" if torch.cuda.is_available() else "cpu"
 if DEV == "cpu" and not interpreting():

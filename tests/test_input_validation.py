@@ -109,7 +109,7 @@ def test_resq_and_fp4_gemm_refuse_malformed_operands():
 
 
 def test_kernel_dispatch_entry_points_refuse_malformed_operands():
-    from kernels import dispatch
+    from megatron_fp4.kernels import dispatch
 
     w = dispatch.prepare_weight(torch.randn(8, 64), "hif4")
     with pytest.raises(InvalidTensorError, match="prepare_weight: w is empty"):

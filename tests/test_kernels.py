@@ -15,12 +15,12 @@ if not torch.cuda.is_available():
 
 triton = pytest.importorskip("triton")
 
-from kernels import dispatch  # noqa: E402
-from kernels.decode_gemm import w4_matmul  # noqa: E402
-from kernels.gemm import mm_expanded  # noqa: E402
-from kernels.packed_gemm import packed_matmul  # noqa: E402
-from kernels.quantize import expand_packed, quantize  # noqa: E402
-from kernels.resq import resq_quantize_reference, resq_matmul, resq_quantize  # noqa: E402
+from megatron_fp4.kernels import dispatch  # noqa: E402
+from megatron_fp4.kernels.decode_gemm import w4_matmul  # noqa: E402
+from megatron_fp4.kernels.gemm import mm_expanded  # noqa: E402
+from megatron_fp4.kernels.packed_gemm import packed_matmul  # noqa: E402
+from megatron_fp4.kernels.quantize import expand_packed, quantize  # noqa: E402
+from megatron_fp4.kernels.resq import resq_quantize_reference, resq_matmul, resq_quantize  # noqa: E402
 from megatron_fp4.formats import get_format  # noqa: E402
 from megatron_fp4.ops import kernels_backend  # noqa: E402
 from megatron_fp4.resq import resq_activation, resq_components  # noqa: E402
@@ -29,7 +29,7 @@ FORMATS = ["hif4", "mxfp4", "mxfp4_rceil"]
 DEV = "cuda" if torch.cuda.is_available() else "cpu"
 ON_CPU = DEV == "cpu"
 if ON_CPU:
-    from kernels._common import interpreting
+    from megatron_fp4.kernels._common import interpreting
 
     if not interpreting():  # kernels were imported before the interpreter was switched on
         pytest.skip("Triton interpreter not active for kernels/", allow_module_level=True)
@@ -160,7 +160,7 @@ def test_mxfp4_rounding_every_bf16_value(name):
 def test_quantize_few_rows_split_along_k(name):
     """Decode-sized activations (few rows): programs share out each row's K tiles (with and without prefetch);
     codes, scales and the BF16 expansions stay bit-identical, for the plain and the fused ResQ kernel."""
-    from kernels._common import cdiv, k_split
+    from megatron_fp4.kernels._common import cdiv, k_split
 
     f = get_format(name)
     x = _inputs("outliers", (2, 3000), device="cpu" if ON_CPU else DEV)
@@ -213,10 +213,11 @@ def _check_resq(x, name, config=None):
 def test_quantize_autotuning_candidates():
     """The row quantizer tunes over row tiles for row-major inputs and column tiles for transposed ones, the
     prefetching tiles included (both formats' loops prefetch, HiF4's expansion-only loop too)."""
-    from kernels import quantize as qm
-    from kernels._common import HIF4_RECIP
+    from megatron_fp4.kernels import quantize as qm
+    from megatron_fp4.kernels._common import HIF4_RECIP
 
-    tuner = getattr(qm._hif4_quant_tuned, "kernel", qm._hif4_quant_tuned)  # under kernels._launch.fast on a GPU
+    # under megatron_fp4.kernels._launch.fast on a GPU
+    tuner = getattr(qm._hif4_quant_tuned, "kernel", qm._hif4_quant_tuned)
 
     def tiles(stride_xk, **kw):
         return {(c.kwargs["BR"], c.kwargs["BK"], c.num_warps, c.kwargs["PREFETCH"])
@@ -278,7 +279,7 @@ def test_w4_decode_edge_cases(name):
     """The decode kernel's bit-level unpack on the values that stress it: weights needing MXFP4 block scales
     above 2^1 (the two-factor path), scales at the bottom of E8M0 (subnormal products), NaN blocks/units, zero
     rows, a K that ends half-way through a 64-value step, N not a multiple of the tile, and the ResQ residual."""
-    from kernels.decode_gemm import needs_wide_decode
+    from megatron_fp4.kernels.decode_gemm import needs_wide_decode
 
     f = get_format(name)
     w = _inputs("outliers", (40, 200), seed=8)
@@ -387,7 +388,7 @@ def test_training_backend_expansion_only_and_strided(name, host_reads):
     assert torch.equal(quantize(xt, name, expand="bf16", packed=False)[1].values, ref)
     with pytest.raises(ValueError, match="packed=False needs expand"):
         quantize(x, name, packed=False)
-    from kernels.quantize import _row_major
+    from megatron_fp4.kernels.quantize import _row_major
 
     assert torch.equal(_row_major(xt), xt.contiguous())  # what large transposed operands go through on a GPU
     if not ON_CPU:
@@ -458,8 +459,8 @@ def test_column_kernel_bit_exact(name, kind):
     format, is bit for bit the reference's quantization of the transposed copy: ragged
     sizes (rows not a multiple of 64: zero padding; columns not a multiple of the tile), NaN/Inf units, a row
     stride wider than the rows."""
-    from kernels import quantize as qm
-    from kernels.quantize import quantize_reference
+    from megatron_fp4.kernels import quantize as qm
+    from megatron_fp4.kernels.quantize import quantize_reference
 
     dev = "cpu" if ON_CPU else DEV
     f = get_format(name)
@@ -480,8 +481,8 @@ def test_both_layouts_bit_exact(name):
     which a second row pass quantizes) are the reference's quantizations of x along K and of x^T along R, bit for
     bit, at every tile the fused HiF4 pass may pick: ragged sizes, NaN/Inf units, a row stride wider than the rows.
     The kernel backend's ``quantize_both`` serves them."""
-    from kernels import quantize as qm
-    from kernels.quantize import quantize_reference
+    from megatron_fp4.kernels import quantize as qm
+    from megatron_fp4.kernels.quantize import quantize_reference
 
     dev = "cpu" if ON_CPU else DEV
     f = get_format(name)
@@ -595,7 +596,7 @@ def test_training_quantizer_every_tuned_config(name):
     modes) at every row and column tile autotuning may pick, and the column kernel at each of its tiles, write the
     packed call's expansion bit for bit, K not a multiple of any tile; on the CPU in Triton's interpreter (the GPU
     test below compiles them)."""
-    from kernels import quantize as qm
+    from megatron_fp4.kernels import quantize as qm
 
     x = _inputs("outliers", (40, 1100), dtype=torch.bfloat16)
     for expand in ("bf16",) + (("native", "e4m3") if name == "mxfp4" else ()):
@@ -616,7 +617,7 @@ def test_training_quantizer_every_tuned_config(name):
 @pytest.mark.parametrize("name", ["hif4", "mxfp4"])
 def test_gpu_quantize_every_tuned_config(name):
     """Autotuning may pick any of these tiles: each one is bit-exact (row and column variants)."""
-    from kernels import quantize as qm
+    from megatron_fp4.kernels import quantize as qm
 
     x = _inputs("outliers", (300, 1100), dtype=torch.bfloat16)
     for cfg in qm._ROW_CFGS:
@@ -633,7 +634,7 @@ def test_gpu_training_operands_every_config(name):
     """The training operands' quantizers at every tile autotuning may pick, compiled: the expansion-only row
     kernel (row and column tiles) and the column kernel (a transposed view, read from the row-major tensor) write
     the packed call's expansion bit for bit (signed zeros included), on NaN/Inf units and autotuned sizes too."""
-    from kernels import quantize as qm
+    from megatron_fp4.kernels import quantize as qm
 
     f = get_format(name)
     x = _inputs("special", (300, 1100), dtype=torch.bfloat16)
@@ -762,7 +763,7 @@ def test_gpu_ops_backend_matches_reference():
 @pytest.mark.parametrize("name", ["hif4", "mxfp4"])
 def test_fallback_without_triton_is_the_reference(monkeypatch, name):
     """Without Triton (or a GPU / the interpreter) every entry point returns exactly the reference's numbers."""
-    import kernels._common as common
+    import megatron_fp4.kernels._common as common
     from megatron_fp4 import ops
 
     monkeypatch.setattr(common, "HAS_TRITON", False)

@@ -1,5 +1,5 @@
-"""kernels._launch: the direct launch of compiled Triton kernels reuses a compiled kernel only for a call that
-Triton would send to that same kernel, and passes it Triton's arguments. Checked against stand-ins for Triton's
+"""megatron_fp4.kernels._launch: the direct launch of compiled Triton kernels reuses a compiled kernel only for a call
+that Triton would send to that same kernel, and passes it Triton's arguments. Checked against stand-ins for Triton's
 JITFunction / Autotuner / CompiledKernel (the real ones need a GPU: tests/test_kernels.py's gpu tests run every
 quantize kernel through this path and compare with the reference bit for bit)."""
 
@@ -10,7 +10,7 @@ import torch
 
 pytest.importorskip("triton")
 
-import kernels._launch as launch  # noqa: E402
+import megatron_fp4.kernels._launch as launch  # noqa: E402
 
 
 class FakeCompiled:

@@ -212,7 +212,8 @@ def test_sdpa_gpt_model_equals_unfused_at_tp2(results):
 
 @pytest.mark.parametrize("fused", ["", "fused_"])
 def test_vocab_parallel_functions_equal_the_reference_fp32(results, fused):
-    """fused_: the fused kernels (kernels.logprobs, Triton's interpreter here), equal up to fp32 summation order."""
+    """fused_: the fused kernels (megatron_fp4.kernels.logprobs, Triton's interpreter here), equal up to fp32
+    summation order."""
     tol = {"logp": 1e-6, "grad": 1e-7, "entropy": 1e-6} if not fused else {"logp": 2e-6, "grad": 1e-7, "entropy": 1e-5}
     for r in results:
         lp, ref = r[f"{fused}fp32_logp"]
@@ -226,7 +227,8 @@ def test_vocab_parallel_functions_equal_the_reference_fp32(results, fused):
 @pytest.mark.parametrize("fused", ["", "fused_"])
 def test_vocab_parallel_functions_bf16_logits(results, fused):
     """bf16 logits: both compute in fp32 from the same bf16 values; the gradients round to bf16. fused_: the fused
-    kernels (kernels.logprobs, Triton's interpreter here) on each shard, their statistics combined over TP."""
+    kernels (megatron_fp4.kernels.logprobs, Triton's interpreter here) on each shard, their statistics combined
+    over TP."""
     for r in results:
         lp, ref = r[f"{fused}bf16_logp"]
         torch.testing.assert_close(lp, ref, rtol=1e-6, atol=1e-6)

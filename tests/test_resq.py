@@ -326,9 +326,9 @@ def _tensors(obj) -> list:
 def test_weight_cache_refits_prepared_weights_in_place(fmt):
     """A refit writes the kernels' new PreparedWeight (packed codes and scales, the GEMM expansion, the decode
     layout where there is one) into the tensors of the old one, as CUDA graphs need: every data_ptr() unchanged,
-    values equal to a fresh kernels.dispatch.prepare_weight bit for bit; only a change of structure (here MXFP4
-    weights >= 16, which need the wide decode path) allocates, and says so."""
-    from kernels import dispatch
+    values equal to a fresh megatron_fp4.kernels.dispatch.prepare_weight bit for bit; only a change of structure (here
+    MXFP4 weights >= 16, which need the wide decode path) allocates, and says so."""
+    from megatron_fp4.kernels import dispatch
 
     from megatron_fp4.resq import register_rollout_backend
 

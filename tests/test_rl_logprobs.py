@@ -44,9 +44,9 @@ def test_bit_identical_to_the_reference(dtype, chunk_rows):
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_fused_kernels_equal_the_reference(dtype):
-    """The fused path (kernels.logprobs: one read of the logits per pass; Triton's interpreter on the CPU, what CUDA
-    tensors use by default) equals the references up to fp32 summation order, and the gradient up to one rounding
-    of the logits' dtype; rows of -inf logits (a masked vocabulary) and a huge vocabulary block stay finite."""
+    """The fused path (megatron_fp4.kernels.logprobs: one read of the logits per pass; Triton's interpreter on the CPU,
+    what CUDA tensors use by default) equals the references up to fp32 summation order, and the gradient up to one
+    rounding of the logits' dtype; rows of -inf logits (a masked vocabulary) and a huge vocabulary block stay finite."""
     x = _logits((4, 9, 2500), dtype)
     x[1, 2, 100:2300] = -float("inf")
     ref, new, ref_in, new_in, target = _against_reference(x, 100, fused=True)

@@ -288,7 +288,7 @@ def test_batch_dependent_sparsities_run(model, prompts, sparsity):
 
 
 def test_kernel_backend_adapter_plan_and_fallback(model, prompts):
-    pytest.importorskip("kernels.dispatch")
+    pytest.importorskip("megatron_fp4.kernels.dispatch")
     from megatron_fp4.resq import rollout_backend_for
     from megatron_fp4.rollout_kernels import _plan, register_kernel_backend, unregister_kernel_backend
 

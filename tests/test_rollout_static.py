@@ -75,8 +75,8 @@ def test_static_greedy_equals_megatron_path(model, prompts, precision):
                          ids=lambda p: p.label)
 def test_fused_decode_kernels_equal_the_unfused_steps(model, prompts, precision, monkeypatch):
     """MEGATRON_FP4_DECODE_FUSED=1: the decode steps' norms + residual adds, RoPE + KV writes and SwiGLU run as
-    kernels/decode_ops.py's fused kernels (here in Triton's interpreter); same greedy tokens, logprobs within fp32
-    rounding of the unfused static path, the same stop and length handling."""
+    megatron_fp4/kernels/decode_ops.py's fused kernels (here in Triton's interpreter); same greedy tokens, logprobs
+    within fp32 rounding of the unfused static path, the same stop and length handling."""
     params = SamplingParams(temperature=0.0, max_new_tokens=8, stop_token_ids=(7,))
     ref = NativeRolloutEngine(model, precision, decode="static", max_batch_size=3, graph_chunk=4)
     monkeypatch.setenv("MEGATRON_FP4_DECODE_FUSED", "1")
@@ -184,7 +184,8 @@ def test_weight_cache_refresh_in_place(model):
                                        RolloutPrecision("w4a4", "hif4", "2:4")], ids=lambda p: p.label)
 @pytest.mark.parametrize("fused", [False, True], ids=["unfused", "fused"])
 def test_gpu_graph_path_matches_eager(precision, fused, monkeypatch):
-    """fused: kernels/decode_ops.py in the decode steps (MEGATRON_FP4_DECODE_FUSED=1), graph and eager alike."""
+    """fused: megatron_fp4/kernels/decode_ops.py in the decode steps (MEGATRON_FP4_DECODE_FUSED=1), graph and eager
+    alike."""
     monkeypatch.setenv("MEGATRON_FP4_DECODE_FUSED", "1" if fused else "0")
     initialize_parallel(1, 1, seed=3)
     m = build_gpt_model(_args(params_dtype=torch.bfloat16, init_method_std=0.02, max_seq_len=96))

@@ -241,9 +241,9 @@ def test_layers_equal_native_megatron_linears(name):
 
 def _kernel_like_backend(calls: list):
     """A CPU rollout backend shaped like megatron_fp4/rollout_kernels.py: it prepares
-    ``kernels.dispatch.PreparedWeight`` (packed codes and scales + the GEMM expansion; the pure-PyTorch quantizer
-    here) in the plug-in's cache and serves the GEMM from the prepared packed weight."""
-    from kernels import dispatch
+    ``megatron_fp4.kernels.dispatch.PreparedWeight`` (packed codes and scales + the GEMM expansion; the pure-PyTorch
+    quantizer here) in the plug-in's cache and serves the GEMM from the prepared packed weight."""
+    from megatron_fp4.kernels import dispatch
 
     def prepare_weight(weight, precision, cache):
         if cache is None:
@@ -331,7 +331,7 @@ def test_refit_requantizes_in_place_twice(with_backend, monkeypatch):
 
     calls: list = []
     if with_backend:
-        monkeypatch.setenv("TRITON_INTERPRET", "0")  # kernels.dispatch on CPU: its pure-PyTorch twin (fast)
+        monkeypatch.setenv("TRITON_INTERPRET", "0")  # megatron_fp4.kernels.dispatch on CPU: its pure-PyTorch twin (fast)
         register_rollout_backend("cpu", _kernel_like_backend(calls))
         monkeypatch.setattr(_BACKEND_CACHE, "_entries", {})
     try:
@@ -341,7 +341,7 @@ def test_refit_requantizes_in_place_twice(with_backend, monkeypatch):
 
 
 def _refit_twice(with_backend, calls, load_weights_and_requantize, requantize_stale_layers, REQUANT_STATS):
-    from kernels import dispatch
+    from megatron_fp4.kernels import dispatch
 
     precision = PRECISIONS["hif4+2:4"]
     layers = _loaded_layers(precision, _hf_weights(0))

@@ -8,7 +8,7 @@ fp32 (``out_dtype`` rounds it once at the end). Callers pass transposed views so
 and W^T, wgrad passes dY^T and X^T); a backend that reads strided operands quantizes them without a copy.
 
 Backends: the PyTorch reference (:func:`reference_fp4_gemm`: ``fake_quantize`` + fp32 matmul) serves every device.
-A faster implementation (e.g. the Triton kernels in ``kernels/``) plugs in per device type with
+A faster implementation (e.g. the Triton kernels in ``megatron_fp4/kernels/``) plugs in per device type with
 :func:`register_fp4_gemm_backend` and must return the same numbers (up to fp32 summation order); callers never
 change. ``MEGATRON_FP4_GEMM_BACKEND=reference`` (or :func:`use_reference_backend`) forces the reference.
 

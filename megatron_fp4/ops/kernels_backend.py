@@ -1,7 +1,7 @@
-"""The Triton kernels (``kernels/``) as an FP4 GEMM backend of :mod:`megatron_fp4.ops` (what the first CUDA GEMM
-registers, or ``ops.register_kernel_backend``): :class:`KernelBackend` for the training linears' two-step GEMMs and
+"""The Triton kernels (``megatron_fp4/kernels/``) as an FP4 GEMM backend of :mod:`megatron_fp4.ops` (what the first CUDA
+GEMM registers, or ``ops.register_kernel_backend``): :class:`KernelBackend` for the training linears' two-step GEMMs and
 :func:`ops_backend`, the plain-function form. They return the reference's numbers up to fp32 summation order (the
-MXFP4 FP8 modes: approximately, see ``kernels.quantize.Expanded``) and decline what they do not cover.
+MXFP4 FP8 modes: approximately, see ``megatron_fp4.kernels.quantize.Expanded``) and decline what they do not cover.
 
 Layering: this module imports ``kernels`` and :mod:`megatron_fp4.gemm_backend` (the interface and the reference, below
 both); ``kernels`` never imports ``megatron_fp4.ops``, and ``megatron_fp4.ops`` imports this module only when it
@@ -15,10 +15,10 @@ from typing import Optional
 
 import torch
 
-from kernels._common import KERNEL_FORMATS, kernels_usable
-from kernels.dispatch import PROMOTE, available, fp4_gemm, fp8_weight_expand
-from kernels.gemm import mm_expanded
-from kernels.quantize import quantize, quantize_both_layouts
+from megatron_fp4.kernels._common import KERNEL_FORMATS, kernels_usable
+from megatron_fp4.kernels.dispatch import PROMOTE, available, fp4_gemm, fp8_weight_expand
+from megatron_fp4.kernels.gemm import mm_expanded
+from megatron_fp4.kernels.quantize import quantize, quantize_both_layouts
 from megatron_fp4.formats import Format
 from megatron_fp4.gemm_backend import FP4GemmBackend
 
@@ -40,7 +40,7 @@ class Operand:
     """A training GEMM operand quantized along K: its GEMM-ready expansion."""
 
     fmt: Format
-    expanded: object  # kernels.quantize.Expanded
+    expanded: object  # megatron_fp4.kernels.quantize.Expanded
 
 
 class KernelBackend(FP4GemmBackend):
@@ -49,14 +49,15 @@ class KernelBackend(FP4GemmBackend):
     one tensor-core GEMM rounding once to the caller's dtype. "exact" mode: BF16 expansions and cuBLAS's BF16 GEMM
     with fp32 accumulation (the reference's numbers up to summation order). MXFP4 "fp8" / "fp8_fast": E5M2
     activations and gradients x E4M3 weights (fprop, dgrad) or E4M3 X^T (wgrad) on cuBLAS's FP8 GEMM (two E5M2
-    operands: the Triton FP8 GEMM), values below the FP8 window flushed (:class:`kernels.quantize.Expanded`; no
-    host sync). Declines stochastic rounding, mixed formats and formats without kernels.
+    operands: the Triton FP8 GEMM), values below the FP8 window flushed
+    (:class:`megatron_fp4.kernels.quantize.Expanded`; no host sync). Declines stochastic rounding, mixed formats and
+    formats without kernels.
 
     An operand's two layouts (X along K and along the tokens; a weight's W and W^T) come from
-    ``kernels.quantize.quantize_both_layouts``: on a GPU with nvcc, one CUDA kernel that reads each 64 x 64 tile
-    of x once and writes both expansions (``kernels.cuda_quantize``; MXFP4's FP8 form: a read for the row and
-    column scales, then that kernel); else two Triton passes (MXFP4's row kernel and column kernel, or in FP8 form
-    its row kernel on x and on x^T; HiF4's row kernel writing x's transposed copy too, then the row kernel on
+    ``megatron_fp4.kernels.quantize.quantize_both_layouts``: on a GPU with nvcc, one CUDA kernel that reads each 64 x 64
+    tile of x once and writes both expansions (``megatron_fp4.kernels.cuda_quantize``; MXFP4's FP8 form: a read for the
+    row and column scales, then that kernel); else two Triton passes (MXFP4's row kernel and column kernel, or in FP8
+    form its row kernel on x and on x^T; HiF4's row kernel writing x's transposed copy too, then the row kernel on
     that copy)."""
 
     def quantize(self, x, fmt, rounding, generator, mode, weight, out=None):
@@ -96,7 +97,7 @@ class KernelBackend(FP4GemmBackend):
 
 
 def _expand_of(e) -> str:
-    """The ``kernels.quantize.quantize`` expansion mode that made the expansion ``e``."""
+    """The ``megatron_fp4.kernels.quantize.quantize`` expansion mode that made the expansion ``e``."""
     return {torch.bfloat16: "bf16", torch.float8_e5m2: "native", torch.float8_e4m3fn: "e4m3"}[e.values.dtype]
 
 

@@ -18,8 +18,8 @@ bit for bit :func:`megatron_fp4.rl.grpo.token_logprobs` / :func:`~megatron_fp4.r
 full-vocabulary references; at TP > 1 the results equal them up to fp32 rounding.
 
 On CUDA tensors (``fused=None``: where Triton runs; ``MEGATRON_FP4_FUSED_LOGPROBS=0`` turns it off) the fused
-kernels of :mod:`kernels.logprobs` replace the chunks: one read of the logits for the per-row statistics (max,
-sum of exp, the target's logit and, for the entropy, sum of exp times logit), one read and one write for the
+kernels of :mod:`megatron_fp4.kernels.logprobs` replace the chunks: one read of the logits for the per-row statistics
+(max, sum of exp, the target's logit and, for the entropy, sum of exp times logit), one read and one write for the
 gradient, instead of fp32 copies and a dozen elementwise passes. Same formulas, fp32 accumulation: equal to the
 chunked computation up to fp32 summation order (gradients: up to one rounding of the logits' dtype).
 """
@@ -68,8 +68,8 @@ def _normalizer(x: torch.Tensor, group, chunk_rows, target_local: Optional[torch
 
 
 def _kernels():
-    """:mod:`kernels.logprobs` (Triton: imported only where the fused path may run)."""
-    from kernels import logprobs
+    """:mod:`megatron_fp4.kernels.logprobs` (Triton: imported only where the fused path may run)."""
+    from megatron_fp4.kernels import logprobs
 
     return logprobs
 

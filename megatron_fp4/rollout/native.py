@@ -338,7 +338,7 @@ class NativeRolloutEngine(RolloutEngine):
         }
         if path != "megatron":
             self.last_generate_stats.update(self._static.last_stats)
-            if self._static.fused:  # kernels/decode_ops.py's fused decode-step kernels (the GPU default)
+            if self._static.fused:  # megatron_fp4/kernels/decode_ops.py's fused decode-step kernels (the GPU default)
                 self.last_generate_stats["path"] = path + "+fused"
         return results
 

@@ -17,7 +17,7 @@ from typing import Optional
 
 import torch
 
-from kernels._common import DECODE_MAX_M, KERNEL_FORMATS, interpreting, kernels_usable
+from megatron_fp4.kernels._common import DECODE_MAX_M, KERNEL_FORMATS, interpreting, kernels_usable
 from megatron_fp4.formats import Format, InvalidTensorError, QuantizedTensor, check_tensor, get_format
 from megatron_fp4.gemm_backend import GEMM_MODES, reference_fp4_gemm
 
@@ -55,14 +55,14 @@ def fp4_gemm(a: torch.Tensor, b: torch.Tensor, a_format, b_format=None, mode: st
     ("exact": BF16 tensor cores, equal to the reference up to fp32 summation order).
     """
     _check_mode(mode)
-    check_tensor(a, "a", "kernels.dispatch.fp4_gemm", ndim=2)
-    check_tensor(b, "b", "kernels.dispatch.fp4_gemm", ndim=2)
+    check_tensor(a, "a", "megatron_fp4.kernels.dispatch.fp4_gemm", ndim=2)
+    check_tensor(b, "b", "megatron_fp4.kernels.dispatch.fp4_gemm", ndim=2)
     if a.shape[1] != b.shape[1]:
-        raise InvalidTensorError(f"kernels.dispatch.fp4_gemm: reduction dims differ: a {tuple(a.shape)}, b "
-                                 f"{tuple(b.shape)}")
-    from kernels.decode_gemm import w4_matmul
-    from kernels.gemm import mm_expanded
-    from kernels.quantize import quantize
+        raise InvalidTensorError(f"megatron_fp4.kernels.dispatch.fp4_gemm: reduction dims differ: a {tuple(a.shape)}, "
+                                 f"b {tuple(b.shape)}")
+    from megatron_fp4.kernels.decode_gemm import w4_matmul
+    from megatron_fp4.kernels.gemm import mm_expanded
+    from megatron_fp4.kernels.quantize import quantize
 
     fa = get_format(a_format)
     fb = get_format(b_format) if b_format is not None else fa
@@ -79,8 +79,8 @@ def fp4_gemm(a: torch.Tensor, b: torch.Tensor, a_format, b_format=None, mode: st
 
 
 def fp8_weight_expand(w: torch.Tensor) -> str:
-    """The ``kernels.quantize.quantize`` expansion of an MXFP4 weight ``[n, K]`` for the FP8 GEMM modes: "e4m3"
-    where cuBLAS's FP8 GEMM can then take it (it multiplies E5M2 activations by E4M3 weights only: CUDA, n a
+    """The ``megatron_fp4.kernels.quantize.quantize`` expansion of an MXFP4 weight ``[n, K]`` for the FP8 GEMM modes:
+    "e4m3" where cuBLAS's FP8 GEMM can then take it (it multiplies E5M2 activations by E4M3 weights only: CUDA, n a
     multiple of 16), else "native" (E5M2, the Triton FP8 GEMM's)."""
     return "e4m3" if w.is_cuda and not interpreting() and w.shape[0] % 16 == 0 else "native"
 
@@ -88,15 +88,16 @@ def fp8_weight_expand(w: torch.Tensor) -> str:
 @dataclass
 class PreparedWeight:
     """A weight ``[n, K]`` quantized along K: packed (decode kernels) and expanded (prefill GEMM); ``wide``:
-    the decode kernel needs its two-factor MXFP4 path (:func:`kernels.decode_gemm.needs_wide_decode`)."""
+    the decode kernel needs its two-factor MXFP4 path (:func:`megatron_fp4.kernels.decode_gemm.needs_wide_decode`)."""
 
     packed: QuantizedTensor
-    expanded: object  # kernels.quantize.Expanded or None
+    expanded: object  # megatron_fp4.kernels.quantize.Expanded or None
     fmt: Format
     mode: str = "exact"
     wide: bool = False
     _bf16: object = field(default=None, repr=False)
-    #: The CUDA decode kernel's layout of ``packed`` (:mod:`kernels.cuda_decode`), or None where it cannot run.
+    #: The CUDA decode kernel's layout of ``packed`` (:mod:`megatron_fp4.kernels.cuda_decode`), or None where it cannot
+    #: run.
     decode: object = None
 
     def bf16_expanded(self):
@@ -105,7 +106,7 @@ class PreparedWeight:
         if self.expanded.values.dtype == torch.bfloat16:
             return self.expanded
         if self._bf16 is None:
-            from kernels.quantize import expand_packed
+            from megatron_fp4.kernels.quantize import expand_packed
 
             self._bf16 = expand_packed(self.packed, "bf16")
         return self._bf16
@@ -114,11 +115,11 @@ class PreparedWeight:
 def prepare_weight(w: torch.Tensor, fmt, mode: str = "exact") -> PreparedWeight:
     """Quantize a weight once per weight update: packed codes + the GEMM-ready expansion (BF16, or for MXFP4
     with ``mode`` "fp8"/"fp8_fast" FP8: E4M3 for cuBLAS on CUDA where the width allows, else E5M2)."""
-    from kernels.decode_gemm import needs_wide_decode
-    from kernels.quantize import quantize
+    from megatron_fp4.kernels.decode_gemm import needs_wide_decode
+    from megatron_fp4.kernels.quantize import quantize
 
     _check_mode(mode)
-    check_tensor(w, "w", "kernels.dispatch.prepare_weight", ndim=2)
+    check_tensor(w, "w", "megatron_fp4.kernels.dispatch.prepare_weight", ndim=2)
     f = get_format(fmt)
     q, e = quantize(w, f, dim=-1, expand="bf16" if mode == "exact" or f.name == "hif4" else fp8_weight_expand(w))
     wide = needs_wide_decode(q)
@@ -126,7 +127,7 @@ def prepare_weight(w: torch.Tensor, fmt, mode: str = "exact") -> PreparedWeight:
 
 
 def _decode_layout(q: QuantizedTensor, wide: bool):
-    from kernels import cuda_decode
+    from megatron_fp4.kernels import cuda_decode
 
     if q.codes.is_cuda and q.codes.dim() == 2 and cuda_decode.available():
         return cuda_decode.to_decode_layout(q, wide)
@@ -135,17 +136,17 @@ def _decode_layout(q: QuantizedTensor, wide: bool):
 
 def decode_matmul(a: torch.Tensor, w: PreparedWeight) -> torch.Tensor:
     """fp32 ``a [M, K_pad] . deq(W)^T`` for BF16 ``a`` (M <= 64): the CUDA decode kernel where the weight has its
-    layout, else the Triton one (:func:`kernels.decode_gemm.w4_matmul`)."""
-    from kernels import cuda_decode
-    from kernels.decode_gemm import w4_matmul
+    layout, else the Triton one (:func:`megatron_fp4.kernels.decode_gemm.w4_matmul`)."""
+    from megatron_fp4.kernels import cuda_decode
+    from megatron_fp4.kernels.decode_gemm import w4_matmul
 
-    check_tensor(a, "a", "kernels.dispatch.decode_matmul", dtypes=None, ndim=2)
+    check_tensor(a, "a", "megatron_fp4.kernels.dispatch.decode_matmul", dtypes=None, ndim=2)
     if not isinstance(w, PreparedWeight):
-        raise InvalidTensorError(f"kernels.dispatch.decode_matmul: w must be a PreparedWeight (prepare_weight), got "
-                                 f"{type(w).__name__}")
+        raise InvalidTensorError(f"megatron_fp4.kernels.dispatch.decode_matmul: w must be a PreparedWeight "
+                                 f"(prepare_weight), got {type(w).__name__}")
     if a.shape[1] != w.packed.codes.shape[-1] * 2:
-        raise InvalidTensorError(f"kernels.dispatch.decode_matmul: a has {a.shape[1]} columns, the weight's padded "
-                                 f"K is {w.packed.codes.shape[-1] * 2}")
+        raise InvalidTensorError(f"megatron_fp4.kernels.dispatch.decode_matmul: a has {a.shape[1]} columns, the "
+                                 f"weight's padded K is {w.packed.codes.shape[-1] * 2}")
     if w.decode is not None and a.is_cuda and a.shape[0] <= cuda_decode.MAX_M and cuda_decode.available():
         return cuda_decode.w4_decode(a, w.decode)
     return w4_matmul(a, w.packed, wide=w.wide)
@@ -166,9 +167,9 @@ def linear(x: torch.Tensor, w: PreparedWeight, resq: str = "none", activations: 
     ``resq_combine`` (2:4 only): "exact" (the residual product added exactly) or "bf16" (one GEMM on
     bf16(Q(x) + S(Q(r))), as ``megatron_fp4.resq.RolloutPrecision.resq_combine``).
     """
-    from kernels.gemm import mm_expanded
-    from kernels.quantize import quantize
-    from kernels.resq import resq_matmul
+    from megatron_fp4.kernels.gemm import mm_expanded
+    from megatron_fp4.kernels.quantize import quantize
+    from megatron_fp4.kernels.resq import resq_matmul
     from megatron_fp4.resq import RESQ_COMBINES
 
     if resq not in ("none", "2:4"):
@@ -178,12 +179,12 @@ def linear(x: torch.Tensor, w: PreparedWeight, resq: str = "none", activations: 
                          f"{', '.join(map(repr, RESQ_COMBINES))}")
     if activations not in ("fp4", "bf16"):
         raise ValueError(f"activations={activations!r} is not valid; allowed values: 'fp4', 'bf16'")
-    check_tensor(x, "x", "kernels.dispatch.linear", ndim=2)
+    check_tensor(x, "x", "megatron_fp4.kernels.dispatch.linear", ndim=2)
     if not isinstance(w, PreparedWeight):
-        raise InvalidTensorError(f"kernels.dispatch.linear: w must be a PreparedWeight (prepare_weight), got "
-                                 f"{type(w).__name__}")
+        raise InvalidTensorError(f"megatron_fp4.kernels.dispatch.linear: w must be a PreparedWeight "
+                                 f"(prepare_weight), got {type(w).__name__}")
     if x.shape[1] != w.packed.shape[1]:
-        raise InvalidTensorError(f"kernels.dispatch.linear: x has {x.shape[1]} features but the weight is "
+        raise InvalidTensorError(f"megatron_fp4.kernels.dispatch.linear: x has {x.shape[1]} features but the weight is "
                                  f"{tuple(w.packed.shape)}")
     K = x.shape[-1]
     kp = w.packed.codes.shape[-1] * 2
@@ -195,13 +196,13 @@ def linear(x: torch.Tensor, w: PreparedWeight, resq: str = "none", activations: 
             xb = torch.nn.functional.pad(xb, (0, kp - K))
         if x.shape[0] <= DECODE_KERNEL_MAX_M:
             return decode_matmul(xb, w).to(out_dtype)
-        from kernels.quantize import Expanded
+        from megatron_fp4.kernels.quantize import Expanded
 
         return mm_expanded(Expanded(xb), w.bf16_expanded(), out_dtype=out_dtype)
     if resq == "2:4":
         sum_prefill = resq_combine == "bf16" and x.shape[0] > DECODE_MAX_M  # one BF16 GEMM: BF16 weight operand
         if resq_combine == "bf16" and x.shape[0] <= DECODE_MAX_M:
-            from kernels.resq import resq_quantize
+            from megatron_fp4.kernels.resq import resq_quantize
 
             a = resq_quantize(x, w.fmt, expand="sum")[2]
             if x.shape[0] <= DECODE_KERNEL_MAX_M:
@@ -219,7 +220,7 @@ def linear_reference(x: torch.Tensor, w: PreparedWeight, resq: str, activations:
                       resq_combine: str = "exact") -> torch.Tensor:
     """PyTorch twin of :func:`linear` (fp32 results)."""
     if resq == "2:4" and activations == "fp4":
-        from kernels.resq import resq_matmul
+        from megatron_fp4.kernels.resq import resq_matmul
 
         return resq_matmul(x, w.packed, combine=resq_combine)  # its PyTorch twin where the kernels cannot run
     wq = w.packed.dequantize().float()

@@ -17,9 +17,9 @@ from typing import NamedTuple, Optional
 
 import torch
 
-from kernels._common import (DECODE_MAX_M, HAS_TRITON, HIF4_RECIP, KERNEL_FORMATS, cdiv, interpreting, k_split,
-                             kernels_usable, tl, triton, tune_bucket)
-from kernels._launch import fast
+from megatron_fp4.kernels._common import (DECODE_MAX_M, HAS_TRITON, HIF4_RECIP, KERNEL_FORMATS, cdiv, interpreting,
+                                          k_split, kernels_usable, tl, triton, tune_bucket)
+from megatron_fp4.kernels._launch import fast
 from megatron_fp4.formats import QuantizedTensor, get_format
 
 __all__ = ["Expanded", "quantize", "quantize_both_layouts", "quantize_reference", "expand_packed", "fp8_rows",
@@ -491,8 +491,8 @@ if HAS_TRITON:
     _hif4_quant_tuned = triton.autotune(**_HIF4_TUNE)(_hif4_quant_kernel)
     _mx_quant_tuned = triton.autotune(**_QTUNE)(_mx_quant_kernel)
 
-    # The host wrappers launch through kernels._launch (Triton's Python launch path was most of an FP4 training
-    # linear's host time).
+    # The host wrappers launch through megatron_fp4.kernels._launch (Triton's Python launch path was most of an FP4
+    # training linear's host time).
     _hif4_quant_fast, _mx_quant_fast, _transpose_fast, _col_quant_fast = map(
         fast, (_hif4_quant_kernel, _mx_quant_kernel, _transpose_kernel, _col_quant_kernel))
     _hif4_quant_tuned, _mx_quant_tuned, _col_quant_tuned = map(fast, (_hif4_quant_tuned, _mx_quant_tuned,
@@ -687,9 +687,9 @@ def quantize_both_layouts(x: torch.Tensor, fmt, config: Optional[tuple] = None, 
     (E5M2) or "e4m3" (X: E5M2 rows, E4M3 columns; dY: E5M2 both; a weight: E4M3 both). ``out``: two earlier
     results of the same call whose buffers receive these (what a CUDA graph that reads them needs).
 
-    ``backend`` "auto": the CUDA kernel (:mod:`kernels.cuda_quantize`: one read of x, both layouts written from a
-    64 x 64 tile; FP8: a read for the row and column scales first) where it takes x (bf16, rows of a multiple of 8
-    values, nvcc) and no Triton ``config`` is given, else the Triton passes ("triton"): HiF4, row-major x: the row
+    ``backend`` "auto": the CUDA kernel (:mod:`megatron_fp4.kernels.cuda_quantize`: one read of x, both layouts written
+    from a 64 x 64 tile; FP8: a read for the row and column scales first) where it takes x (bf16, rows of a multiple of
+    8 values, nvcc) and no Triton ``config`` is given, else the Triton passes ("triton"): HiF4, row-major x: the row
     pass also writes x's transposed copy, which a second row pass quantizes (HiF4's column kernel is slower, see
     ``COLUMN_KERNEL``); other formats: the two calls. ``config``: the fused Triton passes' row tile (tests)."""
     if backend not in ("auto", "triton"):
@@ -701,7 +701,7 @@ def quantize_both_layouts(x: torch.Tensor, fmt, config: Optional[tuple] = None, 
                          f"'native' (E5M2) and 'e4m3'")
     rows_out, cols_out = out if out is not None else (None, None)
     if backend == "auto" and config is None and x.is_cuda:
-        from kernels import cuda_quantize
+        from megatron_fp4.kernels import cuda_quantize
 
         if cuda_quantize.usable(x, f.name) and not fp8:
             rows, cols = cuda_quantize.both_layouts(x, f.name, out=None if out is None else (rows_out.values,

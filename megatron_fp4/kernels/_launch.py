@@ -28,7 +28,7 @@ from typing import Any, Callable
 
 import torch
 
-from kernels._common import HAS_TRITON, interpreting, triton
+from megatron_fp4.kernels._common import HAS_TRITON, interpreting, triton
 
 __all__ = ["fast", "FastKernel", "enabled"]
 

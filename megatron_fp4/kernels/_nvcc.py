@@ -1,6 +1,6 @@
-"""Building the CUDA C++ kernels of ``kernels/csrc`` with nvcc on first use: one shared library per source and
-configuration (``-D`` defines), cached in ``kernels/_build`` (or ``MEGATRON_FP4_BUILD_DIR``, else a temporary
-folder) under a hash of the sources, and loaded with ctypes. Nothing here needs a GPU; building needs nvcc."""
+"""Building the CUDA C++ kernels of ``megatron_fp4/kernels/csrc`` with nvcc on first use: one shared library per source
+and configuration (``-D`` defines), cached in ``megatron_fp4/kernels/_build`` (or ``MEGATRON_FP4_BUILD_DIR``, else a
+temporary folder) under a hash of the sources, and loaded with ctypes. Nothing here needs a GPU; building needs nvcc."""
 
 from __future__ import annotations
 

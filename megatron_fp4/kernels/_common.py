@@ -23,8 +23,9 @@ KERNEL_FORMATS = ("hif4", "mxfp4", "mxfp4_rceil")
 HIF4_RECIP = (1.0, 0.80078125, 0.66796875, 0.5703125)
 
 
-#: Token counts (activation rows) at or below this are decode-sized: the decode GEMM (kernels.decode_gemm.w4_matmul)
-#: serves them, and the quantize kernels split such rows along K instead of autotuning over rows.
+#: Token counts (activation rows) at or below this are decode-sized: the decode GEMM
+#: (megatron_fp4.kernels.decode_gemm.w4_matmul) serves them, and the quantize kernels split such rows along K instead of
+#: autotuning over rows.
 DECODE_MAX_M = 64
 
 

@@ -1,10 +1,10 @@
 // HiF4 and MXFP4 quantization of one part (8 consecutive bf16 values) of a unit / block, given the maximum |x| of
 // the whole unit (HiF4: 64 values = 8 parts) or block (MXFP4: 32 values = 4 parts): the dequantized values in
-// bf16, bit for bit megatron_fp4.formats (SPEC section 2) and the Triton kernels (kernels/quantize.py:
+// bf16, bit for bit megatron_fp4.formats (SPEC section 2) and the Triton kernels (megatron_fp4/kernels/quantize.py:
 // _hif4_units, _mx_units), whose scale arithmetic this follows line by line.
 //
-// Host and device code: kernels/csrc/quant_both.cu runs it on the GPU, tests/test_cuda_quantize.py compiles it
-// with the host C++ compiler and checks it against the PyTorch reference on the CPU. Every fp32 product is
+// Host and device code: megatron_fp4/kernels/csrc/quant_both.cu runs it on the GPU, tests/test_cuda_quantize.py
+// compiles it with the host C++ compiler and checks it against the PyTorch reference on the CPU. Every fp32 product is
 // rounded on its own (__fmul_rn on the device, -ffp-contract=off on the host): a fused multiply-add would change
 // the rounding decisions.
 #pragma once
@@ -206,8 +206,8 @@ QM_FN void mx_parts(const uint32_t w[4 * N], uint32_t bmax, bool rceil, uint32_t
   }
 }
 
-// MXFP4's FP8 form (the GEMM modes "fp8" / "fp8_fast"; kernels/quantize.py: _mx_e5m2, _mx_e4m3, fp8_rows): every
-// value of a row relative to the row scale 2^S, S = clamp(the row's largest block exponent - TOP, -126, 127) over
+// MXFP4's FP8 form (the GEMM modes "fp8" / "fp8_fast"; megatron_fp4/kernels/quantize.py: _mx_e5m2, _mx_e4m3, fp8_rows):
+// every value of a row relative to the row scale 2^S, S = clamp(the row's largest block exponent - TOP, -126, 127) over
 // its finite blocks (rmax: the largest |x| bits of those blocks, 0 if none); TOP 13 maps the largest block's 6 * 2^X
 // to E5M2's 1.5 * 2^15, TOP 6 to E4M3's 384.
 QM_FN int fp8_row_s(uint32_t rmax, bool rceil, bool e4m3) {

@@ -1,6 +1,6 @@
 // A training operand's two exact BF16 expansions from one read: x [R, K] (bf16, row-major) quantized along K into
 // ex [R, KP] and along R into ext [K, RP] (the expansion of x^T: what the wgrad GEMM reads of X and dY), for HiF4
-// (FMT 0) or MXFP4 (1; 2: rceil scales). Built by kernels/cuda_quantize.py (nvcc, cached).
+// (FMT 0) or MXFP4 (1; 2: rceil scales). Built by megatron_fp4/kernels/cuda_quantize.py (nvcc, cached).
 //
 // One block of 128 threads per 64 x 64 tile; each thread quantizes 16 values of a unit at a time (two parts of 8,
 // quant_math.h), so the unit's scale arithmetic is shared by 16 values:

@@ -1,10 +1,11 @@
 // Decode GEMM on Hopper's warpgroup MMA: out[M, N] (+)= x[M, K] . deq(W[N, K])^T for packed HiF4 / MXFP4 weights
-// in the decode layout (kernels/cuda_decode.py: to_decode_layout, the same layout as w4_decode.cu), M <= 64.
+// in the decode layout (megatron_fp4/kernels/cuda_decode.py: to_decode_layout, the same layout as w4_decode.cu),
+// M <= 64.
 //
-// Built per configuration by kernels/cuda_decode.py (nvcc, cached): -DFMT=0 (HiF4) | 1 (MXFP4), -DWIDE (MXFP4
-// block scales above 2^1), -DNTOK (token tile: the wgmma N, 8 | 16 | 32 | 64), -DWGS (warpgroups per block), -DDEPTH
-// (chunks of weights in flight per warp, in registers), -DXST (shared-memory stages of activation chunks), -DMINB
-// (blocks per SM the registers must allow).
+// Built per configuration by megatron_fp4/kernels/cuda_decode.py (nvcc, cached): -DFMT=0 (HiF4) | 1 (MXFP4), -DWIDE
+// (MXFP4 block scales above 2^1), -DNTOK (token tile: the wgmma N, 8 | 16 | 32 | 64), -DWGS (warpgroups per block),
+// -DDEPTH (chunks of weights in flight per warp, in registers), -DXST (shared-memory stages of activation chunks),
+// -DMINB (blocks per SM the registers must allow).
 //
 // Each warpgroup owns one 64-row tile of W (four 16-row slabs of the decode layout, one per warp). Per 64-value chunk
 // of K a warp loads its slab's codes (one 16-byte load per lane), dequantizes them exactly into the BF16 A fragment of

@@ -2,7 +2,8 @@
 dequantizes it to BF16 in registers with a few bit operations per value (inline PTX on the GPU, a pure twin in the
 interpreter), then multiplies BF16 activations (W4A16) or the activations' exact BF16 expansions (W4A4), optionally
 with a second activation (the ResQ residual) that rides on the same weight read. Split-K with fp32 atomics fills
-the GPU. The CUDA C++ decode kernel (:mod:`kernels.cuda_decode`) serves the smallest batches where it can run.
+the GPU. The CUDA C++ decode kernel (:mod:`megatron_fp4.kernels.cuda_decode`) serves the smallest batches where it can
+run.
 """
 
 from __future__ import annotations
@@ -11,14 +12,14 @@ from typing import Optional
 
 import torch
 
-from kernels._common import HAS_TRITON, cdiv, interpreting, sm_count, tl, triton
-from kernels.packed_gemm import _fmt_id, _scale_arg
+from megatron_fp4.kernels._common import HAS_TRITON, cdiv, interpreting, sm_count, tl, triton
+from megatron_fp4.kernels.packed_gemm import _fmt_id, _scale_arg
 from megatron_fp4.formats import QuantizedTensor
 
 __all__ = ["w4_matmul", "needs_wide_decode", "permute_decode_activations", "DECODE_CONFIGS"]
 
 if HAS_TRITON:
-    from kernels.packed_gemm import _dot
+    from megatron_fp4.kernels.packed_gemm import _dot
 
     @triton.jit
     def _decode_tile(M, N, BN: tl.constexpr, BM: tl.constexpr):
@@ -222,7 +223,7 @@ def _decode_config(M: int, fmt_name: str, config: Optional[dict]) -> dict:
 def needs_wide_decode(qb: QuantizedTensor) -> bool:
     """Whether the W4A16 decode kernel needs its two-factor MXFP4 path for ``qb`` (a block scale above 2^1,
     i.e. weights of magnitude >= 16; never for HiF4). A device reduction and host sync: callers that decode
-    often keep the answer with the weight (``kernels.dispatch.PreparedWeight.wide``)."""
+    often keep the answer with the weight (``megatron_fp4.kernels.dispatch.PreparedWeight.wide``)."""
     return qb.fmt.name != "hif4" and bool((qb.scales.reshape(-1) > 128).any())
 
 

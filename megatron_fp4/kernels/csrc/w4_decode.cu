@@ -1,11 +1,11 @@
 // Decode GEMM for packed FP4 weights (HiF4 / MXFP4) on Hopper: out[M, N] (+)= x[M, K] . deq(W[N, K])^T, M <= 64.
 //
-// Built per configuration by kernels/cuda_decode.py (nvcc, cached): -DFMT=0 (HiF4) | 1 (MXFP4), -DWIDE (MXFP4
-// block scales above 2^1), -DNT (token tiles of 8), -DSPW (16-row weight slabs per warp), -DDEPTH (chunks of
+// Built per configuration by megatron_fp4/kernels/cuda_decode.py (nvcc, cached): -DFMT=0 (HiF4) | 1 (MXFP4), -DWIDE
+// (MXFP4 block scales above 2^1), -DNT (token tiles of 8), -DSPW (16-row weight slabs per warp), -DDEPTH (chunks of
 // weights in flight per warp, in registers), -DWARPS (warps per block).
 //
-// The weight is stored in a decode layout (kernels/cuda_decode.py: to_decode_layout), made once per weight update:
-// for each 16-row slab and 64-value chunk of K, 32 lanes x 16 bytes, lane (g = lane / 4, t = lane % 4) holding
+// The weight is stored in a decode layout (megatron_fp4/kernels/cuda_decode.py: to_decode_layout), made once per weight
+// update: for each 16-row slab and 64-value chunk of K, 32 lanes x 16 bytes, lane (g = lane / 4, t = lane % 4) holding
 // for each k16 step s the 32-bit word of its mma.m16n8k16 A fragment: nibble j of the low half and nibble j of the
 // high half are one bf16x2 register a_j (j = 0: row g, K 16s + 4t + {0, 1}; j = 1: row g + 8, same K; j = 2: row g,
 // K 16s + 4t + {2, 3}; j = 3: row g + 8). The MMA's K order is thus permuted (MMA k 2t + i <-> K 4t + i, MMA k

@@ -14,9 +14,9 @@ from typing import Optional
 
 import torch
 
-from kernels._common import (DECODE_MAX_M, HAS_TRITON, HIF4_RECIP, KERNEL_FORMATS, cdiv, kernels_usable, tl, triton,
-                             tune_bucket)
-from kernels.quantize import Expanded, _block_config, _fixed_launch, _rows_view, expand_packed, fp8_rows
+from megatron_fp4.kernels._common import (DECODE_MAX_M, HAS_TRITON, HIF4_RECIP, KERNEL_FORMATS, cdiv, kernels_usable,
+                                          tl, triton, tune_bucket)
+from megatron_fp4.kernels.quantize import Expanded, _block_config, _fixed_launch, _rows_view, expand_packed, fp8_rows
 from megatron_fp4.formats import QuantizedTensor, get_format
 from megatron_fp4.resq import RESQ_COMBINES
 
@@ -25,8 +25,8 @@ __all__ = ["resq_quantize", "resq_quantize_reference", "resq_matmul", "DECODE_MA
 RESQ_EXPAND_MODES = (None, "native", "bf16", "sum")
 
 if HAS_TRITON:
-    from kernels.quantize import (_bcast, _bf16_rne, _first_tile, _hif4_tile, _k_tile, _load_x,  # noqa: F401
-                                  _mx_e5m2, _mx_tile, _mx_x, _store_packed)
+    from megatron_fp4.kernels.quantize import (_bcast, _bf16_rne, _first_tile, _hif4_tile, _k_tile,  # noqa: F401
+                                               _load_x, _mx_e5m2, _mx_tile, _mx_x, _store_packed)
 
     @triton.jit
     def _keep24(m, BR: tl.constexpr, BK: tl.constexpr):
@@ -121,7 +121,7 @@ if HAS_TRITON:
 
 
 if HAS_TRITON:
-    from kernels.quantize import _TUNE
+    from megatron_fp4.kernels.quantize import _TUNE
 
     _resq_tuned = triton.autotune(**{**_TUNE, "key": _TUNE["key"] + ["FMT"]})(_resq_kernel)
 
@@ -154,7 +154,7 @@ def resq_quantize_reference(x: torch.Tensor, f, expand: Optional[str]):
 
 
 def _rescale(qt: QuantizedTensor, S: torch.Tensor) -> Expanded:
-    from kernels.packed_gemm import dequantize_rows
+    from megatron_fp4.kernels.packed_gemm import dequantize_rows
 
     return fp8_rows(dequantize_rows(qt, torch.arange(S.numel(), device=S.device)), S)
 
@@ -166,7 +166,7 @@ def resq_quantize(x: torch.Tensor, fmt, expand: Optional[str] = None, config: Op
     residual's dropped elements have code 0. With ``expand="native"`` and MXFP4, both expansions share one row
     scale so that the GEMM can add them in one accumulator. ``expand="sum"``: the third item is the one BF16
     operand bf16(Q(X) + S(Q(R))) (``resq_combine="bf16"`` of ``megatron_fp4.resq``), the fourth None.
-    ``config``: a fixed tile, as for :func:`kernels.quantize.quantize`.
+    ``config``: a fixed tile, as for :func:`megatron_fp4.kernels.quantize.quantize`.
     """
     f = get_format(fmt)
     if expand not in RESQ_EXPAND_MODES:
@@ -236,14 +236,14 @@ def resq_matmul(x: torch.Tensor, qw: QuantizedTensor, ew: Optional[Expanded] = N
 
     ``combine="exact"``: M <= DECODE_MAX_M: the decode kernel on the packed weight and the BF16 expansions of both
     activation operands, the residual riding on the same weight read (``wide``: see
-    :func:`kernels.decode_gemm.w4_matmul`). Larger M: the pre-expanded GEMM in concatenated-K form; ``ew`` (from
-    ``expand_packed``/``quantize(..., expand=...)``, once per weight update) picks the mode: BF16 (exact, the
-    default when None) or FP8 (MXFP4: E5M2, or E4M3 for cuBLAS; ``promote`` as in
-    :func:`kernels.gemm.mm_expanded`). ``combine="bf16"``: ``bf16(Q(X) + S(Q(R))) Q(W)^T``, one GEMM of the
+    :func:`megatron_fp4.kernels.decode_gemm.w4_matmul`). Larger M: the pre-expanded GEMM in concatenated-K form;
+    ``ew`` (from ``expand_packed``/``quantize(..., expand=...)``, once per weight update) picks the mode: BF16
+    (exact, the default when None) or FP8 (MXFP4: E5M2, or E4M3 for cuBLAS; ``promote`` as in
+    :func:`megatron_fp4.kernels.gemm.mm_expanded`). ``combine="bf16"``: ``bf16(Q(X) + S(Q(R))) Q(W)^T``, one GEMM of the
     plain W4A4 size (decode kernel, or BF16 GEMM against ``ew`` if it is BF16, else the weight's BF16 expansion).
     """
-    from kernels.decode_gemm import w4_matmul
-    from kernels.gemm import mm_expanded
+    from megatron_fp4.kernels.decode_gemm import w4_matmul
+    from megatron_fp4.kernels.gemm import mm_expanded
 
     if combine not in RESQ_COMBINES:
         raise ValueError(f"combine={combine!r} is not valid; allowed values: {', '.join(map(repr, RESQ_COMBINES))}")

@@ -1,16 +1,16 @@
-"""The CUDA C++ both-layouts quantizer (``kernels/csrc/quant_both.cu``): a training operand's two exact BF16
-expansions from one read of x.
+"""The CUDA C++ both-layouts quantizer (``megatron_fp4/kernels/csrc/quant_both.cu``): a training operand's two exact
+BF16 expansions from one read of x.
 
     rows, cols = both_layouts(x, "hif4")   # x [R, K] along K -> [R, KP]; x.t() along R -> [K, RP]
     rows, cols = both_layouts_fp8(x, "mxfp4", cols_e4m3=True)  # MXFP4's FP8 form: (values, S, ok, 2^S) each
     both_layouts(w, "hif4", out=(w_rows, w_cols))  # into existing buffers (a weight's, under CUDA graphs)
 
-Bit for bit ``kernels.quantize.quantize(x, fmt, expand="bf16", packed=False)`` and the same of ``x.t()`` (FP8:
-``expand="native"`` (E5M2) or ``"e4m3"`` for each layout, as the reference computes them; the unit
+Bit for bit ``megatron_fp4.kernels.quantize.quantize(x, fmt, expand="bf16", packed=False)`` and the same of
+``x.t()`` (FP8: ``expand="native"`` (E5M2) or ``"e4m3"`` for each layout, as the reference computes them; the unit
 math, ``csrc/quant_math.h``, is shared with a host build that the CPU tests check against the PyTorch reference).
 Triton cannot express its layout: after the transpose each thread owns 16 consecutive tokens of two columns, so a
 HiF4 unit is 4 lanes of one warp, reduced by shuffles (docs/PERFORMANCE.md, issue 21). Built with nvcc on first
-use (:mod:`kernels._nvcc`); ``MEGATRON_FP4_CUDA_QUANT=0`` turns it off (the Triton passes serve).
+use (:mod:`megatron_fp4.kernels._nvcc`); ``MEGATRON_FP4_CUDA_QUANT=0`` turns it off (the Triton passes serve).
 """
 
 from __future__ import annotations
@@ -22,7 +22,7 @@ from typing import Optional
 
 import torch
 
-from kernels import _nvcc
+from megatron_fp4.kernels import _nvcc
 
 __all__ = ["available", "usable", "both_layouts", "both_layouts_fp8", "FORMAT_IDS", "FP8_FORMATS"]
 
@@ -106,8 +106,8 @@ def both_layouts_fp8(x: torch.Tensor, fmt_name: str, rows_e4m3: bool = False, co
                      out: Optional[tuple] = None):
     """MXFP4's FP8 form of x [R, K] along K ([R, KP]) and of x.t() along R ([K, RP]), each E4M3 where
     ``rows_e4m3`` / ``cols_e4m3`` say, else E5M2, as (values, scale exponents S int32, no-flush flags bool, 2^S
-    fp32 or None): the fields of ``kernels.quantize.Expanded``. ``out``: two such tuples to write into (a None
-    2^S is not written). Two launches (the rows' and columns' maxima, then the bytes); no host sync."""
+    fp32 or None): the fields of ``megatron_fp4.kernels.quantize.Expanded``. ``out``: two such tuples to write into (a
+    None 2^S is not written). Two launches (the rows' and columns' maxima, then the bytes); no host sync."""
     _check(x, fmt_name, FP8_FORMATS)
     R, K = x.shape
     kp, rp = -(-K // 32) * 32, -(-R // 32) * 32

@@ -1,7 +1,7 @@
 // Device code shared by the decode GEMMs (w4_decode.cu: mma.sync; w4_wgmma.cu: wgmma): dequantization of the
 // decode layout's FP4 codes into BF16 A fragments (mma.m16n8k16 and wgmma m64nNk16 from registers take the same
 // fragment per warp) and the chunk metadata loads. Built per -DFMT (0 HiF4, 1 MXFP4) and -DWIDE. The layout and
-// the bit tricks are described in w4_decode.cu and kernels/cuda_decode.py.
+// the bit tricks are described in w4_decode.cu and megatron_fp4/kernels/cuda_decode.py.
 #pragma once
 #include <stdint.h>
 

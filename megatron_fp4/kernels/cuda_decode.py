@@ -4,14 +4,14 @@
     y = w4_decode(x_bf16, dw)              # fp32 [M, N] = x . deq(W)^T, exact products, fp32 accumulation
 
 The weight is re-laid out once so that each lane of a warp reads, with one 16-byte load per 64 values of K, the
-codes of its BF16 MMA A fragments (``kernels/csrc/w4_decode.cu`` says how); the kernels dequantize them in registers
-with a few bit operations per pair of values (the same bit-exact tricks as the Triton decode kernel,
-``kernels/csrc/w4_device.h``) and multiply on the BF16 tensor cores with fp32 accumulation. Two kernels read that
-layout: ``w4_wgmma.cu`` (Hopper's warpgroup MMA: a warpgroup's 64 weight rows x up to 64 tokens per instruction,
-the activations staged once per block in shared memory) and ``w4_decode.cu`` (mma.sync m16n8k16);
+codes of its BF16 MMA A fragments (``megatron_fp4/kernels/csrc/w4_decode.cu`` says how); the kernels dequantize them in
+registers with a few bit operations per pair of values (the same bit-exact tricks as the Triton decode kernel,
+``megatron_fp4/kernels/csrc/w4_device.h``) and multiply on the BF16 tensor cores with fp32 accumulation. Two kernels
+read that layout: ``w4_wgmma.cu`` (Hopper's warpgroup MMA: a warpgroup's 64 weight rows x up to 64 tokens per
+instruction, the activations staged once per block in shared memory) and ``w4_decode.cu`` (mma.sync m16n8k16);
 :func:`default_kernel` picks one by weight size (``MEGATRON_FP4_DECODE_KERNEL=wgmma|mma`` forces one). W4A4 and
 ResQ's bf16 sum call them on the activations' exact BF16 expansion. Built with nvcc per configuration on first use
-(sm_90a), cached in ``kernels/_build`` (or ``MEGATRON_FP4_BUILD_DIR``), loaded with ctypes;
+(sm_90a), cached in ``megatron_fp4/kernels/_build`` (or ``MEGATRON_FP4_BUILD_DIR``), loaded with ctypes;
 ``MEGATRON_FP4_CUDA_DECODE=0`` turns them off (the Triton kernel serves). Without CUDA or nvcc nothing here runs but
 :func:`to_decode_layout` and :func:`decode_layout_dequantize` (its PyTorch emulation, what the CPU tests check bit
 for bit against the reference quantizer).
@@ -27,7 +27,7 @@ from typing import Optional
 
 import torch
 
-from kernels import _nvcc
+from megatron_fp4.kernels import _nvcc
 from megatron_fp4.formats import QuantizedTensor
 
 __all__ = ["DecodeWeight", "to_decode_layout", "decode_layout_dequantize", "available", "w4_decode",
@@ -210,7 +210,7 @@ WGMMA_TILES = {  # no register spills (ptxas); M = 16 and 64 measured on the H20
 #: M = 16 wgmma beat mma.sync on every Qwen2.5-1.5B weight (1536 x 1536 .. 1536 x 8960: 1.10-1.27x) and lost on the
 #: 7B MLP weights (3584 x 18944 both ways: 0.81-0.91x), benchmarks/results/decode_h200_s19.json.
 WGMMA_MAX_WEIGHT = 32 * 2 ** 20
-#: Token counts up to which :func:`kernels.dispatch.decode_matmul` prefers these kernels to the Triton one.
+#: Token counts up to which :func:`megatron_fp4.kernels.dispatch.decode_matmul` prefers these kernels to the Triton one.
 MAX_M = int(os.environ.get("MEGATRON_FP4_CUDA_DECODE_MAX_M", "64"))
 _SOURCES = {"mma": "w4_decode.cu", "wgmma": "w4_wgmma.cu"}
 _SYMBOLS = {"mma": "w4_decode_launch", "wgmma": "w4_wgmma_launch"}

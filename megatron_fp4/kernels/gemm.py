@@ -1,20 +1,21 @@
 """Pre-expanded FP4 GEMMs for Hopper (no FP4 tensor cores): exact products of HiF4/MXFP4 operands (SPEC §3).
 
-The operands are dequantized once to a GEMM-ready :class:`kernels.quantize.Expanded` form (weights offline per
-weight update, activations inside the fused quantize kernel), then ONE plain tensor-core GEMM runs with the
+The operands are dequantized once to a GEMM-ready :class:`megatron_fp4.kernels.quantize.Expanded` form (weights offline
+per weight update, activations inside the fused quantize kernel), then ONE plain tensor-core GEMM runs with the
 power-of-two row/column scales applied only in the epilogue: cuBLAS where it applies (faster than our Triton GEMM on
 the H200), else a Triton GEMM with a single ``acc = tl.dot(a, b, acc)`` loop. BF16 for HiF4 (element x
 micro-exponents x E6M2 needs <= 6 significant bits), FP8 for MXFP4 (E2M1 x block scale fits E5M2 relative to a
 per-row power of two for blocks within 27 binades of the row's largest, E4M3 within 14; values further down are
 flushed to zero by the quantizer, each under 2^-29 (E5M2) or 2^-16 (E4M3) of the row's largest value:
-:class:`kernels.quantize.Expanded`). Measured on the H200: Hopper's FP8 MMA does NOT accumulate in full fp32
-(partial sums keep about 13-14 bits relative to the largest product), so the FP8 path is "exact products of the
+:class:`megatron_fp4.kernels.quantize.Expanded`). Measured on the H200: Hopper's FP8 MMA does NOT accumulate in full
+fp32 (partial sums keep about 13-14 bits relative to the largest product), so the FP8 path is "exact products of the
 held values, approximate accumulation" (relative error ~1e-4; ``promote`` narrows it at a speed cost). The exact
 path for both formats is the BF16 expansion (MXFP4 values are exact in BF16 too), whose tensor cores accumulate in
 fp32.
 
-The other GEMM families read packed operands: :mod:`kernels.packed_gemm` (both operands packed, dequantized in the
-prologue) and :mod:`kernels.decode_gemm` (the decode GEMM, M <= 64: packed weights x BF16 activations).
+The other GEMM families read packed operands: :mod:`megatron_fp4.kernels.packed_gemm` (both operands packed, dequantized
+in the prologue) and :mod:`megatron_fp4.kernels.decode_gemm` (the decode GEMM, M <= 64: packed weights x BF16
+activations).
 """
 
 from __future__ import annotations
@@ -24,8 +25,8 @@ from typing import Optional
 
 import torch
 
-from kernels._common import HAS_TRITON, cdiv, interpreting, tl, triton, tune_bucket
-from kernels.quantize import Expanded
+from megatron_fp4.kernels._common import HAS_TRITON, cdiv, interpreting, tl, triton, tune_bucket
+from megatron_fp4.kernels.quantize import Expanded
 
 __all__ = ["IMPLS", "mm_expanded"]
 

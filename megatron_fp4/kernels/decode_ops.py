@@ -20,7 +20,7 @@ from typing import Optional
 import torch
 import torch.nn.functional as F
 
-from kernels._common import HAS_TRITON, kernels_usable, tl, triton
+from megatron_fp4.kernels._common import HAS_TRITON, kernels_usable, tl, triton
 
 __all__ = ["add_rms_norm", "add_rms_norm_reference", "rope_reference", "rope_kv_write", "rope_kv_write_reference",
            "swiglu", "swiglu_reference"]

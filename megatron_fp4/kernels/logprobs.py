@@ -21,7 +21,7 @@ from typing import Optional
 
 import torch
 
-from kernels._common import HAS_TRITON, cdiv, interpreting, kernels_usable, tl, triton
+from megatron_fp4.kernels._common import HAS_TRITON, cdiv, interpreting, kernels_usable, tl, triton
 
 __all__ = ["row_stats", "row_stats_reference", "combine_stats", "logprob_grad", "logprob_grad_reference",
            "usable"]

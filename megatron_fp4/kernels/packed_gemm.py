@@ -1,7 +1,7 @@
 """The packed FP4 GEMM: ``packed_matmul`` reads both operands' 4-bit codes and scales and dequantizes them to
 BF16 in its main loop (exact for HiF4 and MXFP4), then multiplies on the BF16 tensor cores with fp32 accumulation.
-Also the helpers the decode GEMM (:mod:`kernels.decode_gemm`) shares with it (the scale arguments, the BF16/fp32
-dot) and :func:`dequantize_rows`, the PyTorch decode of selected rows.
+Also the helpers the decode GEMM (:mod:`megatron_fp4.kernels.decode_gemm`) shares with it (the scale arguments, the
+BF16/fp32 dot) and :func:`dequantize_rows`, the PyTorch decode of selected rows.
 """
 
 from __future__ import annotations
@@ -10,14 +10,14 @@ from typing import Optional
 
 import torch
 
-from kernels._common import HAS_TRITON, cdiv, interpreting, tl, triton
+from megatron_fp4.kernels._common import HAS_TRITON, cdiv, interpreting, tl, triton
 from megatron_fp4.formats import QuantizedTensor
 from megatron_fp4.formats.packing import unpack_nibbles
 
 __all__ = ["packed_matmul", "dequantize_rows"]
 
 if HAS_TRITON:
-    from kernels.gemm import _grouped_tile
+    from megatron_fp4.kernels.gemm import _grouped_tile
 
     @triton.jit
     def _e8m0_half(s):
