@@ -7,6 +7,9 @@ is one weight value) and equal to the fp64 product of the same operands within f
 dispatch path.
 """
 
+import shutil
+import subprocess
+
 import pytest
 import torch
 
@@ -73,6 +76,32 @@ def test_decode_kernel_choice_and_split():
 # ---------------------------------------------------------------------------------------------------------------
 # GPU
 # ---------------------------------------------------------------------------------------------------------------
+def _ptxas_report(defines: dict, path: str) -> str:
+    from megatron_fp4.kernels import _nvcc
+
+    r = subprocess.run(_nvcc.command("w4_wgmma.cu", defines, path, "90a", "-cubin", "-Xptxas", "-v"),
+                       capture_output=True, text=True)
+    assert r.returncode == 0, r.stderr[-2000:]
+    return r.stdout + r.stderr
+
+
+@pytest.mark.skipif(shutil.which("nvcc") is None, reason="needs nvcc (no GPU needed: a compile for sm_90a)")
+def test_wgmma_tiles_compile_without_spills_or_serialized_wgmmas(tmp_path):
+    """ptxas's report for the wgmma kernel's default tiles (every token bucket, both formats, wide MXFP4) and the
+    producer-warp tiles the decode sweep times at M = 16: no register spills, and no wgmma serialized (ptxas's
+    C7510-C7515 notes: a wgmma under thread-dependent control flow, or with too few registers to keep them in flight,
+    runs one at a time)."""
+    from megatron_fp4.kernels import cuda_decode as cd
+    from benchmarks.bench_kernels import SWEEP_TILES
+
+    configs = [(f, w, m, None) for (f, m) in cd.WGMMA_TILES for w in ((0,) if f == 0 else (0, 1))]
+    configs += [(f, 0, 16, t) for t in SWEEP_TILES if t.get("PRODUCER") for f in (0, 1)]
+    for f, w, m, tile in configs:
+        defines = cd._defines("wgmma", f, bool(w), m, cd._tile("wgmma", f, m, tile))
+        report = _ptxas_report(defines, str(tmp_path / "k.cubin"))
+        assert " 0 bytes spill stores" in report and "serialized" not in report, (defines, report[-1500:])
+
+
 def _cuda_ready():
     from megatron_fp4.kernels import cuda_decode
 
@@ -85,7 +114,9 @@ def _cuda_ready():
 GPU_TILES = [None, dict(KERNEL="mma", SPW=2, DEPTH=2, WARPS=4, PER_SM=2), dict(KERNEL="mma", SPW=1, DEPTH=8, WARPS=8,
                                                                                 PER_SM=4),
              dict(KERNEL="wgmma"), dict(KERNEL="wgmma", WGS=2, DEPTH=2, XST=3, MINB=2),
-             dict(KERNEL="wgmma", WGS=1, DEPTH=4, XST=4, MINB=4)]
+             dict(KERNEL="wgmma", WGS=1, DEPTH=4, XST=4, MINB=4),
+             dict(KERNEL="wgmma", PRODUCER=1, WGS=1, DEPTH=4, XST=4, MINB=3),
+             dict(KERNEL="wgmma", PRODUCER=1, WGS=2, DEPTH=2, XST=3, MINB=2)]
 
 
 @pytest.mark.gpu
@@ -120,7 +151,8 @@ def test_gpu_decode_matches_fp64_product(name, M):
     x = torch.randn(M, K, device="cuda").to(torch.bfloat16)
     ref = x.double() @ qt.dequantize().double().t()
     for tile in (*GPU_TILES, dict(KERNEL="mma", SPLIT=1), dict(KERNEL="wgmma", SPLIT=1),
-                 dict(KERNEL="wgmma", SPLIT=3)):
+                 dict(KERNEL="wgmma", SPLIT=3),
+                 dict(KERNEL="wgmma", PRODUCER=1, WGS=2, DEPTH=4, XST=4, MINB=1, SPLIT=1)):
         got = cd.w4_decode(x, dw, config=tile)
         assert got.shape == (M, N) and got.dtype == torch.float32
         assert ((got.double() - ref).norm() / ref.norm()).item() < 1e-5

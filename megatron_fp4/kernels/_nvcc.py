@@ -49,6 +49,14 @@ def build_failed(source: str) -> bool:
     return source in _FAILED
 
 
+def command(source: str, defines: dict, out: str, arch: str = "90a", *extra: str) -> list:
+    """The nvcc command line that builds ``csrc/<source>`` with ``defines`` into the shared library ``out``
+    (``extra``: more nvcc options, e.g. ``-cubin -Xptxas -v`` for a register report instead)."""
+    return [nvcc() or "nvcc", "-O3", "-std=c++17", "-gencode", f"arch=compute_{arch},code=sm_{arch}", "-shared",
+            "-Xcompiler", "-fPIC", f"-I{CSRC}", *(f"-D{k}={int(v)}" for k, v in sorted(defines.items())), *extra,
+            os.path.join(CSRC, source), "-o", out]
+
+
 def compile_library(source: str, defines: dict, arch: str = "90a") -> str:
     """Path of the shared library of ``csrc/<source>`` built with ``defines`` for ``sm_<arch>``, compiled if
     missing (the key hashes the source, the headers of csrc/, the defines and the arch). Raises RuntimeError with
@@ -61,10 +69,7 @@ def compile_library(source: str, defines: dict, arch: str = "90a") -> str:
     path = os.path.join(build_dir(), f"{os.path.splitext(source)[0]}_{h.hexdigest()[:16]}.so")
     if not os.path.exists(path):
         tmp = f"{path}.{os.getpid()}.{threading.get_ident()}.tmp"
-        cmd = [nvcc() or "nvcc", "-O3", "-std=c++17", "-gencode", f"arch=compute_{arch},code=sm_{arch}", "-shared",
-               "-Xcompiler", "-fPIC", f"-I{CSRC}", *(f"-D{k}={int(v)}" for k, v in sorted(defines.items())), src,
-               "-o", tmp]
-        r = subprocess.run(cmd, capture_output=True, text=True)
+        r = subprocess.run(command(source, defines, tmp, arch), capture_output=True, text=True)
         if r.returncode != 0:
             _FAILED.setdefault(source, r.stderr[-2000:])
             raise RuntimeError(f"building {source} with {defines} failed:\n{r.stderr[-2000:]}")

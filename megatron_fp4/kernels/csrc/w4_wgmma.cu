@@ -5,7 +5,7 @@
 // Built per configuration by megatron_fp4/kernels/cuda_decode.py (nvcc, cached): -DFMT=0 (HiF4) | 1 (MXFP4), -DWIDE
 // (MXFP4 block scales above 2^1), -DNTOK (token tile: the wgmma N, 8 | 16 | 32 | 64), -DWGS (warpgroups per block),
 // -DDEPTH (chunks of weights in flight per warp, in registers), -DXST (shared-memory stages of activation chunks),
-// -DMINB (blocks per SM the registers must allow).
+// -DMINB (blocks per SM the registers must allow), -DPRODUCER (1: one extra warp stages the activations).
 //
 // Each warpgroup owns one 64-row tile of W (four 16-row slabs of the decode layout, one per warp). Per 64-value chunk
 // of K a warp loads its slab's codes (one 16-byte load per lane), dequantizes them exactly into the BF16 A fragment of
@@ -20,6 +20,10 @@
 // swizzle: core matrix (token group ng, K half kh) at byte (ng * 2 + kh) * 128 of the step, LBO 128, SBO 256).
 // Staging goes through registers, one chunk ahead: loaded in one iteration, stored to shared memory in the next,
 // read by the wgmmas XST - 2 iterations later. Tokens past M repeat token M - 1 (their sums are never stored).
+// PRODUCER=1: the staging moves to one extra warp (the block's last), which runs ahead through a ring of XST stages
+// and meets the warpgroups at named barriers (stage s full: barrier 1 + s, empty: 1 + XST + s) instead of a block
+// barrier per chunk. Only that warp then executes fence.proxy.async, which compiles to a MEMBAR that waits for all
+// of the executing thread's loads in flight: in the PRODUCER=0 form every warp drains its weight prefetch there.
 // Split-K: blockIdx.y takes chunks [y * cps, (y + 1) * cps); with gridDim.y > 1 partial sums are added atomically
 // into a zeroed fp32 output.
 #include <cuda_runtime.h>
@@ -40,13 +44,18 @@
 #ifndef MINB
 #define MINB 2  // blocks per SM the register allocation must allow
 #endif
-#if DEPTH % 2 || XST < 3
-#error "DEPTH must be even (the two A register sets alternate per chunk) and XST >= 3"
+#ifndef PRODUCER
+#define PRODUCER 0
+#endif
+#if DEPTH % 2 || XST < 3 || (PRODUCER && 2 * XST > 15)
+#error "DEPTH must be even (the two A register sets alternate per chunk), XST >= 3 (PRODUCER: <= 7, 2 XST + 1 barriers)"
 #endif
 
 #include "w4_device.h"
 
-#define THREADS (WGS * 128)
+#define CONSUMERS (WGS * 128)                 // the warpgroups' threads
+#define THREADS (CONSUMERS + 32 * PRODUCER)  // + the producer warp
+#define STAGERS (PRODUCER ? 32 : THREADS)    // threads that stage the activations
 #define STEP_BYTES (NTOK * 32)      // one k16 step of B: NTOK tokens x 16 bf16
 #define STAGE_BYTES (4 * STEP_BYTES)  // one 64-value chunk
 
@@ -97,6 +106,10 @@ DINL void wgmma_rs<64>(float* d, const uint32_t* a, uint64_t desc) {
       : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(desc));
 }
 
+// Named barriers (0 is __syncthreads'): the warps that arrive do not wait; THREADS threads complete one.
+DINL void bar_sync(int id) { asm volatile("bar.sync %0, %1;" ::"r"(id), "n"(THREADS) : "memory"); }
+DINL void bar_arrive(int id) { asm volatile("bar.arrive %0, %1;" ::"r"(id), "n"(THREADS) : "memory"); }
+
 DINL void wgmma_fence() { asm volatile("wgmma.fence.sync.aligned;" ::: "memory"); }
 DINL void wgmma_commit() { asm volatile("wgmma.commit_group.sync.aligned;" ::: "memory"); }
 template <int N_>
@@ -117,15 +130,16 @@ DINL uint64_t b_desc(uint32_t addr) {
 // step's first core matrix and w1, w3, w5, w7 as its row of the second: the MMA's K order, two 16-byte stores.
 // Pair index p: token % 8 in the low 3 bits (8 lanes store 128 contiguous bytes), then the step, then token / 8.
 #define PAIRS (NTOK * 4)
-#define PAIRS_PER_THREAD ((PAIRS + THREADS - 1) / THREADS)
+#define PAIRS_PER_THREAD ((PAIRS + STAGERS - 1) / STAGERS)
 struct XRegs {
   uint4 v[PAIRS_PER_THREAD][2];
 };
-DINL void load_x(XRegs& r, const uint4* __restrict__ x, int M, int ldx16, int c) {
+// sid: the thread's index among the STAGERS staging threads.
+DINL void load_x(XRegs& r, const uint4* __restrict__ x, int M, int ldx16, int c, int sid) {
 #pragma unroll
   for (int i = 0; i < PAIRS_PER_THREAD; ++i) {
-    const int p = threadIdx.x + i * THREADS;
-    if (PAIRS % THREADS == 0 || p < PAIRS) {
+    const int p = sid + i * STAGERS;
+    if (PAIRS % STAGERS == 0 || p < PAIRS) {
       const int m = min((p >> 5) * 8 + (p & 7), M - 1), s = (p >> 3) & 3;
       const uint4* src = x + (size_t)m * ldx16 + c * 8 + s * 2;
       r.v[i][0] = __ldg(src);
@@ -133,11 +147,11 @@ DINL void load_x(XRegs& r, const uint4* __restrict__ x, int M, int ldx16, int c)
     }
   }
 }
-DINL void store_x(const XRegs& r, uint8_t* stage) {
+DINL void store_x(const XRegs& r, uint8_t* stage, int sid) {
 #pragma unroll
   for (int i = 0; i < PAIRS_PER_THREAD; ++i) {
-    const int p = threadIdx.x + i * THREADS;
-    if (PAIRS % THREADS == 0 || p < PAIRS) {
+    const int p = sid + i * STAGERS;
+    if (PAIRS % STAGERS == 0 || p < PAIRS) {
       uint8_t* dst = stage + ((p >> 3) & 3) * STEP_BYTES + (p >> 5) * 256 + (p & 7) * 16;
       const uint4 a = r.v[i][0], b = r.v[i][1];
       *reinterpret_cast<uint4*>(dst) = make_uint4(a.x, a.z, b.x, b.z);
@@ -151,13 +165,28 @@ extern "C" __global__ void __launch_bounds__(THREADS, MINB)
 w4_wgmma_kernel(const uint4* __restrict__ codes, const uint32_t* __restrict__ meta, const uint4* __restrict__ x,
                 float* __restrict__ out, int M, int N, int S, int C, int ldx16, int ldo, int cps) {
   __shared__ __align__(128) uint8_t xs[XST * STAGE_BYTES];
-  const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
+  const int lane = threadIdx.x & 31;
+  const int warp = __shfl_sync(0xFFFFFFFFu, threadIdx.x >> 5, 0);  // warp-uniform, as ptxas can see
   const int g = lane >> 2, t = lane & 3;
-  const int slab = (blockIdx.x * WGS + (warp >> 2)) * 4 + (warp & 3);
-  const bool active = slab < S;  // S is a multiple of 4: a warpgroup is active as a whole
   const int c0 = blockIdx.y * cps;
   const int nch = min(C, c0 + cps) - c0;
   if (nch <= 0) return;  // block-uniform
+#if PRODUCER
+  if (warp == CONSUMERS / 32) {  // the producer: chunk c into stage c % XST once the wgmmas of chunk c - XST retired
+    XRegs xr;
+    load_x(xr, x, M, ldx16, c0, lane);
+    for (int c = 0; c < nch; ++c) {
+      const int s = c % XST;
+      if (c >= XST) bar_sync(1 + XST + s);
+      store_x(xr, xs + s * STAGE_BYTES, lane);
+      bar_arrive(1 + s);
+      if (c + 1 < nch) load_x(xr, x, M, ldx16, c0 + c + 1, lane);
+    }
+    return;
+  }
+#endif
+  const int slab = (blockIdx.x * WGS + (warp >> 2)) * 4 + (warp & 3);
+  const bool active = slab < S;  // S is a multiple of 4: a warpgroup is active as a whole
   const uint32_t xs0 = (uint32_t)__cvta_generic_to_shared(xs);
 
   const size_t unit = (size_t)min(slab, S - 1) * C + c0;
@@ -167,15 +196,17 @@ w4_wgmma_kernel(const uint4* __restrict__ codes, const uint32_t* __restrict__ me
 #pragma unroll
   for (int i = 0; i < NTOK / 2; ++i) acc[i] = 0.f;
 
+#if !PRODUCER
   XRegs xr;
 #pragma unroll
   for (int st = 0; st < XST - 2; ++st) {
     if (st < nch) {
-      load_x(xr, x, M, ldx16, c0 + st);
-      store_x(xr, xs + st * STAGE_BYTES);
+      load_x(xr, x, M, ldx16, c0 + st, threadIdx.x);
+      store_x(xr, xs + st * STAGE_BYTES, threadIdx.x);
     }
   }
-  if (XST - 2 < nch) load_x(xr, x, M, ldx16, c0 + XST - 2);  // stored in iteration 0
+  if (XST - 2 < nch) load_x(xr, x, M, ldx16, c0 + XST - 2, threadIdx.x);  // stored in iteration 0
+#endif
   uint4 wq[DEPTH];
   uint32_t mq[DEPTH];
 #pragma unroll
@@ -202,9 +233,13 @@ w4_wgmma_kernel(const uint4* __restrict__ codes, const uint32_t* __restrict__ me
         dequant(w.y, sc, 1, a[d & 1][1]);
         dequant(w.z, sc, 2, a[d & 1][2]);
         dequant(w.w, sc, 3, a[d & 1][3]);
+#if PRODUCER
+        bar_sync(1 + kk % XST);  // chunk kk staged by the producer
+#else
         __syncthreads();  // chunk kk staged by all threads; every warpgroup has retired the wgmmas of chunk kk - 2
-        if (kk + XST - 2 < nch) store_x(xr, xs + ((kk + XST - 2) % XST) * STAGE_BYTES);
-        if (kk + XST - 1 < nch) load_x(xr, x, M, ldx16, c0 + kk + XST - 1);
+        if (kk + XST - 2 < nch) store_x(xr, xs + ((kk + XST - 2) % XST) * STAGE_BYTES, threadIdx.x);
+        if (kk + XST - 1 < nch) load_x(xr, x, M, ldx16, c0 + kk + XST - 1, threadIdx.x);
+#endif
         // Every warpgroup issues its wgmmas (an idle one multiplies a clamped slab and stores nothing): a wgmma
         // under a thread-dependent branch makes ptxas serialize all of them.
         const uint32_t stage = xs0 + (kk % XST) * STAGE_BYTES;
@@ -215,6 +250,9 @@ w4_wgmma_kernel(const uint4* __restrict__ codes, const uint32_t* __restrict__ me
         wgmma_commit();
         pin(acc);
         wgmma_wait<1>();  // chunk kk - 1's group has retired: its A registers and stage are free
+#if PRODUCER
+        if (kk >= 1 && kk - 1 + XST < nch) bar_arrive(1 + XST + (kk - 1) % XST);  // (the producer waits for it)
+#endif
       }
     }
     wp += DEPTH * 32;
