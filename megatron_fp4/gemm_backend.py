@@ -67,6 +67,12 @@ class FP4GemmBackend:
         ``quantize`` results of ``x`` and ``x.t()``): a backend may do both from one read of ``x``."""
         return self.requantize(x, fmt, mode, q_rows), self.requantize(x.t(), fmt, mode, q_cols)
 
+    def quantize_weight_both(self, x: torch.Tensor, fmt: Format, mode: str) -> tuple:
+        """(:meth:`quantize` of a weight ``x``, of ``x.t()``): a weight's fprop (W) and dgrad (W^T) forms, which a
+        backend may make from one read of ``x``."""
+        return (self.quantize(x, fmt, "nearest", None, mode, True),
+                self.quantize(x.t(), fmt, "nearest", None, mode, True))
+
     def matmul(self, qa: object, qb: object, out_dtype: torch.dtype, mode: str) -> torch.Tensor:
         """``qa @ qb^T`` accumulated in fp32, rounded once to ``out_dtype``."""
         return torch.matmul(qa, qb.t()).to(out_dtype)

@@ -547,7 +547,9 @@ def test_requantize_writes_into_the_same_buffers(name):
         w2 = _inputs("outliers", (48, 136), device=dev, seed=5)
         assert be.requantize_both(w2, f, mode, q, q_t) == (q, q_t)
         assert [t.data_ptr() for e in (q.expanded, q_t.expanded) for t in e if t is not None] == ptrs
-        for got, view in ((q, w2), (q_t, w2.t())):
+        # quantize_weight_both (an eager schedule's W and W^T, ops.quantized_weight_cache(both_layouts=True)):
+        # the forms and bits of the two calls too
+        for got, view in ((q, w2), (q_t, w2.t()), *zip(be.quantize_weight_both(w2, f, mode), (w2, w2.t()))):
             fresh = be.quantize(view, f, "nearest", None, mode, True).expanded
             for a, b in zip(got.expanded, fresh):
                 assert (a is None) == (b is None) and (a is None or torch.equal(a.view(torch.uint8),

@@ -311,6 +311,54 @@ def test_weight_cache_quantizes_each_weight_once_per_schedule(fmt):
         ops.unregister_fp4_gemm_backend("cpu")
 
 
+class PairCounting(CountingBackend):
+    def __init__(self):
+        super().__init__()
+        self.pairs = 0
+
+    def quantize_weight_both(self, x, fmt, mode):
+        self.pairs += 1
+        return super().quantize_weight_both(x, fmt, mode)
+
+
+@pytest.mark.parametrize("fmt", ["hif4", "mxfp4"])
+def test_weight_cache_makes_w_and_w_t_together_for_schedules_with_a_backward(fmt):
+    """``quantized_weight_cache(both_layouts=True)`` (the actor's training schedules): a weight's first quantization
+    makes W and W^T in one backend call (one read of W on the GPU), which the dgrads of every micro-batch reuse;
+    outputs and gradients are bit-identical to the plain cache's. A transposed or non-contiguous weight view takes
+    the one-layout path."""
+    recipe = recipe_for_format(fmt)
+    torch.manual_seed(0)
+    w = torch.randn(24, 64)
+    xs = [torch.randn(3, 5, 64) for _ in range(3)]
+
+    def micro_batches(both: bool, param=w, weight=lambda p: p):
+        wr = param.clone().requires_grad_(True)
+        outs = []
+        with ops.quantized_weight_cache(both_layouts=both):
+            for x in xs:
+                xr = x.clone().requires_grad_(True)
+                y = fp4_linear(xr, weight(wr), recipe=recipe)
+                (y * torch.linspace(-1, 1, y.shape[-1])).sum().backward()
+                outs += [y.detach(), xr.grad]
+        return outs + [wr.grad]
+
+    backend = PairCounting()
+    ops.register_fp4_gemm_backend("cpu", backend)
+    try:
+        plain = micro_batches(both=False)
+        assert (backend.weights, backend.pairs) == (2, 0)
+        both = micro_batches(both=True)
+        assert (backend.weights, backend.pairs) == (2 + 2, 1)  # the pair's two quantizations, asked for once
+        assert all(torch.equal(a, b) for a, b in zip(plain, both))
+        # the weight a transposed view of a [64, 24] parameter: W and W^T one by one, the same numbers
+        assert all(torch.equal(a, b) for a, b in zip(plain, micro_batches(True, w.t().contiguous(), lambda p: p.t()))
+                   if a.shape == b.shape)
+        assert (backend.weights, backend.pairs) == (4 + 2, 1)
+    finally:
+        ops.unregister_fp4_gemm_backend("cpu")
+
+
 class RequantizeCounting(CountingBackend):
     def __init__(self):
         super().__init__()

@@ -176,20 +176,30 @@ def quantize_both(x: torch.Tensor, fmt: FormatLike, mode: str = "exact",
     raise AssertionError("the reference backend declined a quantization")  # unreachable
 
 
-_CACHES: list[dict] = []
+class _WeightCache(dict):
+    """One :func:`quantized_weight_cache` block's entries: key -> (root tensor, quantized form)."""
+
+    def __init__(self, both_layouts: bool):
+        super().__init__()
+        self.both_layouts = both_layouts
+
+
+_CACHES: list[_WeightCache] = []
 
 
 @contextlib.contextmanager
-def quantized_weight_cache() -> Iterator[dict]:
+def quantized_weight_cache(both_layouts: bool = False) -> Iterator[dict]:
     """Inside the block, operands passed to :func:`fp4_gemm` with ``cache_b=True`` are quantized once per weight
-    version and reused (the numbers are those of quantizing them every time).
+    version and reused (the numbers are those of quantizing them every time). ``both_layouts``: a 2-D weight's first
+    quantization (W, fprop) also makes W^T's (dgrad), from one read of W where the backend can
+    (``quantize_weight_both``): for blocks whose passes all have a backward.
 
     An entry is keyed by the tensor's storage, view (offset, shape, strides), dtype and version counter (in-place
     updates through autograd-visible ops bump it), the format, rounding mode and GEMM mode. Weights changed through
     ``.data`` are not seen: open the block around work that does not update the weights (one forward/backward
     schedule), as the actor does. The cache (and the memory it holds) is dropped at the end of the block.
     """
-    cache: dict = {}
+    cache = _WeightCache(both_layouts)
     _CACHES.append(cache)
     try:
         yield cache
@@ -324,13 +334,20 @@ def _quantize(backend: FP4GemmBackend, x: torch.Tensor, fmt: Format, rounding: s
         return _PERSISTENT.get(backend, x, fmt, mode)
     if not (cache and _CACHES and rounding == "nearest"):
         return backend.quantize(x, fmt, rounding, generator, mode, cache)
+    cache = _CACHES[-1]
     base, key = _cache_key(backend, x, fmt, mode)
-    hit = _CACHES[-1].get(key)
+    hit = cache.get(key)
     if hit is not None and hit[0] is base:
         return hit[1]
-    q = backend.quantize(x, fmt, rounding, generator, mode, True)
+    if cache.both_layouts and x.dim() == 2 and x.is_contiguous() and _transposed_key(key) not in cache:
+        # W now, and W^T for the backward's dgrad
+        q, q_t = backend.quantize_weight_both(x, fmt, mode)
+        if q_t is not NotImplemented:
+            cache[_transposed_key(key)] = (base, q_t)
+    else:
+        q = backend.quantize(x, fmt, rounding, generator, mode, True)
     if q is not NotImplemented:
-        _CACHES[-1][key] = (base, q)  # holds ``base``: its id cannot be reused while the entry lives
+        cache[key] = (base, q)  # holds ``base``: its id cannot be reused while the entry lives
     return q
 
 

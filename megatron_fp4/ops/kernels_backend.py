@@ -63,10 +63,10 @@ class KernelBackend(FP4GemmBackend):
     def quantize(self, x, fmt, rounding, generator, mode, weight, out=None):
         if rounding != "nearest" or fmt.name not in KERNEL_FORMATS or not kernels_usable(x):
             return NotImplemented
-        if mode == "exact" or fmt.name == "hif4":
-            expand = "bf16"
+        if weight:
+            expand = _weight_expand(x, fmt, mode)
         else:
-            expand = fp8_weight_expand(x) if weight else "native"
+            expand = "bf16" if mode == "exact" or fmt.name == "hif4" else "native"
         return Operand(fmt, quantize(x, fmt, expand=expand, packed=False, out=out)[1])
 
     def quantize_both(self, x, fmt, mode, b_cols=False):
@@ -75,6 +75,13 @@ class KernelBackend(FP4GemmBackend):
         expand = ("bf16", "bf16")
         if mode != "exact" and fmt.name != "hif4":  # X^T (wgrad's b) in E4M3 where cuBLAS then takes it
             expand = ("native", fp8_weight_expand(x.t()) if b_cols else "native")
+        rows, cols = quantize_both_layouts(x, fmt, expand=expand)
+        return Operand(fmt, rows), Operand(fmt, cols)
+
+    def quantize_weight_both(self, x, fmt, mode):
+        if fmt.name not in KERNEL_FORMATS or not kernels_usable(x):
+            return super().quantize_weight_both(x, fmt, mode)
+        expand = (_weight_expand(x, fmt, mode), _weight_expand(x.t(), fmt, mode))
         rows, cols = quantize_both_layouts(x, fmt, expand=expand)
         return Operand(fmt, rows), Operand(fmt, cols)
 
@@ -94,6 +101,12 @@ class KernelBackend(FP4GemmBackend):
         if qa.fmt.name != qb.fmt.name:
             return NotImplemented
         return mm_expanded(qa.expanded, qb.expanded, out_dtype=out_dtype, promote=PROMOTE[mode])
+
+
+def _weight_expand(w, fmt: Format, mode: str) -> str:
+    """The expansion a weight (or W^T) is quantized into: BF16 in "exact" mode and for HiF4, else MXFP4's FP8 weight
+    form (E4M3 where cuBLAS's FP8 GEMM then takes it)."""
+    return "bf16" if mode == "exact" or fmt.name == "hif4" else fp8_weight_expand(w)
 
 
 def _expand_of(e) -> str:

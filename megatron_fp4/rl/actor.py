@@ -107,7 +107,8 @@ def run_schedule(model, batches: list[dict], loss_fn: Callable, forward_only: bo
     fb = get_forward_backward_func()
     if not forward_only:  # the training passes' CUDA graphs read the FP4 weights from buffers: this step's weights
         ops.refresh_persistent_weights()
-    with ops.quantized_weight_cache():  # the weights hold still over one schedule: FP4-quantize each once
+    # the weights hold still over one schedule: FP4-quantize each once (W and W^T together when dgrad follows)
+    with ops.quantized_weight_cache(both_layouts=not forward_only):
         return fb(forward_step_func=forward_step, data_iterator=iter(batches), model=[model],
                   num_microbatches=len(batches), seq_length=batches[0]["inputs"].shape[1],
                   micro_batch_size=batches[0]["inputs"].shape[0], forward_only=forward_only)
