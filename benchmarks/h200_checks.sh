@@ -1,0 +1,51 @@
+#!/usr/bin/env bash
+# The H200 checks of the GPU paths, one device call (at most 10 minutes) per part, from the repository root of the
+# GPU machine's copy:
+#
+#   bash benchmarks/h200_checks.sh PART
+#
+#   train-tests   GPU tests of the training quantizers (CUDA and Triton), the kernel backend, graphed training
+#   train-bench   bench_train.py --cuda-graph (BF16, MXFP4 fp8 / fp8_fast, HiF4 at 4 x 2048) and the eager rows
+#   decode-tests  GPU tests of the CUDA decode GEMMs (every tile of tests/test_cuda_decode.py)
+#   decode-bench  bench_kernels.py --decode --decode-sweep on the 7B MLP shapes
+#
+# megatron-core comes from wheels carried in .whl/ (made beside the checkout, with pip access: pip download -q
+# --no-deps --only-binary=:all: --python-version 3.12 --implementation cp --platform manylinux_2_28_x86_64 -d .whl
+# megatron-core==0.16.1), installed once into /tmp/site. nvcc's builds (megatron_fp4/kernels/_build), Triton's
+# cache (.triton_cache) and /tmp/site stay on a warm machine between calls. Results JSON go to $OUT (the device
+# tool's folder that comes back) when it is set, else to benchmarks/results/.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+usage="usage: bash benchmarks/h200_checks.sh train-tests|train-bench|decode-tests|decode-bench"
+case "${1:-}" in train-tests | train-bench | decode-tests | decode-bench) ;; *) echo "$usage" >&2; exit 2 ;; esac
+if [ ! -d /tmp/site/megatron ]; then
+  if ! ls .whl/*.whl > /dev/null 2>&1; then
+    echo "h200_checks.sh: no megatron-core wheel in .whl/ (see the header)" >&2
+    exit 2
+  fi
+  python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --target /tmp/site .whl/*.whl
+fi
+export PYTHONPATH="/tmp/site:$PWD${PYTHONPATH:+:$PYTHONPATH}" TRITON_CACHE_DIR="$PWD/.triton_cache"
+results=${OUT:-benchmarks/results}
+nvidia-smi --query-gpu=name,driver_version,memory.used --format=csv,noheader
+run_tests() { python3 -m pytest -q -p no:cacheprovider "$@"; }
+case "$1" in
+  train-tests)
+    run_tests -m gpu tests/test_cuda_quantize.py tests/test_cuda_graph_train.py
+    run_tests tests/test_kernels.py tests/test_linear.py \
+      -k "requantize or training_backend or edges or bit_exact or weight_cache"
+    ;;
+  train-bench)
+    python3 benchmarks/bench_train.py --cuda-graph --recipes bf16,mxfp4-fp8,hif4,mxfp4-fp8_fast --batches 4x2048 \
+      --warmup 2 --iters 3 --out "$results/train_h200.json"
+    python3 benchmarks/bench_train.py --recipes bf16,mxfp4-fp8 --batches 4x2048 --warmup 2 --iters 3 \
+      --out "$results/train_h200_eager.json"
+    ;;
+  decode-tests)
+    run_tests -m gpu tests/test_cuda_decode.py
+    ;;
+  decode-bench)
+    python3 benchmarks/bench_kernels.py --decode --decode-sweep --shapes 3584x18944,18944x3584 \
+      --out "$results/decode_h200.json"
+    ;;
+esac
