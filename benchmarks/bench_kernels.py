@@ -328,6 +328,9 @@ def bench_decode(shapes, ms_list=(16, 64), sweep=False):
     from megatron_fp4.kernels import cuda_decode as cd
     from megatron_fp4.kernels.dispatch import prepare_weight
 
+    t0 = time.perf_counter()  # every configuration compiled in parallel first (on first use each compiles alone)
+    built = cd.prebuild(list(SWEEP_TILES) if sweep else [], ntoks=tuple(sorted({cd._ntok(m) for m in ms_list})))
+    print(f"  {built} CUDA decode configurations built in {time.perf_counter() - t0:.0f} s", flush=True)
     rows, sweep_rows = [], []
     for (K, N) in shapes:
         nw = copies_for(N * K // 2)

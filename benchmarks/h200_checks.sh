@@ -41,7 +41,9 @@ case "$1" in
     python3 benchmarks/bench_train.py --recipes bf16,mxfp4-fp8 --batches 4x2048 --warmup 2 --iters 3 \
       --out "$results/train_h200_eager.json"
     ;;
-  decode-tests)
+  decode-tests)  # the tests' tiles compiled first, in parallel (on first use each would compile alone)
+    python3 -c "from megatron_fp4.kernels import cuda_decode as cd; from tests.test_cuda_decode import GPU_TILES
+print('prebuilt', cd.prebuild([t for t in GPU_TILES if t], ntoks=(8, 16, 64)), 'decode kernel configurations')"
     run_tests -m gpu tests/test_cuda_decode.py
     ;;
   decode-bench)
