@@ -313,7 +313,8 @@ SWEEP_TILES = (
     *(dict(KERNEL="wgmma", WGS=wgs, DEPTH=depth, XST=4, MINB=minb) for wgs, depth, minb in
       ((2, 2, 2), (2, 4, 2), (2, 2, 3), (1, 4, 3), (1, 2, 4))),
     *(dict(KERNEL="wgmma", WGS=2, DEPTH=2, XST=4, MINB=minb, SPLIT=split) for minb in (2, 3) for split in (1, 3, 9)),
-    # the producer-warp form: the tiles ptxas compiles without spills or serialized wgmmas at M = 16 (and 64: 2, 4, 1)
+    # the producer-warp form: the tiles ptxas compiles without spills or serialized wgmmas at M = 16 (at M = 64 only
+    # WGS 2, DEPTH 4, MINB 1 does)
     *(dict(KERNEL="wgmma", PRODUCER=1, WGS=wgs, DEPTH=depth, XST=4, MINB=minb) for wgs, depth, minb in
       ((2, 4, 1), (1, 4, 3), (2, 2, 2), (2, 2, 3), (1, 2, 4))),
 )

@@ -7,12 +7,12 @@ is one weight value) and equal to the fp64 product of the same operands within f
 dispatch path.
 """
 
-import shutil
 import subprocess
 
 import pytest
 import torch
 
+from megatron_fp4.kernels import _nvcc
 from megatron_fp4.kernels.cuda_decode import decode_layout_dequantize, to_decode_layout
 from megatron_fp4.formats import get_format
 
@@ -73,24 +73,19 @@ def test_decode_kernel_choice_and_split():
         cd.w4_decode(torch.zeros(2, 64, dtype=torch.bfloat16), to_decode_layout(qt), config={"KERNEL": "tma"})
 
 
-# ---------------------------------------------------------------------------------------------------------------
-# GPU
-# ---------------------------------------------------------------------------------------------------------------
 def _ptxas_report(defines: dict, path: str) -> str:
-    from megatron_fp4.kernels import _nvcc
-
     r = subprocess.run(_nvcc.command("w4_wgmma.cu", defines, path, "90a", "-cubin", "-Xptxas", "-v"),
                        capture_output=True, text=True)
     assert r.returncode == 0, r.stderr[-2000:]
     return r.stdout + r.stderr
 
 
-@pytest.mark.skipif(shutil.which("nvcc") is None, reason="needs nvcc (no GPU needed: a compile for sm_90a)")
+@pytest.mark.skipif(_nvcc.nvcc() is None, reason="needs nvcc (no GPU: a compile for sm_90a)")
 def test_wgmma_tiles_compile_without_spills_or_serialized_wgmmas(tmp_path):
     """ptxas's report for the wgmma kernel's default tiles (every token bucket, both formats, wide MXFP4) and the
-    producer-warp tiles the decode sweep times at M = 16: no register spills, and no wgmma serialized (ptxas's
-    C7510-C7515 notes: a wgmma under thread-dependent control flow, or with too few registers to keep them in flight,
-    runs one at a time)."""
+    producer-warp tiles the decode sweep times at M = 16: no register spills, and no "wgmma.mma_async instructions
+    are serialized" note (ptxas's answer to a wgmma under thread-dependent control flow, or to too few registers to
+    keep the wgmmas in flight: they then run one at a time)."""
     from megatron_fp4.kernels import cuda_decode as cd
     from benchmarks.bench_kernels import SWEEP_TILES
 
@@ -102,6 +97,9 @@ def test_wgmma_tiles_compile_without_spills_or_serialized_wgmmas(tmp_path):
         assert " 0 bytes spill stores" in report and "serialized" not in report, (defines, report[-1500:])
 
 
+# ---------------------------------------------------------------------------------------------------------------
+# GPU
+# ---------------------------------------------------------------------------------------------------------------
 def _cuda_ready():
     from megatron_fp4.kernels import cuda_decode
 
