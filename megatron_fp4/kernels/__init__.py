@@ -1,4 +1,4 @@
-"""Triton kernels for FP4 (HiF4 / MXFP4) on Hopper, each with its PyTorch twin in ``megatron_fp4.formats``.
+"""Triton and CUDA C++ kernels for FP4 (HiF4 / MXFP4) on Hopper, each with its PyTorch twin (``megatron_fp4.formats``).
 
 Modules (import them directly; importing the package loads nothing heavy):
 
