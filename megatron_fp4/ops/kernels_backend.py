@@ -3,9 +3,9 @@ GEMM registers, or ``ops.register_kernel_backend``): :class:`KernelBackend` for 
 :func:`ops_backend`, the plain-function form. They return the reference's numbers up to fp32 summation order (the
 MXFP4 FP8 modes: approximately, see ``megatron_fp4.kernels.quantize.Expanded``) and decline what they do not cover.
 
-Layering: this module imports ``kernels`` and :mod:`megatron_fp4.gemm_backend` (the interface and the reference, below
-both); ``kernels`` never imports ``megatron_fp4.ops``, and ``megatron_fp4.ops`` imports this module only when it
-registers it.
+Layering: this module imports :mod:`megatron_fp4.kernels` and :mod:`megatron_fp4.gemm_backend` (the interface and the
+reference, below both); the kernels never import ``megatron_fp4.ops``, and ``megatron_fp4.ops`` imports this module
+only when it registers it.
 """
 
 from __future__ import annotations
