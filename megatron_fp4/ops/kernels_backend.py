@@ -63,27 +63,20 @@ class KernelBackend(FP4GemmBackend):
     def quantize(self, x, fmt, rounding, generator, mode, weight, out=None):
         if rounding != "nearest" or fmt.name not in KERNEL_FORMATS or not kernels_usable(x):
             return NotImplemented
-        if weight:
-            expand = _weight_expand(x, fmt, mode)
-        else:
-            expand = "bf16" if mode == "exact" or fmt.name == "hif4" else "native"
+        expand = _weight_expand(x, fmt, mode) if weight else _operand_expand(fmt, mode)
         return Operand(fmt, quantize(x, fmt, expand=expand, packed=False, out=out)[1])
 
     def quantize_both(self, x, fmt, mode, b_cols=False):
         if fmt.name not in KERNEL_FORMATS or not kernels_usable(x):
             return super().quantize_both(x, fmt, mode, b_cols)
-        expand = ("bf16", "bf16")
-        if mode != "exact" and fmt.name != "hif4":  # X^T (wgrad's b) in E4M3 where cuBLAS then takes it
-            expand = ("native", fp8_weight_expand(x.t()) if b_cols else "native")
-        rows, cols = quantize_both_layouts(x, fmt, expand=expand)
-        return Operand(fmt, rows), Operand(fmt, cols)
+        # X^T (wgrad's b) in a weight's form: E4M3 where cuBLAS's FP8 GEMM then takes it
+        cols = _weight_expand(x.t(), fmt, mode) if b_cols else _operand_expand(fmt, mode)
+        return _both_layouts(x, fmt, (_operand_expand(fmt, mode), cols))
 
     def quantize_weight_both(self, x, fmt, mode):
         if fmt.name not in KERNEL_FORMATS or not kernels_usable(x):
             return super().quantize_weight_both(x, fmt, mode)
-        expand = (_weight_expand(x, fmt, mode), _weight_expand(x.t(), fmt, mode))
-        rows, cols = quantize_both_layouts(x, fmt, expand=expand)
-        return Operand(fmt, rows), Operand(fmt, cols)
+        return _both_layouts(x, fmt, (_weight_expand(x, fmt, mode), _weight_expand(x.t(), fmt, mode)))
 
     def requantize_both(self, x, fmt, mode, q_rows, q_cols):
         expand = tuple(_expand_of(q.expanded) for q in (q_rows, q_cols))
@@ -103,10 +96,22 @@ class KernelBackend(FP4GemmBackend):
         return mm_expanded(qa.expanded, qb.expanded, out_dtype=out_dtype, promote=PROMOTE[mode])
 
 
+def _operand_expand(fmt: Format, mode: str) -> str:
+    """The expansion an activation or gradient operand is quantized into: BF16 in "exact" mode and for HiF4, else
+    MXFP4's E5M2 form."""
+    return "bf16" if mode == "exact" or fmt.name == "hif4" else "native"
+
+
 def _weight_expand(w, fmt: Format, mode: str) -> str:
-    """The expansion a weight (or W^T) is quantized into: BF16 in "exact" mode and for HiF4, else MXFP4's FP8 weight
-    form (E4M3 where cuBLAS's FP8 GEMM then takes it)."""
-    return "bf16" if mode == "exact" or fmt.name == "hif4" else fp8_weight_expand(w)
+    """The expansion a weight (or W^T) is quantized into: BF16 where operands are, else MXFP4's FP8 weight form
+    (E4M3 where cuBLAS's FP8 GEMM then takes it)."""
+    return "bf16" if _operand_expand(fmt, mode) == "bf16" else fp8_weight_expand(w)
+
+
+def _both_layouts(x, fmt: Format, expand: tuple) -> tuple:
+    """``x`` and ``x.t()`` quantized along their last dimension in one call, as two operands."""
+    rows, cols = quantize_both_layouts(x, fmt, expand=expand)
+    return Operand(fmt, rows), Operand(fmt, cols)
 
 
 def _expand_of(e) -> str:
