@@ -53,7 +53,7 @@ def main(argv=None) -> dict:
     args = parse(argv)
     import torch
 
-    from megatron_fp4.parallel import initialize_parallel
+    from megatron_fp4.parallel import destroy_parallel, initialize_parallel
     from megatron_fp4.rl.arguments import rl_config
     from megatron_fp4.rl.checkpointer import plan_start
     from megatron_fp4.rl.setup import build_trainer
@@ -89,6 +89,7 @@ def main(argv=None) -> dict:
             with open(cfg.run.results_json, "w") as f:
                 json.dump(result, f, indent=2)
     trainer.logger.close()
+    destroy_parallel()  # gloo's threads torn down at interpreter exit instead could abort a rank ("terminate called")
     return result
 
 
