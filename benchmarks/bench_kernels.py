@@ -484,7 +484,7 @@ def main():
         from megatron_fp4.kernels import cuda_decode as cd
         d = {"gpu": dev, "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()), "torch": torch.__version__,
              "triton": triton.__version__, "copy_GBps": copy_gbs, "cublas_bf16_8192_TFLOPs": bf16_peak,
-             "wgmma_max_weight": cd.WGMMA_MAX_WEIGHT,
+             "wgmma_max_weight": cd.WGMMA_MAX_WEIGHT, "large_m16_tile": cd.LARGE_M16_TILE,
              "tiles": {f"{f} M<={m}": v for (f, m), v in cd.DECODE_TILES.items()},
              "wgmma_tiles": {f"{f} M<={m}": v for (f, m), v in cd.WGMMA_TILES.items()}, "decode": rows,
              "sweep": sweep_rows, "wall_s": time.time() - t0}

@@ -64,6 +64,10 @@ def test_decode_kernel_choice_and_split():
     # the measured split: 7B MLP weights take mma.sync, the 1.5B ones (and 7B attention) wgmma
     assert cd.default_kernel(18944, 3584) == cd.default_kernel(3584, 18944) == "mma"
     assert {cd.default_kernel(n, k) for n, k in ((8960, 1536), (1536, 8960), (2048, 1536), (3584, 3584))} == {"wgmma"}
+    # ... except at 9-16 tokens, where the large weights take the wgmma kernel's producer-warp tile
+    assert cd._default_config(18944, 3584, 16, None) is cd.LARGE_M16_TILE
+    assert cd._default_config(18944, 3584, 64, None) is None and cd._default_config(8960, 1536, 16, None) is None
+    assert cd._default_config(18944, 3584, 16, {"KERNEL": "mma"}) == {"KERNEL": "mma"}
     # whole waves: 148 row blocks x 56 chunks on 264 slots: not 2 splits (296 blocks, a second wave of 32)
     assert cd._balanced_split(148, 56, 264) == 7
     assert cd._balanced_split(28, 296, 264) == 9  # one wave of 252 blocks
@@ -91,6 +95,7 @@ def test_wgmma_tiles_compile_without_spills_or_serialized_wgmmas(tmp_path):
 
     configs = [(f, w, m, None) for (f, m) in cd.WGMMA_TILES for w in ((0,) if f == 0 else (0, 1))]
     configs += [(f, 0, 16, t) for t in SWEEP_TILES if t.get("PRODUCER") for f in (0, 1)]
+    configs += [(f, w, 16, cd.LARGE_M16_TILE) for f, w in ((0, 0), (1, 0), (1, 1))]
     for f, w, m, tile in configs:
         defines = cd._defines("wgmma", f, bool(w), m, cd._tile("wgmma", f, m, tile))
         report = _ptxas_report(defines, str(tmp_path / "k.cubin"))
@@ -114,7 +119,8 @@ GPU_TILES = [None, dict(KERNEL="mma", SPW=2, DEPTH=2, WARPS=4, PER_SM=2), dict(K
              dict(KERNEL="wgmma"), dict(KERNEL="wgmma", WGS=2, DEPTH=2, XST=3, MINB=2),
              dict(KERNEL="wgmma", WGS=1, DEPTH=4, XST=4, MINB=4),
              dict(KERNEL="wgmma", PRODUCER=1, WGS=1, DEPTH=4, XST=4, MINB=3),
-             dict(KERNEL="wgmma", PRODUCER=1, WGS=2, DEPTH=2, XST=3, MINB=2)]
+             dict(KERNEL="wgmma", PRODUCER=1, WGS=2, DEPTH=2, XST=3, MINB=2),
+             dict(KERNEL="wgmma", PRODUCER=1, WGS=2, DEPTH=2, XST=4, MINB=3)]  # LARGE_M16_TILE
 
 
 @pytest.mark.gpu

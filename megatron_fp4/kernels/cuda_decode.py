@@ -31,7 +31,7 @@ from megatron_fp4.kernels import _nvcc
 from megatron_fp4.formats import QuantizedTensor
 
 __all__ = ["DecodeWeight", "to_decode_layout", "decode_layout_dequantize", "available", "w4_decode",
-           "DECODE_TILES", "WGMMA_TILES", "WGMMA_MAX_WEIGHT", "default_kernel", "build",
+           "DECODE_TILES", "WGMMA_TILES", "WGMMA_MAX_WEIGHT", "LARGE_M16_TILE", "default_kernel", "build",
            "prebuild"]
 
 _META_BYTES = {0: 80, 1: 32}  # per (16-row slab, 64-value chunk): HiF4, MXFP4
@@ -201,8 +201,7 @@ DECODE_TILES = {  # from --decode-sweep on the 7B MLP shapes (docs/PERFORMANCE.m
 }
 #: Default tiles of the wgmma kernel by (format id, token bucket): WGS warpgroups (64 weight rows each) per block,
 #: DEPTH chunks in flight per warp, XST shared-memory stages of activations, MINB blocks per SM the registers allow
-#: (also the split-K target), PRODUCER 1: one extra warp stages the activations (w4_wgmma.cu says why; not measured
-#: yet, so not a default).
+#: (also the split-K target), PRODUCER 1: one extra warp stages the activations (w4_wgmma.cu says why).
 WGMMA_TILES = {  # no register spills (ptxas, tests/test_cuda_decode.py); M = 16 and 64 measured on the H200
     # (docs/PERFORMANCE.md, session 19); HiF4 at M <= 32 takes DEPTH 2: DEPTH 4 spilled 20 bytes there
     **{(f, m): dict(WGS=2, DEPTH=4, XST=4, MINB=2, PRODUCER=0) for f, m in ((0, 8), (0, 16), (1, 8), (1, 16), (1, 32))},
@@ -212,6 +211,10 @@ WGMMA_TILES = {  # no register spills (ptxas, tests/test_cuda_decode.py); M = 16
 #: M = 16 wgmma beat mma.sync on every Qwen2.5-1.5B weight (1536 x 1536 .. 1536 x 8960: 1.10-1.27x) and lost on the
 #: 7B MLP weights (3584 x 18944 both ways: 0.81-0.91x), benchmarks/results/decode_h200_s19.json.
 WGMMA_MAX_WEIGHT = 32 * 2 ** 20
+#: Larger weights at 9-16 tokens take the wgmma kernel with a producer warp instead: on the H200 it beat mma.sync's
+#: default on the 7B MLP weights (HiF4 25.2-25.7 us vs 30.4-30.6, MXFP4 22.9-23.6 vs 25.9-26.1; the mma.sync tile
+#: stays for 8, 32 and 64 tokens; benchmarks/results/decode_h200_s23.json).
+LARGE_M16_TILE = dict(KERNEL="wgmma", WGS=2, DEPTH=2, XST=4, MINB=3, PRODUCER=1)
 #: Token counts up to which :func:`megatron_fp4.kernels.dispatch.decode_matmul` prefers these kernels to the Triton one.
 MAX_M = int(os.environ.get("MEGATRON_FP4_CUDA_DECODE_MAX_M", "64"))
 _SOURCES = {"mma": "w4_decode.cu", "wgmma": "w4_wgmma.cu"}
@@ -230,8 +233,17 @@ def available() -> bool:
 
 
 def default_kernel(n: int, k: int) -> str:
-    """The decode kernel for a weight ``[n, k]``: "wgmma" up to :data:`WGMMA_MAX_WEIGHT` values, else "mma"."""
+    """The decode kernel for a weight ``[n, k]``: "wgmma" up to :data:`WGMMA_MAX_WEIGHT` values, else "mma" (at 9-16
+    tokens :data:`LARGE_M16_TILE` overrides the latter)."""
     return "wgmma" if n * k <= WGMMA_MAX_WEIGHT else "mma"
+
+
+def _default_config(n: int, k: int, ntok: int, config: Optional[dict]) -> Optional[dict]:
+    """``config``, or where none is given and no kernel is forced, :data:`LARGE_M16_TILE` for a weight over
+    :data:`WGMMA_MAX_WEIGHT` at 9-16 tokens."""
+    if config is None and ntok == 16 and n * k > WGMMA_MAX_WEIGHT and not os.environ.get("MEGATRON_FP4_DECODE_KERNEL"):
+        return LARGE_M16_TILE
+    return config
 
 
 def _kernel(dw: "DecodeWeight", config: Optional[dict]) -> str:
@@ -269,6 +281,7 @@ def prebuild(tiles: Optional[list] = None, ntoks=(16, 64), workers: int = 0) -> 
 
     jobs = {job(kernel, f, w, m, None) for kernel in _SOURCES for f, w in ((0, 0), (1, 0), (1, 1))
             for m in (8, 16, 32, 64)}
+    jobs |= {job("wgmma", f, w, 16, LARGE_M16_TILE) for f, w in ((0, 0), (1, 0), (1, 1))}
     jobs |= {job(t["KERNEL"], f, 0, m, t) for t in tiles or [] for f in (0, 1) for m in ntoks}
     from concurrent.futures import ThreadPoolExecutor
 
@@ -310,6 +323,7 @@ def w4_decode(x: torch.Tensor, dw: DecodeWeight, config: Optional[dict] = None,
     if not x.is_contiguous() or x.data_ptr() % 16:
         x = x.contiguous()
     ntok = _ntok(M)
+    config = _default_config(dw.n, dw.k, ntok, config)
     kernel = _kernel(dw, config)
     cfg = _tile(kernel, dw.fmt_id, ntok, config)
     fn = build(kernel, dw.fmt_id, dw.wide, ntok, cfg)
