@@ -317,15 +317,6 @@ SWEEP_TILES = (
     # WGS 2, DEPTH 4, MINB 1 does)
     *(dict(KERNEL="wgmma", PRODUCER=1, WGS=wgs, DEPTH=depth, XST=4, MINB=minb) for wgs, depth, minb in
       ((2, 4, 1), (1, 4, 3), (2, 2, 2), (2, 2, 3), (1, 2, 4))),
-    # weights through a cp.async ring in shared memory (WRING chunks per warp); XST 3 leaves room for it at M = 64
-    dict(KERNEL="wgmma", PRODUCER=1, WGS=2, DEPTH=2, XST=3, MINB=2, WRING=4),
-)
-#: Tiles timed at M <= 16 only: their XST 4 activation stages and weight rings exceed 48 KiB of shared memory at
-#: M = 64 (w4_wgmma.cu refuses to build them there); ptxas-clean at M = 16 (tests/test_cuda_decode.py).
-SWEEP_TILES_M16 = (
-    *(dict(KERNEL="wgmma", PRODUCER=1, WGS=wgs, DEPTH=2, XST=4, MINB=minb, WRING=ring) for wgs, minb, ring in
-      ((2, 3, 4), (2, 3, 8), (1, 4, 8), (1, 5, 12))),
-    dict(KERNEL="wgmma", PRODUCER=0, WGS=2, DEPTH=2, XST=4, MINB=3, WRING=6),
 )
 DECODE_SHAPES = [(3584, 18944), (18944, 3584), (1536, 8960), (8960, 1536), (1536, 2048), (1536, 1536)]  # (K, N)
 
@@ -339,10 +330,7 @@ def bench_decode(shapes, ms_list=(16, 64), sweep=False):
     from megatron_fp4.kernels.dispatch import prepare_weight
 
     t0 = time.perf_counter()  # every configuration compiled in parallel first (on first use each compiles alone)
-    ntoks = tuple(sorted({cd._ntok(m) for m in ms_list}))
-    built = cd.prebuild(list(SWEEP_TILES) if sweep else [], ntoks=ntoks)
-    if sweep and 16 in ntoks:
-        built += cd.prebuild(list(SWEEP_TILES_M16), ntoks=(16,))
+    built = cd.prebuild(list(SWEEP_TILES) if sweep else [], ntoks=tuple(sorted({cd._ntok(m) for m in ms_list})))
     print(f"  {built} CUDA decode configurations built in {time.perf_counter() - t0:.0f} s", flush=True)
     rows, sweep_rows = [], []
     for (K, N) in shapes:
@@ -384,7 +372,7 @@ def bench_decode(shapes, ms_list=(16, 64), sweep=False):
                 rec(f"{fmt}_w4a16_triton", bench([lambda i=i: w4_matmul(xs[i], ps[i].packed, wide=ps[i].wide)
                                                   for i in range(n)], graph=True))
                 if sweep and (K, N) in ((3584, 18944), (18944, 3584)):
-                    for cfg in (*SWEEP_TILES, *(SWEEP_TILES_M16 if M <= 16 else ())):
+                    for cfg in SWEEP_TILES:
                         try:
                             ms = bench([lambda i=i: cd.w4_decode(exs[i], ps[i].decode, config=cfg)
                                         for i in range(n)], graph=True)

@@ -5,9 +5,7 @@
 // Built per configuration by megatron_fp4/kernels/cuda_decode.py (nvcc, cached): -DFMT=0 (HiF4) | 1 (MXFP4), -DWIDE
 // (MXFP4 block scales above 2^1), -DNTOK (token tile: the wgmma N, 8 | 16 | 32 | 64), -DWGS (warpgroups per block),
 // -DDEPTH (chunks of weights in flight per warp, in registers), -DXST (shared-memory stages of activation chunks),
-// -DMINB (blocks per SM the registers must allow), -DPRODUCER (1: one extra warp stages the activations), -DWRING
-// (0: weights loaded into registers DEPTH chunks ahead; R > 0: each warp streams its weights through a ring of R
-// chunks in shared memory by cp.async, DEPTH then only the unroll).
+// -DMINB (blocks per SM the registers must allow), -DPRODUCER (1: one extra warp stages the activations).
 //
 // Each warpgroup owns one 64-row tile of W (four 16-row slabs of the decode layout, one per warp). Per 64-value chunk
 // of K a warp loads its slab's codes (one 16-byte load per lane), dequantizes them exactly into the BF16 A fragment of
@@ -26,10 +24,6 @@
 // and meets the warpgroups at named barriers (stage s full: barrier 1 + s, empty: 1 + XST + s) instead of a block
 // barrier per chunk. Only that warp then executes fence.proxy.async, which compiles to a MEMBAR that waits for all
 // of the executing thread's loads in flight: in the PRODUCER=0 form every warp drains its weight prefetch there.
-// WRING=R: a warp's codes and metadata of chunk c go by cp.async (no registers held while in flight) into slot c % R
-// of the warp's own ring, R chunks ahead; the warp waits for its oldest group, reads the slot into registers and
-// refills it with chunk c + R. Each warp orders its ring alone (cp.async.wait_group, __syncwarp): no block barrier.
-// The point is more bytes in flight per SM than registers allow (Marlin's multi-stage cp.async pipeline).
 // Split-K: blockIdx.y takes chunks [y * cps, (y + 1) * cps); with gridDim.y > 1 partial sums are added atomically
 // into a zeroed fp32 output.
 #include <cuda_runtime.h>
@@ -53,9 +47,6 @@
 #ifndef PRODUCER
 #define PRODUCER 0
 #endif
-#ifndef WRING
-#define WRING 0
-#endif
 #if DEPTH % 2 || XST < 3 || (PRODUCER && 2 * XST > 15)
 #error "DEPTH must be even (the two A register sets alternate per chunk), XST >= 3 (PRODUCER: <= 7, 2 XST + 1 barriers)"
 #endif
@@ -67,11 +58,6 @@
 #define STAGERS (PRODUCER ? 32 : THREADS)    // threads that stage the activations
 #define STEP_BYTES (NTOK * 32)      // one k16 step of B: NTOK tokens x 16 bf16
 #define STAGE_BYTES (4 * STEP_BYTES)  // one 64-value chunk
-#define META16 (META_WORDS / 4)       // a chunk's metadata in 16-byte pieces (MXFP4 2, HiF4 5)
-#define SLOT16 (32 + META16)          // one weight ring slot: 32 x 16 bytes of codes, then the metadata
-#if XST * STAGE_BYTES + WRING * (CONSUMERS / 32) * SLOT16 * 16 > 48 * 1024
-#error "XST activation stages and the WRING weight rings exceed 48 KiB of static shared memory"
-#endif
 
 template <int N_>
 DINL void wgmma_rs(float* d, const uint32_t* a, uint64_t desc);
@@ -123,19 +109,6 @@ DINL void wgmma_rs<64>(float* d, const uint32_t* a, uint64_t desc) {
 // Named barriers (0 is __syncthreads'): the warps that arrive do not wait; THREADS threads complete one.
 DINL void bar_sync(int id) { asm volatile("bar.sync %0, %1;" ::"r"(id), "n"(THREADS) : "memory"); }
 DINL void bar_arrive(int id) { asm volatile("bar.arrive %0, %1;" ::"r"(id), "n"(THREADS) : "memory"); }
-
-// cp.async of 16 bytes into shared memory (L2 only: each weight byte is read once), its group commit and wait.
-DINL void cp_async16(uint32_t dst, const void* src) {
-  asm volatile("cp.async.cg.shared.global [%0], [%1], 16;" ::"r"(dst), "l"(src) : "memory");
-}
-DINL void cp_async_commit() { asm volatile("cp.async.commit_group;" ::: "memory"); }
-template <int N_>
-DINL void cp_async_wait() { asm volatile("cp.async.wait_group %0;" ::"n"(N_) : "memory"); }
-// One chunk of a warp's weights (codes wsrc = its lane's 16 bytes, metadata msrc) into the ring slot at dst.
-DINL void fetch_chunk(uint32_t dst, const uint4* wsrc, const uint32_t* msrc, int lane) {
-  cp_async16(dst + lane * 16, wsrc);
-  if (lane < META16) cp_async16(dst + (32 + lane) * 16, reinterpret_cast<const uint4*>(msrc) + lane);
-}
 
 DINL void wgmma_fence() { asm volatile("wgmma.fence.sync.aligned;" ::: "memory"); }
 DINL void wgmma_commit() { asm volatile("wgmma.commit_group.sync.aligned;" ::: "memory"); }
@@ -192,9 +165,6 @@ extern "C" __global__ void __launch_bounds__(THREADS, MINB)
 w4_wgmma_kernel(const uint4* __restrict__ codes, const uint32_t* __restrict__ meta, const uint4* __restrict__ x,
                 float* __restrict__ out, int M, int N, int S, int C, int ldx16, int ldo, int cps) {
   __shared__ __align__(128) uint8_t xs[XST * STAGE_BYTES];
-#if WRING
-  __shared__ __align__(16) uint4 wring[CONSUMERS / 32 * WRING * SLOT16];
-#endif
   const int lane = threadIdx.x & 31;
   const int warp = __shfl_sync(0xFFFFFFFFu, threadIdx.x >> 5, 0);  // warp-uniform, as ptxas can see
   const int g = lane >> 2, t = lane & 3;
@@ -237,15 +207,6 @@ w4_wgmma_kernel(const uint4* __restrict__ codes, const uint32_t* __restrict__ me
   }
   if (XST - 2 < nch) load_x(xr, x, M, ldx16, c0 + XST - 2, threadIdx.x);  // stored in iteration 0
 #endif
-#if WRING
-  const uint4* ring = wring + warp * WRING * SLOT16;
-  const uint32_t ring0 = (uint32_t)__cvta_generic_to_shared(ring);
-#pragma unroll
-  for (int r = 0; r < WRING; ++r) {
-    if (r < nch) fetch_chunk(ring0 + r * SLOT16 * 16, wp + r * 32, mp + r * META_WORDS, lane);
-    cp_async_commit();  // one group per chunk, empty past the end: wait_group counts stay uniform
-  }
-#else
   uint4 wq[DEPTH];
   uint32_t mq[DEPTH];
 #pragma unroll
@@ -255,7 +216,6 @@ w4_wgmma_kernel(const uint4* __restrict__ codes, const uint32_t* __restrict__ me
       mq[d] = load_meta(mp + d * META_WORDS, lane);
     }
   }
-#endif
   uint32_t a[2][4][4];  // [chunk parity][k16 step][fragment register]
 
   for (int k = 0; k < nch; k += DEPTH) {
@@ -263,24 +223,12 @@ w4_wgmma_kernel(const uint4* __restrict__ codes, const uint32_t* __restrict__ me
     for (int d = 0; d < DEPTH; ++d) {
       const int kk = k + d;
       if (kk < nch) {  // block-uniform
-#if WRING
-        cp_async_wait<WRING - 1>();  // this lane's copies of chunk kk have landed
-        __syncwarp();                // ... and every lane's (the metadata came from lanes 0 .. META16 - 1)
-        const int slot = kk % WRING;
-        const uint4 w = ring[slot * SLOT16 + lane];
-        const Scales sc = make_scales(meta_at(reinterpret_cast<const uint32_t*>(ring + slot * SLOT16 + 32), lane));
-        __syncwarp();  // every lane has read the slot: refill it
-        if (kk + WRING < nch)
-          fetch_chunk(ring0 + slot * SLOT16 * 16, wp + (d + WRING) * 32, mp + (d + WRING) * META_WORDS, lane);
-        cp_async_commit();
-#else
         const uint4 w = wq[d];
         const Scales sc = make_scales(mq[d]);
         if (kk + DEPTH < nch) {
           wq[d] = __ldg(wp + (d + DEPTH) * 32);
           mq[d] = load_meta(mp + (d + DEPTH) * META_WORDS, lane);
         }
-#endif
         dequant(w.x, sc, 0, a[d & 1][0]);
         dequant(w.y, sc, 1, a[d & 1][1]);
         dequant(w.z, sc, 2, a[d & 1][2]);
