@@ -8,6 +8,8 @@
 #   train-bench   bench_train.py --cuda-graph (BF16, MXFP4 fp8 / fp8_fast, HiF4 at 4 x 2048) and the eager rows
 #   decode-tests  GPU tests of the CUDA decode GEMMs (every tile of tests/test_cuda_decode.py)
 #   decode-bench  bench_kernels.py --decode --decode-sweep on the 7B MLP shapes
+#   decode-profile  Nsight Compute on the decode GEMM's default tile at M = 16 (a 7B MLP weight, both formats):
+#                 throughput, memory, warp stall reasons, source counters (hardware counters: the Firecracker runtime)
 #
 # megatron-core comes from wheels carried in .whl/ (made beside the checkout, with pip access: pip download -q
 # --no-deps --only-binary=:all: --python-version 3.12 --implementation cp --platform manylinux_2_28_x86_64 -d .whl
@@ -16,8 +18,10 @@
 # tool's folder that comes back) when it is set, else to benchmarks/results/.
 set -euo pipefail
 cd "$(dirname "$0")/.."
-usage="usage: bash benchmarks/h200_checks.sh train-tests|train-bench|decode-tests|decode-bench"
-case "${1:-}" in train-tests | train-bench | decode-tests | decode-bench) ;; *) echo "$usage" >&2; exit 2 ;; esac
+usage="usage: bash benchmarks/h200_checks.sh train-tests|train-bench|decode-tests|decode-bench|decode-profile"
+case "${1:-}" in train-tests | train-bench | decode-tests | decode-bench | decode-profile) ;;
+  *) echo "$usage" >&2; exit 2 ;;
+esac
 if [ ! -d /tmp/site/megatron ]; then
   if ! ls .whl/*.whl > /dev/null 2>&1; then
     echo "h200_checks.sh: no megatron-core wheel in .whl/ (see the header)" >&2
@@ -49,5 +53,15 @@ print('prebuilt', cd.prebuild([t for t in GPU_TILES if t], ntoks=(8, 16, 64)), '
   decode-bench)
     python3 benchmarks/bench_kernels.py --decode --decode-sweep --shapes 3584x18944,18944x3584 \
       --out "$results/decode_h200.json"
+    ;;
+  decode-profile)  # the third launch of each (the first builds the kernel); the reports are text, one per format
+    for fmt in hif4 mxfp4; do
+      ncu --clock-control none --kernel-name regex:w4_ --launch-skip 2 --launch-count 1 --section SpeedOfLight \
+        --section MemoryWorkloadAnalysis --section WarpStateStats --section SchedulerStats --section Occupancy \
+        --section SourceCounters python3 benchmarks/profile_decode.py --format "$fmt" --shape 3584x18944 --m 16 \
+        > "$results/decode_profile_$fmt.txt" 2>&1 || echo "ncu failed for $fmt (exit $?)"
+      grep -E "Duration|DRAM Throughput|Memory Throughput|Stall|Issued Warp|Achieved Occupancy" \
+        "$results/decode_profile_$fmt.txt" | head -40
+    done
     ;;
 esac
