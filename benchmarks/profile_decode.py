@@ -42,7 +42,8 @@ def main(argv=None):
         cd.w4_decode(x, pw.decode, config=tile)
         end.record()
     torch.cuda.synchronize()
-    print(f"{args.format} {K}x{N} M={args.m} tile={tile or 'default'}: last launch {start.elapsed_time(end) * 1e3:.1f} us")
+    us = start.elapsed_time(end) * 1e3
+    print(f"{args.format} {K}x{N} M={args.m} tile={tile or 'default'}: last launch {us:.1f} us")
 
 
 if __name__ == "__main__":
