@@ -40,3 +40,11 @@ def test_its_benchmark_flags_exist():
                                    capture_output=True, text=True).stdout
         for flag in (a for a in args[1:] if a.startswith("--")):
             assert flag in help_text, (args[0], flag)
+
+
+def test_profile_target_refuses_bad_input_naming_the_flag():
+    target = os.path.join(ROOT, "benchmarks", "profile_decode.py")
+    for args, flag in ((["--m", "80"], "--m must be in 1..64"), (["--shape", "3584"], "--shape must be KxN"),
+                       (["--format", "nvfp4"], "--format: invalid choice")):
+        r = subprocess.run([sys.executable, target, *args], cwd=ROOT, capture_output=True, text=True)
+        assert r.returncode == 2 and flag in r.stderr, (args, r.stderr[-300:])
