@@ -24,7 +24,12 @@ def main(argv=None):
         p.error(f"--shape must be KxN, e.g. 3584x18944, got {args.shape!r}")
     if not 1 <= args.m <= 64:
         p.error(f"--m must be in 1..64 (the decode kernels' range), got {args.m}")
-    tile = json.loads(args.tile) if args.tile else None
+    try:
+        tile = json.loads(args.tile) if args.tile else None
+    except json.JSONDecodeError as e:
+        p.error(f"--tile must be a JSON object, e.g. '{{\"KERNEL\": \"mma\"}}' ({e})")
+    if tile is not None and not isinstance(tile, dict):
+        p.error(f"--tile must be a JSON object, got {args.tile!r}")
 
     import torch
 

@@ -45,6 +45,6 @@ def test_its_benchmark_flags_exist():
 def test_profile_target_refuses_bad_input_naming_the_flag():
     target = os.path.join(ROOT, "benchmarks", "profile_decode.py")
     for args, flag in ((["--m", "80"], "--m must be in 1..64"), (["--shape", "3584"], "--shape must be KxN"),
-                       (["--format", "nvfp4"], "--format: invalid choice")):
+                       (["--format", "nvfp4"], "--format: invalid choice"), (["--tile", "{KERNEL"], "--tile must be")):
         r = subprocess.run([sys.executable, target, *args], cwd=ROOT, capture_output=True, text=True)
         assert r.returncode == 2 and flag in r.stderr, (args, r.stderr[-300:])
