@@ -65,9 +65,9 @@ def test_decode_kernel_choice_and_split():
     assert cd.default_kernel(18944, 3584) == cd.default_kernel(3584, 18944) == "mma"
     assert {cd.default_kernel(n, k) for n, k in ((8960, 1536), (1536, 8960), (2048, 1536), (3584, 3584))} == {"wgmma"}
     # ... except at 9-16 tokens, where the large weights take the wgmma kernel's producer-warp tile
-    assert cd._default_config(18944, 3584, 16, None) is cd.LARGE_M16_TILE
-    assert cd._default_config(18944, 3584, 64, None) is None and cd._default_config(8960, 1536, 16, None) is None
-    assert cd._default_config(18944, 3584, 16, {"KERNEL": "mma"}) == {"KERNEL": "mma"}
+    assert cd._choose(18944, 3584, 16, None) == ("wgmma", cd.LARGE_M16_TILE)
+    assert cd._choose(18944, 3584, 64, None) == ("mma", None) and cd._choose(8960, 1536, 16, None) == ("wgmma", None)
+    assert cd._choose(18944, 3584, 16, {"KERNEL": "mma"}) == ("mma", {"KERNEL": "mma"})
     # whole waves: 148 row blocks x 56 chunks on 264 slots: not 2 splits (296 blocks, a second wave of 32)
     assert cd._balanced_split(148, 56, 264) == 7
     assert cd._balanced_split(28, 296, 264) == 9  # one wave of 252 blocks

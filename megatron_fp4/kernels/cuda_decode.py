@@ -238,20 +238,17 @@ def default_kernel(n: int, k: int) -> str:
     return "wgmma" if n * k <= WGMMA_MAX_WEIGHT else "mma"
 
 
-def _default_config(n: int, k: int, ntok: int, config: Optional[dict]) -> Optional[dict]:
-    """``config``, or where none is given and no kernel is forced, :data:`LARGE_M16_TILE` for a weight over
-    :data:`WGMMA_MAX_WEIGHT` at 9-16 tokens."""
-    if config is None and ntok == 16 and n * k > WGMMA_MAX_WEIGHT and not os.environ.get("MEGATRON_FP4_DECODE_KERNEL"):
-        return LARGE_M16_TILE
-    return config
-
-
-def _kernel(dw: "DecodeWeight", config: Optional[dict]) -> str:
-    kernel = ((config or {}).get("KERNEL") or os.environ.get("MEGATRON_FP4_DECODE_KERNEL")
-              or default_kernel(dw.n, dw.k))
+def _choose(n: int, k: int, ntok: int, config: Optional[dict]) -> tuple:
+    """The kernel and tile override of one launch on a weight ``[n, k]``: ``config``'s KERNEL, else
+    ``MEGATRON_FP4_DECODE_KERNEL``, else :data:`LARGE_M16_TILE` (no config given, a weight over
+    :data:`WGMMA_MAX_WEIGHT`, 9-16 tokens), else :func:`default_kernel`."""
+    kernel = (config or {}).get("KERNEL") or os.environ.get("MEGATRON_FP4_DECODE_KERNEL")
+    if not kernel and config is None and ntok == 16 and n * k > WGMMA_MAX_WEIGHT:
+        kernel, config = LARGE_M16_TILE["KERNEL"], LARGE_M16_TILE
+    kernel = kernel or default_kernel(n, k)
     if kernel not in _SOURCES:
         raise ValueError(f"decode kernel {kernel!r} is not valid; allowed values: {', '.join(map(repr, _SOURCES))}")
-    return kernel
+    return kernel, config
 
 
 def _tile(kernel: str, fmt_id: int, ntok: int, config: Optional[dict]) -> dict:
@@ -323,8 +320,7 @@ def w4_decode(x: torch.Tensor, dw: DecodeWeight, config: Optional[dict] = None,
     if not x.is_contiguous() or x.data_ptr() % 16:
         x = x.contiguous()
     ntok = _ntok(M)
-    config = _default_config(dw.n, dw.k, ntok, config)
-    kernel = _kernel(dw, config)
+    kernel, config = _choose(dw.n, dw.k, ntok, config)
     cfg = _tile(kernel, dw.fmt_id, ntok, config)
     fn = build(kernel, dw.fmt_id, dw.wide, ntok, cfg)
     S, C = dw.slabs, dw.chunks
