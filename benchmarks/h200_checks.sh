@@ -8,7 +8,8 @@
 #   train-bench   bench_train.py --cuda-graph (BF16, MXFP4 fp8 / fp8_fast, HiF4 at 4 x 2048) and the eager rows
 #   decode-tests  GPU tests of the CUDA decode GEMMs (every tile of tests/test_cuda_decode.py)
 #   decode-bench  bench_kernels.py --decode --decode-sweep on the 7B MLP shapes
-#   decode-profile  Nsight Compute on the decode GEMM's default tile at M = 16 (a 7B MLP weight, both formats):
+#   decode-profile  Nsight Compute on the decode GEMM (a 7B MLP weight): the default tile at M = 16 (both formats)
+#                 and both kernels at M = 64 (MXFP4):
 #                 throughput, memory, warp stall reasons, source counters (hardware counters: the Firecracker runtime)
 #
 # megatron-core comes from wheels carried in .whl/ (made beside the checkout, with pip access: pip download -q
@@ -54,14 +55,18 @@ print('prebuilt', cd.prebuild([t for t in GPU_TILES if t], ntoks=(8, 16, 64)), '
     python3 benchmarks/bench_kernels.py --decode --decode-sweep --shapes 3584x18944,18944x3584 \
       --out "$results/decode_h200.json"
     ;;
-  decode-profile)  # the third launch of each (the first builds the kernel); the reports are text, one per format
-    for fmt in hif4 mxfp4; do
+  decode-profile)  # the third launch of each case (the first builds the kernel); one text report per case:
+    # M = 16 on the default (producer wgmma) tile, both formats; M = 64 (the rollout's batch) on both kernels, MXFP4
+    for case in "hif4 16 null" "mxfp4 16 null" 'mxfp4 64 {"KERNEL":"wgmma"}' 'mxfp4 64 {"KERNEL":"mma"}'; do
+      read -r fmt m tile <<< "$case"
+      name=decode_profile_${fmt}_m${m}_$(echo "$tile" | tr -dc 'a-z')
       ncu --clock-control none --kernel-name regex:w4_ --launch-skip 2 --launch-count 1 --section SpeedOfLight \
         --section MemoryWorkloadAnalysis --section WarpStateStats --section SchedulerStats --section Occupancy \
-        --section SourceCounters python3 benchmarks/profile_decode.py --format "$fmt" --shape 3584x18944 --m 16 \
-        > "$results/decode_profile_$fmt.txt" 2>&1 || echo "ncu failed for $fmt (exit $?)"
-      grep -E "Duration|DRAM Throughput|Memory Throughput|Stall|Issued Warp|Achieved Occupancy" \
-        "$results/decode_profile_$fmt.txt" | head -40
+        --section SourceCounters python3 benchmarks/profile_decode.py --format "$fmt" --shape 3584x18944 --m "$m" \
+        --tile "$tile" > "$results/$name.txt" 2>&1 || echo "ncu failed for $name (exit $?)"
+      echo "== $name"
+      grep -E "Duration|DRAM Throughput|Memory Throughput|Stall|Issued Warp|Achieved Occupancy|last launch" \
+        "$results/$name.txt" | head -40
     done
     ;;
 esac

@@ -15,7 +15,8 @@ def main(argv=None):
     p.add_argument("--format", choices=["hif4", "mxfp4"], default="hif4")
     p.add_argument("--shape", default="3584x18944", help="K x N of the weight (default: a Qwen2.5-7B MLP weight)")
     p.add_argument("--m", type=int, default=16, help="tokens, 1..64 (default 16)")
-    p.add_argument("--tile", default=None, help="a tile override as JSON (cuda_decode.w4_decode's config)")
+    p.add_argument("--tile", default=None,
+                   help="a tile override as JSON (cuda_decode.w4_decode's config; null: the default)")
     p.add_argument("--iters", type=int, default=3, help="launches (default 3: ncu skips the first two)")
     args = p.parse_args(argv)
     try:
