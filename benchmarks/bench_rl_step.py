@@ -106,10 +106,18 @@ def run_one(args, backend: str, precision: str, tok_dir: str, data: str, shape: 
            *(["--bf16"] if args.bf16 else []), *([] if args.fp4_train else ["--no-fp4-train"]), *args.extra]
     t0 = time.monotonic()
     path = ROOT + os.pathsep + os.environ.get("PYTHONPATH", "")  # keeps SGLang's and megatron's folders
-    r = subprocess.run(cmd, cwd=ROOT, env={**os.environ, "PYTHONPATH": path}, capture_output=True, text=True)
-    if r.returncode:
-        raise SystemExit(f"bench_rl_step.py: {backend}:{precision} failed (exit {r.returncode}):\n{r.stderr[-3000:]}")
-    rows = [json.loads(line) for line in open(log) if '"kind": "train"' in line]
+    error = None
+    try:
+        r = subprocess.run(cmd, cwd=ROOT, env={**os.environ, "PYTHONPATH": path}, capture_output=True, text=True,
+                           timeout=args.run_timeout or None)
+        if r.returncode:
+            error = f"exit {r.returncode}: {r.stderr[-3000:]}"
+    except subprocess.TimeoutExpired:  # the steps it finished still count
+        error = f"stopped after --run-timeout {args.run_timeout} s"
+    rows = [json.loads(line) for line in open(log) if '"kind": "train"' in line] if os.path.exists(log) else []
+    if not rows:
+        return {"backend": backend, "precision": precision, "format": args.format, "steps": 0,
+                "wall_s": time.monotonic() - t0, "error": error or "no step logged"}
     timed = rows[1:] or rows  # the first step pays autotuning and graph capture
     med = {k: statistics.median(float(row.get(k, 0.0)) for row in timed)
            for k in ("step_s", "rollout_s", "train_s", "rollout/weight_sync_total_s", "rollout_tokens_per_s",
@@ -118,7 +126,8 @@ def run_one(args, backend: str, precision: str, tok_dir: str, data: str, shape: 
                                                      "mem/peak_allocated_gib") if all(k in row for row in rows)}
     return {"backend": backend, "precision": precision, "format": args.format, "steps": len(rows),
             "timed_steps": len(timed), "wall_s": time.monotonic() - t0, **med, **mem,
-            "logp_abs_diff_mean_per_step": [row.get("logp_abs_diff_mean") for row in rows]}
+            "logp_abs_diff_mean_per_step": [row.get("logp_abs_diff_mean") for row in rows],
+            **({"error": error} if error else {})}
 
 
 def main() -> None:
@@ -137,6 +146,8 @@ def main() -> None:
     ap.add_argument("--bf16", action=argparse.BooleanOptionalAction, default=None,
                     help="bf16 parameters (default: on with CUDA)")
     ap.add_argument("--fp4-train", action=argparse.BooleanOptionalAction, default=False)
+    ap.add_argument("--run-timeout", type=float, default=0,
+                    help="seconds after which a run is stopped, keeping the steps it logged (default 0: none)")
     ap.add_argument("--extra", nargs=argparse.REMAINDER, default=[], help="flags added to every pretrain_rl.py run")
     ap.add_argument("--work-dir", default="/tmp/bench_rl_step")
     ap.add_argument("--seed", type=int, default=0)
@@ -153,31 +164,39 @@ def main() -> None:
     os.makedirs(args.work_dir, exist_ok=True)
     shape = SHAPES[args.shape]
     tok_dir, data = write_inputs(args.work_dir, shape["vocab_size"], args.prompts, args.prompt_len, args.seed)
-    rows = []
-    print(f"{'run':<28} {'step s':>8} {'rollout s':>10} {'train s':>8} {'sync s':>7} {'rollout tok/s':>14} "
-          f"{'|dlogp|':>8} {'speed-up':>9} {'GPU used GiB':>13} {'own GiB':>8}", flush=True)
-    for backend, precision in args.runs:
-        row = run_one(args, backend, precision, tok_dir, data, shape)
-        row["speedup"] = rows[0]["step_s"] / row["step_s"] if rows else 1.0
-        rows.append(row)
-        print(f"{backend + ':' + precision:<28} {row['step_s']:>8.2f} {row['rollout_s']:>10.2f} "
-              f"{row['train_s']:>8.2f} {row['rollout/weight_sync_total_s']:>7.2f} "
-              f"{row['rollout_tokens_per_s']:>14.0f} {row['logp_abs_diff_mean']:>8.4f} {row['speedup']:>8.2f}x "
-              f"{row.get('mem/device_used_gib', float('nan')):>13.1f} {row.get('mem/reserved_gib', float('nan')):>8.1f}",
-              flush=True)
-    if len(rows) > 1:  # the train-rollout mismatch of every run, step by step
-        print("\n|dlogp| per step: " + " | ".join(f"{r['backend']}:{r['precision']}" for r in rows))
-        for i, vals in enumerate(zip(*(r["logp_abs_diff_mean_per_step"] for r in rows)), 1):
-            print(f"step {i:>3}: " + " | ".join("-" if v is None else f"{v:.4f}" for v in vals))
     info = {"shape": args.shape, **shape, "prompts": args.prompts, "group_size": args.group_size,
             "prompt_len": args.prompt_len, "new_tokens": args.new_tokens, "steps": args.steps, "bf16": args.bf16,
             "fp4_train": args.fp4_train, "extra": args.extra, "torch": torch.__version__,
             "device": torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu",
             "date": time.strftime("%Y-%m-%d")}
     os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
-    with open(args.out, "w") as f:
-        json.dump({"info": info, "rows": rows}, f, indent=1)
+    rows = []
+    print(f"{'run':<28} {'step s':>8} {'rollout s':>10} {'train s':>8} {'sync s':>7} {'rollout tok/s':>14} "
+          f"{'|dlogp|':>8} {'speed-up':>9} {'GPU used GiB':>13} {'own GiB':>8}", flush=True)
+    for backend, precision in args.runs:
+        row = run_one(args, backend, precision, tok_dir, data, shape)
+        name = backend + ":" + precision
+        if "step_s" in row:
+            base = next((r for r in rows if "step_s" in r), row)  # the first run that logged a step
+            row["speedup"] = base["step_s"] / row["step_s"]
+            print(f"{name:<28} {row['step_s']:>8.2f} {row['rollout_s']:>10.2f} "
+                  f"{row['train_s']:>8.2f} {row['rollout/weight_sync_total_s']:>7.2f} "
+                  f"{row['rollout_tokens_per_s']:>14.0f} {row['logp_abs_diff_mean']:>8.4f} {row['speedup']:>8.2f}x "
+                  f"{row.get('mem/device_used_gib', float('nan')):>13.1f} "
+                  f"{row.get('mem/reserved_gib', float('nan')):>8.1f}", flush=True)
+        if "error" in row:
+            print(f"{name:<28} {'failed' if 'step_s' not in row else 'incomplete'}: {row['error']}", flush=True)
+        rows.append(row)
+        with open(args.out, "w") as f:  # after every run: a later run's crash or a call's time limit loses nothing
+            json.dump({"info": info, "rows": rows}, f, indent=1)
+    done = [r for r in rows if "step_s" in r]
+    if len(done) > 1:  # the train-rollout mismatch of every run, step by step
+        print("\n|dlogp| per step: " + " | ".join(f"{r['backend']}:{r['precision']}" for r in done))
+        for i, vals in enumerate(zip(*(r["logp_abs_diff_mean_per_step"] for r in done)), 1):
+            print(f"step {i:>3}: " + " | ".join("-" if v is None else f"{v:.4f}" for v in vals))
     print(f"wrote {args.out}")
+    if any("step_s" not in r for r in rows):
+        sys.exit(1)
 
 
 if __name__ == "__main__":

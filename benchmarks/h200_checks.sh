@@ -11,6 +11,12 @@
 #   decode-profile  Nsight Compute on the decode GEMM (a 7B MLP weight): the default tile at M = 16 (both formats)
 #                 and both kernels at M = 64 (MXFP4):
 #                 throughput, memory, warp stall reasons, source counters (hardware counters: the Firecracker runtime)
+#   rl-step       bench_rl_step.py: one GRPO step of the driver per rollout backend (issue 19's 5x target; the GPU
+#                 memory an SGLang Engine takes beside training)
+#   rl-mismatch   bench_rl_step.py: 20 GRPO steps, native engine vs SGLang (HiF4 W4A4 + ResQ), mismatch per step
+#
+# The rl-* parts need the SGLang 0.5.17 bundle in .sgl/ (bash ../shared/tools/build_sglang_bundle.sh .sgl, ~54 MB;
+# carry it with .whl/ in the same call: the machine goes back 30 s after a call).
 #
 # megatron-core comes from wheels carried in .whl/ (made beside the checkout, with pip access: pip download -q
 # --no-deps --only-binary=:all: --python-version 3.12 --implementation cp --platform manylinux_2_28_x86_64 -d .whl
@@ -19,8 +25,9 @@
 # tool's folder that comes back) when it is set, else to benchmarks/results/.
 set -euo pipefail
 cd "$(dirname "$0")/.."
-usage="usage: bash benchmarks/h200_checks.sh train-tests|train-bench|decode-tests|decode-bench|decode-profile"
-case "${1:-}" in train-tests | train-bench | decode-tests | decode-bench | decode-profile) ;;
+usage="usage: bash benchmarks/h200_checks.sh train-tests|train-bench|decode-tests|decode-bench|decode-profile|rl-step"
+usage+="|rl-mismatch"
+case "${1:-}" in train-tests | train-bench | decode-tests | decode-bench | decode-profile | rl-step | rl-mismatch) ;;
   *) echo "$usage" >&2; exit 2 ;;
 esac
 if [ ! -d /tmp/site/megatron ]; then
@@ -34,6 +41,15 @@ export PYTHONPATH="/tmp/site:$PWD${PYTHONPATH:+:$PYTHONPATH}" TRITON_CACHE_DIR="
 results=${OUT:-benchmarks/results}
 nvidia-smi --query-gpu=name,driver_version,memory.used --format=csv,noheader
 run_tests() { python3 -m pytest -q -p no:cacheprovider "$@"; }
+sglang_env() {
+  if ! ls .sgl/sglang-*.tar.xz > /dev/null 2>&1; then
+    echo "h200_checks.sh $1: no SGLang bundle in .sgl/ (see the header)" >&2
+    exit 2
+  fi
+  set +u  # the bundle's script reads unset variables
+  source tools/sglang_bundle_env.sh .sgl
+  set -u
+}
 case "$1" in
   train-tests)
     run_tests -m gpu tests/test_cuda_quantize.py tests/test_cuda_graph_train.py
@@ -68,5 +84,17 @@ print('prebuilt', cd.prebuild([t for t in GPU_TILES if t], ntoks=(8, 16, 64)), '
       grep -E "Duration|DRAM Throughput|Memory Throughput|Stall|Issued Warp|Achieved Occupancy|last launch" \
         "$results/$name.txt" | head -40
     done
+    ;;
+  rl-step)  # the 5x target's command (64 prompts x 8 samples, 256 new tokens); each run stops after 240 s
+    sglang_env rl-step
+    python3 benchmarks/bench_rl_step.py --shape qwen2.5-1.5b \
+      --runs native-megatron:bf16,sglang:w4a4+resq,sglang:bf16,native:bf16 --prompts 64 --group-size 8 \
+      --prompt-len 128 --new-tokens 256 --steps 2 --run-timeout 240 --out "$results/rl_step_h200.json"
+    ;;
+  rl-mismatch)  # smaller steps (32 prompts x 8, 128 new tokens) so that 20 of both backends fit one call
+    sglang_env rl-mismatch
+    python3 benchmarks/bench_rl_step.py --shape qwen2.5-1.5b --runs native:w4a4+resq,sglang:w4a4+resq \
+      --prompts 32 --group-size 8 --prompt-len 128 --new-tokens 128 --steps 20 --run-timeout 270 \
+      --out "$results/rl_mismatch_h200.json"
     ;;
 esac
