@@ -106,14 +106,16 @@ def run_one(args, backend: str, precision: str, tok_dir: str, data: str, shape: 
            *(["--bf16"] if args.bf16 else []), *([] if args.fp4_train else ["--no-fp4-train"]), *args.extra]
     t0 = time.monotonic()
     path = ROOT + os.pathsep + os.environ.get("PYTHONPATH", "")  # keeps SGLang's and megatron's folders
-    error = None
-    try:
-        r = subprocess.run(cmd, cwd=ROOT, env={**os.environ, "PYTHONPATH": path}, capture_output=True, text=True,
-                           timeout=args.run_timeout or None)
-        if r.returncode:
-            error = f"exit {r.returncode}: {r.stderr[-3000:]}"
-    except subprocess.TimeoutExpired:  # the steps it finished still count
-        error = f"stopped after --run-timeout {args.run_timeout} s"
+    error, out_log = None, log[:-len(".jsonl")] + ".log"  # the driver's stdout and stderr, kept in --work-dir
+    with open(out_log, "w") as out:
+        try:
+            code = subprocess.run(cmd, cwd=ROOT, env={**os.environ, "PYTHONPATH": path}, stdout=out,
+                                  stderr=subprocess.STDOUT, timeout=args.run_timeout or None).returncode
+            if code:
+                with open(out_log) as f:
+                    error = f"exit {code}: {f.read()[-3000:]}"
+        except subprocess.TimeoutExpired:  # the steps it finished still count
+            error = f"stopped after --run-timeout {args.run_timeout} s (its output: {out_log})"
     rows = [json.loads(line) for line in open(log) if '"kind": "train"' in line] if os.path.exists(log) else []
     if not rows:
         return {"backend": backend, "precision": precision, "format": args.format, "steps": 0,
@@ -149,7 +151,8 @@ def main() -> None:
     ap.add_argument("--run-timeout", type=float, default=0,
                     help="seconds after which a run is stopped, keeping the steps it logged (default 0: none)")
     ap.add_argument("--extra", nargs=argparse.REMAINDER, default=[], help="flags added to every pretrain_rl.py run")
-    ap.add_argument("--work-dir", default="/tmp/bench_rl_step")
+    ap.add_argument("--work-dir", default="/tmp/bench_rl_step",
+                    help="the tokenizer, prompts and each run's step log (.jsonl) and output (.log)")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--out", default=os.path.join(os.path.dirname(os.path.abspath(__file__)), "results",
                                                   "rl_step.json"))

@@ -89,12 +89,14 @@ print('prebuilt', cd.prebuild([t for t in GPU_TILES if t], ntoks=(8, 16, 64)), '
     sglang_env rl-step
     python3 benchmarks/bench_rl_step.py --shape qwen2.5-1.5b \
       --runs native-megatron:bf16,sglang:w4a4+resq,sglang:bf16,native:bf16 --prompts 64 --group-size 8 \
-      --prompt-len 128 --new-tokens 256 --steps 2 --run-timeout 240 --out "$results/rl_step_h200.json"
+      --prompt-len 128 --new-tokens 256 --steps 2 --run-timeout 240 --out "$results/rl_step_h200.json" || true
+    tar czf "$results/rl_step_logs.tgz" -C /tmp/bench_rl_step --exclude tokenizer --exclude prompts.jsonl .
     ;;
   rl-mismatch)  # smaller steps (32 prompts x 8, 128 new tokens) so that 20 of both backends fit one call
     sglang_env rl-mismatch
-    python3 benchmarks/bench_rl_step.py --shape qwen2.5-1.5b --runs native:w4a4+resq,sglang:w4a4+resq \
+    python3 benchmarks/bench_rl_step.py --shape qwen2.5-1.5b --runs sglang:w4a4+resq,native:w4a4+resq \
       --prompts 32 --group-size 8 --prompt-len 128 --new-tokens 128 --steps 20 --run-timeout 270 \
-      --out "$results/rl_mismatch_h200.json"
+      --out "$results/rl_mismatch_h200.json" || true
+    tar czf "$results/rl_mismatch_logs.tgz" -C /tmp/bench_rl_step --exclude tokenizer --exclude prompts.jsonl .
     ;;
 esac
