@@ -78,11 +78,16 @@ print('prebuilt', cd.prebuild([t for t in GPU_TILES if t], ntoks=(8, 16, 64)), '
       name=decode_profile_${fmt}_m${m}_$(echo "$tile" | tr -dc 'a-z')
       ncu --clock-control none --kernel-name regex:w4_ --launch-skip 2 --launch-count 1 --section SpeedOfLight \
         --section MemoryWorkloadAnalysis --section WarpStateStats --section SchedulerStats --section Occupancy \
-        --section SourceCounters python3 benchmarks/profile_decode.py --format "$fmt" --shape 3584x18944 --m "$m" \
-        --tile "$tile" > "$results/$name.txt" 2>&1 || echo "ncu failed for $name (exit $?)"
+        --section SourceCounters --metrics "regex:smsp__average_warps_issue_stalled_.*_per_issue_active\.ratio" \
+        --export "/tmp/$name" --force-overwrite python3 benchmarks/profile_decode.py --format "$fmt" \
+        --shape 3584x18944 --m "$m" --tile "$tile" > "$results/$name.txt" 2>&1 || echo "ncu failed for $name (exit $?)"
+      # per SASS instruction: executed count and the warp stall samples (the source page of the same report)
+      ncu --import "/tmp/$name.ncu-rep" --page source --print-source sass --csv > "$results/${name}_sass.csv" 2>&1 ||
+        true
       echo "== $name"
-      grep -E "Duration|DRAM Throughput|Memory Throughput|Stall|Issued Warp|Achieved Occupancy|last launch" \
-        "$results/$name.txt" | head -40
+      grep -E "Duration|DRAM Throughput|Memory Throughput|Issued Warp|Achieved Occupancy|last launch" \
+        "$results/$name.txt" | head -20
+      grep -E "issue_stalled" "$results/$name.txt" | sort -k3 -g -r | head -8
     done
     ;;
   rl-step)  # the 5x target's command (64 prompts x 8 samples, 256 new tokens); each run stops after 240 s

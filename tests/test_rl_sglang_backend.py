@@ -206,7 +206,8 @@ def test_sglang_server_args_pass_through(monkeypatch):
 
     monkeypatch.setattr(sglang_engine, "sglang_start_problem", lambda needs_plugin=True: None)
     monkeypatch.setattr(sglang_engine, "sglang_server_args_fields",
-                        lambda: ["chunked_prefill_size", "max_running_requests", "port", "mem_fraction_static"])
+                        lambda: ["chunked_prefill_size", "max_running_requests", "port", "mem_fraction_static",
+                                 "disable_prefill_cuda_graph"])
     monkeypatch.setenv("LOCAL_WORLD_SIZE", "1")
 
     def check(value):
@@ -215,7 +216,13 @@ def test_sglang_server_args_pass_through(monkeypatch):
     args = check('{"chunked_prefill_size": 4096, "max_running_requests": 256}')
     kwargs = sglang_engine_kwargs(rl_config(args).rollout, torch.bfloat16, seed=0)
     assert (kwargs["chunked_prefill_size"], kwargs["max_running_requests"]) == (4096, 256)
-    assert "chunked_prefill_size" not in sglang_engine_kwargs(rl_config(check("")).rollout, torch.bfloat16, seed=0)
+    default = rl_config(check("")).rollout
+    kwargs = sglang_engine_kwargs(default, torch.bfloat16, seed=0)
+    assert "chunked_prefill_size" not in kwargs and kwargs["disable_prefill_cuda_graph"] is True
+    # decode graphs up to one step's samples, at most 512
+    assert kwargs["cuda_graph_max_bs_decode"] == min(default.rollout_batch_size * default.group_size, 512)
+    args = check('{"disable_prefill_cuda_graph": false}')
+    assert sglang_engine_kwargs(rl_config(args).rollout, torch.bfloat16, seed=0)["disable_prefill_cuda_graph"] is False
     with pytest.raises(ValueError, match=r"--sglang-server-args is not valid JSON"):
         check("{chunked_prefill_size: 4096}")
     with pytest.raises(ValueError, match=r"--sglang-server-args must be a JSON object"):

@@ -637,7 +637,7 @@ def test_driver_engine_args_are_valid_server_args(tmp_path):
     sa = ServerArgs(**kwargs)
     assert (sa.load_format, sa.mem_fraction_static, sa.attention_backend) == ("dummy", 0.35, "flashinfer")
     assert (sa.port, sa.nccl_port, sa.random_seed, sa.enable_memory_saver) == (32000, 32008, 3, True)
-    assert sa.cuda_graph_max_bs_decode == 96 and sa.chunked_prefill_size == 2048
+    assert sa.cuda_graph_max_bs_decode == 96 and sa.chunked_prefill_size == 2048 and sa.disable_prefill_cuda_graph
 
 
 @pytest.mark.parametrize("name", ["hif4+2:4", "mxfp4+2:4"])

@@ -34,13 +34,15 @@ __all__ = ["knob", "positive", "non_negative", "at_least", "in_range", "Parallel
            "PrecisionConfig", "DataConfig", "RolloutConfig", "ActorConfig", "WarmupConfig", "CheckpointConfig",
            "RunConfig", "RLConfig", "SECTIONS", "section_fields", "FP4_FORMATS", "ROLLOUT_BACKENDS", "ADVANTAGES",
            "INITS", "REWARD_KINDS", "WANDB_MODES", "ATTENTION_BACKENDS", "SGLANG_ATTENTION_BACKENDS",
-           "SGLANG_PORTS_PER_RANK", "SGLANG_DRIVER_FIELDS", "sglang_server_args"]
+           "SGLANG_PORTS_PER_RANK", "SGLANG_MAX_GRAPH_BS", "SGLANG_DRIVER_FIELDS", "sglang_server_args"]
 
 FP4_FORMATS = (*RECIPES, "none")
 ROLLOUT_BACKENDS = ("native", "sglang")
 SGLANG_ATTENTION_BACKENDS = ("triton", "flashinfer", "fa3", "torch_native")
 #: Ports of each local rank's SGLang Engine from --sglang-base-port on: its port, and its NCCL port at + 8.
 SGLANG_PORTS_PER_RANK = 16
+#: The largest decode batch the driver has SGLang capture as a CUDA graph by default (--sglang-cuda-graph-max-bs 0).
+SGLANG_MAX_GRAPH_BS = 512
 ADVANTAGES = ("grpo", "drgrpo", "gspo", "reinforce_plus_plus")
 INITS = ("random",)
 REWARD_KINDS = VALID_KINDS
@@ -201,7 +203,8 @@ class RolloutConfig:
     sglang_attention_backend: str = knob("triton", "--rollout-backend sglang: SGLang's attention kernels",
                                          choices=SGLANG_ATTENTION_BACKENDS)
     sglang_cuda_graph_max_bs: int = knob(0, "--rollout-backend sglang: the largest decode batch SGLang captures as a "
-                                            "CUDA graph (0: SGLang's default)", check=non_negative)
+                                            "CUDA graph (0: one step's samples, --rollout-batch-size x --group-size, "
+                                            f"at most {SGLANG_MAX_GRAPH_BS})", check=non_negative)
     sglang_disable_cuda_graph: bool = knob(False, "--rollout-backend sglang: run SGLang's decode eagerly")
     sglang_server_args: str = knob("", "--rollout-backend sglang: further SGLang ServerArgs fields for the Engine, as a "
                                        "JSON object (e.g. '{\"chunked_prefill_size\": 4096, "

@@ -33,7 +33,7 @@ from typing import Any, Optional, Sequence
 import torch
 
 from megatron_fp4.rl import grpo
-from megatron_fp4.rl.config import SGLANG_PORTS_PER_RANK, RolloutConfig, sglang_server_args
+from megatron_fp4.rl.config import SGLANG_MAX_GRAPH_BS, SGLANG_PORTS_PER_RANK, RolloutConfig, sglang_server_args
 from megatron_fp4.rl.data import Example, PromptSampler
 from megatron_fp4.rl.distributed import any_rank, dp_max, dp_rank_and_size, dp_sum, from_first_stage
 from megatron_fp4.rl.monitor import TrainingDivergedError
@@ -113,9 +113,13 @@ def sglang_engine_kwargs(cfg: RolloutConfig, dtype: torch.dtype, seed: int) -> d
         dtype="bfloat16" if dtype == torch.bfloat16 else "float32", enable_memory_saver=cfg.offload_rollout,
         mem_fraction_static=cfg.sglang_mem_fraction_static, attention_backend=cfg.sglang_attention_backend,
         sampling_backend="pytorch", grammar_backend="none", disable_cuda_graph=cfg.sglang_disable_cuda_graph,
+        # no prefill graphs: capturing SGLang 0.5.17's 58 token counts took 70 s of each start on the H200 (57 s of
+        # it compiling), for a rollout whose time is decode (--sglang-server-args can turn them back on)
+        disable_prefill_cuda_graph=True,
         load_format="dummy")  # the weights come from the policy at the first sync
-    if cfg.sglang_cuda_graph_max_bs:
-        kwargs["cuda_graph_max_bs_decode"] = cfg.sglang_cuda_graph_max_bs  # its name in 0.5.17 and 0.5.23
+    # decode graphs up to one step's samples (SGLang's default stops at 256 on an H200: above, decode ran eagerly)
+    kwargs["cuda_graph_max_bs_decode"] = (cfg.sglang_cuda_graph_max_bs or  # its name in 0.5.17 and 0.5.23
+                                          min(max(cfg.rollout_batch_size * cfg.group_size, 8), SGLANG_MAX_GRAPH_BS))
     kwargs.update(sglang_server_args(cfg.sglang_server_args))
     return kwargs
 
