@@ -80,14 +80,15 @@ print('prebuilt', cd.prebuild([t for t in GPU_TILES if t], ntoks=(8, 16, 64)), '
         --section MemoryWorkloadAnalysis --section WarpStateStats --section SchedulerStats --section Occupancy \
         --section SourceCounters --metrics "regex:smsp__average_warps_issue_stalled_.*_per_issue_active\.ratio" \
         --export "/tmp/$name" --force-overwrite python3 benchmarks/profile_decode.py --format "$fmt" \
-        --shape 3584x18944 --m "$m" --tile "$tile" > "$results/$name.txt" 2>&1 || echo "ncu failed for $name (exit $?)"
-      # per SASS instruction: executed count and the warp stall samples (the source page of the same report)
+        --shape 3584x18944 --m "$m" --tile "$tile" > "$results/$name.log" 2>&1 || echo "ncu failed for $name (exit $?)"
+      # the report's sections and stall metrics (text), and per SASS instruction its executions and warp stall
+      # samples (CSV; the source page of the same report)
+      ncu --import "/tmp/$name.ncu-rep" --page details > "$results/$name.txt" 2>&1 || true
       ncu --import "/tmp/$name.ncu-rep" --page source --print-source sass --csv > "$results/${name}_sass.csv" 2>&1 ||
         true
       echo "== $name"
-      grep -E "Duration|DRAM Throughput|Memory Throughput|Issued Warp|Achieved Occupancy|last launch" \
-        "$results/$name.txt" | head -20
-      grep -E "issue_stalled" "$results/$name.txt" | sort -k3 -g -r | head -8
+      grep -E "Duration|DRAM Throughput|Memory Throughput|Issued Warp|Achieved Occupancy|issue_stalled" \
+        "$results/$name.txt" | head -40 || true
     done
     ;;
   rl-step)  # the 5x target's command (64 prompts x 8 samples, 256 new tokens); each run stops after 240 s
