@@ -8,8 +8,10 @@ checked here before it costs a device call:
     python benchmarks/kernel_sass.py decode --fmt hif4 --res --histogram
     python benchmarks/kernel_sass.py quantize --fmt hif4 --BR 4 --BK 512 --expand 1 --prefetch --num-stages 3
     python benchmarks/kernel_sass.py columns --fmt hif4 --BK 64 --num-warps 4
+    python benchmarks/kernel_sass.py cuda --fmt hif4 --BM 16 --tile '{"KERNEL": "wgmma", "PRODUCER": 1, "LEAN": 1}'
 
-Prints the instructions per loop iteration, per value and the busiest opcodes, the layout conversions in Triton's
+(``cuda``: the CUDA decode GEMMs of megatron_fp4/kernels/csrc, built by nvcc where it exists.) Prints the
+instructions per loop iteration, per value and the busiest opcodes, the layout conversions in Triton's
 GPU IR (each moves values between threads, through shared memory) and ptxas's registers and spills. The loop is
 the longest backward branch in the disassembly; a kernel without a loop (columns: the training quantizer's
 64-row tile of a transposed operand) counts whole, per value. Pointers and sizes get Triton's
@@ -24,6 +26,7 @@ from __future__ import annotations
 
 import argparse
 import collections
+import json
 import os
 import re
 import subprocess
@@ -143,12 +146,38 @@ def columns_case(fmt: str, BC: int):
     return qm._col_quant_kernel, sig, const, divisible, 64 * BC
 
 
+def cuda_case(fmt: str, BM: int, tile: dict, wide: bool) -> tuple:
+    """The CUDA decode GEMM (megatron_fp4.kernels.cuda_decode) of a 7B MLP weight at ``BM`` tokens with ``tile``
+    (KERNEL and tile keys; none: the default launch's), compiled by nvcc for sm_90a: (cubin bytes, weight values
+    per thread and loop iteration, the defines, ptxas's report)."""
+    from megatron_fp4.kernels import _nvcc
+    from megatron_fp4.kernels import cuda_decode as cd
+
+    if _nvcc.nvcc() is None:
+        raise SystemExit("kernel_sass.py cuda: needs nvcc (CUDA's compiler) on PATH or CUDA_HOME")
+    kernel, config = cd._choose(18944, 3584, cd._ntok(BM), tile or None)
+    cfg = cd._tile(kernel, int(fmt == "mxfp4"), cd._ntok(BM), config)
+    defines = cd._defines(kernel, int(fmt == "mxfp4"), wide, cd._ntok(BM), cfg)
+    with tempfile.TemporaryDirectory() as d:
+        out = os.path.join(d, "k.cubin")
+        r = subprocess.run(_nvcc.command(cd._SOURCES[kernel], defines, out, "90a", "-cubin", "-Xptxas", "-v"),
+                           capture_output=True, text=True)
+        if r.returncode:
+            raise SystemExit(f"kernel_sass.py cuda: nvcc failed:\n{r.stderr[-2000:]}")
+        cubin = open(out, "rb").read()
+    # per loop iteration each thread holds DEPTH chunks of 64 values of 16 rows (wgmma: its warp's slab; mma.sync:
+    # SPW slabs), spread over the warp's 32 lanes
+    values = cfg["DEPTH"] * (1 if kernel == "wgmma" else cfg["SPW"]) * 16 * 64 // 32
+    return cubin, values, {"KERNEL": kernel, **defines}, r.stdout + r.stderr
+
+
 def main(argv=None):
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("kernel", choices=["decode", "quantize", "columns"],
+    p.add_argument("kernel", choices=["decode", "quantize", "columns", "cuda"],
                    help="decode: the decode GEMM (megatron_fp4.kernels.decode_gemm.w4_matmul); quantize: the row "
                         "quantize kernel; columns: the column kernel (a transposed view's exact expansion, --BK "
-                        "columns per program)")
+                        "columns per program); cuda: the CUDA decode GEMM on a 7B MLP weight (nvcc; --BM tokens, "
+                        "--tile)")
     p.add_argument("--fmt", choices=["hif4", "mxfp4"], default="mxfp4")
     p.add_argument("--BN", type=int, default=64, help="weight rows per program")
     p.add_argument("--BM", type=int, default=16, help="token columns (16, 32 or 64)")
@@ -165,10 +194,31 @@ def main(argv=None):
     p.add_argument("--unpacked", action="store_true", help="quantize: the expansion only (PACKED=0, training)")
     p.add_argument("--transpose", action="store_true",
                    help="quantize, HiF4 with --unpacked: the row pass also writes x's transposed copy")
+    p.add_argument("--tile", default=None,
+                   help='cuda: a tile as JSON, e.g. \'{"KERNEL": "wgmma", "LEAN": 1}\' (default: the default '
+                        "launch's)")
     p.add_argument("--histogram", action="store_true", help="print every opcode's count")
     args = p.parse_args(argv)
     if args.BM not in (16, 32, 64):
         p.error(f"--BM {args.BM} is not valid; allowed values: 16, 32, 64")
+    if args.kernel == "cuda":
+        try:
+            tile = json.loads(args.tile) if args.tile else {}
+        except json.JSONDecodeError as e:
+            p.error(f"--tile must be a JSON object ({e})")
+        if not isinstance(tile, dict):
+            p.error(f"--tile must be a JSON object, got {args.tile!r}")
+        cubin, values, defines, report = cuda_case(args.fmt, args.BM, tile, args.wide)
+        ops = loop_opcodes(cubin)
+        n = sum(ops.values())
+        regs, spill = re.search(r"Used (\d+) registers", report), re.search(r"(\d+) bytes spill stores", report)
+        print(f"cuda {defines}: {n} instructions per loop iteration, {values} values per thread -> "
+              f"{n / values:.2f} per value per thread; {regs.group(1) if regs else '?'} registers, "
+              f"{spill.group(1) if spill else '?'} bytes spilled")
+        top = ops.most_common() if args.histogram else ops.most_common(12)
+        print("  " + ", ".join(f"{k} {v}" for k, v in top))
+        main.convert_layouts = 0  # (a Triton notion)
+        return n / values
     if args.kernel == "decode":
         fn, sig, const, div, values = decode_case(args.fmt, args.BN, args.BM, args.res, args.wide, args.prefetch,
                                                   args.xperm)

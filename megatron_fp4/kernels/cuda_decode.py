@@ -201,7 +201,8 @@ DECODE_TILES = {  # from --decode-sweep on the 7B MLP shapes (docs/PERFORMANCE.m
 }
 #: Default tiles of the wgmma kernel by (format id, token bucket): WGS warpgroups (64 weight rows each) per block,
 #: DEPTH chunks in flight per warp, XST shared-memory stages of activations, MINB blocks per SM the registers allow
-#: (also the split-K target), PRODUCER 1: one extra warp stages the activations (w4_wgmma.cu says why).
+#: (also the split-K target), PRODUCER 1: one extra warp stages the activations (w4_wgmma.cu says why); a tile may
+#: add LEAN 1 (fewer instructions per chunk: w4_wgmma.cu; compiled and counted, not yet timed on a GPU).
 WGMMA_TILES = {  # no register spills (ptxas, tests/test_cuda_decode.py); M = 16 and 64 measured on the H200
     # (docs/PERFORMANCE.md, session 19); HiF4 at M <= 32 takes DEPTH 2: DEPTH 4 spilled 20 bytes there
     **{(f, m): dict(WGS=2, DEPTH=4, XST=4, MINB=2, PRODUCER=0) for f, m in ((0, 8), (0, 16), (1, 8), (1, 16), (1, 32))},
@@ -260,7 +261,7 @@ def _tile(kernel: str, fmt_id: int, ntok: int, config: Optional[dict]) -> dict:
 def _defines(kernel: str, fmt_id: int, wide: bool, ntok: int, cfg: dict) -> dict:
     if kernel == "wgmma":
         return dict(FMT=fmt_id, WIDE=int(wide), NTOK=ntok, WGS=cfg["WGS"], DEPTH=cfg["DEPTH"], XST=cfg["XST"],
-                    MINB=cfg["MINB"], PRODUCER=int(cfg["PRODUCER"]))
+                    MINB=cfg["MINB"], PRODUCER=int(cfg["PRODUCER"]), LEAN=int(cfg.get("LEAN", 0)))
     return dict(FMT=fmt_id, WIDE=int(wide), NT=ntok // 8, SPW=cfg["SPW"], DEPTH=cfg["DEPTH"], WARPS=cfg["WARPS"])
 
 

@@ -24,6 +24,14 @@ DINL uint32_t bfma(uint32_t a, uint32_t b, uint32_t c) {
   asm("fma.rn.bf16x2 %0, %1, %2, %3;" : "=r"(d) : "r"(a), "r"(b), "r"(c));
   return d;
 }
+// (a & b) | c in one LOP3 (ptxas splits it in two when b and c are both constants; with one kept in a register
+// across the loop it is one instruction)
+template <uint32_t B>
+DINL uint32_t and_or(uint32_t a, uint32_t c) {
+  uint32_t d;
+  asm("lop3.b32 %0, %1, %2, %3, 0xEA;" : "=r"(d) : "r"(a), "n"(B), "r"(c));
+  return d;
+}
 DINL uint32_t dup_lo(uint32_t v) { return __byte_perm(v, 0, 0x1010); }
 DINL uint32_t dup_hi(uint32_t v) { return __byte_perm(v, 0, 0x3232); }
 
@@ -90,6 +98,9 @@ DINL void dequant(uint32_t w, const Scales& S, int s, uint32_t* a) {
 // bf16 bits of E6M2 / 4 for rows g (low half) and g + 8 (high half).
 struct Scales {
   uint32_t e, base;
+#if defined(LEAN) && LEAN
+  uint32_t k128, k8;  // the bf16x2 bits of 128 and 8 (see dequant)
+#endif
 };
 DINL Scales make_scales(uint32_t m) {  // m: low 16 bits: e bits (lane); high 16 bits: E6M2 codes of rows g, g + 8
   Scales S;
@@ -99,6 +110,10 @@ DINL Scales make_scales(uint32_t m) {  // m: low 16 bits: e bits (lane); high 16
   if (__builtin_expect((cp & 0xFFu) == 0xFFu, 0)) base = (base & 0xFFFF0000u) | 0x7FC0u;
   if (__builtin_expect((cp & 0x00FF0000u) == 0x00FF0000u, 0)) base = (base & 0xFFFFu) | 0x7FC00000u;
   S.base = base;
+#if defined(LEAN) && LEAN
+  asm("mov.b32 %0, 0x43004300;" : "=r"(S.k128));
+  asm("mov.b32 %0, 0x41004100;" : "=r"(S.k8));
+#endif
   return S;
 }
 DINL void dequant(uint32_t w, const Scales& S, int s, uint32_t* a) {
@@ -106,10 +121,18 @@ DINL void dequant(uint32_t w, const Scales& S, int s, uint32_t* a) {
   const uint32_t fg = dup_lo(fp), fh = dup_hi(fp);
   const uint32_t n128 = bmul(fg, 0xC300C300u), n8 = bmul(fh, 0xC100C100u);
   const uint32_t t = w >> 8;
+#if defined(LEAN) && LEAN
+  const uint32_t k128 = S.k128, k8 = S.k8;
+  a[0] = bfma(and_or<0x00070007u>(w, k128), fg, n128) ^ ((w << 12) & 0x80008000u);
+  a[1] = bfma(and_or<0x00700070u>(w, k8), fh, n8) ^ ((w << 8) & 0x80008000u);
+  a[2] = bfma(and_or<0x00070007u>(t, k128), fg, n128) ^ ((w << 4) & 0x80008000u);
+  a[3] = bfma(and_or<0x00700070u>(t, k8), fh, n8) ^ (w & 0x80008000u);
+#else
   a[0] = bfma((w & 0x00070007u) | 0x43004300u, fg, n128) ^ ((w << 12) & 0x80008000u);
   a[1] = bfma((w & 0x00700070u) | 0x41004100u, fh, n8) ^ ((w << 8) & 0x80008000u);
   a[2] = bfma((t & 0x00070007u) | 0x43004300u, fg, n128) ^ ((w << 4) & 0x80008000u);
   a[3] = bfma((t & 0x00700070u) | 0x41004100u, fh, n8) ^ (w & 0x80008000u);
+#endif
 }
 #endif
 

@@ -5,7 +5,11 @@
 // Built per configuration by megatron_fp4/kernels/cuda_decode.py (nvcc, cached): -DFMT=0 (HiF4) | 1 (MXFP4), -DWIDE
 // (MXFP4 block scales above 2^1), -DNTOK (token tile: the wgmma N, 8 | 16 | 32 | 64), -DWGS (warpgroups per block),
 // -DDEPTH (chunks of weights in flight per warp, in registers), -DXST (shared-memory stages of activation chunks),
-// -DMINB (blocks per SM the registers must allow), -DPRODUCER (1: one extra warp stages the activations).
+// -DMINB (blocks per SM the registers must allow), -DPRODUCER (1: one extra warp stages the activations), -DLEAN (1:
+// the same numbers in fewer instructions per chunk, 157 instead of 197 for HiF4 and 146 instead of 175 for MXFP4 in
+// the M = 16 producer tile's loop by cuobjdump's count: each weight prefetch issued after the chunk's wgmmas, into
+// the registers its dequantized words left (no copy that waits for the load), the B descriptors by addition, and
+// HiF4's mask-and-bias in one LOP3; Nsight Compute found the M = 16 loop issue-bound, docs/PERFORMANCE.md).
 //
 // Each warpgroup owns one 64-row tile of W (four 16-row slabs of the decode layout, one per warp). Per 64-value chunk
 // of K a warp loads its slab's codes (one 16-byte load per lane), dequantizes them exactly into the BF16 A fragment of
@@ -46,6 +50,9 @@
 #endif
 #ifndef PRODUCER
 #define PRODUCER 0
+#endif
+#ifndef LEAN
+#define LEAN 0  // not the default until timed on a GPU
 #endif
 #if DEPTH % 2 || XST < 3 || (PRODUCER && 2 * XST > 15)
 #error "DEPTH must be even (the two A register sets alternate per chunk), XST >= 3 (PRODUCER: <= 7, 2 XST + 1 barriers)"
@@ -188,6 +195,9 @@ w4_wgmma_kernel(const uint4* __restrict__ codes, const uint32_t* __restrict__ me
   const int slab = (blockIdx.x * WGS + (warp >> 2)) * 4 + (warp & 3);
   const bool active = slab < S;  // S is a multiple of 4: a warpgroup is active as a whole
   const uint32_t xs0 = (uint32_t)__cvta_generic_to_shared(xs);
+#if LEAN
+  const uint64_t desc0 = b_desc(xs0);
+#endif
 
   const size_t unit = (size_t)min(slab, S - 1) * C + c0;
   const uint4* wp = codes + unit * 32 + lane;
@@ -225,10 +235,12 @@ w4_wgmma_kernel(const uint4* __restrict__ codes, const uint32_t* __restrict__ me
       if (kk < nch) {  // block-uniform
         const uint4 w = wq[d];
         const Scales sc = make_scales(mq[d]);
+#if !LEAN
         if (kk + DEPTH < nch) {
           wq[d] = __ldg(wp + (d + DEPTH) * 32);
           mq[d] = load_meta(mp + (d + DEPTH) * META_WORDS, lane);
         }
+#endif
         dequant(w.x, sc, 0, a[d & 1][0]);
         dequant(w.y, sc, 1, a[d & 1][1]);
         dequant(w.z, sc, 2, a[d & 1][2]);
@@ -242,13 +254,26 @@ w4_wgmma_kernel(const uint4* __restrict__ codes, const uint32_t* __restrict__ me
 #endif
         // Every warpgroup issues its wgmmas (an idle one multiplies a clamped slab and stores nothing): a wgmma
         // under a thread-dependent branch makes ptxas serialize all of them.
+#if LEAN  // the descriptors by addition to the first stage's (the address field is bits 0-13, in 16-byte units)
+        const uint64_t stage = desc0 + (uint32_t)((kk % XST) * (STAGE_BYTES >> 4));
+#define B_DESC(s) (stage + (s) * (STEP_BYTES >> 4))
+#else
         const uint32_t stage = xs0 + (kk % XST) * STAGE_BYTES;
+#define B_DESC(s) b_desc(stage + (s) * STEP_BYTES)
+#endif
         wgmma_fence();
         pin(acc);
 #pragma unroll
-        for (int s = 0; s < 4; ++s) wgmma_rs<NTOK>(acc, a[d & 1][s], b_desc(stage + s * STEP_BYTES));
+        for (int s = 0; s < 4; ++s) wgmma_rs<NTOK>(acc, a[d & 1][s], B_DESC(s));
+#undef B_DESC
         wgmma_commit();
         pin(acc);
+#if LEAN  // the prefetch once w is dequantized: it reuses w's registers (no copy that waits for the load)
+        if (kk + DEPTH < nch) {
+          wq[d] = __ldg(wp + (d + DEPTH) * 32);
+          mq[d] = load_meta(mp + (d + DEPTH) * META_WORDS, lane);
+        }
+#endif
         wgmma_wait<1>();  // chunk kk - 1's group has retired: its A registers and stage are free
 #if PRODUCER
         if (kk >= 1 && kk - 1 + XST < nch) bar_arrive(1 + XST + (kk - 1) % XST);  // (the producer waits for it)
