@@ -20,9 +20,10 @@
 #
 # megatron-core comes from wheels carried in .whl/ (made beside the checkout, with pip access: pip download -q
 # --no-deps --only-binary=:all: --python-version 3.12 --implementation cp --platform manylinux_2_28_x86_64 -d .whl
-# megatron-core==0.16.1), installed once into /tmp/site. nvcc's builds (megatron_fp4/kernels/_build), Triton's
-# cache (.triton_cache) and /tmp/site stay on a warm machine between calls. Results JSON go to $OUT (the device
-# tool's folder that comes back) when it is set, else to benchmarks/results/.
+# megatron-core==0.16.1), installed once into /tmp/site (SITE_DIR: elsewhere). nvcc's builds
+# (megatron_fp4/kernels/_build), Triton's cache (.triton_cache) and the site folder stay on a warm machine between
+# calls. Results JSON go to $OUT (the device tool's folder that comes back) when it is set, else to
+# benchmarks/results/.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 usage="usage: bash benchmarks/h200_checks.sh train-tests|train-bench|decode-tests|decode-bench|decode-profile|rl-step"
@@ -30,14 +31,15 @@ usage+="|rl-mismatch"
 case "${1:-}" in train-tests | train-bench | decode-tests | decode-bench | decode-profile | rl-step | rl-mismatch) ;;
   *) echo "$usage" >&2; exit 2 ;;
 esac
-if [ ! -d /tmp/site/megatron ]; then
+SITE=${SITE_DIR:-/tmp/site}
+if [ ! -d "$SITE/megatron" ]; then
   if ! ls .whl/*.whl > /dev/null 2>&1; then
     echo "h200_checks.sh: no megatron-core wheel in .whl/ (see the header)" >&2
     exit 2
   fi
-  python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --target /tmp/site .whl/*.whl
+  python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --target "$SITE" .whl/*.whl
 fi
-export PYTHONPATH="/tmp/site:$PWD${PYTHONPATH:+:$PYTHONPATH}" TRITON_CACHE_DIR="$PWD/.triton_cache"
+export PYTHONPATH="$SITE:$PWD${PYTHONPATH:+:$PYTHONPATH}" TRITON_CACHE_DIR="$PWD/.triton_cache"
 results=${OUT:-benchmarks/results}
 nvidia-smi --query-gpu=name,driver_version,memory.used --format=csv,noheader
 run_tests() { python3 -m pytest -q -p no:cacheprovider "$@"; }

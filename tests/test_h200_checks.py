@@ -48,3 +48,24 @@ def test_profile_target_refuses_bad_input_naming_the_flag():
                        (["--format", "nvfp4"], "--format: invalid choice"), (["--tile", "{KERNEL"], "--tile must be")):
         r = subprocess.run([sys.executable, target, *args], cwd=ROOT, capture_output=True, text=True)
         assert r.returncode == 2 and flag in r.stderr, (args, r.stderr[-300:])
+
+
+def test_decode_profile_runs_every_case_with_stand_in_tools(tmp_path):
+    """decode-profile on a machine without a GPU: stand-ins for nvidia-smi and ncu (its report without the lines the
+    summary greps for), a site folder that already holds megatron-core. Every case still runs and leaves its files:
+    a grep that finds nothing must not end the script (set -e), as it did on the H200 after the first case."""
+    bin_dir, site, out = tmp_path / "bin", tmp_path / "site", tmp_path / "out"
+    for d in (bin_dir, site / "megatron", out):
+        d.mkdir(parents=True)
+    (bin_dir / "nvidia-smi").write_text("#!/bin/sh\necho 'stand-in GPU'\n")
+    (bin_dir / "ncu").write_text("#!/bin/sh\necho \"ncu stand-in $*\"\n")
+    for tool in ("nvidia-smi", "ncu"):
+        (bin_dir / tool).chmod(0o755)
+    env = {**os.environ, "PATH": f"{bin_dir}:{os.environ['PATH']}", "SITE_DIR": str(site), "OUT": str(out)}
+    r = subprocess.run(["bash", SCRIPT, "decode-profile"], capture_output=True, text=True, env=env, timeout=120)
+    assert r.returncode == 0, r.stderr[-2000:]
+    cases = ["hif4_m16_null", "mxfp4_m16_null", "mxfp4_m64_wgmma", "mxfp4_m64_mma"]
+    assert r.stdout.count("== decode_profile_") == 4
+    for case in cases:
+        for suffix in (".log", ".txt", "_sass.csv"):
+            assert (out / f"decode_profile_{case}{suffix}").exists(), (case, suffix, sorted(os.listdir(out)))
