@@ -322,6 +322,17 @@ SWEEP_TILES = (
     dict(KERNEL="wgmma", PRODUCER=1, WGS=2, DEPTH=2, XST=4, MINB=3, LEAN=1),
     dict(KERNEL="wgmma", PRODUCER=1, WGS=2, DEPTH=4, XST=4, MINB=1, LEAN=1),
     dict(KERNEL="wgmma", WGS=2, DEPTH=2, XST=4, MINB=2, LEAN=1),
+    # XPAIR (session 25: the activation staging reads whole sectors) and four warpgroups sharing each staged
+    # activation chunk (half the activation traffic per weight byte of WGS 2: at M = 64 Nsight Compute found 206 MB of
+    # L2 traffic for 36 MB of weights)
+    dict(KERNEL="wgmma", PRODUCER=1, WGS=2, DEPTH=2, XST=4, MINB=3, LEAN=1, XPAIR=1),
+    dict(KERNEL="wgmma", WGS=2, DEPTH=2, XST=4, MINB=2, LEAN=1, XPAIR=1),
+    dict(KERNEL="wgmma", PRODUCER=1, WGS=2, DEPTH=2, XST=4, MINB=2, LEAN=1, XPAIR=1),
+    dict(KERNEL="wgmma", WGS=4, DEPTH=2, XST=4, MINB=1),
+    dict(KERNEL="wgmma", WGS=4, DEPTH=2, XST=4, MINB=1, XPAIR=1),
+    dict(KERNEL="wgmma", WGS=4, DEPTH=2, XST=4, MINB=1, XPAIR=1, LEAN=1),
+    *(dict(KERNEL="wgmma", PRODUCER=1, WGS=4, DEPTH=2, XST=4, MINB=1, XPAIR=1, LEAN=1, **split)
+      for split in ({}, dict(SPLIT=3), dict(SPLIT=14))),
 )
 DECODE_SHAPES = [(3584, 18944), (18944, 3584), (1536, 8960), (8960, 1536), (1536, 2048), (1536, 1536)]  # (K, N)
 

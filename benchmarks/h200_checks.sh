@@ -7,7 +7,7 @@
 #   train-tests   GPU tests of the training quantizers (CUDA and Triton), the kernel backend, graphed training
 #   train-bench   bench_train.py --cuda-graph (BF16, MXFP4 fp8 / fp8_fast, HiF4 at 4 x 2048) and the eager rows
 #   decode-tests  GPU tests of the CUDA decode GEMMs (every tile of tests/test_cuda_decode.py)
-#   decode-bench  bench_kernels.py --decode --decode-sweep on the 7B MLP shapes
+#   decode-bench  bench_kernels.py --decode --decode-sweep on the 7B and 1.5B MLP shapes
 #   decode-profile  Nsight Compute on the decode GEMM (a 7B MLP weight): the default tile at M = 16 (both formats)
 #                 and both kernels at M = 64 (MXFP4):
 #                 throughput, memory, warp stall reasons, source counters (hardware counters: the Firecracker runtime)
@@ -70,7 +70,7 @@ print('prebuilt', cd.prebuild([t for t in GPU_TILES if t], ntoks=(8, 16, 64)), '
     run_tests -m gpu tests/test_cuda_decode.py
     ;;
   decode-bench)
-    python3 benchmarks/bench_kernels.py --decode --decode-sweep --shapes 3584x18944,18944x3584 \
+    python3 benchmarks/bench_kernels.py --decode --decode-sweep --shapes 3584x18944,18944x3584,1536x8960,8960x1536 \
       --out "$results/decode_h200.json"
     ;;
   decode-profile)  # the third launch of each case (the first builds the kernel); one text report per case:

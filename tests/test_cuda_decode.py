@@ -87,16 +87,18 @@ def _ptxas_report(defines: dict, path: str) -> str:
 @pytest.mark.skipif(_nvcc.nvcc() is None, reason="needs nvcc (no GPU: a compile for sm_90a)")
 def test_wgmma_tiles_compile_without_spills_or_serialized_wgmmas(tmp_path):
     """ptxas's report for the wgmma kernel's default tiles (every token bucket, both formats, wide MXFP4) and the
-    producer-warp tiles the decode sweep times at M = 16 (and its LEAN tile without producer at M = 64): no register
-    spills, and no "wgmma.mma_async instructions are serialized" note (ptxas's answer to a wgmma under
-    thread-dependent control flow, or to too few registers to keep the wgmmas in flight: they then run one at a
-    time)."""
+    producer-warp tiles the decode sweep times at M = 16 (and at M = 64 its LEAN tile without producer and its
+    four-warpgroup tiles): no register spills, and no "wgmma.mma_async instructions are serialized" note (ptxas's
+    answer to a wgmma under thread-dependent control flow, or to too few registers to keep the wgmmas in flight:
+    they then run one at a time)."""
     from megatron_fp4.kernels import cuda_decode as cd
     from benchmarks.bench_kernels import SWEEP_TILES
 
     configs = [(f, w, m, None) for (f, m) in cd.WGMMA_TILES for w in ((0,) if f == 0 else (0, 1))]
     configs += [(f, 0, 16, t) for t in SWEEP_TILES if t.get("PRODUCER") for f in (0, 1)]
     configs += [(f, 0, 64, t) for t in SWEEP_TILES if t.get("LEAN") and not t.get("PRODUCER") for f in (0, 1)]
+    configs += [(f, 0, 64, t) for t in SWEEP_TILES if t.get("WGS") == 4 and (t.get("XPAIR") or not t.get("PRODUCER"))
+                for f in (0, 1)]
     configs += [(f, w, 16, cd.LARGE_M16_TILE) for f, w in ((0, 0), (1, 0), (1, 1))]
     for f, w, m, tile in configs:
         defines = cd._defines("wgmma", f, bool(w), m, cd._tile("wgmma", f, m, tile))
@@ -124,7 +126,10 @@ GPU_TILES = [None, dict(KERNEL="mma", SPW=2, DEPTH=2, WARPS=4, PER_SM=2), dict(K
              dict(KERNEL="wgmma", PRODUCER=1, WGS=2, DEPTH=2, XST=3, MINB=2),
              dict(KERNEL="wgmma", PRODUCER=1, WGS=2, DEPTH=2, XST=4, MINB=3),  # LARGE_M16_TILE
              dict(KERNEL="wgmma", PRODUCER=1, WGS=2, DEPTH=2, XST=4, MINB=3, LEAN=1),
-             dict(KERNEL="wgmma", WGS=2, DEPTH=2, XST=4, MINB=2, LEAN=1)]
+             dict(KERNEL="wgmma", WGS=2, DEPTH=2, XST=4, MINB=2, LEAN=1),
+             dict(KERNEL="wgmma", PRODUCER=1, WGS=2, DEPTH=2, XST=4, MINB=3, LEAN=1, XPAIR=1),
+             dict(KERNEL="wgmma", WGS=4, DEPTH=2, XST=4, MINB=1, XPAIR=1),
+             dict(KERNEL="wgmma", PRODUCER=1, WGS=4, DEPTH=2, XST=4, MINB=1, XPAIR=1, LEAN=1)]
 
 
 @pytest.mark.gpu

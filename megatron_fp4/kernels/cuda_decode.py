@@ -261,7 +261,8 @@ def _tile(kernel: str, fmt_id: int, ntok: int, config: Optional[dict]) -> dict:
 def _defines(kernel: str, fmt_id: int, wide: bool, ntok: int, cfg: dict) -> dict:
     if kernel == "wgmma":
         return dict(FMT=fmt_id, WIDE=int(wide), NTOK=ntok, WGS=cfg["WGS"], DEPTH=cfg["DEPTH"], XST=cfg["XST"],
-                    MINB=cfg["MINB"], PRODUCER=int(cfg["PRODUCER"]), LEAN=int(cfg.get("LEAN", 0)))
+                    MINB=cfg["MINB"], PRODUCER=int(cfg["PRODUCER"]), LEAN=int(cfg.get("LEAN", 0)),
+                    XPAIR=int(cfg.get("XPAIR", 0)))
     return dict(FMT=fmt_id, WIDE=int(wide), NT=ntok // 8, SPW=cfg["SPW"], DEPTH=cfg["DEPTH"], WARPS=cfg["WARPS"])
 
 

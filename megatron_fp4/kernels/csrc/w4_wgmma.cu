@@ -9,7 +9,8 @@
 // the same numbers in fewer instructions per chunk, 157 instead of 197 for HiF4 and 146 instead of 175 for MXFP4 in
 // the M = 16 producer tile's loop by cuobjdump's count: each weight prefetch issued after the chunk's wgmmas, into
 // the registers its dequantized words left (no copy that waits for the load), the B descriptors by addition, and
-// HiF4's mask-and-bias in one LOP3; Nsight Compute found the M = 16 loop issue-bound, docs/PERFORMANCE.md).
+// HiF4's mask-and-bias in one LOP3; Nsight Compute found the M = 16 loop issue-bound, docs/PERFORMANCE.md), -DXPAIR
+// (1: the activation staging's loads read whole sectors, see load_x).
 //
 // Each warpgroup owns one 64-row tile of W (four 16-row slabs of the decode layout, one per warp). Per 64-value chunk
 // of K a warp loads its slab's codes (one 16-byte load per lane), dequantizes them exactly into the BF16 A fragment of
@@ -132,37 +133,66 @@ DINL uint64_t b_desc(uint32_t addr) {
   return (uint64_t)((addr & 0x3FFFF) >> 4) | ((uint64_t)(128 >> 4) << 16) | ((uint64_t)(256 >> 4) << 32);
 }
 
-// Activation staging through registers: per (token, k16 step) one thread loads the 32 bytes of 16 values (two
-// 16-byte loads, natural K order: bf16 pairs w0..w7) and stores the pairs w0, w2, w4, w6 as the token's row of the
-// step's first core matrix and w1, w3, w5, w7 as its row of the second: the MMA's K order, two 16-byte stores.
-// Pair index p: token % 8 in the low 3 bits (8 lanes store 128 contiguous bytes), then the step, then token / 8.
+// Activation staging through registers: the 32 bytes of one (token, k16 step) (16 values, natural K order: bf16 pairs
+// w0..w7) are stored as the token's row of the step's first core matrix (pairs w0, w2, w4, w6) and of its second
+// (w1, w3, w5, w7): the MMA's K order, two 16-byte stores.
+// XPAIR=0: one thread loads all 32 bytes (two 16-byte loads). Pair index p: token % 8 in the low 3 bits (8 lanes store
+// 128 contiguous bytes), then the step, then token / 8. Each load instruction reads half of every 32-byte sector it
+// touches (Nsight Compute: a third of the sectors excess at M = 64).
+// XPAIR=1: lanes l and l ^ 8 load the two halves (one 16-byte load each: every sector whole in one instruction), swap
+// two words with a shuffle, and each stores one core-matrix row. Half index h: token % 8 in the low 3 bits, the half
+// in bit 3, then the step, then token / 8.
+#ifndef XPAIR
+#define XPAIR 0
+#endif
 #define PAIRS (NTOK * 4)
-#define PAIRS_PER_THREAD ((PAIRS + STAGERS - 1) / STAGERS)
+#if XPAIR
+#define XLOADS (2 * PAIRS)  // 16-byte loads per chunk; a multiple of 32: a warp loads all or none
+#else
+#define XLOADS PAIRS
+#endif
+#define XLOADS_PER_THREAD ((XLOADS + STAGERS - 1) / STAGERS)
 struct XRegs {
-  uint4 v[PAIRS_PER_THREAD][2];
+  uint4 v[XLOADS_PER_THREAD][XPAIR ? 1 : 2];
 };
 // sid: the thread's index among the STAGERS staging threads.
 DINL void load_x(XRegs& r, const uint4* __restrict__ x, int M, int ldx16, int c, int sid) {
 #pragma unroll
-  for (int i = 0; i < PAIRS_PER_THREAD; ++i) {
+  for (int i = 0; i < XLOADS_PER_THREAD; ++i) {
     const int p = sid + i * STAGERS;
-    if (PAIRS % STAGERS == 0 || p < PAIRS) {
+    if (XLOADS % STAGERS == 0 || p < XLOADS) {
+#if XPAIR
+      const int m = min((p >> 6) * 8 + (p & 7), M - 1), s = (p >> 4) & 3;
+      r.v[i][0] = __ldg(x + (size_t)m * ldx16 + c * 8 + s * 2 + ((p >> 3) & 1));
+#else
       const int m = min((p >> 5) * 8 + (p & 7), M - 1), s = (p >> 3) & 3;
       const uint4* src = x + (size_t)m * ldx16 + c * 8 + s * 2;
       r.v[i][0] = __ldg(src);
       r.v[i][1] = __ldg(src + 1);
+#endif
     }
   }
 }
 DINL void store_x(const XRegs& r, uint8_t* stage, int sid) {
 #pragma unroll
-  for (int i = 0; i < PAIRS_PER_THREAD; ++i) {
+  for (int i = 0; i < XLOADS_PER_THREAD; ++i) {
     const int p = sid + i * STAGERS;
-    if (PAIRS % STAGERS == 0 || p < PAIRS) {
+    if (XLOADS % STAGERS == 0 || p < XLOADS) {  // warp-uniform (XPAIR: the shuffles need the whole warp)
+#if XPAIR
+      // half 0 (pairs w0..w3) sends w1, w3 and builds (w0, w2, w4, w6); half 1 (w4..w7) sends w4, w6 and builds
+      // (w1, w3, w5, w7)
+      const uint4 v = r.v[i][0];
+      const bool h1 = (p >> 3) & 1;
+      const uint32_t s0 = __shfl_xor_sync(0xFFFFFFFFu, h1 ? v.x : v.y, 8);
+      const uint32_t s1 = __shfl_xor_sync(0xFFFFFFFFu, h1 ? v.z : v.w, 8);
+      uint8_t* dst = stage + ((p >> 4) & 3) * STEP_BYTES + (p >> 6) * 256 + ((p >> 3) & 1) * 128 + (p & 7) * 16;
+      *reinterpret_cast<uint4*>(dst) = h1 ? make_uint4(s0, s1, v.y, v.w) : make_uint4(v.x, v.z, s0, s1);
+#else
       uint8_t* dst = stage + ((p >> 3) & 3) * STEP_BYTES + (p >> 5) * 256 + (p & 7) * 16;
       const uint4 a = r.v[i][0], b = r.v[i][1];
       *reinterpret_cast<uint4*>(dst) = make_uint4(a.x, a.z, b.x, b.z);
       *reinterpret_cast<uint4*>(dst + 128) = make_uint4(a.y, a.w, b.y, b.w);
+#endif
     }
   }
   asm volatile("fence.proxy.async.shared::cta;" ::: "memory");  // these generic stores -> the wgmmas' reads
