@@ -333,6 +333,13 @@ SWEEP_TILES = (
     dict(KERNEL="wgmma", WGS=4, DEPTH=2, XST=4, MINB=1, XPAIR=1, LEAN=1),
     *(dict(KERNEL="wgmma", PRODUCER=1, WGS=4, DEPTH=2, XST=4, MINB=1, XPAIR=1, LEAN=1, **split)
       for split in ({}, dict(SPLIT=3), dict(SPLIT=14))),
+    # WRING (session 25: the weights through the shared-memory ring by bulk copies that each consumer warp issues
+    # for its slab; the consumers load nothing from global memory)
+    dict(KERNEL="wgmma", PRODUCER=1, WGS=2, DEPTH=2, XST=6, MINB=3, LEAN=1, WRING=1),
+    dict(KERNEL="wgmma", PRODUCER=1, WGS=4, DEPTH=2, XST=6, MINB=1, XPAIR=1, LEAN=1, WRING=1),
+    # XBULK (a diagnostic: the activations pre-staged by PyTorch, timed with the GEMM; one bulk copy per chunk)
+    *(dict(KERNEL="wgmma", PRODUCER=1, WGS=wgs, DEPTH=2, XST=xst, MINB=minb, LEAN=1, WRING=1, XBULK=1)
+      for wgs, xst, minb in ((4, 6, 1), (2, 6, 2), (2, 4, 3))),
 )
 DECODE_SHAPES = [(3584, 18944), (18944, 3584), (1536, 8960), (8960, 1536), (1536, 2048), (1536, 1536)]  # (K, N)
 
@@ -500,7 +507,7 @@ def main():
         from megatron_fp4.kernels import cuda_decode as cd
         d = {"gpu": dev, "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()), "torch": torch.__version__,
              "triton": triton.__version__, "copy_GBps": copy_gbs, "cublas_bf16_8192_TFLOPs": bf16_peak,
-             "wgmma_max_weight": cd.WGMMA_MAX_WEIGHT, "large_m16_tile": cd.LARGE_M16_TILE,
+             "wgmma_max_weight": cd.WGMMA_MAX_WEIGHT, "large_m16_tiles": cd.LARGE_M16_TILES,
              "tiles": {f"{f} M<={m}": v for (f, m), v in cd.DECODE_TILES.items()},
              "wgmma_tiles": {f"{f} M<={m}": v for (f, m), v in cd.WGMMA_TILES.items()}, "decode": rows,
              "sweep": sweep_rows, "wall_s": time.time() - t0}

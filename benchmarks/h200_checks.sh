@@ -75,9 +75,11 @@ print('prebuilt', cd.prebuild([t for t in GPU_TILES if t], ntoks=(8, 16, 64)), '
     ;;
   decode-profile)  # the third launch of each case (the first builds the kernel); one text report per case:
     # M = 16 on the default (producer wgmma) tile, both formats; M = 64 (the rollout's batch) on both kernels, MXFP4
-    for case in "hif4 16 null" "mxfp4 16 null" 'mxfp4 64 {"KERNEL":"wgmma"}' 'mxfp4 64 {"KERNEL":"mma"}'; do
+    # (DECODE_PROFILE_CASES: other cases, one "format M tile-json" per line)
+    cases=${DECODE_PROFILE_CASES:-$'hif4 16 null\nmxfp4 16 null\nmxfp4 64 {"KERNEL":"wgmma"}\nmxfp4 64 {"KERNEL":"mma"}'}
+    while IFS= read -r case; do
       read -r fmt m tile <<< "$case"
-      name=decode_profile_${fmt}_m${m}_$(echo "$tile" | tr -dc 'a-z')
+      name=decode_profile_${fmt}_m${m}_$(echo "$tile" | tr -dc 'a-z0-9')
       ncu --clock-control none --kernel-name regex:w4_ --launch-skip 2 --launch-count 1 --section SpeedOfLight \
         --section MemoryWorkloadAnalysis --section WarpStateStats --section SchedulerStats --section Occupancy \
         --section SourceCounters --metrics "regex:smsp__average_warps_issue_stalled_.*_per_issue_active\.ratio" \
@@ -91,7 +93,7 @@ print('prebuilt', cd.prebuild([t for t in GPU_TILES if t], ntoks=(8, 16, 64)), '
       echo "== $name"
       grep -E "Duration|DRAM Throughput|Memory Throughput|Issued Warp|Achieved Occupancy|issue_stalled" \
         "$results/$name.txt" | head -40 || true
-    done
+    done <<< "$cases"
     ;;
   rl-step)  # the 5x target's command (64 prompts x 8 samples, 256 new tokens); each run stops after 240 s
     sglang_env rl-step

@@ -61,11 +61,14 @@ def loop_opcodes(cubin: bytes) -> collections.Counter:
         sass = subprocess.run([nvdisasm, "-c", fh.name], capture_output=True, text=True, check=True).stdout
     lines = sass.splitlines()
     labels = {ln.strip()[:-1]: i for i, ln in enumerate(lines) if re.match(r"^\.L_x_\d+:$", ln.strip())}
+    exits = [i for i, ln in enumerate(lines) if re.search(r"\bEXIT\b", ln)]
     start, end = 0, -1
     for i, ln in enumerate(lines):
         m = re.search(r"BRA `\((\.L_x_\d+)\)", ln)
         if m and labels.get(m.group(1), i) < i - 1 and i - labels[m.group(1)] > end - start:  # not the exit trap
-            start, end = labels[m.group(1)], i
+            # nor a spin-wait's retry that ptxas moved past the kernel's end (a span with an EXIT in it)
+            if not any(labels[m.group(1)] < e < i for e in exits):
+                start, end = labels[m.group(1)], i
     if end < 0:  # no loop: the whole kernel
         start, end = 0, len(lines) - 1
     ops = collections.Counter()
@@ -155,7 +158,7 @@ def cuda_case(fmt: str, BM: int, tile: dict, wide: bool) -> tuple:
 
     if _nvcc.nvcc() is None:
         raise SystemExit("kernel_sass.py cuda: needs nvcc (CUDA's compiler) on PATH or CUDA_HOME")
-    kernel, config = cd._choose(18944, 3584, cd._ntok(BM), tile or None)
+    kernel, config = cd._choose(18944, 3584, cd._ntok(BM), tile or None, int(fmt == "mxfp4"))
     cfg = cd._tile(kernel, int(fmt == "mxfp4"), cd._ntok(BM), config)
     defines = cd._defines(kernel, int(fmt == "mxfp4"), wide, cd._ntok(BM), cfg)
     with tempfile.TemporaryDirectory() as d:

@@ -65,9 +65,10 @@ def test_decode_kernel_choice_and_split():
     assert cd.default_kernel(18944, 3584) == cd.default_kernel(3584, 18944) == "mma"
     assert {cd.default_kernel(n, k) for n, k in ((8960, 1536), (1536, 8960), (2048, 1536), (3584, 3584))} == {"wgmma"}
     # ... except at 9-16 tokens, where the large weights take the wgmma kernel's producer-warp tile
-    assert cd._choose(18944, 3584, 16, None) == ("wgmma", cd.LARGE_M16_TILE)
-    assert cd._choose(18944, 3584, 64, None) == ("mma", None) and cd._choose(8960, 1536, 16, None) == ("wgmma", None)
-    assert cd._choose(18944, 3584, 16, {"KERNEL": "mma"}) == ("mma", {"KERNEL": "mma"})
+    assert cd._choose(18944, 3584, 16, None, 1) == ("wgmma", cd.LARGE_M16_TILES[1])
+    assert cd._choose(18944, 3584, 16, None, 0) == ("wgmma", cd.LARGE_M16_TILES[0]) and cd.LARGE_M16_TILES[0]["LEAN"]
+    assert cd._choose(18944, 3584, 64, None, 0) == ("mma", None) and cd._choose(8960, 1536, 16, None, 0) == ("wgmma", None)
+    assert cd._choose(18944, 3584, 16, {"KERNEL": "mma"}, 0) == ("mma", {"KERNEL": "mma"})
     # whole waves: 148 row blocks x 56 chunks on 264 slots: not 2 splits (296 blocks, a second wave of 32)
     assert cd._balanced_split(148, 56, 264) == 7
     assert cd._balanced_split(28, 296, 264) == 9  # one wave of 252 blocks
@@ -97,9 +98,8 @@ def test_wgmma_tiles_compile_without_spills_or_serialized_wgmmas(tmp_path):
     configs = [(f, w, m, None) for (f, m) in cd.WGMMA_TILES for w in ((0,) if f == 0 else (0, 1))]
     configs += [(f, 0, 16, t) for t in SWEEP_TILES if t.get("PRODUCER") for f in (0, 1)]
     configs += [(f, 0, 64, t) for t in SWEEP_TILES if t.get("LEAN") and not t.get("PRODUCER") for f in (0, 1)]
-    configs += [(f, 0, 64, t) for t in SWEEP_TILES if t.get("WGS") == 4 and (t.get("XPAIR") or not t.get("PRODUCER"))
-                for f in (0, 1)]
-    configs += [(f, w, 16, cd.LARGE_M16_TILE) for f, w in ((0, 0), (1, 0), (1, 1))]
+    configs += [(f, 0, 64, t) for t in SWEEP_TILES if t.get("WGS") == 4 for f in (0, 1)]
+    configs += [(f, w, 16, cd.LARGE_M16_TILES[f]) for f, w in ((0, 0), (1, 0), (1, 1))]
     for f, w, m, tile in configs:
         defines = cd._defines("wgmma", f, bool(w), m, cd._tile("wgmma", f, m, tile))
         report = _ptxas_report(defines, str(tmp_path / "k.cubin"))
@@ -124,12 +124,16 @@ GPU_TILES = [None, dict(KERNEL="mma", SPW=2, DEPTH=2, WARPS=4, PER_SM=2), dict(K
              dict(KERNEL="wgmma", WGS=1, DEPTH=4, XST=4, MINB=4),
              dict(KERNEL="wgmma", PRODUCER=1, WGS=1, DEPTH=4, XST=4, MINB=3),
              dict(KERNEL="wgmma", PRODUCER=1, WGS=2, DEPTH=2, XST=3, MINB=2),
-             dict(KERNEL="wgmma", PRODUCER=1, WGS=2, DEPTH=2, XST=4, MINB=3),  # LARGE_M16_TILE
+             dict(KERNEL="wgmma", PRODUCER=1, WGS=2, DEPTH=2, XST=4, MINB=3),  # LARGE_M16_TILES[1]
              dict(KERNEL="wgmma", PRODUCER=1, WGS=2, DEPTH=2, XST=4, MINB=3, LEAN=1),
              dict(KERNEL="wgmma", WGS=2, DEPTH=2, XST=4, MINB=2, LEAN=1),
              dict(KERNEL="wgmma", PRODUCER=1, WGS=2, DEPTH=2, XST=4, MINB=3, LEAN=1, XPAIR=1),
              dict(KERNEL="wgmma", WGS=4, DEPTH=2, XST=4, MINB=1, XPAIR=1),
-             dict(KERNEL="wgmma", PRODUCER=1, WGS=4, DEPTH=2, XST=4, MINB=1, XPAIR=1, LEAN=1)]
+             dict(KERNEL="wgmma", PRODUCER=1, WGS=4, DEPTH=2, XST=4, MINB=1, XPAIR=1, LEAN=1),
+             dict(KERNEL="wgmma", PRODUCER=1, WGS=2, DEPTH=2, XST=4, MINB=3, LEAN=1, WRING=1),
+             dict(KERNEL="wgmma", PRODUCER=1, WGS=4, DEPTH=2, XST=6, MINB=1, XPAIR=1, LEAN=1, WRING=1),
+             dict(KERNEL="wgmma", PRODUCER=1, WGS=4, DEPTH=2, XST=6, MINB=1, LEAN=1, WRING=1, XBULK=1),
+             dict(KERNEL="wgmma", PRODUCER=1, WGS=2, DEPTH=2, XST=4, MINB=3, LEAN=1, WRING=1, XBULK=1)]
 
 
 @pytest.mark.gpu

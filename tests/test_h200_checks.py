@@ -69,3 +69,8 @@ def test_decode_profile_runs_every_case_with_stand_in_tools(tmp_path):
     for case in cases:
         for suffix in (".log", ".txt", "_sass.csv"):
             assert (out / f"decode_profile_{case}{suffix}").exists(), (case, suffix, sorted(os.listdir(out)))
+    # DECODE_PROFILE_CASES replaces the list; a tile's digits tell its files apart
+    env["DECODE_PROFILE_CASES"] = 'mxfp4 64 {"KERNEL":"wgmma","WGS":4}\nhif4 16 {"KERNEL":"wgmma","WGS":2}'
+    r = subprocess.run(["bash", SCRIPT, "decode-profile"], capture_output=True, text=True, env=env, timeout=120)
+    assert r.returncode == 0 and r.stdout.count("== decode_profile_") == 2, r.stderr[-2000:]
+    assert (out / "decode_profile_mxfp4_m64_wgmma4.txt").exists() and (out / "decode_profile_hif4_m16_wgmma2.txt").exists()

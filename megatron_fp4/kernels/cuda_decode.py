@@ -31,7 +31,7 @@ from megatron_fp4.kernels import _nvcc
 from megatron_fp4.formats import QuantizedTensor
 
 __all__ = ["DecodeWeight", "to_decode_layout", "decode_layout_dequantize", "available", "w4_decode",
-           "DECODE_TILES", "WGMMA_TILES", "WGMMA_MAX_WEIGHT", "LARGE_M16_TILE", "default_kernel", "build",
+           "DECODE_TILES", "WGMMA_TILES", "WGMMA_MAX_WEIGHT", "LARGE_M16_TILES", "default_kernel", "build",
            "prebuild"]
 
 _META_BYTES = {0: 80, 1: 32}  # per (16-row slab, 64-value chunk): HiF4, MXFP4
@@ -212,10 +212,12 @@ WGMMA_TILES = {  # no register spills (ptxas, tests/test_cuda_decode.py); M = 16
 #: M = 16 wgmma beat mma.sync on every Qwen2.5-1.5B weight (1536 x 1536 .. 1536 x 8960: 1.10-1.27x) and lost on the
 #: 7B MLP weights (3584 x 18944 both ways: 0.81-0.91x), benchmarks/results/decode_h200_s19.json.
 WGMMA_MAX_WEIGHT = 32 * 2 ** 20
-#: Larger weights at 9-16 tokens take the wgmma kernel with a producer warp instead: on the H200 it beat mma.sync's
-#: default on the 7B MLP weights (HiF4 25.2-25.7 us vs 30.4-30.6, MXFP4 22.9-23.6 vs 25.9-26.1; the mma.sync tile
-#: stays for 8, 32 and 64 tokens; benchmarks/results/decode_h200_s23.json).
-LARGE_M16_TILE = dict(KERNEL="wgmma", WGS=2, DEPTH=2, XST=4, MINB=3, PRODUCER=1)
+#: Larger weights at 9-16 tokens take the wgmma kernel with a producer warp instead, per format id: on the H200 it beat
+#: mma.sync's default on the 7B MLP weights (HiF4 25.2-25.7 us vs 30.4-30.6, MXFP4 22.9-23.6 vs 25.9-26.1; the
+#: mma.sync tile stays for 8, 32 and 64 tokens; benchmarks/results/decode_h200_s23.json); HiF4 with LEAN=1 (session
+#: 25, three runs: 23.2-24.4 us vs 25.1-25.5 without; MXFP4 gained nothing from it, benchmarks/results/decode_h200_s25.json).
+_LARGE_M16 = dict(KERNEL="wgmma", WGS=2, DEPTH=2, XST=4, MINB=3, PRODUCER=1)
+LARGE_M16_TILES = {0: dict(_LARGE_M16, LEAN=1), 1: _LARGE_M16}
 #: Token counts up to which :func:`megatron_fp4.kernels.dispatch.decode_matmul` prefers these kernels to the Triton one.
 MAX_M = int(os.environ.get("MEGATRON_FP4_CUDA_DECODE_MAX_M", "64"))
 _SOURCES = {"mma": "w4_decode.cu", "wgmma": "w4_wgmma.cu"}
@@ -235,17 +237,17 @@ def available() -> bool:
 
 def default_kernel(n: int, k: int) -> str:
     """The decode kernel for a weight ``[n, k]``: "wgmma" up to :data:`WGMMA_MAX_WEIGHT` values, else "mma" (at 9-16
-    tokens :data:`LARGE_M16_TILE` overrides the latter)."""
+    tokens :data:`LARGE_M16_TILES` overrides the latter)."""
     return "wgmma" if n * k <= WGMMA_MAX_WEIGHT else "mma"
 
 
-def _choose(n: int, k: int, ntok: int, config: Optional[dict]) -> tuple:
+def _choose(n: int, k: int, ntok: int, config: Optional[dict], fmt_id: int) -> tuple:
     """The kernel and tile override of one launch on a weight ``[n, k]``: ``config``'s KERNEL, else
-    ``MEGATRON_FP4_DECODE_KERNEL``, else :data:`LARGE_M16_TILE` (no config given, a weight over
+    ``MEGATRON_FP4_DECODE_KERNEL``, else :data:`LARGE_M16_TILES` (no config given, a weight over
     :data:`WGMMA_MAX_WEIGHT`, 9-16 tokens), else :func:`default_kernel`."""
     kernel = (config or {}).get("KERNEL") or os.environ.get("MEGATRON_FP4_DECODE_KERNEL")
     if not kernel and config is None and ntok == 16 and n * k > WGMMA_MAX_WEIGHT:
-        kernel, config = LARGE_M16_TILE["KERNEL"], LARGE_M16_TILE
+        kernel, config = "wgmma", LARGE_M16_TILES[fmt_id]
     kernel = kernel or default_kernel(n, k)
     if kernel not in _SOURCES:
         raise ValueError(f"decode kernel {kernel!r} is not valid; allowed values: {', '.join(map(repr, _SOURCES))}")
@@ -262,7 +264,7 @@ def _defines(kernel: str, fmt_id: int, wide: bool, ntok: int, cfg: dict) -> dict
     if kernel == "wgmma":
         return dict(FMT=fmt_id, WIDE=int(wide), NTOK=ntok, WGS=cfg["WGS"], DEPTH=cfg["DEPTH"], XST=cfg["XST"],
                     MINB=cfg["MINB"], PRODUCER=int(cfg["PRODUCER"]), LEAN=int(cfg.get("LEAN", 0)),
-                    XPAIR=int(cfg.get("XPAIR", 0)))
+                    XPAIR=int(cfg.get("XPAIR", 0)), WRING=int(cfg.get("WRING", 0)), XBULK=int(cfg.get("XBULK", 0)))
     return dict(FMT=fmt_id, WIDE=int(wide), NT=ntok // 8, SPW=cfg["SPW"], DEPTH=cfg["DEPTH"], WARPS=cfg["WARPS"])
 
 
@@ -280,7 +282,7 @@ def prebuild(tiles: Optional[list] = None, ntoks=(16, 64), workers: int = 0) -> 
 
     jobs = {job(kernel, f, w, m, None) for kernel in _SOURCES for f, w in ((0, 0), (1, 0), (1, 1))
             for m in (8, 16, 32, 64)}
-    jobs |= {job("wgmma", f, w, 16, LARGE_M16_TILE) for f, w in ((0, 0), (1, 0), (1, 1))}
+    jobs |= {job("wgmma", f, w, 16, LARGE_M16_TILES[f]) for f, w in ((0, 0), (1, 0), (1, 1))}
     jobs |= {job(t["KERNEL"], f, 0, m, t) for t in tiles or [] for f in (0, 1) for m in ntoks}
     from concurrent.futures import ThreadPoolExecutor
 
@@ -299,6 +301,16 @@ def _balanced_split(row_blocks: int, chunks: int, slots: int) -> int:
         return -(-row_blocks * -(-chunks // cps) // slots) * (cps + 2)
 
     return min(range(1, chunks + 1), key=lambda sp: (cost(sp), sp))
+
+
+def stage_activations(x: torch.Tensor, ntok: int) -> torch.Tensor:
+    """BF16 ``x [M, K]`` (K a multiple of 64) laid out as the wgmma kernel's activation stages (``XBULK=1``: one bulk
+    copy per chunk): per 64-value chunk, per k16 step, per 8 tokens, the two core matrices (bf16 pairs 0, 2, 4, 6
+    and 1, 3, 5, 7 of each token's 16 values), tokens past M repeating token M - 1."""
+    M, K = x.shape
+    xp = torch.cat((x, x[-1:].expand(ntok - M, K))) if ntok > M else x
+    # [ng, r, C, s, j, kh, i] -> [C, s, ng, kh, r, j, i]
+    return xp.reshape(ntok // 8, 8, K // 64, 4, 4, 2, 2).permute(2, 3, 0, 5, 1, 4, 6).contiguous()
 
 
 def _ntok(M: int) -> int:
@@ -322,9 +334,11 @@ def w4_decode(x: torch.Tensor, dw: DecodeWeight, config: Optional[dict] = None,
     if not x.is_contiguous() or x.data_ptr() % 16:
         x = x.contiguous()
     ntok = _ntok(M)
-    kernel, config = _choose(dw.n, dw.k, ntok, config)
+    kernel, config = _choose(dw.n, dw.k, ntok, config, dw.fmt_id)
     cfg = _tile(kernel, dw.fmt_id, ntok, config)
     fn = build(kernel, dw.fmt_id, dw.wide, ntok, cfg)
+    if cfg.get("XBULK"):  # a diagnostic tile: the activations pre-staged by PyTorch (timed with the GEMM)
+        x = stage_activations(x, ntok)
     S, C = dw.slabs, dw.chunks
     sms = torch.cuda.get_device_properties(x.device).multi_processor_count
     if kernel == "wgmma":

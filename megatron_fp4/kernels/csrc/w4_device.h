@@ -139,10 +139,15 @@ DINL void dequant(uint32_t w, const Scales& S, int s, uint32_t* a) {
 #if FMT == 1
 #define META_WORDS 8  // 32-bit words per (slab, chunk)
 DINL uint32_t load_meta(const uint32_t* __restrict__ p, int lane) { return __ldg(p + (lane >> 2)); }
+DINL uint32_t load_meta_shared(const uint32_t* p, int lane) { return p[lane >> 2]; }
 #else
 #define META_WORDS 20  // 80 bytes: 32 x 16-bit e bits (per lane), 8 x 16-bit E6M2 codes (per g)
 DINL uint32_t load_meta(const uint32_t* __restrict__ p, int lane) {
   const uint16_t* q = reinterpret_cast<const uint16_t*>(p);
   return (uint32_t)__ldg(q + lane) | ((uint32_t)__ldg(q + 32 + (lane >> 2)) << 16);
+}
+DINL uint32_t load_meta_shared(const uint32_t* p, int lane) {  // the same words from shared memory
+  const uint16_t* q = reinterpret_cast<const uint16_t*>(p);
+  return (uint32_t)q[lane] | ((uint32_t)q[32 + (lane >> 2)] << 16);
 }
 #endif

@@ -10,7 +10,10 @@
 // the M = 16 producer tile's loop by cuobjdump's count: each weight prefetch issued after the chunk's wgmmas, into
 // the registers its dequantized words left (no copy that waits for the load), the B descriptors by addition, and
 // HiF4's mask-and-bias in one LOP3; Nsight Compute found the M = 16 loop issue-bound, docs/PERFORMANCE.md), -DXPAIR
-// (1: the activation staging's loads read whole sectors, see load_x).
+// (1: the activation staging's loads read whole sectors, see load_x), -DWRING (1, with PRODUCER=1: the weights too come
+// through the shared-memory ring, by bulk asynchronous copies; see below), -DXBULK (1, with WRING: a diagnostic, the
+// activations come pre-staged, one bulk copy per chunk). XPAIR, WRING and XBULK are tile keys, none a default:
+// docs/PERFORMANCE.md (session 25) has what each measured.
 //
 // Each warpgroup owns one 64-row tile of W (four 16-row slabs of the decode layout, one per warp). Per 64-value chunk
 // of K a warp loads its slab's codes (one 16-byte load per lane), dequantizes them exactly into the BF16 A fragment of
@@ -29,6 +32,14 @@
 // and meets the warpgroups at named barriers (stage s full: barrier 1 + s, empty: 1 + XST + s) instead of a block
 // barrier per chunk. Only that warp then executes fence.proxy.async, which compiles to a MEMBAR that waits for all
 // of the executing thread's loads in flight: in the PRODUCER=0 form every warp drains its weight prefetch there.
+// WRING=1 (with PRODUCER=1): each ring stage also holds the block's codes and metadata of its chunk. Each consumer
+// warp copies its own slab's there with cp.async.bulk (lane 0 the 512 bytes of codes, lane 1 the metadata), XST
+// chunks ahead, as soon as it has used the words the stage held before; the copies complete on the stage's
+// mbarrier, which the producer's 32 lanes arrive on once the activations are stored (the first with the stage's
+// byte count). So the bytes in flight are the ring's (XST stages in dynamic shared memory), not the registers'
+// (DEPTH chunks: at M = 64 the accumulators leave room for 2 only and Nsight Compute found half the cycles waiting on
+// global loads). The consumers wait on the stage's mbarrier and read their slab's words from shared memory DEPTH
+// chunks ahead; "stage empty" stays a named barrier (1 + s).
 // Split-K: blockIdx.y takes chunks [y * cps, (y + 1) * cps); with gridDim.y > 1 partial sums are added atomically
 // into a zeroed fp32 output.
 #include <cuda_runtime.h>
@@ -55,8 +66,21 @@
 #ifndef LEAN
 #define LEAN 0  // not the default until timed on a GPU
 #endif
-#if DEPTH % 2 || XST < 3 || (PRODUCER && 2 * XST > 15)
-#error "DEPTH must be even (the two A register sets alternate per chunk), XST >= 3 (PRODUCER: <= 7, 2 XST + 1 barriers)"
+#ifndef WRING
+#define WRING 0
+#endif
+#ifndef XBULK
+#define XBULK 0  // 1 (with WRING): x arrives already in the stages' layout (stage_activations); one bulk copy per chunk
+#endif
+#if XBULK && !WRING
+#error "XBULK needs WRING"
+#endif
+#if DEPTH % 2 || XST < 3 || (PRODUCER && !WRING && 2 * XST > 15) || PRODUCER > 1
+#error "DEPTH must be even (the two A register sets alternate per chunk), XST >= 3 (PRODUCER: <= 7, 2 XST + 1 barriers), \
+PRODUCER 0 or 1"
+#endif
+#if WRING && (!PRODUCER || XST < DEPTH + 2 || XST > 15)
+#error "WRING needs PRODUCER=1 and DEPTH + 2 <= XST <= 15 (a consumer waits for chunk c + DEPTH before it frees c - 1)"
 #endif
 
 #include "w4_device.h"
@@ -66,6 +90,11 @@
 #define STAGERS (PRODUCER ? 32 : THREADS)    // threads that stage the activations
 #define STEP_BYTES (NTOK * 32)      // one k16 step of B: NTOK tokens x 16 bf16
 #define STAGE_BYTES (4 * STEP_BYTES)  // one 64-value chunk
+#define SLABS (WGS * 4)               // 16-row weight slabs per block (one per consumer warp)
+#define META_BYTES (META_WORDS * 4)
+// WRING: a ring stage is [activations | the slabs' codes (512 bytes each) | their metadata], 128-byte aligned
+#define RSTAGE_BYTES ((STAGE_BYTES + SLABS * (512 + META_BYTES) + 127) / 128 * 128)
+#define XSTRIDE (WRING ? RSTAGE_BYTES : STAGE_BYTES)  // bytes from one stage's activations to the next's
 
 template <int N_>
 DINL void wgmma_rs(float* d, const uint32_t* a, uint64_t desc);
@@ -117,6 +146,24 @@ DINL void wgmma_rs<64>(float* d, const uint32_t* a, uint64_t desc) {
 // Named barriers (0 is __syncthreads'): the warps that arrive do not wait; THREADS threads complete one.
 DINL void bar_sync(int id) { asm volatile("bar.sync %0, %1;" ::"r"(id), "n"(THREADS) : "memory"); }
 DINL void bar_arrive(int id) { asm volatile("bar.arrive %0, %1;" ::"r"(id), "n"(THREADS) : "memory"); }
+
+// mbarriers (WRING) and the bulk copy that completes on one
+DINL void mbar_init(uint32_t bar, int count) {
+  asm volatile("mbarrier.init.shared::cta.b64 [%0], %1;" ::"r"(bar), "r"(count) : "memory");
+}
+DINL void mbar_arrive(uint32_t bar) { asm volatile("mbarrier.arrive.shared::cta.b64 _, [%0];" ::"r"(bar) : "memory"); }
+DINL void mbar_arrive_tx(uint32_t bar, uint32_t bytes) {
+  asm volatile("mbarrier.arrive.expect_tx.shared::cta.b64 _, [%0], %1;" ::"r"(bar), "r"(bytes) : "memory");
+}
+DINL void mbar_wait(uint32_t bar, uint32_t parity) {  // until the phase of this parity has completed
+  asm volatile(
+      "{\n .reg .pred p;\n WAIT:\n mbarrier.try_wait.parity.shared::cta.b64 p, [%0], %1;\n @!p bra WAIT;\n}"
+      ::"r"(bar), "r"(parity) : "memory");
+}
+DINL void bulk_copy(uint32_t dst, const void* src, uint32_t bytes, uint32_t bar) {
+  asm volatile("cp.async.bulk.shared::cluster.global.mbarrier::complete_tx::bytes [%0], [%1], %2, [%3];"
+               ::"r"(dst), "l"(src), "r"(bytes), "r"(bar) : "memory");
+}
 
 DINL void wgmma_fence() { asm volatile("wgmma.fence.sync.aligned;" ::: "memory"); }
 DINL void wgmma_commit() { asm volatile("wgmma.commit_group.sync.aligned;" ::: "memory"); }
@@ -198,25 +245,57 @@ DINL void store_x(const XRegs& r, uint8_t* stage, int sid) {
   asm volatile("fence.proxy.async.shared::cta;" ::: "memory");  // these generic stores -> the wgmmas' reads
 }
 
+#define EMPTY_BAR(s) ((WRING ? 1 : 1 + XST) + (s))  // named barrier: the consumers have retired stage s
+
 extern "C" __global__ void __launch_bounds__(THREADS, MINB)
 w4_wgmma_kernel(const uint4* __restrict__ codes, const uint32_t* __restrict__ meta, const uint4* __restrict__ x,
                 float* __restrict__ out, int M, int N, int S, int C, int ldx16, int ldo, int cps) {
+#if WRING
+  extern __shared__ __align__(128) uint8_t xs[];  // XST * RSTAGE_BYTES
+  __shared__ __align__(8) uint64_t full[XST];
+  const uint32_t full0 = (uint32_t)__cvta_generic_to_shared(full);
+#else
   __shared__ __align__(128) uint8_t xs[XST * STAGE_BYTES];
+#endif
   const int lane = threadIdx.x & 31;
   const int warp = __shfl_sync(0xFFFFFFFFu, threadIdx.x >> 5, 0);  // warp-uniform, as ptxas can see
   const int g = lane >> 2, t = lane & 3;
   const int c0 = blockIdx.y * cps;
   const int nch = min(C, c0 + cps) - c0;
   if (nch <= 0) return;  // block-uniform
+#if WRING
+  if (threadIdx.x < XST) mbar_init(full0 + threadIdx.x * 8, XBULK ? 1 : 32);  // the producer's lanes arrive
+  asm volatile("fence.mbarrier_init.release.cluster;" ::: "memory");
+  __syncthreads();
+#endif
 #if PRODUCER
   if (warp == CONSUMERS / 32) {  // the producer: chunk c into stage c % XST once the wgmmas of chunk c - XST retired
+#if XBULK  // chunk c's staged activations by one copy (lane 0's) once the stage is empty
+    const uint8_t* xsrc = reinterpret_cast<const uint8_t*>(x) + (size_t)c0 * STAGE_BYTES;
+    for (int c = 0; c < nch; ++c) {
+      const int s = c % XST;
+      if (c >= XST) bar_sync(EMPTY_BAR(s));
+      if (lane == 0) {
+        mbar_arrive_tx(full0 + s * 8, STAGE_BYTES + SLABS * (512 + META_BYTES));
+        bulk_copy((uint32_t)__cvta_generic_to_shared(xs) + s * RSTAGE_BYTES, xsrc + (size_t)c * STAGE_BYTES,
+                  STAGE_BYTES, full0 + s * 8);
+      }
+    }
+    return;
+#endif
     XRegs xr;
     load_x(xr, x, M, ldx16, c0, lane);
     for (int c = 0; c < nch; ++c) {
       const int s = c % XST;
-      if (c >= XST) bar_sync(1 + XST + s);
-      store_x(xr, xs + s * STAGE_BYTES, lane);
+      if (c >= XST) bar_sync(EMPTY_BAR(s));
+      store_x(xr, xs + s * XSTRIDE, lane);
+#if WRING  // the stage is full once these arrivals and the consumers' copies' bytes are in
+      __syncwarp();
+      if (lane == 0) mbar_arrive_tx(full0 + s * 8, SLABS * (512 + META_BYTES));
+      else mbar_arrive(full0 + s * 8);
+#else
       bar_arrive(1 + s);
+#endif
       if (c + 1 < nch) load_x(xr, x, M, ldx16, c0 + c + 1, lane);
     }
     return;
@@ -229,9 +308,37 @@ w4_wgmma_kernel(const uint4* __restrict__ codes, const uint32_t* __restrict__ me
   const uint64_t desc0 = b_desc(xs0);
 #endif
 
+  // FETCH(d, rel, kc): chunk kc (rel chunks past wp / mp) into wq[d], mq[d]
+#if WRING  // from this warp's slab in the chunk's stage, once the stage is full
+  const uint8_t* wsm = xs + STAGE_BYTES + warp * 512 + lane * 16;
+  const uint32_t* msm = reinterpret_cast<const uint32_t*>(xs + STAGE_BYTES + SLABS * 512 + warp * META_BYTES);
+  // COPY(kc): lane 0 copies this warp's slab's codes of chunk kc into the chunk's stage, lane 1 its metadata
+  const size_t cunit = (size_t)min(slab, S - 1) * C + c0;
+  const bool cmeta = lane == 1;
+  const uint8_t* csrc = cmeta ? reinterpret_cast<const uint8_t*>(meta + cunit * META_WORDS)
+                              : reinterpret_cast<const uint8_t*>(codes + cunit * 32);
+  const uint32_t cbytes = cmeta ? META_BYTES : 512;
+  const uint32_t cdst = xs0 + STAGE_BYTES + (cmeta ? SLABS * 512 + warp * META_BYTES : warp * 512);
+#define COPY(kc) \
+  if (lane < 2) bulk_copy(cdst + ((kc) % XST) * RSTAGE_BYTES, csrc + (size_t)(kc) * cbytes, cbytes, full0 + ((kc) % XST) * 8)
+#pragma unroll 1
+  for (int kc = 0; kc < min(XST, nch); ++kc) COPY(kc);
+#define FETCH(d, rel, kc)                                                       \
+  {                                                                             \
+    mbar_wait(full0 + ((kc) % XST) * 8, ((kc) / XST) & 1);                      \
+    wq[d] = *reinterpret_cast<const uint4*>(wsm + ((kc) % XST) * RSTAGE_BYTES); \
+    mq[d] = load_meta_shared(msm + ((kc) % XST) * (RSTAGE_BYTES / 4), lane);    \
+  }
+#else
   const size_t unit = (size_t)min(slab, S - 1) * C + c0;
   const uint4* wp = codes + unit * 32 + lane;
   const uint32_t* mp = meta + unit * META_WORDS;
+#define FETCH(d, rel, kc)                                  \
+  {                                                        \
+    wq[d] = __ldg(wp + (rel) * 32);                        \
+    mq[d] = load_meta(mp + (rel) * META_WORDS, lane);      \
+  }
+#endif
   float acc[NTOK / 2];
 #pragma unroll
   for (int i = 0; i < NTOK / 2; ++i) acc[i] = 0.f;
@@ -251,10 +358,7 @@ w4_wgmma_kernel(const uint4* __restrict__ codes, const uint32_t* __restrict__ me
   uint32_t mq[DEPTH];
 #pragma unroll
   for (int d = 0; d < DEPTH; ++d) {
-    if (d < nch) {
-      wq[d] = __ldg(wp + d * 32);
-      mq[d] = load_meta(mp + d * META_WORDS, lane);
-    }
+    if (d < nch) FETCH(d, d, d);
   }
   uint32_t a[2][4][4];  // [chunk parity][k16 step][fragment register]
 
@@ -266,16 +370,18 @@ w4_wgmma_kernel(const uint4* __restrict__ codes, const uint32_t* __restrict__ me
         const uint4 w = wq[d];
         const Scales sc = make_scales(mq[d]);
 #if !LEAN
-        if (kk + DEPTH < nch) {
-          wq[d] = __ldg(wp + (d + DEPTH) * 32);
-          mq[d] = load_meta(mp + (d + DEPTH) * META_WORDS, lane);
-        }
+        if (kk + DEPTH < nch) FETCH(d, d + DEPTH, kk + DEPTH);
 #endif
         dequant(w.x, sc, 0, a[d & 1][0]);
         dequant(w.y, sc, 1, a[d & 1][1]);
         dequant(w.z, sc, 2, a[d & 1][2]);
         dequant(w.w, sc, 3, a[d & 1][3]);
-#if PRODUCER
+#if WRING  // chunk kk's stage was full (FETCH waited for it); its words are used: refill this warp's slab of it
+        if (kk + XST < nch) {
+          __syncwarp();
+          COPY(kk + XST);
+        }
+#elif PRODUCER
         bar_sync(1 + kk % XST);  // chunk kk staged by the producer
 #else
         __syncthreads();  // chunk kk staged by all threads; every warpgroup has retired the wgmmas of chunk kk - 2
@@ -285,10 +391,10 @@ w4_wgmma_kernel(const uint4* __restrict__ codes, const uint32_t* __restrict__ me
         // Every warpgroup issues its wgmmas (an idle one multiplies a clamped slab and stores nothing): a wgmma
         // under a thread-dependent branch makes ptxas serialize all of them.
 #if LEAN  // the descriptors by addition to the first stage's (the address field is bits 0-13, in 16-byte units)
-        const uint64_t stage = desc0 + (uint32_t)((kk % XST) * (STAGE_BYTES >> 4));
+        const uint64_t stage = desc0 + (uint32_t)((kk % XST) * (XSTRIDE >> 4));
 #define B_DESC(s) (stage + (s) * (STEP_BYTES >> 4))
 #else
-        const uint32_t stage = xs0 + (kk % XST) * STAGE_BYTES;
+        const uint32_t stage = xs0 + (kk % XST) * XSTRIDE;
 #define B_DESC(s) b_desc(stage + (s) * STEP_BYTES)
 #endif
         wgmma_fence();
@@ -299,20 +405,21 @@ w4_wgmma_kernel(const uint4* __restrict__ codes, const uint32_t* __restrict__ me
         wgmma_commit();
         pin(acc);
 #if LEAN  // the prefetch once w is dequantized: it reuses w's registers (no copy that waits for the load)
-        if (kk + DEPTH < nch) {
-          wq[d] = __ldg(wp + (d + DEPTH) * 32);
-          mq[d] = load_meta(mp + (d + DEPTH) * META_WORDS, lane);
-        }
+        if (kk + DEPTH < nch) FETCH(d, d + DEPTH, kk + DEPTH);
 #endif
         wgmma_wait<1>();  // chunk kk - 1's group has retired: its A registers and stage are free
 #if PRODUCER
-        if (kk >= 1 && kk - 1 + XST < nch) bar_arrive(1 + XST + (kk - 1) % XST);  // (the producer waits for it)
+        if (kk >= 1 && kk - 1 + XST < nch) bar_arrive(EMPTY_BAR((kk - 1) % XST));  // (the producer waits for it)
 #endif
       }
     }
+#if !WRING
     wp += DEPTH * 32;
     mp += DEPTH * META_WORDS;
+#endif
   }
+#undef FETCH
+#undef COPY
   wgmma_wait<0>();
   pin(acc);
   if (!active) return;
@@ -336,7 +443,18 @@ w4_wgmma_kernel(const uint4* __restrict__ codes, const uint32_t* __restrict__ me
 extern "C" int w4_wgmma_launch(const void* codes, const void* meta, const void* x, void* out, int M, int N, int S,
                                int C, int ldx, int ldo, int split, int cps, void* stream) {
   dim3 grid((S / 4 + WGS - 1) / WGS, split);
-  w4_wgmma_kernel<<<grid, THREADS, 0, (cudaStream_t)stream>>>(
+#if WRING
+  const int smem = XST * RSTAGE_BYTES;  // over the 48 KB default: allowed once per library
+  static bool smem_allowed = false;
+  if (!smem_allowed) {
+    const cudaError_t err = cudaFuncSetAttribute(w4_wgmma_kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, smem);
+    if (err != cudaSuccess) return (int)err;
+    smem_allowed = true;
+  }
+#else
+  const int smem = 0;
+#endif
+  w4_wgmma_kernel<<<grid, THREADS, smem, (cudaStream_t)stream>>>(
       (const uint4*)codes, (const uint32_t*)meta, (const uint4*)x, (float*)out, M, N, S, C, ldx / 8, ldo, cps);
   return (int)cudaGetLastError();
 }
