@@ -202,7 +202,8 @@ DECODE_TILES = {  # from --decode-sweep on the 7B MLP shapes (docs/PERFORMANCE.m
 #: Default tiles of the wgmma kernel by (format id, token bucket): WGS warpgroups (64 weight rows each) per block,
 #: DEPTH chunks in flight per warp, XST shared-memory stages of activations, MINB blocks per SM the registers allow
 #: (also the split-K target), PRODUCER 1: one extra warp stages the activations (w4_wgmma.cu says why); a tile may
-#: add LEAN 1 (fewer instructions per chunk: w4_wgmma.cu; compiled and counted, not yet timed on a GPU).
+#: add LEAN 1 (fewer instructions per chunk), XPAIR, WRING, XBULK (w4_wgmma.cu; docs/PERFORMANCE.md, session 25).
+#: XBULK=1 is a diagnostic: :func:`w4_decode` then lays the activations out with :func:`stage_activations` first.
 WGMMA_TILES = {  # no register spills (ptxas, tests/test_cuda_decode.py); M = 16 and 64 measured on the H200
     # (docs/PERFORMANCE.md, session 19); HiF4 at M <= 32 takes DEPTH 2: DEPTH 4 spilled 20 bytes there
     **{(f, m): dict(WGS=2, DEPTH=4, XST=4, MINB=2, PRODUCER=0) for f, m in ((0, 8), (0, 16), (1, 8), (1, 16), (1, 32))},

@@ -64,7 +64,7 @@
 #define PRODUCER 0
 #endif
 #ifndef LEAN
-#define LEAN 0  // not the default until timed on a GPU
+#define LEAN 0  // (HiF4 takes LEAN=1 at 9-16 tokens on large weights: cuda_decode.LARGE_M16_TILES)
 #endif
 #ifndef WRING
 #define WRING 0
