@@ -337,6 +337,9 @@ SWEEP_TILES = (
     # for its slab; the consumers load nothing from global memory)
     dict(KERNEL="wgmma", PRODUCER=1, WGS=2, DEPTH=2, XST=6, MINB=3, LEAN=1, WRING=1),
     dict(KERNEL="wgmma", PRODUCER=1, WGS=4, DEPTH=2, XST=6, MINB=1, XPAIR=1, LEAN=1, WRING=1),
+    # NATURAL (MXFP4 weights in natural K order, the activations by TMA: XBULK's product form; session 25, prepared)
+    *(dict(KERNEL="wgmma", PRODUCER=1, WGS=wgs, DEPTH=2, XST=xst, MINB=minb, LEAN=1, WRING=1, NATURAL=1)
+      for wgs, xst, minb in ((2, 6, 2), (4, 6, 1), (2, 4, 3))),
     # XBULK (a diagnostic: the activations pre-staged by PyTorch, timed with the GEMM; one bulk copy per chunk)
     *(dict(KERNEL="wgmma", PRODUCER=1, WGS=wgs, DEPTH=2, XST=xst, MINB=minb, LEAN=1, WRING=1, XBULK=1)
       for wgs, xst, minb in ((4, 6, 1), (2, 6, 2), (2, 4, 3))),
@@ -344,7 +347,7 @@ SWEEP_TILES = (
 DECODE_SHAPES = [(3584, 18944), (18944, 3584), (1536, 8960), (8960, 1536), (1536, 2048), (1536, 1536)]  # (K, N)
 
 
-def bench_decode(shapes, ms_list=(16, 64), sweep=False):
+def bench_decode(shapes, ms_list=(16, 64), sweep=False, sweep_keys=None):
     """Issue 20's decode table: the CUDA decode kernel (megatron_fp4.kernels.cuda_decode) against cuBLAS BF16 (and the
     Triton decode kernel), W4A16, W4A4 on the exact BF16 expansion (GEMM alone and quantize + GEMM) and ResQ 2:4 in its
     bf16-sum form (quantize + GEMM), both formats; every column a CUDA-graph replay with weights rotated through
@@ -352,8 +355,9 @@ def bench_decode(shapes, ms_list=(16, 64), sweep=False):
     from megatron_fp4.kernels import cuda_decode as cd
     from megatron_fp4.kernels.dispatch import prepare_weight
 
+    tiles = [t for t in SWEEP_TILES if not sweep_keys or any(t.get(k) for k in sweep_keys)] if sweep else []
     t0 = time.perf_counter()  # every configuration compiled in parallel first (on first use each compiles alone)
-    built = cd.prebuild(list(SWEEP_TILES) if sweep else [], ntoks=tuple(sorted({cd._ntok(m) for m in ms_list})))
+    built = cd.prebuild(tiles, ntoks=tuple(sorted({cd._ntok(m) for m in ms_list})))
     print(f"  {built} CUDA decode configurations built in {time.perf_counter() - t0:.0f} s", flush=True)
     rows, sweep_rows = [], []
     for (K, N) in shapes:
@@ -395,9 +399,15 @@ def bench_decode(shapes, ms_list=(16, 64), sweep=False):
                 rec(f"{fmt}_w4a16_triton", bench([lambda i=i: w4_matmul(xs[i], ps[i].packed, wide=ps[i].wide)
                                                   for i in range(n)], graph=True))
                 if sweep and (K, N) in ((3584, 18944), (18944, 3584)):
-                    for cfg in SWEEP_TILES:
+                    natural = None  # the MXFP4 weights in natural K order, for the NATURAL tiles
+                    for cfg in tiles:
+                        if cfg.get("NATURAL") and fmt == "hif4":
+                            continue
+                        if cfg.get("NATURAL") and natural is None:
+                            natural = [cd.to_decode_layout(p.packed, p.wide, natural=True) for p in ps]
+                        dws = natural if cfg.get("NATURAL") else [p.decode for p in ps]
                         try:
-                            ms = bench([lambda i=i: cd.w4_decode(exs[i], ps[i].decode, config=cfg)
+                            ms = bench([lambda i=i: cd.w4_decode(exs[i], dws[i], config=cfg)
                                         for i in range(n)], graph=True)
                         except Exception as e:  # noqa: BLE001
                             ms = float("nan")
@@ -484,6 +494,8 @@ def main():
                    help="only issue 20's decode table (CUDA decode kernel vs cuBLAS BF16 at M = 16 and 64) "
                         "-> --out (default benchmarks/results/decode_h200.json)")
     p.add_argument("--decode-sweep", action="store_true", help="with --decode: also sweep the CUDA kernel's tiles")
+    p.add_argument("--sweep-keys", help="with --decode-sweep: only the tiles that set one of these keys, e.g. "
+                                        "NATURAL,XBULK")
     p.add_argument("--training-operands", action="store_true",
                    help="only the training operands' quantization into both GEMM layouts, and the column pass two "
                         "ways (Qwen2.5-1.5B's X and dY at 8192 tokens) -> --out (default "
@@ -503,7 +515,8 @@ def main():
         shapes = DECODE_SHAPES
         if args.shapes:
             shapes = [tuple(int(v) for v in s.split("x")) for s in args.shapes.split(",")]
-        rows, sweep_rows = bench_decode(shapes, sweep=args.decode_sweep)
+        rows, sweep_rows = bench_decode(shapes, sweep=args.decode_sweep,
+                                        sweep_keys=args.sweep_keys.split(",") if args.sweep_keys else None)
         from megatron_fp4.kernels import cuda_decode as cd
         d = {"gpu": dev, "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()), "torch": torch.__version__,
              "triton": triton.__version__, "copy_GBps": copy_gbs, "cublas_bf16_8192_TFLOPs": bf16_peak,

@@ -47,6 +47,29 @@ def test_decode_layout_reads_back_the_reference(name, N, K):
     assert _same(decode_layout_dequantize(dw), qt.dequantize().float())
 
 
+@pytest.mark.parametrize("name", ["mxfp4", "mxfp4_rceil"])
+@pytest.mark.parametrize("N,K", [(16, 64), (40, 192), (33, 96)])
+def test_natural_decode_layout_reads_back_the_reference(name, N, K):
+    qt = get_format(name).quantize(_weight(N, K, name).to(torch.bfloat16), dim=-1)
+    dw = to_decode_layout(qt, _wide(qt), natural=True)
+    assert dw.natural and not torch.equal(dw.codes, to_decode_layout(qt, _wide(qt)).codes)
+    assert _same(decode_layout_dequantize(dw), qt.dequantize().float())
+    with pytest.raises(ValueError, match="MXFP4 only"):
+        to_decode_layout(get_format("hif4").quantize(_weight(N, K, "hif4"), dim=-1), natural=True)
+
+
+def test_natural_layout_is_opt_in_for_mxfp4(monkeypatch):
+    from megatron_fp4.kernels.cuda_decode import natural_layout
+
+    assert not natural_layout(1) and not natural_layout(0)
+    monkeypatch.setenv("MEGATRON_FP4_DECODE_LAYOUT", "natural")
+    assert natural_layout(1) and not natural_layout(0)  # HiF4: no natural form yet
+    monkeypatch.setenv("MEGATRON_FP4_DECODE_LAYOUT", "swizzled")
+    with pytest.raises(ValueError, match="MEGATRON_FP4_DECODE_LAYOUT='swizzled' is not valid; allowed values: "
+                                         "'permuted', 'natural'"):
+        natural_layout(1)
+
+
 def test_decode_layout_mxfp4_without_wide_scales():
     qt = get_format("mxfp4").quantize(_weight(24, 128, "mxfp4", specials=False) * 1e-3, dim=-1)
     assert not _wide(qt)
@@ -116,9 +139,11 @@ def test_wgmma_tiles_compile_without_spills_or_serialized_wgmmas(tmp_path):
     from benchmarks.bench_kernels import SWEEP_TILES
 
     configs = [(f, w, m, None) for (f, m) in cd.WGMMA_TILES for w in ((0,) if f == 0 else (0, 1))]
-    configs += [(f, 0, 16, t) for t in SWEEP_TILES if t.get("PRODUCER") for f in (0, 1)]
+    formats = lambda t: (1,) if t.get("NATURAL") else (0, 1)  # noqa: E731 (NATURAL: MXFP4 only)
+    configs += [(f, 0, 16, t) for t in SWEEP_TILES if t.get("PRODUCER") for f in formats(t)]
     configs += [(f, 0, 64, t) for t in SWEEP_TILES if t.get("LEAN") and not t.get("PRODUCER") for f in (0, 1)]
-    configs += [(f, 0, 64, t) for t in SWEEP_TILES if t.get("WGS") == 4 for f in (0, 1)]
+    configs += [(f, 0, 64, t) for t in SWEEP_TILES if t.get("WGS") == 4 or t.get("NATURAL") and t["MINB"] < 3
+                for f in formats(t)]
     configs += [(f, w, 16, cd.LARGE_M16_TILES[f]) for f, w in ((0, 0), (1, 0), (1, 1))]
     for f, w, m, tile in configs:
         defines = cd._defines("wgmma", f, bool(w), m, cd._tile("wgmma", f, m, tile))
@@ -174,6 +199,42 @@ def test_gpu_decode_bit_exact_one_hot(name, tile):
             x[torch.arange(len(ks)), ks] = 1.0
             got[:, ks] = cd.w4_decode(x, dw, config=tile).t()
         assert _same(got, ref), (name, M)
+
+
+#: The natural-K-order tiles (MXFP4 weights from to_decode_layout(natural=True); activations by TMA).
+NATURAL_GPU_TILES = [None, dict(WGS=4, XST=6, MINB=1), dict(XST=4, MINB=3), dict(SPLIT=1), dict(LEAN=0)]
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("name", ["mxfp4", "mxfp4_rceil"])
+@pytest.mark.parametrize("tile", NATURAL_GPU_TILES)
+def test_gpu_natural_layout_bit_exact(name, tile):
+    """One-hot columns read back the reference weight exactly (M = 64, 16, 5, K not a multiple of 64: the TMA's
+    zero rows and columns), and random activations match the fp64 product (M = 1 .. 64, ragged slabs)."""
+    cd = _cuda_ready()
+    N, K = 72, 320
+    qt = get_format(name).quantize(_weight(N, K, name).to(torch.bfloat16).cuda(), dim=-1)
+    dw = to_decode_layout(qt, _wide(qt), natural=True)
+    ref = qt.dequantize().float()
+    ref[ref.isnan().any(dim=1)] = float("nan")
+    for M in (64, 16, 5):
+        got = torch.empty_like(ref)
+        for k0 in range(0, K, M):
+            ks = torch.arange(k0, min(K, k0 + M), device="cuda")
+            x = torch.zeros(len(ks), dw.chunks * 64, dtype=torch.bfloat16, device="cuda")
+            x[torch.arange(len(ks)), ks] = 1.0
+            got[:, ks] = cd.w4_decode(x, dw, config=tile).t()
+        assert _same(got, ref), (name, M)
+    N, K = 1000, 1056
+    qt = get_format(name).quantize((torch.randn(N, K, device="cuda") * 0.05).to(torch.bfloat16), dim=-1)
+    dw = to_decode_layout(qt, _wide(qt), natural=True)
+    for M in (1, 7, 16, 33, 64):
+        x = torch.randn(M, K, device="cuda").to(torch.bfloat16)
+        ref = x.double() @ qt.dequantize().double().t()
+        got = cd.w4_decode(x, dw, config=tile).double()
+        assert ((got - ref).norm() / ref.norm()).item() < 1e-5, (name, M)
+    with pytest.raises(ValueError, match="wgmma"):
+        cd.w4_decode(x, dw, config={"KERNEL": "mma"})
 
 
 @pytest.mark.gpu

@@ -10,7 +10,9 @@ registers with a few bit operations per pair of values (the same bit-exact trick
 read that layout: ``w4_wgmma.cu`` (Hopper's warpgroup MMA: a warpgroup's 64 weight rows x up to 64 tokens per
 instruction, the activations staged once per block in shared memory) and ``w4_decode.cu`` (mma.sync m16n8k16);
 :func:`default_kernel` picks one by weight size (``MEGATRON_FP4_DECODE_KERNEL=wgmma|mma`` forces one). W4A4 and
-ResQ's bf16 sum call them on the activations' exact BF16 expansion. Built with nvcc per configuration on first use
+ResQ's bf16 sum call them on the activations' exact BF16 expansion. ``MEGATRON_FP4_DECODE_LAYOUT=natural`` lays MXFP4
+weights out in natural K order instead, which only ``w4_wgmma.cu``'s NATURAL form reads (the activations then come
+by TMA, unpermuted: :data:`NATURAL_TILE`). Built with nvcc per configuration on first use
 (sm_90a), cached in ``megatron_fp4/kernels/_build`` (or ``MEGATRON_FP4_BUILD_DIR``), loaded with ctypes;
 ``MEGATRON_FP4_CUDA_DECODE=0`` turns them off (the Triton kernel serves). Without CUDA or nvcc nothing here runs but
 :func:`to_decode_layout` and :func:`decode_layout_dequantize` (its PyTorch emulation, what the CPU tests check bit
@@ -31,8 +33,8 @@ from megatron_fp4.kernels import _nvcc
 from megatron_fp4.formats import QuantizedTensor
 
 __all__ = ["DecodeWeight", "to_decode_layout", "decode_layout_dequantize", "available", "w4_decode",
-           "DECODE_TILES", "WGMMA_TILES", "WGMMA_MAX_WEIGHT", "LARGE_M16_TILES", "default_kernel", "build",
-           "prebuild"]
+           "DECODE_TILES", "WGMMA_TILES", "WGMMA_MAX_WEIGHT", "LARGE_M16_TILES", "NATURAL_TILE", "natural_layout",
+           "stage_activations", "default_kernel", "build", "prebuild"]
 
 _META_BYTES = {0: 80, 1: 32}  # per (16-row slab, 64-value chunk): HiF4, MXFP4
 _SLAB_PAD = 4  # slabs padded to a multiple of this (the largest slabs-per-warp tile)
@@ -49,6 +51,9 @@ class DecodeWeight:
     k: int
     fmt_id: int  # 0 HiF4, 1 MXFP4
     wide: bool
+    #: the MMA's K order inside each k16 step is K's own (:func:`to_decode_layout` ``natural``; the wgmma kernel's
+    #: NATURAL=1 tiles, which bring the activations by TMA unpermuted); else the permuted order both kernels read
+    natural: bool = False
 
     @property
     def slabs(self) -> int:
@@ -69,20 +74,30 @@ def _to_int32(v: torch.Tensor) -> torch.Tensor:
     return torch.where(v >= 2 ** 31, v - 2 ** 32, v).to(torch.int32)
 
 
-def to_decode_layout(qt: QuantizedTensor, wide: bool = False) -> DecodeWeight:
-    """Re-lay a packed 2-D weight ``[N, K]`` (quantized along K, HiF4 or MXFP4) out for :func:`w4_decode`."""
+def to_decode_layout(qt: QuantizedTensor, wide: bool = False, natural: bool = False) -> DecodeWeight:
+    """Re-lay a packed 2-D weight ``[N, K]`` (quantized along K, HiF4 or MXFP4) out for :func:`w4_decode`.
+
+    Each lane's 32-bit word of a k16 step holds the 8 codes of its MMA A fragment: rows g and g + 8, MMA k 2t, 2t + 1,
+    2t + 8, 2t + 9. By default those are K 4t .. 4t + 3 (one HiF4 micro-exponent group per lane, row and step; the
+    activations are then staged in the same permuted order); ``natural`` (MXFP4 only, so far) keeps MMA k = K, so
+    that the activations can be copied as they are (the NATURAL=1 tiles)."""
     name = qt.fmt.name
     if name not in ("hif4", "mxfp4", "mxfp4_rceil") or qt.codes.dim() != 2:
         raise ValueError(f"to_decode_layout takes a 2-D HiF4/MXFP4 weight, got {name} {tuple(qt.codes.shape)}")
     fmt_id = 0 if name == "hif4" else 1
+    if natural and fmt_id == 0:
+        raise ValueError("to_decode_layout: natural=True is MXFP4 only (a HiF4 lane would straddle two micro-exponent "
+                         "groups per row and step)")
     N, kh = qt.codes.shape
     C = -(-2 * kh // 64)
     S = -(-(-(-N // 16)) // _SLAB_PAD) * _SLAB_PAD
     dev = qt.codes.device
     nib = torch.zeros((S * 16, C * 64), dtype=torch.int64, device=dev)
     nib[:N, : 2 * kh] = _nibbles(qt.codes)
-    # [S, h, g, C, s, t, i]: row = 16 slab + 8 h + g, K = 64 c + 16 s + 4 t + i
-    nib = nib.view(S, 2, 8, C, 4, 4, 4).permute(0, 3, 2, 5, 4, 1, 6)  # [S, C, g, t, s, h, i]
+    if natural:  # [S, h, g, C, s, i1, t, i0]: K = 64 c + 16 s + 8 i1 + 2 t + i0, i = 2 i1 + i0
+        nib = nib.view(S, 2, 8, C, 4, 2, 4, 2).permute(0, 3, 2, 6, 4, 1, 5, 7).reshape(S, C, 8, 4, 4, 2, 4)
+    else:  # [S, h, g, C, s, t, i]: row = 16 slab + 8 h + g, K = 64 c + 16 s + 4 t + i
+        nib = nib.view(S, 2, 8, C, 4, 4, 4).permute(0, 3, 2, 5, 4, 1, 6)  # [S, C, g, t, s, h, i]
     h = torch.arange(2, device=dev).view(2, 1)
     i = torch.arange(4, device=dev).view(1, 4)
     shift = 4 * (h + 2 * (i >> 1) + 4 * (i & 1))  # nibble position of (h, i) in the 32-bit word
@@ -106,7 +121,7 @@ def to_decode_layout(qt: QuantizedTensor, wide: bool = False) -> DecodeWeight:
         cb = code.view(S, 2, 8, C).permute(0, 3, 2, 1).reshape(S, C, 8, 2)  # bytes c(g), c(g + 8)
         meta = torch.cat((torch.stack((ebits & 255, ebits >> 8), -1).reshape(S, C, 64), cb.reshape(S, C, 16)), -1)
         meta = meta.to(torch.uint8).contiguous()
-    return DecodeWeight(codes, meta, N, qt.shape[-1], fmt_id, bool(wide) and fmt_id == 1)
+    return DecodeWeight(codes, meta, N, qt.shape[-1], fmt_id, bool(wide) and fmt_id == 1, natural)
 
 
 # --------------------------------------------------------------------------------------------------------------------
@@ -180,12 +195,15 @@ def decode_layout_dequantize(dw: DecodeWeight) -> torch.Tensor:
                 out.append(v ^ hs)
             vals.append(out)
     # place pair j (lo, hi) of lane (g, t), step s at row 8 (j & 1) + g, K 16 s + 4 t + 2 (j >> 1) + {0, 1}
+    # (natural: K 16 s + 8 (j >> 1) + 2 t + {0, 1})
     full = torch.zeros((S, C, 2, 8, 4, 4, 2, 2), dtype=torch.float64)  # [S, C, h, g, s, t, pair, i]
     for j in range(4):
         for i_, half in enumerate(vals[j]):
             v = _bf(half).view(S, C, 8, 4, 4)  # [S, C, g, t, s]
             full[:, :, j & 1, :, :, :, j >> 1, i_] = v.permute(0, 1, 2, 4, 3)
-    full = full.permute(0, 2, 3, 1, 4, 5, 6, 7).reshape(S * 16, C * 64)
+    if dw.natural:
+        full = full.permute(0, 1, 2, 3, 4, 6, 5, 7)  # [S, C, h, g, s, pair, t, i]
+    full = full.reshape(S, C, 2, 8, 4, 16).permute(0, 2, 3, 1, 4, 5).reshape(S * 16, C * 64)
     return full[: dw.n, : dw.k].float()
 
 
@@ -219,6 +237,23 @@ WGMMA_MAX_WEIGHT = 32 * 2 ** 20
 #: 25, three runs: 23.2-24.4 us vs 25.1-25.5 without; MXFP4 gained nothing from it, benchmarks/results/decode_h200_s25.json).
 _LARGE_M16 = dict(KERNEL="wgmma", WGS=2, DEPTH=2, XST=4, MINB=3, PRODUCER=1)
 LARGE_M16_TILES = {0: dict(_LARGE_M16, LEAN=1), 1: _LARGE_M16}
+#: The tile of weights in the natural K order (:func:`to_decode_layout` ``natural``, MXFP4): only the wgmma kernel's
+#: NATURAL form reads them (activations by TMA, weights through the shared-memory ring). On the H200 (session 25,
+#: bit-exact; benchmarks/results/decode_h200_s25_natural.json) at M = 64: 37.2 / 29.3 us on the 7B MLP weights
+#: against the default's 46.4 / 42.7 and cuBLAS BF16's 36.1 / 43.1; at M = 16 within 3% of the default. Opt-in
+#: (:func:`natural_layout`) until M = 8 / 32, the 1.5B weights and the engine are measured with it.
+NATURAL_TILE = dict(KERNEL="wgmma", PRODUCER=1, WGS=2, DEPTH=2, XST=6, MINB=2, LEAN=1, WRING=1, NATURAL=1)
+_LAYOUTS = ("permuted", "natural")
+
+
+def natural_layout(fmt_id: int) -> bool:
+    """Whether weights of this format are laid out in natural K order: MXFP4 (``fmt_id`` 1) with
+    ``MEGATRON_FP4_DECODE_LAYOUT=natural`` (default "permuted"; HiF4 has no natural form yet)."""
+    layout = os.environ.get("MEGATRON_FP4_DECODE_LAYOUT", "permuted")
+    if layout not in _LAYOUTS:
+        raise ValueError(f"MEGATRON_FP4_DECODE_LAYOUT={layout!r} is not valid; allowed values: "
+                         f"{', '.join(map(repr, _LAYOUTS))}")
+    return layout == "natural" and fmt_id == 1
 #: Token counts up to which :func:`megatron_fp4.kernels.dispatch.decode_matmul` prefers these kernels to the Triton one.
 MAX_M = int(os.environ.get("MEGATRON_FP4_CUDA_DECODE_MAX_M", "64"))
 _SOURCES = {"mma": "w4_decode.cu", "wgmma": "w4_wgmma.cu"}
@@ -265,7 +300,8 @@ def _defines(kernel: str, fmt_id: int, wide: bool, ntok: int, cfg: dict) -> dict
     if kernel == "wgmma":
         return dict(FMT=fmt_id, WIDE=int(wide), NTOK=ntok, WGS=cfg["WGS"], DEPTH=cfg["DEPTH"], XST=cfg["XST"],
                     MINB=cfg["MINB"], PRODUCER=int(cfg["PRODUCER"]), LEAN=int(cfg.get("LEAN", 0)),
-                    XPAIR=int(cfg.get("XPAIR", 0)), WRING=int(cfg.get("WRING", 0)), XBULK=int(cfg.get("XBULK", 0)))
+                    XPAIR=int(cfg.get("XPAIR", 0)), WRING=int(cfg.get("WRING", 0)), XBULK=int(cfg.get("XBULK", 0)),
+                    NATURAL=int(cfg.get("NATURAL", 0)))
     return dict(FMT=fmt_id, WIDE=int(wide), NT=ntok // 8, SPW=cfg["SPW"], DEPTH=cfg["DEPTH"], WARPS=cfg["WARPS"])
 
 
@@ -284,7 +320,8 @@ def prebuild(tiles: Optional[list] = None, ntoks=(16, 64), workers: int = 0) -> 
     jobs = {job(kernel, f, w, m, None) for kernel in _SOURCES for f, w in ((0, 0), (1, 0), (1, 1))
             for m in (8, 16, 32, 64)}
     jobs |= {job("wgmma", f, w, 16, LARGE_M16_TILES[f]) for f, w in ((0, 0), (1, 0), (1, 1))}
-    jobs |= {job(t["KERNEL"], f, 0, m, t) for t in tiles or [] for f in (0, 1) for m in ntoks}
+    jobs |= {job(t["KERNEL"], f, 0, m, t) for t in tiles or [] for f in ((1,) if t.get("NATURAL") else (0, 1))
+             for m in ntoks}
     from concurrent.futures import ThreadPoolExecutor
 
     with ThreadPoolExecutor(max_workers=workers or os.cpu_count() or 4) as ex:
@@ -335,6 +372,12 @@ def w4_decode(x: torch.Tensor, dw: DecodeWeight, config: Optional[dict] = None,
     if not x.is_contiguous() or x.data_ptr() % 16:
         x = x.contiguous()
     ntok = _ntok(M)
+    if dw.natural:  # only NATURAL tiles read this layout (and they read no other)
+        if (config or {}).get("KERNEL", "wgmma") != "wgmma":
+            raise ValueError(f"w4_decode: a natural-order weight needs the wgmma kernel, got {config}")
+        config = {**NATURAL_TILE, **(config or {}), "NATURAL": 1}
+    elif (config or {}).get("NATURAL"):
+        raise ValueError("w4_decode: NATURAL=1 tiles read weights made by to_decode_layout(natural=True)")
     kernel, config = _choose(dw.n, dw.k, ntok, config, dw.fmt_id)
     cfg = _tile(kernel, dw.fmt_id, ntok, config)
     fn = build(kernel, dw.fmt_id, dw.wide, ntok, cfg)
@@ -357,5 +400,7 @@ def w4_decode(x: torch.Tensor, dw: DecodeWeight, config: Optional[dict] = None,
     err = fn(dw.codes.data_ptr(), dw.meta.data_ptr(), x.data_ptr(), out.data_ptr(), M, dw.n, S, C, x.stride(0),
              out.stride(0), split, cps, torch.cuda.current_stream(x.device).cuda_stream)
     if err:
-        raise RuntimeError(f"w4_decode launch failed (cudaError {err})")
+        what = (f"the activations' TMA map (CUresult {err - 1000})" if err >= 1000 else
+                "no cuTensorMapEncodeTiled in the driver" if err == 999 else f"cudaError {err}")
+        raise RuntimeError(f"w4_decode launch failed ({what})")
     return out

@@ -12,8 +12,10 @@
 // HiF4's mask-and-bias in one LOP3; Nsight Compute found the M = 16 loop issue-bound, docs/PERFORMANCE.md), -DXPAIR
 // (1: the activation staging's loads read whole sectors, see load_x), -DWRING (1, with PRODUCER=1: the weights too come
 // through the shared-memory ring, by bulk asynchronous copies; see below), -DXBULK (1, with WRING: a diagnostic, the
-// activations come pre-staged, one bulk copy per chunk). XPAIR, WRING and XBULK are tile keys, none a default:
-// docs/PERFORMANCE.md (session 25) has what each measured.
+// activations come pre-staged, one bulk copy per chunk), -DNATURAL (1, with WRING, MXFP4: the weights in the natural
+// K order of to_decode_layout(natural=True), the activations brought unpermuted by a 2-D TMA with the 128-byte
+// swizzle, one per chunk; MEGATRON_FP4_DECODE_LAYOUT=natural). XPAIR, WRING, XBULK and NATURAL are tile keys, none
+// a default: docs/PERFORMANCE.md (session 25) has what each measured.
 //
 // Each warpgroup owns one 64-row tile of W (four 16-row slabs of the decode layout, one per warp). Per 64-value chunk
 // of K a warp loads its slab's codes (one 16-byte load per lane), dequantizes them exactly into the BF16 A fragment of
@@ -42,6 +44,8 @@
 // chunks ahead; "stage empty" stays a named barrier (1 + s).
 // Split-K: blockIdx.y takes chunks [y * cps, (y + 1) * cps); with gridDim.y > 1 partial sums are added atomically
 // into a zeroed fp32 output.
+#include <cuda.h>  // CUtensorMap (NATURAL)
+#include <cudaTypedefs.h>  // PFN_cuTensorMapEncodeTiled (NATURAL)
 #include <cuda_runtime.h>
 #include <stdint.h>
 
@@ -75,6 +79,12 @@
 #if XBULK && !WRING
 #error "XBULK needs WRING"
 #endif
+#ifndef NATURAL
+#define NATURAL 0
+#endif
+#if NATURAL && (!WRING || XBULK || FMT != 1)
+#error "NATURAL needs WRING, no XBULK, and MXFP4 (FMT=1)"
+#endif
 #if DEPTH % 2 || XST < 3 || (PRODUCER && !WRING && 2 * XST > 15) || PRODUCER > 1
 #error "DEPTH must be even (the two A register sets alternate per chunk), XST >= 3 (PRODUCER: <= 7, 2 XST + 1 barriers), \
 PRODUCER 0 or 1"
@@ -93,7 +103,9 @@ PRODUCER 0 or 1"
 #define SLABS (WGS * 4)               // 16-row weight slabs per block (one per consumer warp)
 #define META_BYTES (META_WORDS * 4)
 // WRING: a ring stage is [activations | the slabs' codes (512 bytes each) | their metadata], 128-byte aligned
-#define RSTAGE_BYTES ((STAGE_BYTES + SLABS * (512 + META_BYTES) + 127) / 128 * 128)
+// (NATURAL: 1024, the 128-byte swizzle's period)
+#define RALIGN (NATURAL ? 1024 : 128)
+#define RSTAGE_BYTES ((STAGE_BYTES + SLABS * (512 + META_BYTES) + RALIGN - 1) / RALIGN * RALIGN)
 #define XSTRIDE (WRING ? RSTAGE_BYTES : STAGE_BYTES)  // bytes from one stage's activations to the next's
 
 template <int N_>
@@ -164,6 +176,10 @@ DINL void bulk_copy(uint32_t dst, const void* src, uint32_t bytes, uint32_t bar)
   asm volatile("cp.async.bulk.shared::cluster.global.mbarrier::complete_tx::bytes [%0], [%1], %2, [%3];"
                ::"r"(dst), "l"(src), "r"(bytes), "r"(bar) : "memory");
 }
+DINL void tma_load_2d(uint32_t dst, const CUtensorMap* map, int x0, int x1, uint32_t bar) {  // box at (x0, x1)
+  asm volatile("cp.async.bulk.tensor.2d.shared::cluster.global.mbarrier::complete_tx::bytes [%0], [%1, {%2, %3}], [%4];"
+               ::"r"(dst), "l"(reinterpret_cast<uint64_t>(map)), "r"(x0), "r"(x1), "r"(bar) : "memory");
+}
 
 DINL void wgmma_fence() { asm volatile("wgmma.fence.sync.aligned;" ::: "memory"); }
 DINL void wgmma_commit() { asm volatile("wgmma.commit_group.sync.aligned;" ::: "memory"); }
@@ -175,9 +191,16 @@ DINL void pin(float* d) {
   for (int i = 0; i < NTOK / 2; ++i) asm volatile("" : "+f"(d[i])::"memory");
 }
 
-// Shared-memory matrix descriptor of a K-major, unswizzled B step at shared address addr.
+// Shared-memory matrix descriptor of a K-major B step at shared address addr: unswizzled (core matrices of 8 tokens x
+// 16 bytes, LBO 128, SBO 256), or NATURAL's 128-byte swizzle (a token's 64 values in one 128-byte row, 8 rows per
+// 1024-byte atom: LBO unused (1), SBO 1024, layout type 1; a k16 step starts 32 bytes further into the rows).
+#define STEP_ADV (NATURAL ? 32 : STEP_BYTES)  // bytes from one k16 step's B start address to the next's
 DINL uint64_t b_desc(uint32_t addr) {
+#if NATURAL
+  return (uint64_t)((addr & 0x3FFFF) >> 4) | ((uint64_t)1 << 16) | ((uint64_t)(1024 >> 4) << 32) | ((uint64_t)1 << 62);
+#else
   return (uint64_t)((addr & 0x3FFFF) >> 4) | ((uint64_t)(128 >> 4) << 16) | ((uint64_t)(256 >> 4) << 32);
+#endif
 }
 
 // Activation staging through registers: the 32 bytes of one (token, k16 step) (16 values, natural K order: bf16 pairs
@@ -249,9 +272,14 @@ DINL void store_x(const XRegs& r, uint8_t* stage, int sid) {
 
 extern "C" __global__ void __launch_bounds__(THREADS, MINB)
 w4_wgmma_kernel(const uint4* __restrict__ codes, const uint32_t* __restrict__ meta, const uint4* __restrict__ x,
-                float* __restrict__ out, int M, int N, int S, int C, int ldx16, int ldo, int cps) {
+                float* __restrict__ out, int M, int N, int S, int C, int ldx16, int ldo, int cps
+#if NATURAL
+                , const __grid_constant__ CUtensorMap xmap  // x [M, C * 64] bf16, box 64 x NTOK, 128-byte swizzle
+#endif
+) {
 #if WRING
-  extern __shared__ __align__(128) uint8_t xs[];  // XST * RSTAGE_BYTES
+  extern __shared__ __align__(128) uint8_t xs_raw[];  // XST * RSTAGE_BYTES (+ RALIGN - 128 to align it)
+  uint8_t* const xs = xs_raw + ((RALIGN - ((uint32_t)__cvta_generic_to_shared(xs_raw) & (RALIGN - 1))) & (RALIGN - 1));
   __shared__ __align__(8) uint64_t full[XST];
   const uint32_t full0 = (uint32_t)__cvta_generic_to_shared(full);
 #else
@@ -264,21 +292,27 @@ w4_wgmma_kernel(const uint4* __restrict__ codes, const uint32_t* __restrict__ me
   const int nch = min(C, c0 + cps) - c0;
   if (nch <= 0) return;  // block-uniform
 #if WRING
-  if (threadIdx.x < XST) mbar_init(full0 + threadIdx.x * 8, XBULK ? 1 : 32);  // the producer's lanes arrive
+  if (threadIdx.x < XST) mbar_init(full0 + threadIdx.x * 8, XBULK || NATURAL ? 1 : 32);  // the producer's arrivals
   asm volatile("fence.mbarrier_init.release.cluster;" ::: "memory");
   __syncthreads();
 #endif
 #if PRODUCER
   if (warp == CONSUMERS / 32) {  // the producer: chunk c into stage c % XST once the wgmmas of chunk c - XST retired
-#if XBULK  // chunk c's staged activations by one copy (lane 0's) once the stage is empty
+#if XBULK || NATURAL  // chunk c's activations by one copy (lane 0's) once the stage is empty
+#if XBULK
     const uint8_t* xsrc = reinterpret_cast<const uint8_t*>(x) + (size_t)c0 * STAGE_BYTES;
+#endif
     for (int c = 0; c < nch; ++c) {
       const int s = c % XST;
       if (c >= XST) bar_sync(EMPTY_BAR(s));
       if (lane == 0) {
+        const uint32_t dst = (uint32_t)__cvta_generic_to_shared(xs) + s * RSTAGE_BYTES;
         mbar_arrive_tx(full0 + s * 8, STAGE_BYTES + SLABS * (512 + META_BYTES));
-        bulk_copy((uint32_t)__cvta_generic_to_shared(xs) + s * RSTAGE_BYTES, xsrc + (size_t)c * STAGE_BYTES,
-                  STAGE_BYTES, full0 + s * 8);
+#if NATURAL  // tokens past M: the TMA fills zeros (their sums are never stored)
+        tma_load_2d(dst, &xmap, (c0 + c) * 64, 0, full0 + s * 8);
+#else
+        bulk_copy(dst, xsrc + (size_t)c * STAGE_BYTES, STAGE_BYTES, full0 + s * 8);
+#endif
       }
     }
     return;
@@ -392,10 +426,10 @@ w4_wgmma_kernel(const uint4* __restrict__ codes, const uint32_t* __restrict__ me
         // under a thread-dependent branch makes ptxas serialize all of them.
 #if LEAN  // the descriptors by addition to the first stage's (the address field is bits 0-13, in 16-byte units)
         const uint64_t stage = desc0 + (uint32_t)((kk % XST) * (XSTRIDE >> 4));
-#define B_DESC(s) (stage + (s) * (STEP_BYTES >> 4))
+#define B_DESC(s) (stage + (s) * (STEP_ADV >> 4))
 #else
         const uint32_t stage = xs0 + (kk % XST) * XSTRIDE;
-#define B_DESC(s) b_desc(stage + (s) * STEP_BYTES)
+#define B_DESC(s) b_desc(stage + (s) * STEP_ADV)
 #endif
         wgmma_fence();
         pin(acc);
@@ -440,11 +474,38 @@ w4_wgmma_kernel(const uint4* __restrict__ codes, const uint32_t* __restrict__ me
   }
 }
 
+#if NATURAL
+// x's tensor map for the TMA: [M, K] bf16 rows ldx apart, boxes of 64 values x NTOK tokens, 128-byte swizzle, rows
+// past M read as zeros. cuTensorMapEncodeTiled through the runtime's driver entry point (no -lcuda). Returns 0, a
+// cudaError of the lookup, 999 (the driver has no such entry point) or 1000 + the CUresult of the encoding.
+static int encode_x_map(CUtensorMap* map, const void* x, int M, int K, int ldx) {
+  static PFN_cuTensorMapEncodeTiled_v12000 encode = nullptr;
+  if (!encode) {
+    void* fn = nullptr;
+    cudaDriverEntryPointQueryResult q;
+    const cudaError_t err = cudaGetDriverEntryPointByVersion("cuTensorMapEncodeTiled", &fn, 12000, cudaEnableDefault, &q);
+    if (err != cudaSuccess || q != cudaDriverEntryPointSuccess || !fn) return err != cudaSuccess ? (int)err : 999;
+    encode = (PFN_cuTensorMapEncodeTiled_v12000)fn;
+  }
+  const cuuint64_t dims[2] = {(cuuint64_t)K, (cuuint64_t)M};
+  const cuuint64_t strides[1] = {(cuuint64_t)ldx * 2};
+  const cuuint32_t box[2] = {64, NTOK}, elem[2] = {1, 1};
+  const CUresult r = encode(map, CU_TENSOR_MAP_DATA_TYPE_BFLOAT16, 2, const_cast<void*>(x), dims, strides, box, elem,
+                            CU_TENSOR_MAP_INTERLEAVE_NONE, CU_TENSOR_MAP_SWIZZLE_128B,
+                            CU_TENSOR_MAP_L2_PROMOTION_L2_256B, CU_TENSOR_MAP_FLOAT_OOB_FILL_NONE);
+  return r == CUDA_SUCCESS ? 0 : 1000 + (int)r;
+}
+#endif
+
 extern "C" int w4_wgmma_launch(const void* codes, const void* meta, const void* x, void* out, int M, int N, int S,
                                int C, int ldx, int ldo, int split, int cps, void* stream) {
   dim3 grid((S / 4 + WGS - 1) / WGS, split);
+#if NATURAL
+  CUtensorMap xmap;
+  if (const int err = encode_x_map(&xmap, x, M, C * 64, ldx)) return err;
+#endif
 #if WRING
-  const int smem = XST * RSTAGE_BYTES;  // over the 48 KB default: allowed once per library
+  const int smem = XST * RSTAGE_BYTES + RALIGN - 128;  // over the 48 KB default: allowed once per library
   static bool smem_allowed = false;
   if (!smem_allowed) {
     const cudaError_t err = cudaFuncSetAttribute(w4_wgmma_kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, smem);
@@ -455,6 +516,10 @@ extern "C" int w4_wgmma_launch(const void* codes, const void* meta, const void* 
   const int smem = 0;
 #endif
   w4_wgmma_kernel<<<grid, THREADS, smem, (cudaStream_t)stream>>>(
-      (const uint4*)codes, (const uint32_t*)meta, (const uint4*)x, (float*)out, M, N, S, C, ldx / 8, ldo, cps);
+      (const uint4*)codes, (const uint32_t*)meta, (const uint4*)x, (float*)out, M, N, S, C, ldx / 8, ldo, cps
+#if NATURAL
+      , xmap
+#endif
+  );
   return (int)cudaGetLastError();
 }
