@@ -337,12 +337,9 @@ SWEEP_TILES = (
     # for its slab; the consumers load nothing from global memory)
     dict(KERNEL="wgmma", PRODUCER=1, WGS=2, DEPTH=2, XST=6, MINB=3, LEAN=1, WRING=1),
     dict(KERNEL="wgmma", PRODUCER=1, WGS=4, DEPTH=2, XST=6, MINB=1, XPAIR=1, LEAN=1, WRING=1),
-    # NATURAL (MXFP4 weights in natural K order, the activations by TMA: XBULK's product form; session 25, prepared)
+    # NATURAL (session 25: MXFP4 weights in natural K order, the activations by TMA)
     *(dict(KERNEL="wgmma", PRODUCER=1, WGS=wgs, DEPTH=2, XST=xst, MINB=minb, LEAN=1, WRING=1, NATURAL=1)
       for wgs, xst, minb in ((2, 6, 2), (4, 6, 1), (2, 4, 3))),
-    # XBULK (a diagnostic: the activations pre-staged by PyTorch, timed with the GEMM; one bulk copy per chunk)
-    *(dict(KERNEL="wgmma", PRODUCER=1, WGS=wgs, DEPTH=2, XST=xst, MINB=minb, LEAN=1, WRING=1, XBULK=1)
-      for wgs, xst, minb in ((4, 6, 1), (2, 6, 2), (2, 4, 3))),
 )
 DECODE_SHAPES = [(3584, 18944), (18944, 3584), (1536, 8960), (8960, 1536), (1536, 2048), (1536, 1536)]  # (K, N)
 
@@ -495,7 +492,7 @@ def main():
                         "-> --out (default benchmarks/results/decode_h200.json)")
     p.add_argument("--decode-sweep", action="store_true", help="with --decode: also sweep the CUDA kernel's tiles")
     p.add_argument("--sweep-keys", help="with --decode-sweep: only the tiles that set one of these keys, e.g. "
-                                        "NATURAL,XBULK")
+                                        "NATURAL,WRING")
     p.add_argument("--training-operands", action="store_true",
                    help="only the training operands' quantization into both GEMM layouts, and the column pass two "
                         "ways (Qwen2.5-1.5B's X and dY at 8192 tokens) -> --out (default "

@@ -81,26 +81,6 @@ def test_decode_layout_rejects_other_formats():
         to_decode_layout(get_format("nvfp4").quantize(torch.randn(16, 64), dim=-1))
 
 
-def test_stage_activations_is_the_stage_layout():
-    """XBULK's pre-staged activations: per chunk, k16 step and group of 8 tokens, core matrix kh holds bf16 pairs
-    kh, kh + 2, kh + 4, kh + 6 of each token's 16 values (w4_wgmma.cu's store_x), tokens past M repeat the last."""
-    from megatron_fp4.kernels.cuda_decode import stage_activations
-
-    M, K, ntok = 11, 128, 16
-    x = torch.randn(M, K).to(torch.bfloat16)
-    got = stage_activations(x, ntok).reshape(-1)
-    want = torch.empty_like(got)
-    for c in range(K // 64):
-        for s in range(4):
-            for m in range(ntok):
-                vals = x[min(m, M - 1), 64 * c + 16 * s: 64 * c + 16 * s + 16]
-                for kh in range(2):
-                    byte = c * ntok * 128 + s * ntok * 32 + (m // 8) * 256 + kh * 128 + (m % 8) * 16
-                    pairs = [vals[2 * p: 2 * p + 2] for p in (kh, kh + 2, kh + 4, kh + 6)]
-                    want[byte // 2: byte // 2 + 8] = torch.cat(pairs)
-    assert torch.equal(got, want)
-
-
 def test_decode_kernel_choice_and_split():
     from megatron_fp4.kernels import cuda_decode as cd
 
@@ -176,9 +156,7 @@ GPU_TILES = [None, dict(KERNEL="mma", SPW=2, DEPTH=2, WARPS=4, PER_SM=2), dict(K
              dict(KERNEL="wgmma", WGS=4, DEPTH=2, XST=4, MINB=1, XPAIR=1),
              dict(KERNEL="wgmma", PRODUCER=1, WGS=4, DEPTH=2, XST=4, MINB=1, XPAIR=1, LEAN=1),
              dict(KERNEL="wgmma", PRODUCER=1, WGS=2, DEPTH=2, XST=4, MINB=3, LEAN=1, WRING=1),
-             dict(KERNEL="wgmma", PRODUCER=1, WGS=4, DEPTH=2, XST=6, MINB=1, XPAIR=1, LEAN=1, WRING=1),
-             dict(KERNEL="wgmma", PRODUCER=1, WGS=4, DEPTH=2, XST=6, MINB=1, LEAN=1, WRING=1, XBULK=1),
-             dict(KERNEL="wgmma", PRODUCER=1, WGS=2, DEPTH=2, XST=4, MINB=3, LEAN=1, WRING=1, XBULK=1)]
+             dict(KERNEL="wgmma", PRODUCER=1, WGS=4, DEPTH=2, XST=6, MINB=1, XPAIR=1, LEAN=1, WRING=1)]
 
 
 @pytest.mark.gpu

@@ -34,7 +34,7 @@ from megatron_fp4.formats import QuantizedTensor
 
 __all__ = ["DecodeWeight", "to_decode_layout", "decode_layout_dequantize", "available", "w4_decode",
            "DECODE_TILES", "WGMMA_TILES", "WGMMA_MAX_WEIGHT", "LARGE_M16_TILES", "NATURAL_TILE", "natural_layout",
-           "stage_activations", "default_kernel", "build", "prebuild"]
+           "default_kernel", "build", "prebuild"]
 
 _META_BYTES = {0: 80, 1: 32}  # per (16-row slab, 64-value chunk): HiF4, MXFP4
 _SLAB_PAD = 4  # slabs padded to a multiple of this (the largest slabs-per-warp tile)
@@ -220,8 +220,7 @@ DECODE_TILES = {  # from --decode-sweep on the 7B MLP shapes (docs/PERFORMANCE.m
 #: Default tiles of the wgmma kernel by (format id, token bucket): WGS warpgroups (64 weight rows each) per block,
 #: DEPTH chunks in flight per warp, XST shared-memory stages of activations, MINB blocks per SM the registers allow
 #: (also the split-K target), PRODUCER 1: one extra warp stages the activations (w4_wgmma.cu says why); a tile may
-#: add LEAN 1 (fewer instructions per chunk), XPAIR, WRING, XBULK (w4_wgmma.cu; docs/PERFORMANCE.md, session 25).
-#: XBULK=1 is a diagnostic: :func:`w4_decode` then lays the activations out with :func:`stage_activations` first.
+#: add LEAN 1 (fewer instructions per chunk), XPAIR, WRING (w4_wgmma.cu; docs/PERFORMANCE.md, session 25).
 WGMMA_TILES = {  # no register spills (ptxas, tests/test_cuda_decode.py); M = 16 and 64 measured on the H200
     # (docs/PERFORMANCE.md, session 19); HiF4 at M <= 32 takes DEPTH 2: DEPTH 4 spilled 20 bytes there
     **{(f, m): dict(WGS=2, DEPTH=4, XST=4, MINB=2, PRODUCER=0) for f, m in ((0, 8), (0, 16), (1, 8), (1, 16), (1, 32))},
@@ -300,8 +299,7 @@ def _defines(kernel: str, fmt_id: int, wide: bool, ntok: int, cfg: dict) -> dict
     if kernel == "wgmma":
         return dict(FMT=fmt_id, WIDE=int(wide), NTOK=ntok, WGS=cfg["WGS"], DEPTH=cfg["DEPTH"], XST=cfg["XST"],
                     MINB=cfg["MINB"], PRODUCER=int(cfg["PRODUCER"]), LEAN=int(cfg.get("LEAN", 0)),
-                    XPAIR=int(cfg.get("XPAIR", 0)), WRING=int(cfg.get("WRING", 0)), XBULK=int(cfg.get("XBULK", 0)),
-                    NATURAL=int(cfg.get("NATURAL", 0)))
+                    XPAIR=int(cfg.get("XPAIR", 0)), WRING=int(cfg.get("WRING", 0)), NATURAL=int(cfg.get("NATURAL", 0)))
     return dict(FMT=fmt_id, WIDE=int(wide), NT=ntok // 8, SPW=cfg["SPW"], DEPTH=cfg["DEPTH"], WARPS=cfg["WARPS"])
 
 
@@ -341,16 +339,6 @@ def _balanced_split(row_blocks: int, chunks: int, slots: int) -> int:
     return min(range(1, chunks + 1), key=lambda sp: (cost(sp), sp))
 
 
-def stage_activations(x: torch.Tensor, ntok: int) -> torch.Tensor:
-    """BF16 ``x [M, K]`` (K a multiple of 64) laid out as the wgmma kernel's activation stages (``XBULK=1``: one bulk
-    copy per chunk): per 64-value chunk, per k16 step, per 8 tokens, the two core matrices (bf16 pairs 0, 2, 4, 6
-    and 1, 3, 5, 7 of each token's 16 values), tokens past M repeating token M - 1."""
-    M, K = x.shape
-    xp = torch.cat((x, x[-1:].expand(ntok - M, K))) if ntok > M else x
-    # [ng, r, C, s, j, kh, i] -> [C, s, ng, kh, r, j, i]
-    return xp.reshape(ntok // 8, 8, K // 64, 4, 4, 2, 2).permute(2, 3, 0, 5, 1, 4, 6).contiguous()
-
-
 def _ntok(M: int) -> int:
     return 8 if M <= 8 else 16 if M <= 16 else 32 if M <= 32 else 64
 
@@ -381,8 +369,6 @@ def w4_decode(x: torch.Tensor, dw: DecodeWeight, config: Optional[dict] = None,
     kernel, config = _choose(dw.n, dw.k, ntok, config, dw.fmt_id)
     cfg = _tile(kernel, dw.fmt_id, ntok, config)
     fn = build(kernel, dw.fmt_id, dw.wide, ntok, cfg)
-    if cfg.get("XBULK"):  # a diagnostic tile: the activations pre-staged by PyTorch (timed with the GEMM)
-        x = stage_activations(x, ntok)
     S, C = dw.slabs, dw.chunks
     sms = torch.cuda.get_device_properties(x.device).multi_processor_count
     if kernel == "wgmma":

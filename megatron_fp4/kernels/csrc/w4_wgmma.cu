@@ -11,11 +11,10 @@
 // the registers its dequantized words left (no copy that waits for the load), the B descriptors by addition, and
 // HiF4's mask-and-bias in one LOP3; Nsight Compute found the M = 16 loop issue-bound, docs/PERFORMANCE.md), -DXPAIR
 // (1: the activation staging's loads read whole sectors, see load_x), -DWRING (1, with PRODUCER=1: the weights too come
-// through the shared-memory ring, by bulk asynchronous copies; see below), -DXBULK (1, with WRING: a diagnostic, the
-// activations come pre-staged, one bulk copy per chunk), -DNATURAL (1, with WRING, MXFP4: the weights in the natural
-// K order of to_decode_layout(natural=True), the activations brought unpermuted by a 2-D TMA with the 128-byte
-// swizzle, one per chunk; MEGATRON_FP4_DECODE_LAYOUT=natural). XPAIR, WRING, XBULK and NATURAL are tile keys, none
-// a default: docs/PERFORMANCE.md (session 25) has what each measured.
+// through the shared-memory ring, by bulk asynchronous copies; see below), -DNATURAL (1, with WRING, MXFP4: the
+// weights in the natural K order of to_decode_layout(natural=True), the activations brought unpermuted by a 2-D TMA
+// with the 128-byte swizzle, one per chunk; MEGATRON_FP4_DECODE_LAYOUT=natural). XPAIR, WRING and NATURAL are tile
+// keys, none a default: docs/PERFORMANCE.md (session 25) has what each measured.
 //
 // Each warpgroup owns one 64-row tile of W (four 16-row slabs of the decode layout, one per warp). Per 64-value chunk
 // of K a warp loads its slab's codes (one 16-byte load per lane), dequantizes them exactly into the BF16 A fragment of
@@ -73,17 +72,11 @@
 #ifndef WRING
 #define WRING 0
 #endif
-#ifndef XBULK
-#define XBULK 0  // 1 (with WRING): x arrives already in the stages' layout (stage_activations); one bulk copy per chunk
-#endif
-#if XBULK && !WRING
-#error "XBULK needs WRING"
-#endif
 #ifndef NATURAL
 #define NATURAL 0
 #endif
-#if NATURAL && (!WRING || XBULK || FMT != 1)
-#error "NATURAL needs WRING, no XBULK, and MXFP4 (FMT=1)"
+#if NATURAL && (!WRING || FMT != 1)
+#error "NATURAL needs WRING and MXFP4 (FMT=1)"
 #endif
 #if DEPTH % 2 || XST < 3 || (PRODUCER && !WRING && 2 * XST > 15) || PRODUCER > 1
 #error "DEPTH must be even (the two A register sets alternate per chunk), XST >= 3 (PRODUCER: <= 7, 2 XST + 1 barriers), \
@@ -292,27 +285,20 @@ w4_wgmma_kernel(const uint4* __restrict__ codes, const uint32_t* __restrict__ me
   const int nch = min(C, c0 + cps) - c0;
   if (nch <= 0) return;  // block-uniform
 #if WRING
-  if (threadIdx.x < XST) mbar_init(full0 + threadIdx.x * 8, XBULK || NATURAL ? 1 : 32);  // the producer's arrivals
+  if (threadIdx.x < XST) mbar_init(full0 + threadIdx.x * 8, NATURAL ? 1 : 32);  // the producer's arrivals
   asm volatile("fence.mbarrier_init.release.cluster;" ::: "memory");
   __syncthreads();
 #endif
 #if PRODUCER
   if (warp == CONSUMERS / 32) {  // the producer: chunk c into stage c % XST once the wgmmas of chunk c - XST retired
-#if XBULK || NATURAL  // chunk c's activations by one copy (lane 0's) once the stage is empty
-#if XBULK
-    const uint8_t* xsrc = reinterpret_cast<const uint8_t*>(x) + (size_t)c0 * STAGE_BYTES;
-#endif
+#if NATURAL  // chunk c's activations by one TMA (lane 0's) once the stage is empty; tokens past M read as zeros
+    // (their sums are never stored)
     for (int c = 0; c < nch; ++c) {
       const int s = c % XST;
       if (c >= XST) bar_sync(EMPTY_BAR(s));
       if (lane == 0) {
-        const uint32_t dst = (uint32_t)__cvta_generic_to_shared(xs) + s * RSTAGE_BYTES;
         mbar_arrive_tx(full0 + s * 8, STAGE_BYTES + SLABS * (512 + META_BYTES));
-#if NATURAL  // tokens past M: the TMA fills zeros (their sums are never stored)
-        tma_load_2d(dst, &xmap, (c0 + c) * 64, 0, full0 + s * 8);
-#else
-        bulk_copy(dst, xsrc + (size_t)c * STAGE_BYTES, STAGE_BYTES, full0 + s * 8);
-#endif
+        tma_load_2d((uint32_t)__cvta_generic_to_shared(xs) + s * RSTAGE_BYTES, &xmap, (c0 + c) * 64, 0, full0 + s * 8);
       }
     }
     return;
