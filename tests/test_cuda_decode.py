@@ -47,15 +47,14 @@ def test_decode_layout_reads_back_the_reference(name, N, K):
     assert _same(decode_layout_dequantize(dw), qt.dequantize().float())
 
 
-@pytest.mark.parametrize("name", ["mxfp4", "mxfp4_rceil"])
-@pytest.mark.parametrize("N,K", [(16, 64), (40, 192), (33, 96)])
+@pytest.mark.parametrize("name", ["hif4", "mxfp4", "mxfp4_rceil"])
+@pytest.mark.parametrize("N,K", [(16, 64), (40, 192), (33, 96), (8, 32)])
 def test_natural_decode_layout_reads_back_the_reference(name, N, K):
     qt = get_format(name).quantize(_weight(N, K, name).to(torch.bfloat16), dim=-1)
     dw = to_decode_layout(qt, _wide(qt), natural=True)
     assert dw.natural and not torch.equal(dw.codes, to_decode_layout(qt, _wide(qt)).codes)
+    assert dw.meta.shape[-1] == (144 if name == "hif4" else 32)  # HiF4: two exponent groups per lane, row and step
     assert _same(decode_layout_dequantize(dw), qt.dequantize().float())
-    with pytest.raises(ValueError, match="MXFP4 only"):
-        to_decode_layout(get_format("hif4").quantize(_weight(N, K, "hif4"), dim=-1), natural=True)
 
 
 def test_natural_layout_is_opt_in_for_mxfp4(monkeypatch):
@@ -119,11 +118,10 @@ def test_wgmma_tiles_compile_without_spills_or_serialized_wgmmas(tmp_path):
     from benchmarks.bench_kernels import SWEEP_TILES
 
     configs = [(f, w, m, None) for (f, m) in cd.WGMMA_TILES for w in ((0,) if f == 0 else (0, 1))]
-    formats = lambda t: (1,) if t.get("NATURAL") else (0, 1)  # noqa: E731 (NATURAL: MXFP4 only)
-    configs += [(f, 0, 16, t) for t in SWEEP_TILES if t.get("PRODUCER") for f in formats(t)]
+    configs += [(f, 0, 16, t) for t in SWEEP_TILES if t.get("PRODUCER") for f in (0, 1)]
     configs += [(f, 0, 64, t) for t in SWEEP_TILES if t.get("LEAN") and not t.get("PRODUCER") for f in (0, 1)]
     configs += [(f, 0, 64, t) for t in SWEEP_TILES if t.get("WGS") == 4 or t.get("NATURAL") and t["MINB"] < 3
-                for f in formats(t)]
+                for f in (0, 1)]
     configs += [(f, w, 16, cd.LARGE_M16_TILES[f]) for f, w in ((0, 0), (1, 0), (1, 1))]
     for f, w, m, tile in configs:
         defines = cd._defines("wgmma", f, bool(w), m, cd._tile("wgmma", f, m, tile))
@@ -184,7 +182,7 @@ NATURAL_GPU_TILES = [None, dict(WGS=4, XST=6, MINB=1), dict(XST=4, MINB=3), dict
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("name", ["mxfp4", "mxfp4_rceil"])
+@pytest.mark.parametrize("name", ["hif4", "mxfp4", "mxfp4_rceil"])
 @pytest.mark.parametrize("tile", NATURAL_GPU_TILES)
 def test_gpu_natural_layout_bit_exact(name, tile):
     """One-hot columns read back the reference weight exactly (M = 64, 16, 5, K not a multiple of 64: the TMA's

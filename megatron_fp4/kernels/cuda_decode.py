@@ -36,7 +36,7 @@ __all__ = ["DecodeWeight", "to_decode_layout", "decode_layout_dequantize", "avai
            "DECODE_TILES", "WGMMA_TILES", "WGMMA_MAX_WEIGHT", "LARGE_M16_TILES", "NATURAL_TILE", "natural_layout",
            "default_kernel", "build", "prebuild"]
 
-_META_BYTES = {0: 80, 1: 32}  # per (16-row slab, 64-value chunk): HiF4, MXFP4
+_META_BYTES = {0: 80, 1: 32}  # per (16-row slab, 64-value chunk): HiF4, MXFP4 (HiF4 in natural order: 144)
 _SLAB_PAD = 4  # slabs padded to a multiple of this (the largest slabs-per-warp tile)
 
 
@@ -79,15 +79,13 @@ def to_decode_layout(qt: QuantizedTensor, wide: bool = False, natural: bool = Fa
 
     Each lane's 32-bit word of a k16 step holds the 8 codes of its MMA A fragment: rows g and g + 8, MMA k 2t, 2t + 1,
     2t + 8, 2t + 9. By default those are K 4t .. 4t + 3 (one HiF4 micro-exponent group per lane, row and step; the
-    activations are then staged in the same permuted order); ``natural`` (MXFP4 only, so far) keeps MMA k = K, so
-    that the activations can be copied as they are (the NATURAL=1 tiles)."""
+    activations are then staged in the same permuted order); ``natural`` keeps MMA k = K, so that the activations can
+    be copied as they are (the NATURAL=1 tiles). A HiF4 lane then holds two micro-exponent groups per row and step
+    (K 2t and 2t + 8 are 8 apart): its metadata has 32 bits of exponent sums per lane instead of 16."""
     name = qt.fmt.name
     if name not in ("hif4", "mxfp4", "mxfp4_rceil") or qt.codes.dim() != 2:
         raise ValueError(f"to_decode_layout takes a 2-D HiF4/MXFP4 weight, got {name} {tuple(qt.codes.shape)}")
     fmt_id = 0 if name == "hif4" else 1
-    if natural and fmt_id == 0:
-        raise ValueError("to_decode_layout: natural=True is MXFP4 only (a HiF4 lane would straddle two micro-exponent "
-                         "groups per row and step)")
     N, kh = qt.codes.shape
     C = -(-2 * kh // 64)
     S = -(-(-(-N // 16)) // _SLAB_PAD) * _SLAB_PAD
@@ -115,11 +113,17 @@ def to_decode_layout(qt: QuantizedTensor, wide: bool = False, natural: bool = Fa
         q = torch.arange(16, device=dev)
         e = ((e8.unsqueeze(-1) >> (q // 2)) & 1) + ((e16.unsqueeze(-1) >> q) & 1)  # [rows, C, 16]
         e = torch.where((code == 255).unsqueeze(-1), torch.zeros_like(e), e)
-        e = e.view(S, 2, 8, C, 4, 4).permute(0, 3, 2, 5, 1, 4)  # [S, C, g, t, h, s]
-        eb = (e << (2 * torch.arange(4, device=dev))).sum(-1)  # [S, C, g, t, h]
-        ebits = (eb[..., 0] | (eb[..., 1] << 8)).reshape(S, C, 32)
+        steps = 2 * torch.arange(4, device=dev)
+        if natural:  # lane t's groups at step s: A = 4 s + t // 2 (K 2t, 2t + 1), B = 4 s + 2 + t // 2 (K 2t + 8, 9)
+            e = e.view(S, 2, 8, C, 4, 2, 2)  # [S, h, g, C, s, ab, tt]: group 4 s + 2 ab + tt
+            e = e[..., torch.arange(4, device=dev) // 2]  # [S, h, g, C, s, ab, t]
+            e = e.permute(0, 3, 2, 6, 1, 5, 4)  # [S, C, g, t, h, ab, s]
+            ebytes = (e << steps).sum(-1)  # [S, C, g, t, h, ab]: bytes (g, A), (g, B), (g + 8, A), (g + 8, B)
+        else:
+            e = e.view(S, 2, 8, C, 4, 4).permute(0, 3, 2, 5, 1, 4)  # [S, C, g, t, h, s]
+            ebytes = (e << steps).sum(-1)  # [S, C, g, t, h]: bytes (g), (g + 8)
         cb = code.view(S, 2, 8, C).permute(0, 3, 2, 1).reshape(S, C, 8, 2)  # bytes c(g), c(g + 8)
-        meta = torch.cat((torch.stack((ebits & 255, ebits >> 8), -1).reshape(S, C, 64), cb.reshape(S, C, 16)), -1)
+        meta = torch.cat((ebytes.reshape(S, C, -1), cb.reshape(S, C, 16)), -1)
         meta = meta.to(torch.uint8).contiguous()
     return DecodeWeight(codes, meta, N, qt.shape[-1], fmt_id, bool(wide) and fmt_id == 1, natural)
 
@@ -173,13 +177,16 @@ def decode_layout_dequantize(dw: DecodeWeight) -> torch.Tensor:
             vals.append(out)
     else:
         m = dw.meta.to(torch.int64)
-        ee = m[:, :, 0:64:2] | (m[:, :, 1:64:2] << 8)  # [S, C, 32]
-        cc = m[:, :, 64:80:2] | (m[:, :, 65:80:2] << 8)  # [S, C, 8]
+        nb = 4 if dw.natural else 2  # bytes of exponent sums per lane
+        ee = sum(m[:, :, b:32 * nb:nb] << (8 * b) for b in range(nb))  # [S, C, 32]
+        cc = m[:, :, 32 * nb:32 * nb + 16:2] | (m[:, :, 32 * nb + 1:32 * nb + 16:2] << 8)  # [S, C, 8]
         cc = cc[:, :, (lane >> 2)]
         for j in range(4):
             row = j & 1
             c = (cc >> (8 * row)) & 255
-            e = (ee.unsqueeze(-1) >> (8 * row + 2 * s)) & 3
+            # the byte of (row, pair j >> 1): natural (g, A), (g, B), (g + 8, A), (g + 8, B); else (g), (g + 8)
+            byte = 2 * row + (j >> 1) if dw.natural else row
+            e = (ee.unsqueeze(-1) >> (8 * byte + 2 * s)) & 3
             base = ((((c >> 2) & 63) + 77) << 7) | ((c & 3) << 5)
             base = torch.where(c == 255, 0x7FC0, base).unsqueeze(-1)
             F = base + (e << 7)
@@ -247,7 +254,8 @@ _LAYOUTS = ("permuted", "natural")
 
 def natural_layout(fmt_id: int) -> bool:
     """Whether weights of this format are laid out in natural K order: MXFP4 (``fmt_id`` 1) with
-    ``MEGATRON_FP4_DECODE_LAYOUT=natural`` (default "permuted"; HiF4 has no natural form yet)."""
+    ``MEGATRON_FP4_DECODE_LAYOUT=natural`` (default "permuted"). HiF4's natural form (two exponent groups per lane,
+    row and step) is written and checked on the CPU but has not run on a GPU yet: it stays off here until it has."""
     layout = os.environ.get("MEGATRON_FP4_DECODE_LAYOUT", "permuted")
     if layout not in _LAYOUTS:
         raise ValueError(f"MEGATRON_FP4_DECODE_LAYOUT={layout!r} is not valid; allowed values: "
@@ -318,8 +326,7 @@ def prebuild(tiles: Optional[list] = None, ntoks=(16, 64), workers: int = 0) -> 
     jobs = {job(kernel, f, w, m, None) for kernel in _SOURCES for f, w in ((0, 0), (1, 0), (1, 1))
             for m in (8, 16, 32, 64)}
     jobs |= {job("wgmma", f, w, 16, LARGE_M16_TILES[f]) for f, w in ((0, 0), (1, 0), (1, 1))}
-    jobs |= {job(t["KERNEL"], f, 0, m, t) for t in tiles or [] for f in ((1,) if t.get("NATURAL") else (0, 1))
-             for m in ntoks}
+    jobs |= {job(t["KERNEL"], f, 0, m, t) for t in tiles or [] for f in (0, 1) for m in ntoks}
     from concurrent.futures import ThreadPoolExecutor
 
     with ThreadPoolExecutor(max_workers=workers or os.cpu_count() or 4) as ex:

@@ -13,6 +13,11 @@
 #endif
 
 #define DINL __device__ __forceinline__
+#if defined(NATURAL) && NATURAL  // the natural-K-order layout (w4_wgmma.cu NATURAL=1; cuda_decode.to_decode_layout)
+#define W4_NATURAL 1
+#else
+#define W4_NATURAL 0
+#endif
 
 DINL uint32_t bmul(uint32_t a, uint32_t b) {
   uint32_t d;
@@ -95,17 +100,36 @@ DINL void dequant(uint32_t w, const Scales& S, int s, uint32_t* a) {
 }
 #else
 // HiF4 chunk state: E (2-bit exponent sums e(row g, step s) at bits 2s, e(row g + 8, s) at 16 + 2s) and the
-// bf16 bits of E6M2 / 4 for rows g (low half) and g + 8 (high half).
+// bf16 bits of E6M2 / 4 for rows g (low half) and g + 8 (high half). In natural K order a lane's two value pairs of a
+// row and step (K 2t, 2t + 1 and 2t + 8, 2t + 9) lie in different 4-value groups: E for the first (ea), E for the
+// second (eb).
 struct Scales {
+#if W4_NATURAL
+  uint32_t ea, eb, base;
+#else
   uint32_t e, base;
+#endif
 #if defined(LEAN) && LEAN
   uint32_t k128, k8;  // the bf16x2 bits of 128 and 8 (see dequant)
 #endif
 };
+#if W4_NATURAL
+struct MetaT {  // the chunk metadata a lane needs
+  uint32_t e;   // exponent-sum bytes (g, first pair), (g, second pair), (g + 8, first), (g + 8, second)
+  uint32_t cp;  // E6M2 codes of rows g (low byte), g + 8
+};
+DINL Scales make_scales(MetaT m) {
+  Scales S;
+  S.ea = __byte_perm(m.e, 0, 0x7270);  // bytes 0, 2 -> the halves
+  S.eb = __byte_perm(m.e, 0, 0x7371);  // bytes 1, 3
+  const uint32_t cp = __byte_perm(m.cp, 0, 0x7170);  // E6M2 codes in the two halves
+#else
+typedef uint32_t MetaT;
 DINL Scales make_scales(uint32_t m) {  // m: low 16 bits: e bits (lane); high 16 bits: E6M2 codes of rows g, g + 8
   Scales S;
   S.e = __byte_perm(m, 0, 0x7170);      // e bits of row g -> low half, row g + 8 -> high half
   const uint32_t cp = __byte_perm(m, 0, 0x7372);  // E6M2 codes in the two halves
+#endif
   uint32_t base = ((((cp >> 2) & 0x003F003Fu) + 0x004D004Du) << 7) | ((cp & 0x00030003u) << 5);
   if (__builtin_expect((cp & 0xFFu) == 0xFFu, 0)) base = (base & 0xFFFF0000u) | 0x7FC0u;
   if (__builtin_expect((cp & 0x00FF0000u) == 0x00FF0000u, 0)) base = (base & 0xFFFFu) | 0x7FC00000u;
@@ -117,29 +141,46 @@ DINL Scales make_scales(uint32_t m) {  // m: low 16 bits: e bits (lane); high 16
   return S;
 }
 DINL void dequant(uint32_t w, const Scales& S, int s, uint32_t* a) {
+#if W4_NATURAL  // factors of the first pair (a[0], a[1]) and of the second (a[2], a[3])
+  const uint32_t fp = S.base + (((S.ea >> (2 * s)) & 0x00030003u) << 7);
+  const uint32_t fp2 = S.base + (((S.eb >> (2 * s)) & 0x00030003u) << 7);
+#else
   const uint32_t fp = S.base + (((S.e >> (2 * s)) & 0x00030003u) << 7);
+#endif
   const uint32_t fg = dup_lo(fp), fh = dup_hi(fp);
   const uint32_t n128 = bmul(fg, 0xC300C300u), n8 = bmul(fh, 0xC100C100u);
+#if W4_NATURAL
+  const uint32_t fg2 = dup_lo(fp2), fh2 = dup_hi(fp2);
+  const uint32_t n128b = bmul(fg2, 0xC300C300u), n8b = bmul(fh2, 0xC100C100u);
+#else
+  const uint32_t fg2 = fg, fh2 = fh, n128b = n128, n8b = n8;
+#endif
   const uint32_t t = w >> 8;
 #if defined(LEAN) && LEAN
   const uint32_t k128 = S.k128, k8 = S.k8;
   a[0] = bfma(and_or<0x00070007u>(w, k128), fg, n128) ^ ((w << 12) & 0x80008000u);
   a[1] = bfma(and_or<0x00700070u>(w, k8), fh, n8) ^ ((w << 8) & 0x80008000u);
-  a[2] = bfma(and_or<0x00070007u>(t, k128), fg, n128) ^ ((w << 4) & 0x80008000u);
-  a[3] = bfma(and_or<0x00700070u>(t, k8), fh, n8) ^ (w & 0x80008000u);
+  a[2] = bfma(and_or<0x00070007u>(t, k128), fg2, n128b) ^ ((w << 4) & 0x80008000u);
+  a[3] = bfma(and_or<0x00700070u>(t, k8), fh2, n8b) ^ (w & 0x80008000u);
 #else
   a[0] = bfma((w & 0x00070007u) | 0x43004300u, fg, n128) ^ ((w << 12) & 0x80008000u);
   a[1] = bfma((w & 0x00700070u) | 0x41004100u, fh, n8) ^ ((w << 8) & 0x80008000u);
-  a[2] = bfma((t & 0x00070007u) | 0x43004300u, fg, n128) ^ ((w << 4) & 0x80008000u);
-  a[3] = bfma((t & 0x00700070u) | 0x41004100u, fh, n8) ^ (w & 0x80008000u);
+  a[2] = bfma((t & 0x00070007u) | 0x43004300u, fg2, n128b) ^ ((w << 4) & 0x80008000u);
+  a[3] = bfma((t & 0x00700070u) | 0x41004100u, fh2, n8b) ^ (w & 0x80008000u);
 #endif
 }
 #endif
 
 #if FMT == 1
+typedef uint32_t MetaT;
 #define META_WORDS 8  // 32-bit words per (slab, chunk)
 DINL uint32_t load_meta(const uint32_t* __restrict__ p, int lane) { return __ldg(p + (lane >> 2)); }
 DINL uint32_t load_meta_shared(const uint32_t* p, int lane) { return p[lane >> 2]; }
+#elif W4_NATURAL
+#define META_WORDS 36  // 144 bytes: 32 x 32-bit e bits (per lane), 8 x 16-bit E6M2 codes (per g)
+DINL MetaT load_meta_shared(const uint32_t* p, int lane) {
+  return MetaT{p[lane], (uint32_t)reinterpret_cast<const uint16_t*>(p)[64 + (lane >> 2)]};
+}
 #else
 #define META_WORDS 20  // 80 bytes: 32 x 16-bit e bits (per lane), 8 x 16-bit E6M2 codes (per g)
 DINL uint32_t load_meta(const uint32_t* __restrict__ p, int lane) {

@@ -11,8 +11,8 @@
 // the registers its dequantized words left (no copy that waits for the load), the B descriptors by addition, and
 // HiF4's mask-and-bias in one LOP3; Nsight Compute found the M = 16 loop issue-bound, docs/PERFORMANCE.md), -DXPAIR
 // (1: the activation staging's loads read whole sectors, see load_x), -DWRING (1, with PRODUCER=1: the weights too come
-// through the shared-memory ring, by bulk asynchronous copies; see below), -DNATURAL (1, with WRING, MXFP4: the
-// weights in the natural K order of to_decode_layout(natural=True), the activations brought unpermuted by a 2-D TMA
+// through the shared-memory ring, by bulk asynchronous copies; see below), -DNATURAL (1, with WRING: the weights in
+// the natural K order of to_decode_layout(natural=True), the activations brought unpermuted by a 2-D TMA
 // with the 128-byte swizzle, one per chunk; MEGATRON_FP4_DECODE_LAYOUT=natural). XPAIR, WRING and NATURAL are tile
 // keys, none a default: docs/PERFORMANCE.md (session 25) has what each measured.
 //
@@ -75,8 +75,8 @@
 #ifndef NATURAL
 #define NATURAL 0
 #endif
-#if NATURAL && (!WRING || FMT != 1)
-#error "NATURAL needs WRING and MXFP4 (FMT=1)"
+#if NATURAL && !WRING
+#error "NATURAL needs WRING"
 #endif
 #if DEPTH % 2 || XST < 3 || (PRODUCER && !WRING && 2 * XST > 15) || PRODUCER > 1
 #error "DEPTH must be even (the two A register sets alternate per chunk), XST >= 3 (PRODUCER: <= 7, 2 XST + 1 barriers), \
@@ -375,7 +375,7 @@ w4_wgmma_kernel(const uint4* __restrict__ codes, const uint32_t* __restrict__ me
   if (XST - 2 < nch) load_x(xr, x, M, ldx16, c0 + XST - 2, threadIdx.x);  // stored in iteration 0
 #endif
   uint4 wq[DEPTH];
-  uint32_t mq[DEPTH];
+  MetaT mq[DEPTH];
 #pragma unroll
   for (int d = 0; d < DEPTH; ++d) {
     if (d < nch) FETCH(d, d, d);
