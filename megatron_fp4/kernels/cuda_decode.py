@@ -36,14 +36,14 @@ __all__ = ["DecodeWeight", "to_decode_layout", "decode_layout_dequantize", "avai
            "DECODE_TILES", "WGMMA_TILES", "WGMMA_MAX_WEIGHT", "LARGE_M16_TILES", "NATURAL_TILE", "natural_layout",
            "default_kernel", "build", "prebuild"]
 
-_META_BYTES = {0: 80, 1: 32}  # per (16-row slab, 64-value chunk): HiF4, MXFP4 (HiF4 in natural order: 144)
 _SLAB_PAD = 4  # slabs padded to a multiple of this (the largest slabs-per-warp tile)
 
 
 @dataclass
 class DecodeWeight:
     """A packed weight ``[N, K]`` in the decode kernel's layout: ``codes`` int32 ``[S, C, 32, 4]`` (S 16-row slabs,
-    C 64-value chunks), ``meta`` uint8 ``[S, C, 80 | 32]``; ``wide``: MXFP4 block scales above 2^1 present."""
+    C 64-value chunks), ``meta`` uint8 ``[S, C, 80 | 32]`` (HiF4 | MXFP4; HiF4 in natural order 144); ``wide``: MXFP4
+    block scales above 2^1 present."""
 
     codes: torch.Tensor
     meta: torch.Tensor
@@ -243,11 +243,12 @@ WGMMA_MAX_WEIGHT = 32 * 2 ** 20
 #: 25, three runs: 23.2-24.4 us vs 25.1-25.5 without; MXFP4 gained nothing from it, benchmarks/results/decode_h200_s25.json).
 _LARGE_M16 = dict(KERNEL="wgmma", WGS=2, DEPTH=2, XST=4, MINB=3, PRODUCER=1)
 LARGE_M16_TILES = {0: dict(_LARGE_M16, LEAN=1), 1: _LARGE_M16}
-#: The tile of weights in the natural K order (:func:`to_decode_layout` ``natural``, MXFP4): only the wgmma kernel's
-#: NATURAL form reads them (activations by TMA, weights through the shared-memory ring). On the H200 (session 25,
+#: The tile of weights in the natural K order (:func:`to_decode_layout` ``natural``): only the wgmma kernel's NATURAL
+#: form reads them (activations by TMA, weights through the shared-memory ring). On the H200 (session 25, MXFP4,
 #: bit-exact; benchmarks/results/decode_h200_s25_natural.json) at M = 64: 37.2 / 29.3 us on the 7B MLP weights
-#: against the default's 46.4 / 42.7 and cuBLAS BF16's 36.1 / 43.1; at M = 16 within 3% of the default. Opt-in
-#: (:func:`natural_layout`) until M = 8 / 32, the 1.5B weights and the engine are measured with it.
+#: against the default's 46.4 / 42.7 and cuBLAS BF16's 36.1 / 43.1; at M = 16 within 3-6% of the default. Opt-in
+#: (:func:`natural_layout`) until M = 8 / 32, the 1.5B weights and the engine are measured with it (HiF4: until it
+#: has run on a GPU at all).
 NATURAL_TILE = dict(KERNEL="wgmma", PRODUCER=1, WGS=2, DEPTH=2, XST=6, MINB=2, LEAN=1, WRING=1, NATURAL=1)
 _LAYOUTS = ("permuted", "natural")
 
@@ -261,6 +262,8 @@ def natural_layout(fmt_id: int) -> bool:
         raise ValueError(f"MEGATRON_FP4_DECODE_LAYOUT={layout!r} is not valid; allowed values: "
                          f"{', '.join(map(repr, _LAYOUTS))}")
     return layout == "natural" and fmt_id == 1
+
+
 #: Token counts up to which :func:`megatron_fp4.kernels.dispatch.decode_matmul` prefers these kernels to the Triton one.
 MAX_M = int(os.environ.get("MEGATRON_FP4_CUDA_DECODE_MAX_M", "64"))
 _SOURCES = {"mma": "w4_decode.cu", "wgmma": "w4_wgmma.cu"}
