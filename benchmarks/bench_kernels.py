@@ -395,7 +395,7 @@ def bench_decode(shapes, ms_list=(16, 64), sweep=False, sweep_keys=None):
                         exs[i], ps[i].decode, config={"KERNEL": kernel}) for i in range(n)], graph=True))
                 rec(f"{fmt}_w4a16_triton", bench([lambda i=i: w4_matmul(xs[i], ps[i].packed, wide=ps[i].wide)
                                                   for i in range(n)], graph=True))
-                if sweep and (K, N) in ((3584, 18944), (18944, 3584)):
+                if sweep and (sweep_keys or (K, N) in ((3584, 18944), (18944, 3584))):  # keys: every shape
                     natural = None  # the weights in natural K order, for the NATURAL tiles
                     for cfg in tiles:
                         if cfg.get("NATURAL") and natural is None:
@@ -490,7 +490,8 @@ def main():
                         "-> --out (default benchmarks/results/decode_h200.json)")
     p.add_argument("--decode-sweep", action="store_true", help="with --decode: also sweep the CUDA kernel's tiles")
     p.add_argument("--sweep-keys", help="with --decode-sweep: only the tiles that set one of these keys, e.g. "
-                                        "NATURAL,WRING")
+                                        "NATURAL,WRING (then on every shape, not only the 7B MLP ones)")
+    p.add_argument("--decode-ms", default="16,64", help="with --decode: token counts (comma-separated, 1..64)")
     p.add_argument("--training-operands", action="store_true",
                    help="only the training operands' quantization into both GEMM layouts, and the column pass two "
                         "ways (Qwen2.5-1.5B's X and dY at 8192 tokens) -> --out (default "
@@ -503,6 +504,12 @@ def main():
         print(decode_markdown(d) if "decode" in d else markdown(args.markdown))
         return
     if args.decode:
+        try:
+            ms = [int(m) for m in args.decode_ms.split(",")]
+        except ValueError:
+            ms = []
+        if not ms or not all(1 <= m <= 64 for m in ms):
+            p.error(f"--decode-ms takes comma-separated token counts in 1..64, got {args.decode_ms!r}")
         out = args.out if args.out != p.get_default("out") else "benchmarks/results/decode_h200.json"
         t0 = time.time()
         dev = torch.cuda.get_device_name()
@@ -510,7 +517,7 @@ def main():
         shapes = DECODE_SHAPES
         if args.shapes:
             shapes = [tuple(int(v) for v in s.split("x")) for s in args.shapes.split(",")]
-        rows, sweep_rows = bench_decode(shapes, sweep=args.decode_sweep,
+        rows, sweep_rows = bench_decode(shapes, ms_list=tuple(ms), sweep=args.decode_sweep,
                                         sweep_keys=args.sweep_keys.split(",") if args.sweep_keys else None)
         from megatron_fp4.kernels import cuda_decode as cd
         d = {"gpu": dev, "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()), "torch": torch.__version__,
