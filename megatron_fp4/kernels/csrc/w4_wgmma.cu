@@ -24,7 +24,7 @@
 // wgmma group in flight).
 //
 // The decode layout permutes the MMA's K order within each k16 step (MMA k 2t + i <-> K 4t + i, MMA k 2t + 8 + i <->
-// K 4t + 2 + i), so the activations are staged in that order (store_x): the bf16 pairs of K {0,1}, {4,5}, {8,9},
+// K 4t + 2 + i; the NATURAL layout does not, see below), so the activations are staged in that order (store_x): the bf16 pairs of K {0,1}, {4,5}, {8,9},
 // {12,13} of a step form the first 8x8 core matrix and {2,3}, {6,7}, {10,11}, {14,15} the second (K-major, no
 // swizzle: core matrix (token group ng, K half kh) at byte (ng * 2 + kh) * 128 of the step, LBO 128, SBO 256).
 // Staging goes through registers, one chunk ahead: loaded in one iteration, stored to shared memory in the next,
@@ -41,6 +41,11 @@
 // (DEPTH chunks: at M = 64 the accumulators leave room for 2 only and Nsight Compute found half the cycles waiting on
 // global loads). The consumers wait on the stage's mbarrier and read their slab's words from shared memory DEPTH
 // chunks ahead; "stage empty" stays a named barrier (1 + s).
+// NATURAL=1 (with WRING): the weights' MMA K order is K's own, so the activations need no permutation: the producer's
+// lane 0 brings each chunk of all tokens with one 2-D TMA (x as a [M, K] bf16 tensor map, 64 x NTOK boxes, 128-byte
+// swizzle: a token's 64 values in one 128-byte row, 8 rows per 1024-byte atom, rows past M zero-filled) and arrives
+// on the stage's mbarrier with its byte count; the wgmmas read B through swizzle-mode descriptors. Nothing is staged
+// through registers. HiF4 then needs two exponent factors per row and step (w4_device.h).
 // Split-K: blockIdx.y takes chunks [y * cps, (y + 1) * cps); with gridDim.y > 1 partial sums are added atomically
 // into a zeroed fp32 output.
 #include <cuda.h>  // CUtensorMap (NATURAL)
