@@ -158,9 +158,10 @@ def cuda_case(fmt: str, BM: int, tile: dict, wide: bool) -> tuple:
 
     if _nvcc.nvcc() is None:
         raise SystemExit("kernel_sass.py cuda: needs nvcc (CUDA's compiler) on PATH or CUDA_HOME")
-    kernel, config = cd._choose(18944, 3584, cd._ntok(BM), tile or None, int(fmt == "mxfp4"))
-    cfg = cd._tile(kernel, int(fmt == "mxfp4"), cd._ntok(BM), config)
-    defines = cd._defines(kernel, int(fmt == "mxfp4"), wide, cd._ntok(BM), cfg)
+    fmt_id, ntok = int(fmt == "mxfp4"), cd._ntok(BM)
+    kernel, config = cd._choose(18944, 3584, ntok, tile or None, fmt_id)
+    cfg = cd._tile(kernel, fmt_id, ntok, config)
+    defines = cd._defines(kernel, fmt_id, wide, ntok, cfg)
     with tempfile.TemporaryDirectory() as d:
         out = os.path.join(d, "k.cubin")
         r = subprocess.run(_nvcc.command(cd._SOURCES[kernel], defines, out, "90a", "-cubin", "-Xptxas", "-v"),

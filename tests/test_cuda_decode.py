@@ -60,13 +60,14 @@ def test_natural_decode_layout_reads_back_the_reference(name, N, K):
 def test_natural_layout_is_opt_in_for_mxfp4(monkeypatch):
     from megatron_fp4.kernels.cuda_decode import natural_layout
 
-    assert not natural_layout(1) and not natural_layout(0)
+    assert not natural_layout("mxfp4") and not natural_layout("hif4")
     monkeypatch.setenv("MEGATRON_FP4_DECODE_LAYOUT", "natural")
-    assert natural_layout(1) and not natural_layout(0)  # HiF4: no natural form yet
+    assert natural_layout("mxfp4") and natural_layout("mxfp4_rceil")
+    assert not natural_layout("hif4")  # HiF4's natural form has not run on a GPU yet
     monkeypatch.setenv("MEGATRON_FP4_DECODE_LAYOUT", "swizzled")
     with pytest.raises(ValueError, match="MEGATRON_FP4_DECODE_LAYOUT='swizzled' is not valid; allowed values: "
                                          "'permuted', 'natural'"):
-        natural_layout(1)
+        natural_layout("mxfp4")
 
 
 def test_decode_layout_mxfp4_without_wide_scales():
@@ -110,8 +111,8 @@ def _ptxas_report(defines: dict, path: str) -> str:
 @pytest.mark.skipif(_nvcc.nvcc() is None, reason="needs nvcc (no GPU: a compile for sm_90a)")
 def test_wgmma_tiles_compile_without_spills_or_serialized_wgmmas(tmp_path):
     """ptxas's report for the wgmma kernel's default tiles (every token bucket, both formats, wide MXFP4) and the
-    producer-warp tiles the decode sweep times at M = 16 (and at M = 64 its LEAN tile without producer and its
-    four-warpgroup tiles): no register spills, and no "wgmma.mma_async instructions are serialized" note (ptxas's
+    producer-warp tiles the decode sweep times at M = 16 (and at M = 64 its LEAN tile without producer, its
+    four-warpgroup tiles and its NATURAL tiles for M = 64): no register spills, and no "wgmma.mma_async instructions are serialized" note (ptxas's
     answer to a wgmma under thread-dependent control flow, or to too few registers to keep the wgmmas in flight:
     they then run one at a time)."""
     from megatron_fp4.kernels import cuda_decode as cd

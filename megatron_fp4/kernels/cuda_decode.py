@@ -253,15 +253,15 @@ NATURAL_TILE = dict(KERNEL="wgmma", PRODUCER=1, WGS=2, DEPTH=2, XST=6, MINB=2, L
 _LAYOUTS = ("permuted", "natural")
 
 
-def natural_layout(fmt_id: int) -> bool:
-    """Whether weights of this format are laid out in natural K order: MXFP4 (``fmt_id`` 1) with
-    ``MEGATRON_FP4_DECODE_LAYOUT=natural`` (default "permuted"). HiF4's natural form (two exponent groups per lane,
+def natural_layout(fmt_name: str) -> bool:
+    """Whether weights of the format ``fmt_name`` are laid out in natural K order: MXFP4's (and its RCEIL variant's)
+    with ``MEGATRON_FP4_DECODE_LAYOUT=natural`` (default "permuted"). HiF4's natural form (two exponent groups per lane,
     row and step) is written and checked on the CPU but has not run on a GPU yet: it stays off here until it has."""
     layout = os.environ.get("MEGATRON_FP4_DECODE_LAYOUT", "permuted")
     if layout not in _LAYOUTS:
         raise ValueError(f"MEGATRON_FP4_DECODE_LAYOUT={layout!r} is not valid; allowed values: "
                          f"{', '.join(map(repr, _LAYOUTS))}")
-    return layout == "natural" and fmt_id == 1
+    return layout == "natural" and fmt_name != "hif4"
 
 
 #: Token counts up to which :func:`megatron_fp4.kernels.dispatch.decode_matmul` prefers these kernels to the Triton one.

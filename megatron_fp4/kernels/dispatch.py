@@ -130,8 +130,7 @@ def _decode_layout(q: QuantizedTensor, wide: bool):
     from megatron_fp4.kernels import cuda_decode
 
     if q.codes.is_cuda and q.codes.dim() == 2 and cuda_decode.available():
-        natural = cuda_decode.natural_layout(0 if q.fmt.name == "hif4" else 1)
-        return cuda_decode.to_decode_layout(q, wide, natural=natural)
+        return cuda_decode.to_decode_layout(q, wide, natural=cuda_decode.natural_layout(q.fmt.name))
     return None
 
 
