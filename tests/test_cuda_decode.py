@@ -57,17 +57,26 @@ def test_natural_decode_layout_reads_back_the_reference(name, N, K):
     assert _same(decode_layout_dequantize(dw), qt.dequantize().float())
 
 
-def test_natural_layout_is_opt_in_for_mxfp4(monkeypatch):
+def test_natural_layout_is_the_default(monkeypatch):
     from megatron_fp4.kernels.cuda_decode import natural_layout
+    from megatron_fp4.kernels.dispatch import PreparedWeight, decode_kernel_max_m
 
-    assert not natural_layout("mxfp4") and not natural_layout("hif4")
-    monkeypatch.setenv("MEGATRON_FP4_DECODE_LAYOUT", "natural")
-    assert natural_layout("mxfp4") and natural_layout("mxfp4_rceil")
-    assert not natural_layout("hif4")  # HiF4's natural form has not run on a GPU yet
+    monkeypatch.delenv("MEGATRON_FP4_DECODE_LAYOUT", raising=False)
+    assert natural_layout()
+    monkeypatch.setenv("MEGATRON_FP4_DECODE_LAYOUT", "permuted")
+    assert not natural_layout()
     monkeypatch.setenv("MEGATRON_FP4_DECODE_LAYOUT", "swizzled")
     with pytest.raises(ValueError, match="MEGATRON_FP4_DECODE_LAYOUT='swizzled' is not valid; allowed values: "
                                          "'permuted', 'natural'"):
-        natural_layout("mxfp4")
+        natural_layout()
+    # the decode kernel serves up to 64 tokens on large natural-order weights, else up to 32 (cuBLAS above)
+    def max_m(n, k, natural):
+        qt = get_format("mxfp4").quantize(torch.randn(n, k) * 0.1, dim=-1)
+        dw = to_decode_layout(qt, False, natural=natural) if natural is not None else None
+        return decode_kernel_max_m(PreparedWeight(qt, None, qt.fmt, "exact", False, decode=dw))
+
+    assert max_m(8960, 4096, True) == 64  # > WGMMA_MAX_WEIGHT (32 Mi values)
+    assert max_m(8960, 4096, False) == max_m(8960, 4096, None) == max_m(1536, 8960, True) == 32
 
 
 def test_decode_layout_mxfp4_without_wide_scales():
@@ -237,7 +246,7 @@ def test_gpu_dispatch_decode_uses_cuda_kernel(name):
     pw = dispatch.prepare_weight(w, name)
     assert pw.decode is not None
     wq = f.fake_quantize(w.float(), dim=-1).double()
-    for M in (8, 24, 48, 64):  # the decode kernel up to DECODE_KERNEL_MAX_M, cuBLAS on the expansions above
+    for M in (8, 24, 48, 64):  # the decode kernel up to decode_kernel_max_m, cuBLAS on the expansions above
         x = torch.randn(M, 768, device="cuda").to(torch.bfloat16)
         cases = [(dict(activations="bf16"), x.double()),
                  (dict(activations="fp4"), f.fake_quantize(x.float(), dim=-1).double()),

@@ -10,9 +10,10 @@ registers with a few bit operations per pair of values (the same bit-exact trick
 read that layout: ``w4_wgmma.cu`` (Hopper's warpgroup MMA: a warpgroup's 64 weight rows x up to 64 tokens per
 instruction, the activations staged once per block in shared memory) and ``w4_decode.cu`` (mma.sync m16n8k16);
 :func:`default_kernel` picks one by weight size (``MEGATRON_FP4_DECODE_KERNEL=wgmma|mma`` forces one). W4A4 and
-ResQ's bf16 sum call them on the activations' exact BF16 expansion. ``MEGATRON_FP4_DECODE_LAYOUT=natural`` lays MXFP4
-weights out in natural K order instead, which only ``w4_wgmma.cu``'s NATURAL form reads (the activations then come
-by TMA, unpermuted: :data:`NATURAL_TILE`). Built with nvcc per configuration on first use
+ResQ's bf16 sum call them on the activations' exact BF16 expansion. By default (:func:`natural_layout`) the weights
+are laid out in natural K order instead, which only ``w4_wgmma.cu``'s NATURAL form reads (the activations then come
+by TMA, unpermuted: :data:`NATURAL_TILE`); ``MEGATRON_FP4_DECODE_LAYOUT=permuted`` keeps the permuted layout and the
+per-size tiles above. Built with nvcc per configuration on first use
 (sm_90a), cached in ``megatron_fp4/kernels/_build`` (or ``MEGATRON_FP4_BUILD_DIR``), loaded with ctypes;
 ``MEGATRON_FP4_CUDA_DECODE=0`` turns them off (the Triton kernel serves). Without CUDA or nvcc nothing here runs but
 :func:`to_decode_layout` and :func:`decode_layout_dequantize` (its PyTorch emulation, what the CPU tests check bit
@@ -243,25 +244,25 @@ WGMMA_MAX_WEIGHT = 32 * 2 ** 20
 #: 25, three runs: 23.2-24.4 us vs 25.1-25.5 without; MXFP4 gained nothing from it, benchmarks/results/decode_h200_s25.json).
 _LARGE_M16 = dict(KERNEL="wgmma", WGS=2, DEPTH=2, XST=4, MINB=3, PRODUCER=1)
 LARGE_M16_TILES = {0: dict(_LARGE_M16, LEAN=1), 1: _LARGE_M16}
-#: The tile of weights in the natural K order (:func:`to_decode_layout` ``natural``): only the wgmma kernel's NATURAL
-#: form reads them (activations by TMA, weights through the shared-memory ring). On the H200 (session 25, MXFP4,
-#: bit-exact; benchmarks/results/decode_h200_s25_natural.json) at M = 64: 37.2 / 29.3 us on the 7B MLP weights
-#: against the default's 46.4 / 42.7 and cuBLAS BF16's 36.1 / 43.1; at M = 16 within 3-6% of the default. Opt-in
-#: (:func:`natural_layout`) until M = 8 / 32, the 1.5B weights and the engine are measured with it (HiF4: until it
-#: has run on a GPU at all).
+#: The tile of weights in the natural K order (:func:`to_decode_layout` ``natural``, the default layout): only the
+#: wgmma kernel's NATURAL form reads them (activations by TMA, weights through the shared-memory ring). On the H200
+#: (session 26, both formats, bit-exact; benchmarks/results/decode_natural_h200.json) against the permuted layout's
+#: defaults: 1.20-1.46x faster at 32 and 64 tokens on the 7B MLP weights (MXFP4 at 64: 0.95x / 1.37x cuBLAS BF16,
+#: HiF4 0.84x / 1.22x) and 1.10-1.32x at every token count on the 1.5B ones; 0.86-1.03x at 8 and 16 tokens on the 7B
+#: weights (the price of one layout for every batch: a rollout's decode batch is mostly 32-64 sequences).
 NATURAL_TILE = dict(KERNEL="wgmma", PRODUCER=1, WGS=2, DEPTH=2, XST=6, MINB=2, LEAN=1, WRING=1, NATURAL=1)
 _LAYOUTS = ("permuted", "natural")
 
 
-def natural_layout(fmt_name: str) -> bool:
-    """Whether weights of the format ``fmt_name`` are laid out in natural K order: MXFP4's (and its RCEIL variant's)
-    with ``MEGATRON_FP4_DECODE_LAYOUT=natural`` (default "permuted"). HiF4's natural form (two exponent groups per lane,
-    row and step) is written and checked on the CPU but has not run on a GPU yet: it stays off here until it has."""
-    layout = os.environ.get("MEGATRON_FP4_DECODE_LAYOUT", "permuted")
+def natural_layout() -> bool:
+    """Whether decode weights (every format) are laid out in natural K order: ``MEGATRON_FP4_DECODE_LAYOUT`` "natural"
+    (the default) or "permuted" (the layout of the per-size tiles, :data:`DECODE_TILES` / :data:`WGMMA_TILES`: faster
+    at 8-16 tokens on the 7B MLP weights, slower from 32 on)."""
+    layout = os.environ.get("MEGATRON_FP4_DECODE_LAYOUT", "natural")
     if layout not in _LAYOUTS:
         raise ValueError(f"MEGATRON_FP4_DECODE_LAYOUT={layout!r} is not valid; allowed values: "
                          f"{', '.join(map(repr, _LAYOUTS))}")
-    return layout == "natural" and fmt_name != "hif4"
+    return layout == "natural"
 
 
 #: Token counts up to which :func:`megatron_fp4.kernels.dispatch.decode_matmul` prefers these kernels to the Triton one.

@@ -130,7 +130,7 @@ def _decode_layout(q: QuantizedTensor, wide: bool):
     from megatron_fp4.kernels import cuda_decode
 
     if q.codes.is_cuda and q.codes.dim() == 2 and cuda_decode.available():
-        return cuda_decode.to_decode_layout(q, wide, natural=cuda_decode.natural_layout(q.fmt.name))
+        return cuda_decode.to_decode_layout(q, wide, natural=cuda_decode.natural_layout())
     return None
 
 
@@ -152,11 +152,24 @@ def decode_matmul(a: torch.Tensor, w: PreparedWeight) -> torch.Tensor:
     return w4_matmul(a, w.packed, wide=w.wide)
 
 
-#: Token counts up to which :func:`linear` runs a decode kernel (packed weights read once, dequantized in registers);
-#: above, the activations' expansion times the weight's pre-expanded BF16 copy in one cuBLAS GEMM (the same exact
-#: numbers; at M = 64 cuBLAS on BF16 is faster than either decode kernel on the H200, docs/PERFORMANCE.md).
-#: ResQ's exact (two-operand) form keeps the Triton decode kernel up to DECODE_MAX_M.
-DECODE_KERNEL_MAX_M = int(os.environ.get("MEGATRON_FP4_DECODE_KERNEL_MAX_M", "32"))
+#: Token counts up to which :func:`linear` runs a decode kernel (packed weights read once, dequantized in registers):
+#: 64 on weights in natural K order (the default layout, :func:`megatron_fp4.kernels.cuda_decode.natural_layout`) of
+#: more than ``cuda_decode.WGMMA_MAX_WEIGHT`` values, 32 on others; above, the activations' expansion times the
+#: weight's pre-expanded BF16 copy in one cuBLAS GEMM (the same exact numbers). On the H200 at 64 tokens the natural
+#: kernel beat cuBLAS BF16 on the 7B MLP weights (MXFP4 66 us for the pair against 75, HiF4 75 against 75) and lost on
+#: the 1.5B ones (0.81-1.11x), docs/PERFORMANCE.md. ``MEGATRON_FP4_DECODE_KERNEL_MAX_M`` sets one bound for every
+#: weight. ResQ's exact (two-operand) form keeps the Triton decode kernel up to DECODE_MAX_M.
+DECODE_KERNEL_MAX_M = int(os.environ.get("MEGATRON_FP4_DECODE_KERNEL_MAX_M", "0")) or None
+
+
+def decode_kernel_max_m(w: PreparedWeight) -> int:
+    """The largest token count :func:`linear` sends to a decode kernel for the weight ``w``."""
+    from megatron_fp4.kernels.cuda_decode import WGMMA_MAX_WEIGHT
+
+    if DECODE_KERNEL_MAX_M:
+        return DECODE_KERNEL_MAX_M
+    large = w.packed.codes.shape[-2] * w.packed.codes.shape[-1] * 2 > WGMMA_MAX_WEIGHT
+    return 64 if large and getattr(w.decode, "natural", False) else 32
 
 
 def linear(x: torch.Tensor, w: PreparedWeight, resq: str = "none", activations: str = "fp4",
@@ -188,13 +201,14 @@ def linear(x: torch.Tensor, w: PreparedWeight, resq: str = "none", activations: 
                                  f"{tuple(w.packed.shape)}")
     K = x.shape[-1]
     kp = w.packed.codes.shape[-1] * 2
+    max_m = decode_kernel_max_m(w)
     if not kernels_usable(x) or w.fmt.name not in KERNEL_FORMATS:
         return linear_reference(x, w, resq, activations, resq_combine).to(out_dtype)
     if activations == "bf16":
         xb = x.to(torch.bfloat16)
         if kp != K:
             xb = torch.nn.functional.pad(xb, (0, kp - K))
-        if x.shape[0] <= DECODE_KERNEL_MAX_M:
+        if x.shape[0] <= max_m:
             return decode_matmul(xb, w).to(out_dtype)
         from megatron_fp4.kernels.quantize import Expanded
 
@@ -205,12 +219,12 @@ def linear(x: torch.Tensor, w: PreparedWeight, resq: str = "none", activations: 
             from megatron_fp4.kernels.resq import resq_quantize
 
             a = resq_quantize(x, w.fmt, expand="sum")[2]
-            if x.shape[0] <= DECODE_KERNEL_MAX_M:
+            if x.shape[0] <= max_m:
                 return decode_matmul(a.values, w).to(out_dtype)
             return mm_expanded(a, w.bf16_expanded(), out_dtype=out_dtype)
         return resq_matmul(x, w.packed, w.bf16_expanded() if sum_prefill else w.expanded, out_dtype=out_dtype,
                            promote=PROMOTE[w.mode], wide=w.wide, combine=resq_combine)
-    if x.shape[0] <= DECODE_KERNEL_MAX_M:
+    if x.shape[0] <= max_m:
         return decode_matmul(quantize(x, w.fmt, expand="bf16", packed=False)[1].values, w).to(out_dtype)
     ex = quantize(x, w.fmt, expand="bf16" if w.expanded.values.dtype == torch.bfloat16 else "native", packed=False)[1]
     return mm_expanded(ex, w.expanded, out_dtype=out_dtype, promote=PROMOTE[w.mode])
