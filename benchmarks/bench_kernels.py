@@ -373,12 +373,17 @@ def bench_decode(shapes, ms_list=(16, 64), sweep=False, sweep_keys=None):
             for fmt in ("hif4", "mxfp4"):
                 ps = preps[fmt]
                 n = len(ps)
+                # both layouts of each weight: the default one (ps[i].decode) serves the "_cuda" columns; the
+                # per-kernel columns and the sweep's tiles read the permuted layout, its NATURAL tiles the natural one
+                layouts = {nat: [p.decode if p.decode.natural == nat else cd.to_decode_layout(p.packed, p.wide,
+                                                                                               natural=nat)
+                                 for p in ps] for nat in (False, True)}
                 exs = [quantize(xi, fmt, expand="bf16")[1].values for xi in xs]
                 sums = [resq_quantize(xi, fmt, expand="sum")[2].values for xi in xs]
                 # exactness: the CUDA kernel against the fp64 product of the same operands
                 ref = exs[0].double() @ ps[0].packed.dequantize().double().t()
                 for kernel in ("mma", "wgmma"):
-                    got = cd.w4_decode(exs[0], ps[0].decode, config={"KERNEL": kernel}).double()
+                    got = cd.w4_decode(exs[0], layouts[False][0], config={"KERNEL": kernel}).double()
                     res[f"{fmt}_{kernel}_relerr"] = float((got - ref).norm() / ref.norm())
                 rec(f"{fmt}_w4a16_cuda", bench([lambda i=i: cd.w4_decode(xs[i], ps[i].decode) for i in range(n)],
                                                graph=True))
@@ -392,15 +397,12 @@ def bench_decode(shapes, ms_list=(16, 64), sweep=False, sweep_keys=None):
                                                          for i in range(n)], graph=True))
                 for kernel in ("mma", "wgmma"):  # the GEMM alone on each kernel (the columns above: the default)
                     rec(f"{fmt}_w4a4_gemm_{kernel}", bench([lambda i=i: cd.w4_decode(
-                        exs[i], ps[i].decode, config={"KERNEL": kernel}) for i in range(n)], graph=True))
+                        exs[i], layouts[False][i], config={"KERNEL": kernel}) for i in range(n)], graph=True))
                 rec(f"{fmt}_w4a16_triton", bench([lambda i=i: w4_matmul(xs[i], ps[i].packed, wide=ps[i].wide)
                                                   for i in range(n)], graph=True))
                 if sweep and (sweep_keys or (K, N) in ((3584, 18944), (18944, 3584))):  # keys: every shape
-                    natural = None  # the weights in natural K order, for the NATURAL tiles
                     for cfg in tiles:
-                        if cfg.get("NATURAL") and natural is None:
-                            natural = [cd.to_decode_layout(p.packed, p.wide, natural=True) for p in ps]
-                        dws = natural if cfg.get("NATURAL") else [p.decode for p in ps]
+                        dws = layouts[bool(cfg.get("NATURAL"))]
                         try:
                             ms = bench([lambda i=i: cd.w4_decode(exs[i], dws[i], config=cfg)
                                         for i in range(n)], graph=True)
@@ -523,6 +525,7 @@ def main():
         d = {"gpu": dev, "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()), "torch": torch.__version__,
              "triton": triton.__version__, "copy_GBps": copy_gbs, "cublas_bf16_8192_TFLOPs": bf16_peak,
              "wgmma_max_weight": cd.WGMMA_MAX_WEIGHT, "large_m16_tiles": cd.LARGE_M16_TILES,
+             "decode_layout": "natural" if cd.natural_layout() else "permuted", "natural_tile": cd.NATURAL_TILE,
              "tiles": {f"{f} M<={m}": v for (f, m), v in cd.DECODE_TILES.items()},
              "wgmma_tiles": {f"{f} M<={m}": v for (f, m), v in cd.WGMMA_TILES.items()}, "decode": rows,
              "sweep": sweep_rows, "wall_s": time.time() - t0}

@@ -171,7 +171,7 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--backend", default="native", choices=("native", "sglang"),
                     help="native: the in-process engine; sglang: sglang.Engine with the megatron_fp4 plug-in (CUDA "
-                         "GPU, SGLang, sgl-kernel; not run yet: plumbing written on a CPU machine)")
+                         "GPU, SGLang, sgl-kernel)")
     ap.add_argument("--work-dir", default="/tmp/bench_rollout",
                     help="--backend sglang: where the random models are written as HF folders")
     ap.add_argument("--shapes", default="qwen2.5-1.5b")

@@ -8,10 +8,10 @@
 #   train-bench   bench_train.py --cuda-graph (BF16, MXFP4 fp8 / fp8_fast, HiF4 at 4 x 2048) and the eager rows
 #   decode-tests  GPU tests of the CUDA decode GEMMs (every tile of tests/test_cuda_decode.py)
 #   decode-bench  bench_kernels.py --decode --decode-sweep on the 7B and 1.5B MLP shapes
-#   decode-natural  the natural-K-order decode GEMM (MEGATRON_FP4_DECODE_LAYOUT=natural): its GPU tests, then its
-#                 tiles against the defaults on the 7B and 1.5B MLP shapes
-#   decode-profile  Nsight Compute on the decode GEMM (a 7B MLP weight): the default tile at M = 16 (both formats)
-#                 and both kernels at M = 64 (MXFP4):
+#   decode-natural  the natural-K-order decode GEMM (the default layout): its GPU tests, then its tiles against the
+#                 permuted layout's defaults (MEGATRON_FP4_DECODE_LAYOUT=permuted) on the 7B and 1.5B MLP shapes
+#   decode-profile  Nsight Compute on the decode GEMM (a 7B MLP weight): the default tile at M = 16 (both formats;
+#                 natural layout) and both kernels on the permuted layout at M = 64 (MXFP4):
 #                 throughput, memory, warp stall reasons, source counters (hardware counters: the Firecracker runtime)
 #   rl-step       bench_rl_step.py: one GRPO step of the driver per rollout backend (issue 19's 5x target; the GPU
 #                 memory an SGLang Engine takes beside training)
@@ -78,11 +78,13 @@ print('prebuilt', cd.prebuild([t for t in GPU_TILES if t], ntoks=(8, 16, 64)), '
     ;;
   decode-natural)
     run_tests -m gpu tests/test_cuda_decode.py -k natural
+    export MEGATRON_FP4_DECODE_LAYOUT=permuted  # the "_cuda" columns: the permuted layout's defaults
     python3 benchmarks/bench_kernels.py --decode --decode-sweep --sweep-keys NATURAL --decode-ms 8,16,32,64 \
       --shapes 3584x18944,18944x3584,1536x8960,8960x1536 --out "$results/decode_natural_h200.json"
     ;;
   decode-profile)  # the third launch of each case (the first builds the kernel); one text report per case:
-    # M = 16 on the default (producer wgmma) tile, both formats; M = 64 (the rollout's batch) on both kernels, MXFP4
+    # M = 16 on the default tile (natural layout), both formats; M = 64 (the rollout's batch) on both kernels of the
+    # permuted layout, MXFP4
     # (DECODE_PROFILE_CASES: other cases, one "format M tile-json" per line)
     cases=${DECODE_PROFILE_CASES:-$'hif4 16 null\nmxfp4 16 null\nmxfp4 64 {"KERNEL":"wgmma"}\nmxfp4 64 {"KERNEL":"mma"}'}
     while IFS= read -r case; do

@@ -1,5 +1,6 @@
 """A profiling target for Nsight Compute: a few launches of the CUDA decode GEMM (megatron_fp4.kernels.cuda_decode) on
-one random weight, with its default tile or the one given. ``bash benchmarks/h200_checks.sh decode-profile`` runs it
+one random weight, with its default tile or the one given (a tile with a KERNEL and no NATURAL=1 runs on the permuted
+layout, one with NATURAL=1 on the natural one). ``bash benchmarks/h200_checks.sh decode-profile`` runs it
 under ``ncu``; alone it only launches the kernel and prints the time of one launch.
 
     python3 benchmarks/profile_decode.py --format hif4 --shape 3584x18944 --m 16 [--tile '{"KERNEL": "mma"}']
@@ -41,11 +42,15 @@ def main(argv=None):
         sys.exit("profile_decode.py: the CUDA decode kernels need a Hopper GPU (sm_90) and nvcc")
     torch.manual_seed(0)
     pw = prepare_weight(torch.randn(N, K, device="cuda", dtype=torch.bfloat16) * 0.02, args.format)
+    dw = pw.decode  # the default layout; a tile naming a KERNEL without NATURAL reads the permuted one
+    natural = bool((tile or {}).get("NATURAL")) or (dw.natural and "KERNEL" not in (tile or {}))
+    if natural != dw.natural:
+        dw = cd.to_decode_layout(pw.packed, pw.wide, natural=natural)
     x = torch.randn(args.m, K, device="cuda", dtype=torch.bfloat16)
     start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
     for _ in range(args.iters):
         start.record()
-        cd.w4_decode(x, pw.decode, config=tile)
+        cd.w4_decode(x, dw, config=tile)
         end.record()
     torch.cuda.synchronize()
     us = start.elapsed_time(end) * 1e3
