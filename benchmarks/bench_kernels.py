@@ -340,6 +340,10 @@ SWEEP_TILES = (
     # NATURAL (session 25: weights in natural K order, the activations by TMA; MXFP4 measured, HiF4 not yet run)
     *(dict(KERNEL="wgmma", PRODUCER=1, WGS=wgs, DEPTH=2, XST=xst, MINB=minb, LEAN=1, WRING=1, NATURAL=1)
       for wgs, xst, minb in ((2, 6, 2), (4, 6, 1), (2, 4, 3))),
+    # NATURAL_TILE with a forced split-K (session 26: the balanced split leaves 3584x18944 at 64 tokens unsplit, 148
+    # blocks on 132 SMs, so 16 SMs do twice the work)
+    *(dict(KERNEL="wgmma", PRODUCER=1, WGS=2, DEPTH=2, XST=6, MINB=2, LEAN=1, WRING=1, NATURAL=1, SPLIT=split)
+      for split in (2, 4, 8)),
 )
 DECODE_SHAPES = [(3584, 18944), (18944, 3584), (1536, 8960), (8960, 1536), (1536, 2048), (1536, 1536)]  # (K, N)
 
