@@ -115,7 +115,9 @@ def export_hf(model, args, folder: str) -> str:
 
 
 def sglang_rows(a, shape: str, model, args, prompts, params) -> list[dict]:
-    """--backend sglang: one Engine per precision on ``model``'s HF export; timed like the native rows."""
+    """--backend sglang: one Engine per precision on ``model``'s HF export; timed like the native rows. SGLang's prefix
+    (radix) cache is flushed before every generate: the timed generates repeat the same prompts, and without the flush
+    every one after the first skips their prefill (the native engine prefills every time)."""
     from megatron_fp4.resq import RolloutPrecision
     from megatron_fp4.rollout import teacher_forced_logprobs
     from megatron_fp4.rollout.sglang_engine import SGLangRolloutEngine
@@ -134,9 +136,10 @@ def sglang_rows(a, shape: str, model, args, prompts, params) -> list[dict]:
             samples = engine.generate(prompts, params)  # warm-up (kernel autotuning happens outside capture)
             times = []
             for _ in range(a.repeats):
+                engine.flush_cache()
                 samples = engine.generate(prompts, params)
                 times.append(engine.last_generate_stats["seconds"])
-            sync = engine.update_weights(model.named_parameters())
+            sync = engine.update_weights(model.named_parameters())  # (flushes the cache itself)
             engine.generate(prompts, params)
             after_sync = dict(engine.last_generate_stats)
         ref = teacher_forced_logprobs(model, [prompts[i] for i in sub], [samples[i].token_ids for i in sub], p)
@@ -145,6 +148,7 @@ def sglang_rows(a, shape: str, model, args, prompts, params) -> list[dict]:
         row = dict(backend="sglang", shape=shape, precision=p.label, batch=a.batch, prompt_len=a.prompt_len,
                    new_tokens=a.new_tokens, tokens_per_s=n_tok / statistics.median(times),
                    seconds=statistics.median(times), generated_tokens=n_tok, path="sglang", engine_start_s=start,
+                   prefix_cache="flushed before each generate",
                    weight_sync_s=sync.total_seconds, tokens_per_s_after_sync=after_sync["tokens_per_s"],
                    logp_vs_teacher_forced_max=dmax, logp_vs_teacher_forced_mean=dmean, check_samples=len(sub))
         rows.append(row)
