@@ -8,8 +8,9 @@
 #   train-bench   bench_train.py --cuda-graph (BF16, MXFP4 fp8 / fp8_fast, HiF4 at 4 x 2048) and the eager rows
 #   decode-tests  GPU tests of the CUDA decode GEMMs (every tile of tests/test_cuda_decode.py)
 #   decode-bench  bench_kernels.py --decode --decode-sweep on the 7B and 1.5B MLP shapes
-#   decode-natural  the natural-K-order decode GEMM (the default layout): its GPU tests, then its tiles against the
-#                 permuted layout's defaults (MEGATRON_FP4_DECODE_LAYOUT=permuted) on the 7B and 1.5B MLP shapes
+#   decode-natural  the natural-K-order decode GEMM (the default layout): its GPU tests (CLUSTER's determinism too),
+#                 then its tiles (CLUSTER, PINA, forced splits) against the permuted layout's defaults
+#                 (MEGATRON_FP4_DECODE_LAYOUT=permuted) on the 7B and 1.5B MLP shapes
 #   decode-profile  Nsight Compute on the decode GEMM (a 7B MLP weight): the default tile at M = 16 (both formats;
 #                 natural layout) and both kernels on the permuted layout at M = 64 (MXFP4):
 #                 throughput, memory, warp stall reasons, source counters (hardware counters: the Firecracker runtime)
@@ -77,7 +78,7 @@ print('prebuilt', cd.prebuild([t for t in GPU_TILES if t], ntoks=(8, 16, 64)), '
       --out "$results/decode_h200.json"
     ;;
   decode-natural)
-    run_tests -m gpu tests/test_cuda_decode.py -k natural
+    run_tests -m gpu tests/test_cuda_decode.py -k "natural or cluster"
     export MEGATRON_FP4_DECODE_LAYOUT=permuted  # the "_cuda" columns: the permuted layout's defaults
     python3 benchmarks/bench_kernels.py --decode --decode-sweep --sweep-keys NATURAL --decode-ms 8,16,32,64 \
       --shapes 3584x18944,18944x3584,1536x8960,8960x1536 --out "$results/decode_natural_h200.json"

@@ -79,6 +79,21 @@ def test_natural_layout_is_the_default(monkeypatch):
     assert max_m(8960, 4096, False) == max_m(8960, 4096, None) == max_m(1536, 8960, True) == 32
 
 
+def test_natural_tile_override_names_the_variable_and_keys():
+    from megatron_fp4.kernels.cuda_decode import natural_tile_override
+
+    assert natural_tile_override('{"CLUSTER": 1, "PINA": 1}') == {"CLUSTER": 1, "PINA": 1}
+    for bad in ('{"CLUSTR": 1}', '[1]', '{"CLUSTER": "1"}', '{"XST": -1}'):
+        with pytest.raises(ValueError, match="MEGATRON_FP4_DECODE_NATURAL_TILE=.*keys among WGS, DEPTH, XST"):
+            natural_tile_override(bad)
+    with pytest.raises(ValueError, match="MEGATRON_FP4_DECODE_NATURAL_TILE must be a JSON object"):
+        natural_tile_override("CLUSTER=1")
+    # a cluster is at most 8 blocks: the balanced split is capped there
+    from megatron_fp4.kernels.cuda_decode import _balanced_split
+
+    assert _balanced_split(28, 296, 264) == 9 and _balanced_split(28, 296, 264, 8) == 8
+
+
 def test_decode_layout_mxfp4_without_wide_scales():
     qt = get_format("mxfp4").quantize(_weight(24, 128, "mxfp4", specials=False) * 1e-3, dim=-1)
     assert not _wide(qt)
@@ -133,10 +148,13 @@ def test_wgmma_tiles_compile_without_spills_or_serialized_wgmmas(tmp_path):
     configs += [(f, 0, 64, t) for t in SWEEP_TILES if t.get("WGS") == 4 or t.get("NATURAL") and t["MINB"] < 3
                 for f in (0, 1)]
     configs += [(f, w, 16, cd.LARGE_M16_TILES[f]) for f, w in ((0, 0), (1, 0), (1, 1))]
-    for f, w, m, tile in configs:
-        defines = cd._defines("wgmma", f, bool(w), m, cd._tile("wgmma", f, m, tile))
+    builds = {tuple(sorted(cd._defines("wgmma", f, bool(w), m, cd._tile("wgmma", f, m, tile)).items()))
+              for f, w, m, tile in configs}  # (a SPLIT override compiles nothing new)
+    for defines in map(dict, sorted(builds)):
         report = _ptxas_report(defines, str(tmp_path / "k.cubin"))
         assert " 0 bytes spill stores" in report and "serialized" not in report, (defines, report[-1500:])
+        if defines["FMT"] == 0 and defines["PINA"]:  # HiF4's fragments complete before the fence: no injected ones
+            assert "C7519" not in report, (defines, report[-1500:])
 
 
 # ---------------------------------------------------------------------------------------------------------------
@@ -192,7 +210,8 @@ def _assert_one_hot_reads_back(cd, name, tile, natural):
 
 
 #: The natural-K-order tiles (weights from to_decode_layout(natural=True); activations by TMA).
-NATURAL_GPU_TILES = [None, dict(WGS=4, XST=6, MINB=1), dict(XST=4, MINB=3), dict(SPLIT=1), dict(LEAN=0)]
+NATURAL_GPU_TILES = [None, dict(WGS=4, XST=6, MINB=1), dict(XST=4, MINB=3), dict(SPLIT=1), dict(LEAN=0),
+                     dict(CLUSTER=1), dict(PINA=1), dict(CLUSTER=1, PINA=1, SPLIT=3)]
 
 
 @pytest.mark.gpu
@@ -213,6 +232,22 @@ def test_gpu_natural_layout_bit_exact(name, tile):
         assert ((got - ref).norm() / ref.norm()).item() < 1e-5, (name, M)
     with pytest.raises(ValueError, match="wgmma"):
         cd.w4_decode(x, dw, config={"KERNEL": "mma"})
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("name", ["hif4", "mxfp4"])
+def test_gpu_cluster_split_k_is_deterministic(name):
+    """CLUSTER=1: the same bits on every run (the split blocks sum in rank order, no atomics), where the atomic
+    split-K of the same tile differs in the last bits between runs."""
+    cd = _cuda_ready()
+    N, K = 3584, 18944  # a 7B MLP weight (down_proj): split 8 at 64 tokens
+    qt = get_format(name).quantize((torch.randn(N, K, device="cuda") * 0.02).to(torch.bfloat16), dim=-1)
+    dw = to_decode_layout(qt, _wide(qt), natural=True)
+    x = torch.randn(64, K, device="cuda").to(torch.bfloat16)
+    runs = [cd.w4_decode(x, dw, config=dict(CLUSTER=1)) for _ in range(5)]
+    assert all(torch.equal(runs[0], r) for r in runs[1:])
+    ref = x.double() @ qt.dequantize().double().t()
+    assert ((runs[0].double() - ref).norm() / ref.norm()).item() < 1e-5
 
 
 @pytest.mark.gpu

@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import ctypes
 import functools
+import json
 import os
 from dataclasses import dataclass
 from typing import Optional
@@ -252,6 +253,28 @@ LARGE_M16_TILES = {0: dict(_LARGE_M16, LEAN=1), 1: _LARGE_M16}
 #: weights (the price of one layout for every batch: a rollout's decode batch is mostly 32-64 sequences).
 NATURAL_TILE = dict(KERNEL="wgmma", PRODUCER=1, WGS=2, DEPTH=2, XST=6, MINB=2, LEAN=1, WRING=1, NATURAL=1)
 _LAYOUTS = ("permuted", "natural")
+#: Tile keys ``MEGATRON_FP4_DECODE_NATURAL_TILE`` may set (a JSON object merged into :data:`NATURAL_TILE` at import, for
+#: A/B runs of a whole engine: e.g. '{"CLUSTER": 1}', deterministic split-K; '{"PINA": 1}', see w4_wgmma.cu).
+NATURAL_TILE_KEYS = ("WGS", "DEPTH", "XST", "MINB", "LEAN", "CLUSTER", "PINA", "SPLIT")
+
+
+def natural_tile_override(text: str) -> dict:
+    """The tile keys of ``MEGATRON_FP4_DECODE_NATURAL_TILE``'s JSON object ``text`` (ValueError naming the variable
+    and the allowed keys on anything else)."""
+    try:
+        tile = json.loads(text)
+    except json.JSONDecodeError as e:
+        raise ValueError(f"MEGATRON_FP4_DECODE_NATURAL_TILE must be a JSON object, e.g. "
+                         f"'{{\"CLUSTER\": 1}}' ({e})") from None
+    bad = [k for k in tile if k not in NATURAL_TILE_KEYS] if isinstance(tile, dict) else None
+    if bad is None or bad or not all(isinstance(v, int) and v >= 0 for v in tile.values()):
+        raise ValueError(f"MEGATRON_FP4_DECODE_NATURAL_TILE={text!r}: a JSON object of non-negative integers with keys "
+                         f"among {', '.join(NATURAL_TILE_KEYS)}")
+    return tile
+
+
+if os.environ.get("MEGATRON_FP4_DECODE_NATURAL_TILE"):
+    NATURAL_TILE.update(natural_tile_override(os.environ["MEGATRON_FP4_DECODE_NATURAL_TILE"]))
 
 
 def natural_layout() -> bool:
@@ -311,7 +334,8 @@ def _defines(kernel: str, fmt_id: int, wide: bool, ntok: int, cfg: dict) -> dict
     if kernel == "wgmma":
         return dict(FMT=fmt_id, WIDE=int(wide), NTOK=ntok, WGS=cfg["WGS"], DEPTH=cfg["DEPTH"], XST=cfg["XST"],
                     MINB=cfg["MINB"], PRODUCER=int(cfg["PRODUCER"]), LEAN=int(cfg.get("LEAN", 0)),
-                    XPAIR=int(cfg.get("XPAIR", 0)), WRING=int(cfg.get("WRING", 0)), NATURAL=int(cfg.get("NATURAL", 0)))
+                    XPAIR=int(cfg.get("XPAIR", 0)), WRING=int(cfg.get("WRING", 0)), NATURAL=int(cfg.get("NATURAL", 0)),
+                    CLUSTER=int(cfg.get("CLUSTER", 0)), PINA=int(cfg.get("PINA", 0)))
     return dict(FMT=fmt_id, WIDE=int(wide), NT=ntok // 8, SPW=cfg["SPW"], DEPTH=cfg["DEPTH"], WARPS=cfg["WARPS"])
 
 
@@ -339,15 +363,15 @@ def prebuild(tiles: Optional[list] = None, ntoks=(16, 64), workers: int = 0) -> 
 
 
 @functools.lru_cache(maxsize=None)
-def _balanced_split(row_blocks: int, chunks: int, slots: int) -> int:
-    """Split-K for ``row_blocks`` x split blocks on ``slots`` resident blocks: the fewest splits that minimize
-    waves x (chunks per block + 2, its pipeline fill and epilogue): a second, nearly empty wave of blocks costs as
-    much as the first."""
+def _balanced_split(row_blocks: int, chunks: int, slots: int, most: int = 0) -> int:
+    """Split-K for ``row_blocks`` x split blocks on ``slots`` resident blocks: the fewest splits (at most ``most``
+    when given) that minimize waves x (chunks per block + 2, its pipeline fill and epilogue): a second, nearly empty
+    wave of blocks costs as much as the first."""
     def cost(split):
         cps = -(-chunks // split)
         return -(-row_blocks * -(-chunks // cps) // slots) * (cps + 2)
 
-    return min(range(1, chunks + 1), key=lambda sp: (cost(sp), sp))
+    return min(range(1, min(chunks, most or chunks) + 1), key=lambda sp: (cost(sp), sp))
 
 
 def _ntok(M: int) -> int:
@@ -382,17 +406,20 @@ def w4_decode(x: torch.Tensor, dw: DecodeWeight, config: Optional[dict] = None,
     fn = build(kernel, dw.fmt_id, dw.wide, ntok, cfg)
     S, C = dw.slabs, dw.chunks
     sms = torch.cuda.get_device_properties(x.device).multi_processor_count
+    cluster = kernel == "wgmma" and bool(cfg.get("CLUSTER"))  # split-K through a cluster: at most 8 splits
     if kernel == "wgmma":
         row_blocks = -(-S // (4 * cfg["WGS"]))
-        split = cfg.get("SPLIT") or _balanced_split(row_blocks, C, cfg["MINB"] * sms)
+        split = min(cfg.get("SPLIT") or _balanced_split(row_blocks, C, cfg["MINB"] * sms, 8 if cluster else 0),
+                    8 if cluster else C)
     else:
         row_blocks = -(-S // (cfg["WARPS"] * cfg["SPW"]))
         split = cfg.get("SPLIT") or max(1, min(C, round(cfg["PER_SM"] * sms / row_blocks)))
     cps = -(-C // split)
     split = -(-C // cps)
+    atomic = split > 1 and not cluster  # partial sums added atomically into a zeroed output
     if out is None:
-        out = (torch.zeros if split > 1 else torch.empty)((M, dw.n), dtype=torch.float32, device=x.device)
-    elif split > 1:
+        out = (torch.zeros if atomic else torch.empty)((M, dw.n), dtype=torch.float32, device=x.device)
+    elif atomic:
         out.zero_()
     err = fn(dw.codes.data_ptr(), dw.meta.data_ptr(), x.data_ptr(), out.data_ptr(), M, dw.n, S, C, x.stride(0),
              out.stride(0), split, cps, torch.cuda.current_stream(x.device).cuda_stream)

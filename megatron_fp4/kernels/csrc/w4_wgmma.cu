@@ -13,8 +13,10 @@
 // (1: the activation staging's loads read whole sectors, see load_x), -DWRING (1, with PRODUCER=1: the weights too come
 // through the shared-memory ring, by bulk asynchronous copies; see below), -DNATURAL (1, with WRING: the weights in
 // the natural K order of to_decode_layout(natural=True), the activations brought unpermuted by a 2-D TMA
-// with the 128-byte swizzle, one per chunk; MEGATRON_FP4_DECODE_LAYOUT=natural). XPAIR, WRING and NATURAL are tile
-// keys, none a default: docs/PERFORMANCE.md (session 25) has what each measured.
+// with the 128-byte swizzle, one per chunk; the default layout, cuda_decode.NATURAL_TILE), -DCLUSTER (1, with WRING:
+// deterministic split-K through a thread-block cluster, see Split-K below), -DPINA (1: see pin_a). XPAIR, WRING and
+// NATURAL are tile keys: docs/PERFORMANCE.md (sessions 25-26) has what each measured; CLUSTER and PINA (session 26)
+// have not run on a GPU yet.
 //
 // Each warpgroup owns one 64-row tile of W (four 16-row slabs of the decode layout, one per warp). Per 64-value chunk
 // of K a warp loads its slab's codes (one 16-byte load per lane), dequantizes them exactly into the BF16 A fragment of
@@ -47,7 +49,11 @@
 // on the stage's mbarrier with its byte count; the wgmmas read B through swizzle-mode descriptors. Nothing is staged
 // through registers. HiF4 then needs two exponent factors per row and step (w4_device.h).
 // Split-K: blockIdx.y takes chunks [y * cps, (y + 1) * cps); with gridDim.y > 1 partial sums are added atomically
-// into a zeroed fp32 output.
+// into a zeroed fp32 output, or with -DCLUSTER=1 (WRING) deterministically: the split blocks of a row tile form one
+// thread-block cluster (launched as (1, split, 1), split <= 8), each leaves its partial sums in its shared memory (the
+// ring, free by then), and after a cluster barrier each block sums a 1/split share of the tile's outputs over the
+// cluster's blocks in rank order (distributed shared memory) and stores them: no atomics, no zeroed output, the same
+// bits on every run.
 #include <cuda.h>  // CUtensorMap (NATURAL)
 #include <cudaTypedefs.h>  // PFN_cuTensorMapEncodeTiled (NATURAL)
 #include <cuda_runtime.h>
@@ -80,8 +86,17 @@
 #ifndef NATURAL
 #define NATURAL 0
 #endif
+#ifndef CLUSTER
+#define CLUSTER 0
+#endif
+#ifndef PINA  // 1: a chunk's A fragments complete before its wgmma fence (see pin_a)
+#define PINA 0
+#endif
 #if NATURAL && !WRING
 #error "NATURAL needs WRING"
+#endif
+#if CLUSTER && (!WRING || XST > 14)
+#error "CLUSTER needs WRING (its partial sums reuse the ring) and XST <= 14 (named barrier 15)"
 #endif
 #if DEPTH % 2 || XST < 3 || (PRODUCER && !WRING && 2 * XST > 15) || PRODUCER > 1
 #error "DEPTH must be even (the two A register sets alternate per chunk), XST >= 3 (PRODUCER: <= 7, 2 XST + 1 barriers), \
@@ -105,6 +120,9 @@ PRODUCER 0 or 1"
 #define RALIGN (NATURAL ? 1024 : 128)
 #define RSTAGE_BYTES ((STAGE_BYTES + SLABS * (512 + META_BYTES) + RALIGN - 1) / RALIGN * RALIGN)
 #define XSTRIDE (WRING ? RSTAGE_BYTES : STAGE_BYTES)  // bytes from one stage's activations to the next's
+#if CLUSTER
+static_assert(NTOK / 2 * CONSUMERS * 4 <= XST * RSTAGE_BYTES, "CLUSTER: the partial sums must fit the ring");
+#endif
 
 template <int N_>
 DINL void wgmma_rs(float* d, const uint32_t* a, uint64_t desc);
@@ -183,6 +201,35 @@ DINL void wgmma_fence() { asm volatile("wgmma.fence.sync.aligned;" ::: "memory")
 DINL void wgmma_commit() { asm volatile("wgmma.commit_group.sync.aligned;" ::: "memory"); }
 template <int N_>
 DINL void wgmma_wait() { asm volatile("wgmma.wait_group.sync.aligned %0;" ::"n"(N_) : "memory"); }
+// Thread-block clusters (CLUSTER): a barrier of all the cluster's threads (release / acquire: shared-memory writes
+// before it are visible to the cluster's reads after it), the block's rank, and a float of another block's shared memory.
+DINL void cluster_sync() {
+  asm volatile("barrier.cluster.arrive.release.aligned;\nbarrier.cluster.wait.acquire.aligned;" ::: "memory");
+}
+DINL uint32_t cluster_rank() {
+  uint32_t r;
+  asm volatile("mov.u32 %0, %%cluster_ctarank;" : "=r"(r));
+  return r;
+}
+DINL float ld_cluster(uint32_t addr, uint32_t rank) {  // addr: a shared::cta address of this block's
+  uint32_t remote;
+  float v;
+  asm volatile("mapa.shared::cluster.u32 %0, %1, %2;" : "=r"(remote) : "r"(addr), "r"(rank));
+  asm volatile("ld.shared::cluster.f32 %0, [%1];" : "=f"(v) : "r"(remote) : "memory");
+  return v;
+}
+
+// Keeps the compiler from moving the computation of a chunk's A fragments (four k16 steps) past the wgmma fence
+// (PINA=1). Without it ptxas schedules part of HiF4's dequantization after the fence and then injects a fence before
+// each of the chunk's later wgmmas ("C7519: warpgroup.arrive is injected ... to allow use of registers in GMMA", in
+// every HiF4 wgmma tile but the LEAN M = 16 one); MXFP4's tiles compile without it either way.
+DINL void pin_a(uint32_t (&a)[4][4]) {
+#pragma unroll
+  for (int s = 0; s < 4; ++s)
+#pragma unroll
+    for (int i = 0; i < 4; ++i) asm volatile("" : "+r"(a[s][i])::"memory");
+}
+
 // Keeps the compiler from moving accumulator reads or writes across the asynchronous wgmmas.
 DINL void pin(float* d) {
 #pragma unroll
@@ -306,6 +353,12 @@ w4_wgmma_kernel(const uint4* __restrict__ codes, const uint32_t* __restrict__ me
         tma_load_2d((uint32_t)__cvta_generic_to_shared(xs) + s * RSTAGE_BYTES, &xmap, (c0 + c) * 64, 0, full0 + s * 8);
       }
     }
+#if CLUSTER
+    if (gridDim.y > 1) {  // the consumers' two cluster barriers (every thread of the cluster takes part)
+      cluster_sync();
+      cluster_sync();
+    }
+#endif
     return;
 #endif
     XRegs xr;
@@ -323,6 +376,12 @@ w4_wgmma_kernel(const uint4* __restrict__ codes, const uint32_t* __restrict__ me
 #endif
       if (c + 1 < nch) load_x(xr, x, M, ldx16, c0 + c + 1, lane);
     }
+#if CLUSTER
+    if (gridDim.y > 1) {  // the consumers' two cluster barriers (every thread of the cluster takes part)
+      cluster_sync();
+      cluster_sync();
+    }
+#endif
     return;
   }
 #endif
@@ -422,6 +481,9 @@ w4_wgmma_kernel(const uint4* __restrict__ codes, const uint32_t* __restrict__ me
         const uint32_t stage = xs0 + (kk % XST) * XSTRIDE;
 #define B_DESC(s) b_desc(stage + (s) * STEP_ADV)
 #endif
+#if PINA
+        pin_a(a[d & 1]);
+#endif
         wgmma_fence();
         pin(acc);
 #pragma unroll
@@ -447,6 +509,30 @@ w4_wgmma_kernel(const uint4* __restrict__ codes, const uint32_t* __restrict__ me
 #undef COPY
   wgmma_wait<0>();
   pin(acc);
+#if CLUSTER
+  if (gridDim.y > 1) {  // deterministic split-K through the cluster (see the header); gridDim.y is the cluster size
+    asm volatile("bar.sync 15, %0;" ::"n"(CONSUMERS) : "memory");  // every consumer is done with the ring
+    float* part = reinterpret_cast<float*>(xs);  // element j of consumer thread i at [j * CONSUMERS + i]
+#pragma unroll
+    for (int j = 0; j < NTOK / 2; ++j) part[j * CONSUMERS + threadIdx.x] = acc[j];
+    cluster_sync();
+    const int total = NTOK / 2 * CONSUMERS, share = (total + gridDim.y - 1) / gridDim.y;
+    const int e0 = (int)cluster_rank() * share, e1 = min(total, e0 + share);
+    const uint32_t part0 = (uint32_t)__cvta_generic_to_shared(part);
+    for (int e = e0 + threadIdx.x; e < e1; e += CONSUMERS) {
+      const int j = e / CONSUMERS, i = e % CONSUMERS, w = i >> 5, l = i & 31;  // element j of thread i's acc
+      const int n = ((blockIdx.x * WGS + (w >> 2)) * 4 + (w & 3)) * 16 + (l >> 2) + ((j & 3) >> 1) * 8;
+      const int m = 8 * (j >> 2) + 2 * (l & 3) + (j & 1);
+      if (n < N && m < M) {
+        float sum = 0.f;
+        for (uint32_t r = 0; r < gridDim.y; ++r) sum += ld_cluster(part0 + e * 4, r);  // in rank order
+        out[(size_t)m * ldo + n] = sum;
+      }
+    }
+    cluster_sync();  // no block leaves while another may still read its shared memory
+    return;
+  }
+#endif
   if (!active) return;
 
   const bool atomic = gridDim.y > 1;
@@ -505,6 +591,29 @@ extern "C" int w4_wgmma_launch(const void* codes, const void* meta, const void* 
   }
 #else
   const int smem = 0;
+#endif
+#if CLUSTER
+  if (split > 1) {  // the split blocks of a row tile in one cluster
+    if (split > 8) return (int)cudaErrorInvalidValue;  // (the portable cluster size; cuda_decode caps the split)
+    cudaLaunchConfig_t cfg = {};
+    cfg.gridDim = grid;
+    cfg.blockDim = dim3(THREADS);
+    cfg.dynamicSmemBytes = smem;
+    cfg.stream = (cudaStream_t)stream;
+    cudaLaunchAttribute attr[1];
+    attr[0].id = cudaLaunchAttributeClusterDimension;
+    attr[0].val.clusterDim.x = 1;
+    attr[0].val.clusterDim.y = split;
+    attr[0].val.clusterDim.z = 1;
+    cfg.attrs = attr;
+    cfg.numAttrs = 1;
+    return (int)cudaLaunchKernelEx(&cfg, w4_wgmma_kernel, (const uint4*)codes, (const uint32_t*)meta,
+                                   (const uint4*)x, (float*)out, M, N, S, C, ldx / 8, ldo, cps
+#if NATURAL
+                                   , xmap
+#endif
+    );
+  }
 #endif
   w4_wgmma_kernel<<<grid, THREADS, smem, (cudaStream_t)stream>>>(
       (const uint4*)codes, (const uint32_t*)meta, (const uint4*)x, (float*)out, M, N, S, C, ldx / 8, ldo, cps
