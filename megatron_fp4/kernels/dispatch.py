@@ -201,9 +201,9 @@ def linear(x: torch.Tensor, w: PreparedWeight, resq: str = "none", activations: 
                                  f"{tuple(w.packed.shape)}")
     K = x.shape[-1]
     kp = w.packed.codes.shape[-1] * 2
-    max_m = decode_kernel_max_m(w)
     if not kernels_usable(x) or w.fmt.name not in KERNEL_FORMATS:
         return linear_reference(x, w, resq, activations, resq_combine).to(out_dtype)
+    max_m = decode_kernel_max_m(w)
     if activations == "bf16":
         xb = x.to(torch.bfloat16)
         if kp != K:
