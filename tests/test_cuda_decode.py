@@ -157,6 +157,20 @@ def test_wgmma_tiles_compile_without_spills_or_serialized_wgmmas(tmp_path):
             assert "C7519" not in report, (defines, report[-1500:])
 
 
+@pytest.mark.skipif(_nvcc.nvcc() is None, reason="needs nvcc (no GPU: a compile for sm_90a)")
+def test_launchers_take_the_bf16_output_flag_and_refuse_it_with_atomic_split_k():
+    """Both launchers' 14 arguments (ctypes) reach the library: a bf16 output with an atomic split-K is refused
+    before any CUDA call (cudaErrorInvalidValue = 1); any other launch fails here only for want of a GPU."""
+    from megatron_fp4.kernels import cuda_decode as cd
+
+    for kernel, tile in (("mma", None), ("wgmma", cd.NATURAL_TILE), ("wgmma", dict(cd.NATURAL_TILE, CLUSTER=1))):
+        fn = cd.build(kernel, 1, False, 16, cd._tile(kernel, 1, 16, tile))
+        args = [None] * 4 + [16, 64, 4, 2, 64, 64]  # M, N, S, C, ldx, ldo
+        refused = fn(*args, 2, 1, 1, None) == 1  # split 2, cps 1, bf16 output
+        assert refused == (not (tile or {}).get("CLUSTER")), (kernel, tile)
+        assert fn(*args, 1, 2, 1, None) not in (0, 1)  # no GPU here: some other CUDA error, not the refusal
+
+
 # ---------------------------------------------------------------------------------------------------------------
 # GPU
 # ---------------------------------------------------------------------------------------------------------------
@@ -246,6 +260,8 @@ def test_gpu_cluster_split_k_is_deterministic(name):
     x = torch.randn(64, K, device="cuda").to(torch.bfloat16)
     runs = [cd.w4_decode(x, dw, config=dict(CLUSTER=1)) for _ in range(5)]
     assert all(torch.equal(runs[0], r) for r in runs[1:])
+    # the kernel's own bf16 stores: the fp32 sums rounded to nearest even, as torch rounds them
+    assert torch.equal(cd.w4_decode(x, dw, config=dict(CLUSTER=1), out_dtype=torch.bfloat16), runs[0].bfloat16())
     ref = x.double() @ qt.dequantize().double().t()
     assert ((runs[0].double() - ref).norm() / ref.norm()).item() < 1e-5
 
@@ -267,6 +283,8 @@ def test_gpu_decode_matches_fp64_product(name, M):
         got = cd.w4_decode(x, dw, config=tile)
         assert got.shape == (M, N) and got.dtype == torch.float32
         assert ((got.double() - ref).norm() / ref.norm()).item() < 1e-5
+        if (tile or {}).get("SPLIT") == 1:  # one store per output: the kernel's bf16 is torch's rounding of its fp32
+            assert torch.equal(cd.w4_decode(x, dw, config=tile, out_dtype=torch.bfloat16), got.bfloat16()), tile
 
 
 @pytest.mark.gpu

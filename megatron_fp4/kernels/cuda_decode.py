@@ -2,6 +2,7 @@
 
     dw = to_decode_layout(qt, wide)        # once per weight update (PreparedWeight.decode)
     y = w4_decode(x_bf16, dw)              # fp32 [M, N] = x . deq(W)^T, exact products, fp32 accumulation
+    y = w4_decode(x_bf16, dw, out_dtype=torch.bfloat16)  # the same sums rounded to bf16 (by the kernel's store)
 
 The weight is re-laid out once so that each lane of a warp reads, with one 16-byte load per 64 values of K, the
 codes of its BF16 MMA A fragments (``megatron_fp4/kernels/csrc/w4_decode.cu`` says how); the kernels dequantize them in
@@ -292,7 +293,7 @@ def natural_layout() -> bool:
 MAX_M = int(os.environ.get("MEGATRON_FP4_CUDA_DECODE_MAX_M", "64"))
 _SOURCES = {"mma": "w4_decode.cu", "wgmma": "w4_wgmma.cu"}
 _SYMBOLS = {"mma": "w4_decode_launch", "wgmma": "w4_wgmma_launch"}
-_ARGTYPES = [ctypes.c_void_p] * 4 + [ctypes.c_int] * 8 + [ctypes.c_void_p]  # both launchers
+_ARGTYPES = [ctypes.c_void_p] * 4 + [ctypes.c_int] * 9 + [ctypes.c_void_p]  # both launchers
 
 
 def available() -> bool:
@@ -379,12 +380,16 @@ def _ntok(M: int) -> int:
 
 
 def w4_decode(x: torch.Tensor, dw: DecodeWeight, config: Optional[dict] = None,
-              out: Optional[torch.Tensor] = None) -> torch.Tensor:
-    """fp32 ``x [M, K] . deq(W)^T`` for BF16 ``x`` (M <= 64) and a :class:`DecodeWeight` (CUDA, sm_90).
-    ``config``: a tile override (``KERNEL`` "wgmma" | "mma" and that kernel's tile keys, SPLIT to force split-K)."""
+              out_dtype: torch.dtype = torch.float32) -> torch.Tensor:
+    """``x [M, K] . deq(W)^T`` for BF16 ``x`` (M <= 64) and a :class:`DecodeWeight` (CUDA, sm_90), accumulated in
+    fp32; ``out_dtype`` float32 or bfloat16 (the fp32 sums rounded to nearest even: stored so by the kernel where
+    each output is stored once, cast after an atomic split-K). ``config``: a tile override (``KERNEL`` "wgmma" | "mma"
+    and that kernel's tile keys, SPLIT to force split-K)."""
     M = x.shape[0]
     if not 0 < M <= 64:
         raise ValueError(f"w4_decode is the decode kernel (0 < M <= 64), got M={M}")
+    if out_dtype not in (torch.float32, torch.bfloat16):
+        raise ValueError(f"w4_decode: out_dtype must be torch.float32 or torch.bfloat16, got {out_dtype}")
     kc = dw.chunks * 64
     if x.dtype != torch.bfloat16:
         x = x.to(torch.bfloat16)
@@ -416,15 +421,14 @@ def w4_decode(x: torch.Tensor, dw: DecodeWeight, config: Optional[dict] = None,
         split = cfg.get("SPLIT") or max(1, min(C, round(cfg["PER_SM"] * sms / row_blocks)))
     cps = -(-C // split)
     split = -(-C // cps)
-    atomic = split > 1 and not cluster  # partial sums added atomically into a zeroed output
-    if out is None:
-        out = (torch.zeros if atomic else torch.empty)((M, dw.n), dtype=torch.float32, device=x.device)
-    elif atomic:
-        out.zero_()
+    atomic = split > 1 and not cluster  # partial sums added atomically into a zeroed fp32 output
+    obf16 = out_dtype == torch.bfloat16 and not atomic
+    out = (torch.zeros if atomic else torch.empty)((M, dw.n), dtype=torch.bfloat16 if obf16 else torch.float32,
+                                                   device=x.device)
     err = fn(dw.codes.data_ptr(), dw.meta.data_ptr(), x.data_ptr(), out.data_ptr(), M, dw.n, S, C, x.stride(0),
-             out.stride(0), split, cps, torch.cuda.current_stream(x.device).cuda_stream)
+             out.stride(0), split, cps, int(obf16), torch.cuda.current_stream(x.device).cuda_stream)
     if err:
         what = (f"the activations' TMA map (CUresult {err - 1000})" if err >= 1000 else
                 "no cuTensorMapEncodeTiled in the driver" if err == 999 else f"cudaError {err}")
         raise RuntimeError(f"w4_decode launch failed ({what})")
-    return out
+    return out.to(out_dtype)

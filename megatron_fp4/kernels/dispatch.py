@@ -134,9 +134,10 @@ def _decode_layout(q: QuantizedTensor, wide: bool):
     return None
 
 
-def decode_matmul(a: torch.Tensor, w: PreparedWeight) -> torch.Tensor:
-    """fp32 ``a [M, K_pad] . deq(W)^T`` for BF16 ``a`` (M <= 64): the CUDA decode kernel where the weight has its
-    layout, else the Triton one (:func:`megatron_fp4.kernels.decode_gemm.w4_matmul`)."""
+def decode_matmul(a: torch.Tensor, w: PreparedWeight, out_dtype: torch.dtype = torch.float32) -> torch.Tensor:
+    """``a [M, K_pad] . deq(W)^T`` for BF16 ``a`` (M <= 64), fp32 sums as ``out_dtype``: the CUDA decode kernel where
+    the weight has its layout (which stores bf16 itself where it can), else the Triton one
+    (:func:`megatron_fp4.kernels.decode_gemm.w4_matmul`)."""
     from megatron_fp4.kernels import cuda_decode
     from megatron_fp4.kernels.decode_gemm import w4_matmul
 
@@ -148,8 +149,9 @@ def decode_matmul(a: torch.Tensor, w: PreparedWeight) -> torch.Tensor:
         raise InvalidTensorError(f"megatron_fp4.kernels.dispatch.decode_matmul: a has {a.shape[1]} columns, the "
                                  f"weight's padded K is {w.packed.codes.shape[-1] * 2}")
     if w.decode is not None and a.is_cuda and a.shape[0] <= cuda_decode.MAX_M and cuda_decode.available():
-        return cuda_decode.w4_decode(a, w.decode)
-    return w4_matmul(a, w.packed, wide=w.wide)
+        kernel_dtype = out_dtype if out_dtype in (torch.float32, torch.bfloat16) else torch.float32
+        return cuda_decode.w4_decode(a, w.decode, out_dtype=kernel_dtype).to(out_dtype)
+    return w4_matmul(a, w.packed, wide=w.wide).to(out_dtype)
 
 
 #: Token counts up to which :func:`linear` runs a decode kernel (packed weights read once, dequantized in registers):
@@ -209,7 +211,7 @@ def linear(x: torch.Tensor, w: PreparedWeight, resq: str = "none", activations: 
         if kp != K:
             xb = torch.nn.functional.pad(xb, (0, kp - K))
         if x.shape[0] <= max_m:
-            return decode_matmul(xb, w).to(out_dtype)
+            return decode_matmul(xb, w, out_dtype)
         from megatron_fp4.kernels.quantize import Expanded
 
         return mm_expanded(Expanded(xb), w.bf16_expanded(), out_dtype=out_dtype)
@@ -220,12 +222,12 @@ def linear(x: torch.Tensor, w: PreparedWeight, resq: str = "none", activations: 
 
             a = resq_quantize(x, w.fmt, expand="sum")[2]
             if x.shape[0] <= max_m:
-                return decode_matmul(a.values, w).to(out_dtype)
+                return decode_matmul(a.values, w, out_dtype)
             return mm_expanded(a, w.bf16_expanded(), out_dtype=out_dtype)
         return resq_matmul(x, w.packed, w.bf16_expanded() if sum_prefill else w.expanded, out_dtype=out_dtype,
                            promote=PROMOTE[w.mode], wide=w.wide, combine=resq_combine)
     if x.shape[0] <= max_m:
-        return decode_matmul(quantize(x, w.fmt, expand="bf16", packed=False)[1].values, w).to(out_dtype)
+        return decode_matmul(quantize(x, w.fmt, expand="bf16", packed=False)[1].values, w, out_dtype)
     ex = quantize(x, w.fmt, expand="bf16" if w.expanded.values.dtype == torch.bfloat16 else "native", packed=False)[1]
     return mm_expanded(ex, w.expanded, out_dtype=out_dtype, promote=PROMOTE[w.mode])
 

@@ -18,7 +18,7 @@
 // The warps of a block (WARPS x SPW slabs) share each activation chunk, staged in shared memory by cp.async
 // (XST stages), so that activations are read from L2 once per block rather than once per warp.
 // Split-K: blockIdx.y takes chunks [y * cps, (y + 1) * cps); with gridDim.y > 1 partial sums are added atomically
-// into a zeroed fp32 output.
+// into a zeroed fp32 output; without split-K the output may be bf16 instead (obf16: rounded to nearest even).
 #include <cuda_runtime.h>
 #include <stdint.h>
 
@@ -70,7 +70,7 @@ DINL void stage_x(uint16_t* tile, const uint16_t* __restrict__ x, int M, int ldx
 
 extern "C" __global__ void __launch_bounds__(WARPS * 32)
 w4_decode_kernel(const uint4* __restrict__ codes, const uint32_t* __restrict__ meta, const uint16_t* __restrict__ x,
-                 float* __restrict__ out, int M, int N, int S, int C, int ldx, int ldo, int cps) {
+                 float* __restrict__ out, int M, int N, int S, int C, int ldx, int ldo, int cps, int obf16) {
   __shared__ __align__(16) uint16_t xs[XST][MT * XS];
   const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
   const int g = lane >> 2, t = lane & 3;
@@ -173,9 +173,8 @@ w4_decode_kernel(const uint4* __restrict__ codes, const uint32_t* __restrict__ m
       for (int r = 0; r < 4; ++r) {
         const int n = n0 + (r >> 1) * 8, m = m0 + (r & 1);
         if (n < N && m < M) {
-          float* p = out + (size_t)m * ldo + n;
-          if (atomic) atomicAdd(p, acc[j][i][r]);
-          else *p = acc[j][i][r];
+          if (atomic) atomicAdd(out + (size_t)m * ldo + n, acc[j][i][r]);
+          else store_out(out, (size_t)m * ldo + n, acc[j][i][r], obf16);
         }
       }
     }
@@ -183,9 +182,10 @@ w4_decode_kernel(const uint4* __restrict__ codes, const uint32_t* __restrict__ m
 }
 
 extern "C" int w4_decode_launch(const void* codes, const void* meta, const void* x, void* out, int M, int N, int S,
-                                int C, int ldx, int ldo, int split, int cps, void* stream) {
+                                int C, int ldx, int ldo, int split, int cps, int obf16, void* stream) {
+  if (obf16 && split > 1) return (int)cudaErrorInvalidValue;  // atomic partial sums need fp32
   dim3 grid((S + WARPS * SPW - 1) / (WARPS * SPW), split);
   w4_decode_kernel<<<grid, WARPS * 32, 0, (cudaStream_t)stream>>>(
-      (const uint4*)codes, (const uint32_t*)meta, (const uint16_t*)x, (float*)out, M, N, S, C, ldx, ldo, cps);
+      (const uint4*)codes, (const uint32_t*)meta, (const uint16_t*)x, (float*)out, M, N, S, C, ldx, ldo, cps, obf16);
   return (int)cudaGetLastError();
 }

@@ -3,6 +3,7 @@
 // fragment per warp) and the chunk metadata loads. Built per -DFMT (0 HiF4, 1 MXFP4) and -DWIDE. The layout and
 // the bit tricks are described in w4_decode.cu and megatron_fp4/kernels/cuda_decode.py.
 #pragma once
+#include <cuda_bf16.h>
 #include <stdint.h>
 
 #ifndef FMT
@@ -38,6 +39,11 @@ DINL uint32_t and_or(uint32_t a, uint32_t c) {
   return d;
 }
 DINL uint32_t dup_lo(uint32_t v) { return __byte_perm(v, 0, 0x1010); }
+// One output of a decode GEMM: fp32, or (obf16) rounded to bf16 to nearest even into a bf16 array at the same index.
+DINL void store_out(float* out, size_t i, float v, int obf16) {
+  if (obf16) reinterpret_cast<__nv_bfloat16*>(out)[i] = __float2bfloat16_rn(v);
+  else out[i] = v;
+}
 DINL uint32_t dup_hi(uint32_t v) { return __byte_perm(v, 0, 0x3232); }
 
 #if FMT == 1

@@ -48,6 +48,8 @@
 // swizzle: a token's 64 values in one 128-byte row, 8 rows per 1024-byte atom, rows past M zero-filled) and arrives
 // on the stage's mbarrier with its byte count; the wgmmas read B through swizzle-mode descriptors. Nothing is staged
 // through registers. HiF4 then needs two exponent factors per row and step (w4_device.h).
+// The output is fp32, or with obf16 bf16 (the sums rounded to nearest even: torch's .to(bfloat16) of the fp32 result)
+// wherever each output is stored once (no atomic split-K).
 // Split-K: blockIdx.y takes chunks [y * cps, (y + 1) * cps); with gridDim.y > 1 partial sums are added atomically
 // into a zeroed fp32 output, or with -DCLUSTER=1 (WRING) deterministically: the split blocks of a row tile form one
 // thread-block cluster (launched as (1, split, 1), split <= 8), each leaves its partial sums in its shared memory (the
@@ -56,6 +58,7 @@
 // bits on every run.
 #include <cuda.h>  // CUtensorMap (NATURAL)
 #include <cudaTypedefs.h>  // PFN_cuTensorMapEncodeTiled (NATURAL)
+#include <cuda_bf16.h>
 #include <cuda_runtime.h>
 #include <stdint.h>
 
@@ -317,7 +320,7 @@ DINL void store_x(const XRegs& r, uint8_t* stage, int sid) {
 
 extern "C" __global__ void __launch_bounds__(THREADS, MINB)
 w4_wgmma_kernel(const uint4* __restrict__ codes, const uint32_t* __restrict__ meta, const uint4* __restrict__ x,
-                float* __restrict__ out, int M, int N, int S, int C, int ldx16, int ldo, int cps
+                float* __restrict__ out, int M, int N, int S, int C, int ldx16, int ldo, int cps, int obf16
 #if NATURAL
                 , const __grid_constant__ CUtensorMap xmap  // x [M, C * 64] bf16, box 64 x NTOK, 128-byte swizzle
 #endif
@@ -526,7 +529,7 @@ w4_wgmma_kernel(const uint4* __restrict__ codes, const uint32_t* __restrict__ me
       if (n < N && m < M) {
         float sum = 0.f;
         for (uint32_t r = 0; r < gridDim.y; ++r) sum += ld_cluster(part0 + e * 4, r);  // in rank order
-        out[(size_t)m * ldo + n] = sum;
+        store_out(out, (size_t)m * ldo + n, sum, obf16);
       }
     }
     cluster_sync();  // no block leaves while another may still read its shared memory
@@ -543,9 +546,8 @@ w4_wgmma_kernel(const uint4* __restrict__ codes, const uint32_t* __restrict__ me
     for (int r = 0; r < 4; ++r) {
       const int n = n0 + (r >> 1) * 8, m = 8 * i + 2 * t + (r & 1);
       if (n < N && m < M) {
-        float* p = out + (size_t)m * ldo + n;
-        if (atomic) atomicAdd(p, acc[4 * i + r]);
-        else *p = acc[4 * i + r];
+        if (atomic) atomicAdd(out + (size_t)m * ldo + n, acc[4 * i + r]);
+        else store_out(out, (size_t)m * ldo + n, acc[4 * i + r], obf16);
       }
     }
   }
@@ -575,7 +577,8 @@ static int encode_x_map(CUtensorMap* map, const void* x, int M, int K, int ldx) 
 #endif
 
 extern "C" int w4_wgmma_launch(const void* codes, const void* meta, const void* x, void* out, int M, int N, int S,
-                               int C, int ldx, int ldo, int split, int cps, void* stream) {
+                               int C, int ldx, int ldo, int split, int cps, int obf16, void* stream) {
+  if (obf16 && split > 1 && !CLUSTER) return (int)cudaErrorInvalidValue;  // atomic partial sums need fp32
   dim3 grid((S / 4 + WGS - 1) / WGS, split);
 #if NATURAL
   CUtensorMap xmap;
@@ -608,7 +611,7 @@ extern "C" int w4_wgmma_launch(const void* codes, const void* meta, const void* 
     cfg.attrs = attr;
     cfg.numAttrs = 1;
     return (int)cudaLaunchKernelEx(&cfg, w4_wgmma_kernel, (const uint4*)codes, (const uint32_t*)meta,
-                                   (const uint4*)x, (float*)out, M, N, S, C, ldx / 8, ldo, cps
+                                   (const uint4*)x, (float*)out, M, N, S, C, ldx / 8, ldo, cps, obf16
 #if NATURAL
                                    , xmap
 #endif
@@ -616,7 +619,7 @@ extern "C" int w4_wgmma_launch(const void* codes, const void* meta, const void* 
   }
 #endif
   w4_wgmma_kernel<<<grid, THREADS, smem, (cudaStream_t)stream>>>(
-      (const uint4*)codes, (const uint32_t*)meta, (const uint4*)x, (float*)out, M, N, S, C, ldx / 8, ldo, cps
+      (const uint4*)codes, (const uint32_t*)meta, (const uint4*)x, (float*)out, M, N, S, C, ldx / 8, ldo, cps, obf16
 #if NATURAL
       , xmap
 #endif
