@@ -382,14 +382,12 @@ def _ntok(M: int) -> int:
 def w4_decode(x: torch.Tensor, dw: DecodeWeight, config: Optional[dict] = None,
               out_dtype: torch.dtype = torch.float32) -> torch.Tensor:
     """``x [M, K] . deq(W)^T`` for BF16 ``x`` (M <= 64) and a :class:`DecodeWeight` (CUDA, sm_90), accumulated in
-    fp32; ``out_dtype`` float32 or bfloat16 (the fp32 sums rounded to nearest even: stored so by the kernel where
-    each output is stored once, cast after an atomic split-K). ``config``: a tile override (``KERNEL`` "wgmma" | "mma"
+    fp32, returned as ``out_dtype`` (bfloat16: the fp32 sums rounded to nearest even, stored so by the kernel itself
+    where each output is stored once; otherwise cast from fp32). ``config``: a tile override (``KERNEL`` "wgmma" | "mma"
     and that kernel's tile keys, SPLIT to force split-K)."""
     M = x.shape[0]
     if not 0 < M <= 64:
         raise ValueError(f"w4_decode is the decode kernel (0 < M <= 64), got M={M}")
-    if out_dtype not in (torch.float32, torch.bfloat16):
-        raise ValueError(f"w4_decode: out_dtype must be torch.float32 or torch.bfloat16, got {out_dtype}")
     kc = dw.chunks * 64
     if x.dtype != torch.bfloat16:
         x = x.to(torch.bfloat16)
@@ -414,8 +412,8 @@ def w4_decode(x: torch.Tensor, dw: DecodeWeight, config: Optional[dict] = None,
     cluster = kernel == "wgmma" and bool(cfg.get("CLUSTER"))  # split-K through a cluster: at most 8 splits
     if kernel == "wgmma":
         row_blocks = -(-S // (4 * cfg["WGS"]))
-        split = min(cfg.get("SPLIT") or _balanced_split(row_blocks, C, cfg["MINB"] * sms, 8 if cluster else 0),
-                    8 if cluster else C)
+        most = 8 if cluster else C
+        split = min(cfg.get("SPLIT") or _balanced_split(row_blocks, C, cfg["MINB"] * sms, most), most)
     else:
         row_blocks = -(-S // (cfg["WARPS"] * cfg["SPW"]))
         split = cfg.get("SPLIT") or max(1, min(C, round(cfg["PER_SM"] * sms / row_blocks)))

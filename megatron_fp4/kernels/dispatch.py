@@ -149,8 +149,7 @@ def decode_matmul(a: torch.Tensor, w: PreparedWeight, out_dtype: torch.dtype = t
         raise InvalidTensorError(f"megatron_fp4.kernels.dispatch.decode_matmul: a has {a.shape[1]} columns, the "
                                  f"weight's padded K is {w.packed.codes.shape[-1] * 2}")
     if w.decode is not None and a.is_cuda and a.shape[0] <= cuda_decode.MAX_M and cuda_decode.available():
-        kernel_dtype = out_dtype if out_dtype in (torch.float32, torch.bfloat16) else torch.float32
-        return cuda_decode.w4_decode(a, w.decode, out_dtype=kernel_dtype).to(out_dtype)
+        return cuda_decode.w4_decode(a, w.decode, out_dtype=out_dtype)
     return w4_matmul(a, w.packed, wide=w.wide).to(out_dtype)
 
 

@@ -221,6 +221,15 @@ DINL float ld_cluster(uint32_t addr, uint32_t rank) {  // addr: a shared::cta ad
   asm volatile("ld.shared::cluster.f32 %0, [%1];" : "=f"(v) : "r"(remote) : "memory");
   return v;
 }
+// The producer warp's part in the CLUSTER epilogue's two cluster barriers (every thread of a cluster takes part).
+DINL void producer_cluster_barriers() {
+#if CLUSTER
+  if (gridDim.y > 1) {
+    cluster_sync();
+    cluster_sync();
+  }
+#endif
+}
 
 // Keeps the compiler from moving the computation of a chunk's A fragments (four k16 steps) past the wgmma fence
 // (PINA=1). Without it ptxas schedules part of HiF4's dequantization after the fence and then injects a fence before
@@ -356,12 +365,7 @@ w4_wgmma_kernel(const uint4* __restrict__ codes, const uint32_t* __restrict__ me
         tma_load_2d((uint32_t)__cvta_generic_to_shared(xs) + s * RSTAGE_BYTES, &xmap, (c0 + c) * 64, 0, full0 + s * 8);
       }
     }
-#if CLUSTER
-    if (gridDim.y > 1) {  // the consumers' two cluster barriers (every thread of the cluster takes part)
-      cluster_sync();
-      cluster_sync();
-    }
-#endif
+    producer_cluster_barriers();
     return;
 #endif
     XRegs xr;
@@ -379,12 +383,7 @@ w4_wgmma_kernel(const uint4* __restrict__ codes, const uint32_t* __restrict__ me
 #endif
       if (c + 1 < nch) load_x(xr, x, M, ldx16, c0 + c + 1, lane);
     }
-#if CLUSTER
-    if (gridDim.y > 1) {  // the consumers' two cluster barriers (every thread of the cluster takes part)
-      cluster_sync();
-      cluster_sync();
-    }
-#endif
+    producer_cluster_barriers();
     return;
   }
 #endif
@@ -595,34 +594,27 @@ extern "C" int w4_wgmma_launch(const void* codes, const void* meta, const void* 
 #else
   const int smem = 0;
 #endif
+  cudaLaunchConfig_t cfg = {};
+  cfg.gridDim = grid;
+  cfg.blockDim = dim3(THREADS);
+  cfg.dynamicSmemBytes = smem;
+  cfg.stream = (cudaStream_t)stream;
 #if CLUSTER
+  cudaLaunchAttribute attr[1];
   if (split > 1) {  // the split blocks of a row tile in one cluster
     if (split > 8) return (int)cudaErrorInvalidValue;  // (the portable cluster size; cuda_decode caps the split)
-    cudaLaunchConfig_t cfg = {};
-    cfg.gridDim = grid;
-    cfg.blockDim = dim3(THREADS);
-    cfg.dynamicSmemBytes = smem;
-    cfg.stream = (cudaStream_t)stream;
-    cudaLaunchAttribute attr[1];
     attr[0].id = cudaLaunchAttributeClusterDimension;
     attr[0].val.clusterDim.x = 1;
     attr[0].val.clusterDim.y = split;
     attr[0].val.clusterDim.z = 1;
     cfg.attrs = attr;
     cfg.numAttrs = 1;
-    return (int)cudaLaunchKernelEx(&cfg, w4_wgmma_kernel, (const uint4*)codes, (const uint32_t*)meta,
-                                   (const uint4*)x, (float*)out, M, N, S, C, ldx / 8, ldo, cps, obf16
-#if NATURAL
-                                   , xmap
-#endif
-    );
   }
 #endif
-  w4_wgmma_kernel<<<grid, THREADS, smem, (cudaStream_t)stream>>>(
-      (const uint4*)codes, (const uint32_t*)meta, (const uint4*)x, (float*)out, M, N, S, C, ldx / 8, ldo, cps, obf16
+  return (int)cudaLaunchKernelEx(&cfg, w4_wgmma_kernel, (const uint4*)codes, (const uint32_t*)meta, (const uint4*)x,
+                                 (float*)out, M, N, S, C, ldx / 8, ldo, cps, obf16
 #if NATURAL
-      , xmap
+                                 , xmap
 #endif
   );
-  return (int)cudaGetLastError();
 }
