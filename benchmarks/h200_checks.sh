@@ -9,7 +9,7 @@
 #   decode-tests  GPU tests of the CUDA decode GEMMs (every tile of tests/test_cuda_decode.py)
 #   decode-bench  bench_kernels.py --decode --decode-sweep on the 7B and 1.5B MLP shapes
 #   decode-natural  the natural-K-order decode GEMM (the default layout): its GPU tests (CLUSTER's determinism too),
-#                 then its tiles (CLUSTER, PINA, forced splits) against the permuted layout's defaults
+#                 then its tiles (CLUSTER, forced splits) against the permuted layout's defaults
 #                 (MEGATRON_FP4_DECODE_LAYOUT=permuted) on the 7B and 1.5B MLP shapes
 #   decode-profile  Nsight Compute on the decode GEMM (a 7B MLP weight): the default tile at M = 16 (both formats;
 #                 natural layout) and both kernels on the permuted layout at M = 64 (MXFP4):

@@ -14,9 +14,8 @@
 // through the shared-memory ring, by bulk asynchronous copies; see below), -DNATURAL (1, with WRING: the weights in
 // the natural K order of to_decode_layout(natural=True), the activations brought unpermuted by a 2-D TMA
 // with the 128-byte swizzle, one per chunk; the default layout, cuda_decode.NATURAL_TILE), -DCLUSTER (1, with WRING:
-// deterministic split-K through a thread-block cluster, see Split-K below), -DPINA (1: see pin_a). XPAIR, WRING and
-// NATURAL are tile keys: docs/PERFORMANCE.md (sessions 25-26) has what each measured; CLUSTER and PINA (session 26)
-// have not run on a GPU yet.
+// deterministic split-K through a thread-block cluster, see Split-K below). XPAIR, WRING, NATURAL and CLUSTER are
+// tile keys: docs/PERFORMANCE.md (sessions 25-27) has what each measured.
 //
 // Each warpgroup owns one 64-row tile of W (four 16-row slabs of the decode layout, one per warp). Per 64-value chunk
 // of K a warp loads its slab's codes (one 16-byte load per lane), dequantizes them exactly into the BF16 A fragment of
@@ -91,9 +90,6 @@
 #endif
 #ifndef CLUSTER
 #define CLUSTER 0
-#endif
-#ifndef PINA  // 1: a chunk's A fragments complete before its wgmma fence (see pin_a)
-#define PINA 0
 #endif
 #if NATURAL && !WRING
 #error "NATURAL needs WRING"
@@ -229,17 +225,6 @@ DINL void producer_cluster_barriers() {
     cluster_sync();
   }
 #endif
-}
-
-// Keeps the compiler from moving the computation of a chunk's A fragments (four k16 steps) past the wgmma fence
-// (PINA=1). Without it ptxas schedules part of HiF4's dequantization after the fence and then injects a fence before
-// each of the chunk's later wgmmas ("C7519: warpgroup.arrive is injected ... to allow use of registers in GMMA", in
-// every HiF4 wgmma tile but the LEAN M = 16 one); MXFP4's tiles compile without it either way.
-DINL void pin_a(uint32_t (&a)[4][4]) {
-#pragma unroll
-  for (int s = 0; s < 4; ++s)
-#pragma unroll
-    for (int i = 0; i < 4; ++i) asm volatile("" : "+r"(a[s][i])::"memory");
 }
 
 // Keeps the compiler from moving accumulator reads or writes across the asynchronous wgmmas.
@@ -482,9 +467,6 @@ w4_wgmma_kernel(const uint4* __restrict__ codes, const uint32_t* __restrict__ me
 #else
         const uint32_t stage = xs0 + (kk % XST) * XSTRIDE;
 #define B_DESC(s) b_desc(stage + (s) * STEP_ADV)
-#endif
-#if PINA
-        pin_a(a[d & 1]);
 #endif
         wgmma_fence();
         pin(acc);
