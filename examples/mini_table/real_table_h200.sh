@@ -71,8 +71,9 @@ for f in sorted(glob.glob(f"{table}/seed*/*/*/train.jsonl")):
     if rows:
         r = rows[-1]
         print(f"  {f[len(table) + 1:-12]:32s} step {r['step']:3d}", {k: round(r[k], 3) for k in
-              ("step_s", "rollout_s", "train_s", "reward_mean", "response_length_mean", "logp_abs_diff_mean",
-               "mem/peak_allocated_gib") if isinstance(r.get(k), (int, float))})
+              ("step_s", "rollout_s", "train_s", "train/ref_logprobs_s", "train/forward_backward_s", "reward_mean",
+               "response_length_mean", "logp_abs_diff_mean", "mem/peak_allocated_gib")
+              if isinstance(r.get(k), (int, float))})
 PY
 done
 for g in "${!pids[@]}"; do

@@ -110,7 +110,7 @@ GRPO = {  # the same for every row; the paper's group size 16, batch 32 prompts,
 DEFAULT_STEPS = {"gpu": 100, "cpu": 100, "tiny": 2, "smollm2": 100, "smollm2-tiny": 2}
 
 # The real-model presets: preset -> the examples/smollm2/run_grpo.py PRESETS entry they use (problems, 32 prompts x
-# 8 samples, responses up to 256 tokens, lr 2e-6, held-out evaluation of 128 problems every 10 steps; "tiny": 2 x 4,
+# 8 samples, responses up to 256 tokens, lr 1e-5, held-out evaluation of 128 problems every 10 steps; "tiny": 2 x 4,
 # 24 tokens, 4 held-out problems), checkpoint interval of the runs, and the rows run by default (issue 22 item 4).
 SMOLLM2 = {"smollm2": "full", "smollm2-tiny": "tiny"}
 SAVE_INTERVAL = {"smollm2": 10, "smollm2-tiny": 1}

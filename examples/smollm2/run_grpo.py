@@ -61,9 +61,9 @@ ITEMS = ["apples", "books", "coins", "pencils", "stickers", "marbles", "cookies"
 #: and trains on them all the same (--no-overlong-filter), so that every sample is in the loss.
 PRESETS = {
     "full": dict(train=2000, eval=128, rollout_batch_size=32, n_samples=8, response_len=256, eval_response_len=256,
-                 train_iters=100, eval_interval=10, lr=2e-6, micro_batch_size=8, overlong_filter=True),
+                 train_iters=100, eval_interval=10, lr=1e-5, micro_batch_size=8, overlong_filter=True),
     "tiny": dict(train=16, eval=4, rollout_batch_size=2, n_samples=4, response_len=24, eval_response_len=24,
-                 train_iters=2, eval_interval=100, lr=2e-6, micro_batch_size=8, overlong_filter=False),
+                 train_iters=2, eval_interval=100, lr=1e-5, micro_batch_size=8, overlong_filter=False),
 }
 MAX_PROMPT_LENGTH = 256  # the chat-template prompts are 193-208 tokens; the driver would cut a longer one's start
 
