@@ -113,6 +113,11 @@ def test_several_optimizer_steps_per_rollout_with_lr_warmup():
     actor.set_lr(actor.lr_at(0))
     metrics = actor.update(seqs, step=1, last_checkpoint=None)
     assert metrics["optimizer_steps"] == 2 and metrics["lr"] == pytest.approx(1e-2 / 3) and metrics["grad_norm"] > 0
+    # the update's phases, timed (forward + backward and optimizer summed over both optimizer steps); together no
+    # more than the update's wall time (tokens / tokens per second)
+    phases = ("train/ref_logprobs_s", "train/old_logprobs_s", "train/forward_backward_s", "train/optimizer_s")
+    assert all(metrics[k] > 0 for k in phases)
+    assert sum(metrics[k] for k in phases) <= seqs.num_tokens / metrics["train_tokens_per_s"] * (1 + 1e-6)
     # the first optimizer step ran at LR 0 (warm-up), so the weights moved by the second step only
     assert any(not torch.equal(before[k], v) for k, v in _weights(actor.module).items())
 

@@ -202,6 +202,22 @@ def _grpo_loss(cfg: grpo.GRPOConfig, batch, logits):
     return tok.sum(), m.sum().to(torch.int), mets
 
 
+class _PhaseClock:
+    """Wall time per phase of an update, summed into ``metrics[key]`` by :meth:`lap` (the time since the previous
+    lap). On a GPU each lap waits for the device first, so a phase is charged for its own kernels."""
+
+    def __init__(self) -> None:
+        self.cuda = torch.cuda.is_available() and torch.cuda.is_initialized()
+        self.t = time.monotonic()
+
+    def lap(self, metrics: dict, key: str) -> None:
+        if self.cuda:
+            torch.cuda.synchronize()
+        now = time.monotonic()
+        metrics[key] = metrics.get(key, 0.0) + now - self.t
+        self.t = now
+
+
 def _combine_stats(parts: list[tuple[dict[str, float], float]]) -> dict[str, float]:
     """Token-weighted means (maxima: the largest) of several optimizer steps' loss statistics."""
     total = max(sum(n for _, n in parts), 1.0)
@@ -312,13 +328,16 @@ class Actor:
         loss or gradient, before the optimizer touches the weights). ``step`` is the step being made, 1-based."""
         seqs.advantages = self.advantages(seqs)
         metrics: dict[str, Any] = {}
+        clock = _PhaseClock()
         t0 = time.monotonic()
         extra = {}
         if self.reference is not None and self.grpo.kl_beta > 0:
             extra["logp_ref"] = self.logprobs(self.reference, seqs)
+            clock.lap(metrics, "train/ref_logprobs_s")
         k = self.steps_per_rollout
         if self.cfg.ppo_epochs > 1 or k > 1:  # the ratio is taken against the policy that sampled the rollout
             extra["logp_old"] = self.logprobs(self.policy, seqs)
+            clock.lap(metrics, "train/old_logprobs_s")
         extra = {name: v for name, v in extra.items() if v is not None}
         loss_fn = partial(_grpo_loss, self.grpo)
         stats: dict[str, float] = {}
@@ -335,6 +354,7 @@ class Actor:
                     self.set_lr(self.lr_at(step - 1, i))
                 stats = reduce_token_stats(self._backward(microbatches(part, self.cfg.micro_batch_size, part_extra),
                                                           loss_fn))
+                clock.lap(metrics, "train/forward_backward_s")
                 # one decision per optimizer step, before the optimizer touches the weights
                 grads_ok = self.grads_finite()
                 if self.guard.should_skip(step, stats.get("loss", 0.0), 0.0 if grads_ok else float("nan"),
@@ -342,6 +362,7 @@ class Actor:
                     metrics["skipped"] = 1.0
                     break
                 _, grad_norm = self.optimizer_step()
+                clock.lap(metrics, "train/optimizer_s")
                 done.append((epoch, stats, dp_sum(float(part.mask.sum())) if k > 1 else 0.0, grad_norm))
             if "skipped" in metrics:
                 break
