@@ -343,7 +343,7 @@ SWEEP_TILES = (
     # NATURAL_TILE with a forced split-K (session 26: on 3584x18944 at 64 tokens SPLIT 4 beat the balanced split's 7
     # by 8%)
     *(dict(KERNEL="wgmma", PRODUCER=1, WGS=2, DEPTH=2, XST=6, MINB=2, LEAN=1, WRING=1, NATURAL=1, SPLIT=split)
-      for split in (2, 4, 8)),
+      for split in (2, 3, 4, 8)),
     # NATURAL_TILE with the deterministic split-K of a thread-block cluster (session 27: 7-62% slower than the atomic
     # split at the balanced split, 7 on 3584x18944; is it the cluster's size? clusters of 2 and 4 pack a GPC evenly)
     *(dict(KERNEL="wgmma", PRODUCER=1, WGS=2, DEPTH=2, XST=6, MINB=2, LEAN=1, WRING=1, NATURAL=1, CLUSTER=1, **split)

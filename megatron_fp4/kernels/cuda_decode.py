@@ -72,6 +72,30 @@ def _nibbles(codes: torch.Tensor) -> torch.Tensor:
     return torch.stack((c & 15, c >> 4), dim=-1).reshape(*codes.shape[:-1], codes.shape[-1] * 2)
 
 
+#: MXFP4 in natural K order: the rotations (right, of the lane's 32-bit word) that put pair j's bits in place for
+#: j = 0, 1, 2; pair 3 takes its sign, e1 and e0 bits from the rotation by 6 and its mantissa bits from the rotation by
+#: 14 (w4_device.h mx_bits). "In place": a bf16x2 whose halves hold the code's sign at bit 15 and its exponent and
+#: mantissa bits at 8, 7, 6 (e2m1 placed in bf16; the 2^126 this leaves is folded into the block scale), one mask away
+#: (0x81C081C0). Four pairs cost 4 funnel shifts and 5 LOP3s, where the permuted layout's nibbles cost a shift pair
+#: and two LOP3s each. No fourth rotation fits the bits the first three leave (a search over all), hence pair 3's two.
+_MX_ROT = (0, 4, 10)
+_MX_ROT3_MANTISSA = 14
+_MX_ROT3_REST = 6
+
+
+def _mx_natural_position(j: int, half: int, bit: int) -> int:
+    """Where bit ``bit`` (0 mantissa, 1 e0, 2 e1, 3 sign) of pair ``j``'s value in ``half`` (0 low, 1 high) sits in a
+    natural-order MXFP4 word."""
+    target = (6, 7, 8, 15)[bit] + 16 * half
+    r = _MX_ROT[j] if j < 3 else _MX_ROT3_MANTISSA if bit == 0 else _MX_ROT3_REST
+    return (target + r) % 32
+
+
+def _rotr(w: torch.Tensor, r: int) -> torch.Tensor:
+    """32-bit patterns (int64) rotated right by ``r`` (the CUDA funnel shift of a word with itself)."""
+    return ((w >> r) | (w << (32 - r))) & 0xFFFFFFFF if r else w
+
+
 def _to_int32(v: torch.Tensor) -> torch.Tensor:
     """int64 holding 32-bit patterns -> int32 with the same bits."""
     return torch.where(v >= 2 ** 31, v - 2 ** 32, v).to(torch.int32)
@@ -84,7 +108,8 @@ def to_decode_layout(qt: QuantizedTensor, wide: bool = False, natural: bool = Fa
     2t + 8, 2t + 9. By default those are K 4t .. 4t + 3 (one HiF4 micro-exponent group per lane, row and step; the
     activations are then staged in the same permuted order); ``natural`` keeps MMA k = K, so that the activations can
     be copied as they are (the NATURAL=1 tiles). A HiF4 lane then holds two micro-exponent groups per row and step
-    (K 2t and 2t + 8 are 8 apart): its metadata has 32 bits of exponent sums per lane instead of 16."""
+    (K 2t and 2t + 8 are 8 apart): its metadata has 32 bits of exponent sums per lane instead of 16. An MXFP4 word in
+    natural order holds its codes' bits where :data:`_MX_ROT`'s rotations read them, not as nibbles."""
     name = qt.fmt.name
     if name not in ("hif4", "mxfp4", "mxfp4_rceil") or qt.codes.dim() != 2:
         raise ValueError(f"to_decode_layout takes a 2-D HiF4/MXFP4 weight, got {name} {tuple(qt.codes.shape)}")
@@ -101,8 +126,14 @@ def to_decode_layout(qt: QuantizedTensor, wide: bool = False, natural: bool = Fa
         nib = nib.view(S, 2, 8, C, 4, 4, 4).permute(0, 3, 2, 5, 4, 1, 6)  # [S, C, g, t, s, h, i]
     h = torch.arange(2, device=dev).view(2, 1)
     i = torch.arange(4, device=dev).view(1, 4)
-    shift = 4 * (h + 2 * (i >> 1) + 4 * (i & 1))  # nibble position of (h, i) in the 32-bit word
-    words = (nib << shift).sum(dim=(-1, -2))  # [S, C, g, t, s]
+    if natural and fmt_id == 1:  # each code bit where _MX_ROT's rotations read it
+        pos = torch.tensor([[[_mx_natural_position(hh + 2 * (ii >> 1), ii & 1, b) for b in range(4)]
+                             for ii in range(4)] for hh in range(2)], device=dev)  # [h, i, bit]
+        bit = torch.arange(4, device=dev)
+        words = (((nib.unsqueeze(-1) >> bit) & 1) << pos).sum(dim=(-1, -2, -3))
+    else:
+        shift = 4 * (h + 2 * (i >> 1) + 4 * (i & 1))  # nibble position of (h, i) in the 32-bit word
+        words = (nib << shift).sum(dim=(-1, -2))  # [S, C, g, t, s]
     codes = _to_int32(words).reshape(S, C, 32, 4).contiguous()
     if fmt_id == 1:
         sc = torch.full((S * 16, 2 * C), 127, dtype=torch.uint8, device=dev)
@@ -161,8 +192,12 @@ def decode_layout_dequantize(dw: DecodeWeight) -> torch.Tensor:
         m = m[:, :, (lane >> 2)]  # [S, C, 32, 4]: per lane its g's bytes
         blk = (s >> 1)
         for j in range(4):
-            src = (w << (12 - 4 * j)) & 0xFFFFFFFF
-            a = ((src >> 6) & 0x01C001C0) | (src & 0x80008000)
+            if dw.natural:  # w4_device.h mx_bits, natural layout
+                a = (_rotr(w, _MX_ROT[j]) & 0x81C081C0 if j < 3 else
+                     (_rotr(w, _MX_ROT3_REST) & 0x81808180) | (_rotr(w, _MX_ROT3_MANTISSA) & 0x00400040))
+            else:
+                src = (w << (12 - 4 * j)) & 0xFFFFFFFF
+                a = ((src >> 6) & 0x01C001C0) | (src & 0x80008000)
             row = j & 1
             sbyte = torch.gather(m, 3, (2 * row + blk).expand_as(w))
             sx = sbyte + 126

@@ -87,11 +87,27 @@ DINL Scales make_scales(uint32_t m) {  // m: bytes [s(g, b0), s(g, b1), s(g + 8,
 #endif
   return S;
 }
+// Pair J of a code word as bf16x2 bits of (code value x 2^-126): signs at bits 15 and 31, each code's e1 e0 m at
+// 8..6 and 24..22 (a code of exponent 0 becomes a bf16 subnormal, the exact value again).
+#if W4_NATURAL  // natural layout: the bits sit where a rotation and one mask place them (cuda_decode._MX_ROT)
+DINL uint32_t rotr(uint32_t w, int r) { return __funnelshift_r(w, w, r); }
+template <int J>
+DINL uint32_t mx_bits(uint32_t w) {
+  if (J == 0) return w & 0x81C081C0u;
+  if (J == 1) return rotr(w, 4) & 0x81C081C0u;
+  if (J == 2) return rotr(w, 10) & 0x81C081C0u;
+  return (rotr(w, 6) & 0x81808180u) | (rotr(w, 14) & 0x00400040u);
+}
+#else  // nibble J of each half (sign in its top bit)
+template <int J>
+DINL uint32_t mx_bits(uint32_t w) {
+  const uint32_t src = w << (12 - 4 * J);
+  return ((src >> 6) & 0x01C001C0u) | (src & 0x80008000u);
+}
+#endif
 template <int J>
 DINL uint32_t mx_val(uint32_t w, const Scales& S, int blk) {
-  const uint32_t src = w << (12 - 4 * J);
-  uint32_t a = ((src >> 6) & 0x01C001C0u) | (src & 0x80008000u);
-  a = bmul(a, S.f[J & 1][blk]);
+  uint32_t a = bmul(mx_bits<J>(w), S.f[J & 1][blk]);
 #if WIDE
   a = bmul(a, S.h[J & 1][blk]);
 #endif
