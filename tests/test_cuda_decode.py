@@ -34,6 +34,17 @@ def _same(a, b):
         torch.isnan(a), torch.isnan(b))
 
 
+def _reference(qt, dw):
+    """The dequantized weight with every row holding a NaN all NaN (a NaN weight times any activation is NaN: what
+    the decode GEMMs give; the layout records those rows in ``nan_rows``)."""
+    ref = qt.dequantize().float()
+    rows = ref.isnan().any(dim=1)
+    got = torch.zeros_like(rows) if dw.nan_rows is None else torch.zeros_like(rows).index_fill_(0, dw.nan_rows, True)
+    assert torch.equal(got, rows)
+    ref[rows] = float("nan")
+    return ref
+
+
 def _wide(qt):
     return qt.fmt.name != "hif4" and bool((qt.scales.reshape(-1) > 128).any())
 
@@ -44,7 +55,8 @@ def test_decode_layout_reads_back_the_reference(name, N, K):
     qt = get_format(name).quantize(_weight(N, K, name).to(torch.bfloat16), dim=-1)
     dw = to_decode_layout(qt, _wide(qt))
     assert dw.codes.shape[0] % 4 == 0 and dw.codes.shape[2:] == (32, 4)
-    assert _same(decode_layout_dequantize(dw), qt.dequantize().float())
+    assert _same(decode_layout_dequantize(dw), _reference(qt, dw))
+    assert (dw.nan_rows is not None) == (N > 1)  # _weight's NaN block lies in row 1
 
 
 @pytest.mark.parametrize("name", ["hif4", "mxfp4", "mxfp4_rceil"])
@@ -58,7 +70,7 @@ def test_natural_decode_layout_reads_back_the_reference(name, N, K):
     dw = to_decode_layout(qt, _wide(qt), natural=True)
     assert dw.natural and not torch.equal(dw.codes, to_decode_layout(qt, _wide(qt)).codes)
     assert dw.meta.shape[-1] == (144 if name == "hif4" else 32)  # HiF4: two exponent groups per lane, row and step
-    assert _same(decode_layout_dequantize(dw), qt.dequantize().float())
+    assert _same(decode_layout_dequantize(dw), _reference(qt, dw))
 
 
 def test_natural_layout_is_the_default(monkeypatch):
@@ -213,8 +225,7 @@ def _assert_one_hot_reads_back(cd, name, tile, natural):
     N, K = 72, 320
     qt = get_format(name).quantize(_weight(N, K, name).to(torch.bfloat16).cuda(), dim=-1)
     dw = to_decode_layout(qt, _wide(qt), natural=natural)
-    ref = qt.dequantize().float()
-    ref[ref.isnan().any(dim=1)] = float("nan")  # a NaN weight times the zero activations: NaN outputs
+    ref = _reference(qt, dw)  # a NaN weight times the zero activations: NaN outputs
     for M in (64, 16, 5):
         got = torch.empty_like(ref)
         for k0 in range(0, K, M):

@@ -57,6 +57,11 @@ class DecodeWeight:
     #: the MMA's K order inside each k16 step is K's own (:func:`to_decode_layout` ``natural``; the wgmma kernel's
     #: NATURAL=1 tiles, which bring the activations by TMA unpermuted); else the permuted order both kernels read
     natural: bool = False
+    #: the rows (int64, on the weight's device) with a NaN scale code, or None. The kernels do not test scale codes
+    #: for NaN (it costs ~10% of the MXFP4 loop's instructions): they multiply such a block by a finite stand-in, and
+    #: :func:`w4_decode` writes NaN into these rows' output columns, which is what the reference product gives (a NaN
+    #: weight times any activation, zero included, is NaN, and so is the sum).
+    nan_rows: Optional[torch.Tensor] = None
 
     @property
     def slabs(self) -> int:
@@ -159,7 +164,10 @@ def to_decode_layout(qt: QuantizedTensor, wide: bool = False, natural: bool = Fa
         cb = code.view(S, 2, 8, C).permute(0, 3, 2, 1).reshape(S, C, 8, 2)  # bytes c(g), c(g + 8)
         meta = torch.cat((ebytes.reshape(S, C, -1), cb.reshape(S, C, 16)), -1)
         meta = meta.to(torch.uint8).contiguous()
-    return DecodeWeight(codes, meta, N, qt.shape[-1], fmt_id, bool(wide) and fmt_id == 1, natural)
+    nan = (qt.scales.reshape(N, -1) == 255) if fmt_id == 1 else (qt.scales[..., 0] == 255)
+    nan_rows = nan.any(dim=1).nonzero().flatten()
+    return DecodeWeight(codes, meta, N, qt.shape[-1], fmt_id, bool(wide) and fmt_id == 1, natural,
+                        nan_rows if len(nan_rows) else None)
 
 
 # --------------------------------------------------------------------------------------------------------------------
@@ -181,7 +189,8 @@ def _halves(v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
 
 
 def decode_layout_dequantize(dw: DecodeWeight) -> torch.Tensor:
-    """The fp32 weight ``[N, K]`` the kernel multiplies, computed with its bit operations in PyTorch (CPU tests)."""
+    """The fp32 weight ``[N, K]`` the kernel multiplies, computed with its bit operations in PyTorch (CPU tests); the
+    rows of :attr:`DecodeWeight.nan_rows` all NaN (what :func:`w4_decode` makes of their outputs)."""
     S, C = dw.slabs, dw.chunks
     w = dw.codes.to(torch.int64) & 0xFFFFFFFF  # [S, C, 32, 4]
     lane = torch.arange(32, device=w.device)
@@ -202,10 +211,10 @@ def decode_layout_dequantize(dw: DecodeWeight) -> torch.Tensor:
             sbyte = torch.gather(m, 3, (2 * row + blk).expand_as(w))
             sx = sbyte + 126
             if dw.wide:
-                f = torch.where(sbyte == 255, 0x7FC0, torch.clamp(sx, max=254) << 7)
+                f = torch.clamp(sx, max=254) << 7
                 f2 = (torch.clamp(sx - 254, min=0) + 127) << 7
             else:
-                f = torch.where(sbyte == 255, 0x7FC0, (sx << 7) & 0xFFFF)
+                f = (sx << 7) & 0xFFFF
             out = []
             for half in _halves(a):
                 v = _bits(_bf(half) * _bf(f))
@@ -226,7 +235,7 @@ def decode_layout_dequantize(dw: DecodeWeight) -> torch.Tensor:
             byte = 2 * row + (j >> 1) if dw.natural else row
             e = (ee.unsqueeze(-1) >> (8 * byte + 2 * s)) & 3
             base = ((((c >> 2) & 63) + 77) << 7) | ((c & 3) << 5)
-            base = torch.where(c == 255, 0x7FC0, base).unsqueeze(-1)
+            base = base.unsqueeze(-1)
             F = base + (e << 7)
             mag_shift = 8 if j >= 2 else 0
             t = w >> mag_shift
@@ -248,8 +257,10 @@ def decode_layout_dequantize(dw: DecodeWeight) -> torch.Tensor:
             full[:, :, j & 1, :, :, :, j >> 1, i_] = v.permute(0, 1, 2, 4, 3)
     if dw.natural:
         full = full.permute(0, 1, 2, 3, 4, 6, 5, 7)  # [S, C, h, g, s, pair, t, i]
-    full = full.reshape(S, C, 2, 8, 4, 16).permute(0, 2, 3, 1, 4, 5).reshape(S * 16, C * 64)
-    return full[: dw.n, : dw.k].float()
+    full = full.reshape(S, C, 2, 8, 4, 16).permute(0, 2, 3, 1, 4, 5).reshape(S * 16, C * 64)[: dw.n, : dw.k].float()
+    if dw.nan_rows is not None:  # as w4_decode: these rows' blocks of NaN scale hold finite stand-ins
+        full[dw.nan_rows.cpu()] = float("nan")
+    return full
 
 
 # --------------------------------------------------------------------------------------------------------------------
@@ -464,4 +475,6 @@ def w4_decode(x: torch.Tensor, dw: DecodeWeight, config: Optional[dict] = None,
         what = (f"the activations' TMA map (CUresult {err - 1000})" if err >= 1000 else
                 "no cuTensorMapEncodeTiled in the driver" if err == 999 else f"cudaError {err}")
         raise RuntimeError(f"w4_decode launch failed ({what})")
+    if dw.nan_rows is not None:
+        out.index_fill_(1, dw.nan_rows, float("nan"))
     return out.to(out_dtype)
