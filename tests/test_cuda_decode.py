@@ -177,7 +177,8 @@ def test_launchers_take_the_bf16_output_flag_and_refuse_it_with_atomic_split_k()
     before any CUDA call (cudaErrorInvalidValue = 1); any other launch fails here only for want of a GPU."""
     from megatron_fp4.kernels import cuda_decode as cd
 
-    for kernel, tile in (("mma", None), ("wgmma", cd.NATURAL_TILE), ("wgmma", dict(cd.NATURAL_TILE, CLUSTER=1))):
+    for kernel, tile in (("mma", None), ("wgmma", cd.NATURAL_TILE), ("wgmma", dict(cd.NATURAL_TILE, CLUSTER=1)),
+                         ("wgmma", dict(cd.NATURAL_TILE, WTMA=1))):
         fn = cd.build(kernel, 1, False, 16, cd._tile(kernel, 1, 16, tile))
         args = [None] * 4 + [16, 64, 4, 2, 64, 64]  # M, N, S, C, ldx, ldo
         refused = fn(*args, 2, 1, 1, None) == 1  # split 2, cps 1, bf16 output
@@ -238,7 +239,8 @@ def _assert_one_hot_reads_back(cd, name, tile, natural):
 
 #: The natural-K-order tiles (weights from to_decode_layout(natural=True); activations by TMA).
 NATURAL_GPU_TILES = [None, dict(WGS=4, XST=6, MINB=1), dict(XST=4, MINB=3), dict(SPLIT=1), dict(LEAN=0),
-                     dict(CLUSTER=1), dict(CLUSTER=1, SPLIT=3)]
+                     dict(CLUSTER=1), dict(CLUSTER=1, SPLIT=3), dict(WTMA=1), dict(WTMA=1, CLUSTER=1),
+                     dict(WTMA=1, WGS=4, XST=6, MINB=1)]
 
 
 @pytest.mark.gpu

@@ -302,7 +302,7 @@ NATURAL_TILE = dict(KERNEL="wgmma", PRODUCER=1, WGS=2, DEPTH=2, XST=6, MINB=2, L
 _LAYOUTS = ("permuted", "natural")
 #: Tile keys ``MEGATRON_FP4_DECODE_NATURAL_TILE`` may set (a JSON object merged into :data:`NATURAL_TILE` at import, for
 #: A/B runs of a whole engine: e.g. '{"CLUSTER": 1}', deterministic split-K, see w4_wgmma.cu).
-NATURAL_TILE_KEYS = ("WGS", "DEPTH", "XST", "MINB", "LEAN", "CLUSTER", "SPLIT")
+NATURAL_TILE_KEYS = ("WGS", "DEPTH", "XST", "MINB", "LEAN", "CLUSTER", "WTMA", "SPLIT")
 
 
 def natural_tile_override(text: str) -> dict:
@@ -382,7 +382,7 @@ def _defines(kernel: str, fmt_id: int, wide: bool, ntok: int, cfg: dict) -> dict
         return dict(FMT=fmt_id, WIDE=int(wide), NTOK=ntok, WGS=cfg["WGS"], DEPTH=cfg["DEPTH"], XST=cfg["XST"],
                     MINB=cfg["MINB"], PRODUCER=int(cfg["PRODUCER"]), LEAN=int(cfg.get("LEAN", 0)),
                     XPAIR=int(cfg.get("XPAIR", 0)), WRING=int(cfg.get("WRING", 0)), NATURAL=int(cfg.get("NATURAL", 0)),
-                    CLUSTER=int(cfg.get("CLUSTER", 0)))
+                    CLUSTER=int(cfg.get("CLUSTER", 0)), WTMA=int(cfg.get("WTMA", 0)))
     return dict(FMT=fmt_id, WIDE=int(wide), NT=ntok // 8, SPW=cfg["SPW"], DEPTH=cfg["DEPTH"], WARPS=cfg["WARPS"])
 
 
@@ -472,7 +472,7 @@ def w4_decode(x: torch.Tensor, dw: DecodeWeight, config: Optional[dict] = None,
     err = fn(dw.codes.data_ptr(), dw.meta.data_ptr(), x.data_ptr(), out.data_ptr(), M, dw.n, S, C, x.stride(0),
              out.stride(0), split, cps, int(obf16), torch.cuda.current_stream(x.device).cuda_stream)
     if err:
-        what = (f"the activations' TMA map (CUresult {err - 1000})" if err >= 1000 else
+        what = (f"a TMA map (CUresult {err - 1000})" if err >= 1000 else
                 "no cuTensorMapEncodeTiled in the driver" if err == 999 else f"cudaError {err}")
         raise RuntimeError(f"w4_decode launch failed ({what})")
     if dw.nan_rows is not None:

@@ -14,8 +14,10 @@
 // through the shared-memory ring, by bulk asynchronous copies; see below), -DNATURAL (1, with WRING: the weights in
 // the natural K order of to_decode_layout(natural=True), the activations brought unpermuted by a 2-D TMA
 // with the 128-byte swizzle, one per chunk; the default layout, cuda_decode.NATURAL_TILE), -DCLUSTER (1, with WRING:
-// deterministic split-K through a thread-block cluster, see Split-K below). XPAIR, WRING, NATURAL and CLUSTER are
-// tile keys: docs/PERFORMANCE.md (sessions 25-27) has what each measured.
+// deterministic split-K through a thread-block cluster, see Split-K below), -DWTMA (1, with NATURAL: the producer
+// warp brings the block's weight codes and metadata by two 3-D TMAs per chunk beside the activations' one, so the
+// consumer warps issue no copies). XPAIR, WRING, NATURAL, CLUSTER and WTMA are tile keys: docs/PERFORMANCE.md
+// (sessions 25-27) has what each measured (WTMA: written in session 27, not yet run on a GPU).
 //
 // Each warpgroup owns one 64-row tile of W (four 16-row slabs of the decode layout, one per warp). Per 64-value chunk
 // of K a warp loads its slab's codes (one 16-byte load per lane), dequantizes them exactly into the BF16 A fragment of
@@ -90,6 +92,12 @@
 #endif
 #ifndef CLUSTER
 #define CLUSTER 0
+#endif
+#ifndef WTMA
+#define WTMA 0
+#endif
+#if WTMA && !NATURAL
+#error "WTMA needs NATURAL (the producer's TMA path)"
 #endif
 #if NATURAL && !WRING
 #error "NATURAL needs WRING"
@@ -194,6 +202,11 @@ DINL void bulk_copy(uint32_t dst, const void* src, uint32_t bytes, uint32_t bar)
 DINL void tma_load_2d(uint32_t dst, const CUtensorMap* map, int x0, int x1, uint32_t bar) {  // box at (x0, x1)
   asm volatile("cp.async.bulk.tensor.2d.shared::cluster.global.mbarrier::complete_tx::bytes [%0], [%1, {%2, %3}], [%4];"
                ::"r"(dst), "l"(reinterpret_cast<uint64_t>(map)), "r"(x0), "r"(x1), "r"(bar) : "memory");
+}
+DINL void tma_load_3d(uint32_t dst, const CUtensorMap* map, int x0, int x1, int x2, uint32_t bar) {
+  asm volatile(
+      "cp.async.bulk.tensor.3d.shared::cluster.global.mbarrier::complete_tx::bytes [%0], [%1, {%2, %3, %4}], [%5];"
+      ::"r"(dst), "l"(reinterpret_cast<uint64_t>(map)), "r"(x0), "r"(x1), "r"(x2), "r"(bar) : "memory");
 }
 
 DINL void wgmma_fence() { asm volatile("wgmma.fence.sync.aligned;" ::: "memory"); }
@@ -318,6 +331,9 @@ w4_wgmma_kernel(const uint4* __restrict__ codes, const uint32_t* __restrict__ me
 #if NATURAL
                 , const __grid_constant__ CUtensorMap xmap  // x [M, C * 64] bf16, box 64 x NTOK, 128-byte swizzle
 #endif
+#if WTMA  // codes [S, C, 512 bytes], meta [S, C, META_BYTES] as 8-byte words; boxes of one chunk of SLABS slabs
+                , const __grid_constant__ CUtensorMap wmap, const __grid_constant__ CUtensorMap mmap
+#endif
 ) {
 #if WRING
   extern __shared__ __align__(128) uint8_t xs_raw[];  // XST * RSTAGE_BYTES (+ RALIGN - 128 to align it)
@@ -346,8 +362,13 @@ w4_wgmma_kernel(const uint4* __restrict__ codes, const uint32_t* __restrict__ me
       const int s = c % XST;
       if (c >= XST) bar_sync(EMPTY_BAR(s));
       if (lane == 0) {
+        const uint32_t dst = (uint32_t)__cvta_generic_to_shared(xs) + s * RSTAGE_BYTES;
         mbar_arrive_tx(full0 + s * 8, STAGE_BYTES + SLABS * (512 + META_BYTES));
-        tma_load_2d((uint32_t)__cvta_generic_to_shared(xs) + s * RSTAGE_BYTES, &xmap, (c0 + c) * 64, 0, full0 + s * 8);
+        tma_load_2d(dst, &xmap, (c0 + c) * 64, 0, full0 + s * 8);
+#if WTMA  // the block's slabs (rows past S read as zeros: an idle warpgroup's, never stored)
+        tma_load_3d(dst + STAGE_BYTES, &wmap, 0, c0 + c, blockIdx.x * SLABS, full0 + s * 8);
+        tma_load_3d(dst + STAGE_BYTES + SLABS * 512, &mmap, 0, c0 + c, blockIdx.x * SLABS, full0 + s * 8);
+#endif
       }
     }
     producer_cluster_barriers();
@@ -383,6 +404,9 @@ w4_wgmma_kernel(const uint4* __restrict__ codes, const uint32_t* __restrict__ me
 #if WRING  // from this warp's slab in the chunk's stage, once the stage is full
   const uint8_t* wsm = xs + STAGE_BYTES + warp * 512 + lane * 16;
   const uint32_t* msm = reinterpret_cast<const uint32_t*>(xs + STAGE_BYTES + SLABS * 512 + warp * META_BYTES);
+#if WTMA  // the producer's TMAs bring the weights too
+#define COPY(kc)
+#else
   // COPY(kc): lane 0 copies this warp's slab's codes of chunk kc into the chunk's stage, lane 1 its metadata
   const size_t cunit = (size_t)min(slab, S - 1) * C + c0;
   const bool cmeta = lane == 1;
@@ -394,6 +418,7 @@ w4_wgmma_kernel(const uint4* __restrict__ codes, const uint32_t* __restrict__ me
   if (lane < 2) bulk_copy(cdst + ((kc) % XST) * RSTAGE_BYTES, csrc + (size_t)(kc) * cbytes, cbytes, full0 + ((kc) % XST) * 8)
 #pragma unroll 1
   for (int kc = 0; kc < min(XST, nch); ++kc) COPY(kc);
+#endif
 #define FETCH(d, rel, kc)                                                       \
   {                                                                             \
     mbar_wait(full0 + ((kc) % XST) * 8, ((kc) / XST) & 1);                      \
@@ -447,7 +472,8 @@ w4_wgmma_kernel(const uint4* __restrict__ codes, const uint32_t* __restrict__ me
         dequant(w.y, sc, 1, a[d & 1][1]);
         dequant(w.z, sc, 2, a[d & 1][2]);
         dequant(w.w, sc, 3, a[d & 1][3]);
-#if WRING  // chunk kk's stage was full (FETCH waited for it); its words are used: refill this warp's slab of it
+#if WRING && WTMA
+#elif WRING  // chunk kk's stage was full (FETCH waited for it); its words are used: refill this warp's slab of it
         if (kk + XST < nch) {
           __syncwarp();
           COPY(kk + XST);
@@ -538,20 +564,45 @@ w4_wgmma_kernel(const uint4* __restrict__ codes, const uint32_t* __restrict__ me
 // x's tensor map for the TMA: [M, K] bf16 rows ldx apart, boxes of 64 values x NTOK tokens, 128-byte swizzle, rows
 // past M read as zeros. cuTensorMapEncodeTiled through the runtime's driver entry point (no -lcuda). Returns 0, a
 // cudaError of the lookup, 999 (the driver has no such entry point) or 1000 + the CUresult of the encoding.
-static int encode_x_map(CUtensorMap* map, const void* x, int M, int K, int ldx) {
+static PFN_cuTensorMapEncodeTiled_v12000 tensor_map_encoder(int* err) {
   static PFN_cuTensorMapEncodeTiled_v12000 encode = nullptr;
   if (!encode) {
     void* fn = nullptr;
     cudaDriverEntryPointQueryResult q;
-    const cudaError_t err = cudaGetDriverEntryPointByVersion("cuTensorMapEncodeTiled", &fn, 12000, cudaEnableDefault, &q);
-    if (err != cudaSuccess || q != cudaDriverEntryPointSuccess || !fn) return err != cudaSuccess ? (int)err : 999;
+    const cudaError_t e = cudaGetDriverEntryPointByVersion("cuTensorMapEncodeTiled", &fn, 12000, cudaEnableDefault, &q);
+    if (e != cudaSuccess || q != cudaDriverEntryPointSuccess || !fn) {
+      *err = e != cudaSuccess ? (int)e : 999;
+      return nullptr;
+    }
     encode = (PFN_cuTensorMapEncodeTiled_v12000)fn;
   }
+  return encode;
+}
+static int encode_x_map(CUtensorMap* map, const void* x, int M, int K, int ldx) {
+  int err = 0;
+  const PFN_cuTensorMapEncodeTiled_v12000 encode = tensor_map_encoder(&err);
+  if (!encode) return err;
   const cuuint64_t dims[2] = {(cuuint64_t)K, (cuuint64_t)M};
   const cuuint64_t strides[1] = {(cuuint64_t)ldx * 2};
   const cuuint32_t box[2] = {64, NTOK}, elem[2] = {1, 1};
   const CUresult r = encode(map, CU_TENSOR_MAP_DATA_TYPE_BFLOAT16, 2, const_cast<void*>(x), dims, strides, box, elem,
                             CU_TENSOR_MAP_INTERLEAVE_NONE, CU_TENSOR_MAP_SWIZZLE_128B,
+                            CU_TENSOR_MAP_L2_PROMOTION_L2_256B, CU_TENSOR_MAP_FLOAT_OOB_FILL_NONE);
+  return r == CUDA_SUCCESS ? 0 : 1000 + (int)r;
+}
+#endif
+#if WTMA
+// A weight array [S, C, bytes] (codes: 512 bytes per slab and chunk; meta: META_BYTES) as 8-byte words, boxes of one
+// chunk of SLABS slabs (slabs past S read as zeros), no swizzle: they land as the stage's [slab][bytes] block.
+static int encode_w_map(CUtensorMap* map, const void* w, int S, int C, int bytes) {
+  int err = 0;
+  const PFN_cuTensorMapEncodeTiled_v12000 encode = tensor_map_encoder(&err);
+  if (!encode) return err;
+  const cuuint64_t dims[3] = {(cuuint64_t)bytes / 8, (cuuint64_t)C, (cuuint64_t)S};
+  const cuuint64_t strides[2] = {(cuuint64_t)bytes, (cuuint64_t)bytes * C};
+  const cuuint32_t box[3] = {(cuuint32_t)bytes / 8, 1, SLABS}, elem[3] = {1, 1, 1};
+  const CUresult r = encode(map, CU_TENSOR_MAP_DATA_TYPE_UINT64, 3, const_cast<void*>(w), dims, strides, box, elem,
+                            CU_TENSOR_MAP_INTERLEAVE_NONE, CU_TENSOR_MAP_SWIZZLE_NONE,
                             CU_TENSOR_MAP_L2_PROMOTION_L2_256B, CU_TENSOR_MAP_FLOAT_OOB_FILL_NONE);
   return r == CUDA_SUCCESS ? 0 : 1000 + (int)r;
 }
@@ -564,6 +615,11 @@ extern "C" int w4_wgmma_launch(const void* codes, const void* meta, const void* 
 #if NATURAL
   CUtensorMap xmap;
   if (const int err = encode_x_map(&xmap, x, M, C * 64, ldx)) return err;
+#endif
+#if WTMA
+  CUtensorMap wmap, mmap;
+  if (const int err = encode_w_map(&wmap, codes, S, C, 512)) return err;
+  if (const int err = encode_w_map(&mmap, meta, S, C, META_BYTES)) return err;
 #endif
 #if WRING
   const int smem = XST * RSTAGE_BYTES + RALIGN - 128;  // over the 48 KB default: allowed once per library
@@ -597,6 +653,9 @@ extern "C" int w4_wgmma_launch(const void* codes, const void* meta, const void* 
                                  (float*)out, M, N, S, C, ldx / 8, ldo, cps, obf16
 #if NATURAL
                                  , xmap
+#endif
+#if WTMA
+                                 , wmap, mmap
 #endif
   );
 }
