@@ -9,8 +9,7 @@
 #   decode-tests  GPU tests of the CUDA decode GEMMs (every tile of tests/test_cuda_decode.py)
 #   decode-bench  bench_kernels.py --decode --decode-sweep on the 7B and 1.5B MLP shapes
 #   decode-natural  the natural-K-order decode GEMM (the default layout): its GPU tests (CLUSTER's determinism too),
-#                 then its tiles (CLUSTER, forced splits) against the permuted layout's defaults
-#                 (MEGATRON_FP4_DECODE_LAYOUT=permuted) on the 7B and 1.5B MLP shapes
+#                 then its tiles (WTMA, CLUSTER, forced splits) against the default tile on 7B and 1.5B MLP shapes
 #   decode-profile  Nsight Compute on the decode GEMM (a 7B MLP weight): the default tile at M = 16 (both formats;
 #                 natural layout) and both kernels on the permuted layout at M = 64 (MXFP4):
 #                 throughput, memory, warp stall reasons, source counters (hardware counters: the Firecracker runtime)
@@ -77,11 +76,10 @@ print('prebuilt', cd.prebuild([t for t in GPU_TILES if t], ntoks=(8, 16, 64)), '
     python3 benchmarks/bench_kernels.py --decode --decode-sweep --shapes 3584x18944,18944x3584,1536x8960,8960x1536 \
       --out "$results/decode_h200.json"
     ;;
-  decode-natural)
+  decode-natural)  # the "_cuda" columns: the default (NATURAL_TILE); the sweep: every NATURAL tile of SWEEP_TILES
     run_tests -m gpu tests/test_cuda_decode.py -k "natural or cluster"
-    export MEGATRON_FP4_DECODE_LAYOUT=permuted  # the "_cuda" columns: the permuted layout's defaults
-    python3 benchmarks/bench_kernels.py --decode --decode-sweep --sweep-keys NATURAL --decode-ms 8,16,32,64 \
-      --shapes 3584x18944,18944x3584,1536x8960,8960x1536 --out "$results/decode_natural_h200.json"
+    python3 benchmarks/bench_kernels.py --decode --decode-sweep --sweep-keys NATURAL --decode-ms 16,64 \
+      --shapes 3584x18944,18944x3584,1536x8960 --out "$results/decode_natural_sweep_h200.json"
     ;;
   decode-profile)  # the third launch of each case (the first builds the kernel); one text report per case:
     # M = 16 on the default tile (natural layout), both formats; M = 64 (the rollout's batch) on both kernels of the
