@@ -350,8 +350,8 @@ SWEEP_TILES = (
       for split in ({}, dict(SPLIT=2), dict(SPLIT=4))),
     # NATURAL_TILE with the weights brought by the producer's TMAs (session 27, written without a GPU: the consumer
     # warps issue no copies, ~20 instructions per chunk fewer each)
-    *(dict(KERNEL="wgmma", PRODUCER=1, WGS=2, DEPTH=2, XST=6, MINB=2, LEAN=1, WRING=1, NATURAL=1, WTMA=1, **keys)
-      for keys in ({}, dict(CLUSTER=1))),
+    *({**dict(KERNEL="wgmma", PRODUCER=1, WGS=2, DEPTH=2, XST=6, MINB=2, LEAN=1, WRING=1, NATURAL=1, WTMA=1), **keys}
+      for keys in ({}, dict(CLUSTER=1), dict(XST=4, MINB=3))),
 )
 DECODE_SHAPES = [(3584, 18944), (18944, 3584), (1536, 8960), (8960, 1536), (1536, 2048), (1536, 1536)]  # (K, N)
 
