@@ -11,7 +11,9 @@ logprob checks, max and mean over --check-samples samples: the graph path's logp
 run eagerly (the engine's "static" path) teacher-forced on the same tokens, and against one teacher-forced full
 forward in the same precision (megatron-core, :func:`megatron_fp4.rollout.teacher_forced_logprobs`); ``--eager-baseline`` also times the engine's megatron path (the reference) on the first
 shape in BF16 and scores its tokens through the graph path (teacher-forced), and ``--hf-anchor`` times HF
-transformers' ``generate`` with a static cache on the same shape.
+transformers' ``generate`` with a static cache on the same shape. ``--profile`` (native backend) adds per row the
+CUDA time of one more generate by kernel family (FP4 decode GEMM, other GEMMs, attention, quantizers, ...; graph
+replays included) and its top kernels: where a decode step's time goes.
 
 Backends: "native" (:class:`megatron_fp4.rollout.NativeRolloutEngine`; ``--decode`` picks its path) and "sglang"
 (:class:`megatron_fp4.rollout.sglang_engine.SGLangRolloutEngine`: the same random model written as an HF folder
@@ -32,6 +34,7 @@ import os
 import statistics
 import sys
 import time
+from functools import partial
 
 import torch
 
@@ -190,6 +193,8 @@ def main() -> None:
     ap.add_argument("--eager-baseline", action="store_true",
                     help="also time the megatron path (BF16, first shape) and score its tokens via the graph path")
     ap.add_argument("--hf-anchor", action="store_true", help="also time HF transformers generate (static cache)")
+    ap.add_argument("--profile", action="store_true",
+                    help="native backend: add the CUDA time of one generate per row by kernel family (torch.profiler)")
     ap.add_argument("--out", default=os.path.join(os.path.dirname(__file__), "results", "rollout.json"))
     ap.add_argument("--append", action="store_true",
                     help="keep --out's rows of other (backend, shape, precision, batch, path) and its infos")
@@ -197,6 +202,8 @@ def main() -> None:
     unknown = [p for p in a.precisions.split(",") if p not in PRECISIONS]
     if unknown:
         ap.error(f"--precisions: unknown {unknown}; allowed: {', '.join(PRECISIONS)}")
+    if a.profile and a.backend != "native":
+        ap.error("--profile: only with --backend native (an SGLang Engine runs in processes of its own)")
     if a.backend == "sglang":
         from megatron_fp4.rollout.sglang_engine import sglang_start_problem
 
@@ -261,6 +268,12 @@ def main() -> None:
                        capture_s_after_sync=after_sync.get("capture_seconds", 0.0),
                        logp_graph_vs_eager_max=gmax, logp_graph_vs_eager_mean=gmean,
                        logp_vs_teacher_forced_max=dmax, logp_vs_teacher_forced_mean=dmean, check_samples=len(sub))
+            if a.profile:
+                from benchmarks.kernel_profile import profile_step
+
+                row["profile"] = profile_step(partial(engine.generate, prompts, params))
+                row["profile"]["generated_tokens_per_sample"] = a.new_tokens
+                print(f"  CUDA ms per generate by family: {json.dumps(row['profile']['families_ms'])}", flush=True)
             rows.append(row)
             print(f"{a.backend} {shape} {p.label:28s} {row['tokens_per_s']:9.0f} tok/s ({row['seconds']:.2f} s; "
                   f"first {first:.1f} s, capture {row['capture_s']:.1f} s; after sync "

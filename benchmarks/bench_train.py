@@ -45,15 +45,9 @@ sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 from bench_rollout import SHAPES  # noqa: E402  (one table of model shapes for the benchmarks)
+from kernel_profile import profile_step  # noqa: E402
 
 RECIPES = ("bf16", "hif4", "mxfp4", "mxfp4-fp8", "mxfp4-fp8_fast")
-#: Kernel families of --profile, matched in order against lower-cased kernel names.
-FAMILIES = (("fp4 quantize", ("quant",)), ("attention", ("flash", "fmha", "attention", "sdpa")),
-            ("gemm", ("gemm", "nvjet", "cutlass", "xmma", "sm90_", "cublas", "_gemm_kernel")),
-            ("softmax", ("softmax",)), ("reduce", ("reduce",)), ("copy/cast", ("copy", "cast", "convert")),
-            ("elementwise", ("elementwise", "vectorized", "unrolled")))
-
-
 def parse_batches(text: str) -> list[tuple[int, int, int | None]]:
     """"4x2048,8x4096/2" -> [(4, 2048, None), (8, 4096, 2)]: B sequences of T tokens, optionally /micro-batch."""
     out = []
@@ -181,39 +175,6 @@ def optimizer_state_bytes(opt) -> int:
                         seen.add(t.data_ptr())
                         total += t.numel() * t.element_size()
     return total
-
-
-def family(name: str) -> str:
-    low = name.lower()
-    for fam, keys in FAMILIES:
-        if any(k in low for k in keys):
-            return fam
-    return "other"
-
-
-def profile_step(step) -> dict:
-    """CUDA time of one step by kernel family and the top kernels; and the top aten ops by their own CUDA time
-    with their input shapes (which op launched the copy/cast and elementwise kernels: an eager step only, a CUDA
-    graph's replay hides its ops)."""
-    from torch.profiler import ProfilerActivity, profile
-
-    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA], record_shapes=True) as prof:
-        step()
-        torch.cuda.synchronize()
-    kernels: dict[str, float] = {}
-    for ev in prof.events():
-        if ev.device_type.name == "CUDA":
-            kernels[ev.name] = kernels.get(ev.name, 0.0) + ev.device_time_total / 1e3  # ms
-    fams: dict[str, float] = {}
-    for name, ms in kernels.items():
-        fams[family(name)] = fams.get(family(name), 0.0) + ms
-    top = sorted(kernels.items(), key=lambda kv: -kv[1])[:12]
-    ops = [[e.key, str(e.input_shapes)[:160], e.count, round(e.self_device_time_total / 1e3, 2)]
-           for e in prof.key_averages(group_by_input_shape=True)
-           if e.key.startswith("aten::") and e.self_device_time_total > 0]
-    return {"families_ms": {k: round(v, 2) for k, v in sorted(fams.items(), key=lambda kv: -kv[1])},
-            "top_kernels_ms": [[n[:90], round(ms, 2)] for n, ms in top],
-            "top_ops_ms": sorted(ops, key=lambda r: -r[3])[:16]}  # [op, input shapes, calls, own CUDA ms]
 
 
 def cpu_profile_step(step) -> list:

@@ -69,3 +69,22 @@ def test_sglang_rows_flush_the_prefix_cache_before_every_timed_generate(monkeypa
     rows = bench_rollout.sglang_rows(a, "qwen2.5-1.5b", model, None, [[5, 6, 7, 8]] * 2, None)
     assert calls == ["generate", "flush", "generate", "flush", "generate", "sync", "generate"]
     assert rows[0]["prefix_cache"] == "flushed before each generate" and rows[0]["tokens_per_s"] == 4.0
+
+
+def test_profile_families_name_the_rollout_kernels_and_profile_is_native_only(monkeypatch, capsys):
+    """--profile sorts a decode step's kernels into families (the FP4 decode GEMMs before the other GEMMs), and
+    refuses the SGLang backend (its Engine runs in processes of its own) before anything starts."""
+    import pytest
+
+    import bench_rollout
+    from kernel_profile import family
+
+    assert [family(n) for n in ("w4_wgmma_kernel", "_w4_decode_kernel", "sm90_xmma_gemm_bf16bf16_bf16f32",
+                                "_resq_kernel", "quant_both_kernel", "flash_fwd_kernel", "_add_rms_norm_kernel",
+                                "_rope_kv_kernel", "something_else")] == [
+        "fp4 decode gemm", "fp4 decode gemm", "gemm", "fp4 quantize", "fp4 quantize", "attention",
+        "norm / rope / swiglu", "norm / rope / swiglu", "other"]
+    monkeypatch.setattr(sys, "argv", ["bench_rollout.py", "--backend", "sglang", "--profile"])
+    with pytest.raises(SystemExit):
+        bench_rollout.main()
+    assert "--profile: only with --backend native" in capsys.readouterr().err
