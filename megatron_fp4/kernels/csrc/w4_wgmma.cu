@@ -404,9 +404,7 @@ w4_wgmma_kernel(const uint4* __restrict__ codes, const uint32_t* __restrict__ me
 #if WRING  // from this warp's slab in the chunk's stage, once the stage is full
   const uint8_t* wsm = xs + STAGE_BYTES + warp * 512 + lane * 16;
   const uint32_t* msm = reinterpret_cast<const uint32_t*>(xs + STAGE_BYTES + SLABS * 512 + warp * META_BYTES);
-#if WTMA  // the producer's TMAs bring the weights too
-#define COPY(kc)
-#else
+#if !WTMA  // (WTMA: the producer's TMAs bring the weights too)
   // COPY(kc): lane 0 copies this warp's slab's codes of chunk kc into the chunk's stage, lane 1 its metadata
   const size_t cunit = (size_t)min(slab, S - 1) * C + c0;
   const bool cmeta = lane == 1;
@@ -472,12 +470,13 @@ w4_wgmma_kernel(const uint4* __restrict__ codes, const uint32_t* __restrict__ me
         dequant(w.y, sc, 1, a[d & 1][1]);
         dequant(w.z, sc, 2, a[d & 1][2]);
         dequant(w.w, sc, 3, a[d & 1][3]);
-#if WRING && WTMA
-#elif WRING  // chunk kk's stage was full (FETCH waited for it); its words are used: refill this warp's slab of it
+#if WRING  // chunk kk's stage was full (FETCH waited for it); its words are used: refill this warp's slab of it
+#if !WTMA  // (WTMA: the producer does)
         if (kk + XST < nch) {
           __syncwarp();
           COPY(kk + XST);
         }
+#endif
 #elif PRODUCER
         bar_sync(1 + kk % XST);  // chunk kk staged by the producer
 #else
