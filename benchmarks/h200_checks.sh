@@ -68,8 +68,8 @@ case "$1" in
       --out "$results/train_h200_eager.json"
     ;;
   decode-tests)  # the tests' tiles compiled first, in parallel (on first use each would compile alone)
-    python3 -c "from megatron_fp4.kernels import cuda_decode as cd; from tests.test_cuda_decode import GPU_TILES
-print('prebuilt', cd.prebuild([t for t in GPU_TILES if t], ntoks=(8, 16, 64)), 'decode kernel configurations')"
+    python3 -c "from megatron_fp4.kernels import cuda_decode as cd; from tests.test_cuda_decode import GPU_TILES as G, NATURAL_GPU_TILES as N
+print('prebuilt', cd.prebuild([t for t in G if t] + [dict(t, NATURAL=1) for t in N if t], ntoks=(8, 16, 64)), 'configurations')"
     run_tests -m gpu tests/test_cuda_decode.py
     ;;
   decode-bench)

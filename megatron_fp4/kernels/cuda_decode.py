@@ -392,16 +392,19 @@ def build(kernel: str, fmt_id: int, wide: bool, ntok: int, cfg: dict):
 
 
 def prebuild(tiles: Optional[list] = None, ntoks=(16, 64), workers: int = 0) -> int:
-    """Compile configurations in parallel ahead of use: both kernels' default tiles for both formats, the wide
-    MXFP4 variant and every token bucket, plus ``tiles`` (dicts with KERNEL and its tile keys) for token buckets
-    ``ntoks``. Returns how many."""
+    """Compile configurations in parallel ahead of use: both kernels' default tiles and :data:`NATURAL_TILE` (the
+    default layout's) for both formats, the wide MXFP4 variant and every token bucket, plus ``tiles`` (dicts with
+    KERNEL and its tile keys; with NATURAL=1, keys over NATURAL_TILE's) for token buckets ``ntoks``. Returns how
+    many."""
     def job(kernel, f, w, m, tile):  # keyed by what reaches nvcc (a SPLIT override compiles nothing new)
         return kernel, tuple(sorted(_defines(kernel, f, bool(w), m, _tile(kernel, f, m, tile)).items()))
 
     jobs = {job(kernel, f, w, m, None) for kernel in _SOURCES for f, w in ((0, 0), (1, 0), (1, 1))
             for m in (8, 16, 32, 64)}
     jobs |= {job("wgmma", f, w, 16, LARGE_M16_TILES[f]) for f, w in ((0, 0), (1, 0), (1, 1))}
-    jobs |= {job(t["KERNEL"], f, 0, m, t) for t in tiles or [] for f in (0, 1) for m in ntoks}
+    jobs |= {job("wgmma", f, w, m, NATURAL_TILE) for f, w in ((0, 0), (1, 0), (1, 1)) for m in (8, 16, 32, 64)}
+    tiles = [{**NATURAL_TILE, **t} if t.get("NATURAL") else t for t in tiles or []]
+    jobs |= {job(t["KERNEL"], f, 0, m, t) for t in tiles for f in (0, 1) for m in ntoks}
     from concurrent.futures import ThreadPoolExecutor
 
     with ThreadPoolExecutor(max_workers=workers or os.cpu_count() or 4) as ex:
