@@ -45,7 +45,8 @@ fi
 export PYTHONPATH="$SITE:$PWD${PYTHONPATH:+:$PYTHONPATH}" TRITON_CACHE_DIR="$PWD/.triton_cache"
 results=${OUT:-benchmarks/results}
 nvidia-smi --query-gpu=name,driver_version,memory.used --format=csv,noheader
-run_tests() { python3 -m pytest -q -p no:cacheprovider "$@"; }
+# (a hung kernel, e.g. a TMA that never completes its barrier, ends the tests here, not the whole device call)
+run_tests() { timeout "${TEST_TIMEOUT:-540}" python3 -m pytest -q -p no:cacheprovider "$@"; }
 sglang_env() {
   if ! ls .sgl/sglang-*.tar.xz > /dev/null 2>&1; then
     echo "h200_checks.sh $1: no SGLang bundle in .sgl/ (see the header)" >&2
