@@ -272,7 +272,6 @@ def main() -> None:
                 from benchmarks.kernel_profile import profile_step
 
                 row["profile"] = profile_step(partial(engine.generate, prompts, params))
-                row["profile"]["generated_tokens_per_sample"] = a.new_tokens
                 print(f"  CUDA ms per generate by family: {json.dumps(row['profile']['families_ms'])}", flush=True)
             rows.append(row)
             print(f"{a.backend} {shape} {p.label:28s} {row['tokens_per_s']:9.0f} tok/s ({row['seconds']:.2f} s; "

@@ -36,7 +36,7 @@ from megatron_fp4.kernels import _nvcc
 from megatron_fp4.formats import QuantizedTensor
 
 __all__ = ["DecodeWeight", "to_decode_layout", "decode_layout_dequantize", "available", "w4_decode",
-           "DECODE_TILES", "WGMMA_TILES", "WGMMA_MAX_WEIGHT", "LARGE_M16_TILES", "NATURAL_TILE", "natural_layout",
+           "DECODE_TILES", "WGMMA_TILES", "WGMMA_MAX_WEIGHT", "LARGE_M16_TILES", "NATURAL_TILE", "natural_tile", "natural_layout",
            "default_kernel", "build", "prebuild"]
 
 _SLAB_PAD = 4  # slabs padded to a multiple of this (the largest slabs-per-warp tile)
@@ -324,6 +324,11 @@ if os.environ.get("MEGATRON_FP4_DECODE_NATURAL_TILE"):
     NATURAL_TILE.update(natural_tile_override(os.environ["MEGATRON_FP4_DECODE_NATURAL_TILE"]))
 
 
+def natural_tile(config: Optional[dict] = None) -> dict:
+    """The tile a natural-order weight runs: ``config``'s keys over :data:`NATURAL_TILE`'s."""
+    return {**NATURAL_TILE, **(config or {}), "NATURAL": 1}
+
+
 def natural_layout() -> bool:
     """Whether decode weights (every format) are laid out in natural K order: ``MEGATRON_FP4_DECODE_LAYOUT`` "natural"
     (the default) or "permuted" (the layout of the per-size tiles, :data:`DECODE_TILES` / :data:`WGMMA_TILES`: faster
@@ -403,7 +408,7 @@ def prebuild(tiles: Optional[list] = None, ntoks=(16, 64), workers: int = 0) -> 
             for m in (8, 16, 32, 64)}
     jobs |= {job("wgmma", f, w, 16, LARGE_M16_TILES[f]) for f, w in ((0, 0), (1, 0), (1, 1))}
     jobs |= {job("wgmma", f, w, m, NATURAL_TILE) for f, w in ((0, 0), (1, 0), (1, 1)) for m in (8, 16, 32, 64)}
-    tiles = [{**NATURAL_TILE, **t} if t.get("NATURAL") else t for t in tiles or []]
+    tiles = [natural_tile(t) if t.get("NATURAL") else t for t in tiles or []]
     jobs |= {job(t["KERNEL"], f, 0, m, t) for t in tiles for f in (0, 1) for m in ntoks}
     from concurrent.futures import ThreadPoolExecutor
 
@@ -450,7 +455,7 @@ def w4_decode(x: torch.Tensor, dw: DecodeWeight, config: Optional[dict] = None,
     if dw.natural:  # only NATURAL tiles read this layout (and they read no other)
         if (config or {}).get("KERNEL", "wgmma") != "wgmma":
             raise ValueError(f"w4_decode: a natural-order weight needs the wgmma kernel, got {config}")
-        config = {**NATURAL_TILE, **(config or {}), "NATURAL": 1}
+        config = natural_tile(config)
     elif (config or {}).get("NATURAL"):
         raise ValueError("w4_decode: NATURAL=1 tiles read weights made by to_decode_layout(natural=True)")
     kernel, config = _choose(dw.n, dw.k, ntok, config, dw.fmt_id)
