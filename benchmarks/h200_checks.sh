@@ -47,6 +47,15 @@ results=${OUT:-benchmarks/results}
 nvidia-smi --query-gpu=name,driver_version,memory.used --format=csv,noheader
 # (a hung kernel, e.g. a TMA that never completes its barrier, ends the tests here, not the whole device call)
 run_tests() { timeout "${TEST_TIMEOUT:-540}" python3 -m pytest -q -p no:cacheprovider "$@"; }
+prebuild_tests() {  # the GPU tests' tiles (with "natural": only the natural layout's), compiled in parallel
+  python3 - "${1:-all}" <<'PY'
+import sys
+from megatron_fp4.kernels import cuda_decode as cd
+from tests.test_cuda_decode import GPU_TILES, NATURAL_GPU_TILES
+tiles = [dict(t, NATURAL=1) for t in NATURAL_GPU_TILES if t] + ([t for t in GPU_TILES if t] if sys.argv[1] == "all" else [])
+print("prebuilt", cd.prebuild(tiles, ntoks=(8, 16, 64)), "configurations")
+PY
+}
 sglang_env() {
   if ! ls .sgl/sglang-*.tar.xz > /dev/null 2>&1; then
     echo "h200_checks.sh $1: no SGLang bundle in .sgl/ (see the header)" >&2
@@ -69,8 +78,7 @@ case "$1" in
       --out "$results/train_h200_eager.json"
     ;;
   decode-tests)  # the tests' tiles compiled first, in parallel (on first use each would compile alone)
-    python3 -c "from megatron_fp4.kernels import cuda_decode as cd; from tests.test_cuda_decode import GPU_TILES as G, NATURAL_GPU_TILES as N
-print('prebuilt', cd.prebuild([t for t in G if t] + [dict(t, NATURAL=1) for t in N if t], ntoks=(8, 16, 64)), 'configurations')"
+    prebuild_tests
     run_tests -m gpu tests/test_cuda_decode.py
     ;;
   decode-bench)
@@ -78,9 +86,12 @@ print('prebuilt', cd.prebuild([t for t in G if t] + [dict(t, NATURAL=1) for t in
       --out "$results/decode_h200.json"
     ;;
   decode-natural)  # the "_cuda" columns: the default (NATURAL_TILE); the sweep: every NATURAL tile of SWEEP_TILES
+    # (the engine's shapes: Megatron's fc1 is gate and up in one weight; 7B qkv 3584x4608 and proj; 1.5B fc1, fc2)
+    prebuild_tests natural
     run_tests -m gpu tests/test_cuda_decode.py -k "natural or cluster"
-    python3 benchmarks/bench_kernels.py --decode --decode-sweep --sweep-keys NATURAL --decode-ms 16,64 \
-      --shapes 3584x18944,18944x3584,1536x8960 --out "$results/decode_natural_sweep_h200.json"
+    python3 benchmarks/bench_kernels.py --decode --decode-sweep --sweep-keys NATURAL --decode-ms 16,32,64 \
+      --shapes 3584x37888,18944x3584,3584x4608,3584x3584,1536x17920,8960x1536 \
+      --out "$results/decode_natural_sweep_h200.json"
     ;;
   decode-profile)  # the third launch of each case (the first builds the kernel); one text report per case:
     # M = 16 on the default tile (natural layout), both formats; M = 64 (the rollout's batch) on both kernels of the

@@ -298,7 +298,10 @@ LARGE_M16_TILES = {0: dict(_LARGE_M16, LEAN=1), 1: _LARGE_M16}
 #: defaults: 1.20-1.46x faster at 32 and 64 tokens on the 7B MLP weights (MXFP4 at 64: 0.95x / 1.37x cuBLAS BF16,
 #: HiF4 0.84x / 1.22x) and 1.10-1.32x at every token count on the 1.5B ones; 0.86-1.03x at 8 and 16 tokens on the 7B
 #: weights (the price of one layout for every batch: a rollout's decode batch is mostly 32-64 sequences).
-NATURAL_TILE = dict(KERNEL="wgmma", PRODUCER=1, WGS=2, DEPTH=2, XST=6, MINB=2, LEAN=1, WRING=1, NATURAL=1)
+#: WTMA=1 (the producer brings weight codes and metadata by 3-D TMA): session 28, 0.83-0.99x the time of WTMA=0 on
+#: the 7B and 1.5B MLP weights at 16 and 64 tokens, both formats, except 3584x18944 MXFP4 at 64 (1.01x)
+#: (benchmarks/results/decode_natural_sweep_h200.json).
+NATURAL_TILE = dict(KERNEL="wgmma", PRODUCER=1, WGS=2, DEPTH=2, XST=6, MINB=2, LEAN=1, WRING=1, NATURAL=1, WTMA=1)
 _LAYOUTS = ("permuted", "natural")
 #: Tile keys ``MEGATRON_FP4_DECODE_NATURAL_TILE`` may set (a JSON object merged into :data:`NATURAL_TILE` at import, for
 #: A/B runs of a whole engine: e.g. '{"CLUSTER": 1}', deterministic split-K, see w4_wgmma.cu).
@@ -418,13 +421,15 @@ def prebuild(tiles: Optional[list] = None, ntoks=(16, 64), workers: int = 0) -> 
 
 
 @functools.lru_cache(maxsize=None)
-def _balanced_split(row_blocks: int, chunks: int, slots: int, most: int = 0) -> int:
+def _balanced_split(row_blocks: int, chunks: int, slots: int, most: int = 0, tail: int = 2) -> int:
     """Split-K for ``row_blocks`` x split blocks on ``slots`` resident blocks: the fewest splits (at most ``most``
-    when given) that minimize waves x (chunks per block + 2, its pipeline fill and epilogue): a second, nearly empty
-    wave of blocks costs as much as the first."""
+    when given) that minimize waves x (chunks per block + ``tail``, its pipeline fill and epilogue, in chunks): a
+    second, nearly empty wave of blocks costs as much as the first. The epilogue adds the block's outputs atomically,
+    so its cost grows with the tokens: :func:`w4_decode` passes ``tail`` = tokens / 8 (2 at 16 tokens, where the
+    constant was fitted; 8 at 64, where split 3 beat 7 by 10-11% on 3584x18944, session 28)."""
     def cost(split):
         cps = -(-chunks // split)
-        return -(-row_blocks * -(-chunks // cps) // slots) * (cps + 2)
+        return -(-row_blocks * -(-chunks // cps) // slots) * (cps + tail)
 
     return min(range(1, min(chunks, most or chunks) + 1), key=lambda sp: (cost(sp), sp))
 
@@ -467,7 +472,8 @@ def w4_decode(x: torch.Tensor, dw: DecodeWeight, config: Optional[dict] = None,
     if kernel == "wgmma":
         row_blocks = -(-S // (4 * cfg["WGS"]))
         most = 8 if cluster else C
-        split = min(cfg.get("SPLIT") or _balanced_split(row_blocks, C, cfg["MINB"] * sms, most), most)
+        tail = 2 if cluster else max(1, ntok // 8)  # a cluster adds its partial sums in shared memory
+        split = min(cfg.get("SPLIT") or _balanced_split(row_blocks, C, cfg["MINB"] * sms, most, tail), most)
     else:
         row_blocks = -(-S // (cfg["WARPS"] * cfg["SPW"]))
         split = cfg.get("SPLIT") or max(1, min(C, round(cfg["PER_SM"] * sms / row_blocks)))
