@@ -347,22 +347,7 @@ def natural_layout() -> bool:
 MAX_M = int(os.environ.get("MEGATRON_FP4_CUDA_DECODE_MAX_M", "64"))
 _SOURCES = {"mma": "w4_decode.cu", "wgmma": "w4_wgmma.cu"}
 _SYMBOLS = {"mma": "w4_decode_launch", "wgmma": "w4_wgmma_launch"}
-_ARGTYPES = [ctypes.c_void_p] * 4 + [ctypes.c_int] * 9 + [ctypes.c_void_p] * 3  # both launchers
-#: Split-K workspaces of the wgmma kernel per (device index, N): fp32 [64, N] and int32 counters per row tile, zero
-#: between launches (each launch leaves them so). Kernels that share one run in stream order: one stream per device
-#: at a time serves decode GEMMs (the engine's and SGLang's forward; CUDA graph replays included).
-_SPLIT_WS: dict = {}
-
-
-def _split_workspace(device: torch.device, n: int, s: int):
-    """The (workspace, counters) of weights with ``n`` outputs in ``s`` slabs on ``device``; made on first use
-    outside a CUDA graph capture (inside one: None, the zeroed-output path; the engine's eager warm-up comes first)."""
-    key = (device.index, n)
-    ws = _SPLIT_WS.get(key)
-    if ws is None and not torch.cuda.is_current_stream_capturing():
-        ws = _SPLIT_WS[key] = (torch.zeros(64 * n, dtype=torch.float32, device=device),
-                               torch.zeros(-(-s // 4), dtype=torch.int32, device=device))
-    return ws
+_ARGTYPES = [ctypes.c_void_p] * 4 + [ctypes.c_int] * 9 + [ctypes.c_void_p]  # both launchers
 
 
 def available() -> bool:
@@ -494,15 +479,12 @@ def w4_decode(x: torch.Tensor, dw: DecodeWeight, config: Optional[dict] = None,
         split = cfg.get("SPLIT") or max(1, min(C, round(cfg["PER_SM"] * sms / row_blocks)))
     cps = -(-C // split)
     split = -(-C // cps)
-    atomic = split > 1 and not cluster  # partial sums added atomically (into the workspace: the wgmma kernel)
-    ws = _split_workspace(x.device, dw.n, S) if atomic and kernel == "wgmma" else None
-    zeroed = atomic and ws is None  # else into a zeroed fp32 output
-    obf16 = out_dtype == torch.bfloat16 and not zeroed
-    out = (torch.zeros if zeroed else torch.empty)((M, dw.n), dtype=torch.bfloat16 if obf16 else torch.float32,
+    atomic = split > 1 and not cluster  # partial sums added atomically into a zeroed fp32 output
+    obf16 = out_dtype == torch.bfloat16 and not atomic
+    out = (torch.zeros if atomic else torch.empty)((M, dw.n), dtype=torch.bfloat16 if obf16 else torch.float32,
                                                    device=x.device)
-    ws_ptrs = (ws[0].data_ptr(), ws[1].data_ptr()) if ws else (None, None)
     err = fn(dw.codes.data_ptr(), dw.meta.data_ptr(), x.data_ptr(), out.data_ptr(), M, dw.n, S, C, x.stride(0),
-             out.stride(0), split, cps, int(obf16), *ws_ptrs, torch.cuda.current_stream(x.device).cuda_stream)
+             out.stride(0), split, cps, int(obf16), torch.cuda.current_stream(x.device).cuda_stream)
     if err:
         what = (f"a TMA map (CUresult {err - 1000})" if err >= 1000 else
                 "no cuTensorMapEncodeTiled in the driver" if err == 999 else f"cudaError {err}")

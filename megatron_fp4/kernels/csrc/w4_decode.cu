@@ -182,10 +182,8 @@ w4_decode_kernel(const uint4* __restrict__ codes, const uint32_t* __restrict__ m
 }
 
 extern "C" int w4_decode_launch(const void* codes, const void* meta, const void* x, void* out, int M, int N, int S,
-                                int C, int ldx, int ldo, int split, int cps, int obf16, void* ws, void* counters,
-                                void* stream) {
-  // atomic partial sums need fp32; no split-K workspace here (w4_wgmma.cu's)
-  if ((obf16 && split > 1) || ws || counters) return (int)cudaErrorInvalidValue;
+                                int C, int ldx, int ldo, int split, int cps, int obf16, void* stream) {
+  if (obf16 && split > 1) return (int)cudaErrorInvalidValue;  // atomic partial sums need fp32
   dim3 grid((S + WARPS * SPW - 1) / (WARPS * SPW), split);
   w4_decode_kernel<<<grid, WARPS * 32, 0, (cudaStream_t)stream>>>(
       (const uint4*)codes, (const uint32_t*)meta, (const uint16_t*)x, (float*)out, M, N, S, C, ldx, ldo, cps, obf16);

@@ -50,13 +50,9 @@
 // on the stage's mbarrier with its byte count; the wgmmas read B through swizzle-mode descriptors. Nothing is staged
 // through registers. HiF4 then needs two exponent factors per row and step (w4_device.h).
 // The output is fp32, or with obf16 bf16 (the sums rounded to nearest even: torch's .to(bfloat16) of the fp32 result)
-// wherever each output is stored once (no atomic split-K, or split-K through the workspace).
+// wherever each output is stored once (no atomic split-K).
 // Split-K: blockIdx.y takes chunks [y * cps, (y + 1) * cps); with gridDim.y > 1 partial sums are added atomically
-// into a zeroed fp32 output, or, given a workspace (ws: fp32 [M, N] and counters: int32 per row tile, both zero), into
-// ws: each block then counts itself done on its row tile's counter after a fence, and the last one stores the tile's
-// sums into out (fp32 or bf16) and leaves ws and the counter zero again for the next launch (CUDA's threadFence-
-// Reduction pattern: no zero-fill before and no cast after, two kernels fewer per linear); or with -DCLUSTER=1 (WRING)
-// deterministically: the split blocks of a row tile form one
+// into a zeroed fp32 output, or with -DCLUSTER=1 (WRING) deterministically: the split blocks of a row tile form one
 // thread-block cluster (launched as (1, split, 1), split <= 8), each leaves its partial sums in its shared memory (the
 // ring, free by then), and after a cluster barrier each block sums a 1/split share of the tile's outputs over the
 // cluster's blocks in rank order (distributed shared memory) and stores them: no atomics, no zeroed output, the same
@@ -131,7 +127,6 @@ PRODUCER 0 or 1"
 #define RALIGN (NATURAL ? 1024 : 128)
 #define RSTAGE_BYTES ((STAGE_BYTES + SLABS * (512 + META_BYTES) + RALIGN - 1) / RALIGN * RALIGN)
 #define XSTRIDE (WRING ? RSTAGE_BYTES : STAGE_BYTES)  // bytes from one stage's activations to the next's
-static_assert((WRING ? 1 : 1 + XST) + XST <= 15, "named barriers: 1 + 2 stage sets below 15 (the epilogue's)");
 #if CLUSTER
 static_assert(NTOK / 2 * CONSUMERS * 4 <= XST * RSTAGE_BYTES, "CLUSTER: the partial sums must fit the ring");
 #endif
@@ -332,8 +327,7 @@ DINL void store_x(const XRegs& r, uint8_t* stage, int sid) {
 
 extern "C" __global__ void __launch_bounds__(THREADS, MINB)
 w4_wgmma_kernel(const uint4* __restrict__ codes, const uint32_t* __restrict__ meta, const uint4* __restrict__ x,
-                float* __restrict__ out, int M, int N, int S, int C, int ldx16, int ldo, int cps, int obf16,
-                float* __restrict__ ws, int* __restrict__ counters
+                float* __restrict__ out, int M, int N, int S, int C, int ldx16, int ldo, int cps, int obf16
 #if NATURAL
                 , const __grid_constant__ CUtensorMap xmap  // x [M, C * 64] bf16, box 64 x NTOK, 128-byte swizzle
 #endif
@@ -548,47 +542,21 @@ w4_wgmma_kernel(const uint4* __restrict__ codes, const uint32_t* __restrict__ me
     return;
   }
 #endif
-  const bool atomic = gridDim.y > 1, via_ws = atomic && ws;
+  if (!active) return;
+
+  const bool atomic = gridDim.y > 1;
   const int n0 = slab * 16 + g;
-  if (active) {
-    float* const sums = via_ws ? ws : out;
-    const int lds = via_ws ? N : ldo;
 #pragma unroll
-    for (int i = 0; i < NTOK / 8; ++i) {
+  for (int i = 0; i < NTOK / 8; ++i) {
 #pragma unroll
-      for (int r = 0; r < 4; ++r) {
-        const int n = n0 + (r >> 1) * 8, m = 8 * i + 2 * t + (r & 1);
-        if (n < N && m < M) {
-          if (atomic) atomicAdd(sums + (size_t)m * lds + n, acc[4 * i + r]);
-          else store_out(out, (size_t)m * ldo + n, acc[4 * i + r], obf16);
-        }
+    for (int r = 0; r < 4; ++r) {
+      const int n = n0 + (r >> 1) * 8, m = 8 * i + 2 * t + (r & 1);
+      if (n < N && m < M) {
+        if (atomic) atomicAdd(out + (size_t)m * ldo + n, acc[4 * i + r]);
+        else store_out(out, (size_t)m * ldo + n, acc[4 * i + r], obf16);
       }
     }
   }
-  if (!via_ws) return;
-  // split-K through the workspace (see the header): the last block of the row tile stores and re-zeroes its sums
-  __threadfence();  // this thread's partial sums are in ws before the block counts itself done
-  asm volatile("bar.sync 15, %0;" ::"n"(CONSUMERS) : "memory");
-  uint32_t last = threadIdx.x == 0 && atomicAdd(counters + blockIdx.x, 1) == (int)gridDim.y - 1;
-  asm volatile("{\n .reg .pred p, q;\n setp.ne.u32 p, %1, 0;\n bar.red.or.pred q, 15, %2, p;\n"
-               " selp.u32 %0, 1, 0, q;\n}" : "=r"(last) : "r"(last), "n"(CONSUMERS) : "memory");
-  if (!last) return;
-  __threadfence();  // every other block's sums are visible (they fenced before counting)
-  if (active) {
-#pragma unroll
-    for (int i = 0; i < NTOK / 8; ++i) {
-#pragma unroll
-      for (int r = 0; r < 4; ++r) {
-        const int n = n0 + (r >> 1) * 8, m = 8 * i + 2 * t + (r & 1);
-        if (n < N && m < M) {
-          float* const p = ws + (size_t)m * N + n;
-          store_out(out, (size_t)m * ldo + n, __ldcg(p), obf16);
-          __stcg(p, 0.f);
-        }
-      }
-    }
-  }
-  if (threadIdx.x == 0) counters[blockIdx.x] = 0;
 }
 
 #if NATURAL
@@ -640,11 +608,8 @@ static int encode_w_map(CUtensorMap* map, const void* w, int S, int C, int bytes
 #endif
 
 extern "C" int w4_wgmma_launch(const void* codes, const void* meta, const void* x, void* out, int M, int N, int S,
-                               int C, int ldx, int ldo, int split, int cps, int obf16, void* ws, void* counters,
-                               void* stream) {
-  if (!ws != !counters) return (int)cudaErrorInvalidValue;  // a workspace is both or neither
-  // atomic partial sums into out need fp32
-  if (obf16 && split > 1 && !CLUSTER && !ws) return (int)cudaErrorInvalidValue;
+                               int C, int ldx, int ldo, int split, int cps, int obf16, void* stream) {
+  if (obf16 && split > 1 && !CLUSTER) return (int)cudaErrorInvalidValue;  // atomic partial sums need fp32
   dim3 grid((S / 4 + WGS - 1) / WGS, split);
 #if NATURAL
   CUtensorMap xmap;
@@ -684,7 +649,7 @@ extern "C" int w4_wgmma_launch(const void* codes, const void* meta, const void* 
   }
 #endif
   return (int)cudaLaunchKernelEx(&cfg, w4_wgmma_kernel, (const uint4*)codes, (const uint32_t*)meta, (const uint4*)x,
-                                 (float*)out, M, N, S, C, ldx / 8, ldo, cps, obf16, (float*)ws, (int*)counters
+                                 (float*)out, M, N, S, C, ldx / 8, ldo, cps, obf16
 #if NATURAL
                                  , xmap
 #endif
