@@ -16,8 +16,8 @@
 // with the 128-byte swizzle, one per chunk; the default layout, cuda_decode.NATURAL_TILE), -DCLUSTER (1, with WRING:
 // deterministic split-K through a thread-block cluster, see Split-K below), -DWTMA (1, with NATURAL: the producer
 // warp brings the block's weight codes and metadata by two 3-D TMAs per chunk beside the activations' one, so the
-// consumer warps issue no copies). XPAIR, WRING, NATURAL, CLUSTER and WTMA are tile keys: docs/PERFORMANCE.md
-// (sessions 25-27) has what each measured (WTMA: written in session 27, not yet run on a GPU).
+// consumer warps issue no copies; NATURAL_TILE's since session 28). XPAIR, WRING, NATURAL, CLUSTER and WTMA are tile
+// keys: docs/PERFORMANCE.md (sessions 25-28) has what each measured.
 //
 // Each warpgroup owns one 64-row tile of W (four 16-row slabs of the decode layout, one per warp). Per 64-value chunk
 // of K a warp loads its slab's codes (one 16-byte load per lane), dequantizes them exactly into the BF16 A fragment of
