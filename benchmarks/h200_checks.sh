@@ -6,7 +6,8 @@
 #
 #   train-tests   GPU tests of the training quantizers (CUDA and Triton), the kernel backend, graphed training
 #   train-bench   bench_train.py --cuda-graph (BF16, MXFP4 fp8 / fp8_fast, HiF4 at 4 x 2048) and the eager rows
-#   decode-tests  GPU tests of the CUDA decode GEMMs (every tile of tests/test_cuda_decode.py)
+#   decode-tests  GPU tests of the CUDA decode GEMMs (every tile of tests/test_cuda_decode.py), the fused decode-step
+#                 kernels and the engine's static / graph decode path
 #   decode-bench  bench_kernels.py --decode --decode-sweep on the 7B and 1.5B MLP shapes
 #   decode-natural  the natural-K-order decode GEMM (the default layout): its GPU tests (CLUSTER's determinism too),
 #                 then its tiles (WTMA, CLUSTER, forced splits) against the default tile on 7B and 1.5B MLP shapes
@@ -79,7 +80,7 @@ case "$1" in
     ;;
   decode-tests)  # the tests' tiles compiled first, in parallel (on first use each would compile alone)
     prebuild_tests
-    run_tests -m gpu tests/test_cuda_decode.py
+    run_tests -m gpu tests/test_cuda_decode.py tests/test_decode_ops.py tests/test_rollout_static.py
     ;;
   decode-bench)
     python3 benchmarks/bench_kernels.py --decode --decode-sweep --shapes 3584x18944,18944x3584,1536x8960,8960x1536 \

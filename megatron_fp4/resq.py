@@ -499,12 +499,17 @@ def rollout_linear(
     *,
     cache: Optional[QuantizedWeightCache] = None,
     weight_q: Optional[torch.Tensor] = None,
+    as_stored: bool = False,
 ) -> torch.Tensor:
     """Rollout ``x @ W^T + b`` in one of the rollout forms (BF16, W4A16, W16A4, W4A4 [+ ResQ | OCC]).
 
     ``precision`` is a :class:`RolloutPrecision` or a mode string (then ``fmt``/``sparsity`` complete it).
     Quantized forms multiply in fp32 (SPEC: fp32 accumulation) and return ``x.dtype``. The FP4 weight comes from
     ``weight_q`` if given, else from ``cache`` (quantized once per weight version), else is quantized now.
+    ``as_stored``: ``[splits, *x.shape[:-1], n]``, the split-K partial sums of a kernel backend's decode GEMM as it
+    stored them (fp32; no atomics, no zero-fill, no cast kernel), for a reader that adds them in order and rounds to
+    ``x.dtype`` (the engine's fused decode-step kernels); one split (any other path) is the result itself. With a
+    bias the splits are added here (in order, fp32), then the bias: one split.
     """
     if isinstance(precision, str):
         precision = RolloutPrecision(precision, fmt or "hif4", sparsity or "none")
@@ -513,16 +518,23 @@ def rollout_linear(
     if x.shape[-1] != weight.shape[-1]:
         raise ValueError(f"rollout_linear: x has {x.shape[-1]} features but weight is {tuple(weight.shape)}")
     if precision.mode == "bf16":
-        return F.linear(x, weight, bias)
+        y = F.linear(x, weight, bias)
+        return y.unsqueeze(0) if as_stored else y
     backend = _ROLLOUT_BACKENDS.get(x.device.type) if weight_q is None else None
     if backend is not None:
-        y = backend(x.reshape(-1, x.shape[-1]), weight, precision, cache,
-                    out_dtype=torch.float32 if bias is not None else x.dtype)
+        y = backend(x.reshape(-1, x.shape[-1]), weight, precision, cache, out_dtype=None if as_stored else
+                    torch.float32 if bias is not None else x.dtype)
         if y is not NotImplemented:
             ROLLOUT_LINEAR_PATHS["backend"] += 1
+            if as_stored:
+                y = y if y.dim() == 3 else y.unsqueeze(0)  # (the other paths: x.dtype [M, n])
+                if bias is None:
+                    return y.reshape(y.shape[0], *x.shape[:-1], weight.shape[0])
+                y = y[0].float() if y.shape[0] == 1 else y.float().sum(0)  # the splits in order: deterministic
             if bias is not None:
                 y = y + bias.float()
-            return y.to(x.dtype).reshape(*x.shape[:-1], weight.shape[0])
+            y = y.to(x.dtype).reshape(*x.shape[:-1], weight.shape[0])
+            return y.unsqueeze(0) if as_stored else y
     ROLLOUT_LINEAR_PATHS["reference"] += 1
     if precision.quantize_weights:
         if weight_q is None:
@@ -535,4 +547,5 @@ def rollout_linear(
     y = torch.matmul(a.float(), w.float().t())
     if bias is not None:
         y = y + bias.float()
-    return y.to(x.dtype)
+    y = y.to(x.dtype)
+    return y.unsqueeze(0) if as_stored else y

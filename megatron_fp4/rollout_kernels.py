@@ -52,7 +52,7 @@ def register_kernel_backend(device_type: str = "cuda") -> bool:
         return cache.get_prepared(weight, f"kernels:{fmt}", lambda w: dispatch.prepare_weight(w, fmt))
 
     def backend(x2: torch.Tensor, weight: torch.Tensor, precision: RolloutPrecision,
-                cache: Optional[QuantizedWeightCache], out_dtype: torch.dtype = torch.float32):
+                cache: Optional[QuantizedWeightCache], out_dtype: Optional[torch.dtype] = torch.float32):
         plan = _plan(precision, x2.dtype, KERNEL_FORMATS)
         if plan is None or not kernels_usable(x2, weight):
             return NotImplemented

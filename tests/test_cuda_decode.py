@@ -178,7 +178,7 @@ def test_wgmma_tiles_compile_without_spills_or_serialized_wgmmas(tmp_path):
 
 @pytest.mark.skipif(_nvcc.nvcc() is None, reason="needs nvcc (no GPU: a compile for sm_90a)")
 def test_launchers_take_the_bf16_output_flag_and_refuse_it_with_atomic_split_k():
-    """Both launchers' 14 arguments (ctypes) reach the library: a bf16 output with an atomic split-K is refused
+    """Both launchers' 15 arguments (ctypes) reach the library: a bf16 output with an atomic split-K is refused
     before any CUDA call (cudaErrorInvalidValue = 1); any other launch fails here only for want of a GPU."""
     from megatron_fp4.kernels import cuda_decode as cd
 
@@ -186,9 +186,10 @@ def test_launchers_take_the_bf16_output_flag_and_refuse_it_with_atomic_split_k()
                          ("wgmma", dict(cd.NATURAL_TILE, WTMA=0))):
         fn = cd.build(kernel, 1, False, 16, cd._tile(kernel, 1, 16, tile))
         args = [None] * 4 + [16, 64, 4, 2, 64, 64]  # M, N, S, C, ldx, ldo
-        refused = fn(*args, 2, 1, 1, None) == 1  # split 2, cps 1, bf16 output
-        assert refused == (not (tile or {}).get("CLUSTER")), (kernel, tile)
-        assert fn(*args, 1, 2, 1, None) not in (0, 1)  # no GPU here: some other CUDA error, not the refusal
+        for partial in (0, 1):  # (per-split partial sums are fp32 too)
+            refused = fn(*args, 2, 1, 1, partial, None) == 1  # split 2, cps 1, bf16 output
+            assert refused == (not (tile or {}).get("CLUSTER")), (kernel, tile)
+        assert fn(*args, 1, 2, 1, 0, None) not in (0, 1)  # no GPU here: some other CUDA error, not the refusal
 
 
 # ---------------------------------------------------------------------------------------------------------------
@@ -284,6 +285,33 @@ def test_gpu_cluster_split_k_is_deterministic(name):
     assert torch.equal(cd.w4_decode(x, dw, config=dict(CLUSTER=1), out_dtype=torch.bfloat16), runs[0].bfloat16())
     ref = x.double() @ qt.dequantize().double().t()
     assert ((runs[0].double() - ref).norm() / ref.norm()).item() < 1e-5
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("tile", [None, dict(WTMA=0), dict(KERNEL="mma"), dict(CLUSTER=1)])
+def test_gpu_out_dtype_none_stores_each_splits_partial_sums(tile):
+    """out_dtype None: [splits, M, N], each split's fp32 partial sums stored (no atomics, no zero-filled output):
+    their sum in split order is the product, the same bits on every run; one split (SPLIT 1, or a cluster's own
+    reduction) is [1, M, N]."""
+    cd = _cuda_ready()
+    from megatron_fp4.kernels.decode_ops import sum_splits
+
+    N, K = 1000, 4096
+    qt = get_format("mxfp4").quantize((torch.randn(N, K, device="cuda") * 0.05).to(torch.bfloat16), dim=-1)
+    natural = (tile or {}).get("KERNEL") != "mma"
+    dw = to_decode_layout(qt, _wide(qt), natural=natural)
+    for M in (64, 5):
+        x = torch.randn(M, K, device="cuda").to(torch.bfloat16)
+        ref = x.double() @ qt.dequantize().double().t()
+        cfg = dict(tile or {}, SPLIT=4)
+        parts = cd.w4_decode(x, dw, config=cfg, out_dtype=None)
+        want = 1 if (tile or {}).get("CLUSTER") else 4
+        assert parts.shape == (want, M, N) and parts.dtype == torch.float32, (tile, parts.shape)
+        total = sum_splits(parts, torch.float32, 2)
+        assert ((total.double() - ref).norm() / ref.norm()).item() < 1e-5
+        assert all(torch.equal(parts, cd.w4_decode(x, dw, config=cfg, out_dtype=None)) for _ in range(3))
+        one = cd.w4_decode(x, dw, config=dict(tile or {}, SPLIT=1), out_dtype=None)
+        assert one.shape == (1, M, N) and torch.equal(one[0], cd.w4_decode(x, dw, config=dict(tile or {}, SPLIT=1)))
 
 
 @pytest.mark.gpu

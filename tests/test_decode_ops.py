@@ -1,6 +1,7 @@
 """megatron_fp4/kernels/decode_ops.py (the native engine's fused decode-step kernels) against their PyTorch twins, in
 Triton's CPU interpreter (fp32 and fp16: the interpreter rounds fp32 to bf16 by truncation) or on a GPU (bf16 too)."""
 
+import functools
 import os
 
 import pytest
@@ -77,3 +78,28 @@ def test_swiglu_matches_torch(dtype):
     g = torch.Generator().manual_seed(2)
     a = (torch.randn(3, 2 * 1500, generator=g) * 4).to(dtype).to(DEV)  # F = 1500: two column blocks, a ragged one
     torch.testing.assert_close(decode_ops.swiglu(a), decode_ops.swiglu_reference(a), **_tol(dtype))
+
+
+@pytest.mark.parametrize("dtype", [d for d in DTYPES if d != torch.float32])
+@pytest.mark.parametrize("splits", [1, 3])
+def test_split_partial_sums_read_as_the_rounded_sum(dtype, splits):
+    """A decode GEMM's output as stored, [splits, B, N] fp32 partial sums, goes straight to the fused kernels (no
+    zero-fill, no cast kernel): they add the splits in order and round to the model's dtype as they read, so the
+    results are those of the rounded sum (sum_splits, the twins' reading)."""
+    g = torch.Generator().manual_seed(3)
+    x = (torch.randn(5, 96, generator=g) * 3).to(dtype).to(DEV)
+    parts = torch.randn(splits, 5, 96, generator=g).to(DEV)
+    delta = decode_ops.sum_splits(parts, dtype, 2)
+    assert torch.equal(delta, functools.reduce(torch.add, parts.unbind(0)).to(dtype))
+    norm = torch.nn.RMSNorm(96, eps=1e-6).to(DEV)
+    y, s = decode_ops.add_rms_norm(x, parts, norm)
+    y_sum, s_sum = decode_ops.add_rms_norm(x, delta, norm)
+    assert s.dtype == dtype and torch.equal(s, s_sum) and torch.equal(y, y_sum)
+    assert torch.equal(decode_ops.add_rms_norm_reference(x, parts, norm)[1], s_sum)
+    a_parts = (torch.randn(splits, 3, 2 * 1500, generator=g) * 4).to(DEV)
+    out = decode_ops.swiglu(a_parts, dtype, splits=True)
+    a = decode_ops.sum_splits(a_parts, dtype, 2)
+    assert out.dtype == dtype and torch.equal(out, decode_ops.swiglu(a))
+    assert torch.equal(decode_ops.swiglu_reference(a_parts, dtype, splits=True), decode_ops.swiglu_reference(a))
+    # without splits a 3-D input is a batch of rows (the prefill's [b, L, 2F]): the twin serves it
+    assert torch.equal(decode_ops.swiglu(a_parts), decode_ops.swiglu_reference(a_parts))

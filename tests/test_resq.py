@@ -446,3 +446,36 @@ def test_rollout_backend_registry():
     finally:
         register_rollout_backend("cpu", None)
     assert rollout_backend_for("cpu") is None
+
+
+def test_rollout_linear_as_stored_returns_the_backends_split_sums():
+    """as_stored: the backend is asked for its sums as stored (out_dtype None) and they come back with a split
+    dimension first, uncast (a 2-D result gets one split); with a bias the splits are added in order, then the bias,
+    rounded once; the reference path and BF16 give one split of their usual result."""
+    from megatron_fp4.resq import register_rollout_backend
+
+    asked = []
+    g = torch.Generator().manual_seed(0)
+    parts = torch.randn(3, 12, 32, generator=g)
+
+    def backend(x2, weight, precision, cache, out_dtype):
+        asked.append(out_dtype)
+        return parts if out_dtype is None else parts.sum(0).to(out_dtype)
+
+    x = torch.randn(3, 4, 64, generator=g).bfloat16()
+    w = torch.randn(32, 64, generator=g).bfloat16()
+    b = torch.randn(32, generator=g).bfloat16()
+    p = RolloutPrecision("w4a16", "hif4")
+    register_rollout_backend("cpu", backend)
+    try:
+        y = rollout_linear(x, w, None, p, as_stored=True)
+        assert asked[-1] is None and y.dtype == torch.float32 and torch.equal(y, parts.view(3, 3, 4, 32))
+        assert rollout_linear(x, w, None, p).dtype == torch.bfloat16 and asked[-1] == torch.bfloat16
+        yb = rollout_linear(x, w, b, p, as_stored=True)
+        assert asked[-1] is None and yb.shape == (1, 3, 4, 32) and yb.dtype == torch.bfloat16
+        assert torch.equal(yb[0], (parts.sum(0) + b.float()).bfloat16().view(3, 4, 32))
+    finally:
+        register_rollout_backend("cpu", None)
+    for prec in (p, RolloutPrecision("bf16")):
+        ref = rollout_linear(x, w, b, prec)
+        assert torch.equal(rollout_linear(x, w, b, prec, as_stored=True), ref.unsqueeze(0))

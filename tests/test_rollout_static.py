@@ -88,6 +88,39 @@ def test_fused_decode_kernels_equal_the_unfused_steps(model, prompts, precision,
     assert _maxdiff([s.logprobs for s in got], [s.logprobs for s in want]) < 1e-4
 
 
+def test_fused_steps_take_split_partial_sums(model, prompts, monkeypatch):
+    """The fused decode steps ask the rollout linears for their output as stored (rollout_linear as_stored): with a
+    backend that stores split-K partial sums (three here, along K), qkv (with its bias), proj, fc1 and fc2 reach the
+    fused kernels as [splits, B, n] and the tokens and logprobs are those of the same backend's summed outputs."""
+    from megatron_fp4.resq import register_rollout_backend
+
+    asked = []
+
+    def split_backend(x2, weight, precision, cache, out_dtype):
+        asked.append(out_dtype)
+        k = x2.shape[-1]
+        cuts = [0, k // 3, 2 * k // 3, k]
+        parts = torch.stack([x2[:, a:b].float() @ weight[:, a:b].float().t() for a, b in zip(cuts, cuts[1:])])
+        if out_dtype is None and x2.shape[0] <= 64:
+            return parts
+        return (parts[0] + parts[1] + parts[2]).to(out_dtype or x2.dtype)
+
+    precision = RolloutPrecision("w4a16", "hif4")
+    params = SamplingParams(temperature=0.0, max_new_tokens=8, stop_token_ids=(7,))
+    register_rollout_backend("cpu", split_backend)
+    try:
+        want = NativeRolloutEngine(model, precision, decode="static", max_batch_size=3).generate(prompts, params)
+        assert None not in asked
+        monkeypatch.setenv("MEGATRON_FP4_DECODE_FUSED", "1")
+        eng = NativeRolloutEngine(model, precision, decode="static", max_batch_size=3)
+        got = eng.generate(prompts, params)
+    finally:
+        register_rollout_backend("cpu", None)
+    assert eng.last_generate_stats["path"] == "static+fused" and None in asked
+    assert [s.token_ids for s in got] == [s.token_ids for s in want]
+    assert _maxdiff([s.logprobs for s in got], [s.logprobs for s in want]) < 1e-4
+
+
 def test_static_sampling_stops_limits_and_seeds(model, prompts):
     eng = NativeRolloutEngine(model, RolloutPrecision("w4a4", "mxfp4"), decode="static", max_batch_size=2,
                               graph_chunk=3)
@@ -127,6 +160,35 @@ def test_graph_sample_inverts_the_cdf():
     # top-k keeps the most likely token only: every uniform picks it
     tok, _ = graph_sample(logits, torch.rand(2), SamplingParams(top_k=1))
     assert tok.tolist() == [2, 0]
+
+
+@pytest.mark.parametrize("vocab", [4096, 1000, 49152, 37])
+def test_two_level_cdf_inversion_matches_the_full_scan(vocab):
+    """_invert_cdf (block sums, then a scan inside one block) picks the token the full cumulative sum picks, wherever
+    the rounding of the two sums cannot tell them apart, and never a zero-probability token (padded vocabularies
+    and empty blocks included)."""
+    from megatron_fp4.rollout.static_decode import _invert_cdf
+
+    g = torch.Generator().manual_seed(vocab)
+    probs = torch.softmax(torch.randn(64, vocab, generator=g) * 3, -1)
+    probs[:, ::3] = 0  # zero-probability tokens, and whole empty blocks
+    probs[:, : min(vocab // 2, 700)] = 0
+    probs[:, -1] = 0
+    u = torch.rand(64, generator=g)
+    u[:4] = torch.tensor([0.0, 1 - 1e-7, 0.5, 1e-7])
+    tok = _invert_cdf(probs, u)
+    cdf = probs.double().cumsum(-1)
+    want = torch.searchsorted(cdf, ((1 - u.double()) * cdf[:, -1]).unsqueeze(-1)).squeeze(-1)
+    assert (probs.gather(1, tok.unsqueeze(1)) > 0).all()
+    near = (cdf.gather(1, want.unsqueeze(1)) - (1 - u.double().unsqueeze(1)) * cdf[:, -1:]).abs().squeeze(1) < 1e-6
+    assert torch.equal(tok[~near], want[~near]) and (~near).sum() >= 60
+    # and its frequencies are the distribution's (one row, 20k draws, within 5 sigma per likely token)
+    p = torch.softmax(torch.randn(vocab, generator=g), -1)
+    n = 20000
+    counts = torch.bincount(_invert_cdf(p.expand(n, vocab), torch.rand(n, generator=g)), minlength=vocab).double()
+    sigma = (n * p.double() * (1 - p.double())).sqrt()
+    likely = p > 0.01
+    assert ((counts - n * p.double()).abs()[likely] <= 5 * sigma[likely] + 1).all()
 
 
 def test_path_selection_and_argument_checks(model, prompts):

@@ -347,7 +347,7 @@ def natural_layout() -> bool:
 MAX_M = int(os.environ.get("MEGATRON_FP4_CUDA_DECODE_MAX_M", "64"))
 _SOURCES = {"mma": "w4_decode.cu", "wgmma": "w4_wgmma.cu"}
 _SYMBOLS = {"mma": "w4_decode_launch", "wgmma": "w4_wgmma_launch"}
-_ARGTYPES = [ctypes.c_void_p] * 4 + [ctypes.c_int] * 9 + [ctypes.c_void_p]  # both launchers
+_ARGTYPES = [ctypes.c_void_p] * 4 + [ctypes.c_int] * 10 + [ctypes.c_void_p]  # both launchers
 
 
 def available() -> bool:
@@ -439,11 +439,14 @@ def _ntok(M: int) -> int:
 
 
 def w4_decode(x: torch.Tensor, dw: DecodeWeight, config: Optional[dict] = None,
-              out_dtype: torch.dtype = torch.float32) -> torch.Tensor:
+              out_dtype: Optional[torch.dtype] = torch.float32) -> torch.Tensor:
     """``x [M, K] . deq(W)^T`` for BF16 ``x`` (M <= 64) and a :class:`DecodeWeight` (CUDA, sm_90), accumulated in
     fp32, returned as ``out_dtype`` (bfloat16: the fp32 sums rounded to nearest even, stored so by the kernel itself
-    where each output is stored once; otherwise cast from fp32). ``config``: a tile override (``KERNEL`` "wgmma" | "mma"
-    and that kernel's tile keys, SPLIT to force split-K)."""
+    where each output is stored once; otherwise cast from fp32). ``out_dtype`` None: the fp32 sums as the kernel
+    stores them, ``[splits, M, N]``, each split's partial sums after a split-K (no atomics, no zero-filled output, no
+    cast kernel; the reader adds them in order, so the result is deterministic: the fused decode-step kernels of
+    :mod:`megatron_fp4.kernels.decode_ops`). ``config``: a tile override (``KERNEL`` "wgmma" | "mma" and that kernel's
+    tile keys, SPLIT to force split-K)."""
     M = x.shape[0]
     if not 0 < M <= 64:
         raise ValueError(f"w4_decode is the decode kernel (0 < M <= 64), got M={M}")
@@ -479,16 +482,24 @@ def w4_decode(x: torch.Tensor, dw: DecodeWeight, config: Optional[dict] = None,
         split = cfg.get("SPLIT") or max(1, min(C, round(cfg["PER_SM"] * sms / row_blocks)))
     cps = -(-C // split)
     split = -(-C // cps)
-    atomic = split > 1 and not cluster  # partial sums added atomically into a zeroed fp32 output
+    atomic = split > 1 and not cluster  # partial sums added atomically into a zeroed fp32 output...
+    as_stored = out_dtype is None  # ... or stored per split, [split, M, N], for the reader to sum
+    if as_stored:
+        out_dtype = torch.float32
     obf16 = out_dtype == torch.bfloat16 and not atomic
-    out = (torch.zeros if atomic else torch.empty)((M, dw.n), dtype=torch.bfloat16 if obf16 else torch.float32,
-                                                   device=x.device)
+    zeroed = atomic and not as_stored
+    out = (torch.zeros if zeroed else torch.empty)((split, M, dw.n) if as_stored and atomic else (M, dw.n),
+                                                   dtype=torch.bfloat16 if obf16 else torch.float32, device=x.device)
     err = fn(dw.codes.data_ptr(), dw.meta.data_ptr(), x.data_ptr(), out.data_ptr(), M, dw.n, S, C, x.stride(0),
-             out.stride(0), split, cps, int(obf16), torch.cuda.current_stream(x.device).cuda_stream)
+             out.stride(-2), split, cps, int(obf16), int(as_stored and atomic),
+             torch.cuda.current_stream(x.device).cuda_stream)
     if err:
         what = (f"a TMA map (CUresult {err - 1000})" if err >= 1000 else
                 "no cuTensorMapEncodeTiled in the driver" if err == 999 else f"cudaError {err}")
         raise RuntimeError(f"w4_decode launch failed ({what})")
     if dw.nan_rows is not None:
-        out.index_fill_(1, dw.nan_rows, float("nan"))
+        out.index_fill_(-1, dw.nan_rows, float("nan"))
+    if as_stored:
+        return out if out.dim() == 3 else out.unsqueeze(0)
     return out.to(out_dtype)
+

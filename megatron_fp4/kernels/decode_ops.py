@@ -11,6 +11,11 @@ Each has its PyTorch twin (``*_reference``: what the static decode path computes
 to the rounding of one fused computation (fp32 inside, one rounding to the output dtype where torch rounds after
 every op: tests/test_decode_ops.py). CUDA, or Triton's CPU interpreter (fp32/fp16 in the tests; the interpreter
 rounds fp32 to bf16 by truncation).
+
+``delta`` and ``a`` may also be a decode GEMM's output as stored, ``[splits, B, N]`` fp32 partial sums
+(:func:`megatron_fp4.kernels.cuda_decode.w4_decode` with ``out_dtype`` None): they are added in split order in fp32
+and rounded to the model's dtype as they are read, as the GEMM's own bf16 output would be (deterministic: no
+atomics), so the step needs no zero-fill or cast kernel per linear.
 """
 
 from __future__ import annotations
@@ -23,15 +28,26 @@ import torch.nn.functional as F
 from megatron_fp4.kernels._common import HAS_TRITON, kernels_usable, tl, triton
 
 __all__ = ["add_rms_norm", "add_rms_norm_reference", "rope_reference", "rope_kv_write", "rope_kv_write_reference",
-           "swiglu", "swiglu_reference"]
+           "sum_splits", "swiglu", "swiglu_reference"]
 
 
 # ----------------------------------------------------------------------------------------------------------------
 # PyTorch twins: the ops the static decode path runs without the kernels
 # ----------------------------------------------------------------------------------------------------------------
+def sum_splits(t: torch.Tensor, dtype: torch.dtype, dims: int) -> torch.Tensor:
+    """``t`` with ``dims`` dimensions, or ``[splits, ...]`` of them (split-K partial sums): added in split order in fp32
+    (as the kernels here read them) and rounded to ``dtype``."""
+    if t.dim() == dims or t.shape[0] == 1:
+        return (t if t.dim() == dims else t[0]).to(dtype)
+    acc = t[0].float()
+    for part in t[1:]:
+        acc = acc + part.float()
+    return acc.to(dtype)
+
+
 def add_rms_norm_reference(x: torch.Tensor, delta: Optional[torch.Tensor], norm: torch.nn.Module
                            ) -> tuple[torch.Tensor, torch.Tensor]:
-    s = x if delta is None else x + delta
+    s = x if delta is None else x + sum_splits(delta, x.dtype, x.dim())
     return norm(s), s
 
 
@@ -53,8 +69,10 @@ def rope_kv_write_reference(qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Ten
     return q
 
 
-def swiglu_reference(a: torch.Tensor) -> torch.Tensor:
-    a0, a1 = torch.chunk(a, 2, dim=-1)
+def swiglu_reference(a: torch.Tensor, out_dtype: Optional[torch.dtype] = None, splits: bool = False
+                     ) -> torch.Tensor:
+    """``a [..., 2F]`` (``splits``: ``[splits, ..., 2F]`` partial sums, added first)."""
+    a0, a1 = torch.chunk(sum_splits(a, out_dtype or a.dtype, a.dim() - splits), 2, dim=-1)
     return F.silu(a0) * a1
 
 
@@ -65,15 +83,19 @@ if HAS_TRITON:
 
     @triton.jit
     def _add_rms_norm_kernel(x_ptr, d_ptr, w_ptr, y_ptr, s_ptr, N, eps, stride_x, stride_d, stride_y, stride_s,
-                             HAS_DELTA: tl.constexpr, BLOCK: tl.constexpr):
-        """One row: s = x + d rounded to x's dtype (stored), r = rsqrt(mean(s^2) + eps), y = s * r * w in fp32
-        rounded once to y's dtype (torch.nn.RMSNorm's computation)."""
+                             splits, stride_split, HAS_DELTA: tl.constexpr, BLOCK: tl.constexpr):
+        """One row: s = x + d rounded to x's dtype (stored; d = the splits' partial sums added in order in fp32,
+        then rounded to x's dtype: read as the GEMM's own rounded output), r = rsqrt(mean(s^2) + eps),
+        y = s * r * w in fp32 rounded once to y's dtype (torch.nn.RMSNorm's computation)."""
         row = tl.program_id(0)
         cols = tl.arange(0, BLOCK)
         m = cols < N
         x = tl.load(x_ptr + row * stride_x + cols, mask=m, other=0.0)
         if HAS_DELTA:
-            d = tl.load(d_ptr + row * stride_d + cols, mask=m, other=0.0)
+            d = tl.load(d_ptr + row * stride_d + cols, mask=m, other=0.0).to(tl.float32)
+            for k in range(1, splits):
+                d += tl.load(d_ptr + k * stride_split + row * stride_d + cols, mask=m, other=0.0).to(tl.float32)
+            d = d.to(x_ptr.dtype.element_ty)
             x = (x.to(tl.float32) + d.to(tl.float32)).to(x_ptr.dtype.element_ty)
             tl.store(s_ptr + row * stride_s + cols, x, mask=m)
         xf = x.to(tl.float32)
@@ -116,14 +138,21 @@ if HAS_TRITON:
         tl.store(vc_ptr + kbase + H, t2.to(vc_ptr.dtype.element_ty), mask=vm)
 
     @triton.jit
-    def _swiglu_kernel(a_ptr, y_ptr, F_, stride_a, stride_y, BLOCK: tl.constexpr):
-        """silu(a0) rounded to a's dtype (as F.silu), times a1, rounded once more (as torch's multiply)."""
+    def _swiglu_kernel(a_ptr, y_ptr, F_, stride_a, stride_y, splits, stride_split, BLOCK: tl.constexpr):
+        """a (its splits' partial sums added in order in fp32) rounded to y's dtype, silu(a0) rounded to it (as
+        F.silu), times a1, rounded once more (as torch's multiply)."""
         row = tl.program_id(0)
         cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
         m = cols < F_
+        dt = y_ptr.dtype.element_ty
         a0 = tl.load(a_ptr + row * stride_a + cols, mask=m, other=0.0).to(tl.float32)
         a1 = tl.load(a_ptr + row * stride_a + F_ + cols, mask=m, other=0.0).to(tl.float32)
-        s = (a0 / (1.0 + tl.exp(-a0))).to(a_ptr.dtype.element_ty).to(tl.float32)
+        for k in range(1, splits):
+            a0 += tl.load(a_ptr + k * stride_split + row * stride_a + cols, mask=m, other=0.0).to(tl.float32)
+            a1 += tl.load(a_ptr + k * stride_split + row * stride_a + F_ + cols, mask=m, other=0.0).to(tl.float32)
+        a0 = a0.to(dt).to(tl.float32)
+        a1 = a1.to(dt).to(tl.float32)
+        s = (a0 / (1.0 + tl.exp(-a0))).to(dt).to(tl.float32)
         tl.store(y_ptr + row * stride_y + cols, (s * a1).to(y_ptr.dtype.element_ty), mask=m)
 
 
@@ -142,18 +171,21 @@ def _rms_params(norm: torch.nn.Module, x: torch.Tensor) -> Optional[tuple[torch.
 
 def add_rms_norm(x: torch.Tensor, delta: Optional[torch.Tensor], norm: torch.nn.Module
                  ) -> tuple[torch.Tensor, torch.Tensor]:
-    """(``norm(x + delta)``, ``x + delta``) for ``x, delta [B, N]`` (``delta`` None: no add): one kernel for a
-    torch RMSNorm (output in x's dtype, as torch's), the twin otherwise."""
+    """(``norm(x + delta)``, ``x + delta``) for ``x, delta [B, N]`` (``delta`` None: no add; or ``[splits, B, N]``
+    partial sums, see the module doc): one kernel for a torch RMSNorm (output in x's dtype, as torch's), the twin
+    otherwise."""
     p = _rms_params(norm, x)
-    if p is None or not kernels_usable(x) or (delta is not None and (delta.shape != x.shape or delta.stride(-1) != 1)):
+    if p is None or not kernels_usable(x) or (delta is not None and (delta.shape[-2:] != x.shape or delta.dim() > 3
+                                                                     or delta.stride(-1) != 1)):
         return add_rms_norm_reference(x, delta, norm)
     w, eps = p
     B, N = x.shape
     y = torch.empty((B, N), dtype=x.dtype, device=x.device)
     s = torch.empty_like(x) if delta is not None else x
     d = delta if delta is not None else x
-    _add_rms_norm_kernel[(B,)](x, d, w, y, s, N, eps, x.stride(0), d.stride(0), y.stride(0), s.stride(0),
-                               HAS_DELTA=delta is not None, BLOCK=triton.next_power_of_2(N))
+    splits, stride_split = (d.shape[0], d.stride(0)) if d.dim() == 3 else (1, 0)
+    _add_rms_norm_kernel[(B,)](x, d, w, y, s, N, eps, x.stride(0), d.stride(-2), y.stride(0), s.stride(0), splits,
+                               stride_split, HAS_DELTA=delta is not None, BLOCK=triton.next_power_of_2(N))
     return y, s
 
 
@@ -174,13 +206,16 @@ def rope_kv_write(qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, k_cac
     return q
 
 
-def swiglu(a: torch.Tensor) -> torch.Tensor:
-    """:func:`swiglu_reference` for ``a [B, 2F]`` in one kernel."""
-    if not kernels_usable(a) or a.dim() != 2 or a.shape[1] % 2 or a.stride(-1) != 1:
-        return swiglu_reference(a)
-    B, F2 = a.shape
+def swiglu(a: torch.Tensor, out_dtype: Optional[torch.dtype] = None, splits: bool = False) -> torch.Tensor:
+    """:func:`swiglu_reference` for ``a [B, 2F]`` (``splits``: ``[splits, B, 2F]`` partial sums, see the module doc)
+    in one kernel (``out_dtype``: a's by default; an fp32 ``a`` is read as its cast to ``out_dtype``)."""
+    if not kernels_usable(a) or a.dim() != 2 + splits or a.shape[-1] % 2 or a.stride(-1) != 1:
+        return swiglu_reference(a, out_dtype, splits)
+    B, F2 = a.shape[-2:]
     F_ = F2 // 2
-    y = torch.empty((B, F_), dtype=a.dtype, device=a.device)
+    y = torch.empty((B, F_), dtype=out_dtype or a.dtype, device=a.device)
     BLOCK = min(1024, triton.next_power_of_2(F_))
-    _swiglu_kernel[(B, triton.cdiv(F_, BLOCK))](a, y, F_, a.stride(0), y.stride(0), BLOCK=BLOCK)
+    n_splits, stride_split = (a.shape[0], a.stride(0)) if splits else (1, 0)
+    _swiglu_kernel[(B, triton.cdiv(F_, BLOCK))](a, y, F_, a.stride(-2), y.stride(0), n_splits, stride_split,
+                                                BLOCK=BLOCK)
     return y

@@ -134,10 +134,12 @@ def _decode_layout(q: QuantizedTensor, wide: bool):
     return None
 
 
-def decode_matmul(a: torch.Tensor, w: PreparedWeight, out_dtype: torch.dtype = torch.float32) -> torch.Tensor:
+def decode_matmul(a: torch.Tensor, w: PreparedWeight, out_dtype: Optional[torch.dtype] = torch.float32
+                  ) -> torch.Tensor:
     """``a [M, K_pad] . deq(W)^T`` for BF16 ``a`` (M <= 64), fp32 sums as ``out_dtype``: the CUDA decode kernel where
     the weight has its layout (which stores bf16 itself where it can), else the Triton one
-    (:func:`megatron_fp4.kernels.decode_gemm.w4_matmul`)."""
+    (:func:`megatron_fp4.kernels.decode_gemm.w4_matmul`). ``out_dtype`` None: the fp32 sums as the kernel stores
+    them, ``[splits, M, N]`` (:func:`megatron_fp4.kernels.cuda_decode.w4_decode`; the Triton kernel's ``[1, M, N]``)."""
     from megatron_fp4.kernels import cuda_decode
     from megatron_fp4.kernels.decode_gemm import w4_matmul
 
@@ -150,7 +152,8 @@ def decode_matmul(a: torch.Tensor, w: PreparedWeight, out_dtype: torch.dtype = t
                                  f"weight's padded K is {w.packed.codes.shape[-1] * 2}")
     if w.decode is not None and a.is_cuda and a.shape[0] <= cuda_decode.MAX_M and cuda_decode.available():
         return cuda_decode.w4_decode(a, w.decode, out_dtype=out_dtype)
-    return w4_matmul(a, w.packed, wide=w.wide).to(out_dtype)
+    out = w4_matmul(a, w.packed, wide=w.wide)
+    return out.unsqueeze(0) if out_dtype is None else out.to(out_dtype)
 
 
 #: Token counts up to which :func:`linear` runs a decode kernel (packed weights read once, dequantized in registers):
@@ -174,12 +177,14 @@ def decode_kernel_max_m(w: PreparedWeight) -> int:
 
 
 def linear(x: torch.Tensor, w: PreparedWeight, resq: str = "none", activations: str = "fp4",
-           out_dtype: torch.dtype = torch.float32, resq_combine: str = "exact") -> torch.Tensor:
+           out_dtype: Optional[torch.dtype] = torch.float32, resq_combine: str = "exact") -> torch.Tensor:
     """Rollout GEMM ``x [M, K] -> [M, n]`` against a prepared FP4 weight.
 
     ``activations``: "fp4" (W4A4) or "bf16" (W4A16: x used as is, rounded to bf16); ``resq``: "none" or "2:4";
     ``resq_combine`` (2:4 only): "exact" (the residual product added exactly) or "bf16" (one GEMM on
-    bf16(Q(x) + S(Q(r))), as ``megatron_fp4.resq.RolloutPrecision.resq_combine``).
+    bf16(Q(x) + S(Q(r))), as ``megatron_fp4.resq.RolloutPrecision.resq_combine``). ``out_dtype`` None: the decode
+    kernels' fp32 split sums as they store them, ``[splits, M, n]`` (:func:`decode_matmul`), x's dtype ``[M, n]``
+    elsewhere.
     """
     from megatron_fp4.kernels.gemm import mm_expanded
     from megatron_fp4.kernels.quantize import quantize
@@ -200,6 +205,7 @@ def linear(x: torch.Tensor, w: PreparedWeight, resq: str = "none", activations: 
     if x.shape[1] != w.packed.shape[1]:
         raise InvalidTensorError(f"megatron_fp4.kernels.dispatch.linear: x has {x.shape[1]} features but the weight is "
                                  f"{tuple(w.packed.shape)}")
+    dec_dtype, out_dtype = out_dtype, out_dtype or x.dtype  # (the decode kernels' own, and every other path's)
     K = x.shape[-1]
     kp = w.packed.codes.shape[-1] * 2
     if not kernels_usable(x) or w.fmt.name not in KERNEL_FORMATS:
@@ -210,7 +216,7 @@ def linear(x: torch.Tensor, w: PreparedWeight, resq: str = "none", activations: 
         if kp != K:
             xb = torch.nn.functional.pad(xb, (0, kp - K))
         if x.shape[0] <= max_m:
-            return decode_matmul(xb, w, out_dtype)
+            return decode_matmul(xb, w, dec_dtype)
         from megatron_fp4.kernels.quantize import Expanded
 
         return mm_expanded(Expanded(xb), w.bf16_expanded(), out_dtype=out_dtype)
@@ -221,12 +227,12 @@ def linear(x: torch.Tensor, w: PreparedWeight, resq: str = "none", activations: 
 
             a = resq_quantize(x, w.fmt, expand="sum")[2]
             if x.shape[0] <= max_m:
-                return decode_matmul(a.values, w, out_dtype)
+                return decode_matmul(a.values, w, dec_dtype)
             return mm_expanded(a, w.bf16_expanded(), out_dtype=out_dtype)
         return resq_matmul(x, w.packed, w.bf16_expanded() if sum_prefill else w.expanded, out_dtype=out_dtype,
                            promote=PROMOTE[w.mode], wide=w.wide, combine=resq_combine)
     if x.shape[0] <= max_m:
-        return decode_matmul(quantize(x, w.fmt, expand="bf16", packed=False)[1].values, w, out_dtype)
+        return decode_matmul(quantize(x, w.fmt, expand="bf16", packed=False)[1].values, w, dec_dtype)
     ex = quantize(x, w.fmt, expand="bf16" if w.expanded.values.dtype == torch.bfloat16 else "native", packed=False)[1]
     return mm_expanded(ex, w.expanded, out_dtype=out_dtype, promote=PROMOTE[w.mode])
 

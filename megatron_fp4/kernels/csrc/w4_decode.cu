@@ -70,7 +70,8 @@ DINL void stage_x(uint16_t* tile, const uint16_t* __restrict__ x, int M, int ldx
 
 extern "C" __global__ void __launch_bounds__(WARPS * 32)
 w4_decode_kernel(const uint4* __restrict__ codes, const uint32_t* __restrict__ meta, const uint16_t* __restrict__ x,
-                 float* __restrict__ out, int M, int N, int S, int C, int ldx, int ldo, int cps, int obf16) {
+                 float* __restrict__ out, int M, int N, int S, int C, int ldx, int ldo, int cps, int obf16,
+                 int partial) {
   __shared__ __align__(16) uint16_t xs[XST][MT * XS];
   const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
   const int g = lane >> 2, t = lane & 3;
@@ -162,7 +163,8 @@ w4_decode_kernel(const uint4* __restrict__ codes, const uint32_t* __restrict__ m
   cp_wait<0>();
   if (!active) return;
 
-  const bool atomic = gridDim.y > 1;
+  const bool atomic = gridDim.y > 1 && !partial;
+  if (partial) out += (size_t)blockIdx.y * M * ldo;  // this split's own [M, ldo] partial sums, stored (w4_wgmma.cu)
 #pragma unroll
   for (int j = 0; j < SPW; ++j) {
     const int n0 = (slab0 + j) * 16 + g;
@@ -182,10 +184,12 @@ w4_decode_kernel(const uint4* __restrict__ codes, const uint32_t* __restrict__ m
 }
 
 extern "C" int w4_decode_launch(const void* codes, const void* meta, const void* x, void* out, int M, int N, int S,
-                                int C, int ldx, int ldo, int split, int cps, int obf16, void* stream) {
-  if (obf16 && split > 1) return (int)cudaErrorInvalidValue;  // atomic partial sums need fp32
+                                int C, int ldx, int ldo, int split, int cps, int obf16, int partial,
+                                void* stream) {
+  if (obf16 && split > 1) return (int)cudaErrorInvalidValue;  // partial sums need fp32
   dim3 grid((S + WARPS * SPW - 1) / (WARPS * SPW), split);
   w4_decode_kernel<<<grid, WARPS * 32, 0, (cudaStream_t)stream>>>(
-      (const uint4*)codes, (const uint32_t*)meta, (const uint16_t*)x, (float*)out, M, N, S, C, ldx, ldo, cps, obf16);
+      (const uint4*)codes, (const uint32_t*)meta, (const uint16_t*)x, (float*)out, M, N, S, C, ldx, ldo, cps, obf16,
+      partial);
   return (int)cudaGetLastError();
 }

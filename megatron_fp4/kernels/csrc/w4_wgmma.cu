@@ -52,7 +52,10 @@
 // The output is fp32, or with obf16 bf16 (the sums rounded to nearest even: torch's .to(bfloat16) of the fp32 result)
 // wherever each output is stored once (no atomic split-K).
 // Split-K: blockIdx.y takes chunks [y * cps, (y + 1) * cps); with gridDim.y > 1 partial sums are added atomically
-// into a zeroed fp32 output, or with -DCLUSTER=1 (WRING) deterministically: the split blocks of a row tile form one
+// into a zeroed fp32 output; or, with partial (a launch argument), each split stores its own partial sums into
+// out[y] of an fp32 [gridDim.y, M, ldo] output (no atomics, no zeroed output: the reader sums the splits in order,
+// e.g. the engine's fused residual-add + RMSNorm and SwiGLU kernels; deterministic); or with -DCLUSTER=1 (WRING)
+// deterministically: the split blocks of a row tile form one
 // thread-block cluster (launched as (1, split, 1), split <= 8), each leaves its partial sums in its shared memory (the
 // ring, free by then), and after a cluster barrier each block sums a 1/split share of the tile's outputs over the
 // cluster's blocks in rank order (distributed shared memory) and stores them: no atomics, no zeroed output, the same
@@ -327,7 +330,8 @@ DINL void store_x(const XRegs& r, uint8_t* stage, int sid) {
 
 extern "C" __global__ void __launch_bounds__(THREADS, MINB)
 w4_wgmma_kernel(const uint4* __restrict__ codes, const uint32_t* __restrict__ meta, const uint4* __restrict__ x,
-                float* __restrict__ out, int M, int N, int S, int C, int ldx16, int ldo, int cps, int obf16
+                float* __restrict__ out, int M, int N, int S, int C, int ldx16, int ldo, int cps, int obf16,
+                int partial
 #if NATURAL
                 , const __grid_constant__ CUtensorMap xmap  // x [M, C * 64] bf16, box 64 x NTOK, 128-byte swizzle
 #endif
@@ -544,7 +548,8 @@ w4_wgmma_kernel(const uint4* __restrict__ codes, const uint32_t* __restrict__ me
 #endif
   if (!active) return;
 
-  const bool atomic = gridDim.y > 1;
+  const bool atomic = gridDim.y > 1 && !partial;
+  if (partial) out += (size_t)blockIdx.y * M * ldo;  // this split's own [M, ldo] partial sums, stored
   const int n0 = slab * 16 + g;
 #pragma unroll
   for (int i = 0; i < NTOK / 8; ++i) {
@@ -608,8 +613,8 @@ static int encode_w_map(CUtensorMap* map, const void* w, int S, int C, int bytes
 #endif
 
 extern "C" int w4_wgmma_launch(const void* codes, const void* meta, const void* x, void* out, int M, int N, int S,
-                               int C, int ldx, int ldo, int split, int cps, int obf16, void* stream) {
-  if (obf16 && split > 1 && !CLUSTER) return (int)cudaErrorInvalidValue;  // atomic partial sums need fp32
+                               int C, int ldx, int ldo, int split, int cps, int obf16, int partial, void* stream) {
+  if (obf16 && split > 1 && !CLUSTER) return (int)cudaErrorInvalidValue;  // partial sums need fp32
   dim3 grid((S / 4 + WGS - 1) / WGS, split);
 #if NATURAL
   CUtensorMap xmap;
@@ -649,7 +654,7 @@ extern "C" int w4_wgmma_launch(const void* codes, const void* meta, const void* 
   }
 #endif
   return (int)cudaLaunchKernelEx(&cfg, w4_wgmma_kernel, (const uint4*)codes, (const uint32_t*)meta, (const uint4*)x,
-                                 (float*)out, M, N, S, C, ldx / 8, ldo, cps, obf16
+                                 (float*)out, M, N, S, C, ldx / 8, ldo, cps, obf16, CLUSTER ? 0 : partial
 #if NATURAL
                                  , xmap
 #endif
