@@ -502,4 +502,3 @@ def w4_decode(x: torch.Tensor, dw: DecodeWeight, config: Optional[dict] = None,
     if as_stored:
         return out if out.dim() == 3 else out.unsqueeze(0)
     return out.to(out_dtype)
-

@@ -105,7 +105,7 @@ def _invert_cdf(probs: torch.Tensor, u: torch.Tensor) -> torch.Tensor:
     at most the chosen block's own sum."""
     B, V = probs.shape
     blk = _cdf_block(V)
-    p = (torch.nn.functional.pad(probs, (0, -V % blk)) if V % blk else probs).view(B, -1, blk)
+    p = (F.pad(probs, (0, -V % blk)) if V % blk else probs).view(B, -1, blk)
     sums = p.sum(-1)
     csum = sums.cumsum(-1)
     x = ((1.0 - u.to(csum.dtype)) * csum[:, -1]).unsqueeze(-1)
@@ -324,8 +324,10 @@ class StaticCacheGenerator:
         delta = None
         for i, layer in enumerate(self.layers):
             h, x = self._add_norm(x, delta, layer.ln1)
-            qkv = self._linear(layer.qkv, h, self.fused)  # (fused: deterministic split sums, see _linear)
-            qkv = decode_ops.sum_splits(qkv, h.dtype, 2).view(B, self.kv_heads, self.group + 2, self.head_dim)
+            qkv = self._linear(layer.qkv, h, self.fused)
+            if self.fused:  # its splits in order (deterministic; a bias has added them up in rollout_linear)
+                qkv = qkv[0] if qkv.shape[0] == 1 else qkv.float().sum(0).to(h.dtype)
+            qkv = qkv.view(B, self.kv_heads, self.group + 2, self.head_dim)
             kc, vc = st["k"][i, :B], st["v"][i, :B]  # [B, ng, S, hd]
             q = rope_kv(qkv, cos, sin, kc, vc, pos, self.group)  # [B, ng, G, hd]; k, v written at pos
             o = F.scaled_dot_product_attention(q, kc, vc, attn_mask=valid, scale=self.scale)  # [B, ng, G, hd]
