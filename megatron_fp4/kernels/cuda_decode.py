@@ -77,6 +77,10 @@ def _nibbles(codes: torch.Tensor) -> torch.Tensor:
     return torch.stack((c & 15, c >> 4), dim=-1).reshape(*codes.shape[:-1], codes.shape[-1] * 2)
 
 
+#: HiF4 in natural K order: each 4-bit code (sign, 3-bit magnitude m) stored as offset binary, 8 + (-1)^sign m (1..15;
+#: -0 becomes +0), so that one mask, the bf16 128 and one FMA make its value with no sign operation: bf16(128 + o) x F
+#: - 136 F = (o - 8) F, exact (136 F has at most 5 + 3 significant bits; w4_device.h dequant).
+_HIF4_OFFSET = (8, 9, 10, 11, 12, 13, 14, 15, 8, 7, 6, 5, 4, 3, 2, 1)
 #: MXFP4 in natural K order: the rotations (right, of the lane's 32-bit word) that put pair j's bits in place for
 #: j = 0, 1, 2; pair 3 takes its sign, e1 and e0 bits from the rotation by 6 and its mantissa bits from the rotation by
 #: 14 (w4_device.h mx_bits). "In place": a bf16x2 whose halves hold the code's sign at bit 15 and its exponent and
@@ -113,8 +117,9 @@ def to_decode_layout(qt: QuantizedTensor, wide: bool = False, natural: bool = Fa
     2t + 8, 2t + 9. By default those are K 4t .. 4t + 3 (one HiF4 micro-exponent group per lane, row and step; the
     activations are then staged in the same permuted order); ``natural`` keeps MMA k = K, so that the activations can
     be copied as they are (the NATURAL=1 tiles). A HiF4 lane then holds two micro-exponent groups per row and step
-    (K 2t and 2t + 8 are 8 apart): its metadata has 32 bits of exponent sums per lane instead of 16. An MXFP4 word in
-    natural order holds its codes' bits where :data:`_MX_ROT`'s rotations read them, not as nibbles."""
+    (K 2t and 2t + 8 are 8 apart): its metadata has 32 bits of exponent sums per lane instead of 16, and its codes are
+    offset binary (:data:`_HIF4_OFFSET`). An MXFP4 word in natural order holds its codes' bits where
+    :data:`_MX_ROT`'s rotations read them, not as nibbles."""
     name = qt.fmt.name
     if name not in ("hif4", "mxfp4", "mxfp4_rceil") or qt.codes.dim() != 2:
         raise ValueError(f"to_decode_layout takes a 2-D HiF4/MXFP4 weight, got {name} {tuple(qt.codes.shape)}")
@@ -125,6 +130,8 @@ def to_decode_layout(qt: QuantizedTensor, wide: bool = False, natural: bool = Fa
     dev = qt.codes.device
     nib = torch.zeros((S * 16, C * 64), dtype=torch.int64, device=dev)
     nib[:N, : 2 * kh] = _nibbles(qt.codes)
+    if natural and fmt_id == 0:
+        nib = torch.tensor(_HIF4_OFFSET, device=dev)[nib]  # (the padding's +0 as well)
     if natural:  # [S, h, g, C, s, i1, t, i0]: K = 64 c + 16 s + 8 i1 + 2 t + i0, i = 2 i1 + i0
         nib = nib.view(S, 2, 8, C, 4, 2, 4, 2).permute(0, 3, 2, 6, 4, 1, 5, 7).reshape(S, C, 8, 4, 4, 2, 4)
     else:  # [S, h, g, C, s, t, i]: row = 16 slab + 8 h + g, K = 64 c + 16 s + 4 t + i
@@ -237,11 +244,15 @@ def decode_layout_dequantize(dw: DecodeWeight) -> torch.Tensor:
             base = ((((c >> 2) & 63) + 77) << 7) | ((c & 3) << 5)
             base = base.unsqueeze(-1)
             F = base + (e << 7)
-            mag_shift = 8 if j >= 2 else 0
-            t = w >> mag_shift
-            mask, magic, mv = ((0x00070007, 0x43004300, 128.0) if j % 2 == 0 else (0x00700070, 0x41004100, 8.0))
-            a = (t & mask) | magic
-            sign = (w << (12 - 4 * j)) & 0x80008000
+            if dw.natural:  # offset binary nibble j: bf16(128 + o) F - 136 F, no sign operation
+                a = ((w >> (4 * j)) & 0x000F000F) | 0x43004300
+                sign = torch.zeros_like(w)
+                mv = 136.0
+            else:
+                t = w >> (8 if j >= 2 else 0)
+                mask, magic, mv = ((0x00070007, 0x43004300, 128.0) if j % 2 == 0 else (0x00700070, 0x41004100, 8.0))
+                a = (t & mask) | magic
+                sign = (w << (12 - 4 * j)) & 0x80008000
             neg = _bits(_bf(F) * -mv)
             out = []
             for ha, hs in zip(_halves(a), _halves(sign)):

@@ -157,35 +157,51 @@ DINL Scales make_scales(uint32_t m) {  // m: low 16 bits: e bits (lane); high 16
 #endif
   return S;
 }
+#if W4_NATURAL
+// Natural layout: nibble j of each half is pair j's code in offset binary o = 8 + value (cuda_decode._HIF4_OFFSET),
+// rows g (j = 0, 2) and g + 8 (j = 1, 3), the first (j < 2) and the second (j >= 2) 4-value group of the step:
+// bf16(128 + o) x F - 136 F = (o - 8) F in one FMA, exact (136 F has at most 5 + 3 significant bits), no sign step.
 DINL void dequant(uint32_t w, const Scales& S, int s, uint32_t* a) {
-#if W4_NATURAL  // factors of the first pair (a[0], a[1]) and of the second (a[2], a[3])
   const uint32_t fp = S.base + (((S.ea >> (2 * s)) & 0x00030003u) << 7);
   const uint32_t fp2 = S.base + (((S.eb >> (2 * s)) & 0x00030003u) << 7);
+  const uint32_t fg = dup_lo(fp), fh = dup_hi(fp), fg2 = dup_lo(fp2), fh2 = dup_hi(fp2);
+  const uint32_t ng = bmul(fg, 0xC308C308u), nh = bmul(fh, 0xC308C308u);  // -136 F (bf16x2 -136: 0xC308)
+  const uint32_t ng2 = bmul(fg2, 0xC308C308u), nh2 = bmul(fh2, 0xC308C308u);
+#if defined(LEAN) && LEAN
+  const uint32_t k128 = S.k128;
+  a[0] = bfma(and_or<0x000F000Fu>(w, k128), fg, ng);
+  a[1] = bfma(and_or<0x000F000Fu>(w >> 4, k128), fh, nh);
+  a[2] = bfma(and_or<0x000F000Fu>(w >> 8, k128), fg2, ng2);
+  a[3] = bfma(and_or<0x000F000Fu>(w >> 12, k128), fh2, nh2);
 #else
-  const uint32_t fp = S.base + (((S.e >> (2 * s)) & 0x00030003u) << 7);
+  a[0] = bfma((w & 0x000F000Fu) | 0x43004300u, fg, ng);
+  a[1] = bfma(((w >> 4) & 0x000F000Fu) | 0x43004300u, fh, nh);
+  a[2] = bfma(((w >> 8) & 0x000F000Fu) | 0x43004300u, fg2, ng2);
+  a[3] = bfma(((w >> 12) & 0x000F000Fu) | 0x43004300u, fh2, nh2);
 #endif
+}
+#else
+// Permuted layout: nibble = sign (bit 3) and magnitude (bits 0..2); the magic bf16 128 (bits 0..2) or 8 (bits
+// 4..6) and one FMA make the magnitude times F, an XOR the sign.
+DINL void dequant(uint32_t w, const Scales& S, int s, uint32_t* a) {
+  const uint32_t fp = S.base + (((S.e >> (2 * s)) & 0x00030003u) << 7);
   const uint32_t fg = dup_lo(fp), fh = dup_hi(fp);
   const uint32_t n128 = bmul(fg, 0xC300C300u), n8 = bmul(fh, 0xC100C100u);
-#if W4_NATURAL
-  const uint32_t fg2 = dup_lo(fp2), fh2 = dup_hi(fp2);
-  const uint32_t n128b = bmul(fg2, 0xC300C300u), n8b = bmul(fh2, 0xC100C100u);
-#else
-  const uint32_t fg2 = fg, fh2 = fh, n128b = n128, n8b = n8;
-#endif
   const uint32_t t = w >> 8;
 #if defined(LEAN) && LEAN
   const uint32_t k128 = S.k128, k8 = S.k8;
   a[0] = bfma(and_or<0x00070007u>(w, k128), fg, n128) ^ ((w << 12) & 0x80008000u);
   a[1] = bfma(and_or<0x00700070u>(w, k8), fh, n8) ^ ((w << 8) & 0x80008000u);
-  a[2] = bfma(and_or<0x00070007u>(t, k128), fg2, n128b) ^ ((w << 4) & 0x80008000u);
-  a[3] = bfma(and_or<0x00700070u>(t, k8), fh2, n8b) ^ (w & 0x80008000u);
+  a[2] = bfma(and_or<0x00070007u>(t, k128), fg, n128) ^ ((w << 4) & 0x80008000u);
+  a[3] = bfma(and_or<0x00700070u>(t, k8), fh, n8) ^ (w & 0x80008000u);
 #else
   a[0] = bfma((w & 0x00070007u) | 0x43004300u, fg, n128) ^ ((w << 12) & 0x80008000u);
   a[1] = bfma((w & 0x00700070u) | 0x41004100u, fh, n8) ^ ((w << 8) & 0x80008000u);
-  a[2] = bfma((t & 0x00070007u) | 0x43004300u, fg2, n128b) ^ ((w << 4) & 0x80008000u);
-  a[3] = bfma((t & 0x00700070u) | 0x41004100u, fh2, n8b) ^ (w & 0x80008000u);
+  a[2] = bfma((t & 0x00070007u) | 0x43004300u, fg, n128) ^ ((w << 4) & 0x80008000u);
+  a[3] = bfma((t & 0x00700070u) | 0x41004100u, fh, n8) ^ (w & 0x80008000u);
 #endif
 }
+#endif
 #endif
 
 #if FMT == 1
