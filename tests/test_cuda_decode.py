@@ -63,10 +63,12 @@ def test_decode_layout_reads_back_the_reference(name, N, K):
 @pytest.mark.parametrize("name", ["hif4", "mxfp4", "mxfp4_rceil"])
 @pytest.mark.parametrize("N,K", [(16, 64), (40, 192), (33, 96), (8, 32)])
 def test_natural_decode_layout_reads_back_the_reference(name, N, K):
-    from megatron_fp4.kernels.cuda_decode import _mx_natural_position
+    from megatron_fp4.kernels.cuda_decode import _HIF4_OFFSET, _mx_natural_position
 
     # MXFP4's natural words: the 4 bits of the 8 codes take each of the 32 bit positions once
     assert sorted(_mx_natural_position(j, h, b) for j in range(4) for h in range(2) for b in range(4)) == list(range(32))
+    # HiF4's: offset binary, 8 + the sign-magnitude code's value (-0 is +0)
+    assert [o - 8 for o in _HIF4_OFFSET] == [(-1) ** (c >> 3) * (c & 7) for c in range(16)]
     qt = get_format(name).quantize(_weight(N, K, name).to(torch.bfloat16), dim=-1)
     dw = to_decode_layout(qt, _wide(qt), natural=True)
     assert dw.natural and not torch.equal(dw.codes, to_decode_layout(qt, _wide(qt)).codes)
