@@ -169,9 +169,9 @@ def test_graph_sample_inverts_the_cdf():
 
 @pytest.mark.parametrize("vocab", [4096, 1000, 49152, 37])
 def test_two_level_cdf_inversion_matches_the_full_scan(vocab):
-    """_invert_cdf (block sums, then a scan inside one block) picks the token the full cumulative sum picks, wherever
-    the rounding of the two sums cannot tell them apart, and never a zero-probability token (padded vocabularies
-    and empty blocks included)."""
+    """_invert_cdf (block sums, then a scan inside one block) picks the token the full cumulative sum picks, except
+    where the target falls within fp32 rounding of a CDF step, and never a zero-probability token (padded
+    vocabularies and empty blocks included)."""
     from megatron_fp4.rollout.static_decode import _invert_cdf
 
     g = torch.Generator().manual_seed(vocab)
