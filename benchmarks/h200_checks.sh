@@ -81,7 +81,8 @@ case "$1" in
   decode-tests)  # the tests' tiles compiled first, in parallel (on first use each would compile alone)
     prebuild_tests
     run_tests -m gpu tests/test_cuda_decode.py tests/test_rollout_static.py
-    run_tests tests/test_decode_ops.py  # (unmarked: on a GPU they run on CUDA, bf16 included)
+    # (the fused decode-step kernels' tests carry no gpu mark: on a GPU they run on CUDA, bf16 included)
+    run_tests tests/test_decode_ops.py
     ;;
   decode-bench)
     python3 benchmarks/bench_kernels.py --decode --decode-sweep --shapes 3584x18944,18944x3584,1536x8960,8960x1536 \
