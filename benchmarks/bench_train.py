@@ -48,6 +48,8 @@ from bench_rollout import SHAPES  # noqa: E402  (one table of model shapes for t
 from kernel_profile import profile_step  # noqa: E402
 
 RECIPES = ("bf16", "hif4", "mxfp4", "mxfp4-fp8", "mxfp4-fp8_fast")
+
+
 def parse_batches(text: str) -> list[tuple[int, int, int | None]]:
     """"4x2048,8x4096/2" -> [(4, 2048, None), (8, 4096, 2)]: B sequences of T tokens, optionally /micro-batch."""
     out = []

@@ -40,7 +40,8 @@ def profile_step(step) -> dict:
             kernels[ev.name] = kernels.get(ev.name, 0.0) + ev.device_time_total / 1e3  # ms
     fams: dict[str, float] = {}
     for name, ms in kernels.items():
-        fams[family(name)] = fams.get(family(name), 0.0) + ms
+        fam = family(name)
+        fams[fam] = fams.get(fam, 0.0) + ms
     top = sorted(kernels.items(), key=lambda kv: -kv[1])[:12]
     ops = [[e.key, str(e.input_shapes)[:160], e.count, round(e.self_device_time_total / 1e3, 2)]
            for e in prof.key_averages(group_by_input_shape=True)

@@ -435,8 +435,8 @@ def prebuild(tiles: Optional[list] = None, ntoks=(16, 64), workers: int = 0) -> 
 def _balanced_split(row_blocks: int, chunks: int, slots: int, most: int = 0, tail: int = 2) -> int:
     """Split-K for ``row_blocks`` x split blocks on ``slots`` resident blocks: the fewest splits (at most ``most``
     when given) that minimize waves x (chunks per block + ``tail``, its pipeline fill and epilogue, in chunks): a
-    second, nearly empty wave of blocks costs as much as the first. The epilogue adds the block's outputs atomically,
-    so its cost grows with the tokens: :func:`w4_decode` passes ``tail`` = tokens / 8 (2 at 16 tokens, where the
+    second, nearly empty wave of blocks costs as much as the first. The epilogue adds the block's outputs atomically
+    (or stores its split's partial sums), so its cost grows with the tokens: :func:`w4_decode` passes ``tail`` = tokens / 8 (2 at 16 tokens, where the
     constant was fitted; 8 at 64, where split 3 beat 7 by 10-11% on 3584x18944, session 28)."""
     def cost(split):
         cps = -(-chunks // split)
@@ -494,16 +494,15 @@ def w4_decode(x: torch.Tensor, dw: DecodeWeight, config: Optional[dict] = None,
     cps = -(-C // split)
     split = -(-C // cps)
     atomic = split > 1 and not cluster  # partial sums added atomically into a zeroed fp32 output...
-    as_stored = out_dtype is None  # ... or stored per split, [split, M, N], for the reader to sum
+    as_stored = out_dtype is None
+    partial = atomic and as_stored  # ... or stored per split, [split, M, N], for the reader to sum
     if as_stored:
         out_dtype = torch.float32
     obf16 = out_dtype == torch.bfloat16 and not atomic
-    zeroed = atomic and not as_stored
-    out = (torch.zeros if zeroed else torch.empty)((split, M, dw.n) if as_stored and atomic else (M, dw.n),
-                                                   dtype=torch.bfloat16 if obf16 else torch.float32, device=x.device)
+    out = (torch.zeros if atomic and not partial else torch.empty)(
+        (split, M, dw.n) if partial else (M, dw.n), dtype=torch.bfloat16 if obf16 else torch.float32, device=x.device)
     err = fn(dw.codes.data_ptr(), dw.meta.data_ptr(), x.data_ptr(), out.data_ptr(), M, dw.n, S, C, x.stride(0),
-             out.stride(-2), split, cps, int(obf16), int(as_stored and atomic),
-             torch.cuda.current_stream(x.device).cuda_stream)
+             out.stride(-2), split, cps, int(obf16), int(partial), torch.cuda.current_stream(x.device).cuda_stream)
     if err:
         what = (f"a TMA map (CUresult {err - 1000})" if err >= 1000 else
                 "no cuTensorMapEncodeTiled in the driver" if err == 999 else f"cudaError {err}")
@@ -511,5 +510,5 @@ def w4_decode(x: torch.Tensor, dw: DecodeWeight, config: Optional[dict] = None,
     if dw.nan_rows is not None:
         out.index_fill_(-1, dw.nan_rows, float("nan"))
     if as_stored:
-        return out if out.dim() == 3 else out.unsqueeze(0)
+        return out if partial else out.unsqueeze(0)
     return out.to(out_dtype)
