@@ -103,3 +103,36 @@ def test_split_partial_sums_read_as_the_rounded_sum(dtype, splits):
     assert torch.equal(decode_ops.swiglu_reference(a_parts, dtype, splits=True), decode_ops.swiglu_reference(a))
     # without splits a 3-D input is a batch of rows (the prefill's [b, L, 2F]): the twin serves it
     assert torch.equal(decode_ops.swiglu(a_parts), decode_ops.swiglu_reference(a_parts))
+
+
+@pytest.mark.parametrize("dtype", [d for d in DTYPES if d != torch.float32])
+@pytest.mark.parametrize("splits", [1, 3])
+@pytest.mark.parametrize("with_bias", [False, True])
+def test_rope_reads_qkv_splits_and_bias(dtype, splits, with_bias):
+    """qkv as the decode GEMM stored it, [splits, B, ng, G + 2, hd] fp32, and the linear's bias: the RoPE kernel adds
+    the splits in order, then the bias, in fp32 and rounds once (sum_splits with the bias), then rotates as it does a
+    rounded qkv: the same q and caches bit for bit, kernel and twin."""
+    g = torch.Generator().manual_seed(4)
+    B, ng, group, hd, S = 4, 2, 3, 16, 9
+    parts = (torch.randn(splits, B, ng, group + 2, hd, generator=g) * 2).to(DEV)
+    bias = (torch.randn(ng * (group + 2) * hd, generator=g) * 0.5).to(dtype).to(DEV) if with_bias else None
+    qkv = decode_ops.sum_splits(parts, dtype, 4, None if bias is None else bias.view(ng, group + 2, hd))
+    expect = functools.reduce(torch.add, parts.unbind(0))
+    expect = (expect if bias is None else expect + bias.float().view(ng, group + 2, hd)).to(dtype)
+    assert torch.equal(qkv, expect)
+    pos = torch.tensor([0, 3, 8, 5], device=DEV)
+    cos = (torch.rand(B, hd, generator=g) * 2 - 1).to(dtype).to(DEV)
+    sin = (torch.rand(B, hd, generator=g) * 2 - 1).to(dtype).to(DEV)
+    caches = [torch.randn(B, ng, S, hd, generator=g).to(dtype).to(DEV) for _ in range(2)]
+    outs = []
+    for fn, args in ((decode_ops.rope_kv_write, (parts, bias)), (decode_ops.rope_kv_write, (qkv, None)),
+                     (decode_ops.rope_kv_write_reference, (parts, bias))):
+        kc, vc = caches[0].clone(), caches[1].clone()
+        q = fn(args[0], cos, sin, kc, vc, pos, group, args[1])
+        assert q.dtype == dtype
+        outs.append((q, kc, vc))
+    for a, b in zip(outs[0], outs[1]):
+        assert torch.equal(a, b)  # the kernel: splits + bias read as their rounded sum
+    assert torch.equal(outs[0][2], outs[2][2])  # values: copied, twin and kernel alike
+    for a, b in zip(outs[0][:2], outs[2][:2]):
+        torch.testing.assert_close(a, b, **_tol(dtype))  # RoPE: one fused computation against torch's roundings

@@ -91,9 +91,9 @@ def test_fused_decode_kernels_equal_the_unfused_steps(model, prompts, precision,
 @pytest.mark.parametrize("qkv_bias", [True, False])
 def test_fused_steps_take_split_partial_sums(model, prompts, monkeypatch, qkv_bias):
     """The fused decode steps ask the rollout linears for their output as stored (rollout_linear as_stored): with a
-    backend that stores split-K partial sums (three here, along K), proj, fc1 and fc2 reach the fused kernels as
-    [splits, B, n], qkv's are added up (with its bias in rollout_linear, without it in the step), and the tokens and
-    logprobs are those of the same backend's summed outputs."""
+    backend that stores split-K partial sums (three here, along K), qkv, proj, fc1 and fc2 reach the fused kernels as
+    [splits, B, n] (qkv's bias added by the RoPE kernel to its splits' sum), and the tokens and logprobs are those of
+    the same backend's summed outputs."""
     from megatron_fp4.resq import register_rollout_backend
 
     if not qkv_bias:

@@ -4,7 +4,7 @@ A decoder layer's decode step ran ~40 kernels, most of them tiny elementwise one
 with fp32 weights takes its unfused path; RoPE is five kernels per tensor); these put each group into one launch:
 
     y, s = add_rms_norm(x, delta, weight, eps)     # s = x + delta (x's dtype), y = RMSNorm(s) as torch.nn.RMSNorm
-    q = rope_kv_write(qkv, cos, sin, k_cache, v_cache, pos, group)   # RoPE on q and k, k and v into the cache
+    q = rope_kv_write(qkv, cos, sin, k_cache, v_cache, pos, group, bias)  # + bias, RoPE on q and k, k, v to cache
     a = swiglu(a)                                   # silu(a[:, :F]) * a[:, F:]
 
 Each has its PyTorch twin (``*_reference``: what the static decode path computes without them) and matches it up
@@ -12,10 +12,10 @@ to the rounding of one fused computation (fp32 inside, one rounding to the outpu
 every op: tests/test_decode_ops.py). CUDA, or Triton's CPU interpreter (fp32/fp16 in the tests; the interpreter
 rounds fp32 to bf16 by truncation).
 
-``delta`` and ``a`` may also be a decode GEMM's output as stored, ``[splits, B, N]`` fp32 partial sums
+``delta``, ``a`` and ``qkv`` may also be a decode GEMM's output as stored, ``[splits, B, N]`` fp32 partial sums
 (:func:`megatron_fp4.kernels.cuda_decode.w4_decode` with ``out_dtype`` None): they are added in split order in fp32
-and rounded to the model's dtype as they are read, as the GEMM's own bf16 output would be (deterministic: no
-atomics), so the step needs no zero-fill or cast kernel per linear.
+(``qkv``: then its linear's bias) and rounded to the model's dtype as they are read, as the GEMM's own bf16 output
+would be (deterministic: no atomics), so the step needs no zero-fill, bias or cast kernel per linear.
 """
 
 from __future__ import annotations
@@ -34,15 +34,14 @@ __all__ = ["add_rms_norm", "add_rms_norm_reference", "rope_reference", "rope_kv_
 # ----------------------------------------------------------------------------------------------------------------
 # PyTorch twins: the ops the static decode path runs without the kernels
 # ----------------------------------------------------------------------------------------------------------------
-def sum_splits(t: torch.Tensor, dtype: torch.dtype, dims: int) -> torch.Tensor:
+def sum_splits(t: torch.Tensor, dtype: torch.dtype, dims: int, bias: Optional[torch.Tensor] = None) -> torch.Tensor:
     """``t`` with ``dims`` dimensions, or ``[splits, ...]`` of them (split-K partial sums): added in split order in fp32
-    (as the kernels here read them) and rounded to ``dtype``."""
-    if t.dim() == dims or t.shape[0] == 1:
-        return (t if t.dim() == dims else t[0]).to(dtype)
-    acc = t[0].float()
-    for part in t[1:]:
+    (as the kernels here read them), ``bias`` added in fp32, and rounded to ``dtype``."""
+    parts = [t] if t.dim() == dims else list(t.unbind(0))
+    acc = parts[0].float() if len(parts) > 1 or bias is not None else parts[0]
+    for part in parts[1:]:
         acc = acc + part.float()
-    return acc.to(dtype)
+    return (acc if bias is None else acc + bias.float()).to(dtype)
 
 
 def add_rms_norm_reference(x: torch.Tensor, delta: Optional[torch.Tensor], norm: torch.nn.Module
@@ -58,10 +57,14 @@ def rope_reference(t: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> tor
 
 
 def rope_kv_write_reference(qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, k_cache: torch.Tensor,
-                            v_cache: torch.Tensor, pos: torch.Tensor, group: int) -> torch.Tensor:
-    """``qkv [B, ng, group + 2, hd]`` (megatron's layout: a kv group's query heads, then k, then v); ``cos, sin
-    [B, hd]`` at each token's position; caches ``[B, ng, S, hd]``. Writes rotated k and v at ``pos``; returns the
-    rotated queries ``[B, ng, group, hd]``."""
+                            v_cache: torch.Tensor, pos: torch.Tensor, group: int,
+                            bias: Optional[torch.Tensor] = None) -> torch.Tensor:
+    """``qkv [B, ng, group + 2, hd]`` (megatron's layout: a kv group's query heads, then k, then v; or ``[splits, B,
+    ng, group + 2, hd]`` partial sums, see the module doc), ``bias`` (the linear's, ``[ng * (group + 2) * hd]``)
+    added to their fp32 sum before it rounds to the caches' dtype; ``cos, sin [B, hd]`` at each token's position;
+    caches ``[B, ng, S, hd]``. Writes rotated k and v at ``pos``; returns the rotated queries ``[B, ng, group, hd]``."""
+    if qkv.dim() == 5 or bias is not None:
+        qkv = sum_splits(qkv, k_cache.dtype, 4, None if bias is None else bias.view(qkv.shape[-3:]))
     rows = torch.arange(qkv.shape[0], device=qkv.device)
     q = rope_reference(qkv[:, :, :group], cos[:, None, None], sin[:, None, None])
     k_cache[rows, :, pos] = rope_reference(qkv[:, :, group], cos[:, None], sin[:, None])
@@ -83,7 +86,7 @@ if HAS_TRITON:
 
     @triton.jit
     def _add_rms_norm_kernel(x_ptr, d_ptr, w_ptr, y_ptr, s_ptr, N, eps, stride_x, stride_d, stride_y, stride_s,
-                             splits, stride_split, HAS_DELTA: tl.constexpr, BLOCK: tl.constexpr):
+                             stride_split, SPLITS: tl.constexpr, HAS_DELTA: tl.constexpr, BLOCK: tl.constexpr):
         """One row: s = x + d rounded to x's dtype (stored; d = the splits' partial sums added in order in fp32,
         then rounded to x's dtype: read as the GEMM's own rounded output), r = rsqrt(mean(s^2) + eps),
         y = s * r * w in fp32 rounded once to y's dtype (torch.nn.RMSNorm's computation)."""
@@ -93,7 +96,7 @@ if HAS_TRITON:
         x = tl.load(x_ptr + row * stride_x + cols, mask=m, other=0.0)
         if HAS_DELTA:
             d = tl.load(d_ptr + row * stride_d + cols, mask=m, other=0.0).to(tl.float32)
-            for k in range(1, splits):
+            for k in tl.static_range(1, SPLITS):  # (unrolled: the splits' loads in flight together)
                 d += tl.load(d_ptr + k * stride_split + row * stride_d + cols, mask=m, other=0.0).to(tl.float32)
             d = d.to(x_ptr.dtype.element_ty)
             x = (x.to(tl.float32) + d.to(tl.float32)).to(x_ptr.dtype.element_ty)
@@ -104,26 +107,38 @@ if HAS_TRITON:
         tl.store(y_ptr + row * stride_y + cols, (xf * r * w).to(y_ptr.dtype.element_ty), mask=m)
 
     @triton.jit
-    def _rope_kv_kernel(qkv_ptr, cos_ptr, sin_ptr, q_ptr, kc_ptr, vc_ptr, pos_ptr, G, H, stride_t, stride_g,
-                        stride_r, stride_c, stride_q, stride_qg, stride_qr, stride_kb, stride_kg, stride_ks,
-                        RP: tl.constexpr, BH: tl.constexpr):
-        """One (token, kv group): rows 0..G-1 of qkv are query heads, row G the key, G + 1 the value; the first and
-        second halves (H values each) of a row rotate as t * cos + rotate_half(t) * sin."""
+    def _rope_kv_kernel(qkv_ptr, bias_ptr, cos_ptr, sin_ptr, q_ptr, kc_ptr, vc_ptr, pos_ptr, G, H, stride_t, stride_g,
+                        stride_r, stride_split, stride_c, stride_q, stride_qg, stride_qr, stride_kb, stride_kg,
+                        stride_ks, SPLITS: tl.constexpr, HAS_BIAS: tl.constexpr, RP: tl.constexpr,
+                        BH: tl.constexpr):
+        """One (token, kv group): rows 0..G-1 of qkv are query heads, row G the key, G + 1 the value (the splits'
+        partial sums added in order in fp32, then the bias, rounded to q's dtype); the first and second halves (H
+        values each) of a row rotate as t * cos + rotate_half(t) * sin."""
         b = tl.program_id(0)
         g = tl.program_id(1)
         r = tl.arange(0, RP)[:, None]
         c = tl.arange(0, BH)[None, :]
         mask = (r < G + 2) & (c < H)
+        dt = q_ptr.dtype.element_ty
         base = qkv_ptr + b * stride_t + g * stride_g + r * stride_r
         t1 = tl.load(base + c, mask=mask, other=0.0).to(tl.float32)
         t2 = tl.load(base + H + c, mask=mask, other=0.0).to(tl.float32)
+        for k in tl.static_range(1, SPLITS):
+            t1 += tl.load(base + k * stride_split + c, mask=mask, other=0.0).to(tl.float32)
+            t2 += tl.load(base + k * stride_split + H + c, mask=mask, other=0.0).to(tl.float32)
+        if HAS_BIAS:
+            bbase = bias_ptr + (g * (G + 2) + r) * (2 * H)
+            t1 += tl.load(bbase + c, mask=mask, other=0.0).to(tl.float32)
+            t2 += tl.load(bbase + H + c, mask=mask, other=0.0).to(tl.float32)
+        t1 = t1.to(dt).to(tl.float32)  # (a no-op for one split in q's dtype)
+        t2 = t2.to(dt).to(tl.float32)
         cmask = c < H
         c1 = tl.load(cos_ptr + b * stride_c + c, mask=cmask, other=0.0).to(tl.float32)
         c2 = tl.load(cos_ptr + b * stride_c + H + c, mask=cmask, other=0.0).to(tl.float32)
         s1 = tl.load(sin_ptr + b * stride_c + c, mask=cmask, other=0.0).to(tl.float32)
         s2 = tl.load(sin_ptr + b * stride_c + H + c, mask=cmask, other=0.0).to(tl.float32)
-        o1 = (t1 * c1 - t2 * s1).to(q_ptr.dtype.element_ty)
-        o2 = (t2 * c2 + t1 * s2).to(q_ptr.dtype.element_ty)
+        o1 = (t1 * c1 - t2 * s1).to(dt)
+        o2 = (t2 * c2 + t1 * s2).to(dt)
         qm = mask & (r < G)
         qbase = q_ptr + b * stride_q + g * stride_qg + r * stride_qr
         tl.store(qbase + c, o1, mask=qm)
@@ -138,7 +153,7 @@ if HAS_TRITON:
         tl.store(vc_ptr + kbase + H, t2.to(vc_ptr.dtype.element_ty), mask=vm)
 
     @triton.jit
-    def _swiglu_kernel(a_ptr, y_ptr, F_, stride_a, stride_y, splits, stride_split, BLOCK: tl.constexpr):
+    def _swiglu_kernel(a_ptr, y_ptr, F_, stride_a, stride_y, stride_split, SPLITS: tl.constexpr, BLOCK: tl.constexpr):
         """a (its splits' partial sums added in order in fp32) rounded to y's dtype, silu(a0) rounded to it (as
         F.silu), times a1, rounded once more (as torch's multiply)."""
         row = tl.program_id(0)
@@ -147,7 +162,7 @@ if HAS_TRITON:
         dt = y_ptr.dtype.element_ty
         a0 = tl.load(a_ptr + row * stride_a + cols, mask=m, other=0.0).to(tl.float32)
         a1 = tl.load(a_ptr + row * stride_a + F_ + cols, mask=m, other=0.0).to(tl.float32)
-        for k in range(1, splits):
+        for k in tl.static_range(1, SPLITS):
             a0 += tl.load(a_ptr + k * stride_split + row * stride_a + cols, mask=m, other=0.0).to(tl.float32)
             a1 += tl.load(a_ptr + k * stride_split + row * stride_a + F_ + cols, mask=m, other=0.0).to(tl.float32)
         a0 = a0.to(dt).to(tl.float32)
@@ -184,25 +199,31 @@ def add_rms_norm(x: torch.Tensor, delta: Optional[torch.Tensor], norm: torch.nn.
     s = torch.empty_like(x) if delta is not None else x
     d = delta if delta is not None else x
     splits, stride_split = (d.shape[0], d.stride(0)) if d.dim() == 3 else (1, 0)
-    _add_rms_norm_kernel[(B,)](x, d, w, y, s, N, eps, x.stride(0), d.stride(-2), y.stride(0), s.stride(0), splits,
-                               stride_split, HAS_DELTA=delta is not None, BLOCK=triton.next_power_of_2(N))
+    BLOCK = triton.next_power_of_2(N)
+    _add_rms_norm_kernel[(B,)](x, d, w, y, s, N, eps, x.stride(0), d.stride(-2), y.stride(0), s.stride(0),
+                               stride_split, SPLITS=splits, HAS_DELTA=delta is not None, BLOCK=BLOCK,
+                               num_warps=min(16, max(4, BLOCK // 512)))
     return y, s
 
 
 def rope_kv_write(qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, k_cache: torch.Tensor,
-                  v_cache: torch.Tensor, pos: torch.Tensor, group: int) -> torch.Tensor:
+                  v_cache: torch.Tensor, pos: torch.Tensor, group: int, bias: Optional[torch.Tensor] = None
+                  ) -> torch.Tensor:
     """:func:`rope_kv_write_reference` in one kernel (one program per token and kv group)."""
-    B, ng, R, hd = qkv.shape
-    if (not kernels_usable(qkv, cos, sin, k_cache, v_cache, pos) or R != group + 2 or hd % 2 or qkv.stride(-1) != 1
-            or k_cache.stride(-1) != 1 or v_cache.stride() != k_cache.stride() or cos.stride(-1) != 1
-            or cos.stride() != sin.stride()):
-        return rope_kv_write_reference(qkv, cos, sin, k_cache, v_cache, pos, group)
-    q = torch.empty((B, ng, group, hd), dtype=qkv.dtype, device=qkv.device)
+    parts = qkv if qkv.dim() == 5 else qkv.unsqueeze(0)
+    S, B, ng, R, hd = parts.shape
+    if (not kernels_usable(parts, cos, sin, k_cache, v_cache, pos) or R != group + 2 or hd % 2
+            or parts.stride(-1) != 1 or k_cache.stride(-1) != 1 or v_cache.stride() != k_cache.stride()
+            or cos.stride(-1) != 1 or cos.stride() != sin.stride()
+            or (bias is not None and (bias.numel() != ng * R * hd or not bias.is_contiguous()))):
+        return rope_kv_write_reference(qkv, cos, sin, k_cache, v_cache, pos, group, bias)
+    q = torch.empty((B, ng, group, hd), dtype=k_cache.dtype, device=qkv.device)
     H = hd // 2
-    _rope_kv_kernel[(B, ng)](qkv, cos, sin, q, k_cache, v_cache, pos, group, H, qkv.stride(0), qkv.stride(1),
-                             qkv.stride(2), cos.stride(0), q.stride(0), q.stride(1), q.stride(2), k_cache.stride(0),
-                             k_cache.stride(1), k_cache.stride(2), RP=triton.next_power_of_2(group + 2),
-                             BH=triton.next_power_of_2(H))
+    _rope_kv_kernel[(B, ng)](parts, parts if bias is None else bias, cos, sin, q, k_cache, v_cache, pos, group, H,
+                             parts.stride(1), parts.stride(2), parts.stride(3), parts.stride(0), cos.stride(0),
+                             q.stride(0), q.stride(1), q.stride(2), k_cache.stride(0), k_cache.stride(1),
+                             k_cache.stride(2), SPLITS=S, HAS_BIAS=bias is not None,
+                             RP=triton.next_power_of_2(group + 2), BH=triton.next_power_of_2(H))
     return q
 
 
@@ -216,6 +237,6 @@ def swiglu(a: torch.Tensor, out_dtype: Optional[torch.dtype] = None, splits: boo
     y = torch.empty((B, F_), dtype=out_dtype or a.dtype, device=a.device)
     BLOCK = min(1024, triton.next_power_of_2(F_))
     n_splits, stride_split = (a.shape[0], a.stride(0)) if splits else (1, 0)
-    _swiglu_kernel[(B, triton.cdiv(F_, BLOCK))](a, y, F_, a.stride(-2), y.stride(0), n_splits, stride_split,
+    _swiglu_kernel[(B, triton.cdiv(F_, BLOCK))](a, y, F_, a.stride(-2), y.stride(0), stride_split, SPLITS=n_splits,
                                                 BLOCK=BLOCK)
     return y

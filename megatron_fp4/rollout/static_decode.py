@@ -255,12 +255,14 @@ class StaticCacheGenerator:
         return st
 
     # -- the model -----------------------------------------------------------------------------------------------------
-    def _linear(self, mod: torch.nn.Module, x: torch.Tensor, as_stored: bool = False) -> torch.Tensor:
+    def _linear(self, mod: torch.nn.Module, x: torch.Tensor, as_stored: bool = False, bias: bool = True
+                ) -> torch.Tensor:
         """``as_stored``: ``[splits, B, n]``, the decode GEMM's fp32 split-K partial sums as stored (no atomics, no
         zero-fill, no cast kernel; with a bias already added up), for the fused kernels that add them in order and
-        round to the model's dtype as they read them: the step is then deterministic (graph and eager alike)."""
-        return rollout_linear(x, mod.weight, getattr(mod, "bias", None), self._precision, cache=self._cache,
-                              as_stored=as_stored)
+        round to the model's dtype as they read them: the step is then deterministic (graph and eager alike).
+        ``bias`` False: without the linear's bias (its reader adds it)."""
+        return rollout_linear(x, mod.weight, getattr(mod, "bias", None) if bias else None, self._precision,
+                              cache=self._cache, as_stored=as_stored)
 
     def _mlp(self, layer: _Layer, h: torch.Tensor, as_stored: bool = False) -> torch.Tensor:
         """The MLP of the normed input ``h`` (``as_stored``: fc2's output as :meth:`_linear` says, and fc1's too
@@ -320,16 +322,18 @@ class StaticCacheGenerator:
         x = F.embedding(tok, self.embedding.weight)  # [B, h]
         cos, sin = st["cos"][pos], st["sin"][pos]  # [B, hd]
         valid = (st["ar_seq"][None, :] <= pos[:, None]).view(B, 1, 1, -1)
-        rope_kv = decode_ops.rope_kv_write if self.fused else decode_ops.rope_kv_write_reference
         delta = None
         for i, layer in enumerate(self.layers):
             h, x = self._add_norm(x, delta, layer.ln1)
-            qkv = self._linear(layer.qkv, h, self.fused)
-            if self.fused:  # its splits in order (deterministic; a bias has added them up in rollout_linear)
-                qkv = qkv[0] if qkv.shape[0] == 1 else qkv.float().sum(0).to(h.dtype)
-            qkv = qkv.view(B, self.kv_heads, self.group + 2, self.head_dim)
             kc, vc = st["k"][i, :B], st["v"][i, :B]  # [B, ng, S, hd]
-            q = rope_kv(qkv, cos, sin, kc, vc, pos, self.group)  # [B, ng, G, hd]; k, v written at pos
+            if self.fused:  # the RoPE kernel adds qkv's splits in order, then (FP4: no cuBLAS epilogue) its bias
+                bias = getattr(layer.qkv, "bias", None) if self._precision.mode != "bf16" else None
+                qkv = self._linear(layer.qkv, h, True, bias=bias is None)
+                qkv = qkv.view(qkv.shape[0], B, self.kv_heads, self.group + 2, self.head_dim)
+                q = decode_ops.rope_kv_write(qkv, cos, sin, kc, vc, pos, self.group, bias)  # [B, ng, G, hd]
+            else:
+                qkv = self._linear(layer.qkv, h).view(B, self.kv_heads, self.group + 2, self.head_dim)
+                q = decode_ops.rope_kv_write_reference(qkv, cos, sin, kc, vc, pos, self.group)  # k, v written at pos
             o = F.scaled_dot_product_attention(q, kc, vc, attn_mask=valid, scale=self.scale)  # [B, ng, G, hd]
             delta = self._linear(layer.proj, o.reshape(B, self.heads * self.head_dim), self.fused)
             h, x = self._add_norm(x, delta, layer.ln2)
