@@ -29,6 +29,7 @@ over several GPU calls.
 from __future__ import annotations
 
 import argparse
+import gc
 import json
 import os
 import statistics
@@ -117,48 +118,63 @@ def export_hf(model, args, folder: str) -> str:
     return os.path.join(folder, "hf")
 
 
-def sglang_rows(a, shape: str, model, args, prompts, params) -> list[dict]:
-    """--backend sglang: one Engine per precision on ``model``'s HF export; timed like the native rows. SGLang's prefix
-    (radix) cache is flushed before every generate: the timed generates repeat the same prompts, and without the flush
-    every one after the first skips their prefill (the native engine prefills every time)."""
+def sglang_rows(a, shape: str, model, args, prompts, params, rows: list, save) -> None:
+    """--backend sglang: one Engine per precision on ``model``'s HF export; timed like the native rows, each appended to
+    ``rows`` and saved (``save()``) as it is measured; a row that fails (e.g. out of memory) is recorded with its
+    error and the next one runs. SGLang's prefix (radix) cache is flushed before every generate: the timed generates
+    repeat the same prompts, and without the flush every one after the first skips their prefill (the native engine
+    prefills every time)."""
     from megatron_fp4.resq import RolloutPrecision
-    from megatron_fp4.rollout import teacher_forced_logprobs
-    from megatron_fp4.rollout.sglang_engine import SGLangRolloutEngine
 
     hf = export_hf(model, args, os.path.join(a.work_dir, shape))
     sub = list(range(min(a.check_samples, a.batch)))
-    rows = []
     for name in a.precisions.split(","):
         p = RolloutPrecision(*PRECISIONS[name])
-        t0 = time.perf_counter()
-        with SGLangRolloutEngine(hf, p, device="cuda", attention_backend="triton", sampling_backend="pytorch",
-                                 grammar_backend="none", enable_memory_saver=False,
-                                 cuda_graph_max_bs_decode=max(a.batch, 8),  # no graphs above the batch
-                                 disable_prefill_cuda_graph=True) as engine:
-            start = time.perf_counter() - t0
-            samples = engine.generate(prompts, params)  # warm-up (kernel autotuning happens outside capture)
-            times = []
-            for _ in range(a.repeats):
-                engine.flush_cache()
-                samples = engine.generate(prompts, params)
-                times.append(engine.last_generate_stats["seconds"])
-            sync = engine.update_weights(model.named_parameters())  # (flushes the cache itself)
-            engine.generate(prompts, params)
-            after_sync = dict(engine.last_generate_stats)
-        ref = teacher_forced_logprobs(model, [prompts[i] for i in sub], [samples[i].token_ids for i in sub], p)
-        dmax, dmean = _diffs([samples[i].logprobs for i in sub], ref)
-        n_tok = sum(len(s.token_ids) for s in samples)
-        row = dict(backend="sglang", shape=shape, precision=p.label, batch=a.batch, prompt_len=a.prompt_len,
-                   new_tokens=a.new_tokens, tokens_per_s=n_tok / statistics.median(times),
-                   seconds=statistics.median(times), generated_tokens=n_tok, path="sglang", engine_start_s=start,
-                   prefix_cache="flushed before each generate",
-                   weight_sync_s=sync.total_seconds, tokens_per_s_after_sync=after_sync["tokens_per_s"],
-                   logp_vs_teacher_forced_max=dmax, logp_vs_teacher_forced_mean=dmean, check_samples=len(sub))
+        try:
+            row = _sglang_row(a, shape, model, hf, p, prompts, params, sub)
+        except torch.OutOfMemoryError as e:
+            row = dict(backend="sglang", shape=shape, precision=p.label, batch=a.batch, path="sglang",
+                       error=f"{type(e).__name__}: {str(e)[:300]}")
+            print(f"sglang {shape} {p.label:28s} failed: {row['error']}", flush=True)
+        gc.collect()  # this row's Engine handle and check tensors, before the next Engine starts
+        torch.cuda.empty_cache()
         rows.append(row)
-        print(f"sglang {shape} {p.label:28s} {row['tokens_per_s']:9.0f} tok/s (start {start:.1f} s; after sync "
-              f"{row['tokens_per_s_after_sync']:.0f} tok/s) |dlogp| vs teacher-forced full forward max {dmax:.2e} "
-              f"mean {dmean:.2e}", flush=True)
-    return rows
+        save()
+
+
+def _sglang_row(a, shape, model, hf, p, prompts, params, sub) -> dict:
+    """One precision's SGLang row (see :func:`sglang_rows`)."""
+    from megatron_fp4.rollout import teacher_forced_logprobs
+    from megatron_fp4.rollout.sglang_engine import SGLangRolloutEngine
+
+    t0 = time.perf_counter()
+    with SGLangRolloutEngine(hf, p, device="cuda", attention_backend="triton", sampling_backend="pytorch",
+                             grammar_backend="none", enable_memory_saver=False,
+                             cuda_graph_max_bs_decode=max(a.batch, 8),  # no graphs above the batch
+                             disable_prefill_cuda_graph=True) as engine:
+        start = time.perf_counter() - t0
+        samples = engine.generate(prompts, params)  # warm-up (kernel autotuning happens outside capture)
+        times = []
+        for _ in range(a.repeats):
+            engine.flush_cache()
+            samples = engine.generate(prompts, params)
+            times.append(engine.last_generate_stats["seconds"])
+        sync = engine.update_weights(model.named_parameters())  # (flushes the cache itself)
+        engine.generate(prompts, params)
+        after_sync = dict(engine.last_generate_stats)
+    ref = teacher_forced_logprobs(model, [prompts[i] for i in sub], [samples[i].token_ids for i in sub], p)
+    dmax, dmean = _diffs([samples[i].logprobs for i in sub], ref)
+    n_tok = sum(len(s.token_ids) for s in samples)
+    row = dict(backend="sglang", shape=shape, precision=p.label, batch=a.batch, prompt_len=a.prompt_len,
+               new_tokens=a.new_tokens, tokens_per_s=n_tok / statistics.median(times),
+               seconds=statistics.median(times), generated_tokens=n_tok, path="sglang", engine_start_s=start,
+               prefix_cache="flushed before each generate",
+               weight_sync_s=sync.total_seconds, tokens_per_s_after_sync=after_sync["tokens_per_s"],
+               logp_vs_teacher_forced_max=dmax, logp_vs_teacher_forced_mean=dmean, check_samples=len(sub))
+    print(f"sglang {shape} {p.label:28s} {row['tokens_per_s']:9.0f} tok/s (start {start:.1f} s; after sync "
+          f"{row['tokens_per_s_after_sync']:.0f} tok/s) |dlogp| vs teacher-forced full forward max {dmax:.2e} "
+          f"mean {dmean:.2e}", flush=True)
+    return row
 
 
 def _row_key(r: dict) -> tuple:
@@ -219,6 +235,20 @@ def main() -> None:
     initialize_parallel(1, 1, seed=0)
     rows, anchors, checks = [], [], []
     t_start = time.time()
+    old = json.load(open(a.out)) if a.append and os.path.exists(a.out) else None
+
+    def save() -> None:
+        """--out as measured so far (after every row: a crash or a time limit keeps the rows before it)."""
+        info = dict(device=torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu",
+                    date=time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()), torch=torch.__version__,
+                    batch=a.batch, prompt_len=a.prompt_len, new_tokens=a.new_tokens, decode=a.decode,
+                    sampling="temperature 1, no stop tokens", wall_s=time.time() - t_start)
+        record = dict(info=info, rows=rows + anchors, checks=checks)
+        os.makedirs(os.path.dirname(a.out) or ".", exist_ok=True)
+        with open(a.out + ".tmp", "w") as f:
+            json.dump(merge_results(old, record) if old is not None else record, f, indent=1)
+        os.replace(a.out + ".tmp", a.out)
+
     for si, shape in enumerate(a.shapes.split(",")):
         torch.manual_seed(0)
         args = GPTModelArgs(**SHAPES[shape], max_seq_len=a.prompt_len + a.new_tokens + 64, add_qkv_bias=True,
@@ -228,7 +258,7 @@ def main() -> None:
         prompts = [torch.randint(10, args.vocab_size, (a.prompt_len,), generator=g).tolist() for _ in range(a.batch)]
         params = SamplingParams(temperature=1.0, max_new_tokens=a.new_tokens, seed=0)
         if a.backend == "sglang":
-            rows += sglang_rows(a, shape, model, args, prompts, params)
+            sglang_rows(a, shape, model, args, prompts, params, rows, save)
             del model
             torch.cuda.empty_cache()
             continue
@@ -274,6 +304,7 @@ def main() -> None:
                 row["profile"] = profile_step(partial(engine.generate, prompts, params))
                 print(f"  CUDA ms per generate by family: {json.dumps(row['profile']['families_ms'])}", flush=True)
             rows.append(row)
+            save()
             print(f"{a.backend} {shape} {p.label:28s} {row['tokens_per_s']:9.0f} tok/s ({row['seconds']:.2f} s; "
                   f"first {first:.1f} s, capture {row['capture_s']:.1f} s; after sync "
                   f"{row['tokens_per_s_after_sync']:.0f} tok/s, recapture {row['capture_s_after_sync']:.2f} s) "
@@ -314,21 +345,12 @@ def main() -> None:
             except Exception as e:  # noqa: BLE001
                 anchors.append(dict(backend="hf-transformers-static", shape=shape, error=f"{type(e).__name__}: {e}"))
                 print(f"hf anchor failed: {type(e).__name__}: {str(e)[:300]}", flush=True)
-    info = dict(device=torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu",
-                date=time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()), torch=torch.__version__,
-                batch=a.batch, prompt_len=a.prompt_len, new_tokens=a.new_tokens, decode=a.decode,
-                sampling="temperature 1, no stop tokens", wall_s=time.time() - t_start)
-    os.makedirs(os.path.dirname(a.out) or ".", exist_ok=True)
-    record = dict(info=info, rows=rows + anchors, checks=checks)
-    if a.append and os.path.exists(a.out):
-        record = merge_results(json.load(open(a.out)), record)
-    with open(a.out, "w") as f:
-        json.dump(record, f, indent=1)
+    save()
     print("\n| backend | shape | precision | path | batch | tok/s | vs engine BF16 | |dlogp| graph vs eager max / mean "
           "| |dlogp| vs teacher-forced max / mean |")
     print("|---|---|---|---|---|---|---|---|---|")
     for r in rows + anchors:
-        base = next((b["tokens_per_s"] for b in rows if b["shape"] == r.get("shape") and b["precision"] == "bf16"
+        base = next((b.get("tokens_per_s") for b in rows if b["shape"] == r.get("shape") and b["precision"] == "bf16"
                      and b.get("path") != "megatron"), None)
         tps = r.get("tokens_per_s")
         rel = f"{tps / base:.2f}x" if tps and base else ""

@@ -3,6 +3,8 @@
 import os
 import sys
 
+import torch
+
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "benchmarks"))
 
 from bench_rollout import merge_results  # noqa: E402
@@ -66,9 +68,27 @@ def test_sglang_rows_flush_the_prefix_cache_before_every_timed_generate(monkeypa
     a = types.SimpleNamespace(work_dir="/tmp/unused", check_samples=2, batch=2, precisions="bf16", repeats=2,
                               prompt_len=4, new_tokens=2)
     model = types.SimpleNamespace(named_parameters=lambda: iter(()))
-    rows = bench_rollout.sglang_rows(a, "qwen2.5-1.5b", model, None, [[5, 6, 7, 8]] * 2, None)
+    rows, saved = [], []
+    bench_rollout.sglang_rows(a, "qwen2.5-1.5b", model, None, [[5, 6, 7, 8]] * 2, None, rows,
+                              lambda: saved.append(len(rows)))
     assert calls == ["generate", "flush", "generate", "flush", "generate", "sync", "generate"]
     assert rows[0]["prefix_cache"] == "flushed before each generate" and rows[0]["tokens_per_s"] == 4.0
+    assert saved == [1]
+
+    # a row that runs out of GPU memory is recorded with its error, saved, and the next precision still runs
+    # (session 29's 7B call lost its two measured rows to the third one's OOM)
+    class OOMEngine(Engine):
+        def __init__(self, path, precision, **kwargs):
+            if precision.label != "bf16":
+                raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 4.05 GiB")
+
+    monkeypatch.setattr(sglang_engine, "SGLangRolloutEngine", OOMEngine)
+    a.precisions = "w4a16/hif4,bf16"
+    rows, saved = [], []
+    bench_rollout.sglang_rows(a, "qwen2.5-1.5b", model, None, [[5, 6, 7, 8]] * 2, None, rows,
+                              lambda: saved.append(len(rows)))
+    assert saved == [1, 2] and "OutOfMemoryError" in rows[0]["error"] and "tokens_per_s" not in rows[0]
+    assert rows[1]["precision"] == "bf16" and rows[1]["tokens_per_s"] == 4.0
 
 
 def test_profile_families_name_the_rollout_kernels_and_profile_is_native_only(monkeypatch, capsys):
