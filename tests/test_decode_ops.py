@@ -136,3 +136,57 @@ def test_rope_reads_qkv_splits_and_bias(dtype, splits, with_bias):
     assert torch.equal(outs[0][2], outs[2][2])  # values: copied, twin and kernel alike
     for a, b in zip(outs[0][:2], outs[2][:2]):
         torch.testing.assert_close(a, b, **_tol(dtype))  # RoPE: one fused computation against torch's roundings
+
+
+@pytest.mark.parametrize("dtype", [d for d in DTYPES if d != torch.float32])
+@pytest.mark.parametrize("fmt", ["hif4", "mxfp4"])
+@pytest.mark.parametrize("splits", [0, 1, 3])
+def test_add_rms_norm_resq_is_the_norm_then_resq_quantize(dtype, fmt, splits):
+    """The residual add + RMSNorm with ResQ 2:4's quantize of its output (bf16 sum) in one kernel: the activation is
+    bit for bit the resq kernel's (and the PyTorch reference's) on the fused norm's own output, so W4A16 on it is
+    W4A4 + ResQ 2:4 (bf16 sum). Rows of 320 (five HiF4 units, ten MXFP4 blocks: two BK chunks, the last partial)
+    with a few outliers, the case ResQ exists for; splits 0: no residual add (the first layer)."""
+    from megatron_fp4.kernels.resq import resq_quantize
+
+    g = torch.Generator().manual_seed(5)
+    N = 320
+    x = (torch.randn(6, N, generator=g) * 2).to(dtype).to(DEV)
+    x[1, 7] = 300.0
+    x[4, 200] = -90.0
+    parts = torch.randn(splits, 6, N, generator=g).to(DEV) if splits else None
+    norm = torch.nn.RMSNorm(N, eps=1e-6).to(DEV)
+    with torch.no_grad():
+        norm.weight.copy_(torch.rand(N, generator=g) + 0.5)
+    a, s = decode_ops.add_rms_norm_resq(x, parts, norm, fmt)
+    y, s_ref = decode_ops.add_rms_norm(x, parts, norm)
+    assert a.dtype == torch.bfloat16 and a.shape == x.shape and torch.equal(s, s_ref)
+    assert torch.equal(a, resq_quantize(y, fmt, expand="sum")[2].values)
+    from megatron_fp4.resq import resq_activation
+
+    assert torch.equal(resq_activation(y, fmt, "2:4", dim=-1, out_dtype=torch.bfloat16), a)
+    # not a torch RMSNorm: the twin serves the call
+    ln = torch.nn.LayerNorm(N).to(DEV).to(dtype)
+    a2, _ = decode_ops.add_rms_norm_resq(x, parts, ln, fmt)
+    assert torch.equal(a2, resq_activation(decode_ops.add_rms_norm_reference(x, parts, ln)[0], fmt, "2:4",
+                                           out_dtype=torch.bfloat16))
+
+
+@pytest.mark.parametrize("dtype", [d for d in DTYPES if d != torch.float32])
+@pytest.mark.parametrize("fmt", ["hif4", "mxfp4"])
+@pytest.mark.parametrize("splits", [False, True])
+def test_swiglu_resq_is_the_swiglu_then_resq_quantize(dtype, fmt, splits):
+    """SwiGLU with ResQ 2:4's quantize of its output (bf16 sum) in one kernel: bit for bit the resq kernel's and the
+    PyTorch reference's activation of the fused SwiGLU's own output. F = 1500: two column blocks, the last one
+    ragged (HiF4 pads 1500 to 1536, MXFP4 to 1504)."""
+    from megatron_fp4.kernels.resq import resq_quantize
+    from megatron_fp4.resq import resq_activation
+
+    g = torch.Generator().manual_seed(6)
+    a = (torch.randn(*((3,) if splits else ()), 4, 2 * 1500, generator=g) * 3)
+    a[..., 0, 11] = 80.0  # an outlier in a gate
+    a = a.to(DEV) if splits else a.to(dtype).to(DEV)
+    e = decode_ops.swiglu(a, dtype, splits, resq=fmt)
+    y = decode_ops.swiglu(a, dtype, splits)
+    assert e.dtype == torch.bfloat16 and e.shape == y.shape
+    assert torch.equal(e, resq_quantize(y, fmt, expand="sum")[2].values[:, :1500])
+    assert torch.equal(e, resq_activation(y, fmt, "2:4", dim=-1, out_dtype=torch.bfloat16))

@@ -25,9 +25,9 @@ from typing import Optional
 import torch
 import torch.nn.functional as F
 
-from megatron_fp4.kernels._common import HAS_TRITON, kernels_usable, tl, triton
+from megatron_fp4.kernels._common import HAS_TRITON, HIF4_RECIP, KERNEL_FORMATS, kernels_usable, tl, triton
 
-__all__ = ["add_rms_norm", "add_rms_norm_reference", "rope_reference", "rope_kv_write", "rope_kv_write_reference",
+__all__ = ["add_rms_norm", "add_rms_norm_reference", "add_rms_norm_resq", "add_rms_norm_resq_reference", "rope_reference", "rope_kv_write", "rope_kv_write_reference",
            "sum_splits", "swiglu", "swiglu_reference"]
 
 
@@ -48,6 +48,27 @@ def add_rms_norm_reference(x: torch.Tensor, delta: Optional[torch.Tensor], norm:
                            ) -> tuple[torch.Tensor, torch.Tensor]:
     s = x if delta is None else x + sum_splits(delta, x.dtype, x.dim())
     return norm(s), s
+
+
+def _block_size(fmt: str) -> int:
+    from megatron_fp4.formats import get_format
+
+    return get_format(fmt).block_size
+
+
+def _resq_sum(y: torch.Tensor, fmt: str) -> torch.Tensor:
+    """ResQ 2:4's bf16-sum activation of ``y`` (the PyTorch reference)."""
+    from megatron_fp4.resq import resq_activation
+
+    return resq_activation(y, fmt, "2:4", dim=-1, out_dtype=torch.bfloat16)
+
+
+def add_rms_norm_resq_reference(x: torch.Tensor, delta: Optional[torch.Tensor], norm: torch.nn.Module, fmt: str
+                                ) -> tuple[torch.Tensor, torch.Tensor]:
+    """(``bf16(Q(y) + S(Q(y - Q(y))))`` of ``y = norm(x + delta)``, ``x + delta``): the activation Rollout-ResQ 2:4
+    with ``resq_combine="bf16"`` multiplies (:func:`megatron_fp4.resq.resq_activation`), of the normed output."""
+    y, s = add_rms_norm_reference(x, delta, norm)
+    return _resq_sum(y, fmt), s
 
 
 def rope_reference(t: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
@@ -106,6 +127,44 @@ if HAS_TRITON:
         w = tl.load(w_ptr + cols, mask=m, other=0.0).to(tl.float32)
         tl.store(y_ptr + row * stride_y + cols, (xf * r * w).to(y_ptr.dtype.element_ty), mask=m)
 
+    from megatron_fp4.kernels.quantize import _bf16_rne
+    from megatron_fp4.kernels.resq import _resq_tiles
+
+    @triton.jit
+    def _add_rms_norm_resq_kernel(x_ptr, d_ptr, w_ptr, e_ptr, s_ptr, N, KP, eps, stride_x, stride_d, stride_e,
+                                  stride_s, stride_split, SPLITS: tl.constexpr, HAS_DELTA: tl.constexpr,
+                                  BLOCK: tl.constexpr, BK: tl.constexpr, FMT: tl.constexpr, R1: tl.constexpr,
+                                  R2: tl.constexpr, R3: tl.constexpr):
+        """One row: s and r as :func:`_add_rms_norm_kernel`; then, BK columns at a time, y = s * r * w rounded to
+        x's dtype (the norm's output) and the ResQ 2:4 sum of y, bf16(Q(y) + S(Q(y - Q(y)))), stored over the
+        padded K (KP: the format's blocks) as the resq kernel's EXPAND=3 (FMT 0 hif4, 1 mxfp4, 2 mxfp4_rceil)."""
+        row = tl.program_id(0)
+        cols = tl.arange(0, BLOCK)
+        m = cols < N
+        x = tl.load(x_ptr + row * stride_x + cols, mask=m, other=0.0)
+        if HAS_DELTA:
+            d = tl.load(d_ptr + row * stride_d + cols, mask=m, other=0.0).to(tl.float32)
+            for k in tl.static_range(1, SPLITS):
+                d += tl.load(d_ptr + k * stride_split + row * stride_d + cols, mask=m, other=0.0).to(tl.float32)
+            d = d.to(x_ptr.dtype.element_ty)
+            x = (x.to(tl.float32) + d.to(tl.float32)).to(x_ptr.dtype.element_ty)
+            tl.store(s_ptr + row * stride_s + cols, x, mask=m)
+            src = s_ptr + row * stride_s
+        else:
+            src = x_ptr + row * stride_x
+        xf = x.to(tl.float32)
+        r = 1.0 / tl.sqrt(tl.sum(xf * xf, axis=0) / N + eps)
+        tl.debug_barrier()  # s as stored, read back below by other threads
+        for k0 in range(0, KP, BK):
+            c = k0 + tl.arange(0, BK)
+            sc = tl.load(src + c, mask=c < N, other=0.0).to(tl.float32)
+            wc = tl.load(w_ptr + c, mask=c < N, other=0.0).to(tl.float32)
+            y = (sc * r * wc).to(x_ptr.dtype.element_ty).to(tl.float32)
+            codes, X, bad, val, rcodes, RX, rbad, rval = _resq_tiles(tl.reshape(y, (1, BK)), FMT, 1, BK, R1, R2,
+                                                                     R3)
+            e = tl.reshape(_bf16_rne(val + rval), (BK,))
+            tl.store(e_ptr + row * stride_e + c, e.to(tl.bfloat16), mask=c < KP)
+
     @triton.jit
     def _rope_kv_kernel(qkv_ptr, bias_ptr, cos_ptr, sin_ptr, q_ptr, kc_ptr, vc_ptr, pos_ptr, G, H, stride_t, stride_g,
                         stride_r, stride_split, stride_c, stride_q, stride_qg, stride_qr, stride_kb, stride_kg,
@@ -153,13 +212,17 @@ if HAS_TRITON:
         tl.store(vc_ptr + kbase + H, t2.to(vc_ptr.dtype.element_ty), mask=vm)
 
     @triton.jit
-    def _swiglu_kernel(a_ptr, y_ptr, F_, stride_a, stride_y, stride_split, SPLITS: tl.constexpr, BLOCK: tl.constexpr):
-        """a (its splits' partial sums added in order in fp32) rounded to y's dtype, silu(a0) rounded to it (as
-        F.silu), times a1, rounded once more (as torch's multiply)."""
+    def _swiglu_kernel(a_ptr, y_ptr, F_, FP, stride_a, stride_y, stride_split, DT: tl.constexpr,
+                       SPLITS: tl.constexpr, BLOCK: tl.constexpr, FMT: tl.constexpr, R1: tl.constexpr,
+                       R2: tl.constexpr, R3: tl.constexpr):
+        """a (its splits' partial sums added in order in fp32) rounded to DT, silu(a0) rounded to it (as F.silu),
+        times a1, rounded once more (as torch's multiply). FMT >= 0 (0 hif4, 1 mxfp4, 2 mxfp4_rceil; BLOCK a
+        multiple of 64): y gets the ResQ 2:4 sum of that product instead, bf16(Q(y) + S(Q(y - Q(y)))), over the
+        format's padded width FP (the resq kernel's EXPAND=3)."""
         row = tl.program_id(0)
         cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
         m = cols < F_
-        dt = y_ptr.dtype.element_ty
+        dt = DT
         a0 = tl.load(a_ptr + row * stride_a + cols, mask=m, other=0.0).to(tl.float32)
         a1 = tl.load(a_ptr + row * stride_a + F_ + cols, mask=m, other=0.0).to(tl.float32)
         for k in tl.static_range(1, SPLITS):
@@ -168,12 +231,23 @@ if HAS_TRITON:
         a0 = a0.to(dt).to(tl.float32)
         a1 = a1.to(dt).to(tl.float32)
         s = (a0 / (1.0 + tl.exp(-a0))).to(dt).to(tl.float32)
-        tl.store(y_ptr + row * stride_y + cols, (s * a1).to(y_ptr.dtype.element_ty), mask=m)
+        y = (s * a1).to(dt)
+        if FMT >= 0:
+            codes, X, bad, val, rcodes, RX, rbad, rval = _resq_tiles(tl.reshape(y.to(tl.float32), (1, BLOCK)), FMT,
+                                                                     1, BLOCK, R1, R2, R3)
+            e = tl.reshape(_bf16_rne(val + rval), (BLOCK,))
+            tl.store(y_ptr + row * stride_y + cols, e.to(tl.bfloat16), mask=cols < FP)
+        else:
+            tl.store(y_ptr + row * stride_y + cols, y, mask=m)
 
 
 # ----------------------------------------------------------------------------------------------------------------
 # entry points
 # ----------------------------------------------------------------------------------------------------------------
+_FMT_IDS = {"hif4": 0, "mxfp4": 1, "mxfp4_rceil": 2}  # the resq kernel's FMT
+_TL_DTYPES = {torch.float32: tl.float32, torch.float16: tl.float16, torch.bfloat16: tl.bfloat16} if HAS_TRITON else {}
+
+
 def _rms_params(norm: torch.nn.Module, x: torch.Tensor) -> Optional[tuple[torch.Tensor, float]]:
     """(weight, eps) of a torch RMSNorm over x's last dim, or None where the kernel does not apply."""
     w = getattr(norm, "weight", None)
@@ -206,6 +280,32 @@ def add_rms_norm(x: torch.Tensor, delta: Optional[torch.Tensor], norm: torch.nn.
     return y, s
 
 
+def add_rms_norm_resq(x: torch.Tensor, delta: Optional[torch.Tensor], norm: torch.nn.Module, fmt: str
+                      ) -> tuple[torch.Tensor, torch.Tensor]:
+    """:func:`add_rms_norm_resq_reference` in one kernel (the residual add, the RMSNorm and ResQ 2:4's quantize of
+    its output, ``resq_combine="bf16"``), for a torch RMSNorm and a kernel format; the twin otherwise. The result
+    is what ``rollout_linear`` in W4A4 + ResQ 2:4 (bf16 sum) would multiply: the same linear in W4A16 on it gives
+    that precision's numbers with no quantize kernel of its own."""
+    p = _rms_params(norm, x)
+    if (p is None or fmt not in KERNEL_FORMATS or not kernels_usable(x)
+            or (delta is not None and (delta.shape[-2:] != x.shape or delta.dim() > 3 or delta.stride(-1) != 1))):
+        return add_rms_norm_resq_reference(x, delta, norm, fmt)
+    w, eps = p
+    B, N = x.shape
+    KP = -(-N // _block_size(fmt)) * _block_size(fmt)
+    e = torch.empty((B, KP), dtype=torch.bfloat16, device=x.device)
+    s = torch.empty_like(x) if delta is not None else x
+    d = delta if delta is not None else x
+    splits, stride_split = (d.shape[0], d.stride(0)) if d.dim() == 3 else (1, 0)
+    BLOCK = triton.next_power_of_2(N)
+    _add_rms_norm_resq_kernel[(B,)](x, d, w, e, s, N, KP, eps, x.stride(0), d.stride(-2), e.stride(0), s.stride(0),
+                                    stride_split, SPLITS=splits, HAS_DELTA=delta is not None, BLOCK=BLOCK,
+                                    BK=256, FMT=_FMT_IDS[fmt],
+                                    R1=HIF4_RECIP[1], R2=HIF4_RECIP[2], R3=HIF4_RECIP[3],
+                                    num_warps=min(16, max(4, BLOCK // 512)))
+    return e[:, :N], s
+
+
 def rope_kv_write(qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, k_cache: torch.Tensor,
                   v_cache: torch.Tensor, pos: torch.Tensor, group: int, bias: Optional[torch.Tensor] = None
                   ) -> torch.Tensor:
@@ -227,16 +327,24 @@ def rope_kv_write(qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, k_cac
     return q
 
 
-def swiglu(a: torch.Tensor, out_dtype: Optional[torch.dtype] = None, splits: bool = False) -> torch.Tensor:
+def swiglu(a: torch.Tensor, out_dtype: Optional[torch.dtype] = None, splits: bool = False,
+           resq: Optional[str] = None) -> torch.Tensor:
     """:func:`swiglu_reference` for ``a [B, 2F]`` (``splits``: ``[splits, B, 2F]`` partial sums, see the module doc)
-    in one kernel (``out_dtype``: a's by default; an fp32 ``a`` is read as its cast to ``out_dtype``)."""
-    if not kernels_usable(a) or a.dim() != 2 + splits or a.shape[-1] % 2 or a.stride(-1) != 1:
-        return swiglu_reference(a, out_dtype, splits)
+    in one kernel (``out_dtype``: a's by default; an fp32 ``a`` is read as its cast to ``out_dtype``). ``resq`` (a
+    format): the ResQ 2:4 bf16-sum activation of that output instead (bf16; as :func:`add_rms_norm_resq`)."""
+    dtype = out_dtype or a.dtype
+    if (not kernels_usable(a) or a.dim() != 2 + splits or a.shape[-1] % 2 or a.stride(-1) != 1
+            or (resq is not None and resq not in KERNEL_FORMATS) or dtype not in _TL_DTYPES):
+        y = swiglu_reference(a, out_dtype, splits)
+        return y if resq is None else _resq_sum(y, resq)
     B, F2 = a.shape[-2:]
     F_ = F2 // 2
-    y = torch.empty((B, F_), dtype=out_dtype or a.dtype, device=a.device)
-    BLOCK = min(1024, triton.next_power_of_2(F_))
+    FP = F_ if resq is None else -(-F_ // _block_size(resq)) * _block_size(resq)
+    y = torch.empty((B, FP), dtype=dtype if resq is None else torch.bfloat16, device=a.device)
+    BLOCK = min(1024, max(64, triton.next_power_of_2(F_)))
     n_splits, stride_split = (a.shape[0], a.stride(0)) if splits else (1, 0)
-    _swiglu_kernel[(B, triton.cdiv(F_, BLOCK))](a, y, F_, a.stride(-2), y.stride(0), stride_split, SPLITS=n_splits,
-                                                BLOCK=BLOCK)
-    return y
+    _swiglu_kernel[(B, triton.cdiv(FP, BLOCK))](a, y, F_, FP, a.stride(-2), y.stride(0), stride_split,
+                                                DT=_TL_DTYPES[dtype], SPLITS=n_splits, BLOCK=BLOCK,
+                                                FMT=-1 if resq is None else _FMT_IDS[resq], R1=HIF4_RECIP[1],
+                                                R2=HIF4_RECIP[2], R3=HIF4_RECIP[3])
+    return y[:, :F_]

@@ -339,7 +339,8 @@ class NativeRolloutEngine(RolloutEngine):
         if path != "megatron":
             self.last_generate_stats.update(self._static.last_stats)
             if self._static.fused:  # megatron_fp4/kernels/decode_ops.py's fused decode-step kernels (the GPU default)
-                self.last_generate_stats["path"] = path + "+fused"
+                path += "+fused" + ("+resq" if self._static.resq_format(1) is not None else "")
+                self.last_generate_stats["path"] = path
         return results
 
     @torch.no_grad()

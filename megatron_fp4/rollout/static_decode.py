@@ -152,6 +152,12 @@ class _Layer:
     fc2: torch.nn.Module
 
 
+def _on_resq_activation(resq: Optional[str]) -> Optional[RolloutPrecision]:
+    """The precision of a linear whose input is ResQ's activation in format ``resq`` already: W4A16 on it is W4A4 +
+    ResQ 2:4 with the bf16 sum (:meth:`StaticCacheGenerator.resq_format`); None for None."""
+    return RolloutPrecision("w4a16", resq) if resq is not None else None
+
+
 class StaticCacheGenerator:
     """Generation with a static KV cache, SDPA prefill and (on CUDA) CUDA-graph decode steps; see the module doc."""
 
@@ -194,6 +200,11 @@ class StaticCacheGenerator:
         on_gpu = any(p.is_cuda for p in model.parameters())
         self.fused = fused if fused is not None else os.environ.get("MEGATRON_FP4_DECODE_FUSED",
                                                                     "1" if on_gpu else "0") == "1"
+        #: W4A4 + ResQ 2:4 (bf16 sum) with ``fused``: the RMSNorm kernels before qkv and fc1 and the SwiGLU before fc2
+        #: also quantize their output (decode_ops.add_rms_norm_resq, swiglu(resq=)), and those linears run W4A16 on
+        #: it: the same numbers without three of the four quantize kernels per layer. Opt-in
+        #: (MEGATRON_FP4_DECODE_FUSED_RESQ=1) until measured on a GPU.
+        self.fused_resq = os.environ.get("MEGATRON_FP4_DECODE_FUSED_RESQ", "0") == "1"
 
     # -- buffers -----------------------------------------------------------------------------------------------------
     @property
@@ -255,33 +266,45 @@ class StaticCacheGenerator:
         return st
 
     # -- the model -----------------------------------------------------------------------------------------------------
-    def _linear(self, mod: torch.nn.Module, x: torch.Tensor, as_stored: bool = False, bias: bool = True
-                ) -> torch.Tensor:
+    def _linear(self, mod: torch.nn.Module, x: torch.Tensor, as_stored: bool = False, bias: bool = True,
+                precision: Optional[RolloutPrecision] = None) -> torch.Tensor:
         """``as_stored``: ``[splits, B, n]``, the decode GEMM's fp32 split-K partial sums as stored (no atomics, no
         zero-fill, no cast kernel; with a bias already added up), for the fused kernels that add them in order and
         round to the model's dtype as they read them: the step is then deterministic (graph and eager alike).
-        ``bias`` False: without the linear's bias (its reader adds it)."""
-        return rollout_linear(x, mod.weight, getattr(mod, "bias", None) if bias else None, self._precision,
-                              cache=self._cache, as_stored=as_stored)
+        ``bias`` False: without the linear's bias (its reader adds it). ``precision``: instead of the generator's."""
+        return rollout_linear(x, mod.weight, getattr(mod, "bias", None) if bias else None,
+                              precision or self._precision, cache=self._cache, as_stored=as_stored)
 
-    def _mlp(self, layer: _Layer, h: torch.Tensor, as_stored: bool = False) -> torch.Tensor:
+    def _mlp(self, layer: _Layer, h: torch.Tensor, as_stored: bool = False, resq: Optional[str] = None
+             ) -> torch.Tensor:
         """The MLP of the normed input ``h`` (``as_stored``: fc2's output as :meth:`_linear` says, and fc1's too
-        where the fused SwiGLU reads it)."""
+        where the fused SwiGLU reads it; ``resq``: ``h`` is ResQ's activation already (:meth:`resq_format`), and the
+        fused SwiGLU makes fc2's)."""
         splits = as_stored and self.fused and self.gated
-        return self._linear(layer.fc2, self._act(self._linear(layer.fc1, h, splits), h.dtype, splits), as_stored)
+        w16 = _on_resq_activation(resq)
+        a = self._linear(layer.fc1, h, splits, precision=w16)
+        fc2_resq = resq if self.fused and self.gated else None
+        return self._linear(layer.fc2, self._act(a, h.dtype, splits, fc2_resq), as_stored,
+                            precision=w16 if fc2_resq else None)
 
-    def _act(self, a: torch.Tensor, dtype: torch.dtype, splits: bool = False) -> torch.Tensor:
-        """The activation of fc1's output ``a`` (``splits``: its split sums as stored, fused SwiGLU only)."""
+    def _act(self, a: torch.Tensor, dtype: torch.dtype, splits: bool = False, resq: Optional[str] = None
+             ) -> torch.Tensor:
+        """The activation of fc1's output ``a`` (``splits``: its split sums as stored, fused SwiGLU only; ``resq``:
+        ResQ's activation of it, in ``dtype``)."""
         if not self.gated:
             return self.act(a)
-        if self.fused:
-            return decode_ops.swiglu(a, dtype, splits)  # gated MLPs here are SiLU (static_decode_support)
+        if self.fused:  # gated MLPs here are SiLU (static_decode_support)
+            return decode_ops.swiglu(a, dtype, splits, resq=resq).to(dtype)
         a0, a1 = torch.chunk(a, 2, dim=-1)
         return self.act(a0) * a1
 
-    def _add_norm(self, x: torch.Tensor, delta: Optional[torch.Tensor], norm: torch.nn.Module
-                  ) -> tuple[torch.Tensor, torch.Tensor]:
-        """(norm(x + delta), x + delta); ``delta`` None: (norm(x), x)."""
+    def _add_norm(self, x: torch.Tensor, delta: Optional[torch.Tensor], norm: torch.nn.Module,
+                  resq: Optional[str] = None) -> tuple[torch.Tensor, torch.Tensor]:
+        """(norm(x + delta), x + delta); ``delta`` None: (norm(x), x). ``resq`` (a format): the first item is the
+        ResQ 2:4 bf16-sum activation of norm(x + delta) instead, in x's dtype (:meth:`resq_format`)."""
+        if resq is not None:
+            a, s = decode_ops.add_rms_norm_resq(x, delta, norm, resq)
+            return a.to(x.dtype), s
         if self.fused:
             return decode_ops.add_rms_norm(x, delta, norm)
         return decode_ops.add_rms_norm_reference(x, delta, norm)
@@ -315,6 +338,18 @@ class StaticCacheGenerator:
         last = x[torch.arange(b, device=x.device), lens - 1]
         return self._logits(self.final_norm(last))
 
+    def resq_format(self, B: int) -> Optional[str]:
+        """The format whose ResQ quantize the decode step's RMSNorm kernels take over (``fused_resq``), or None: W4A4 +
+        ResQ 2:4 with the bf16 sum, at most DECODE_MAX_M tokens (where the kernels' W4A4 + ResQ and W4A16 paths
+        multiply the same bf16 activation by the same bf16 expansion of the weight)."""
+        from megatron_fp4.kernels._common import DECODE_MAX_M
+
+        p = self._precision
+        if (self.fused and self.fused_resq and p.mode == "w4a4" and p.activation_method == "resq"
+                and p.sparsity == "2:4" and p.resq_combine == "bf16" and B <= DECODE_MAX_M):
+            return p.format
+        return None
+
     def _decode(self, st: dict, B: int) -> torch.Tensor:
         """One token for slots [0, B): reads st tok/pos, writes K/V at pos, returns fp32 logits [B, V]. Each residual
         add is done with the norm that follows it (one kernel each when ``fused``)."""
@@ -323,12 +358,14 @@ class StaticCacheGenerator:
         cos, sin = st["cos"][pos], st["sin"][pos]  # [B, hd]
         valid = (st["ar_seq"][None, :] <= pos[:, None]).view(B, 1, 1, -1)
         delta = None
+        resq = self.resq_format(B)
+        w16 = _on_resq_activation(resq)
         for i, layer in enumerate(self.layers):
-            h, x = self._add_norm(x, delta, layer.ln1)
+            h, x = self._add_norm(x, delta, layer.ln1, resq)
             kc, vc = st["k"][i, :B], st["v"][i, :B]  # [B, ng, S, hd]
             if self.fused:  # the RoPE kernel adds qkv's splits in order, then (FP4: no cuBLAS epilogue) its bias
                 bias = getattr(layer.qkv, "bias", None) if self._precision.mode != "bf16" else None
-                qkv = self._linear(layer.qkv, h, True, bias=bias is None)
+                qkv = self._linear(layer.qkv, h, True, bias=bias is None, precision=w16)
                 qkv = qkv.view(qkv.shape[0], B, self.kv_heads, self.group + 2, self.head_dim)
                 q = decode_ops.rope_kv_write(qkv, cos, sin, kc, vc, pos, self.group, bias)  # [B, ng, G, hd]
             else:
@@ -336,8 +373,8 @@ class StaticCacheGenerator:
                 q = decode_ops.rope_kv_write_reference(qkv, cos, sin, kc, vc, pos, self.group)  # k, v written at pos
             o = F.scaled_dot_product_attention(q, kc, vc, attn_mask=valid, scale=self.scale)  # [B, ng, G, hd]
             delta = self._linear(layer.proj, o.reshape(B, self.heads * self.head_dim), self.fused)
-            h, x = self._add_norm(x, delta, layer.ln2)
-            delta = self._mlp(layer, h, self.fused)
+            h, x = self._add_norm(x, delta, layer.ln2, resq)
+            delta = self._mlp(layer, h, self.fused, resq)
         return self._logits(self._add_norm(x, delta, self.final_norm)[0])
 
     def _record(self, st: dict, B: int, tok: torch.Tensor, lp: torch.Tensor, params: SamplingParams,
