@@ -106,11 +106,11 @@ def swiglu_reference(a: torch.Tensor, out_dtype: Optional[torch.dtype] = None, s
 if HAS_TRITON:
 
     @triton.jit
-    def _add_rms_norm_kernel(x_ptr, d_ptr, w_ptr, y_ptr, s_ptr, N, eps, stride_x, stride_d, stride_y, stride_s,
-                             stride_split, SPLITS: tl.constexpr, HAS_DELTA: tl.constexpr, BLOCK: tl.constexpr):
-        """One row: s = x + d rounded to x's dtype (stored; d = the splits' partial sums added in order in fp32,
-        then rounded to x's dtype: read as the GEMM's own rounded output), r = rsqrt(mean(s^2) + eps),
-        y = s * r * w in fp32 rounded once to y's dtype (torch.nn.RMSNorm's computation)."""
+    def _residual_row(x_ptr, d_ptr, s_ptr, N, eps, stride_x, stride_d, stride_s, stride_split, SPLITS: tl.constexpr,
+                      HAS_DELTA: tl.constexpr, BLOCK: tl.constexpr):
+        """One row (program_id 0): s = x + d rounded to x's dtype (stored; d = the splits' partial sums added in order
+        in fp32, then rounded to x's dtype: read as the GEMM's own rounded output). Returns (s in fp32 [BLOCK],
+        r = rsqrt(mean(s^2) + eps), the columns, their mask)."""
         row = tl.program_id(0)
         cols = tl.arange(0, BLOCK)
         m = cols < N
@@ -123,9 +123,17 @@ if HAS_TRITON:
             x = (x.to(tl.float32) + d.to(tl.float32)).to(x_ptr.dtype.element_ty)
             tl.store(s_ptr + row * stride_s + cols, x, mask=m)
         xf = x.to(tl.float32)
-        r = 1.0 / tl.sqrt(tl.sum(xf * xf, axis=0) / N + eps)
+        return xf, 1.0 / tl.sqrt(tl.sum(xf * xf, axis=0) / N + eps), cols, m
+
+    @triton.jit
+    def _add_rms_norm_kernel(x_ptr, d_ptr, w_ptr, y_ptr, s_ptr, N, eps, stride_x, stride_d, stride_y, stride_s,
+                             stride_split, SPLITS: tl.constexpr, HAS_DELTA: tl.constexpr, BLOCK: tl.constexpr):
+        """One row: s and r (:func:`_residual_row`), y = s * r * w in fp32 rounded once to y's dtype
+        (torch.nn.RMSNorm's computation)."""
+        xf, r, cols, m = _residual_row(x_ptr, d_ptr, s_ptr, N, eps, stride_x, stride_d, stride_s, stride_split,
+                                       SPLITS, HAS_DELTA, BLOCK)
         w = tl.load(w_ptr + cols, mask=m, other=0.0).to(tl.float32)
-        tl.store(y_ptr + row * stride_y + cols, (xf * r * w).to(y_ptr.dtype.element_ty), mask=m)
+        tl.store(y_ptr + tl.program_id(0) * stride_y + cols, (xf * r * w).to(y_ptr.dtype.element_ty), mask=m)
 
     from megatron_fp4.kernels.quantize import _bf16_rne
     from megatron_fp4.kernels.resq import _resq_tiles
@@ -135,25 +143,16 @@ if HAS_TRITON:
                                   stride_s, stride_split, SPLITS: tl.constexpr, HAS_DELTA: tl.constexpr,
                                   BLOCK: tl.constexpr, BK: tl.constexpr, FMT: tl.constexpr, R1: tl.constexpr,
                                   R2: tl.constexpr, R3: tl.constexpr):
-        """One row: s and r as :func:`_add_rms_norm_kernel`; then, BK columns at a time, y = s * r * w rounded to
-        x's dtype (the norm's output) and the ResQ 2:4 sum of y, bf16(Q(y) + S(Q(y - Q(y)))), stored over the
-        padded K (KP: the format's blocks) as the resq kernel's EXPAND=3 (FMT 0 hif4, 1 mxfp4, 2 mxfp4_rceil)."""
+        """One row: s and r (:func:`_residual_row`); then, BK columns at a time, y = s * r * w rounded to x's dtype
+        (the norm's output) and the ResQ 2:4 sum of y, bf16(Q(y) + S(Q(y - Q(y)))), stored over the padded K (KP:
+        the format's blocks) as the resq kernel's EXPAND=3 (FMT 0 hif4, 1 mxfp4, 2 mxfp4_rceil)."""
         row = tl.program_id(0)
-        cols = tl.arange(0, BLOCK)
-        m = cols < N
-        x = tl.load(x_ptr + row * stride_x + cols, mask=m, other=0.0)
+        xf, r, cols, m = _residual_row(x_ptr, d_ptr, s_ptr, N, eps, stride_x, stride_d, stride_s, stride_split,
+                                       SPLITS, HAS_DELTA, BLOCK)
         if HAS_DELTA:
-            d = tl.load(d_ptr + row * stride_d + cols, mask=m, other=0.0).to(tl.float32)
-            for k in tl.static_range(1, SPLITS):
-                d += tl.load(d_ptr + k * stride_split + row * stride_d + cols, mask=m, other=0.0).to(tl.float32)
-            d = d.to(x_ptr.dtype.element_ty)
-            x = (x.to(tl.float32) + d.to(tl.float32)).to(x_ptr.dtype.element_ty)
-            tl.store(s_ptr + row * stride_s + cols, x, mask=m)
             src = s_ptr + row * stride_s
         else:
             src = x_ptr + row * stride_x
-        xf = x.to(tl.float32)
-        r = 1.0 / tl.sqrt(tl.sum(xf * xf, axis=0) / N + eps)
         tl.debug_barrier()  # s as stored, read back below by other threads
         for k0 in range(0, KP, BK):
             c = k0 + tl.arange(0, BK)
