@@ -145,6 +145,7 @@ def sglang_rows(a, shape: str, model, args, prompts, params, rows: list, save) -
 def _sglang_row(a, shape, model, hf, p, prompts, params, sub) -> dict:
     """One precision's SGLang row (see :func:`sglang_rows`)."""
     from megatron_fp4.rollout import teacher_forced_logprobs
+    from megatron_fp4.rollout.precision import get_weight_cache
     from megatron_fp4.rollout.sglang_engine import SGLangRolloutEngine
 
     t0 = time.perf_counter()
@@ -163,6 +164,12 @@ def _sglang_row(a, shape, model, hf, p, prompts, params, sub) -> dict:
         engine.generate(prompts, params)
         after_sync = dict(engine.last_generate_stats)
     ref = teacher_forced_logprobs(model, [prompts[i] for i in sub], [samples[i].token_ids for i in sub], p)
+    # the check's FP4 weights stay on the model per format (tens of GiB on the 7B shape: session 29's third row ran
+    # out of memory); drop them before the next row's Engine, and say how much that freed
+    held = torch.cuda.memory_allocated() if torch.cuda.is_available() else 0
+    get_weight_cache(model).clear()
+    gc.collect()
+    check_gib = (held - torch.cuda.memory_allocated()) / 2 ** 30 if torch.cuda.is_available() else None
     dmax, dmean = _diffs([samples[i].logprobs for i in sub], ref)
     n_tok = sum(len(s.token_ids) for s in samples)
     row = dict(backend="sglang", shape=shape, precision=p.label, batch=a.batch, prompt_len=a.prompt_len,
@@ -170,7 +177,8 @@ def _sglang_row(a, shape, model, hf, p, prompts, params, sub) -> dict:
                seconds=statistics.median(times), generated_tokens=n_tok, path="sglang", engine_start_s=start,
                prefix_cache="flushed before each generate",
                weight_sync_s=sync.total_seconds, tokens_per_s_after_sync=after_sync["tokens_per_s"],
-               logp_vs_teacher_forced_max=dmax, logp_vs_teacher_forced_mean=dmean, check_samples=len(sub))
+               logp_vs_teacher_forced_max=dmax, logp_vs_teacher_forced_mean=dmean, check_samples=len(sub),
+               check_weights_freed_gib=check_gib)
     print(f"sglang {shape} {p.label:28s} {row['tokens_per_s']:9.0f} tok/s (start {start:.1f} s; after sync "
           f"{row['tokens_per_s_after_sync']:.0f} tok/s) |dlogp| vs teacher-forced full forward max {dmax:.2e} "
           f"mean {dmean:.2e}", flush=True)

@@ -68,12 +68,18 @@ def test_sglang_rows_flush_the_prefix_cache_before_every_timed_generate(monkeypa
     a = types.SimpleNamespace(work_dir="/tmp/unused", check_samples=2, batch=2, precisions="bf16", repeats=2,
                               prompt_len=4, new_tokens=2)
     model = types.SimpleNamespace(named_parameters=lambda: iter(()))
+    from megatron_fp4.rollout.precision import get_weight_cache
+
+    weight = torch.zeros(4, 4)
+    get_weight_cache(model).get_prepared(weight, "kernels:hif4", lambda w: torch.zeros(2 ** 18))  # the check's
     rows, saved = [], []
     bench_rollout.sglang_rows(a, "qwen2.5-1.5b", model, None, [[5, 6, 7, 8]] * 2, None, rows,
                               lambda: saved.append(len(rows)))
     assert calls == ["generate", "flush", "generate", "flush", "generate", "sync", "generate"]
     assert rows[0]["prefix_cache"] == "flushed before each generate" and rows[0]["tokens_per_s"] == 4.0
     assert saved == [1]
+    # the teacher-forced check's FP4 weights are dropped before the next Engine (session 29: 96 GiB after two rows)
+    assert len(get_weight_cache(model)) == 0 and "check_weights_freed_gib" in rows[0]
 
     # a row that runs out of GPU memory is recorded with its error, saved, and the next precision still runs
     # (session 29's 7B call lost its two measured rows to the third one's OOM)
