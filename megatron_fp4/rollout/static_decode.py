@@ -283,7 +283,7 @@ class StaticCacheGenerator:
         splits = as_stored and self.fused and self.gated
         w16 = _on_resq_activation(resq)
         a = self._linear(layer.fc1, h, splits, precision=w16)
-        fc2_resq = resq if self.fused and self.gated else None
+        fc2_resq = resq if self.gated else None  # (the fused SwiGLU; resq implies fused)
         return self._linear(layer.fc2, self._act(a, h.dtype, splits, fc2_resq), as_stored,
                             precision=w16 if fc2_resq else None)
 
