@@ -9,6 +9,8 @@
 #   decode-tests  GPU tests of the CUDA decode GEMMs (every tile of tests/test_cuda_decode.py), the fused decode-step
 #                 kernels and the engine's static / graph decode path
 #   decode-bench  bench_kernels.py --decode --decode-sweep on the 7B and 1.5B MLP shapes
+#   engine-bench  bench_rollout.py: the native engine's rows on the 1.5B and 7B shapes (issue 20's engine targets,
+#                 --profile), then the ResQ rows again with the opt-in fused quantize (MEGATRON_FP4_DECODE_FUSED_RESQ=1)
 #   decode-natural  the natural-K-order decode GEMM (the default layout): its GPU tests (CLUSTER's determinism too),
 #                 then its tiles (WTMA, CLUSTER, forced splits) against the default tile on 7B and 1.5B MLP shapes
 #   decode-profile  Nsight Compute on the decode GEMM (a 7B MLP weight): the default tile at M = 16 (both formats;
@@ -30,9 +32,9 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 usage="usage: bash benchmarks/h200_checks.sh train-tests|train-bench|decode-tests|decode-bench|decode-profile|rl-step"
-usage+="|rl-mismatch|decode-natural"
+usage+="|rl-mismatch|decode-natural|engine-bench"
 case "${1:-}" in train-tests | train-bench | decode-tests | decode-bench | decode-profile | rl-step | rl-mismatch | \
-  decode-natural) ;;
+  decode-natural | engine-bench) ;;
   *) echo "$usage" >&2; exit 2 ;;
 esac
 SITE=${SITE_DIR:-/tmp/site}
@@ -87,6 +89,14 @@ case "$1" in
   decode-bench)
     python3 benchmarks/bench_kernels.py --decode --decode-sweep --shapes 3584x18944,18944x3584,1536x8960,8960x1536 \
       --out "$results/decode_h200.json"
+    ;;
+  engine-bench)  # one JSON: the default rows, then the fused-ResQ rows (path "graph+fused+resq") beside them
+    python3 benchmarks/bench_rollout.py --backend native --shapes qwen2.5-1.5b,qwen2.5-7b --check-samples 64 \
+      --profile --out "$results/rollout_h200_engine.json"
+    export MEGATRON_FP4_DECODE_FUSED_RESQ=1
+    python3 benchmarks/bench_rollout.py --backend native --shapes qwen2.5-1.5b,qwen2.5-7b --check-samples 64 \
+      --precisions w4a4+resq2:4+bf16sum/hif4,w4a4+resq2:4+bf16sum/mxfp4 --profile --append \
+      --out "$results/rollout_h200_engine.json"
     ;;
   decode-natural)  # the "_cuda" columns: the default (NATURAL_TILE); the sweep: every NATURAL tile of SWEEP_TILES
     # (the engine's shapes: Megatron's fc1 is gate and up in one weight; 7B qkv 3584x4608 and proj; 1.5B fc1, fc2)
