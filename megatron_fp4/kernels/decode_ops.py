@@ -27,8 +27,8 @@ import torch.nn.functional as F
 
 from megatron_fp4.kernels._common import HAS_TRITON, HIF4_RECIP, KERNEL_FORMATS, kernels_usable, tl, triton
 
-__all__ = ["add_rms_norm", "add_rms_norm_reference", "add_rms_norm_resq", "add_rms_norm_resq_reference", "rope_reference", "rope_kv_write", "rope_kv_write_reference",
-           "sum_splits", "swiglu", "swiglu_reference"]
+__all__ = ["add_rms_norm", "add_rms_norm_reference", "add_rms_norm_resq", "add_rms_norm_resq_reference",
+           "rope_reference", "rope_kv_write", "rope_kv_write_reference", "sum_splits", "swiglu", "swiglu_reference"]
 
 
 # ----------------------------------------------------------------------------------------------------------------
@@ -299,7 +299,7 @@ def add_rms_norm_resq(x: torch.Tensor, delta: Optional[torch.Tensor], norm: torc
     BLOCK = triton.next_power_of_2(N)
     _add_rms_norm_resq_kernel[(B,)](x, d, w, e, s, N, KP, eps, x.stride(0), d.stride(-2), e.stride(0), s.stride(0),
                                     stride_split, SPLITS=splits, HAS_DELTA=delta is not None, BLOCK=BLOCK,
-                                    BK=256, FMT=_FMT_IDS[fmt],
+                                    BK=256, FMT=_FMT_IDS[fmt],  # (1-2 values per thread: no spills on sm_90)
                                     R1=HIF4_RECIP[1], R2=HIF4_RECIP[2], R3=HIF4_RECIP[3],
                                     num_warps=min(16, max(4, BLOCK // 512)))
     return e[:, :N], s
@@ -340,7 +340,9 @@ def swiglu(a: torch.Tensor, out_dtype: Optional[torch.dtype] = None, splits: boo
     F_ = F2 // 2
     FP = F_ if resq is None else -(-F_ // _block_size(resq)) * _block_size(resq)
     y = torch.empty((B, FP), dtype=dtype if resq is None else torch.bfloat16, device=a.device)
-    BLOCK = min(1024, max(64, triton.next_power_of_2(F_)))
+    # ResQ's tile code on 2 values per thread: HiF4's on 1024 x 4 warps spilled (2,263 STL, sm_90 SASS of Triton's
+    # ptxas), 256 x 4 none
+    BLOCK = min(1024, triton.next_power_of_2(F_)) if resq is None else 256
     n_splits, stride_split = (a.shape[0], a.stride(0)) if splits else (1, 0)
     _swiglu_kernel[(B, triton.cdiv(FP, BLOCK))](a, y, F_, FP, a.stride(-2), y.stride(0), stride_split,
                                                 DT=_TL_DTYPES[dtype], SPLITS=n_splits, BLOCK=BLOCK,
