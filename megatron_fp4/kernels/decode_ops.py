@@ -244,6 +244,16 @@ if HAS_TRITON:
 # entry points
 # ----------------------------------------------------------------------------------------------------------------
 _FMT_IDS = {"hif4": 0, "mxfp4": 1, "mxfp4_rceil": 2}  # the resq kernel's FMT
+#: Columns per program (SwiGLU) and per step (RMSNorm) of the fused ResQ quantize: ResQ's tile code on 1-2 values per
+#: thread. On sm_90 (Triton's ptxas) HiF4's on 1024-wide SwiGLU blocks of 4 warps spilled 2,263 registers, these none
+#: (tests/test_decode_ops.py::test_fused_resq_kernels_compile_for_sm90_without_spills).
+RESQ_SWIGLU_BLOCK = 256
+RESQ_NORM_BK = 256
+
+
+def _norm_warps(block: int) -> int:
+    """Warps of the RMSNorm kernels for rows of ``block`` (a power of two) columns: 8 at 4096."""
+    return min(16, max(4, block // 512))
 _TL_DTYPES = {torch.float32: tl.float32, torch.float16: tl.float16, torch.bfloat16: tl.bfloat16} if HAS_TRITON else {}
 
 
@@ -275,7 +285,7 @@ def add_rms_norm(x: torch.Tensor, delta: Optional[torch.Tensor], norm: torch.nn.
     BLOCK = triton.next_power_of_2(N)
     _add_rms_norm_kernel[(B,)](x, d, w, y, s, N, eps, x.stride(0), d.stride(-2), y.stride(0), s.stride(0),
                                stride_split, SPLITS=splits, HAS_DELTA=delta is not None, BLOCK=BLOCK,
-                               num_warps=min(16, max(4, BLOCK // 512)))
+                               num_warps=_norm_warps(BLOCK))
     return y, s
 
 
@@ -299,9 +309,8 @@ def add_rms_norm_resq(x: torch.Tensor, delta: Optional[torch.Tensor], norm: torc
     BLOCK = triton.next_power_of_2(N)
     _add_rms_norm_resq_kernel[(B,)](x, d, w, e, s, N, KP, eps, x.stride(0), d.stride(-2), e.stride(0), s.stride(0),
                                     stride_split, SPLITS=splits, HAS_DELTA=delta is not None, BLOCK=BLOCK,
-                                    BK=256, FMT=_FMT_IDS[fmt],  # (1-2 values per thread: no spills on sm_90)
-                                    R1=HIF4_RECIP[1], R2=HIF4_RECIP[2], R3=HIF4_RECIP[3],
-                                    num_warps=min(16, max(4, BLOCK // 512)))
+                                    BK=RESQ_NORM_BK, FMT=_FMT_IDS[fmt], R1=HIF4_RECIP[1], R2=HIF4_RECIP[2],
+                                    R3=HIF4_RECIP[3], num_warps=_norm_warps(BLOCK))
     return e[:, :N], s
 
 
@@ -340,9 +349,7 @@ def swiglu(a: torch.Tensor, out_dtype: Optional[torch.dtype] = None, splits: boo
     F_ = F2 // 2
     FP = F_ if resq is None else -(-F_ // _block_size(resq)) * _block_size(resq)
     y = torch.empty((B, FP), dtype=dtype if resq is None else torch.bfloat16, device=a.device)
-    # ResQ's tile code on 2 values per thread: HiF4's on 1024 x 4 warps spilled (2,263 STL, sm_90 SASS of Triton's
-    # ptxas), 256 x 4 none
-    BLOCK = min(1024, triton.next_power_of_2(F_)) if resq is None else 256
+    BLOCK = min(1024, triton.next_power_of_2(F_)) if resq is None else RESQ_SWIGLU_BLOCK
     n_splits, stride_split = (a.shape[0], a.stride(0)) if splits else (1, 0)
     _swiglu_kernel[(B, triton.cdiv(FP, BLOCK))](a, y, F_, FP, a.stride(-2), y.stride(0), stride_split,
                                                 DT=_TL_DTYPES[dtype], SPLITS=n_splits, BLOCK=BLOCK,
