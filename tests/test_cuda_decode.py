@@ -141,6 +141,12 @@ def test_decode_kernel_choice_and_split():
     assert cd._balanced_split(300, 4, 600) == 2 and cd._balanced_split(4, 1, 264) == 1
     # at 64 tokens each block's epilogue adds 4x the outputs of 16 tokens' atomically: fewer splits
     assert cd._balanced_split(148, 56, 264, tail=8) == 3 and cd._balanced_split(28, 296, 264, tail=8) == 9
+    # the tail as w4_decode passes it, and the splits it gives the engine's weights (session 28's measured bests on
+    # 7B fc1, 296 row blocks x 56 chunks; 1.5B fc1, 140 x 24; 7B fc2 unchanged, 28 x 296)
+    assert [cd._split_tail(n) for n in (8, 16, 32, 64)] == [1, 2, 8, 32]
+    assert [cd._balanced_split(296, 56, 264, tail=cd._split_tail(n)) for n in (16, 32, 64)] == [4, 2, 1]
+    assert [cd._balanced_split(140, 24, 264, tail=cd._split_tail(n)) for n in (16, 32, 64)] == [3, 1, 1]
+    assert [cd._balanced_split(28, 296, 264, tail=cd._split_tail(n)) for n in (16, 32, 64)] == [9, 9, 9]
     qt = get_format("hif4").quantize(torch.randn(16, 64), dim=-1)
     with pytest.raises(ValueError, match="allowed values: 'mma', 'wgmma'"):
         cd.w4_decode(torch.zeros(2, 64, dtype=torch.bfloat16), to_decode_layout(qt), config={"KERNEL": "tma"})

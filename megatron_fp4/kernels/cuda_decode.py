@@ -436,13 +436,22 @@ def _balanced_split(row_blocks: int, chunks: int, slots: int, most: int = 0, tai
     """Split-K for ``row_blocks`` x split blocks on ``slots`` resident blocks: the fewest splits (at most ``most``
     when given) that minimize waves x (chunks per block + ``tail``, its pipeline fill and epilogue, in chunks): a
     second, nearly empty wave of blocks costs as much as the first. The epilogue adds the block's outputs atomically
-    (or stores its split's partial sums), so its cost grows with the tokens: :func:`w4_decode` passes ``tail`` = tokens / 8 (2 at 16 tokens, where the
-    constant was fitted; 8 at 64, where split 3 beat 7 by 10-11% on 3584x18944, session 28)."""
+    (or stores its split's partial sums), so its cost grows with the tokens: :func:`w4_decode` passes
+    :func:`_split_tail`."""
     def cost(split):
         cps = -(-chunks // split)
         return -(-row_blocks * -(-chunks // cps) // slots) * (cps + tail)
 
     return min(range(1, min(chunks, most or chunks) + 1), key=lambda sp: (cost(sp), sp))
+
+
+def _split_tail(ntok: int) -> int:
+    """:func:`_balanced_split`'s ``tail`` at ``ntok`` tokens: tokens^2 / 128 (at least 1), i.e. 2 at 16 tokens (where
+    the constant was fitted), 8 at 32, 32 at 64. Fitted to session 28's sweep on the H200
+    (benchmarks/results/decode_natural_sweep_h200.json): on the engine's shapes it picks the measured best split of
+    7B fc1 (3584x37888: 2 at 32 tokens, 1 at 64; 2-8% faster than tokens / 8's 4 and 2) and 1.5B fc1 at 32 tokens
+    (1, not 3: 2-9%), and the same splits as before on the others (7B fc2, qkv, proj; 1.5B fc2)."""
+    return max(1, ntok * ntok // 128)
 
 
 def _ntok(M: int) -> int:
@@ -486,7 +495,7 @@ def w4_decode(x: torch.Tensor, dw: DecodeWeight, config: Optional[dict] = None,
     if kernel == "wgmma":
         row_blocks = -(-S // (4 * cfg["WGS"]))
         most = 8 if cluster else C
-        tail = 2 if cluster else max(1, ntok // 8)  # a cluster adds its partial sums in shared memory
+        tail = 2 if cluster else _split_tail(ntok)  # a cluster adds its partial sums in shared memory
         split = min(cfg.get("SPLIT") or _balanced_split(row_blocks, C, cfg["MINB"] * sms, most, tail), most)
     else:
         row_blocks = -(-S // (cfg["WARPS"] * cfg["SPW"]))
