@@ -244,6 +244,8 @@ if HAS_TRITON:
 # entry points
 # ----------------------------------------------------------------------------------------------------------------
 _FMT_IDS = {"hif4": 0, "mxfp4": 1, "mxfp4_rceil": 2}  # the resq kernel's FMT
+_RECIP = dict(R1=HIF4_RECIP[1], R2=HIF4_RECIP[2], R3=HIF4_RECIP[3])  # (the resq kernel's HiF4 constants)
+_TL_DTYPES = {torch.float32: tl.float32, torch.float16: tl.float16, torch.bfloat16: tl.bfloat16} if HAS_TRITON else {}
 #: Columns per program (SwiGLU) and per step (RMSNorm) of the fused ResQ quantize: ResQ's tile code on 1-2 values per
 #: thread. On sm_90 (Triton's ptxas) HiF4's on 1024-wide SwiGLU blocks of 4 warps spilled 2,263 registers, these none
 #: (tests/test_decode_ops.py::test_fused_resq_kernels_compile_for_sm90_without_spills).
@@ -254,7 +256,6 @@ RESQ_NORM_BK = 256
 def _norm_warps(block: int) -> int:
     """Warps of the RMSNorm kernels for rows of ``block`` (a power of two) columns: 8 at 4096."""
     return min(16, max(4, block // 512))
-_TL_DTYPES = {torch.float32: tl.float32, torch.float16: tl.float16, torch.bfloat16: tl.bfloat16} if HAS_TRITON else {}
 
 
 def _rms_params(norm: torch.nn.Module, x: torch.Tensor) -> Optional[tuple[torch.Tensor, float]]:
@@ -267,25 +268,34 @@ def _rms_params(norm: torch.nn.Module, x: torch.Tensor) -> Optional[tuple[torch.
     return w, float(eps)
 
 
+def _norm_launch(x: torch.Tensor, delta: Optional[torch.Tensor], norm: torch.nn.Module) -> Optional[tuple]:
+    """What the RMSNorm kernels share for ``x [B, N]``: (w, eps, s, d, stride_split, the SPLITS / HAS_DELTA / BLOCK /
+    num_warps keywords), with ``s`` the residual sum's output and ``d`` the delta read (x itself without one); None
+    where the kernels do not apply (the twins serve the call)."""
+    p = _rms_params(norm, x)
+    if p is None or not kernels_usable(x) or (delta is not None and (delta.shape[-2:] != x.shape or delta.dim() > 3
+                                                                     or delta.stride(-1) != 1)):
+        return None
+    s = torch.empty_like(x) if delta is not None else x
+    d = delta if delta is not None else x
+    splits, stride_split = (d.shape[0], d.stride(0)) if d.dim() == 3 else (1, 0)
+    BLOCK = triton.next_power_of_2(x.shape[1])
+    return (*p, s, d, stride_split,
+            dict(SPLITS=splits, HAS_DELTA=delta is not None, BLOCK=BLOCK, num_warps=_norm_warps(BLOCK)))
+
+
 def add_rms_norm(x: torch.Tensor, delta: Optional[torch.Tensor], norm: torch.nn.Module
                  ) -> tuple[torch.Tensor, torch.Tensor]:
     """(``norm(x + delta)``, ``x + delta``) for ``x, delta [B, N]`` (``delta`` None: no add; or ``[splits, B, N]``
     partial sums, see the module doc): one kernel for a torch RMSNorm (output in x's dtype, as torch's), the twin
     otherwise."""
-    p = _rms_params(norm, x)
-    if p is None or not kernels_usable(x) or (delta is not None and (delta.shape[-2:] != x.shape or delta.dim() > 3
-                                                                     or delta.stride(-1) != 1)):
+    launch = _norm_launch(x, delta, norm)
+    if launch is None:
         return add_rms_norm_reference(x, delta, norm)
-    w, eps = p
-    B, N = x.shape
-    y = torch.empty((B, N), dtype=x.dtype, device=x.device)
-    s = torch.empty_like(x) if delta is not None else x
-    d = delta if delta is not None else x
-    splits, stride_split = (d.shape[0], d.stride(0)) if d.dim() == 3 else (1, 0)
-    BLOCK = triton.next_power_of_2(N)
-    _add_rms_norm_kernel[(B,)](x, d, w, y, s, N, eps, x.stride(0), d.stride(-2), y.stride(0), s.stride(0),
-                               stride_split, SPLITS=splits, HAS_DELTA=delta is not None, BLOCK=BLOCK,
-                               num_warps=_norm_warps(BLOCK))
+    w, eps, s, d, stride_split, kw = launch
+    y = torch.empty(x.shape, dtype=x.dtype, device=x.device)
+    _add_rms_norm_kernel[(x.shape[0],)](x, d, w, y, s, x.shape[1], eps, x.stride(0), d.stride(-2), y.stride(0),
+                                        s.stride(0), stride_split, **kw)
     return y, s
 
 
@@ -295,22 +305,15 @@ def add_rms_norm_resq(x: torch.Tensor, delta: Optional[torch.Tensor], norm: torc
     its output, ``resq_combine="bf16"``), for a torch RMSNorm and a kernel format; the twin otherwise. The result
     is what ``rollout_linear`` in W4A4 + ResQ 2:4 (bf16 sum) would multiply: the same linear in W4A16 on it gives
     that precision's numbers with no quantize kernel of its own."""
-    p = _rms_params(norm, x)
-    if (p is None or fmt not in KERNEL_FORMATS or not kernels_usable(x)
-            or (delta is not None and (delta.shape[-2:] != x.shape or delta.dim() > 3 or delta.stride(-1) != 1))):
+    launch = _norm_launch(x, delta, norm) if fmt in KERNEL_FORMATS else None
+    if launch is None:
         return add_rms_norm_resq_reference(x, delta, norm, fmt)
-    w, eps = p
+    w, eps, s, d, stride_split, kw = launch
     B, N = x.shape
     KP = -(-N // _block_size(fmt)) * _block_size(fmt)
     e = torch.empty((B, KP), dtype=torch.bfloat16, device=x.device)
-    s = torch.empty_like(x) if delta is not None else x
-    d = delta if delta is not None else x
-    splits, stride_split = (d.shape[0], d.stride(0)) if d.dim() == 3 else (1, 0)
-    BLOCK = triton.next_power_of_2(N)
     _add_rms_norm_resq_kernel[(B,)](x, d, w, e, s, N, KP, eps, x.stride(0), d.stride(-2), e.stride(0), s.stride(0),
-                                    stride_split, SPLITS=splits, HAS_DELTA=delta is not None, BLOCK=BLOCK,
-                                    BK=RESQ_NORM_BK, FMT=_FMT_IDS[fmt], R1=HIF4_RECIP[1], R2=HIF4_RECIP[2],
-                                    R3=HIF4_RECIP[3], num_warps=_norm_warps(BLOCK))
+                                    stride_split, BK=RESQ_NORM_BK, FMT=_FMT_IDS[fmt], **_RECIP, **kw)
     return e[:, :N], s
 
 
@@ -353,6 +356,5 @@ def swiglu(a: torch.Tensor, out_dtype: Optional[torch.dtype] = None, splits: boo
     n_splits, stride_split = (a.shape[0], a.stride(0)) if splits else (1, 0)
     _swiglu_kernel[(B, triton.cdiv(FP, BLOCK))](a, y, F_, FP, a.stride(-2), y.stride(0), stride_split,
                                                 DT=_TL_DTYPES[dtype], SPLITS=n_splits, BLOCK=BLOCK,
-                                                FMT=-1 if resq is None else _FMT_IDS[resq], R1=HIF4_RECIP[1],
-                                                R2=HIF4_RECIP[2], R3=HIF4_RECIP[3])
+                                                FMT=-1 if resq is None else _FMT_IDS[resq], **_RECIP)
     return y[:, :F_]

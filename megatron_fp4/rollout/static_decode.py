@@ -152,12 +152,6 @@ class _Layer:
     fc2: torch.nn.Module
 
 
-def _on_resq_activation(resq: Optional[str]) -> Optional[RolloutPrecision]:
-    """The precision of a linear whose input is ResQ's activation in format ``resq`` already: W4A16 on it is W4A4 +
-    ResQ 2:4 with the bf16 sum (:meth:`StaticCacheGenerator.resq_format`); None for None."""
-    return RolloutPrecision("w4a16", resq) if resq is not None else None
-
-
 class StaticCacheGenerator:
     """Generation with a static KV cache, SDPA prefill and (on CUDA) CUDA-graph decode steps; see the module doc."""
 
@@ -275,17 +269,15 @@ class StaticCacheGenerator:
         return rollout_linear(x, mod.weight, getattr(mod, "bias", None) if bias else None,
                               precision or self._precision, cache=self._cache, as_stored=as_stored)
 
-    def _mlp(self, layer: _Layer, h: torch.Tensor, as_stored: bool = False, resq: Optional[str] = None
-             ) -> torch.Tensor:
+    def _mlp(self, layer: _Layer, h: torch.Tensor, as_stored: bool = False,
+             w16: Optional[RolloutPrecision] = None) -> torch.Tensor:
         """The MLP of the normed input ``h`` (``as_stored``: fc2's output as :meth:`_linear` says, and fc1's too
-        where the fused SwiGLU reads it; ``resq``: ``h`` is ResQ's activation already (:meth:`resq_format`), and the
-        fused SwiGLU makes fc2's)."""
+        where the fused SwiGLU reads it; ``w16``: ``h`` is ResQ's activation already and fc1 runs in this precision,
+        W4A16 (:meth:`_decode`), and the fused SwiGLU makes fc2's)."""
         splits = as_stored and self.fused and self.gated
-        w16 = _on_resq_activation(resq)
         a = self._linear(layer.fc1, h, splits, precision=w16)
-        fc2_resq = resq if self.gated else None  # (the fused SwiGLU; resq implies fused)
-        return self._linear(layer.fc2, self._act(a, h.dtype, splits, fc2_resq), as_stored,
-                            precision=w16 if fc2_resq else None)
+        fc2 = w16 if self.gated else None  # (the fused SwiGLU; w16 implies the fused step)
+        return self._linear(layer.fc2, self._act(a, h.dtype, splits, fc2 and fc2.format), as_stored, precision=fc2)
 
     def _act(self, a: torch.Tensor, dtype: torch.dtype, splits: bool = False, resq: Optional[str] = None
              ) -> torch.Tensor:
@@ -359,7 +351,8 @@ class StaticCacheGenerator:
         valid = (st["ar_seq"][None, :] <= pos[:, None]).view(B, 1, 1, -1)
         delta = None
         resq = self.resq_format(B)
-        w16 = _on_resq_activation(resq)
+        # on ResQ's activation, already made by the fused kernels, W4A16 is W4A4 + ResQ 2:4 (bf16 sum)
+        w16 = RolloutPrecision("w4a16", resq) if resq is not None else None
         for i, layer in enumerate(self.layers):
             h, x = self._add_norm(x, delta, layer.ln1, resq)
             kc, vc = st["k"][i, :B], st["v"][i, :B]  # [B, ng, S, hd]
@@ -374,7 +367,7 @@ class StaticCacheGenerator:
             o = F.scaled_dot_product_attention(q, kc, vc, attn_mask=valid, scale=self.scale)  # [B, ng, G, hd]
             delta = self._linear(layer.proj, o.reshape(B, self.heads * self.head_dim), self.fused)
             h, x = self._add_norm(x, delta, layer.ln2, resq)
-            delta = self._mlp(layer, h, self.fused, resq)
+            delta = self._mlp(layer, h, self.fused, w16)
         return self._logits(self._add_norm(x, delta, self.final_norm)[0])
 
     def _record(self, st: dict, B: int, tok: torch.Tensor, lp: torch.Tensor, params: SamplingParams,
