@@ -463,7 +463,9 @@ def register_rollout_backend(device_type: str, fn: Optional[Callable]) -> None:
     PyTorch reference runs); it must return the reference's numbers up to fp32 summation order. ``out_dtype`` is
     x's dtype where the linear has no bias (the GEMM's fp32 sums round once to it, as the reference's cast does,
     and no fp32 output is written and cast back) and fp32 where a bias is added after it. An optional attribute
-    ``fn.prepare_weight(weight, precision, cache)`` quantizes a weight ahead of time (weight sync).
+    ``fn.prepare_weight(weight, precision, cache)`` quantizes a weight ahead of time (weight sync); ``fn.adds_bias``
+    True: ``fn`` takes ``bias=`` (a linear's bias) and adds it to its fp32 sums before the one rounding to
+    ``out_dtype`` (x's dtype then), with no separate bias cast, add and cast kernels.
     """
     if fn is None:
         _ROLLOUT_BACKENDS.pop(device_type, None)
@@ -522,16 +524,19 @@ def rollout_linear(
         return y.unsqueeze(0) if as_stored else y
     backend = _ROLLOUT_BACKENDS.get(x.device.type) if weight_q is None else None
     if backend is not None:
-        y = backend(x.reshape(-1, x.shape[-1]), weight, precision, cache, out_dtype=None if as_stored else
-                    torch.float32 if bias is not None else x.dtype)
+        x2 = x.reshape(-1, x.shape[-1])
+        adds_bias = bias is not None and getattr(backend, "adds_bias", False)  # bias + rounding in its kernel
+        y = (backend(x2, weight, precision, cache, out_dtype=x.dtype, bias=bias) if adds_bias else
+             backend(x2, weight, precision, cache, out_dtype=None if as_stored else
+                     torch.float32 if bias is not None else x.dtype))
         if y is not NotImplemented:
             ROLLOUT_LINEAR_PATHS["backend"] += 1
-            if as_stored:
+            if as_stored and not adds_bias:
                 y = y if y.dim() == 3 else y.unsqueeze(0)  # (the other paths: x.dtype [M, n])
                 if bias is None:
                     return y.reshape(y.shape[0], *x.shape[:-1], weight.shape[0])
                 y = y[0].float() if y.shape[0] == 1 else y.float().sum(0)  # the splits in order: deterministic
-            if bias is not None:
+            if bias is not None and not adds_bias:
                 y = y + bias.float()
             y = y.to(x.dtype).reshape(*x.shape[:-1], weight.shape[0])
             return y.unsqueeze(0) if as_stored else y

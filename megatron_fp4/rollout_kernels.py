@@ -52,12 +52,13 @@ def register_kernel_backend(device_type: str = "cuda") -> bool:
         return cache.get_prepared(weight, f"kernels:{fmt}", lambda w: dispatch.prepare_weight(w, fmt))
 
     def backend(x2: torch.Tensor, weight: torch.Tensor, precision: RolloutPrecision,
-                cache: Optional[QuantizedWeightCache], out_dtype: Optional[torch.dtype] = torch.float32):
+                cache: Optional[QuantizedWeightCache], out_dtype: Optional[torch.dtype] = torch.float32,
+                bias: Optional[torch.Tensor] = None):
         plan = _plan(precision, x2.dtype, KERNEL_FORMATS)
         if plan is None or not kernels_usable(x2, weight):
             return NotImplemented
         return dispatch.linear(x2.contiguous(), prepared(weight, precision.format, cache), **plan,
-                               out_dtype=out_dtype)
+                               out_dtype=out_dtype, bias=bias)
 
     def prepare_weight(weight: torch.Tensor, precision: RolloutPrecision, cache: QuantizedWeightCache):
         if _plan(precision, None, KERNEL_FORMATS) is None or not kernels_usable(weight):
@@ -65,6 +66,7 @@ def register_kernel_backend(device_type: str = "cuda") -> bool:
         return prepared(weight, precision.format, cache)
 
     backend.prepare_weight = prepare_weight  # type: ignore[attr-defined]
+    backend.adds_bias = True  # type: ignore[attr-defined]
     register_rollout_backend(device_type, backend)
     return True
 

@@ -323,6 +323,34 @@ def test_gpu_out_dtype_none_stores_each_splits_partial_sums(tile):
 
 
 @pytest.mark.gpu
+@pytest.mark.parametrize("tile", [None, dict(KERNEL="mma")])
+def test_gpu_rounded_split_k_and_bias_are_the_split_sums_rounded_once(tile):
+    """A split-K with a bf16 output (or a bias, any split) stores its partial sums and one split_sum kernel adds them
+    in order, plus the bias in fp32, and rounds once: exactly sum_splits of the stored splits, the same bits on every
+    run (no atomics)."""
+    cd = _cuda_ready()
+    from megatron_fp4.kernels.decode_ops import sum_splits
+
+    N, K = 1000, 4096
+    qt = get_format("hif4").quantize((torch.randn(N, K, device="cuda") * 0.05).to(torch.bfloat16), dim=-1)
+    dw = to_decode_layout(qt, _wide(qt), natural=(tile or {}).get("KERNEL") != "mma")
+    bias = torch.randn(N, device="cuda").to(torch.bfloat16)
+    for M, split in ((64, 4), (5, 3), (16, 1)):
+        x = torch.randn(M, K, device="cuda").to(torch.bfloat16)
+        cfg = dict(tile or {}, SPLIT=split)
+        parts = cd.w4_decode(x, dw, config=cfg, out_dtype=None)
+        for b in (None, bias):
+            got = cd.w4_decode(x, dw, config=cfg, out_dtype=torch.bfloat16, bias=b)
+            assert got.shape == (M, N) and got.dtype == torch.bfloat16
+            assert torch.equal(got, sum_splits(parts, torch.bfloat16, 2, b)), (M, split, b is None)
+            assert torch.equal(got, cd.w4_decode(x, dw, config=cfg, out_dtype=torch.bfloat16, bias=b))
+        with_bias = cd.w4_decode(x, dw, config=cfg, out_dtype=torch.float32, bias=bias)
+        assert torch.equal(with_bias, sum_splits(parts, torch.float32, 2, bias))
+    with pytest.raises(ValueError, match="bias must be"):
+        cd.w4_decode(x, dw, out_dtype=None, bias=bias)
+
+
+@pytest.mark.gpu
 @pytest.mark.parametrize("name", ["hif4", "mxfp4", "mxfp4_rceil"])
 @pytest.mark.parametrize("M", [1, 7, 16, 33, 64])
 def test_gpu_decode_matches_fp64_product(name, M):

@@ -105,6 +105,27 @@ def test_split_partial_sums_read_as_the_rounded_sum(dtype, splits):
     assert torch.equal(decode_ops.swiglu(a_parts), decode_ops.swiglu_reference(a_parts))
 
 
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("stored", [False, 1, 3])
+@pytest.mark.parametrize("with_bias", [False, True])
+def test_split_sum_is_sum_splits_in_one_kernel(dtype, stored, with_bias):
+    """split_sum: a GEMM's fp32 output, or its [splits, M, N] partial sums, added in split order, plus the bias in fp32,
+    rounded once to dtype: sum_splits' numbers (fp16 exactly; the interpreter truncates fp32 to bf16, hence no bf16
+    on the CPU); bad inputs go to the twin."""
+    g = torch.Generator().manual_seed(4)
+    t = torch.randn(*((stored,) if stored else ()), 5, 1500, generator=g).to(DEV)  # two column blocks, a ragged one
+    bias = (torch.randn(1500, generator=g) * 2).to(dtype).to(DEV) if with_bias else None
+    got = decode_ops.split_sum(t, dtype, bias)
+    assert got.shape == (5, 1500) and got.dtype == dtype
+    want = decode_ops.sum_splits(t, dtype, 2, bias)
+    assert torch.equal(got, want)
+    acc = functools.reduce(torch.add, t.unbind(0)) if stored else t
+    assert torch.equal(want, (acc if bias is None else acc + bias.float()).to(dtype))
+    if with_bias:  # a bias of the wrong length: the twin (which raises as torch does)
+        with pytest.raises(RuntimeError):
+            decode_ops.split_sum(t, dtype, bias[:-1])
+
+
 @pytest.mark.parametrize("dtype", [d for d in DTYPES if d != torch.float32])
 @pytest.mark.parametrize("splits", [1, 3])
 @pytest.mark.parametrize("with_bias", [False, True])

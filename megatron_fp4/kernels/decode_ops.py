@@ -28,7 +28,8 @@ import torch.nn.functional as F
 from megatron_fp4.kernels._common import HAS_TRITON, HIF4_RECIP, KERNEL_FORMATS, kernels_usable, tl, triton
 
 __all__ = ["add_rms_norm", "add_rms_norm_reference", "add_rms_norm_resq", "add_rms_norm_resq_reference",
-           "rope_reference", "rope_kv_write", "rope_kv_write_reference", "sum_splits", "swiglu", "swiglu_reference"]
+           "rope_reference", "rope_kv_write", "rope_kv_write_reference", "split_sum", "sum_splits", "swiglu",
+           "swiglu_reference"]
 
 
 # ----------------------------------------------------------------------------------------------------------------
@@ -211,6 +212,20 @@ if HAS_TRITON:
         tl.store(vc_ptr + kbase + H, t2.to(vc_ptr.dtype.element_ty), mask=vm)
 
     @triton.jit
+    def _split_sum_kernel(t_ptr, b_ptr, y_ptr, N, stride_t, stride_y, stride_split, DT: tl.constexpr,
+                          SPLITS: tl.constexpr, HAS_BIAS: tl.constexpr, BLOCK: tl.constexpr):
+        """y = DT(t's splits added in order in fp32 [+ bias in fp32]): one rounding, as :func:`sum_splits`."""
+        row = tl.program_id(0)
+        cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
+        m = cols < N
+        acc = tl.load(t_ptr + row * stride_t + cols, mask=m, other=0.0).to(tl.float32)
+        for k in tl.static_range(1, SPLITS):
+            acc += tl.load(t_ptr + k * stride_split + row * stride_t + cols, mask=m, other=0.0).to(tl.float32)
+        if HAS_BIAS:
+            acc += tl.load(b_ptr + cols, mask=m, other=0.0).to(tl.float32)
+        tl.store(y_ptr + row * stride_y + cols, acc.to(DT), mask=m)
+
+    @triton.jit
     def _swiglu_kernel(a_ptr, y_ptr, F_, FP, stride_a, stride_y, stride_split, DT: tl.constexpr,
                        SPLITS: tl.constexpr, BLOCK: tl.constexpr, FMT: tl.constexpr, R1: tl.constexpr,
                        R2: tl.constexpr, R3: tl.constexpr):
@@ -315,6 +330,24 @@ def add_rms_norm_resq(x: torch.Tensor, delta: Optional[torch.Tensor], norm: torc
     _add_rms_norm_resq_kernel[(B,)](x, d, w, e, s, N, KP, eps, x.stride(0), d.stride(-2), e.stride(0), s.stride(0),
                                     stride_split, BK=RESQ_NORM_BK, FMT=_FMT_IDS[fmt], **_RECIP, **kw)
     return e[:, :N], s
+
+
+def split_sum(t: torch.Tensor, dtype: torch.dtype, bias: Optional[torch.Tensor] = None) -> torch.Tensor:
+    """:func:`sum_splits` of a GEMM's output ``t``, ``[M, N]`` or its split-K partial sums ``[splits, M, N]``, plus
+    ``bias [N]``, rounded once to ``dtype``, in one kernel (no zero-fill, atomics, bias cast or add kernels: what
+    a linear with a bias, or a split-K GEMM's bf16 output, costs otherwise)."""
+    parts = t if t.dim() == 3 else t.unsqueeze(0)
+    if (not kernels_usable(parts) or t.dim() not in (2, 3) or parts.stride(-1) != 1 or dtype not in _TL_DTYPES
+            or (bias is not None and (bias.shape != parts.shape[-1:] or bias.stride(-1) != 1
+                                      or bias.device != t.device))):
+        return sum_splits(t, dtype, 2, bias)
+    S, M, N = parts.shape
+    y = torch.empty((M, N), dtype=dtype, device=t.device)
+    BLOCK = min(1024, triton.next_power_of_2(N))
+    _split_sum_kernel[(M, triton.cdiv(N, BLOCK))](parts, parts if bias is None else bias, y, N, parts.stride(1),
+                                                  y.stride(0), parts.stride(0), DT=_TL_DTYPES[dtype], SPLITS=S,
+                                                  HAS_BIAS=bias is not None, BLOCK=BLOCK)
+    return y
 
 
 def rope_kv_write(qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, k_cache: torch.Tensor,
