@@ -106,6 +106,34 @@ def test_split_partial_sums_read_as_the_rounded_sum(dtype, splits):
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("G", [7, 6, 1])
+def test_decode_attention_matches_sdpa_with_the_mask(dtype, G):
+    """The decode attention kernel (each sequence's cache read up to its position, BLOCK_N keys a step, online
+    softmax) against SDPA with the static path's mask, on a strided cache slice as the engine passes it (positions
+    within, at and across block edges; rows past pos hold garbage that must not count)."""
+    g = torch.Generator().manual_seed(6)
+    B, ng, S, hd = 5, 2, 150, 32
+    cache = (torch.randn(2, 3, B + 1, ng, S, hd, generator=g) * 2).to(dtype).to(DEV)  # [kv, layer, slots, ...]
+    k, v = cache[0, 1, :B], cache[1, 1, :B]
+    q = torch.randn(B, ng, G, hd, generator=g).to(dtype).to(DEV)
+    pos = torch.tensor([0, 63, 64, 100, S - 1]).to(DEV)
+    got = decode_ops.decode_attention(q, k, v, pos, 0.3)
+    want = decode_ops.decode_attention_reference(q, k, v, pos, 0.3)
+    assert got.shape == want.shape == (B, ng, G, hd) and got.dtype == dtype
+    # (a softmax's sum in another order: fp32 outputs near zero differ by ~1e-6 absolute)
+    torch.testing.assert_close(got, want, **(dict(atol=1e-5, rtol=1e-4) if dtype == torch.float32 else _tol(dtype)))
+    # the rows past each position do not count
+    k2, v2 = k.clone(), v.clone()
+    for i, p in enumerate(pos.tolist()):
+        k2[i, :, p + 1:], v2[i, :, p + 1:] = 1e4, float("nan")
+    assert torch.equal(decode_ops.decode_attention(q, k2, v2, pos, 0.3), got)
+    # a head size that is not a power of two: the twin
+    q3, k3 = q[..., :24], k[..., :24].contiguous()
+    assert torch.equal(decode_ops.decode_attention(q3, k3, k3, pos, 0.3),
+                       decode_ops.decode_attention_reference(q3, k3, k3, pos, 0.3))
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("stored", [False, 1, 3])
 @pytest.mark.parametrize("with_bias", [False, True])
 def test_split_sum_is_sum_splits_in_one_kernel(dtype, stored, with_bias):
@@ -250,6 +278,13 @@ out = {
     "swiglu": sass(decode_ops._swiglu_kernel, swiglu,
                    dict(DT=tl.bfloat16, SPLITS=2, BLOCK=decode_ops.RESQ_SWIGLU_BLOCK, FMT=fmt, **recip), 4).count("STL"),
 }
+attention = dict(q_ptr=bf, k_ptr=bf, v_ptr=bf, pos_ptr="*i64", o_ptr=bf, G="i32", scale="fp32",
+                 **{f"stride_{n}": "i32" for n in ("qb", "qg", "qr", "kb", "kg", "ks", "ob", "og", "or")},
+                 GP=c, HD=c, BLOCK_N=c, IEEE=c)
+text = sass(decode_ops._decode_attention_kernel, attention,
+            dict(GP=16, HD=128, BLOCK_N=decode_ops.ATTENTION_BLOCK_N, IEEE=False), 4)
+out["attention"] = text.count("STL")
+out["attention_mma"] = text.count("HMMA") > 0
 print(json.dumps(out))
 """
 
@@ -258,7 +293,8 @@ print(json.dumps(out))
 @pytest.mark.parametrize("fmt", [0, 1], ids=["hif4", "mxfp4"])
 def test_fused_resq_kernels_compile_for_sm90_without_spills(fmt):
     """The fused ResQ kernels at the engine's launch shapes (7B: rows of 3584 in RESQ_NORM_BK-wide chunks, 8 warps;
-    SwiGLU blocks of RESQ_SWIGLU_BLOCK, 4 warps) compile for the H200 (Triton's own ptxas, no GPU needed, in a process without the
+    SwiGLU blocks of RESQ_SWIGLU_BLOCK, 4 warps), and the decode attention kernel (head size 128, on tensor cores),
+    compile for the H200 (Triton's own ptxas, no GPU needed, in a process without the
     interpreter) with no register spills (a 1024-wide HiF4 SwiGLU block spilled 2,263 registers): what the CPU
     interpreter cannot show."""
     import json
@@ -273,4 +309,5 @@ def test_fused_resq_kernels_compile_for_sm90_without_spills(fmt):
     if r.returncode != 0 and "nvdisasm" in r.stderr and "No such file" in r.stderr:
         pytest.skip("this Triton has no NVIDIA tools")
     assert r.returncode == 0, r.stderr[-2000:]
-    assert json.loads(r.stdout.strip().splitlines()[-1]) == {"norm": 0, "swiglu": 0}
+    assert json.loads(r.stdout.strip().splitlines()[-1]) == {"norm": 0, "swiglu": 0, "attention": 0,
+                                                             "attention_mma": True}

@@ -6,6 +6,8 @@ with fp32 weights takes its unfused path; RoPE is five kernels per tensor); thes
     y, s = add_rms_norm(x, delta, weight, eps)     # s = x + delta (x's dtype), y = RMSNorm(s) as torch.nn.RMSNorm
     q = rope_kv_write(qkv, cos, sin, k_cache, v_cache, pos, group, bias)  # + bias, RoPE on q and k, k, v to cache
     a = swiglu(a)                                   # silu(a[:, :F]) * a[:, F:]
+    o = decode_attention(q, k_cache, v_cache, pos, scale)  # SDPA of one token per sequence over cache rows 0..pos
+    y = split_sum(t, dtype, bias)                   # a GEMM's split-K partial sums + bias, rounded once
 
 Each has its PyTorch twin (``*_reference``: what the static decode path computes without them) and matches it up
 to the rounding of one fused computation (fp32 inside, one rounding to the output dtype where torch rounds after
@@ -28,6 +30,7 @@ import torch.nn.functional as F
 from megatron_fp4.kernels._common import HAS_TRITON, HIF4_RECIP, KERNEL_FORMATS, kernels_usable, tl, triton
 
 __all__ = ["add_rms_norm", "add_rms_norm_reference", "add_rms_norm_resq", "add_rms_norm_resq_reference",
+           "decode_attention", "decode_attention_reference",
            "rope_reference", "rope_kv_write", "rope_kv_write_reference", "split_sum", "sum_splits", "swiglu",
            "swiglu_reference"]
 
@@ -92,6 +95,14 @@ def rope_kv_write_reference(qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Ten
     k_cache[rows, :, pos] = rope_reference(qkv[:, :, group], cos[:, None], sin[:, None])
     v_cache[rows, :, pos] = qkv[:, :, group + 1]
     return q
+
+
+def decode_attention_reference(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, pos: torch.Tensor,
+                               scale: float) -> torch.Tensor:
+    """One query token per sequence, ``q [B, ng, G, hd]`` (G query heads per kv group), against its cache rows 0..pos
+    of ``k_cache, v_cache [B, ng, S, hd]``: PyTorch SDPA with a mask (what the static decode path runs)."""
+    valid = (torch.arange(k_cache.shape[2], device=q.device)[None, :] <= pos[:, None]).view(q.shape[0], 1, 1, -1)
+    return F.scaled_dot_product_attention(q, k_cache, v_cache, attn_mask=valid, scale=scale)
 
 
 def swiglu_reference(a: torch.Tensor, out_dtype: Optional[torch.dtype] = None, splits: bool = False
@@ -212,6 +223,46 @@ if HAS_TRITON:
         tl.store(vc_ptr + kbase + H, t2.to(vc_ptr.dtype.element_ty), mask=vm)
 
     @triton.jit
+    def _decode_attention_kernel(q_ptr, k_ptr, v_ptr, pos_ptr, o_ptr, G, scale, stride_qb, stride_qg, stride_qr,
+                                 stride_kb, stride_kg, stride_ks, stride_ob, stride_og, stride_or, GP: tl.constexpr,
+                                 HD: tl.constexpr, BLOCK_N: tl.constexpr, IEEE: tl.constexpr):
+        """One (sequence, kv group): its G query heads (rows, padded to GP) against cache rows 0..pos, BLOCK_N keys
+        at a time (online softmax in fp32; P rounded to the cache's dtype for the PV product, as flash attention)."""
+        b = tl.program_id(0)
+        g = tl.program_id(1)
+        r = tl.arange(0, GP)[:, None]
+        d = tl.arange(0, HD)[None, :]
+        q = tl.load(q_ptr + b * stride_qb + g * stride_qg + r * stride_qr + d, mask=r < G, other=0.0)
+        n_valid = tl.load(pos_ptr + b) + 1
+        kbase = k_ptr + b * stride_kb + g * stride_kg
+        vbase = v_ptr + b * stride_kb + g * stride_kg
+        n = tl.arange(0, BLOCK_N)
+        m_i = tl.full([GP], float("-inf"), tl.float32)
+        l_i = tl.zeros([GP], tl.float32)
+        acc = tl.zeros([GP, HD], tl.float32)
+        for start in range(0, n_valid, BLOCK_N):
+            cols = start + n
+            kv_mask = cols[:, None] < n_valid
+            k = tl.load(kbase + cols[:, None] * stride_ks + d, mask=kv_mask, other=0.0)
+            if IEEE:
+                sc = tl.dot(q, tl.trans(k), input_precision="ieee")
+            else:
+                sc = tl.dot(q, tl.trans(k))
+            sc = tl.where(cols[None, :] < n_valid, sc * scale, float("-inf"))
+            m_new = tl.maximum(m_i, tl.max(sc, 1))
+            alpha = tl.exp(m_i - m_new)
+            p = tl.exp(sc - m_new[:, None])
+            l_i = l_i * alpha + tl.sum(p, 1)
+            v = tl.load(vbase + cols[:, None] * stride_ks + d, mask=kv_mask, other=0.0)
+            if IEEE:
+                acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision="ieee")
+            else:
+                acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v)
+            m_i = m_new
+        o = acc / l_i[:, None]
+        tl.store(o_ptr + b * stride_ob + g * stride_og + r * stride_or + d, o.to(o_ptr.dtype.element_ty), mask=r < G)
+
+    @triton.jit
     def _split_sum_kernel(t_ptr, b_ptr, y_ptr, N, stride_t, stride_y, stride_split, DT: tl.constexpr,
                           SPLITS: tl.constexpr, HAS_BIAS: tl.constexpr, BLOCK: tl.constexpr):
         """y = DT(t's splits added in order in fp32 [+ bias in fp32]): one rounding, as :func:`sum_splits`."""
@@ -330,6 +381,29 @@ def add_rms_norm_resq(x: torch.Tensor, delta: Optional[torch.Tensor], norm: torc
     _add_rms_norm_resq_kernel[(B,)](x, d, w, e, s, N, KP, eps, x.stride(0), d.stride(-2), e.stride(0), s.stride(0),
                                     stride_split, BK=RESQ_NORM_BK, FMT=_FMT_IDS[fmt], **_RECIP, **kw)
     return e[:, :N], s
+
+
+#: Keys per step of the decode attention kernel.
+ATTENTION_BLOCK_N = 64
+
+
+def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, pos: torch.Tensor,
+                     scale: float) -> torch.Tensor:
+    """:func:`decode_attention_reference` in one kernel that reads each sequence's cache only up to its position (SDPA
+    with a mask reads all S rows: ~20 us a layer on the 7B shape at batch 64, profiled in session 29); the twin where
+    the kernel does not apply (a head size not a power of two, other layouts)."""
+    B, ng, G, hd = q.shape
+    if (not kernels_usable(q, k_cache, v_cache, pos) or hd < 16 or hd & (hd - 1) or q.dtype not in _TL_DTYPES
+            or k_cache.dtype != q.dtype or v_cache.dtype != q.dtype or k_cache.stride() != v_cache.stride()
+            or k_cache.shape != v_cache.shape or k_cache.shape[:2] != (B, ng) or k_cache.shape[3] != hd
+            or q.stride(-1) != 1 or k_cache.stride(-1) != 1 or pos.shape != (B,)):
+        return decode_attention_reference(q, k_cache, v_cache, pos, scale)
+    o = torch.empty_like(q, memory_format=torch.contiguous_format)
+    _decode_attention_kernel[(B, ng)](q, k_cache, v_cache, pos, o, G, float(scale), q.stride(0), q.stride(1),
+                                      q.stride(2), k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
+                                      o.stride(0), o.stride(1), o.stride(2), GP=max(16, triton.next_power_of_2(G)),
+                                      HD=hd, BLOCK_N=ATTENTION_BLOCK_N, IEEE=q.dtype == torch.float32)
+    return o
 
 
 def split_sum(t: torch.Tensor, dtype: torch.dtype, bias: Optional[torch.Tensor] = None) -> torch.Tensor:

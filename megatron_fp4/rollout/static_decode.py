@@ -188,7 +188,7 @@ class StaticCacheGenerator:
         self._generation = 0
         self.last_stats: dict = {}
         #: Decode steps through megatron_fp4/kernels/decode_ops.py (fused RMSNorm + residual add, RoPE + KV write,
-        #: SwiGLU): by default on a GPU (H200, batch 64: 1.5B BF16 12.1k -> 19.4k tok/s, 7B 6.5k -> 8.6k,
+        #: SwiGLU, attention reading each cache up to its position): by default on a GPU (H200, batch 64: 1.5B BF16 12.1k -> 19.4k tok/s, 7B 6.5k -> 8.6k,
         #: docs/PERFORMANCE.md), off on the CPU (Triton's interpreter); ``fused`` or MEGATRON_FP4_DECODE_FUSED=1 / 0
         #: overrides.
         on_gpu = any(p.is_cuda for p in model.parameters())
@@ -348,7 +348,7 @@ class StaticCacheGenerator:
         tok, pos = st["tok"][:B], st["pos"][:B]
         x = F.embedding(tok, self.embedding.weight)  # [B, h]
         cos, sin = st["cos"][pos], st["sin"][pos]  # [B, hd]
-        valid = (st["ar_seq"][None, :] <= pos[:, None]).view(B, 1, 1, -1)
+        valid = None if self.fused else (st["ar_seq"][None, :] <= pos[:, None]).view(B, 1, 1, -1)
         delta = None
         resq = self.resq_format(B)
         # on ResQ's activation, already made by the fused kernels, W4A16 is W4A4 + ResQ 2:4 (bf16 sum)
@@ -364,7 +364,8 @@ class StaticCacheGenerator:
             else:
                 qkv = self._linear(layer.qkv, h).view(B, self.kv_heads, self.group + 2, self.head_dim)
                 q = decode_ops.rope_kv_write_reference(qkv, cos, sin, kc, vc, pos, self.group)  # k, v written at pos
-            o = F.scaled_dot_product_attention(q, kc, vc, attn_mask=valid, scale=self.scale)  # [B, ng, G, hd]
+            o = (decode_ops.decode_attention(q, kc, vc, pos, self.scale) if self.fused else  # [B, ng, G, hd]
+                 F.scaled_dot_product_attention(q, kc, vc, attn_mask=valid, scale=self.scale))
             delta = self._linear(layer.proj, o.reshape(B, self.heads * self.head_dim), self.fused)
             h, x = self._add_norm(x, delta, layer.ln2, resq)
             delta = self._mlp(layer, h, self.fused, w16)
