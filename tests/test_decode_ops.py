@@ -107,17 +107,19 @@ def test_split_partial_sums_read_as_the_rounded_sum(dtype, splits):
 
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("G", [7, 6, 1])
-def test_decode_attention_matches_sdpa_with_the_mask(dtype, G):
+@pytest.mark.parametrize("splits", [1, 3])
+def test_decode_attention_matches_sdpa_with_the_mask(dtype, G, splits):
     """The decode attention kernel (each sequence's cache read up to its position, BLOCK_N keys a step, online
-    softmax) against SDPA with the static path's mask, on a strided cache slice as the engine passes it (positions
-    within, at and across block edges; rows past pos hold garbage that must not count)."""
+    softmax; or the cache in splits, empty ones included, merged by a second kernel) against SDPA with the static
+    path's mask, on a strided cache slice as the engine passes it (positions within, at and across block edges;
+    rows past pos hold garbage that must not count)."""
     g = torch.Generator().manual_seed(6)
     B, ng, S, hd = 5, 2, 150, 32
     cache = (torch.randn(2, 3, B + 1, ng, S, hd, generator=g) * 2).to(dtype).to(DEV)  # [kv, layer, slots, ...]
     k, v = cache[0, 1, :B], cache[1, 1, :B]
     q = torch.randn(B, ng, G, hd, generator=g).to(dtype).to(DEV)
     pos = torch.tensor([0, 63, 64, 100, S - 1]).to(DEV)
-    got = decode_ops.decode_attention(q, k, v, pos, 0.3)
+    got = decode_ops.decode_attention(q, k, v, pos, 0.3, splits)
     want = decode_ops.decode_attention_reference(q, k, v, pos, 0.3)
     assert got.shape == want.shape == (B, ng, G, hd) and got.dtype == dtype
     # (a softmax's sum in another order: fp32 outputs near zero differ by ~1e-6 absolute)
@@ -126,11 +128,25 @@ def test_decode_attention_matches_sdpa_with_the_mask(dtype, G):
     k2, v2 = k.clone(), v.clone()
     for i, p in enumerate(pos.tolist()):
         k2[i, :, p + 1:], v2[i, :, p + 1:] = 1e4, float("nan")
-    assert torch.equal(decode_ops.decode_attention(q, k2, v2, pos, 0.3), got)
+    assert torch.equal(decode_ops.decode_attention(q, k2, v2, pos, 0.3, splits), got)
+    if splits == 1:  # what the splits' merge rounds differently
+        torch.testing.assert_close(decode_ops.decode_attention(q, k, v, pos, 0.3, 3), got,
+                                   **(dict(atol=1e-5, rtol=1e-4) if dtype == torch.float32 else _tol(dtype)))
     # a head size that is not a power of two: the twin
     q3, k3 = q[..., :24], k[..., :24].contiguous()
     assert torch.equal(decode_ops.decode_attention(q3, k3, k3, pos, 0.3),
                        decode_ops.decode_attention_reference(q3, k3, k3, pos, 0.3))
+
+
+def test_attention_splits_only_where_programs_leave_the_gpu_idle():
+    """One kernel at the rollout's batches and short caches; long caches of few sequences in splits of at least
+    ATTENTION_MIN_SPLIT_KEYS keys, up to one program per multiprocessor."""
+    assert decode_ops.attention_splits(64 * 4, 256, 132) == 1  # 7B shape, batch 64
+    assert decode_ops.attention_splits(64 * 2, 256, 132) == 1  # 1.5B shape: short cache
+    assert decode_ops.attention_splits(64 * 2, 16384, 132) == 2
+    assert decode_ops.attention_splits(4, 16384, 132) == 32
+    assert decode_ops.attention_splits(4, 2048, 132) == 4
+    assert decode_ops.attention_splits(1, 300, 132) == 1
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
@@ -278,13 +294,18 @@ out = {
     "swiglu": sass(decode_ops._swiglu_kernel, swiglu,
                    dict(DT=tl.bfloat16, SPLITS=2, BLOCK=decode_ops.RESQ_SWIGLU_BLOCK, FMT=fmt, **recip), 4).count("STL"),
 }
-attention = dict(q_ptr=bf, k_ptr=bf, v_ptr=bf, pos_ptr="*i64", o_ptr=bf, G="i32", scale="fp32",
-                 **{f"stride_{n}": "i32" for n in ("qb", "qg", "qr", "kb", "kg", "ks", "ob", "og", "or")},
-                 GP=c, HD=c, BLOCK_N=c, IEEE=c)
+strides = {f"stride_{n}": "i32" for n in ("qb", "qg", "qr", "kb", "kg", "ks", "ob", "og", "or")}
+attention = dict(q_ptr=bf, k_ptr=bf, v_ptr=bf, pos_ptr="*i64", o_ptr=bf, ml_ptr=f32, G="i32", scale="fp32",
+                 keys_per_split="i32", **strides, GP=c, HD=c, BLOCK_N=c, SPLIT=c, IEEE=c)
 text = sass(decode_ops._decode_attention_kernel, attention,
-            dict(GP=16, HD=128, BLOCK_N=decode_ops.ATTENTION_BLOCK_N, IEEE=False), 4)
-out["attention"] = text.count("STL")
-out["attention_mma"] = text.count("HMMA") > 0
+            dict(GP=16, HD=128, BLOCK_N=decode_ops.ATTENTION_BLOCK_N, SPLIT=False, IEEE=False), 4)
+split = sass(decode_ops._decode_attention_kernel, dict(attention, o_ptr=f32),
+             dict(GP=16, HD=128, BLOCK_N=decode_ops.ATTENTION_BLOCK_N, SPLIT=True, IEEE=False), 4)
+combine = sass(decode_ops._attention_combine_kernel,
+               dict(part_ptr=f32, ml_ptr=f32, o_ptr=bf, G="i32", stride_ob="i32", stride_og="i32", stride_or="i32",
+                    SPLITS=c, GP=c, HD=c), dict(SPLITS=8, GP=16, HD=128), 4)
+out["attention"] = text.count("STL") + split.count("STL") + combine.count("STL")
+out["attention_mma"] = text.count("HMMA") > 0 and split.count("HMMA") > 0
 print(json.dumps(out))
 """
 

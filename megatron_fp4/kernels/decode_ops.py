@@ -30,7 +30,7 @@ import torch.nn.functional as F
 from megatron_fp4.kernels._common import HAS_TRITON, HIF4_RECIP, KERNEL_FORMATS, kernels_usable, tl, triton
 
 __all__ = ["add_rms_norm", "add_rms_norm_reference", "add_rms_norm_resq", "add_rms_norm_resq_reference",
-           "decode_attention", "decode_attention_reference",
+           "attention_splits", "decode_attention", "decode_attention_reference",
            "rope_reference", "rope_kv_write", "rope_kv_write_reference", "split_sum", "sum_splits", "swiglu",
            "swiglu_reference"]
 
@@ -223,24 +223,32 @@ if HAS_TRITON:
         tl.store(vc_ptr + kbase + H, t2.to(vc_ptr.dtype.element_ty), mask=vm)
 
     @triton.jit
-    def _decode_attention_kernel(q_ptr, k_ptr, v_ptr, pos_ptr, o_ptr, G, scale, stride_qb, stride_qg, stride_qr,
-                                 stride_kb, stride_kg, stride_ks, stride_ob, stride_og, stride_or, GP: tl.constexpr,
-                                 HD: tl.constexpr, BLOCK_N: tl.constexpr, IEEE: tl.constexpr):
-        """One (sequence, kv group): its G query heads (rows, padded to GP) against cache rows 0..pos, BLOCK_N keys
-        at a time (online softmax in fp32; P rounded to the cache's dtype for the PV product, as flash attention)."""
+    def _decode_attention_kernel(q_ptr, k_ptr, v_ptr, pos_ptr, o_ptr, ml_ptr, G, scale, keys_per_split, stride_qb,
+                                 stride_qg, stride_qr, stride_kb, stride_kg, stride_ks, stride_ob, stride_og,
+                                 stride_or, GP: tl.constexpr, HD: tl.constexpr, BLOCK_N: tl.constexpr,
+                                 SPLIT: tl.constexpr, IEEE: tl.constexpr):
+        """One (sequence, kv group[, split of the cache]): its G query heads (rows, padded to GP) against cache rows
+        0..pos (SPLIT: those of rows [split * keys_per_split, + keys_per_split)), BLOCK_N keys at a time: online
+        softmax in fp32, P rounded to the cache's dtype for the PV product (as flash attention). SPLIT: the split's
+        unnormalized output and its (max, sum) go to o_ptr / ml_ptr (fp32, [B, ng, splits, GP, ...]) for
+        _attention_combine_kernel."""
         b = tl.program_id(0)
         g = tl.program_id(1)
         r = tl.arange(0, GP)[:, None]
         d = tl.arange(0, HD)[None, :]
         q = tl.load(q_ptr + b * stride_qb + g * stride_qg + r * stride_qr + d, mask=r < G, other=0.0)
         n_valid = tl.load(pos_ptr + b) + 1
+        lo = 0
+        if SPLIT:
+            lo = tl.program_id(2) * keys_per_split
+            n_valid = tl.minimum(n_valid, lo + keys_per_split)
         kbase = k_ptr + b * stride_kb + g * stride_kg
         vbase = v_ptr + b * stride_kb + g * stride_kg
         n = tl.arange(0, BLOCK_N)
         m_i = tl.full([GP], float("-inf"), tl.float32)
         l_i = tl.zeros([GP], tl.float32)
         acc = tl.zeros([GP, HD], tl.float32)
-        for start in range(0, n_valid, BLOCK_N):
+        for start in range(lo, n_valid, BLOCK_N):
             cols = start + n
             kv_mask = cols[:, None] < n_valid
             k = tl.load(kbase + cols[:, None] * stride_ks + d, mask=kv_mask, other=0.0)
@@ -259,8 +267,41 @@ if HAS_TRITON:
             else:
                 acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v)
             m_i = m_new
-        o = acc / l_i[:, None]
-        tl.store(o_ptr + b * stride_ob + g * stride_og + r * stride_or + d, o.to(o_ptr.dtype.element_ty), mask=r < G)
+        if SPLIT:
+            sp = tl.program_id(2)
+            nsp = tl.num_programs(2)
+            row = (b * tl.num_programs(1) + g) * nsp + sp  # [B, ng, splits] flattened
+            tl.store(o_ptr + row * GP * HD + r * HD + d, acc)
+            rr = tl.arange(0, GP)
+            tl.store(ml_ptr + row * 2 * GP + rr, m_i)
+            tl.store(ml_ptr + row * 2 * GP + GP + rr, l_i)
+        else:
+            o = acc / l_i[:, None]
+            tl.store(o_ptr + b * stride_ob + g * stride_og + r * stride_or + d, o.to(o_ptr.dtype.element_ty),
+                     mask=r < G)
+
+    @triton.jit
+    def _attention_combine_kernel(part_ptr, ml_ptr, o_ptr, G, stride_ob, stride_og, stride_or, SPLITS: tl.constexpr,
+                                  GP: tl.constexpr, HD: tl.constexpr):
+        """One (sequence, kv group): the splits' partial outputs merged by their softmax maxima and sums (an empty
+        split has max -inf and sum 0: weight 0; split 0 always holds row 0)."""
+        b = tl.program_id(0)
+        g = tl.program_id(1)
+        r = tl.arange(0, GP)
+        d = tl.arange(0, HD)[None, :]
+        base = (b * tl.num_programs(1) + g) * SPLITS
+        m = tl.full([GP], float("-inf"), tl.float32)
+        for sp in tl.static_range(SPLITS):
+            m = tl.maximum(m, tl.load(ml_ptr + (base + sp) * 2 * GP + r))
+        l_sum = tl.zeros([GP], tl.float32)
+        acc = tl.zeros([GP, HD], tl.float32)
+        for sp in tl.static_range(SPLITS):
+            w = tl.exp(tl.load(ml_ptr + (base + sp) * 2 * GP + r) - m)
+            l_sum += w * tl.load(ml_ptr + (base + sp) * 2 * GP + GP + r)
+            acc += w[:, None] * tl.load(part_ptr + (base + sp) * GP * HD + r[:, None] * HD + d)
+        o = acc / l_sum[:, None]
+        tl.store(o_ptr + b * stride_ob + g * stride_og + r[:, None] * stride_or + d, o.to(o_ptr.dtype.element_ty),
+                 mask=r[:, None] < G)
 
     @triton.jit
     def _split_sum_kernel(t_ptr, b_ptr, y_ptr, N, stride_t, stride_y, stride_split, DT: tl.constexpr,
@@ -385,24 +426,53 @@ def add_rms_norm_resq(x: torch.Tensor, delta: Optional[torch.Tensor], norm: torc
 
 #: Keys per step of the decode attention kernel.
 ATTENTION_BLOCK_N = 64
+#: The decode attention splits a cache longer than this many keys per split when (sequence, kv group) programs alone
+#: would leave streaming multiprocessors idle (few sequences, long contexts: a second, combining kernel then merges
+#: the splits); shorter caches take one kernel.
+ATTENTION_MIN_SPLIT_KEYS = 512
+
+
+def attention_splits(programs: int, keys: int, sms: int) -> int:
+    """Cache splits of the decode attention for ``programs`` (sequence, kv group) pairs over ``keys`` cache rows on
+    ``sms`` multiprocessors: enough to give every multiprocessor a program, each split at least
+    :data:`ATTENTION_MIN_SPLIT_KEYS` keys; 1 where the programs already fill the GPU or the cache is short."""
+    return max(1, min(-(-sms // programs), keys // ATTENTION_MIN_SPLIT_KEYS))
 
 
 def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, pos: torch.Tensor,
-                     scale: float) -> torch.Tensor:
-    """:func:`decode_attention_reference` in one kernel that reads each sequence's cache only up to its position (SDPA
+                     scale: float, splits: Optional[int] = None) -> torch.Tensor:
+    """:func:`decode_attention_reference` in a kernel that reads each sequence's cache only up to its position (SDPA
     with a mask reads all S rows: ~20 us a layer on the 7B shape at batch 64, profiled in session 29); the twin where
-    the kernel does not apply (a head size not a power of two, other layouts)."""
+    the kernel does not apply (a head size not a power of two, other layouts). ``splits``: cache splits (default
+    :func:`attention_splits`; a static count, so a CUDA graph's replay at any position is valid)."""
     B, ng, G, hd = q.shape
     if (not kernels_usable(q, k_cache, v_cache, pos) or hd < 16 or hd & (hd - 1) or q.dtype not in _TL_DTYPES
             or k_cache.dtype != q.dtype or v_cache.dtype != q.dtype or k_cache.stride() != v_cache.stride()
             or k_cache.shape != v_cache.shape or k_cache.shape[:2] != (B, ng) or k_cache.shape[3] != hd
             or q.stride(-1) != 1 or k_cache.stride(-1) != 1 or pos.shape != (B,)):
         return decode_attention_reference(q, k_cache, v_cache, pos, scale)
+    S = k_cache.shape[2]
+    if splits is None:
+        sms = torch.cuda.get_device_properties(q.device).multi_processor_count if q.is_cuda else 132
+        splits = attention_splits(B * ng, S, sms)
+    per_split = -(-S // splits)
+    per_split = -(-per_split // ATTENTION_BLOCK_N) * ATTENTION_BLOCK_N  # (splits start on block edges)
+    splits = -(-S // per_split)
+    GP = max(16, triton.next_power_of_2(G))
     o = torch.empty_like(q, memory_format=torch.contiguous_format)
-    _decode_attention_kernel[(B, ng)](q, k_cache, v_cache, pos, o, G, float(scale), q.stride(0), q.stride(1),
-                                      q.stride(2), k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
-                                      o.stride(0), o.stride(1), o.stride(2), GP=max(16, triton.next_power_of_2(G)),
-                                      HD=hd, BLOCK_N=ATTENTION_BLOCK_N, IEEE=q.dtype == torch.float32)
+    common = dict(GP=GP, HD=hd)
+    args = (G, float(scale), per_split, q.stride(0), q.stride(1), q.stride(2), k_cache.stride(0), k_cache.stride(1),
+            k_cache.stride(2), o.stride(0), o.stride(1), o.stride(2))
+    if splits == 1:
+        _decode_attention_kernel[(B, ng)](q, k_cache, v_cache, pos, o, o, *args, BLOCK_N=ATTENTION_BLOCK_N,
+                                          SPLIT=False, IEEE=q.dtype == torch.float32, **common)
+        return o
+    part = torch.empty((B, ng, splits, GP, hd), dtype=torch.float32, device=q.device)
+    ml = torch.empty((B, ng, splits, 2, GP), dtype=torch.float32, device=q.device)
+    _decode_attention_kernel[(B, ng, splits)](q, k_cache, v_cache, pos, part, ml, *args, BLOCK_N=ATTENTION_BLOCK_N,
+                                              SPLIT=True, IEEE=q.dtype == torch.float32, **common)
+    _attention_combine_kernel[(B, ng)](part, ml, o, G, o.stride(0), o.stride(1), o.stride(2), SPLITS=splits,
+                                       **common)
     return o
 
 
