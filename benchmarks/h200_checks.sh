@@ -16,11 +16,13 @@
 #   decode-profile  Nsight Compute on the decode GEMM (a 7B MLP weight): the default tile at M = 16 (both formats;
 #                 natural layout) and both kernels on the permuted layout at M = 64 (MXFP4):
 #                 throughput, memory, warp stall reasons, source counters (hardware counters: the Firecracker runtime)
+#   sglang-bench  bench_rollout.py --backend sglang (issue 19's rows): SHAPE (qwen2.5-7b), PRECISIONS
+#                 (bf16,w4a16/mxfp4,w4a16/hif4), BATCH (64) from the environment; about three Engines fit one call
 #   rl-step       bench_rl_step.py: one GRPO step of the driver per rollout backend (issue 19's 5x target; the GPU
 #                 memory an SGLang Engine takes beside training)
 #   rl-mismatch   bench_rl_step.py: 20 GRPO steps, native engine vs SGLang (HiF4 W4A4 + ResQ), mismatch per step
 #
-# The rl-* parts need the SGLang 0.5.17 bundle in .sgl/ (bash ../shared/tools/build_sglang_bundle.sh .sgl, ~54 MB;
+# The sglang-bench and rl-* parts need the SGLang 0.5.17 bundle in .sgl/ (bash ../shared/tools/build_sglang_bundle.sh .sgl, ~54 MB;
 # carry it with .whl/ in the same call: the machine goes back 30 s after a call).
 #
 # megatron-core comes from wheels carried in .whl/ (made beside the checkout, with pip access: pip download -q
@@ -32,9 +34,9 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 usage="usage: bash benchmarks/h200_checks.sh train-tests|train-bench|decode-tests|decode-bench|decode-profile|rl-step"
-usage+="|rl-mismatch|decode-natural|engine-bench"
+usage+="|rl-mismatch|decode-natural|engine-bench|sglang-bench"
 case "${1:-}" in train-tests | train-bench | decode-tests | decode-bench | decode-profile | rl-step | rl-mismatch | \
-  decode-natural | engine-bench) ;;
+  decode-natural | engine-bench | sglang-bench) ;;
   *) echo "$usage" >&2; exit 2 ;;
 esac
 SITE=${SITE_DIR:-/tmp/site}
@@ -84,7 +86,7 @@ case "$1" in
     prebuild_tests
     run_tests -m gpu tests/test_cuda_decode.py tests/test_rollout_static.py
     # (the fused decode-step kernels' tests carry no gpu mark: on a GPU they run on CUDA, bf16 included)
-    run_tests tests/test_decode_ops.py
+    run_tests tests/test_decode_ops.py tests/test_kernels.py::test_linear_bias_is_added_before_the_one_rounding
     ;;
   decode-bench)
     python3 benchmarks/bench_kernels.py --decode --decode-sweep --shapes 3584x18944,18944x3584,1536x8960,8960x1536 \
@@ -128,6 +130,12 @@ case "$1" in
       grep -E "Duration|DRAM Throughput|Memory Throughput|Issued Warp|Achieved Occupancy|issue_stalled" \
         "$results/$name.txt" | head -40 || true
     done <<< "$cases"
+    ;;
+  sglang-bench)
+    sglang_env sglang-bench
+    python3 benchmarks/bench_rollout.py --backend sglang --shapes "${SHAPE:-qwen2.5-7b}" \
+      --precisions "${PRECISIONS:-bf16,w4a16/mxfp4,w4a16/hif4}" --batch "${BATCH:-64}" --check-samples 16 \
+      --out "$results/rollout_h200_sglang.json"
     ;;
   rl-step)  # the 5x target's command (64 prompts x 8 samples, 256 new tokens); each run stops after 240 s
     sglang_env rl-step

@@ -823,12 +823,13 @@ def test_linear_bias_is_added_before_the_one_rounding(name, M):
     """dispatch.linear(bias=): the GEMM's fp32 sums plus the bias in fp32, rounded once to out_dtype (one split_sum
     kernel, no bias cast / add / cast kernels), the same numbers as adding it after an fp32 GEMM; and the kernel
     backend takes the bias from rollout_linear (adds_bias) with the reference's numbers."""
-    from megatron_fp4.resq import ROLLOUT_LINEAR_PATHS, RolloutPrecision, rollout_linear
-    from megatron_fp4.rollout_kernels import register_kernel_backend, unregister_kernel_backend
+    from megatron_fp4.resq import (ROLLOUT_LINEAR_PATHS, RolloutPrecision, register_rollout_backend,
+                                   rollout_backend_for, rollout_linear)
+    from megatron_fp4.rollout_kernels import register_kernel_backend
 
     g = torch.Generator().manual_seed(5)
-    x, wt = torch.randn(M, 96, generator=g), torch.randn(40, 96, generator=g) * 0.1
-    bias = torch.randn(40, generator=g).to(torch.float16)
+    x, wt = torch.randn(M, 96, generator=g).to(DEV), (torch.randn(40, 96, generator=g) * 0.1).to(DEV)
+    bias = torch.randn(40, generator=g).to(torch.float16).to(DEV)
     w = dispatch.prepare_weight(wt, name)
     for kw in (dict(), dict(resq="2:4"), dict(resq="2:4", resq_combine="bf16")):
         fp32 = dispatch.linear(x, w, **kw)
@@ -841,14 +842,16 @@ def test_linear_bias_is_added_before_the_one_rounding(name, M):
         dispatch.linear(x, w, bias=bias[:-1])
     precision = RolloutPrecision("w4a4", name, "2:4")
     x16 = x.to(torch.float16)
+    before = rollout_backend_for(DEV)
+    register_rollout_backend(DEV, None)
     ref = rollout_linear(x16, wt, bias, precision)
-    assert register_kernel_backend("cpu")
+    assert register_kernel_backend(DEV)
     try:
         served = ROLLOUT_LINEAR_PATHS["backend"]
         got = rollout_linear(x16, wt, bias, precision)
         stored = rollout_linear(x16, wt, bias, precision, as_stored=True)
         assert ROLLOUT_LINEAR_PATHS["backend"] == served + 2
     finally:
-        unregister_kernel_backend("cpu")
+        register_rollout_backend(DEV, before)
     assert got.dtype == torch.float16 and torch.equal(stored, got.unsqueeze(0))
     torch.testing.assert_close(got, ref, atol=2e-3, rtol=2e-3)
