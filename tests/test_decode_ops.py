@@ -101,8 +101,10 @@ def test_split_partial_sums_read_as_the_rounded_sum(dtype, splits):
     a = decode_ops.sum_splits(a_parts, dtype, 2)
     assert out.dtype == dtype and torch.equal(out, decode_ops.swiglu(a))
     assert torch.equal(decode_ops.swiglu_reference(a_parts, dtype, splits=True), decode_ops.swiglu_reference(a))
-    # without splits a 3-D input is a batch of rows (the prefill's [b, L, 2F]): the twin serves it
-    assert torch.equal(decode_ops.swiglu(a_parts), decode_ops.swiglu_reference(a_parts))
+    # without splits a 3-D input is a batch of rows (the prefill's [b, L, 2F]), in the kernel too
+    rows = decode_ops.swiglu(a_parts.to(dtype))
+    assert rows.shape == (splits, 3, 1500) and torch.equal(rows[-1], decode_ops.swiglu(a_parts[-1].to(dtype)))
+    torch.testing.assert_close(rows, decode_ops.swiglu_reference(a_parts.to(dtype)), **_tol(dtype))
 
 
 @pytest.mark.parametrize("dtype", DTYPES)

@@ -517,9 +517,12 @@ def rope_kv_write(qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, k_cac
 
 def swiglu(a: torch.Tensor, out_dtype: Optional[torch.dtype] = None, splits: bool = False,
            resq: Optional[str] = None) -> torch.Tensor:
-    """:func:`swiglu_reference` for ``a [B, 2F]`` (``splits``: ``[splits, B, 2F]`` partial sums, see the module doc)
+    """:func:`swiglu_reference` for ``a [..., 2F]`` (``splits``: ``[splits, B, 2F]`` partial sums, see the module doc)
     in one kernel (``out_dtype``: a's by default; an fp32 ``a`` is read as its cast to ``out_dtype``). ``resq`` (a
     format): the ResQ 2:4 bf16-sum activation of that output instead (bf16; as :func:`add_rms_norm_resq`)."""
+    if not splits and a.dim() > 2 and a.is_contiguous():  # (the prefill's [b, L, 2F]: rows)
+        y = swiglu(a.view(-1, a.shape[-1]), out_dtype, resq=resq)
+        return y.view(*a.shape[:-1], y.shape[-1])
     dtype = out_dtype or a.dtype
     if (not kernels_usable(a) or a.dim() != 2 + splits or a.shape[-1] % 2 or a.stride(-1) != 1
             or (resq is not None and resq not in KERNEL_FORMATS) or dtype not in _TL_DTYPES):
