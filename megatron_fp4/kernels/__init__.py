@@ -19,8 +19,9 @@ Modules (import them directly; importing the package loads nothing heavy):
   operand's two exact BF16 expansions (along K and along the tokens) from one read; its unit math
   (``csrc/quant_math.h``) is also built for the host in the CPU tests. ``megatron_fp4.kernels._nvcc`` builds and loads
   the CUDA sources.
-- ``megatron_fp4.kernels.decode_ops``: fused elementwise kernels of the native engine's decode step (residual add +
-  RMSNorm, RoPE + KV-cache write, SwiGLU), each beside its PyTorch twin.
+- ``megatron_fp4.kernels.decode_ops``: fused kernels of the native engine's decode step (residual add + RMSNorm,
+  RoPE + KV-cache write, SwiGLU, attention over each sequence's cache up to its position, a GEMM's split sums + bias
+  rounded once), each beside its PyTorch twin.
 - ``megatron_fp4.kernels.logprobs``: fused next-token log-probs, entropy and their gradient over a (vocab-parallel)
   logits row, one read of the logits per pass (the RL loss head on CUDA; ``megatron_fp4.rl.logprobs`` calls it).
 - ``megatron_fp4.kernels._launch``: ``fast(kernel)[grid](...)``, a launch that skips Triton's Python launch path after a
