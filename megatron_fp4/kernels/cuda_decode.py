@@ -459,23 +459,19 @@ def _ntok(M: int) -> int:
 
 
 def w4_decode(x: torch.Tensor, dw: DecodeWeight, config: Optional[dict] = None,
-              out_dtype: Optional[torch.dtype] = torch.float32, bias: Optional[torch.Tensor] = None) -> torch.Tensor:
+              out_dtype: Optional[torch.dtype] = torch.float32) -> torch.Tensor:
     """``x [M, K] . deq(W)^T`` for BF16 ``x`` (M <= 64) and a :class:`DecodeWeight` (CUDA, sm_90), accumulated in
     fp32, returned as ``out_dtype`` (bfloat16: the fp32 sums rounded to nearest even, stored so by the kernel itself
     where each output is stored once; otherwise cast from fp32). ``out_dtype`` None: the fp32 sums as the kernel
     stores them, ``[splits, M, N]``, each split's partial sums after a split-K (no atomics, no zero-filled output, no
     cast kernel; the reader adds them in order, so the result is deterministic: the fused decode-step kernels of
-    :mod:`megatron_fp4.kernels.decode_ops`). ``bias [N]``: added to the fp32 sums before the one rounding to
-    ``out_dtype``. A split-K whose result is rounded (a 16-bit ``out_dtype``, or a bias) stores its partial sums and
-    one :func:`~megatron_fp4.kernels.decode_ops.split_sum` kernel adds them (and the bias) and rounds: two launches,
-    deterministic, where the atomics took three (zero-fill, GEMM, cast) and a bias two more. ``config``: a tile
-    override (``KERNEL`` "wgmma" | "mma" and that kernel's tile keys, SPLIT to force split-K)."""
+    :mod:`megatron_fp4.kernels.decode_ops`). A split-K rounded to a 16-bit ``out_dtype`` stores its partial sums and
+    one :func:`~megatron_fp4.kernels.decode_ops.split_sum` kernel adds them in order and rounds: two launches,
+    deterministic, where the atomics took three (zero-fill, GEMM, cast). ``config``: a tile override (``KERNEL``
+    "wgmma" | "mma" and that kernel's tile keys, SPLIT to force split-K)."""
     M = x.shape[0]
     if not 0 < M <= 64:
         raise ValueError(f"w4_decode is the decode kernel (0 < M <= 64), got M={M}")
-    if bias is not None and (out_dtype is None or bias.shape != (dw.n,)):
-        raise ValueError(f"w4_decode: bias must be [{dw.n}] and comes with an out_dtype (got "
-                         f"{tuple(bias.shape)}, out_dtype {out_dtype})")
     kc = dw.chunks * 64
     if x.dtype != torch.bfloat16:
         x = x.to(torch.bfloat16)
@@ -510,9 +506,9 @@ def w4_decode(x: torch.Tensor, dw: DecodeWeight, config: Optional[dict] = None,
     split = -(-C // cps)
     atomic = split > 1 and not cluster  # partial sums added atomically into a zeroed fp32 output...
     as_stored = out_dtype is None
-    reduce = not as_stored and (bias is not None or (atomic and out_dtype != torch.float32))  # ...split_sum's
+    reduce = atomic and not as_stored and out_dtype != torch.float32  # (rounded by split_sum)
     partial = atomic and (as_stored or reduce)  # ... or stored per split, [split, M, N], for the reader to sum
-    obf16 = out_dtype == torch.bfloat16 and not atomic and bias is None
+    obf16 = out_dtype == torch.bfloat16 and not atomic
     out = (torch.zeros if atomic and not partial else torch.empty)(
         (split, M, dw.n) if partial else (M, dw.n), dtype=torch.bfloat16 if obf16 else torch.float32, device=x.device)
     err = fn(dw.codes.data_ptr(), dw.meta.data_ptr(), x.data_ptr(), out.data_ptr(), M, dw.n, S, C, x.stride(0),
@@ -526,7 +522,7 @@ def w4_decode(x: torch.Tensor, dw: DecodeWeight, config: Optional[dict] = None,
     if reduce:
         from megatron_fp4.kernels.decode_ops import split_sum
 
-        return split_sum(out, out_dtype, bias)
+        return split_sum(out, out_dtype)
     if as_stored:
         return out if partial else out.unsqueeze(0)
     return out.to(out_dtype)

@@ -134,13 +134,12 @@ def _decode_layout(q: QuantizedTensor, wide: bool):
     return None
 
 
-def decode_matmul(a: torch.Tensor, w: PreparedWeight, out_dtype: Optional[torch.dtype] = torch.float32,
-                  bias: Optional[torch.Tensor] = None) -> torch.Tensor:
-    """``a [M, K_pad] . deq(W)^T`` (+ ``bias``, in fp32) for BF16 ``a`` (M <= 64), fp32 sums as ``out_dtype``: the CUDA
-    decode kernel where the weight has its layout (which stores bf16 itself where it can), else the Triton one
-    (:func:`megatron_fp4.kernels.decode_gemm.w4_matmul`). ``out_dtype`` None (no bias): the fp32 sums as the kernel
-    stores them, ``[splits, M, N]`` (:func:`megatron_fp4.kernels.cuda_decode.w4_decode`; the Triton kernel's
-    ``[1, M, N]``)."""
+def decode_matmul(a: torch.Tensor, w: PreparedWeight, out_dtype: Optional[torch.dtype] = torch.float32
+                  ) -> torch.Tensor:
+    """``a [M, K_pad] . deq(W)^T`` for BF16 ``a`` (M <= 64), fp32 sums as ``out_dtype``: the CUDA decode kernel where
+    the weight has its layout (which stores bf16 itself where it can), else the Triton one
+    (:func:`megatron_fp4.kernels.decode_gemm.w4_matmul`). ``out_dtype`` None: the fp32 sums as the kernel stores
+    them, ``[splits, M, N]`` (:func:`megatron_fp4.kernels.cuda_decode.w4_decode`; the Triton kernel's ``[1, M, N]``)."""
     from megatron_fp4.kernels import cuda_decode
     from megatron_fp4.kernels.decode_gemm import w4_matmul
 
@@ -152,18 +151,9 @@ def decode_matmul(a: torch.Tensor, w: PreparedWeight, out_dtype: Optional[torch.
         raise InvalidTensorError(f"megatron_fp4.kernels.dispatch.decode_matmul: a has {a.shape[1]} columns, the "
                                  f"weight's padded K is {w.packed.codes.shape[-1] * 2}")
     if w.decode is not None and a.is_cuda and a.shape[0] <= cuda_decode.MAX_M and cuda_decode.available():
-        return cuda_decode.w4_decode(a, w.decode, out_dtype=out_dtype, bias=bias)
+        return cuda_decode.w4_decode(a, w.decode, out_dtype=out_dtype)
     out = w4_matmul(a, w.packed, wide=w.wide)
-    return out.unsqueeze(0) if out_dtype is None else _finish(out, out_dtype, bias)
-
-
-def _finish(y: torch.Tensor, out_dtype: torch.dtype, bias: Optional[torch.Tensor]) -> torch.Tensor:
-    """A GEMM's fp32 sums ``y`` (or its split sums, ``[splits, M, n]``) + ``bias``, rounded once to ``out_dtype``."""
-    if bias is None and y.dim() == 2:
-        return y.to(out_dtype)
-    from megatron_fp4.kernels.decode_ops import split_sum
-
-    return split_sum(y, out_dtype, bias)
+    return out.unsqueeze(0) if out_dtype is None else out.to(out_dtype)
 
 
 #: Token counts up to which :func:`linear` runs a decode kernel (packed weights read once, dequantized in registers):
@@ -219,8 +209,10 @@ def linear(x: torch.Tensor, w: PreparedWeight, resq: str = "none", activations: 
     if out_dtype is None or bias.shape != (w.packed.shape[0],):
         raise InvalidTensorError(f"megatron_fp4.kernels.dispatch.linear: bias must be [{w.packed.shape[0]}] and comes "
                                  f"with an out_dtype (got {tuple(bias.shape)}, out_dtype {out_dtype})")
+    from megatron_fp4.kernels.decode_ops import split_sum
+
     # the GEMM's fp32 sums (a decode kernel's split sums as stored), then the bias and the rounding in one kernel
-    return _finish(_gemm(x, w, resq, activations, resq_combine, None, torch.float32), out_dtype, bias)
+    return split_sum(_gemm(x, w, resq, activations, resq_combine, None, torch.float32), out_dtype, bias)
 
 
 def _gemm(x: torch.Tensor, w: PreparedWeight, resq: str, activations: str, resq_combine: str,
