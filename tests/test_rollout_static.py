@@ -89,6 +89,30 @@ def test_fused_decode_kernels_equal_the_unfused_steps(model, prompts, precision,
     assert _maxdiff([s.logprobs for s in got], [s.logprobs for s in want]) < 1e-4
 
 
+def test_fused_step_attention_kernel_and_its_switch(model, prompts, monkeypatch):
+    """The fused step attends with decode_ops.decode_attention (each cache read up to its position);
+    MEGATRON_FP4_DECODE_ATTENTION=sdpa puts SDPA with the mask back (the same tokens, logprobs within fp32
+    rounding), and a wrong value names the variable and the allowed ones."""
+    precision = RolloutPrecision("bf16")
+    params = SamplingParams(temperature=0.0, max_new_tokens=8, stop_token_ids=(7,))
+    monkeypatch.setenv("MEGATRON_FP4_DECODE_FUSED", "1")
+    calls = []
+    monkeypatch.setattr(decode_ops, "decode_attention",
+                        lambda *a, _f=decode_ops.decode_attention: calls.append(a[0].shape) or _f(*a))
+    got = NativeRolloutEngine(model, precision, decode="static", max_batch_size=3).generate(prompts, params)
+    assert calls and all(len(s) == 4 for s in calls)
+    calls.clear()
+    monkeypatch.setenv("MEGATRON_FP4_DECODE_ATTENTION", "sdpa")
+    want = NativeRolloutEngine(model, precision, decode="static", max_batch_size=3).generate(prompts, params)
+    assert not calls
+    assert [s.token_ids for s in got] == [s.token_ids for s in want]
+    assert _maxdiff([s.logprobs for s in got], [s.logprobs for s in want]) < 1e-4
+    monkeypatch.setenv("MEGATRON_FP4_DECODE_ATTENTION", "flash")
+    with pytest.raises(ValueError, match="MEGATRON_FP4_DECODE_ATTENTION='flash' is not valid; allowed values: "
+                                         "'kernel', 'sdpa'"):
+        NativeRolloutEngine(model, precision, decode="static", max_batch_size=3).generate(prompts, params)
+
+
 @pytest.mark.parametrize("fmt", ["hif4", "mxfp4"])
 def test_fused_resq_norms_equal_the_resq_linears(model, prompts, monkeypatch, fmt):
     """MEGATRON_FP4_DECODE_FUSED_RESQ=1: in W4A4 + ResQ 2:4 (bf16 sum) the RMSNorm kernels before qkv and fc1 and the

@@ -199,6 +199,13 @@ class StaticCacheGenerator:
         #: it: the same numbers without three of the four quantize kernels per layer. Opt-in
         #: (MEGATRON_FP4_DECODE_FUSED_RESQ=1) until measured on a GPU.
         self.fused_resq = os.environ.get("MEGATRON_FP4_DECODE_FUSED_RESQ", "0") == "1"
+        #: The fused step's attention: "kernel" (decode_ops.decode_attention, reading each cache up to its position)
+        #: or "sdpa" (SDPA with a mask over the whole cache, as the unfused path); MEGATRON_FP4_DECODE_ATTENTION.
+        attention = os.environ.get("MEGATRON_FP4_DECODE_ATTENTION", "kernel")
+        if attention not in ("kernel", "sdpa"):
+            raise ValueError(f"MEGATRON_FP4_DECODE_ATTENTION={attention!r} is not valid; allowed values: 'kernel', "
+                             f"'sdpa'")
+        self.attention_kernel = self.fused and attention == "kernel"
 
     # -- buffers -----------------------------------------------------------------------------------------------------
     @property
@@ -348,7 +355,7 @@ class StaticCacheGenerator:
         tok, pos = st["tok"][:B], st["pos"][:B]
         x = F.embedding(tok, self.embedding.weight)  # [B, h]
         cos, sin = st["cos"][pos], st["sin"][pos]  # [B, hd]
-        valid = None if self.fused else (st["ar_seq"][None, :] <= pos[:, None]).view(B, 1, 1, -1)
+        valid = None if self.attention_kernel else (st["ar_seq"][None, :] <= pos[:, None]).view(B, 1, 1, -1)
         delta = None
         resq = self.resq_format(B)
         # on ResQ's activation, already made by the fused kernels, W4A16 is W4A4 + ResQ 2:4 (bf16 sum)
@@ -364,8 +371,8 @@ class StaticCacheGenerator:
             else:
                 qkv = self._linear(layer.qkv, h).view(B, self.kv_heads, self.group + 2, self.head_dim)
                 q = decode_ops.rope_kv_write_reference(qkv, cos, sin, kc, vc, pos, self.group)  # k, v written at pos
-            o = (decode_ops.decode_attention(q, kc, vc, pos, self.scale) if self.fused else  # [B, ng, G, hd]
-                 F.scaled_dot_product_attention(q, kc, vc, attn_mask=valid, scale=self.scale))
+            o = (decode_ops.decode_attention(q, kc, vc, pos, self.scale) if self.attention_kernel else
+                 F.scaled_dot_product_attention(q, kc, vc, attn_mask=valid, scale=self.scale))  # [B, ng, G, hd]
             delta = self._linear(layer.proj, o.reshape(B, self.heads * self.head_dim), self.fused)
             h, x = self._add_norm(x, delta, layer.ln2, resq)
             delta = self._mlp(layer, h, self.fused, w16)
