@@ -329,9 +329,9 @@ class StaticCacheGenerator:
             k = decode_ops.rope_reference(k, cos, sin)
             st["k"][i, slots, :, :L] = k.transpose(1, 2)
             st["v"][i, slots, :, :L] = v.transpose(1, 2)
-            kk = k.transpose(1, 2).repeat_interleave(self.group, dim=1)
-            vv = v.transpose(1, 2).repeat_interleave(self.group, dim=1)
-            o = F.scaled_dot_product_attention(q.transpose(1, 2), kk, vv, is_causal=True, scale=self.scale)
+            # (GQA in SDPA itself: no K/V copies repeated per query head)
+            o = F.scaled_dot_product_attention(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), is_causal=True,
+                                               scale=self.scale, enable_gqa=self.group > 1)
             x = x + self._linear(layer.proj, o.transpose(1, 2).reshape(b, L, self.heads * self.head_dim))
             x = x + self._mlp(layer, layer.ln2(x))
         last = x[torch.arange(b, device=x.device), lens - 1]
