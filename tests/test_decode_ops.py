@@ -298,11 +298,11 @@ out = {
 }
 strides = {f"stride_{n}": "i32" for n in ("qb", "qg", "qr", "kb", "kg", "ks", "ob", "og", "or")}
 attention = dict(q_ptr=bf, k_ptr=bf, v_ptr=bf, pos_ptr="*i64", o_ptr=bf, ml_ptr=f32, G="i32", scale="fp32",
-                 keys_per_split="i32", **strides, GP=c, HD=c, BLOCK_N=c, SPLIT=c, IEEE=c)
+                 keys_per_split="i32", **strides, GP=c, HD=c, BLOCK_N=c, SPLIT=c, IP=c)
 text = sass(decode_ops._decode_attention_kernel, attention,
-            dict(GP=16, HD=128, BLOCK_N=decode_ops.ATTENTION_BLOCK_N, SPLIT=False, IEEE=False), 4)
+            dict(GP=16, HD=128, BLOCK_N=decode_ops.ATTENTION_BLOCK_N, SPLIT=False, IP="tf32"), 4)
 split = sass(decode_ops._decode_attention_kernel, dict(attention, o_ptr=f32),
-             dict(GP=16, HD=128, BLOCK_N=decode_ops.ATTENTION_BLOCK_N, SPLIT=True, IEEE=False), 4)
+             dict(GP=16, HD=128, BLOCK_N=decode_ops.ATTENTION_BLOCK_N, SPLIT=True, IP="tf32"), 4)
 combine = sass(decode_ops._attention_combine_kernel,
                dict(part_ptr=f32, ml_ptr=f32, o_ptr=bf, G="i32", stride_ob="i32", stride_og="i32", stride_or="i32",
                     SPLITS=c, GP=c, HD=c), dict(SPLITS=8, GP=16, HD=128), 4)

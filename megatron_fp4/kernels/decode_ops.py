@@ -226,7 +226,7 @@ if HAS_TRITON:
     def _decode_attention_kernel(q_ptr, k_ptr, v_ptr, pos_ptr, o_ptr, ml_ptr, G, scale, keys_per_split, stride_qb,
                                  stride_qg, stride_qr, stride_kb, stride_kg, stride_ks, stride_ob, stride_og,
                                  stride_or, GP: tl.constexpr, HD: tl.constexpr, BLOCK_N: tl.constexpr,
-                                 SPLIT: tl.constexpr, IEEE: tl.constexpr):
+                                 SPLIT: tl.constexpr, IP: tl.constexpr):
         """One (sequence, kv group[, split of the cache]): its G query heads (rows, padded to GP) against cache rows
         0..pos (SPLIT: those of rows [split * keys_per_split, + keys_per_split)), BLOCK_N keys at a time: online
         softmax in fp32, P rounded to the cache's dtype for the PV product (as flash attention). SPLIT: the split's
@@ -252,20 +252,14 @@ if HAS_TRITON:
             cols = start + n
             kv_mask = cols[:, None] < n_valid
             k = tl.load(kbase + cols[:, None] * stride_ks + d, mask=kv_mask, other=0.0)
-            if IEEE:
-                sc = tl.dot(q, tl.trans(k), input_precision="ieee")
-            else:
-                sc = tl.dot(q, tl.trans(k))
+            sc = tl.dot(q, tl.trans(k), input_precision=IP)
             sc = tl.where(cols[None, :] < n_valid, sc * scale, float("-inf"))
             m_new = tl.maximum(m_i, tl.max(sc, 1))
             alpha = tl.exp(m_i - m_new)
             p = tl.exp(sc - m_new[:, None])
             l_i = l_i * alpha + tl.sum(p, 1)
             v = tl.load(vbase + cols[:, None] * stride_ks + d, mask=kv_mask, other=0.0)
-            if IEEE:
-                acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision="ieee")
-            else:
-                acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v)
+            acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=IP)
             m_i = m_new
         if SPLIT:
             sp = tl.program_id(2)
@@ -461,16 +455,17 @@ def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
     GP = max(16, triton.next_power_of_2(G))
     o = torch.empty_like(q, memory_format=torch.contiguous_format)
     common = dict(GP=GP, HD=hd)
+    ip = "ieee" if q.dtype == torch.float32 else "tf32"  # (fp32 tests: exact dots, not TF32)
     args = (G, float(scale), per_split, q.stride(0), q.stride(1), q.stride(2), k_cache.stride(0), k_cache.stride(1),
             k_cache.stride(2), o.stride(0), o.stride(1), o.stride(2))
     if splits == 1:
         _decode_attention_kernel[(B, ng)](q, k_cache, v_cache, pos, o, o, *args, BLOCK_N=ATTENTION_BLOCK_N,
-                                          SPLIT=False, IEEE=q.dtype == torch.float32, **common)
+                                          SPLIT=False, IP=ip, **common)
         return o
     part = torch.empty((B, ng, splits, GP, hd), dtype=torch.float32, device=q.device)
     ml = torch.empty((B, ng, splits, 2, GP), dtype=torch.float32, device=q.device)
     _decode_attention_kernel[(B, ng, splits)](q, k_cache, v_cache, pos, part, ml, *args, BLOCK_N=ATTENTION_BLOCK_N,
-                                              SPLIT=True, IEEE=q.dtype == torch.float32, **common)
+                                              SPLIT=True, IP=ip, **common)
     _attention_combine_kernel[(B, ng)](part, ml, o, G, o.stride(0), o.stride(1), o.stride(2), SPLITS=splits,
                                        **common)
     return o
