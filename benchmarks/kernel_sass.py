@@ -113,15 +113,14 @@ def quantize_case(fmt: str, BR: int, BK: int, expand: int, prefetch: bool, unpac
     (``unpacked``: the expansion only, as the training GEMMs read it; a row-major x, unit stride specialized;
     ``transpose``: HiF4's row pass also writing x's transposed copy, ``quantize_both_layouts``)."""
     from megatron_fp4.kernels import quantize as qm
-    from megatron_fp4.kernels._common import HIF4_RECIP
+    from megatron_fp4.kernels._common import TILE_RECIP
 
     sig = {"x_ptr": "*bf16", "codes_ptr": "*u8", "scales_ptr": "*i32" if fmt == "hif4" else "*u8",
            "ex_ptr": "*bf16" if expand == 2 or (fmt == "hif4" and expand) else "*u8"}
     if fmt == "hif4":
         fn = qm._hif4_quant_kernel
         sig.update({"xt_ptr": "*bf16", "stride_tr": "i32"})
-        const = dict(EXPAND=bool(expand), BR=BR, BK=BK, R1=HIF4_RECIP[1], R2=HIF4_RECIP[2], R3=HIF4_RECIP[3],
-                     PREFETCH=int(prefetch), WRITE_T=int(transpose))
+        const = dict(EXPAND=bool(expand), BR=BR, BK=BK, **TILE_RECIP, PREFETCH=int(prefetch), WRITE_T=int(transpose))
     else:
         fn = qm._mx_quant_kernel
         sig.update({"rexp_ptr": "*i32", "rok_ptr": "*i8"})
@@ -140,11 +139,11 @@ def columns_case(fmt: str, BC: int):
     kernel (``megatron_fp4.kernels.quantize``'s exact expansion of a transposed view, read from the row-major
     tensor)."""
     from megatron_fp4.kernels import quantize as qm
-    from megatron_fp4.kernels._common import HIF4_RECIP
+    from megatron_fp4.kernels._common import TILE_RECIP
 
     sig = {"x_ptr": "*bf16", "ec_ptr": "*bf16"}
     sig.update({k: "i32" for k in ("R", "K", "RP", "stride_xr", "stride_ec", "R_BUCKET")})
-    const = dict(FMT=0 if fmt == "hif4" else 1, BC=BC, R1=HIF4_RECIP[1], R2=HIF4_RECIP[2], R3=HIF4_RECIP[3])
+    const = dict(FMT=0 if fmt == "hif4" else 1, BC=BC, **TILE_RECIP)
     divisible = [k for k in sig if k not in ("R_BUCKET",)]
     return qm._col_quant_kernel, sig, const, divisible, 64 * BC
 

@@ -267,7 +267,7 @@ import triton.language as tl
 from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
 from megatron_fp4.kernels import decode_ops
-from megatron_fp4.kernels._common import HIF4_RECIP
+from megatron_fp4.kernels._common import TILE_RECIP
 
 fmt = int(sys.argv[1])
 nvdisasm = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "nvdisasm")
@@ -282,7 +282,7 @@ def sass(kernel, signature, constexprs, num_warps):
         return subprocess.run([nvdisasm, "-c", fh.name], capture_output=True, text=True, check=True).stdout
 
 
-recip = dict(R1=HIF4_RECIP[1], R2=HIF4_RECIP[2], R3=HIF4_RECIP[3])
+recip = TILE_RECIP
 bf, f32, c = "*bf16", "*fp32", "constexpr"
 norm = dict(x_ptr=bf, d_ptr=f32, w_ptr=f32, e_ptr=bf, s_ptr=bf, N="i32", KP="i32", eps="fp32", stride_x="i32",
             stride_d="i32", stride_e="i32", stride_s="i32", stride_split="i32", SPLITS=c, HAS_DELTA=c, BLOCK=c, BK=c,

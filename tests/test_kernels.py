@@ -214,7 +214,7 @@ def test_quantize_autotuning_candidates():
     """The row quantizer tunes over row tiles for row-major inputs and column tiles for transposed ones, the
     prefetching tiles included (both formats' loops prefetch, HiF4's expansion-only loop too)."""
     from megatron_fp4.kernels import quantize as qm
-    from megatron_fp4.kernels._common import HIF4_RECIP
+    from megatron_fp4.kernels._common import TILE_RECIP
 
     # under megatron_fp4.kernels._launch.fast on a GPU
     tuner = getattr(qm._hif4_quant_tuned, "kernel", qm._hif4_quant_tuned)
@@ -223,9 +223,9 @@ def test_quantize_autotuning_candidates():
         return {(c.kwargs["BR"], c.kwargs["BK"], c.num_warps, c.kwargs["PREFETCH"])
                 for c in qm._prune(tuner.configs, {"stride_xk": stride_xk}, **kw)}
 
-    hif4 = dict(R1=HIF4_RECIP[1], R2=HIF4_RECIP[2], R3=HIF4_RECIP[3])
-    assert tiles(1, PACKED=1, **hif4) == set(qm._ROW_CFGS) and tiles(4096, PACKED=1, **hif4) == set(qm._COL_CFGS)
-    assert tiles(1, PACKED=0, **hif4) == set(qm._ROW_CFGS) == tiles(1, PACKED=0, RCEIL=False)
+    assert tiles(1, PACKED=1, **TILE_RECIP) == set(qm._ROW_CFGS)
+    assert tiles(4096, PACKED=1, **TILE_RECIP) == set(qm._COL_CFGS)
+    assert tiles(1, PACKED=0, **TILE_RECIP) == set(qm._ROW_CFGS) == tiles(1, PACKED=0, RCEIL=False)
 
 
 @pytest.mark.parametrize("name", ["mxfp4", "mxfp4_rceil"])

@@ -21,6 +21,9 @@ KERNEL_FORMATS = ("hif4", "mxfp4", "mxfp4_rceil")
 
 #: HiF4 r = bf16_rne(1 / E6M2) for the mantissa codes m = 1, 2, 3 (m = 0 gives exactly 1): times 2^-e.
 HIF4_RECIP = (1.0, 0.80078125, 0.66796875, 0.5703125)
+#: The Triton quantize tiles' constexprs: FMT per kernel format (its place in KERNEL_FORMATS), HiF4's reciprocals.
+TILE_FMT = {name: i for i, name in enumerate(KERNEL_FORMATS)}
+TILE_RECIP = dict(R1=HIF4_RECIP[1], R2=HIF4_RECIP[2], R3=HIF4_RECIP[3])
 
 
 #: Token counts (activation rows) at or below this are decode-sized: the decode GEMM

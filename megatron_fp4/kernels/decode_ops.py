@@ -27,7 +27,7 @@ from typing import Optional
 import torch
 import torch.nn.functional as F
 
-from megatron_fp4.kernels._common import HAS_TRITON, HIF4_RECIP, KERNEL_FORMATS, kernels_usable, tl, triton
+from megatron_fp4.kernels._common import HAS_TRITON, KERNEL_FORMATS, TILE_FMT, TILE_RECIP, kernels_usable, tl, triton
 
 __all__ = ["add_rms_norm", "add_rms_norm_reference", "add_rms_norm_resq", "add_rms_norm_resq_reference",
            "attention_splits", "decode_attention", "decode_attention_reference",
@@ -344,8 +344,6 @@ if HAS_TRITON:
 # ----------------------------------------------------------------------------------------------------------------
 # entry points
 # ----------------------------------------------------------------------------------------------------------------
-_FMT_IDS = {"hif4": 0, "mxfp4": 1, "mxfp4_rceil": 2}  # the resq kernel's FMT
-_RECIP = dict(R1=HIF4_RECIP[1], R2=HIF4_RECIP[2], R3=HIF4_RECIP[3])  # (the resq kernel's HiF4 constants)
 _TL_DTYPES = {torch.float32: tl.float32, torch.float16: tl.float16, torch.bfloat16: tl.bfloat16} if HAS_TRITON else {}
 #: Columns per program (SwiGLU) and per step (RMSNorm) of the fused ResQ quantize: ResQ's tile code on 1-2 values per
 #: thread. On sm_90 (Triton's ptxas) HiF4's on 1024-wide SwiGLU blocks of 4 warps spilled 2,263 registers, these none
@@ -414,7 +412,7 @@ def add_rms_norm_resq(x: torch.Tensor, delta: Optional[torch.Tensor], norm: torc
     KP = -(-N // _block_size(fmt)) * _block_size(fmt)
     e = torch.empty((B, KP), dtype=torch.bfloat16, device=x.device)
     _add_rms_norm_resq_kernel[(B,)](x, d, w, e, s, N, KP, eps, x.stride(0), d.stride(-2), e.stride(0), s.stride(0),
-                                    stride_split, BK=RESQ_NORM_BK, FMT=_FMT_IDS[fmt], **_RECIP, **kw)
+                                    stride_split, BK=RESQ_NORM_BK, FMT=TILE_FMT[fmt], **TILE_RECIP, **kw)
     return e[:, :N], s
 
 
@@ -531,5 +529,5 @@ def swiglu(a: torch.Tensor, out_dtype: Optional[torch.dtype] = None, splits: boo
     n_splits, stride_split = (a.shape[0], a.stride(0)) if splits else (1, 0)
     _swiglu_kernel[(B, triton.cdiv(FP, BLOCK))](a, y, F_, FP, a.stride(-2), y.stride(0), stride_split,
                                                 DT=_TL_DTYPES[dtype], SPLITS=n_splits, BLOCK=BLOCK,
-                                                FMT=-1 if resq is None else _FMT_IDS[resq], **_RECIP)
+                                                FMT=-1 if resq is None else TILE_FMT[resq], **TILE_RECIP)
     return y[:, :F_]

@@ -17,8 +17,8 @@ from typing import NamedTuple, Optional
 
 import torch
 
-from megatron_fp4.kernels._common import (DECODE_MAX_M, HAS_TRITON, HIF4_RECIP, KERNEL_FORMATS, cdiv, interpreting,
-                                          k_split, kernels_usable, tl, triton, tune_bucket)
+from megatron_fp4.kernels._common import (DECODE_MAX_M, HAS_TRITON, KERNEL_FORMATS, TILE_FMT, TILE_RECIP, cdiv,
+                                          interpreting, k_split, kernels_usable, tl, triton, tune_bucket)
 from megatron_fp4.kernels._launch import fast
 from megatron_fp4.formats import QuantizedTensor, get_format
 
@@ -547,8 +547,7 @@ def _quantize_columns(x2: torch.Tensor, f, out: Optional[Expanded], config: Opti
     ex = Expanded(torch.empty((c, rp), dtype=torch.bfloat16, device=x2.device)) if out is None else _check_out(
         out, (c, rp), torch.bfloat16)
     args = (src, ex.values, n, c, rp, src.stride(0), ex.values.stride(0), tune_bucket(n))
-    kw = dict(FMT={"hif4": 0, "mxfp4": 1, "mxfp4_rceil": 2}[f.name], R1=HIF4_RECIP[1], R2=HIF4_RECIP[2],
-              R3=HIF4_RECIP[3])
+    kw = dict(FMT=TILE_FMT[f.name], **TILE_RECIP)
     if config is not None or interpreting() or n * c < (1 << 16):
         bc, warps = config or (64, 4)
         _col_quant_fast[(cdiv(n, 64), cdiv(c, bc))](*args, **kw, BC=bc, num_warps=warps)
@@ -636,8 +635,7 @@ def quantize(x: torch.Tensor, fmt, dim: int = -1, expand: Optional[str] = None,
         xt = _xt if _xt is not None else exv
         args = (x2, codes, scales.view(torch.int32), exv, xt, R, k, kp, x2.stride(0), x2.stride(1), codes.stride(0),
                 nblk, exv.stride(0), xt.stride(0), tune_bucket(k))
-        kw = dict(EXPAND=bool(expand), R1=HIF4_RECIP[1], R2=HIF4_RECIP[2], R3=HIF4_RECIP[3], PACKED=int(packed),
-                  WRITE_T=int(_xt is not None))
+        kw = dict(EXPAND=bool(expand), **TILE_RECIP, PACKED=int(packed), WRITE_T=int(_xt is not None))
         if fixed:
             _hif4_quant_fast[grid](*args, **kw, BR=BR, BK=BK, PREFETCH=pf, num_warps=warps)
         else:

@@ -14,8 +14,8 @@ from typing import Optional
 
 import torch
 
-from megatron_fp4.kernels._common import (DECODE_MAX_M, HAS_TRITON, HIF4_RECIP, KERNEL_FORMATS, cdiv, kernels_usable,
-                                          tl, triton, tune_bucket)
+from megatron_fp4.kernels._common import (DECODE_MAX_M, HAS_TRITON, KERNEL_FORMATS, TILE_FMT, TILE_RECIP, cdiv,
+                                          kernels_usable, tl, triton, tune_bucket)
 from megatron_fp4.kernels.quantize import Expanded, _block_config, _fixed_launch, _rows_view, expand_packed, fp8_rows
 from megatron_fp4.formats import QuantizedTensor, get_format
 from megatron_fp4.resq import RESQ_COMBINES
@@ -186,12 +186,11 @@ def resq_quantize(x: torch.Tensor, fmt, expand: Optional[str] = None, config: Op
         qs = torch.empty((R, nblk, 4), dtype=torch.uint8, device=dev)
         rs = torch.empty_like(qs)
         qs_arg, rs_arg = qs.view(torch.int32), rs.view(torch.int32)
-        fmt_id = 0
     else:
         qs = torch.empty((R, nblk), dtype=torch.uint8, device=dev)
         rs = torch.empty_like(qs)
         qs_arg, rs_arg = qs, rs
-        fmt_id = 1 if f.name == "mxfp4" else 2
+    fmt_id = TILE_FMT[f.name]
     mode = {None: 0, "native": 1, "bf16": 2, "sum": 3}[expand]
     rexp = rok = None
     if mode == 0:
@@ -210,7 +209,7 @@ def resq_quantize(x: torch.Tensor, fmt, expand: Optional[str] = None, config: Op
     BR, BK, warps, *pf = config or _block_config(f.name, x2)
     args = (x2, qc, qs_arg, rc, rs_arg, ex, exr, rexp if rexp is not None else qc, rok if rok is not None else qc, R,
             k, kp, x2.stride(0), x2.stride(1), qc.stride(0), nblk, ex.stride(0), tune_bucket(k))
-    kw = dict(FMT=fmt_id, EXPAND=mode, R1=HIF4_RECIP[1], R2=HIF4_RECIP[2], R3=HIF4_RECIP[3])
+    kw = dict(FMT=fmt_id, EXPAND=mode, **TILE_RECIP)
     fixed, grid = _fixed_launch(x2, kp, BR, BK, config, row_pass=mode == 1 and fmt_id != 0)
     if fixed:
         _resq_kernel[grid](*args, **kw, BR=BR, BK=BK, PREFETCH=pf[0] if pf else 0, num_warps=warps)
