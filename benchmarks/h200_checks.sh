@@ -22,8 +22,8 @@
 #                 memory an SGLang Engine takes beside training)
 #   rl-mismatch   bench_rl_step.py: 20 GRPO steps, native engine vs SGLang (HiF4 W4A4 + ResQ), mismatch per step
 #
-# The sglang-bench and rl-* parts need the SGLang 0.5.17 bundle in .sgl/ (bash ../shared/tools/build_sglang_bundle.sh .sgl, ~54 MB;
-# carry it with .whl/ in the same call: the machine goes back 30 s after a call).
+# The sglang-bench and rl-* parts need the SGLang 0.5.17 bundle in .sgl/ (bash ../shared/tools/build_sglang_bundle.sh
+# .sgl, ~54 MB; carry it with .whl/ in the same call: the machine goes back 30 s after a call).
 #
 # megatron-core comes from wheels carried in .whl/ (made beside the checkout, with pip access: pip download -q
 # --no-deps --only-binary=:all: --python-version 3.12 --implementation cp --platform manylinux_2_28_x86_64 -d .whl

@@ -294,7 +294,8 @@ out = {
                  dict(SPLITS=2, HAS_DELTA=True, BLOCK=4096, BK=decode_ops.RESQ_NORM_BK, FMT=fmt, **recip),
                  decode_ops._norm_warps(4096)).count("STL"),
     "swiglu": sass(decode_ops._swiglu_kernel, swiglu,
-                   dict(DT=tl.bfloat16, SPLITS=2, BLOCK=decode_ops.RESQ_SWIGLU_BLOCK, FMT=fmt, **recip), 4).count("STL"),
+                   dict(DT=tl.bfloat16, SPLITS=2, BLOCK=decode_ops.RESQ_SWIGLU_BLOCK, FMT=fmt, **recip),
+                   4).count("STL"),
 }
 strides = {f"stride_{n}": "i32" for n in ("qb", "qg", "qr", "kb", "kg", "ks", "ob", "og", "or")}
 attention = dict(q_ptr=bf, k_ptr=bf, v_ptr=bf, pos_ptr="*i64", o_ptr=bf, ml_ptr=f32, G="i32", scale="fp32",

@@ -188,9 +188,9 @@ class StaticCacheGenerator:
         self._generation = 0
         self.last_stats: dict = {}
         #: Decode steps through megatron_fp4/kernels/decode_ops.py (fused RMSNorm + residual add, RoPE + KV write,
-        #: SwiGLU, attention reading each cache up to its position): by default on a GPU (H200, batch 64: 1.5B BF16 12.1k -> 19.4k tok/s, 7B 6.5k -> 8.6k,
-        #: docs/PERFORMANCE.md), off on the CPU (Triton's interpreter); ``fused`` or MEGATRON_FP4_DECODE_FUSED=1 / 0
-        #: overrides.
+        #: SwiGLU, attention reading each cache up to its position): by default on a GPU (H200, batch 64, before the
+        #: attention kernel: 1.5B BF16 12.1k -> 19.4k tok/s, 7B 6.5k -> 8.6k, docs/PERFORMANCE.md), off on the CPU
+        #: (Triton's interpreter); ``fused`` or MEGATRON_FP4_DECODE_FUSED=1 / 0 overrides.
         on_gpu = any(p.is_cuda for p in model.parameters())
         self.fused = fused if fused is not None else os.environ.get("MEGATRON_FP4_DECODE_FUSED",
                                                                     "1" if on_gpu else "0") == "1"
