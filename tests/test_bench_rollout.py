@@ -97,6 +97,27 @@ def test_sglang_rows_flush_the_prefix_cache_before_every_timed_generate(monkeypa
     assert rows[1]["precision"] == "bf16" and rows[1]["tokens_per_s"] == 4.0
 
 
+def test_profile_short_names_say_what_torchs_templated_kernels_compute():
+    """--profile's top kernels: torch's templated names (all elementwise kernels alike in their first 90 characters)
+    shortened to the kernel, the operation, the dtypes and a cast; plain names kept."""
+    from kernel_profile import short_name
+
+    copy = ("void at::native::unrolled_elementwise_kernel<at::native::direct_copy_kernel_cuda(at::TensorIteratorBase&)"
+            "::{lambda()#3}::operator()() const::{lambda()#10}::operator()() const::{lambda(float)#1}, "
+            "std::array<char*, 2ul>, 4, TrivialOffsetCalculator<1, unsigned int>, TrivialOffsetCalculator<1, unsigned "
+            "int>, at::native::memory::LoadWithCast<1>, at::native::memory::StoreWithCast<1> >(int, "
+            "at::native::direct_copy_kernel_cuda)")
+    add = ("void at::native::vectorized_elementwise_kernel<4, at::native::CUDAFunctor_add<c10::BFloat16>, "
+           "std::array<char*, 3ul> >(int, at::native::CUDAFunctor_add<c10::BFloat16>, std::array<char*, 3ul>)")
+    softmax = ("void at::native::(anonymous namespace)::cunn_SoftMaxForward<4, float, float, float, "
+               "at::native::(anonymous namespace)::SoftMaxForwardEpilogue>(float*, float const*, int)")
+    assert short_name(copy) == "unrolled_elementwise_kernel<direct_copy_kernel_cuda>[float] with cast"
+    assert short_name(add) == "vectorized_elementwise_kernel<CUDAFunctor_add>[BFloat16]"
+    assert short_name(softmax) == "cunn_SoftMaxForward<SoftMaxForwardEpilogue>[float]"
+    for plain in ("nvjet_sm90_tst_96x64_64x10_4x1_v_bz_splitK_TNN", "_add_rms_norm_kernel"):
+        assert short_name(plain) == plain
+
+
 def test_profile_families_name_the_rollout_kernels_and_profile_is_native_only(monkeypatch, capsys):
     """--profile sorts a decode step's kernels into families (the FP4 decode GEMMs before the other GEMMs), and
     refuses the SGLang backend (its Engine runs in processes of its own) before anything starts."""
@@ -110,6 +131,7 @@ def test_profile_families_name_the_rollout_kernels_and_profile_is_native_only(mo
                                 "_rope_kv_kernel", "something_else")] == [
         "fp4 decode gemm", "fp4 decode gemm", "gemm", "fp4 quantize", "fp4 quantize", "attention",
         "norm / rope / swiglu", "norm / rope / swiglu", "other"]
+    assert family("_split_sum_kernel") == "copy/cast"  # (what it replaced: a zero-fill and a cast)
     monkeypatch.setattr(sys, "argv", ["bench_rollout.py", "--backend", "sglang", "--profile"])
     with pytest.raises(SystemExit):
         bench_rollout.main()
