@@ -59,7 +59,7 @@ def test_rope_kv_write_matches_torch(dtype, group):
     pos = torch.tensor([0, 3, 8, 5], device=DEV)
     ang = torch.outer(torch.arange(S, dtype=torch.float32), 1.0 / 10000 ** (torch.arange(0, hd, 2) / hd))
     emb = torch.cat((ang, ang), dim=-1)
-    cos, sin = torch.cos(emb).to(dtype).to(DEV)[pos], torch.sin(emb).to(dtype).to(DEV)[pos]
+    cos, sin = torch.cos(emb).to(dtype).to(DEV), torch.sin(emb).to(dtype).to(DEV)  # the tables, read at pos
     caches = [torch.randn(B, ng, S, hd, generator=g).to(dtype).to(DEV) for _ in range(2)]
     kc, vc = caches[0].clone(), caches[1].clone()
     kr, vr = caches[0].clone(), caches[1].clone()
@@ -71,6 +71,41 @@ def test_rope_kv_write_matches_torch(dtype, group):
     untouched = torch.ones(B, S, dtype=torch.bool)
     untouched[torch.arange(B), pos.cpu()] = False
     assert torch.equal(kc.cpu().transpose(1, 2)[untouched], caches[0].cpu().transpose(1, 2)[untouched])
+    # the same rotation as torch's rotate-half RoPE on each token at its position
+    torch.testing.assert_close(q_ref, decode_ops.rope_reference(qkv[:, :, :group], cos[pos][:, None, None],
+                                                                sin[pos][:, None, None]), atol=0, rtol=0)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("b", [3, 1])
+def test_rope_kv_write_prefill_rows_go_to_their_sequences_slots(dtype, b):
+    """A prefill's prompt tokens as rows (``rows``: each token's cache slot, positions 0..L-1 per sequence): every
+    token's k and v land at (its sequence's slot, its position), other slots and positions untouched; q per token.
+    b = 1: ``rows`` as an expanded view of stride 0 (what reshape makes of one slot), read as its values."""
+    g = torch.Generator().manual_seed(2)
+    L, ng, group, hd, S, nslots = 5, 2, 2, 16, 8, 6
+    qkv = torch.randn(b * L, ng, group + 2, hd, generator=g).to(dtype).to(DEV)
+    ang = torch.outer(torch.arange(S, dtype=torch.float32), 1.0 / 10000 ** (torch.arange(0, hd, 2) / hd))
+    emb = torch.cat((ang, ang), dim=-1)
+    cos, sin = torch.cos(emb).to(dtype).to(DEV), torch.sin(emb).to(dtype).to(DEV)
+    slots = torch.tensor([4, 1, 3][:b], device=DEV)
+    pos, rows = torch.arange(L, device=DEV).repeat(b), slots[:, None].expand(b, L).reshape(-1)
+    caches = [torch.randn(nslots, ng, S, hd, generator=g).to(dtype).to(DEV) for _ in range(2)]
+    kc, vc = caches[0].clone(), caches[1].clone()
+    kr, vr = caches[0].clone(), caches[1].clone()
+    q = decode_ops.rope_kv_write(qkv, cos, sin, kc, vc, pos, group, rows=rows)
+    q_ref = decode_ops.rope_kv_write_reference(qkv, cos, sin, kr, vr, pos, group, rows=rows)
+    torch.testing.assert_close(q, q_ref, **_tol(dtype))
+    torch.testing.assert_close(kc, kr, **_tol(dtype))
+    assert torch.equal(vc, vr)
+    for j, slot in enumerate(slots.tolist()):
+        assert torch.equal(vc[slot, :, :L].cpu(), qkv[j * L:(j + 1) * L, :, group + 1].transpose(0, 1).cpu())
+        k_want = decode_ops.rope_reference(qkv[j * L:(j + 1) * L, :, group], cos[:L, None], sin[:L, None])
+        torch.testing.assert_close(kr[slot, :, :L], k_want.transpose(0, 1), atol=0, rtol=0)
+    untouched = torch.ones(nslots, S, dtype=torch.bool)
+    untouched[slots.cpu()[:, None], torch.arange(L)[None, :]] = False
+    for got, orig in ((kc, caches[0]), (vc, caches[1])):
+        assert torch.equal(got.cpu().transpose(1, 2)[untouched], orig.cpu().transpose(1, 2)[untouched])
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
@@ -188,8 +223,8 @@ def test_rope_reads_qkv_splits_and_bias(dtype, splits, with_bias):
     expect = (expect if bias is None else expect + bias.float().view(ng, group + 2, hd)).to(dtype)
     assert torch.equal(qkv, expect)
     pos = torch.tensor([0, 3, 8, 5], device=DEV)
-    cos = (torch.rand(B, hd, generator=g) * 2 - 1).to(dtype).to(DEV)
-    sin = (torch.rand(B, hd, generator=g) * 2 - 1).to(dtype).to(DEV)
+    cos = (torch.rand(S, hd, generator=g) * 2 - 1).to(dtype).to(DEV)  # tables by position
+    sin = (torch.rand(S, hd, generator=g) * 2 - 1).to(dtype).to(DEV)
     caches = [torch.randn(B, ng, S, hd, generator=g).to(dtype).to(DEV) for _ in range(2)]
     outs = []
     for fn, args in ((decode_ops.rope_kv_write, (parts, bias)), (decode_ops.rope_kv_write, (qkv, None)),
@@ -309,6 +344,21 @@ combine = sass(decode_ops._attention_combine_kernel,
                     SPLITS=c, GP=c, HD=c), dict(SPLITS=8, GP=16, HD=128), 4)
 out["attention"] = text.count("STL") + split.count("STL") + combine.count("STL")
 out["attention_mma"] = text.count("HMMA") > 0 and split.count("HMMA") > 0
+rows = {f"stride_{n}": "i32" for n in ("t", "g", "r", "split", "c", "q", "qg", "qr", "kb", "kg", "ks")}
+rope = dict(qkv_ptr=f32, bias_ptr=bf, cos_ptr=bf, sin_ptr=bf, q_ptr=bf, kc_ptr=bf, vc_ptr=bf, pos_ptr="*i64",
+            rows_ptr="*i64", G="i32", H="i32", **rows, SPLITS=c, HAS_BIAS=c, HAS_ROWS=c, RP=c, BH=c)
+out["rope"] = sass(decode_ops._rope_kv_kernel, rope, dict(SPLITS=2, HAS_BIAS=True, HAS_ROWS=True, RP=8, BH=64),
+                   4).count("STL")
+blk = decode_ops.SAMPLE_BLOCK
+partials = dict(x_ptr=bf, m_ptr=f32, s_ptr=f32, V="i32", NB="i32", stride_x="i32", T="fp32", BLOCK=c)
+pick = dict(x_ptr=bf, m_ptr=f32, s_ptr=f32, u_ptr=f32, tok_ptr="*i64", lp_ptr=f32, V="i32", NB="i32",
+            stride_x="i32", T="fp32", BLOCK=c, NBP=c)
+out["sample"] = (sass(decode_ops._sample_partials_kernel, partials, dict(BLOCK=blk), 4).count("STL")
+                 + sass(decode_ops._sample_pick_kernel, pick, dict(BLOCK=blk, NBP=128), 4).count("STL"))
+record = dict(tok_ptr="*i64", lp_ptr=f32, stop_ptr="*i64", done_ptr="*i1", n_ptr="*i64", ot_ptr="*i64", ol_ptr=f32,
+              stopped_ptr="*i1", limit_ptr="*i64", cur_ptr="*i64", pos_ptr="*i64", B="i32", NSTOP="i32", LAST="i32",
+              stride_ot="i32", stride_ol="i32", BLOCK=c)
+out["record"] = sass(decode_ops._record_kernel, record, dict(BLOCK=64), 4).count("STL")
 print(json.dumps(out))
 """
 
@@ -317,8 +367,9 @@ print(json.dumps(out))
 @pytest.mark.parametrize("fmt", [0, 1], ids=["hif4", "mxfp4"])
 def test_fused_resq_kernels_compile_for_sm90_without_spills(fmt):
     """The fused ResQ kernels at the engine's launch shapes (7B: rows of 3584 in RESQ_NORM_BK-wide chunks, 8 warps;
-    SwiGLU blocks of RESQ_SWIGLU_BLOCK, 4 warps), and the decode attention kernel (head size 128, on tensor cores),
-    compile for the H200 (Triton's own ptxas, no GPU needed, in a process without the
+    SwiGLU blocks of RESQ_SWIGLU_BLOCK, 4 warps), the decode attention kernel (head size 128, on tensor cores), the
+    RoPE kernel with a prefill's slots, the sampling kernels (blocks of SAMPLE_BLOCK logits) and the bookkeeping
+    kernel compile for the H200 (Triton's own ptxas, no GPU needed, in a process without the
     interpreter) with no register spills (a 1024-wide HiF4 SwiGLU block spilled 2,263 registers): what the CPU
     interpreter cannot show."""
     import json
@@ -334,4 +385,86 @@ def test_fused_resq_kernels_compile_for_sm90_without_spills(fmt):
         pytest.skip("this Triton has no NVIDIA tools")
     assert r.returncode == 0, r.stderr[-2000:]
     assert json.loads(r.stdout.strip().splitlines()[-1]) == {"norm": 0, "swiglu": 0, "attention": 0,
-                                                             "attention_mma": True}
+                                                             "attention_mma": True, "rope": 0, "sample": 0,
+                                                             "record": 0}
+
+
+@pytest.mark.parametrize("vocab", [5000, 4096, 37])
+@pytest.mark.parametrize("temperature", [1.0, 0.7])
+def test_sample_kernels_pick_the_twins_tokens(vocab, temperature, monkeypatch):
+    """decode_ops.sample (blocks of logits in parallel, then one program per row) against sample_reference (torch's
+    softmax and the two-level CDF inversion): the same tokens except where (1 - u) x total falls within fp32 rounding
+    of a CDF step, logprobs to fp32 rounding, never a -inf (zero-probability) token: -inf logits, a whole block of
+    them (the first), u at its ends; blocks of 1024 so a row has several, the last one partial."""
+    monkeypatch.setattr(decode_ops, "SAMPLE_BLOCK", 1024)
+    g = torch.Generator().manual_seed(vocab)
+    B = 24
+    logits = torch.randn(B, vocab, generator=g) * 3
+    logits[:, ::5] = -float("inf")
+    logits[: B // 2, : min(1024, vocab // 2)] = -float("inf")
+    logits[:, -1] = -float("inf")
+    u = torch.rand(B, generator=g)
+    u[:4] = torch.tensor([0.0, 1 - 1e-7, 0.5, 1e-7])
+    logits, u = logits.to(DEV), u.to(DEV)
+    tok, lp = decode_ops.sample(logits, u, temperature)
+    tok_ref, lp_ref = decode_ops.sample_reference(logits, u, temperature)
+    assert tok.dtype == torch.long and lp.dtype == torch.float32
+    assert torch.isfinite(logits.gather(1, tok.unsqueeze(1))).all()  # never a zero-probability token
+    probs = torch.softmax(logits.double().cpu() / temperature, -1)
+    cdf = probs.cumsum(-1)
+    t = ((1 - u.double().cpu()) * cdf[:, -1]).unsqueeze(1)
+    near = (cdf.gather(1, tok_ref.cpu().unsqueeze(1)) - t).abs().squeeze(1) < 1e-5
+    assert torch.equal(tok.cpu()[~near], tok_ref.cpu()[~near]) and (~near).sum() >= B - 4  # (u's ends: near)
+    lp_exact = torch.log(probs.gather(1, tok.cpu().unsqueeze(1))).squeeze(1)
+    torch.testing.assert_close(lp.cpu().double(), lp_exact, atol=2e-5, rtol=0)
+    torch.testing.assert_close(lp_ref.cpu()[~near], lp.cpu()[~near], atol=2e-5, rtol=0)
+
+
+def test_sample_kernels_draw_the_distribution_and_read_bf16_as_is():
+    """Uniforms on a fine grid pick each token in proportion to its probability (the inversion is exact up to one
+    grid step per token), and bf16 logits are read as their fp32 values (no copy first): the same tokens."""
+    g = torch.Generator().manual_seed(3)
+    vocab, n = 100, 1000
+    row = torch.randn(vocab, generator=g).to(torch.bfloat16).float()
+    u = ((torch.arange(n, dtype=torch.float64) + 0.5) / n).float()
+    tok, _ = decode_ops.sample(row.expand(n, vocab).contiguous().to(DEV), u.to(DEV))
+    counts = torch.bincount(tok.cpu(), minlength=vocab).double()
+    assert ((counts - n * torch.softmax(row.double(), -1)).abs() <= 1.0 + 1e-9).all()
+    rows = torch.randn(8, vocab, generator=g).to(torch.bfloat16)
+    uu = torch.rand(8, generator=g)
+    for t in (1.0, 0.5):
+        a = decode_ops.sample(rows.to(DEV), uu.to(DEV), t)
+        b = decode_ops.sample(rows.float().to(DEV), uu.to(DEV), t)
+        assert torch.equal(a[0], b[0]) and torch.equal(a[1], b[1])
+
+
+@pytest.mark.parametrize("B", [5, 40])
+def test_record_tokens_kernel_is_its_twin(B):
+    """A decode step's bookkeeping in one kernel, against its torch twin on the same state: live slots (some done
+    already) store token and logprob at their count (the last column once full), count, stop on any stop id, finish
+    at their limit, keep the token and advance; finished slots change nowhere. Slots past B untouched."""
+    g = torch.Generator().manual_seed(B)
+    slots, max_new = B + 3, 6
+    state = dict(done=torch.rand(slots, generator=g) < 0.3, n_gen=torch.randint(0, 8, (slots,), generator=g),
+                 out_tok=torch.randint(0, 50, (slots, max_new), generator=g), out_lp=torch.randn(slots, max_new),
+                 stopped=torch.rand(slots, generator=g) < 0.1, limit=torch.randint(1, 9, (slots,), generator=g),
+                 tok=torch.randint(0, 50, (slots,), generator=g), pos=torch.randint(0, 30, (slots,), generator=g))
+    tok = torch.randint(0, 12, (B,), generator=g)
+    state["done"][:4] = torch.tensor([False, True, False, False])  # slot 0 stops, 1 is done, 2 reaches its limit,
+    tok[0], tok[2:4] = 3, 5  # 3 stores at the last column (count past it)
+    state["n_gen"][2], state["limit"][2], state["n_gen"][3], state["limit"][3] = 4, 5, 7, 9
+    before = {k: v.clone() for k, v in state.items()}
+    state, tok = {k: v.to(DEV) for k, v in state.items()}, tok.to(DEV)
+    lp = -torch.rand(B, generator=g).to(DEV)
+    stop_ids = torch.tensor([3, 7], device=DEV)
+    want = {k: v.clone() for k, v in state.items()}
+    decode_ops.record_tokens(state, tok, lp, stop_ids)
+    decode_ops.record_tokens_reference(want, tok, lp, stop_ids)
+    for k in state:
+        assert torch.equal(state[k], want[k]), k
+    got = {k: v.cpu() for k, v in state.items()}
+    assert got["stopped"][0] and got["done"][0] and got["out_tok"][0, before["n_gen"][0].clamp(max=max_new - 1)] == 3
+    assert all(torch.equal(got[k][1], before[k][1]) for k in got)  # done: nothing changes
+    assert got["done"][2] and not got["stopped"][2] and got["n_gen"][2] == 5 and got["pos"][2] == before["pos"][2] + 1
+    assert not got["done"][3] and got["out_tok"][3, -1] == 5 and got["n_gen"][3] == 8 and got["tok"][3] == 5
+    assert all(torch.equal(got[k][B:], before[k][B:]) for k in got)

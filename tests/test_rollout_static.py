@@ -223,10 +223,10 @@ def test_graph_sample_inverts_the_cdf():
 
 @pytest.mark.parametrize("vocab", [4096, 1000, 49152, 37])
 def test_two_level_cdf_inversion_matches_the_full_scan(vocab):
-    """_invert_cdf (block sums, then a scan inside one block) picks the token the full cumulative sum picks, except
+    """invert_cdf (block sums, then a scan inside one block) picks the token the full cumulative sum picks, except
     where the target falls within fp32 rounding of a CDF step, and never a zero-probability token (padded
     vocabularies and empty blocks included)."""
-    from megatron_fp4.rollout.static_decode import _invert_cdf
+    from megatron_fp4.kernels.decode_ops import invert_cdf
 
     g = torch.Generator().manual_seed(vocab)
     probs = torch.softmax(torch.randn(64, vocab, generator=g) * 3, -1)
@@ -235,7 +235,7 @@ def test_two_level_cdf_inversion_matches_the_full_scan(vocab):
     probs[:, -1] = 0
     u = torch.rand(64, generator=g)
     u[:4] = torch.tensor([0.0, 1 - 1e-7, 0.5, 1e-7])
-    tok = _invert_cdf(probs, u)
+    tok = invert_cdf(probs, u)
     cdf = probs.double().cumsum(-1)
     want = torch.searchsorted(cdf, ((1 - u.double()) * cdf[:, -1]).unsqueeze(-1)).squeeze(-1)
     assert (probs.gather(1, tok.unsqueeze(1)) > 0).all()
@@ -244,7 +244,7 @@ def test_two_level_cdf_inversion_matches_the_full_scan(vocab):
     # and its frequencies are the distribution's (one row, 20k draws, within 5 sigma per likely token)
     p = torch.softmax(torch.randn(vocab, generator=g), -1)
     n = 20000
-    counts = torch.bincount(_invert_cdf(p.expand(n, vocab), torch.rand(n, generator=g)), minlength=vocab).double()
+    counts = torch.bincount(invert_cdf(p.expand(n, vocab), torch.rand(n, generator=g)), minlength=vocab).double()
     sigma = (n * p.double() * (1 - p.double())).sqrt()
     likely = p > 0.01
     assert ((counts - n * p.double()).abs()[likely] <= 5 * sigma[likely] + 1).all()

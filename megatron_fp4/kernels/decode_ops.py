@@ -4,10 +4,12 @@ A decoder layer's decode step ran ~40 kernels, most of them tiny elementwise one
 with fp32 weights takes its unfused path; RoPE is five kernels per tensor); these put each group into one launch:
 
     y, s = add_rms_norm(x, delta, weight, eps)     # s = x + delta (x's dtype), y = RMSNorm(s) as torch.nn.RMSNorm
-    q = rope_kv_write(qkv, cos, sin, k_cache, v_cache, pos, group, bias)  # + bias, RoPE on q and k, k, v to cache
+    q = rope_kv_write(qkv, cos, sin, k_cache, v_cache, pos, group, bias, rows)  # + bias, RoPE, k, v to cache
     a = swiglu(a)                                   # silu(a[:, :F]) * a[:, F:]
     o = decode_attention(q, k_cache, v_cache, pos, scale)  # SDPA of one token per sequence over cache rows 0..pos
     y = split_sum(t, dtype, bias)                   # a GEMM's split-K partial sums + bias, rounded once
+    tok, lp = sample(logits, u, temperature)        # softmax(logits / T)'s CDF inverted at (1 - u), its logprob
+    record_tokens(state, tok, lp, stop_ids)          # the step's bookkeeping: store, count, stop, advance
 
 Each has its PyTorch twin (``*_reference``: what the static decode path computes without them) and matches it up
 to the rounding of one fused computation (fp32 inside, one rounding to the output dtype where torch rounds after
@@ -31,8 +33,8 @@ from megatron_fp4.kernels._common import HAS_TRITON, KERNEL_FORMATS, TILE_FMT, T
 
 __all__ = ["add_rms_norm", "add_rms_norm_reference", "add_rms_norm_resq", "add_rms_norm_resq_reference",
            "attention_splits", "decode_attention", "decode_attention_reference",
-           "rope_reference", "rope_kv_write", "rope_kv_write_reference", "split_sum", "sum_splits", "swiglu",
-           "swiglu_reference"]
+           "invert_cdf", "record_tokens", "record_tokens_reference", "rope_reference", "rope_kv_write", "rope_kv_write_reference", "sample", "sample_reference",
+           "split_sum", "sum_splits", "swiglu", "swiglu_reference"]
 
 
 # ----------------------------------------------------------------------------------------------------------------
@@ -83,14 +85,17 @@ def rope_reference(t: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> tor
 
 def rope_kv_write_reference(qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, k_cache: torch.Tensor,
                             v_cache: torch.Tensor, pos: torch.Tensor, group: int,
-                            bias: Optional[torch.Tensor] = None) -> torch.Tensor:
-    """``qkv [B, ng, group + 2, hd]`` (megatron's layout: a kv group's query heads, then k, then v; or ``[splits, B,
-    ng, group + 2, hd]`` partial sums, see the module doc), ``bias`` (the linear's, ``[ng * (group + 2) * hd]``)
-    added to their fp32 sum before it rounds to the caches' dtype; ``cos, sin [B, hd]`` at each token's position;
-    caches ``[B, ng, S, hd]``. Writes rotated k and v at ``pos``; returns the rotated queries ``[B, ng, group, hd]``."""
+                            bias: Optional[torch.Tensor] = None, rows: Optional[torch.Tensor] = None) -> torch.Tensor:
+    """``qkv [T, ng, group + 2, hd]`` for T tokens (megatron's layout: a kv group's query heads, then k, then v; or
+    ``[splits, T, ng, group + 2, hd]`` partial sums, see the module doc), ``bias`` (the linear's, ``[ng * (group + 2)
+    * hd]``) added to their fp32 sum before it rounds to the caches' dtype; ``cos, sin [S, hd]`` the tables by
+    position, ``pos [T]`` each token's; caches ``[slots, ng, S, hd]``, ``rows [T]`` each token's slot (None: token
+    t's is t, one token per sequence as in a decode step; a prefill's prompt tokens share their sequence's). Writes
+    rotated k and v at (row, pos); returns the rotated queries ``[T, ng, group, hd]``."""
     if qkv.dim() == 5 or bias is not None:
         qkv = sum_splits(qkv, k_cache.dtype, 4, None if bias is None else bias.view(qkv.shape[-3:]))
-    rows = torch.arange(qkv.shape[0], device=qkv.device)
+    rows = torch.arange(qkv.shape[0], device=qkv.device) if rows is None else rows
+    cos, sin = cos[pos], sin[pos]
     q = rope_reference(qkv[:, :, :group], cos[:, None, None], sin[:, None, None])
     k_cache[rows, :, pos] = rope_reference(qkv[:, :, group], cos[:, None], sin[:, None])
     v_cache[rows, :, pos] = qkv[:, :, group + 1]
@@ -110,6 +115,65 @@ def swiglu_reference(a: torch.Tensor, out_dtype: Optional[torch.dtype] = None, s
     """``a [..., 2F]`` (``splits``: ``[splits, ..., 2F]`` partial sums, added first)."""
     a0, a1 = torch.chunk(sum_splits(a, out_dtype or a.dtype, a.dim() - splits), 2, dim=-1)
     return F.silu(a0) * a1
+
+
+def _cdf_block(vocab: int) -> int:
+    """The block of :func:`invert_cdf`: the largest power of two up to 1024 dividing ``vocab`` (Qwen2.5's 152064:
+    512, Llama 3's 128256: 256), else 256 (the probabilities are then padded to whole blocks)."""
+    blk = min(1024, vocab & -vocab)
+    return blk if blk >= 64 else 256
+
+
+def invert_cdf(probs: torch.Tensor, u: torch.Tensor) -> torch.Tensor:
+    """The first token of each row of ``probs [B, V]`` (non-negative) whose cumulative sum reaches (1 - u) x the row's
+    total, in two levels: block sums and their cumulative sum pick the block, a cumulative sum inside that block
+    the token. No scan over the whole vocabulary (on the H200 torch's scan over 152k values took 0.25 ms of each
+    7B decode step) and never a zero-probability token: the target is above the blocks before (they sum to less) and
+    at most the chosen block's own sum."""
+    B, V = probs.shape
+    blk = _cdf_block(V)
+    p = (F.pad(probs, (0, -V % blk)) if V % blk else probs).view(B, -1, blk)
+    sums = p.sum(-1)
+    csum = sums.cumsum(-1)
+    x = ((1.0 - u.to(csum.dtype)) * csum[:, -1]).unsqueeze(-1)
+    b = torch.searchsorted(csum, x).clamp_(max=csum.shape[1] - 1)
+    before = torch.where(b > 0, csum.gather(1, (b - 1).clamp_(min=0)), torch.zeros_like(x))
+    inner = p.gather(1, b.unsqueeze(-1).expand(B, 1, blk)).squeeze(1).cumsum(-1)
+    j = torch.searchsorted(inner, torch.minimum(x - before, inner[:, -1:])).clamp_(max=blk - 1)
+    return (b * blk + j).squeeze(-1).clamp_(max=V - 1)
+
+
+def sample_reference(logits: torch.Tensor, u: torch.Tensor, temperature: float = 1.0
+                     ) -> tuple[torch.Tensor, torch.Tensor]:
+    """(tokens [B], logprobs [B]) of ``logits [B, V]`` (any float dtype, read as fp32) given uniforms ``u [B]`` in
+    [0, 1): the first token whose cumulative softmax(logits / T) reaches (1 - u) x the total (:func:`invert_cdf`),
+    and the log of its probability."""
+    scaled = logits.float() if temperature == 1.0 else logits.float() / temperature
+    probs = torch.softmax(scaled, dim=-1)
+    tok = invert_cdf(probs, u)
+    return tok, probs.gather(-1, tok.unsqueeze(-1)).squeeze(-1).log()
+
+
+def record_tokens_reference(state: dict, tok: torch.Tensor, lp: torch.Tensor, stop_ids: torch.Tensor) -> None:
+    """A decode step's bookkeeping for its slots [0, B) (B = ``tok.shape[0]``), on the device: each live slot (not
+    ``done``) stores its token and logprob at its count (``n_gen``, capped at the last column), counts it, is
+    ``stopped`` by a token in ``stop_ids`` and ``done`` by that or its ``limit``, keeps the token as its next input
+    (``tok``) and advances its position (``pos``); finished slots keep theirs. ``state``: the static decode path's
+    tensors (``done``, ``n_gen``, ``out_tok``, ``out_lp``, ``stopped``, ``limit``, ``tok``, ``pos``; the output
+    columns are ``out_tok.shape[1]``)."""
+    B = tok.shape[0]
+    done, n_gen = state["done"][:B], state["n_gen"][:B]
+    ot, ol = state["out_tok"][:B], state["out_lp"][:B]
+    idx = n_gen.clamp(max=ot.shape[1] - 1).unsqueeze(1)
+    live = ~done
+    ot.scatter_(1, idx, torch.where(live, tok, ot.gather(1, idx).squeeze(1)).unsqueeze(1))
+    ol.scatter_(1, idx, torch.where(live, lp, ol.gather(1, idx).squeeze(1)).unsqueeze(1))
+    stop = (tok.unsqueeze(1) == stop_ids.unsqueeze(0)).any(dim=1) & live
+    n_gen.add_(live.long())
+    state["stopped"][:B] |= stop
+    state["pos"][:B] += live.long()
+    done |= stop | (n_gen >= state["limit"][:B])
+    state["tok"][:B] = torch.where(live, tok, state["tok"][:B])
 
 
 # ----------------------------------------------------------------------------------------------------------------
@@ -177,13 +241,14 @@ if HAS_TRITON:
             tl.store(e_ptr + row * stride_e + c, e.to(tl.bfloat16), mask=c < KP)
 
     @triton.jit
-    def _rope_kv_kernel(qkv_ptr, bias_ptr, cos_ptr, sin_ptr, q_ptr, kc_ptr, vc_ptr, pos_ptr, G, H, stride_t, stride_g,
-                        stride_r, stride_split, stride_c, stride_q, stride_qg, stride_qr, stride_kb, stride_kg,
-                        stride_ks, SPLITS: tl.constexpr, HAS_BIAS: tl.constexpr, RP: tl.constexpr,
-                        BH: tl.constexpr):
+    def _rope_kv_kernel(qkv_ptr, bias_ptr, cos_ptr, sin_ptr, q_ptr, kc_ptr, vc_ptr, pos_ptr, rows_ptr, G, H,
+                        stride_t, stride_g, stride_r, stride_split, stride_c, stride_q, stride_qg, stride_qr,
+                        stride_kb, stride_kg, stride_ks, SPLITS: tl.constexpr, HAS_BIAS: tl.constexpr,
+                        HAS_ROWS: tl.constexpr, RP: tl.constexpr, BH: tl.constexpr):
         """One (token, kv group): rows 0..G-1 of qkv are query heads, row G the key, G + 1 the value (the splits'
         partial sums added in order in fp32, then the bias, rounded to q's dtype); the first and second halves (H
-        values each) of a row rotate as t * cos + rotate_half(t) * sin."""
+        values each) of a row rotate as t * cos + rotate_half(t) * sin at the token's position; k and v go to its
+        cache slot (rows_ptr's, else the token's own index) at that position."""
         b = tl.program_id(0)
         g = tl.program_id(1)
         r = tl.arange(0, RP)[:, None]
@@ -202,19 +267,22 @@ if HAS_TRITON:
             t2 += tl.load(bbase + H + c, mask=mask, other=0.0).to(tl.float32)
         t1 = t1.to(dt).to(tl.float32)  # (a no-op for one split in q's dtype)
         t2 = t2.to(dt).to(tl.float32)
+        p = tl.load(pos_ptr + b)
         cmask = c < H
-        c1 = tl.load(cos_ptr + b * stride_c + c, mask=cmask, other=0.0).to(tl.float32)
-        c2 = tl.load(cos_ptr + b * stride_c + H + c, mask=cmask, other=0.0).to(tl.float32)
-        s1 = tl.load(sin_ptr + b * stride_c + c, mask=cmask, other=0.0).to(tl.float32)
-        s2 = tl.load(sin_ptr + b * stride_c + H + c, mask=cmask, other=0.0).to(tl.float32)
+        c1 = tl.load(cos_ptr + p * stride_c + c, mask=cmask, other=0.0).to(tl.float32)
+        c2 = tl.load(cos_ptr + p * stride_c + H + c, mask=cmask, other=0.0).to(tl.float32)
+        s1 = tl.load(sin_ptr + p * stride_c + c, mask=cmask, other=0.0).to(tl.float32)
+        s2 = tl.load(sin_ptr + p * stride_c + H + c, mask=cmask, other=0.0).to(tl.float32)
         o1 = (t1 * c1 - t2 * s1).to(dt)
         o2 = (t2 * c2 + t1 * s2).to(dt)
         qm = mask & (r < G)
         qbase = q_ptr + b * stride_q + g * stride_qg + r * stride_qr
         tl.store(qbase + c, o1, mask=qm)
         tl.store(qbase + H + c, o2, mask=qm)
-        p = tl.load(pos_ptr + b)
-        kbase = b * stride_kb + g * stride_kg + p * stride_ks + c + r * 0
+        slot = b
+        if HAS_ROWS:
+            slot = tl.load(rows_ptr + b)
+        kbase = slot * stride_kb + g * stride_kg + p * stride_ks + c + r * 0
         km = mask & (r == G)
         tl.store(kc_ptr + kbase, o1, mask=km)
         tl.store(kc_ptr + kbase + H, o2, mask=km)
@@ -310,6 +378,74 @@ if HAS_TRITON:
         if HAS_BIAS:
             acc += tl.load(b_ptr + cols, mask=m, other=0.0).to(tl.float32)
         tl.store(y_ptr + row * stride_y + cols, acc.to(DT), mask=m)
+
+    @triton.jit
+    def _sample_partials_kernel(x_ptr, m_ptr, s_ptr, V, NB, stride_x, T, BLOCK: tl.constexpr):
+        """One (row, block of BLOCK logits): m = max(x / T), s = sum(exp(x / T - m)) (m = -inf, s = 0: all -inf)."""
+        row = tl.program_id(0)
+        blk = tl.program_id(1)
+        cols = blk * BLOCK + tl.arange(0, BLOCK)
+        x = tl.load(x_ptr + row * stride_x + cols, mask=cols < V, other=float("-inf")).to(tl.float32) / T
+        m = tl.max(x, axis=0)
+        s = tl.sum(tl.exp(x - tl.where(m == float("-inf"), 0.0, m)), axis=0)
+        tl.store(m_ptr + row * NB + blk, m)
+        tl.store(s_ptr + row * NB + blk, s)
+
+    @triton.jit
+    def _sample_pick_kernel(x_ptr, m_ptr, s_ptr, u_ptr, tok_ptr, lp_ptr, V, NB, stride_x, T, BLOCK: tl.constexpr,
+                            NBP: tl.constexpr):
+        """One row: the blocks' sums on the row's max M, w_b = s_b exp(m_b - M), their total and cumulative sum; the
+        first block whose cumulative sum reaches (1 - u) x total, then the first token inside it whose cumulative
+        exp(x / T - m_b) reaches the rest (at most the block's own sum, and above zero: never a zero-probability
+        token); logprob x / T - M - log(total)."""
+        row = tl.program_id(0)
+        j = tl.arange(0, NBP)
+        jm = j < NB
+        m = tl.load(m_ptr + row * NB + j, mask=jm, other=float("-inf"))
+        M = tl.max(m, axis=0)
+        w = tl.where(jm & (m > float("-inf")), tl.load(s_ptr + row * NB + j, mask=jm, other=0.0) * tl.exp(m - M),
+                     0.0)
+        total = tl.sum(w, axis=0)
+        c = tl.cumsum(w, axis=0)
+        target = (1.0 - tl.load(u_ptr + row)) * total
+        last = tl.max(tl.where(w > 0, j, 0), axis=0)  # (rounding may leave the target above every sum)
+        b = tl.minimum(tl.sum((jm & (c < target)).to(tl.int32), axis=0), last)
+        before = tl.sum(tl.where(j == b - 1, c, 0.0), axis=0)
+        m_b = tl.sum(tl.where(j == b, m, 0.0), axis=0)
+        w_b = tl.sum(tl.where(j == b, w, 0.0), axis=0)
+        cols = b * BLOCK + tl.arange(0, BLOCK)
+        x = tl.load(x_ptr + row * stride_x + cols, mask=cols < V, other=float("-inf")).to(tl.float32) / T
+        ce = tl.cumsum(tl.exp(x - m_b), axis=0)  # (on the block's own max, as its sum s_b)
+        rest = tl.minimum(target - before, w_b) / tl.exp(m_b - M)  # in the block's scale
+        rest = tl.maximum(tl.minimum(rest, tl.max(ce, axis=0)), 1e-38)
+        k = tl.minimum(tl.sum((ce < rest).to(tl.int32), axis=0), BLOCK - 1)
+        tok = tl.minimum(b * BLOCK + k, V - 1)
+        x_tok = tl.sum(tl.where(tl.arange(0, BLOCK) == tok - b * BLOCK, x, 0.0), axis=0)
+        tl.store(tok_ptr + row, tok.to(tl.int64))
+        tl.store(lp_ptr + row, x_tok - M - tl.log(total))
+
+    @triton.jit
+    def _record_kernel(tok_ptr, lp_ptr, stop_ptr, done_ptr, n_ptr, ot_ptr, ol_ptr, stopped_ptr, limit_ptr, cur_ptr,
+                       pos_ptr, B, NSTOP, LAST, stride_ot, stride_ol, BLOCK: tl.constexpr):
+        """:func:`record_tokens_reference` for slots [0, B) in one program."""
+        b = tl.arange(0, BLOCK)
+        m = b < B
+        live = m & (tl.load(done_ptr + b, mask=m, other=1) == 0)
+        tok = tl.load(tok_ptr + b, mask=m, other=0)
+        n = tl.load(n_ptr + b, mask=m, other=0)
+        idx = tl.minimum(n, LAST)
+        tl.store(ot_ptr + b * stride_ot + idx, tok, mask=live)
+        tl.store(ol_ptr + b * stride_ol + idx, tl.load(lp_ptr + b, mask=m, other=0.0), mask=live)
+        stop = tl.zeros([BLOCK], dtype=tl.int1)
+        for i in range(NSTOP):
+            stop = stop | (tok == tl.load(stop_ptr + i))
+        stop = stop & live
+        n = n + live.to(n.dtype)
+        tl.store(n_ptr + b, n, mask=m)
+        tl.store(stopped_ptr + b, stop, mask=stop)
+        tl.store(done_ptr + b, stop | (n >= tl.load(limit_ptr + b, mask=m, other=0)), mask=live)
+        tl.store(cur_ptr + b, tok, mask=live)
+        tl.store(pos_ptr + b, tl.load(pos_ptr + b, mask=live, other=0) + 1, mask=live)
 
     @triton.jit
     def _swiglu_kernel(a_ptr, y_ptr, F_, FP, stride_a, stride_y, stride_split, DT: tl.constexpr,
@@ -488,22 +624,25 @@ def split_sum(t: torch.Tensor, dtype: torch.dtype, bias: Optional[torch.Tensor] 
 
 
 def rope_kv_write(qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, k_cache: torch.Tensor,
-                  v_cache: torch.Tensor, pos: torch.Tensor, group: int, bias: Optional[torch.Tensor] = None
-                  ) -> torch.Tensor:
-    """:func:`rope_kv_write_reference` in one kernel (one program per token and kv group)."""
+                  v_cache: torch.Tensor, pos: torch.Tensor, group: int, bias: Optional[torch.Tensor] = None,
+                  rows: Optional[torch.Tensor] = None) -> torch.Tensor:
+    """:func:`rope_kv_write_reference` in one kernel (one program per token and kv group): a decode step's tokens,
+    or a prefill's prompt tokens as rows (``rows``: their sequences' cache slots)."""
     parts = qkv if qkv.dim() == 5 else qkv.unsqueeze(0)
-    S, B, ng, R, hd = parts.shape
-    if (not kernels_usable(parts, cos, sin, k_cache, v_cache, pos) or R != group + 2 or hd % 2
-            or parts.stride(-1) != 1 or k_cache.stride(-1) != 1 or v_cache.stride() != k_cache.stride()
-            or cos.stride(-1) != 1 or cos.stride() != sin.stride()
+    S, T, ng, R, hd = parts.shape
+    if (not kernels_usable(parts, cos, sin, k_cache, v_cache, pos, *([] if rows is None else [rows]))
+            or R != group + 2 or hd % 2 or parts.stride(-1) != 1 or k_cache.stride(-1) != 1
+            or v_cache.stride() != k_cache.stride() or cos.stride(-1) != 1 or cos.stride() != sin.stride()
+            or any(t.numel() > 1 and t.stride(0) != 1 for t in (pos, rows) if t is not None)
             or (bias is not None and (bias.numel() != ng * R * hd or not bias.is_contiguous()))):
-        return rope_kv_write_reference(qkv, cos, sin, k_cache, v_cache, pos, group, bias)
-    q = torch.empty((B, ng, group, hd), dtype=k_cache.dtype, device=qkv.device)
+        return rope_kv_write_reference(qkv, cos, sin, k_cache, v_cache, pos, group, bias, rows)
+    q = torch.empty((T, ng, group, hd), dtype=k_cache.dtype, device=qkv.device)
     H = hd // 2
-    _rope_kv_kernel[(B, ng)](parts, parts if bias is None else bias, cos, sin, q, k_cache, v_cache, pos, group, H,
-                             parts.stride(1), parts.stride(2), parts.stride(3), parts.stride(0), cos.stride(0),
-                             q.stride(0), q.stride(1), q.stride(2), k_cache.stride(0), k_cache.stride(1),
-                             k_cache.stride(2), SPLITS=S, HAS_BIAS=bias is not None,
+    _rope_kv_kernel[(T, ng)](parts, parts if bias is None else bias, cos, sin, q, k_cache, v_cache, pos,
+                             pos if rows is None else rows, group, H, parts.stride(1), parts.stride(2),
+                             parts.stride(3), parts.stride(0), cos.stride(0), q.stride(0), q.stride(1), q.stride(2),
+                             k_cache.stride(0), k_cache.stride(1), k_cache.stride(2), SPLITS=S,
+                             HAS_BIAS=bias is not None, HAS_ROWS=rows is not None,
                              RP=triton.next_power_of_2(group + 2), BH=triton.next_power_of_2(H))
     return q
 
@@ -531,3 +670,43 @@ def swiglu(a: torch.Tensor, out_dtype: Optional[torch.dtype] = None, splits: boo
                                                 DT=_TL_DTYPES[dtype], SPLITS=n_splits, BLOCK=BLOCK,
                                                 FMT=-1 if resq is None else TILE_FMT[resq], **TILE_RECIP)
     return y[:, :F_]
+
+
+#: Logits per program of :func:`sample`'s first kernel (a Qwen2.5 row of 152,064: 75 programs; 64 rows, 4,800).
+SAMPLE_BLOCK = 2048
+
+
+def sample(logits: torch.Tensor, u: torch.Tensor, temperature: float = 1.0) -> tuple[torch.Tensor, torch.Tensor]:
+    """:func:`sample_reference` in two kernels that read the logits in their own dtype (no fp32 copy, no softmax
+    written out): blocks of :data:`SAMPLE_BLOCK` logits of every row in parallel (their max and sum of
+    exponentials; torch's softmax and sums ran one program per row, 64 for a decode batch), then one program per row
+    picks the block and the token in it. The same tokens as the twin but where (1 - u) x total falls within fp32
+    rounding of a CDF step, and its logprobs to fp32 rounding (another summation order). No host sync."""
+    if (not kernels_usable(logits, u) or logits.dim() != 2 or logits.stride(-1) != 1 or u.dim() != 1
+            or u.shape[0] != logits.shape[0] or not u.is_contiguous() or not temperature > 0):
+        return sample_reference(logits, u, temperature)
+    B, V = logits.shape
+    BLOCK = min(SAMPLE_BLOCK, triton.next_power_of_2(V))
+    NB = triton.cdiv(V, BLOCK)
+    m = torch.empty((B, NB), dtype=torch.float32, device=logits.device)
+    s = torch.empty_like(m)
+    tok = torch.empty(B, dtype=torch.long, device=logits.device)
+    lp = torch.empty(B, dtype=torch.float32, device=logits.device)
+    _sample_partials_kernel[(B, NB)](logits, m, s, V, NB, logits.stride(0), float(temperature), BLOCK=BLOCK)
+    _sample_pick_kernel[(B,)](logits, m, s, u.float(), tok, lp, V, NB, logits.stride(0), float(temperature),
+                              BLOCK=BLOCK, NBP=triton.next_power_of_2(NB))
+    return tok, lp
+
+
+def record_tokens(state: dict, tok: torch.Tensor, lp: torch.Tensor, stop_ids: torch.Tensor) -> None:
+    """:func:`record_tokens_reference` in one kernel (it was ~15 small ones per decode step)."""
+    B = tok.shape[0]
+    names = ("done", "n_gen", "out_tok", "out_lp", "stopped", "limit", "tok", "pos")
+    if (not kernels_usable(tok, lp, stop_ids, *(state[n] for n in names)) or B > 1024 or tok.dtype != torch.long
+            or any(not state[n].is_contiguous() for n in names) or not stop_ids.is_contiguous()
+            or not tok.is_contiguous() or not lp.is_contiguous()):
+        return record_tokens_reference(state, tok, lp, stop_ids)
+    _record_kernel[(1,)](tok, lp, stop_ids, state["done"], state["n_gen"], state["out_tok"], state["out_lp"],
+                         state["stopped"], state["limit"], state["tok"], state["pos"], B, stop_ids.numel(),
+                         state["out_tok"].shape[1] - 1, state["out_tok"].stride(0), state["out_lp"].stride(0),
+                         BLOCK=max(16, triton.next_power_of_2(B)))

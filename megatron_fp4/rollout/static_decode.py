@@ -8,7 +8,8 @@ per token from Python. This path computes the same decoder layer by layer on the
 modules (norms, the rollout linears through :func:`megatron_fp4.resq.rollout_linear`, so FP4 kernels included):
 
 - a static KV cache ``[layers, slots, kv heads, S, head dim]`` (one slot per concurrent sequence);
-- prefill of new prompts, right-padded, through PyTorch SDPA (causal; right padding never reaches a real token);
+- prefill of new prompts, right-padded, through PyTorch SDPA (causal; right padding never reaches a real token),
+  the prompt tokens as rows through the decode step's residual add + norm and RoPE + K/V-write ops;
 - one decode step for all slots of a batch-size bucket, sampling and logprobs included, that updates its own
   inputs (token, position, counters, done flags) on the device: captured once per bucket as a CUDA graph and
   replayed ``chunk`` times between host checks (no host sync per token);
@@ -90,56 +91,29 @@ def _bucket(n: int, cap: int) -> int:
     return cap
 
 
-def _cdf_block(vocab: int) -> int:
-    """The block of :func:`_invert_cdf`: the largest power of two up to 1024 dividing ``vocab`` (Qwen2.5's 152064:
-    512, Llama 3's 128256: 256), else 256 (the probabilities are then padded to whole blocks)."""
-    blk = min(1024, vocab & -vocab)
-    return blk if blk >= 64 else 256
-
-
-def _invert_cdf(probs: torch.Tensor, u: torch.Tensor) -> torch.Tensor:
-    """The first token of each row of ``probs [B, V]`` (non-negative) whose cumulative sum reaches (1 - u) x the row's
-    total, in two levels: block sums and their cumulative sum pick the block, a cumulative sum inside that block
-    the token. No scan over the whole vocabulary (on the H200 torch's scan over 152k values took 0.25 ms of each
-    7B decode step) and never a zero-probability token: the target is above the blocks before (they sum to less) and
-    at most the chosen block's own sum."""
-    B, V = probs.shape
-    blk = _cdf_block(V)
-    p = (F.pad(probs, (0, -V % blk)) if V % blk else probs).view(B, -1, blk)
-    sums = p.sum(-1)
-    csum = sums.cumsum(-1)
-    x = ((1.0 - u.to(csum.dtype)) * csum[:, -1]).unsqueeze(-1)
-    b = torch.searchsorted(csum, x).clamp_(max=csum.shape[1] - 1)
-    before = torch.where(b > 0, csum.gather(1, (b - 1).clamp_(min=0)), torch.zeros_like(x))
-    inner = p.gather(1, b.unsqueeze(-1).expand(B, 1, blk)).squeeze(1).cumsum(-1)
-    j = torch.searchsorted(inner, torch.minimum(x - before, inner[:, -1:])).clamp_(max=blk - 1)
-    return (b * blk + j).squeeze(-1).clamp_(max=V - 1)
-
-
-def graph_sample(logits: torch.Tensor, u: torch.Tensor, params: SamplingParams
+def graph_sample(logits: torch.Tensor, u: torch.Tensor, params: SamplingParams, fused: bool = False
                  ) -> tuple[torch.Tensor, torch.Tensor]:
-    """(tokens [B], logprobs [B]) of fp32 ``logits [B, V]`` given uniforms ``u [B]`` in [0, 1): the token is
-    the first whose CDF of softmax(filter(logits / T)) reaches (1 - u) x total (never a zero-probability token;
-    :func:`_invert_cdf`). No host sync (capturable). Logprob: log_softmax(logits / T) at the token (T = 1 when
-    greedy); without top-k / top-p the log of the sampling probability itself (the same distribution)."""
+    """(tokens [B], logprobs [B]) of ``logits [B, V]`` (read as fp32) given uniforms ``u [B]`` in [0, 1): the token
+    is the first whose CDF of softmax(filter(logits / T)) reaches (1 - u) x total (never a zero-probability token;
+    :func:`~megatron_fp4.kernels.decode_ops.invert_cdf`). No host sync (capturable). Logprob: log_softmax(logits / T)
+    at the token (T = 1 when greedy); without top-k / top-p the log of the sampling probability itself (the same
+    distribution), from decode_ops' sampling kernels when ``fused``."""
     if params.greedy:
         tok = logits.argmax(dim=-1)
         t = 1.0
     else:
         t = params.temperature
-        scaled = logits if t == 1.0 else logits / t
-        filtered = filter_logits(scaled, params.top_k, params.top_p)
-        probs = torch.softmax(filtered, dim=-1)
-        tok = _invert_cdf(probs, u)
-        if filtered is scaled:  # no filter: probs is softmax(logits / T)
-            return tok, probs.gather(-1, tok.unsqueeze(-1)).squeeze(-1).log()
-    lp = torch.log_softmax(logits / t, dim=-1).gather(-1, tok.unsqueeze(-1)).squeeze(-1)
+        if not (0 < params.top_k < logits.shape[-1]) and params.top_p >= 1.0:  # no filter
+            return (decode_ops.sample if fused else decode_ops.sample_reference)(logits, u, t)
+        probs = torch.softmax(filter_logits(logits.float() / t, params.top_k, params.top_p), dim=-1)
+        tok = decode_ops.invert_cdf(probs, u)
+    lp = torch.log_softmax(logits.float() / t, dim=-1).gather(-1, tok.unsqueeze(-1)).squeeze(-1)
     return tok, lp
 
 
 def _forced(logits: torch.Tensor, tok: torch.Tensor, params: SamplingParams) -> tuple[torch.Tensor, torch.Tensor]:
     t = params.temperature if params.temperature > 0 else 1.0
-    return tok, torch.log_softmax(logits / t, dim=-1).gather(-1, tok.unsqueeze(-1)).squeeze(-1)
+    return tok, torch.log_softmax(logits.float() / t, dim=-1).gather(-1, tok.unsqueeze(-1)).squeeze(-1)
 
 
 @dataclass
@@ -314,28 +288,34 @@ class StaticCacheGenerator:
         return qkv[..., : self.group, :], qkv[..., self.group, :], qkv[..., self.group + 1, :]
 
     def _logits(self, h: torch.Tensor) -> torch.Tensor:
-        """fp32 logits of the final-normed hidden states ``h``."""
-        return F.linear(h, self.output_weight, self.output_bias).float()
+        """Logits of the final-normed hidden states ``h``, in the output layer's dtype (their readers take them as
+        fp32: no fp32 copy of ``[B, V]`` per step where the sampling kernels read them as they are)."""
+        return F.linear(h, self.output_weight, self.output_bias)
 
     def _prefill(self, st: dict, ids: torch.Tensor, lens: torch.Tensor, slots: torch.Tensor) -> torch.Tensor:
         """Run right-padded prompts ``ids [b, L]`` (lengths ``lens``) and write their K/V into cache ``slots``;
-        returns fp32 logits [b, V] at each prompt's last token."""
+        returns logits [b, V] at each prompt's last token. The prompt tokens are rows, as a decode step's tokens:
+        the same residual add + norm, and RoPE + K/V cache writes (each row at its sequence's slot and position)."""
         b, L = ids.shape
-        x = F.embedding(ids, self.embedding.weight)  # [b, L, h]
-        cos, sin = st["cos"][:L][None, :, None], st["sin"][:L][None, :, None]
+        x = F.embedding(ids.view(-1), self.embedding.weight)  # [b * L, h]
+        pos = st["ar_seq"][:L].repeat(b)  # each row's position
+        rows = slots[:, None].expand(b, L).contiguous().view(-1)  # its cache slot (repeat_interleave: a host sync)
+        rope = decode_ops.rope_kv_write if self.fused else decode_ops.rope_kv_write_reference
+        delta = None
         for i, layer in enumerate(self.layers):
-            q, k, v = self._split_qkv(self._linear(layer.qkv, layer.ln1(x)))  # q [b, L, ng, G, hd]
-            q = decode_ops.rope_reference(q.reshape(b, L, self.heads, self.head_dim), cos, sin)
-            k = decode_ops.rope_reference(k, cos, sin)
-            st["k"][i, slots, :, :L] = k.transpose(1, 2)
-            st["v"][i, slots, :, :L] = v.transpose(1, 2)
+            h, x = self._add_norm(x, delta, layer.ln1)
+            qkv = self._linear(layer.qkv, h).view(b * L, self.kv_heads, self.group + 2, self.head_dim)
+            kc, vc = st["k"][i], st["v"][i]  # [slots, ng, S, hd]
+            q = rope(qkv, st["cos"], st["sin"], kc, vc, pos, self.group, rows=rows)  # [b * L, ng, G, hd]
             # (GQA in SDPA itself: no K/V copies repeated per query head)
-            o = F.scaled_dot_product_attention(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), is_causal=True,
-                                               scale=self.scale, enable_gqa=self.group > 1)
-            x = x + self._linear(layer.proj, o.transpose(1, 2).reshape(b, L, self.heads * self.head_dim))
-            x = x + self._mlp(layer, layer.ln2(x))
-        last = x[torch.arange(b, device=x.device), lens - 1]
-        return self._logits(self.final_norm(last))
+            o = F.scaled_dot_product_attention(q.view(b, L, self.heads, self.head_dim).transpose(1, 2),
+                                               kc[slots, :, :L], vc[slots, :, :L], is_causal=True, scale=self.scale,
+                                               enable_gqa=self.group > 1)
+            delta = self._linear(layer.proj, o.transpose(1, 2).reshape(b * L, self.heads * self.head_dim))
+            h, x = self._add_norm(x, delta, layer.ln2)
+            delta = self._mlp(layer, h)
+        last = torch.arange(b, device=x.device) * L + lens - 1
+        return self._logits(self._add_norm(x[last], delta[last], self.final_norm)[0])
 
     def resq_format(self, B: int) -> Optional[str]:
         """The format whose ResQ quantize the decode step's RMSNorm kernels take over (``fused_resq``), or None: W4A4 +
@@ -350,11 +330,11 @@ class StaticCacheGenerator:
         return None
 
     def _decode(self, st: dict, B: int) -> torch.Tensor:
-        """One token for slots [0, B): reads st tok/pos, writes K/V at pos, returns fp32 logits [B, V]. Each residual
+        """One token for slots [0, B): reads st tok/pos, writes K/V at pos, returns logits [B, V]. Each residual
         add is done with the norm that follows it (one kernel each when ``fused``)."""
         tok, pos = st["tok"][:B], st["pos"][:B]
         x = F.embedding(tok, self.embedding.weight)  # [B, h]
-        cos, sin = st["cos"][pos], st["sin"][pos]  # [B, hd]
+        cos, sin = st["cos"], st["sin"]  # [S, hd]: the RoPE ops read them at pos
         valid = None if self.attention_kernel else (st["ar_seq"][None, :] <= pos[:, None]).view(B, 1, 1, -1)
         delta = None
         resq = self.resq_format(B)
@@ -378,32 +358,16 @@ class StaticCacheGenerator:
             delta = self._mlp(layer, h, self.fused, w16)
         return self._logits(self._add_norm(x, delta, self.final_norm)[0])
 
-    def _record(self, st: dict, B: int, tok: torch.Tensor, lp: torch.Tensor, params: SamplingParams,
-                stop_ids: torch.Tensor) -> None:
-        """Store the sampled tokens of live slots [0, B) and update their counters and done flags (on device)."""
-        done, n_gen = st["done"][:B], st["n_gen"][:B]
-        idx = n_gen.clamp(max=st["max_new"] - 1).unsqueeze(1)
-        live = ~done
-        ot, ol = st["out_tok"][:B], st["out_lp"][:B]
-        ot.scatter_(1, idx, torch.where(live, tok, ot.gather(1, idx).squeeze(1)).unsqueeze(1))
-        ol.scatter_(1, idx, torch.where(live, lp, ol.gather(1, idx).squeeze(1)).unsqueeze(1))
-        stop = (tok.unsqueeze(1) == stop_ids.unsqueeze(0)).any(dim=1) & live
-        n_gen.add_(live.long())
-        st["stopped"][:B] |= stop
-        done |= stop | (n_gen >= st["limit"][:B])
-        st["tok"][:B] = torch.where(live, tok, st["tok"][:B])
-
     def _step(self, st: dict, B: int, params: SamplingParams, stop_ids: torch.Tensor) -> None:
-        """Decode step of bucket B: forward, sample (uniforms st['rand'][step]), record, advance (device only)."""
-        live = ~st["done"][:B]
+        """Decode step of bucket B: forward, sample (uniforms st['rand'][step]), record and advance the live slots
+        (:func:`~megatron_fp4.kernels.decode_ops.record_tokens`), all on the device."""
         logits = self._decode(st, B)
         u = st["rand"].index_select(0, st["step"].view(1)).view(-1)[:B]
-        tok, lp = graph_sample(logits, u, params)
+        tok, lp = graph_sample(logits, u, params, self.fused)
         if self._forcing:
             idx = st["n_gen"][:B].clamp(max=st["max_new"] - 1).unsqueeze(1)
             tok, lp = _forced(logits, st["forced"][:B].gather(1, idx).squeeze(1), params)
-        self._record(st, B, tok, lp, params, stop_ids)
-        st["pos"][:B] += live.long()  # finished slots keep their position
+        (decode_ops.record_tokens if self.fused else decode_ops.record_tokens_reference)(st, tok, lp, stop_ids)
         st["step"].add_(1)
 
     # -- generation ----------------------------------------------------------------------------------------------------
@@ -470,7 +434,7 @@ class StaticCacheGenerator:
                 limit = torch.tensor([limits[k] for k in part], dtype=torch.long, device=device)
                 sl_t = torch.tensor(sl, dtype=torch.long, device=device)
                 logits = self._prefill(st, ids, lens, sl_t)
-                tok, lp = graph_sample(logits, draw(1)[0, : len(part)], params)
+                tok, lp = graph_sample(logits, draw(1)[0, : len(part)], params, self.fused)
                 if forced is not None:
                     ft = torch.zeros((len(part), st["max_new"]), dtype=torch.long)
                     for r, k in enumerate(part):
