@@ -32,9 +32,9 @@ import torch.nn.functional as F
 from megatron_fp4.kernels._common import HAS_TRITON, KERNEL_FORMATS, TILE_FMT, TILE_RECIP, kernels_usable, tl, triton
 
 __all__ = ["add_rms_norm", "add_rms_norm_reference", "add_rms_norm_resq", "add_rms_norm_resq_reference",
-           "attention_splits", "decode_attention", "decode_attention_reference",
-           "invert_cdf", "record_tokens", "record_tokens_reference", "rope_reference", "rope_kv_write", "rope_kv_write_reference", "sample", "sample_reference",
-           "split_sum", "sum_splits", "swiglu", "swiglu_reference"]
+           "attention_splits", "decode_attention", "decode_attention_reference", "invert_cdf", "record_tokens",
+           "record_tokens_reference", "rope_reference", "rope_kv_write", "rope_kv_write_reference", "sample",
+           "sample_reference", "split_sum", "sum_splits", "swiglu", "swiglu_reference"]
 
 
 # ----------------------------------------------------------------------------------------------------------------
