@@ -145,34 +145,63 @@ def test_split_partial_sums_read_as_the_rounded_sum(dtype, splits):
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("G", [7, 6, 1])
 @pytest.mark.parametrize("splits", [1, 3])
-def test_decode_attention_matches_sdpa_with_the_mask(dtype, G, splits):
-    """The decode attention kernel (each sequence's cache read up to its position, BLOCK_N keys a step, online
-    softmax; or the cache in splits, empty ones included, merged by a second kernel) against SDPA with the static
-    path's mask, on a strided cache slice as the engine passes it (positions within, at and across block edges;
-    rows past pos hold garbage that must not count)."""
+def test_rope_attention_matches_its_twins(dtype, G, splits):
+    """RoPE, the K/V writes and the decode attention in one kernel (each sequence's cache read up to the row before
+    its position, BLOCK_N keys a step, online softmax, the step's own key and value from registers; or the cache in
+    splits, empty ones included, merged by a second kernel) against rope_kv_write_reference + SDPA with the static
+    path's mask, on a strided cache slice as the engine passes it, qkv as two splits' partial sums and a bias
+    (positions within, at and across block edges; rows past pos hold garbage that must not count)."""
     g = torch.Generator().manual_seed(6)
     B, ng, S, hd = 5, 2, 150, 32
     cache = (torch.randn(2, 3, B + 1, ng, S, hd, generator=g) * 2).to(dtype).to(DEV)  # [kv, layer, slots, ...]
-    k, v = cache[0, 1, :B], cache[1, 1, :B]
-    q = torch.randn(B, ng, G, hd, generator=g).to(dtype).to(DEV)
+    parts = torch.randn(2, B, ng, G + 2, hd, generator=g).to(DEV)
+    bias = (torch.randn(ng * (G + 2) * hd, generator=g) * 0.5).to(dtype).to(DEV)
+    ang = torch.outer(torch.arange(S, dtype=torch.float32), 1.0 / 10000 ** (torch.arange(0, hd, 2) / hd))
+    emb = torch.cat((ang, ang), dim=-1)
+    cos, sin = torch.cos(emb).to(dtype).to(DEV), torch.sin(emb).to(dtype).to(DEV)
     pos = torch.tensor([0, 63, 64, 100, S - 1]).to(DEV)
-    got = decode_ops.decode_attention(q, k, v, pos, 0.3, splits)
-    want = decode_ops.decode_attention_reference(q, k, v, pos, 0.3)
+    tol = dict(atol=1e-5, rtol=1e-4) if dtype == torch.float32 else _tol(dtype)  # (sums in another order)
+
+    def run(fn, c, *extra):
+        c = c.clone()
+        return fn(parts, cos, sin, c[0, 1, :B], c[1, 1, :B], pos, G, 0.3, bias, *extra), c
+
+    got, c_got = run(decode_ops.rope_attention, cache, splits)
+    want, c_want = run(decode_ops.rope_attention_reference, cache)
     assert got.shape == want.shape == (B, ng, G, hd) and got.dtype == dtype
-    # (a softmax's sum in another order: fp32 outputs near zero differ by ~1e-6 absolute)
-    torch.testing.assert_close(got, want, **(dict(atol=1e-5, rtol=1e-4) if dtype == torch.float32 else _tol(dtype)))
+    # the RoPE kernel's queries and cache rows (one rounding: tested against torch's above), then SDPA with the mask
+    c_rope = cache.clone()
+    q = decode_ops.rope_kv_write(parts, cos, sin, c_rope[0, 1, :B], c_rope[1, 1, :B], pos, G, bias)
+    assert torch.equal(c_got, c_rope)  # the same rows written, bit for bit
+    torch.testing.assert_close(got, decode_ops.decode_attention_reference(q, c_rope[0, 1, :B], c_rope[1, 1, :B],
+                                                                          pos, 0.3), **tol)
+    torch.testing.assert_close(got, want, **(tol if dtype == torch.float32 else dict(atol=2e-2, rtol=2e-2)))
+    at = torch.zeros(S, dtype=torch.bool).repeat(B, 1)
+    at[torch.arange(B), pos.cpu()] = True
+
+    def rows(c, kv):  # the layer's cache rows of the B slots, [B, S, ng, hd]
+        return c[kv, 1, :B].cpu().transpose(1, 2)
+
+    assert torch.equal(rows(c_got, 1)[at], rows(c_want, 1)[at])  # the values as they are
+    for kv in (0, 1):  # no other row written
+        assert torch.equal(rows(c_got, kv)[~at], rows(cache, kv)[~at])
+    assert torch.equal(c_got[:, [0, 2]], cache[:, [0, 2]]) and torch.equal(c_got[:, 1, B:], cache[:, 1, B:])
     # the rows past each position do not count
-    k2, v2 = k.clone(), v.clone()
+    c2 = cache.clone()
     for i, p in enumerate(pos.tolist()):
-        k2[i, :, p + 1:], v2[i, :, p + 1:] = 1e4, float("nan")
-    assert torch.equal(decode_ops.decode_attention(q, k2, v2, pos, 0.3, splits), got)
+        c2[0, 1, i, :, p + 1:], c2[1, 1, i, :, p + 1:] = 1e4, float("nan")
+    assert torch.equal(run(decode_ops.rope_attention, c2, splits)[0], got)
     if splits == 1:  # what the splits' merge rounds differently
-        torch.testing.assert_close(decode_ops.decode_attention(q, k, v, pos, 0.3, 3), got,
-                                   **(dict(atol=1e-5, rtol=1e-4) if dtype == torch.float32 else _tol(dtype)))
-    # a head size that is not a power of two: the twin
-    q3, k3 = q[..., :24], k[..., :24].contiguous()
-    assert torch.equal(decode_ops.decode_attention(q3, k3, k3, pos, 0.3),
-                       decode_ops.decode_attention_reference(q3, k3, k3, pos, 0.3))
+        torch.testing.assert_close(run(decode_ops.rope_attention, cache, 3)[0], got, **tol)
+    # a head size that is not a power of two: the twins
+    c3 = cache[..., :24].contiguous()
+    p3 = parts[..., :24].contiguous()
+    b3 = bias.view(ng, G + 2, hd)[..., :24].contiguous().view(-1)
+    o3 = decode_ops.rope_attention(p3, cos[:, :24], sin[:, :24], c3[0, 1, :B], c3[1, 1, :B], pos, G, 0.3, b3)
+    c4 = cache[..., :24].contiguous()
+    o4 = decode_ops.rope_attention_reference(p3, cos[:, :24], sin[:, :24], c4[0, 1, :B], c4[1, 1, :B], pos, G, 0.3,
+                                             b3)
+    assert torch.equal(o3, o4) and torch.equal(c3, c4)
 
 
 def test_attention_splits_only_where_programs_leave_the_gpu_idle():
@@ -332,13 +361,13 @@ out = {
                    dict(DT=tl.bfloat16, SPLITS=2, BLOCK=decode_ops.RESQ_SWIGLU_BLOCK, FMT=fmt, **recip),
                    4).count("STL"),
 }
-strides = {f"stride_{n}": "i32" for n in ("qb", "qg", "qr", "kb", "kg", "ks", "ob", "og", "or")}
-attention = dict(q_ptr=bf, k_ptr=bf, v_ptr=bf, pos_ptr="*i64", o_ptr=bf, ml_ptr=f32, G="i32", scale="fp32",
-                 keys_per_split="i32", **strides, GP=c, HD=c, BLOCK_N=c, SPLIT=c, IP=c)
-text = sass(decode_ops._decode_attention_kernel, attention,
-            dict(GP=16, HD=128, BLOCK_N=decode_ops.ATTENTION_BLOCK_N, SPLIT=False, IP="tf32"), 4)
-split = sass(decode_ops._decode_attention_kernel, dict(attention, o_ptr=f32),
-             dict(GP=16, HD=128, BLOCK_N=decode_ops.ATTENTION_BLOCK_N, SPLIT=True, IP="tf32"), 4)
+strides = {f"stride_{n}": "i32" for n in ("t", "g", "r", "split", "c", "kb", "kg", "ks", "ob", "og", "or")}
+attention = dict(qkv_ptr=f32, bias_ptr=bf, cos_ptr=bf, sin_ptr=bf, k_ptr=bf, v_ptr=bf, pos_ptr="*i64", o_ptr=bf,
+                 ml_ptr=f32, G="i32", scale="fp32", keys_per_split="i32", **strides, SPLITS=c, HAS_BIAS=c, GP=c, HD=c,
+                 BLOCK_N=c, SPLIT=c, IP=c)
+consts = dict(SPLITS=2, HAS_BIAS=True, GP=16, HD=128, BLOCK_N=decode_ops.ATTENTION_BLOCK_N, IP="tf32")
+text = sass(decode_ops._rope_attention_kernel, attention, dict(consts, SPLIT=False), 4)
+split = sass(decode_ops._rope_attention_kernel, dict(attention, o_ptr=f32), dict(consts, SPLIT=True), 8)
 combine = sass(decode_ops._attention_combine_kernel,
                dict(part_ptr=f32, ml_ptr=f32, o_ptr=bf, G="i32", stride_ob="i32", stride_og="i32", stride_or="i32",
                     SPLITS=c, GP=c, HD=c), dict(SPLITS=8, GP=16, HD=128), 4)
@@ -346,8 +375,8 @@ out["attention"] = text.count("STL") + split.count("STL") + combine.count("STL")
 out["attention_mma"] = text.count("HMMA") > 0 and split.count("HMMA") > 0
 rows = {f"stride_{n}": "i32" for n in ("t", "g", "r", "split", "c", "q", "qg", "qr", "kb", "kg", "ks")}
 rope = dict(qkv_ptr=f32, bias_ptr=bf, cos_ptr=bf, sin_ptr=bf, q_ptr=bf, kc_ptr=bf, vc_ptr=bf, pos_ptr="*i64",
-            rows_ptr="*i64", G="i32", H="i32", **rows, SPLITS=c, HAS_BIAS=c, HAS_ROWS=c, RP=c, BH=c)
-out["rope"] = sass(decode_ops._rope_kv_kernel, rope, dict(SPLITS=2, HAS_BIAS=True, HAS_ROWS=True, RP=8, BH=64),
+            rows_ptr="*i64", G="i32", H="i32", **rows, SPLITS=c, HAS_BIAS=c, HAS_ROWS=c, RP=c, BD=c)
+out["rope"] = sass(decode_ops._rope_kv_kernel, rope, dict(SPLITS=2, HAS_BIAS=True, HAS_ROWS=True, RP=16, BD=128),
                    4).count("STL")
 blk = decode_ops.SAMPLE_BLOCK
 partials = dict(x_ptr=bf, m_ptr=f32, s_ptr=f32, V="i32", NB="i32", stride_x="i32", T="fp32", BLOCK=c)
@@ -367,7 +396,7 @@ print(json.dumps(out))
 @pytest.mark.parametrize("fmt", [0, 1], ids=["hif4", "mxfp4"])
 def test_fused_resq_kernels_compile_for_sm90_without_spills(fmt):
     """The fused ResQ kernels at the engine's launch shapes (7B: rows of 3584 in RESQ_NORM_BK-wide chunks, 8 warps;
-    SwiGLU blocks of RESQ_SWIGLU_BLOCK, 4 warps), the decode attention kernel (head size 128, on tensor cores), the
+    SwiGLU blocks of RESQ_SWIGLU_BLOCK, 4 warps), the RoPE + attention kernel (head size 128, on tensor cores), the
     RoPE kernel with a prefill's slots, the sampling kernels (blocks of SAMPLE_BLOCK logits) and the bookkeeping
     kernel compile for the H200 (Triton's own ptxas, no GPU needed, in a process without the
     interpreter) with no register spills (a 1024-wide HiF4 SwiGLU block spilled 2,263 registers): what the CPU

@@ -90,17 +90,17 @@ def test_fused_decode_kernels_equal_the_unfused_steps(model, prompts, precision,
 
 
 def test_fused_step_attention_kernel_and_its_switch(model, prompts, monkeypatch):
-    """The fused step attends with decode_ops.decode_attention (each cache read up to its position);
-    MEGATRON_FP4_DECODE_ATTENTION=sdpa puts SDPA with the mask back (the same tokens, logprobs within fp32
-    rounding), and a wrong value names the variable and the allowed ones."""
+    """The fused step rotates, writes K/V and attends in decode_ops.rope_attention (each cache read up to its
+    position); MEGATRON_FP4_DECODE_ATTENTION=sdpa puts the RoPE kernel and SDPA with the mask back (the same tokens,
+    logprobs within fp32 rounding), and a wrong value names the variable and the allowed ones."""
     precision = RolloutPrecision("bf16")
     params = SamplingParams(temperature=0.0, max_new_tokens=8, stop_token_ids=(7,))
     monkeypatch.setenv("MEGATRON_FP4_DECODE_FUSED", "1")
     calls = []
-    monkeypatch.setattr(decode_ops, "decode_attention",
-                        lambda *a, _f=decode_ops.decode_attention: calls.append(a[0].shape) or _f(*a))
+    monkeypatch.setattr(decode_ops, "rope_attention",
+                        lambda *a, _f=decode_ops.rope_attention: calls.append(a[0].shape) or _f(*a))
     got = NativeRolloutEngine(model, precision, decode="static", max_batch_size=3).generate(prompts, params)
-    assert calls and all(len(s) == 4 for s in calls)
+    assert calls and all(len(s) == 5 for s in calls)  # (qkv as stored: [splits, B, ng, G + 2, hd])
     calls.clear()
     monkeypatch.setenv("MEGATRON_FP4_DECODE_ATTENTION", "sdpa")
     want = NativeRolloutEngine(model, precision, decode="static", max_batch_size=3).generate(prompts, params)

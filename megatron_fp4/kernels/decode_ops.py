@@ -3,13 +3,14 @@
 A decoder layer's decode step ran ~40 kernels, most of them tiny elementwise ones (torch's RMSNorm on bf16 inputs
 with fp32 weights takes its unfused path; RoPE is five kernels per tensor); these put each group into one launch:
 
-    y, s = add_rms_norm(x, delta, weight, eps)     # s = x + delta (x's dtype), y = RMSNorm(s) as torch.nn.RMSNorm
-    q = rope_kv_write(qkv, cos, sin, k_cache, v_cache, pos, group, bias, rows)  # + bias, RoPE, k, v to cache
-    a = swiglu(a)                                   # silu(a[:, :F]) * a[:, F:]
-    o = decode_attention(q, k_cache, v_cache, pos, scale)  # SDPA of one token per sequence over cache rows 0..pos
-    y = split_sum(t, dtype, bias)                   # a GEMM's split-K partial sums + bias, rounded once
-    tok, lp = sample(logits, u, temperature)        # softmax(logits / T)'s CDF inverted at (1 - u), its logprob
-    record_tokens(state, tok, lp, stop_ids)          # the step's bookkeeping: store, count, stop, advance
+    y, s = add_rms_norm(x, delta, norm)        # s = x + delta (x's dtype), y = RMSNorm(s) as torch.nn.RMSNorm
+    q = rope_kv_write(qkv, cos, sin, kc, vc, pos, group, bias, rows)   # + bias, RoPE, k and v to the caches
+    o = rope_attention(qkv, cos, sin, kc, vc, pos, group, scale, bias)  # the same, then attention over each
+                                               # sequence's cache up to its position (its own k, v from registers)
+    a = swiglu(a)                              # silu(a[:, :F]) * a[:, F:]
+    y = split_sum(t, dtype, bias)              # a GEMM's split-K partial sums + bias, rounded once
+    tok, lp = sample(logits, u, temperature)   # softmax(logits / T)'s CDF inverted at (1 - u), its logprob
+    record_tokens(state, tok, lp, stop_ids)    # the step's bookkeeping: store, count, stop, advance
 
 Each has its PyTorch twin (``*_reference``: what the static decode path computes without them) and matches it up
 to the rounding of one fused computation (fp32 inside, one rounding to the output dtype where torch rounds after
@@ -32,9 +33,10 @@ import torch.nn.functional as F
 from megatron_fp4.kernels._common import HAS_TRITON, KERNEL_FORMATS, TILE_FMT, TILE_RECIP, kernels_usable, tl, triton
 
 __all__ = ["add_rms_norm", "add_rms_norm_reference", "add_rms_norm_resq", "add_rms_norm_resq_reference",
-           "attention_splits", "decode_attention", "decode_attention_reference", "invert_cdf", "record_tokens",
-           "record_tokens_reference", "rope_reference", "rope_kv_write", "rope_kv_write_reference", "sample",
-           "sample_reference", "split_sum", "sum_splits", "swiglu", "swiglu_reference"]
+           "attention_splits", "decode_attention_reference", "invert_cdf", "record_tokens",
+           "record_tokens_reference", "rope_attention", "rope_attention_reference", "rope_reference",
+           "rope_kv_write", "rope_kv_write_reference", "sample", "sample_reference", "split_sum", "sum_splits",
+           "swiglu", "swiglu_reference"]
 
 
 # ----------------------------------------------------------------------------------------------------------------
@@ -108,6 +110,14 @@ def decode_attention_reference(q: torch.Tensor, k_cache: torch.Tensor, v_cache: 
     of ``k_cache, v_cache [B, ng, S, hd]``: PyTorch SDPA with a mask (what the static decode path runs)."""
     valid = (torch.arange(k_cache.shape[2], device=q.device)[None, :] <= pos[:, None]).view(q.shape[0], 1, 1, -1)
     return F.scaled_dot_product_attention(q, k_cache, v_cache, attn_mask=valid, scale=scale)
+
+
+def rope_attention_reference(qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, k_cache: torch.Tensor,
+                             v_cache: torch.Tensor, pos: torch.Tensor, group: int, scale: float,
+                             bias: Optional[torch.Tensor] = None) -> torch.Tensor:
+    """:func:`rope_kv_write_reference` (one token per sequence), then :func:`decode_attention_reference`."""
+    q = rope_kv_write_reference(qkv, cos, sin, k_cache, v_cache, pos, group, bias)
+    return decode_attention_reference(q, k_cache, v_cache, pos, scale)
 
 
 def swiglu_reference(a: torch.Tensor, out_dtype: Optional[torch.dtype] = None, splits: bool = False
@@ -241,93 +251,116 @@ if HAS_TRITON:
             tl.store(e_ptr + row * stride_e + c, e.to(tl.bfloat16), mask=c < KP)
 
     @triton.jit
+    def _rope_rows(qkv_ptr, bias_ptr, cos_ptr, sin_ptr, t, g, p, G, H, stride_t, stride_g, stride_r, stride_split,
+                   stride_c, DT: tl.constexpr, SPLITS: tl.constexpr, HAS_BIAS: tl.constexpr, RP: tl.constexpr,
+                   BD: tl.constexpr):
+        """Token t's rows of kv group g ([RP, BD]: rows 0..G-1 its query heads, G the key, G + 1 the value, 2H
+        values each): the splits' partial sums added in order in fp32, then the bias, rounded to DT; rows 0..G
+        rotated at position p as x * cos + rotate_half(x) * sin (the halves swapped, the first negated), in fp32
+        (the caller rounds once); row G + 1 as it is. Returns (rows, r, d, their mask)."""
+        r = tl.arange(0, RP)[:, None]
+        d = tl.arange(0, BD)[None, :]
+        mask = (r < G + 2) & (d < 2 * H)
+        sw = tl.where(d < H, d + H, d - H)  # the other half's column
+        base = qkv_ptr + t * stride_t + g * stride_g + r * stride_r
+        x = tl.load(base + d, mask=mask, other=0.0).to(tl.float32)
+        xs = tl.load(base + sw, mask=mask, other=0.0).to(tl.float32)
+        for k in tl.static_range(1, SPLITS):
+            x += tl.load(base + k * stride_split + d, mask=mask, other=0.0).to(tl.float32)
+            xs += tl.load(base + k * stride_split + sw, mask=mask, other=0.0).to(tl.float32)
+        if HAS_BIAS:
+            bbase = bias_ptr + (g * (G + 2) + r) * (2 * H)
+            x += tl.load(bbase + d, mask=mask, other=0.0).to(tl.float32)
+            xs += tl.load(bbase + sw, mask=mask, other=0.0).to(tl.float32)
+        x = x.to(DT).to(tl.float32)  # (a no-op for one split in DT)
+        xs = xs.to(DT).to(tl.float32)
+        cmask = d < 2 * H
+        c = tl.load(cos_ptr + p * stride_c + d, mask=cmask, other=0.0).to(tl.float32)
+        s = tl.load(sin_ptr + p * stride_c + d, mask=cmask, other=0.0).to(tl.float32)
+        rot = x * c + tl.where(d < H, -xs, xs) * s
+        return tl.where(r <= G, rot, x), r, d, mask
+
+    @triton.jit
     def _rope_kv_kernel(qkv_ptr, bias_ptr, cos_ptr, sin_ptr, q_ptr, kc_ptr, vc_ptr, pos_ptr, rows_ptr, G, H,
                         stride_t, stride_g, stride_r, stride_split, stride_c, stride_q, stride_qg, stride_qr,
                         stride_kb, stride_kg, stride_ks, SPLITS: tl.constexpr, HAS_BIAS: tl.constexpr,
-                        HAS_ROWS: tl.constexpr, RP: tl.constexpr, BH: tl.constexpr):
-        """One (token, kv group): rows 0..G-1 of qkv are query heads, row G the key, G + 1 the value (the splits'
-        partial sums added in order in fp32, then the bias, rounded to q's dtype); the first and second halves (H
-        values each) of a row rotate as t * cos + rotate_half(t) * sin at the token's position; k and v go to its
-        cache slot (rows_ptr's, else the token's own index) at that position."""
+                        HAS_ROWS: tl.constexpr, RP: tl.constexpr, BD: tl.constexpr):
+        """One (token, kv group): :func:`_rope_rows` at the token's position, rounded to q's dtype; the queries to
+        q, the key and value to the token's cache slot (rows_ptr's, else the token's own index) at that position."""
         b = tl.program_id(0)
         g = tl.program_id(1)
-        r = tl.arange(0, RP)[:, None]
-        c = tl.arange(0, BH)[None, :]
-        mask = (r < G + 2) & (c < H)
-        dt = q_ptr.dtype.element_ty
-        base = qkv_ptr + b * stride_t + g * stride_g + r * stride_r
-        t1 = tl.load(base + c, mask=mask, other=0.0).to(tl.float32)
-        t2 = tl.load(base + H + c, mask=mask, other=0.0).to(tl.float32)
-        for k in tl.static_range(1, SPLITS):
-            t1 += tl.load(base + k * stride_split + c, mask=mask, other=0.0).to(tl.float32)
-            t2 += tl.load(base + k * stride_split + H + c, mask=mask, other=0.0).to(tl.float32)
-        if HAS_BIAS:
-            bbase = bias_ptr + (g * (G + 2) + r) * (2 * H)
-            t1 += tl.load(bbase + c, mask=mask, other=0.0).to(tl.float32)
-            t2 += tl.load(bbase + H + c, mask=mask, other=0.0).to(tl.float32)
-        t1 = t1.to(dt).to(tl.float32)  # (a no-op for one split in q's dtype)
-        t2 = t2.to(dt).to(tl.float32)
         p = tl.load(pos_ptr + b)
-        cmask = c < H
-        c1 = tl.load(cos_ptr + p * stride_c + c, mask=cmask, other=0.0).to(tl.float32)
-        c2 = tl.load(cos_ptr + p * stride_c + H + c, mask=cmask, other=0.0).to(tl.float32)
-        s1 = tl.load(sin_ptr + p * stride_c + c, mask=cmask, other=0.0).to(tl.float32)
-        s2 = tl.load(sin_ptr + p * stride_c + H + c, mask=cmask, other=0.0).to(tl.float32)
-        o1 = (t1 * c1 - t2 * s1).to(dt)
-        o2 = (t2 * c2 + t1 * s2).to(dt)
-        qm = mask & (r < G)
-        qbase = q_ptr + b * stride_q + g * stride_qg + r * stride_qr
-        tl.store(qbase + c, o1, mask=qm)
-        tl.store(qbase + H + c, o2, mask=qm)
+        y, r, d, mask = _rope_rows(qkv_ptr, bias_ptr, cos_ptr, sin_ptr, b, g, p, G, H, stride_t, stride_g, stride_r,
+                                   stride_split, stride_c, q_ptr.dtype.element_ty, SPLITS, HAS_BIAS, RP, BD)
+        y = y.to(q_ptr.dtype.element_ty)
+        tl.store(q_ptr + b * stride_q + g * stride_qg + r * stride_qr + d, y, mask=mask & (r < G))
         slot = b
         if HAS_ROWS:
             slot = tl.load(rows_ptr + b)
-        kbase = slot * stride_kb + g * stride_kg + p * stride_ks + c + r * 0
-        km = mask & (r == G)
-        tl.store(kc_ptr + kbase, o1, mask=km)
-        tl.store(kc_ptr + kbase + H, o2, mask=km)
-        vm = mask & (r == G + 1)
-        tl.store(vc_ptr + kbase, t1.to(vc_ptr.dtype.element_ty), mask=vm)
-        tl.store(vc_ptr + kbase + H, t2.to(vc_ptr.dtype.element_ty), mask=vm)
+        kv = slot * stride_kb + g * stride_kg + p * stride_ks + d + r * 0
+        tl.store(kc_ptr + kv, y, mask=mask & (r == G))
+        tl.store(vc_ptr + kv, y.to(vc_ptr.dtype.element_ty), mask=mask & (r == G + 1))
 
     @triton.jit
-    def _decode_attention_kernel(q_ptr, k_ptr, v_ptr, pos_ptr, o_ptr, ml_ptr, G, scale, keys_per_split, stride_qb,
-                                 stride_qg, stride_qr, stride_kb, stride_kg, stride_ks, stride_ob, stride_og,
-                                 stride_or, GP: tl.constexpr, HD: tl.constexpr, BLOCK_N: tl.constexpr,
-                                 SPLIT: tl.constexpr, IP: tl.constexpr):
-        """One (sequence, kv group[, split of the cache]): its G query heads (rows, padded to GP) against cache rows
-        0..pos (SPLIT: those of rows [split * keys_per_split, + keys_per_split)), BLOCK_N keys at a time: online
-        softmax in fp32, P rounded to the cache's dtype for the PV product (as flash attention). SPLIT: the split's
+    def _rope_attention_kernel(qkv_ptr, bias_ptr, cos_ptr, sin_ptr, k_ptr, v_ptr, pos_ptr, o_ptr, ml_ptr, G, scale,
+                               keys_per_split, stride_t, stride_g, stride_r, stride_split, stride_c, stride_kb,
+                               stride_kg, stride_ks, stride_ob, stride_og, stride_or, SPLITS: tl.constexpr,
+                               HAS_BIAS: tl.constexpr, GP: tl.constexpr, HD: tl.constexpr, BLOCK_N: tl.constexpr,
+                               SPLIT: tl.constexpr, IP: tl.constexpr):
+        """One (sequence, kv group[, split of the cache]): :func:`_rope_rows` of its step's qkv at its position p
+        (the key and value written to the cache at p by the program whose rows hold p: no program reads that row),
+        then its G query heads (rows, padded to GP) against cache rows 0..p-1 (SPLIT: those of rows [split *
+        keys_per_split, + keys_per_split)), BLOCK_N keys at a time, and the step's own key and value from
+        registers: online softmax in fp32, P rounded to the cache's dtype for the PV product (as flash attention).
+        SPLIT: the split's
         unnormalized output and its (max, sum) go to o_ptr / ml_ptr (fp32, [B, ng, splits, GP, ...]) for
         _attention_combine_kernel."""
         b = tl.program_id(0)
         g = tl.program_id(1)
-        r = tl.arange(0, GP)[:, None]
-        d = tl.arange(0, HD)[None, :]
-        q = tl.load(q_ptr + b * stride_qb + g * stride_qg + r * stride_qr + d, mask=r < G, other=0.0)
-        n_valid = tl.load(pos_ptr + b) + 1
+        dt = k_ptr.dtype.element_ty
+        p = tl.load(pos_ptr + b)
+        y, r, d, _ = _rope_rows(qkv_ptr, bias_ptr, cos_ptr, sin_ptr, b, g, p, G, HD // 2, stride_t, stride_g,
+                                stride_r, stride_split, stride_c, dt, SPLITS, HAS_BIAS, GP, HD)
+        y = y.to(dt).to(tl.float32)
+        q = tl.where(r < G, y, 0.0).to(dt)
+        k_new = tl.sum(tl.where(r == G, y, 0.0), axis=0)  # [HD]: the step's key and value (DT numbers)
+        v_new = tl.sum(tl.where(r == G + 1, y, 0.0), axis=0)
         lo = 0
+        hi = p
+        holds = p >= 0  # (this program's rows hold p)
         if SPLIT:
             lo = tl.program_id(2) * keys_per_split
-            n_valid = tl.minimum(n_valid, lo + keys_per_split)
+            hi = tl.minimum(p, lo + keys_per_split)
+            holds = (p >= lo) & (p < lo + keys_per_split)
         kbase = k_ptr + b * stride_kb + g * stride_kg
         vbase = v_ptr + b * stride_kb + g * stride_kg
         n = tl.arange(0, BLOCK_N)
         m_i = tl.full([GP], float("-inf"), tl.float32)
         l_i = tl.zeros([GP], tl.float32)
         acc = tl.zeros([GP, HD], tl.float32)
-        for start in range(lo, n_valid, BLOCK_N):
+        for start in range(lo, hi, BLOCK_N):
             cols = start + n
-            kv_mask = cols[:, None] < n_valid
+            kv_mask = cols[:, None] < hi
             k = tl.load(kbase + cols[:, None] * stride_ks + d, mask=kv_mask, other=0.0)
             sc = tl.dot(q, tl.trans(k), input_precision=IP)
-            sc = tl.where(cols[None, :] < n_valid, sc * scale, float("-inf"))
+            sc = tl.where(cols[None, :] < hi, sc * scale, float("-inf"))
             m_new = tl.maximum(m_i, tl.max(sc, 1))
             alpha = tl.exp(m_i - m_new)
-            p = tl.exp(sc - m_new[:, None])
-            l_i = l_i * alpha + tl.sum(p, 1)
+            pr = tl.exp(sc - m_new[:, None])
+            l_i = l_i * alpha + tl.sum(pr, 1)
             v = tl.load(vbase + cols[:, None] * stride_ks + d, mask=kv_mask, other=0.0)
-            acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=IP)
+            acc = acc * alpha[:, None] + tl.dot(pr.to(dt), v, input_precision=IP)
+            m_i = m_new
+        if holds:  # the step's own key and value: to the cache at p (read by no program), and from registers here
+            dd = tl.arange(0, HD)
+            tl.store(kbase + p * stride_ks + dd, k_new.to(dt))
+            tl.store(vbase + p * stride_ks + dd, v_new.to(dt))
+            sc = tl.sum(q.to(tl.float32) * k_new[None, :], axis=1) * scale
+            m_new = tl.maximum(m_i, sc)
+            alpha = tl.exp(m_i - m_new)
+            pr = tl.exp(sc - m_new)
+            l_i = l_i * alpha + pr
+            acc = acc * alpha[:, None] + pr.to(dt).to(tl.float32)[:, None] * v_new[None, :]
             m_i = m_new
         if SPLIT:
             sp = tl.program_id(2)
@@ -567,40 +600,49 @@ def attention_splits(programs: int, keys: int, sms: int) -> int:
     return max(1, min(-(-sms // programs), keys // ATTENTION_MIN_SPLIT_KEYS))
 
 
-def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, pos: torch.Tensor,
-                     scale: float, splits: Optional[int] = None) -> torch.Tensor:
-    """:func:`decode_attention_reference` in a kernel that reads each sequence's cache only up to its position (SDPA
-    with a mask reads all S rows: ~20 us a layer on the 7B shape at batch 64, profiled in session 29); the twin where
-    the kernel does not apply (a head size not a power of two, other layouts). ``splits``: cache splits (default
-    :func:`attention_splits`; a static count, so a CUDA graph's replay at any position is valid)."""
-    B, ng, G, hd = q.shape
-    if (not kernels_usable(q, k_cache, v_cache, pos) or hd < 16 or hd & (hd - 1) or q.dtype not in _TL_DTYPES
-            or k_cache.dtype != q.dtype or v_cache.dtype != q.dtype or k_cache.stride() != v_cache.stride()
-            or k_cache.shape != v_cache.shape or k_cache.shape[:2] != (B, ng) or k_cache.shape[3] != hd
-            or q.stride(-1) != 1 or k_cache.stride(-1) != 1 or pos.shape != (B,)):
-        return decode_attention_reference(q, k_cache, v_cache, pos, scale)
+def rope_attention(qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, k_cache: torch.Tensor,
+                   v_cache: torch.Tensor, pos: torch.Tensor, group: int, scale: float,
+                   bias: Optional[torch.Tensor] = None, splits: Optional[int] = None) -> torch.Tensor:
+    """:func:`rope_attention_reference` (``qkv [B, ng, group + 2, hd]`` or its splits' partial sums, the step's one
+    token per sequence; caches ``[B, ng, S, hd]``) in one kernel that reads each
+    sequence's cache only up to its position (SDPA with a mask reads all S rows: ~20 us a layer on the 7B shape at
+    batch 64, profiled in session 29) and takes the step's own key and value from registers (no RoPE kernel, no
+    queries written out); the twins where the kernel does not apply (a head size not a power of two, other
+    layouts). Returns ``[B, ng, group, hd]``. ``splits``: cache splits (default :func:`attention_splits`; a static
+    count, so a CUDA graph's replay at any position is valid)."""
+    parts = qkv if qkv.dim() == 5 else qkv.unsqueeze(0)
+    n_split, B, ng, R, hd = parts.shape
+    if (not kernels_usable(parts, cos, sin, k_cache, v_cache, pos) or R != group + 2 or hd < 16 or hd & (hd - 1)
+            or k_cache.dtype not in _TL_DTYPES or v_cache.dtype != k_cache.dtype
+            or k_cache.stride() != v_cache.stride() or k_cache.shape != v_cache.shape
+            or k_cache.shape[:2] != (B, ng) or k_cache.shape[3] != hd or parts.stride(-1) != 1
+            or k_cache.stride(-1) != 1 or cos.stride(-1) != 1 or cos.stride() != sin.stride() or pos.shape != (B,)
+            or (B > 1 and pos.stride(0) != 1)
+            or (bias is not None and (bias.numel() != ng * R * hd or not bias.is_contiguous()))):
+        return rope_attention_reference(qkv, cos, sin, k_cache, v_cache, pos, group, scale, bias)
     S = k_cache.shape[2]
     if splits is None:
-        sms = torch.cuda.get_device_properties(q.device).multi_processor_count if q.is_cuda else 132
+        sms = torch.cuda.get_device_properties(qkv.device).multi_processor_count if qkv.is_cuda else 132
         splits = attention_splits(B * ng, S, sms)
     per_split = -(-S // splits)
     per_split = -(-per_split // ATTENTION_BLOCK_N) * ATTENTION_BLOCK_N  # (splits start on block edges)
     splits = -(-S // per_split)
-    GP = max(16, triton.next_power_of_2(G))
-    o = torch.empty_like(q, memory_format=torch.contiguous_format)
+    GP = max(16, triton.next_power_of_2(group + 2))
+    o = torch.empty((B, ng, group, hd), dtype=k_cache.dtype, device=qkv.device)
     common = dict(GP=GP, HD=hd)
-    ip = "ieee" if q.dtype == torch.float32 else "tf32"  # (fp32 tests: exact dots, not TF32)
-    args = (G, float(scale), per_split, q.stride(0), q.stride(1), q.stride(2), k_cache.stride(0), k_cache.stride(1),
-            k_cache.stride(2), o.stride(0), o.stride(1), o.stride(2))
+    ip = "ieee" if k_cache.dtype == torch.float32 else "tf32"  # (fp32 tests: exact dots, not TF32)
+    args = (parts, parts if bias is None else bias, cos, sin, k_cache, v_cache, pos)
+    strides = (group, float(scale), per_split, parts.stride(1), parts.stride(2), parts.stride(3), parts.stride(0),
+               cos.stride(0), k_cache.stride(0), k_cache.stride(1), k_cache.stride(2), o.stride(0), o.stride(1),
+               o.stride(2))
+    kw = dict(SPLITS=n_split, HAS_BIAS=bias is not None, BLOCK_N=ATTENTION_BLOCK_N, IP=ip, **common)
     if splits == 1:
-        _decode_attention_kernel[(B, ng)](q, k_cache, v_cache, pos, o, o, *args, BLOCK_N=ATTENTION_BLOCK_N,
-                                          SPLIT=False, IP=ip, **common)
+        _rope_attention_kernel[(B, ng)](*args, o, o, *strides, SPLIT=False, **kw)
         return o
-    part = torch.empty((B, ng, splits, GP, hd), dtype=torch.float32, device=q.device)
-    ml = torch.empty((B, ng, splits, 2, GP), dtype=torch.float32, device=q.device)
-    _decode_attention_kernel[(B, ng, splits)](q, k_cache, v_cache, pos, part, ml, *args, BLOCK_N=ATTENTION_BLOCK_N,
-                                              SPLIT=True, IP=ip, **common)
-    _attention_combine_kernel[(B, ng)](part, ml, o, G, o.stride(0), o.stride(1), o.stride(2), SPLITS=splits,
+    part = torch.empty((B, ng, splits, GP, hd), dtype=torch.float32, device=qkv.device)
+    ml = torch.empty((B, ng, splits, 2, GP), dtype=torch.float32, device=qkv.device)
+    _rope_attention_kernel[(B, ng, splits)](*args, part, ml, *strides, SPLIT=True, num_warps=8, **kw)  # (4: spills)
+    _attention_combine_kernel[(B, ng)](part, ml, o, group, o.stride(0), o.stride(1), o.stride(2), SPLITS=splits,
                                        **common)
     return o
 
@@ -643,7 +685,7 @@ def rope_kv_write(qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, k_cac
                              parts.stride(3), parts.stride(0), cos.stride(0), q.stride(0), q.stride(1), q.stride(2),
                              k_cache.stride(0), k_cache.stride(1), k_cache.stride(2), SPLITS=S,
                              HAS_BIAS=bias is not None, HAS_ROWS=rows is not None,
-                             RP=triton.next_power_of_2(group + 2), BH=triton.next_power_of_2(H))
+                             RP=triton.next_power_of_2(group + 2), BD=triton.next_power_of_2(hd))
     return q
 
 

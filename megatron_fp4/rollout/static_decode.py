@@ -173,8 +173,9 @@ class StaticCacheGenerator:
         #: it: the same numbers without three of the four quantize kernels per layer. Opt-in
         #: (MEGATRON_FP4_DECODE_FUSED_RESQ=1) until measured on a GPU.
         self.fused_resq = os.environ.get("MEGATRON_FP4_DECODE_FUSED_RESQ", "0") == "1"
-        #: The fused step's attention: "kernel" (decode_ops.decode_attention, reading each cache up to its position)
-        #: or "sdpa" (SDPA with a mask over the whole cache, as the unfused path); MEGATRON_FP4_DECODE_ATTENTION.
+        #: The fused step's attention: "kernel" (decode_ops.rope_attention: RoPE, the K/V writes and the attention
+        #: over each cache up to its position in one kernel) or "sdpa" (the RoPE kernel, then SDPA with a mask over
+        #: the whole cache, as the unfused path); MEGATRON_FP4_DECODE_ATTENTION.
         attention = os.environ.get("MEGATRON_FP4_DECODE_ATTENTION", "kernel")
         if attention not in ("kernel", "sdpa"):
             raise ValueError(f"MEGATRON_FP4_DECODE_ATTENTION={attention!r} is not valid; allowed values: 'kernel', "
@@ -343,16 +344,18 @@ class StaticCacheGenerator:
         for i, layer in enumerate(self.layers):
             h, x = self._add_norm(x, delta, layer.ln1, resq)
             kc, vc = st["k"][i, :B], st["v"][i, :B]  # [B, ng, S, hd]
-            if self.fused:  # the RoPE kernel adds qkv's splits in order, then (FP4: no cuBLAS epilogue) its bias
+            if self.fused:  # the RoPE kernels add qkv's splits in order, then (FP4: no cuBLAS epilogue) its bias
                 bias = getattr(layer.qkv, "bias", None) if self._precision.mode != "bf16" else None
                 qkv = self._linear(layer.qkv, h, True, bias=bias is None, precision=w16)
                 qkv = qkv.view(qkv.shape[0], B, self.kv_heads, self.group + 2, self.head_dim)
-                q = decode_ops.rope_kv_write(qkv, cos, sin, kc, vc, pos, self.group, bias)  # [B, ng, G, hd]
             else:
-                qkv = self._linear(layer.qkv, h).view(B, self.kv_heads, self.group + 2, self.head_dim)
-                q = decode_ops.rope_kv_write_reference(qkv, cos, sin, kc, vc, pos, self.group)  # k, v written at pos
-            o = (decode_ops.decode_attention(q, kc, vc, pos, self.scale) if self.attention_kernel else
-                 F.scaled_dot_product_attention(q, kc, vc, attn_mask=valid, scale=self.scale))  # [B, ng, G, hd]
+                qkv, bias = self._linear(layer.qkv, h).view(B, self.kv_heads, self.group + 2, self.head_dim), None
+            if self.attention_kernel:  # RoPE, k and v written at pos, attention: one kernel
+                o = decode_ops.rope_attention(qkv, cos, sin, kc, vc, pos, self.group, self.scale, bias)
+            else:
+                rope = decode_ops.rope_kv_write if self.fused else decode_ops.rope_kv_write_reference
+                q = rope(qkv, cos, sin, kc, vc, pos, self.group, bias)  # [B, ng, G, hd]; k, v written at pos
+                o = F.scaled_dot_product_attention(q, kc, vc, attn_mask=valid, scale=self.scale)  # [B, ng, G, hd]
             delta = self._linear(layer.proj, o.reshape(B, self.heads * self.head_dim), self.fused)
             h, x = self._add_norm(x, delta, layer.ln2, resq)
             delta = self._mlp(layer, h, self.fused, w16)
