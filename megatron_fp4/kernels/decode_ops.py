@@ -312,9 +312,8 @@ if HAS_TRITON:
         then its G query heads (rows, padded to GP) against cache rows 0..p-1 (SPLIT: those of rows [split *
         keys_per_split, + keys_per_split)), BLOCK_N keys at a time, and the step's own key and value from
         registers: online softmax in fp32, P rounded to the cache's dtype for the PV product (as flash attention).
-        SPLIT: the split's
-        unnormalized output and its (max, sum) go to o_ptr / ml_ptr (fp32, [B, ng, splits, GP, ...]) for
-        _attention_combine_kernel."""
+        SPLIT: the split's unnormalized output and its (max, sum) go to o_ptr / ml_ptr (fp32, [B, ng, splits, GP,
+        ...]) for _attention_combine_kernel."""
         b = tl.program_id(0)
         g = tl.program_id(1)
         dt = k_ptr.dtype.element_ty
@@ -604,12 +603,12 @@ def rope_attention(qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, k_ca
                    v_cache: torch.Tensor, pos: torch.Tensor, group: int, scale: float,
                    bias: Optional[torch.Tensor] = None, splits: Optional[int] = None) -> torch.Tensor:
     """:func:`rope_attention_reference` (``qkv [B, ng, group + 2, hd]`` or its splits' partial sums, the step's one
-    token per sequence; caches ``[B, ng, S, hd]``) in one kernel that reads each
-    sequence's cache only up to its position (SDPA with a mask reads all S rows: ~20 us a layer on the 7B shape at
-    batch 64, profiled in session 29) and takes the step's own key and value from registers (no RoPE kernel, no
-    queries written out); the twins where the kernel does not apply (a head size not a power of two, other
-    layouts). Returns ``[B, ng, group, hd]``. ``splits``: cache splits (default :func:`attention_splits`; a static
-    count, so a CUDA graph's replay at any position is valid)."""
+    token per sequence; caches ``[B, ng, S, hd]``) in one kernel that reads each sequence's cache only up to its
+    position (SDPA with a mask reads all S rows: ~20 us a layer on the 7B shape at batch 64, profiled in session 29)
+    and takes the step's own key and value from registers (no RoPE kernel, no queries written out); the twins where
+    the kernel does not apply (a head size not a power of two, other layouts). Returns ``[B, ng, group, hd]``.
+    ``splits``: cache splits (default :func:`attention_splits`; a static count, so a CUDA graph's replay at any
+    position is valid)."""
     parts = qkv if qkv.dim() == 5 else qkv.unsqueeze(0)
     n_split, B, ng, R, hd = parts.shape
     if (not kernels_usable(parts, cos, sin, k_cache, v_cache, pos) or R != group + 2 or hd < 16 or hd & (hd - 1)
