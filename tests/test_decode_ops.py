@@ -175,7 +175,7 @@ def test_rope_attention_matches_its_twins(dtype, G, splits):
     assert torch.equal(c_got, c_rope)  # the same rows written, bit for bit
     torch.testing.assert_close(got, decode_ops.decode_attention_reference(q, c_rope[0, 1, :B], c_rope[1, 1, :B],
                                                                           pos, 0.3), **tol)
-    torch.testing.assert_close(got, want, **(tol if dtype == torch.float32 else dict(atol=2e-2, rtol=2e-2)))
+    torch.testing.assert_close(got, want, **(tol if dtype == torch.float32 else dict(atol=3e-2, rtol=3e-2)))
     at = torch.zeros(S, dtype=torch.bool).repeat(B, 1)
     at[torch.arange(B), pos.cpu()] = True
 
