@@ -7,7 +7,8 @@
 #   train-tests   GPU tests of the training quantizers (CUDA and Triton), the kernel backend, graphed training
 #   train-bench   bench_train.py --cuda-graph (BF16, MXFP4 fp8 / fp8_fast, HiF4 at 4 x 2048) and the eager rows
 #   decode-tests  GPU tests of the CUDA decode GEMMs (every tile of tests/test_cuda_decode.py), the fused decode-step
-#                 kernels and the engine's static / graph decode path
+#                 kernels and the engine's static / graph decode path; then bench_decode_ops.py (those kernels timed
+#                 against what they replace)
 #   decode-bench  bench_kernels.py --decode --decode-sweep on the 7B and 1.5B MLP shapes
 #   engine-bench  bench_rollout.py: the native engine's rows on the 1.5B and 7B shapes (issue 20's engine targets,
 #                 --profile), then the ResQ rows again with the opt-in fused quantize (MEGATRON_FP4_DECODE_FUSED_RESQ=1)
@@ -87,6 +88,9 @@ case "$1" in
     run_tests -m gpu tests/test_cuda_decode.py tests/test_rollout_static.py
     # (the fused decode-step kernels' tests carry no gpu mark: on a GPU they run on CUDA, bf16 included)
     run_tests tests/test_decode_ops.py tests/test_kernels.py::test_linear_bias_is_added_before_the_one_rounding
+    # each fused decode-step kernel against what it replaces, inside CUDA graphs (~1 minute)
+    python3 benchmarks/bench_decode_ops.py --shapes qwen2.5-1.5b,qwen2.5-7b --batch 64 --cache 256 \
+      --out "$results/decode_ops_h200.json"
     ;;
   decode-bench)
     python3 benchmarks/bench_kernels.py --decode --decode-sweep --shapes 3584x18944,18944x3584,1536x8960,8960x1536 \
