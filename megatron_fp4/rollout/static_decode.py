@@ -283,11 +283,6 @@ class StaticCacheGenerator:
             return decode_ops.add_rms_norm(x, delta, norm)
         return decode_ops.add_rms_norm_reference(x, delta, norm)
 
-    def _split_qkv(self, qkv: torch.Tensor):
-        """[..., ng * (G + 2) * hd] -> q [..., ng, G, hd], k [..., ng, hd], v [..., ng, hd] (megatron's layout)."""
-        qkv = qkv.view(*qkv.shape[:-1], self.kv_heads, self.group + 2, self.head_dim)
-        return qkv[..., : self.group, :], qkv[..., self.group, :], qkv[..., self.group + 1, :]
-
     def _logits(self, h: torch.Tensor) -> torch.Tensor:
         """Logits of the final-normed hidden states ``h``, in the output layer's dtype (their readers take them as
         fp32: no fp32 copy of ``[B, V]`` per step where the sampling kernels read them as they are)."""
