@@ -25,6 +25,7 @@ would be (deterministic: no atomics), so the step needs no zero-fill, bias or ca
 
 from __future__ import annotations
 
+import math
 from typing import Optional
 
 import torch
@@ -599,6 +600,19 @@ def attention_splits(programs: int, keys: int, sms: int) -> int:
     return max(1, min(-(-sms // programs), keys // ATTENTION_MIN_SPLIT_KEYS))
 
 
+def _rope_usable(parts: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, k_cache: torch.Tensor,
+                 v_cache: torch.Tensor, pos: torch.Tensor, group: int, bias: Optional[torch.Tensor],
+                 rows: Optional[torch.Tensor] = None) -> bool:
+    """Whether the RoPE kernels' ``_rope_rows`` (and cache writes) take these operands: ``parts [splits, T, ng,
+    group + 2, hd]`` and the caches with unit last strides, cos / sin tables alike, ``pos`` (and ``rows``) read
+    as contiguous, the bias ``[ng * (group + 2) * hd]`` contiguous."""
+    return (kernels_usable(parts, cos, sin, k_cache, v_cache, pos, *([] if rows is None else [rows]))
+            and parts.shape[3] == group + 2 and parts.stride(-1) == 1 and k_cache.stride(-1) == 1
+            and v_cache.stride() == k_cache.stride() and cos.stride(-1) == 1 and cos.stride() == sin.stride()
+            and all(t.numel() <= 1 or t.stride(0) == 1 for t in (pos, rows) if t is not None)
+            and (bias is None or (bias.numel() == math.prod(parts.shape[2:]) and bias.is_contiguous())))
+
+
 def rope_attention(qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, k_cache: torch.Tensor,
                    v_cache: torch.Tensor, pos: torch.Tensor, group: int, scale: float,
                    bias: Optional[torch.Tensor] = None, splits: Optional[int] = None) -> torch.Tensor:
@@ -611,13 +625,9 @@ def rope_attention(qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, k_ca
     position is valid)."""
     parts = qkv if qkv.dim() == 5 else qkv.unsqueeze(0)
     n_split, B, ng, R, hd = parts.shape
-    if (not kernels_usable(parts, cos, sin, k_cache, v_cache, pos) or R != group + 2 or hd < 16 or hd & (hd - 1)
-            or k_cache.dtype not in _TL_DTYPES or v_cache.dtype != k_cache.dtype
-            or k_cache.stride() != v_cache.stride() or k_cache.shape != v_cache.shape
-            or k_cache.shape[:2] != (B, ng) or k_cache.shape[3] != hd or parts.stride(-1) != 1
-            or k_cache.stride(-1) != 1 or cos.stride(-1) != 1 or cos.stride() != sin.stride() or pos.shape != (B,)
-            or (B > 1 and pos.stride(0) != 1)
-            or (bias is not None and (bias.numel() != ng * R * hd or not bias.is_contiguous()))):
+    if (not _rope_usable(parts, cos, sin, k_cache, v_cache, pos, group, bias) or hd < 16 or hd & (hd - 1)
+            or k_cache.dtype not in _TL_DTYPES or v_cache.dtype != k_cache.dtype or k_cache.shape != v_cache.shape
+            or k_cache.shape[:2] != (B, ng) or k_cache.shape[3] != hd or pos.shape != (B,)):
         return rope_attention_reference(qkv, cos, sin, k_cache, v_cache, pos, group, scale, bias)
     S = k_cache.shape[2]
     if splits is None:
@@ -671,11 +681,7 @@ def rope_kv_write(qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, k_cac
     or a prefill's prompt tokens as rows (``rows``: their sequences' cache slots)."""
     parts = qkv if qkv.dim() == 5 else qkv.unsqueeze(0)
     S, T, ng, R, hd = parts.shape
-    if (not kernels_usable(parts, cos, sin, k_cache, v_cache, pos, *([] if rows is None else [rows]))
-            or R != group + 2 or hd % 2 or parts.stride(-1) != 1 or k_cache.stride(-1) != 1
-            or v_cache.stride() != k_cache.stride() or cos.stride(-1) != 1 or cos.stride() != sin.stride()
-            or any(t.numel() > 1 and t.stride(0) != 1 for t in (pos, rows) if t is not None)
-            or (bias is not None and (bias.numel() != ng * R * hd or not bias.is_contiguous()))):
+    if not _rope_usable(parts, cos, sin, k_cache, v_cache, pos, group, bias, rows) or hd % 2:
         return rope_kv_write_reference(qkv, cos, sin, k_cache, v_cache, pos, group, bias, rows)
     q = torch.empty((T, ng, group, hd), dtype=k_cache.dtype, device=qkv.device)
     H = hd // 2
