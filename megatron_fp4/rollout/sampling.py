@@ -18,9 +18,18 @@ def token_logprobs(logits: torch.Tensor, tokens: torch.Tensor, temperature: floa
     return logp.gather(-1, tokens.unsqueeze(-1)).squeeze(-1)
 
 
+def _top_k_applies(top_k: int, vocab: int) -> bool:
+    return bool(top_k) and 0 < top_k < vocab
+
+
+def filters(top_k: int, top_p: float, vocab: int) -> bool:
+    """Whether :func:`filter_logits` changes anything over ``vocab`` tokens with these settings."""
+    return _top_k_applies(top_k, vocab) or top_p < 1.0
+
+
 def filter_logits(logits: torch.Tensor, top_k: int = 0, top_p: float = 1.0) -> torch.Tensor:
     """Set logits outside the top-k / top-p (nucleus) set to -inf; the most likely token always survives."""
-    if top_k and top_k > 0 and top_k < logits.shape[-1]:
+    if _top_k_applies(top_k, logits.shape[-1]):
         kth = logits.topk(top_k, dim=-1).values[..., -1:]
         logits = logits.masked_fill(logits < kth, float("-inf"))
     if top_p < 1.0:

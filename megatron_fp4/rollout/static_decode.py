@@ -38,7 +38,7 @@ import torch.nn.functional as F
 from megatron_fp4.kernels import decode_ops
 from megatron_fp4.resq import QuantizedWeightCache, RolloutPrecision, rollout_linear
 from megatron_fp4.rollout.base import RolloutSample, SamplingParams
-from megatron_fp4.rollout.sampling import filter_logits
+from megatron_fp4.rollout.sampling import filter_logits, filters
 
 __all__ = ["StaticCacheGenerator", "static_decode_support", "precision_is_token_local", "BUCKETS"]
 
@@ -103,7 +103,7 @@ def graph_sample(logits: torch.Tensor, u: torch.Tensor, params: SamplingParams, 
         t = 1.0
     else:
         t = params.temperature
-        if not (0 < params.top_k < logits.shape[-1]) and params.top_p >= 1.0:  # no filter
+        if not filters(params.top_k, params.top_p, logits.shape[-1]):
             return (decode_ops.sample if fused else decode_ops.sample_reference)(logits, u, t)
         probs = torch.softmax(filter_logits(logits.float() / t, params.top_k, params.top_p), dim=-1)
         tok = decode_ops.invert_cdf(probs, u)
