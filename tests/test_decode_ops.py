@@ -27,6 +27,13 @@ def _tol(dtype):
             torch.bfloat16: dict(atol=3e-2, rtol=3e-2)}[dtype]
 
 
+def _rope_tables(S, hd, dtype):
+    """RoPE's cos and sin tables by position ``[S, hd]`` (base 10000, the halves alike), as the engine makes them."""
+    ang = torch.outer(torch.arange(S, dtype=torch.float32), 1.0 / 10000 ** (torch.arange(0, hd, 2) / hd))
+    emb = torch.cat((ang, ang), dim=-1)
+    return torch.cos(emb).to(dtype).to(DEV), torch.sin(emb).to(dtype).to(DEV)
+
+
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("with_delta", [False, True])
 @pytest.mark.parametrize("w_dtype", [torch.float32, None])
@@ -57,9 +64,7 @@ def test_rope_kv_write_matches_torch(dtype, group):
     B, ng, hd, S = 4, 2, 16, 9
     qkv = torch.randn(B, ng, group + 2, hd, generator=g).to(dtype).to(DEV)
     pos = torch.tensor([0, 3, 8, 5], device=DEV)
-    ang = torch.outer(torch.arange(S, dtype=torch.float32), 1.0 / 10000 ** (torch.arange(0, hd, 2) / hd))
-    emb = torch.cat((ang, ang), dim=-1)
-    cos, sin = torch.cos(emb).to(dtype).to(DEV), torch.sin(emb).to(dtype).to(DEV)  # the tables, read at pos
+    cos, sin = _rope_tables(S, hd, dtype)  # the tables, read at pos
     caches = [torch.randn(B, ng, S, hd, generator=g).to(dtype).to(DEV) for _ in range(2)]
     kc, vc = caches[0].clone(), caches[1].clone()
     kr, vr = caches[0].clone(), caches[1].clone()
@@ -85,9 +90,7 @@ def test_rope_kv_write_prefill_rows_go_to_their_sequences_slots(dtype, b):
     g = torch.Generator().manual_seed(2)
     L, ng, group, hd, S, nslots = 5, 2, 2, 16, 8, 6
     qkv = torch.randn(b * L, ng, group + 2, hd, generator=g).to(dtype).to(DEV)
-    ang = torch.outer(torch.arange(S, dtype=torch.float32), 1.0 / 10000 ** (torch.arange(0, hd, 2) / hd))
-    emb = torch.cat((ang, ang), dim=-1)
-    cos, sin = torch.cos(emb).to(dtype).to(DEV), torch.sin(emb).to(dtype).to(DEV)
+    cos, sin = _rope_tables(S, hd, dtype)
     slots = torch.tensor([4, 1, 3][:b], device=DEV)
     pos, rows = torch.arange(L, device=DEV).repeat(b), slots[:, None].expand(b, L).reshape(-1)
     caches = [torch.randn(nslots, ng, S, hd, generator=g).to(dtype).to(DEV) for _ in range(2)]
@@ -156,9 +159,7 @@ def test_rope_attention_matches_its_twins(dtype, G, splits):
     cache = (torch.randn(2, 3, B + 1, ng, S, hd, generator=g) * 2).to(dtype).to(DEV)  # [kv, layer, slots, ...]
     parts = torch.randn(2, B, ng, G + 2, hd, generator=g).to(DEV)
     bias = (torch.randn(ng * (G + 2) * hd, generator=g) * 0.5).to(dtype).to(DEV)
-    ang = torch.outer(torch.arange(S, dtype=torch.float32), 1.0 / 10000 ** (torch.arange(0, hd, 2) / hd))
-    emb = torch.cat((ang, ang), dim=-1)
-    cos, sin = torch.cos(emb).to(dtype).to(DEV), torch.sin(emb).to(dtype).to(DEV)
+    cos, sin = _rope_tables(S, hd, dtype)
     pos = torch.tensor([0, 63, 64, 100, S - 1]).to(DEV)
     tol = dict(atol=1e-5, rtol=1e-4) if dtype == torch.float32 else _tol(dtype)  # (sums in another order)
 
