@@ -9,6 +9,8 @@ survive a weight update.
 
 from __future__ import annotations
 
+import types
+
 import pytest
 import torch
 
@@ -18,7 +20,7 @@ from megatron_fp4.parallel import initialize_parallel
 from megatron_fp4.resq import QuantizedWeightCache, RolloutPrecision, copy_into
 from megatron_fp4.rollout import (NativeRolloutEngine, RolloutUnderflowMonitor, SamplingParams,
                                   teacher_forced_logprobs)
-from megatron_fp4.rollout.static_decode import graph_sample, precision_is_token_local
+from megatron_fp4.rollout.static_decode import StaticCacheGenerator, graph_sample, precision_is_token_local
 
 VOCAB = 96
 
@@ -178,6 +180,35 @@ def test_fused_steps_take_split_partial_sums(model, prompts, monkeypatch, qkv_bi
     assert eng.last_generate_stats["path"] == "static+fused" and None in asked
     assert [s.token_ids for s in got] == [s.token_ids for s in want]
     assert _maxdiff([s.logprobs for s in got], [s.logprobs for s in want]) < 1e-4
+
+
+@pytest.mark.parametrize("chunk", [1, 4])
+def test_capture_warm_up_leaves_no_trace(model, prompts, monkeypatch, chunk):
+    """The graph path's capture first runs two decode steps (autotuning, lazy weight forms) and restores the slots'
+    state but not the K/V cache: those steps write only rows that every later step writes before it reads them.
+    Here (CPU) each "graph" is an eager step with such a warm-up before every replay: seeded sampling gives the static
+    path's tokens and logprobs exactly, with refills and stops, for chunks of one step too (the warm-up's steps read
+    the chunk's first uniforms, which a one-step chunk has)."""
+    precision = RolloutPrecision("w4a4", "hif4", "2:4")
+    params = SamplingParams(temperature=0.9, max_new_tokens=12, stop_token_ids=(7,), seed=3)
+    want = NativeRolloutEngine(model, precision, decode="static", max_batch_size=3,
+                               graph_chunk=chunk).generate(prompts, params)
+    warm_ups = []
+
+    def capture(self, st, B, p, stop_ids):
+        def replay():
+            warm_ups.append(B)
+            self._warm_up(st, B, p, stop_ids)
+            self._step(st, B, p, stop_ids)
+        return types.SimpleNamespace(replay=replay)
+
+    monkeypatch.setattr(StaticCacheGenerator, "_capture", capture)
+    eng = NativeRolloutEngine(model, precision, decode="static", max_batch_size=3, graph_chunk=chunk)
+    monkeypatch.setattr(eng, "_path", lambda: "graph")
+    got = eng.generate(prompts, params)
+    assert len(warm_ups) >= 12 and {s.finish_reason for s in want} == {"stop", "length"}
+    assert [s.token_ids for s in got] == [s.token_ids for s in want]
+    assert [s.logprobs for s in got] == [s.logprobs for s in want]
 
 
 def test_static_sampling_stops_limits_and_seeds(model, prompts):

@@ -510,30 +510,38 @@ class StaticCacheGenerator:
         src = torch.tensor(live, dtype=torch.long, device=st["tok"].device)
         n = len(live)
         for name in ("tok", "pos", "n_gen", "done", "stopped", "out_tok", "out_lp", "limit", "forced"):
-            st[name][:n] = st[name][src].clone()
-        st["k"][:, :n] = st["k"][:, src].clone()
-        st["v"][:, :n] = st["v"][:, src].clone()
+            st[name][:n] = st[name][src]  # (indexing by a tensor copies: the source rows are read first)
+        st["k"][:, :n] = st["k"][:, src]
+        st["v"][:, :n] = st["v"][:, src]
         st["done"][n:] = True
         moved, counts = [owner[s] for s in live], [n_host[s] for s in live]
         for s in range(len(owner)):
             owner[s] = moved[s] if s < n else -1
             n_host[s] = counts[s] if s < n else 0
 
-    def _capture(self, st: dict, B: int, params: SamplingParams, stop_ids: torch.Tensor):
-        """Warm up (kernel autotuning, lazy weight forms) and capture one decode step of bucket B."""
-        saved = {k: st[k].clone() for k in ("tok", "pos", "n_gen", "done", "stopped", "out_tok", "out_lp", "step")}
-        kv_saved = None
-        stream = torch.cuda.Stream()
-        stream.wait_stream(torch.cuda.current_stream())
-        st["step"].zero_()  # the steps index the chunk's uniforms
-        with torch.cuda.stream(stream):
-            # warm-up steps write K/V at the live slots' next position: restored below with the state
-            kv_saved = (st["k"][:, :B].clone(), st["v"][:, :B].clone())
-            for _ in range(2):
-                self._step(st, B, params, stop_ids)
-        torch.cuda.current_stream().wait_stream(stream)
+    _SLOT_STATE = ("tok", "pos", "n_gen", "done", "stopped", "out_tok", "out_lp", "step")
+
+    def _warm_up(self, st: dict, B: int, params: SamplingParams, stop_ids: torch.Tensor) -> dict:
+        """Two decode steps of bucket B that leave no trace (kernel autotuning and lazy weight forms happen here, not
+        under capture); returns the slots' state as it was, for the capture to restore again.
+
+        The steps write K/V only at the live slots' current and next positions, rows that every later step writes
+        before it reads them, so the cache needs no restore; the slots' state does."""
+        saved = {k: st[k].clone() for k in self._SLOT_STATE}
+        for _ in range(2):
+            st["step"].zero_()  # each warm-up step reads the chunk's first uniforms (a chunk may be one step)
+            self._step(st, B, params, stop_ids)
         for k, v in saved.items():
             st[k].copy_(v)
+        return saved
+
+    def _capture(self, st: dict, B: int, params: SamplingParams, stop_ids: torch.Tensor):
+        """Warm up, then capture one decode step of bucket B (the capture runs nothing: the state stays)."""
+        stream = torch.cuda.Stream()
+        stream.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(stream):
+            saved = self._warm_up(st, B, params, stop_ids)
+        torch.cuda.current_stream().wait_stream(stream)
         if self._pool is None:
             self._pool = torch.cuda.graph_pool_handle()
         g = torch.cuda.CUDAGraph()
@@ -541,6 +549,4 @@ class StaticCacheGenerator:
             self._step(st, B, params, stop_ids)
         for k, v in saved.items():
             st[k].copy_(v)
-        st["k"][:, :B].copy_(kv_saved[0])
-        st["v"][:, :B].copy_(kv_saved[1])
         return g
