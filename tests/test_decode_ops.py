@@ -86,7 +86,8 @@ def test_rope_kv_write_matches_torch(dtype, group):
 def test_rope_kv_write_prefill_rows_go_to_their_sequences_slots(dtype, b):
     """A prefill's prompt tokens as rows (``rows``: each token's cache slot, positions 0..L-1 per sequence): every
     token's k and v land at (its sequence's slot, its position), other slots and positions untouched; q per token.
-    b = 1: ``rows`` as an expanded view of stride 0 (what reshape makes of one slot), read as its values."""
+    b = 1: ``rows`` as an expanded view of stride 0 (what reshape makes of one slot), read as its values (the twin),
+    and as the engine makes them, contiguous (the kernel)."""
     g = torch.Generator().manual_seed(2)
     L, ng, group, hd, S, nslots = 5, 2, 2, 16, 8, 6
     qkv = torch.randn(b * L, ng, group + 2, hd, generator=g).to(dtype).to(DEV)
@@ -109,6 +110,12 @@ def test_rope_kv_write_prefill_rows_go_to_their_sequences_slots(dtype, b):
     untouched[slots.cpu()[:, None], torch.arange(L)[None, :]] = False
     for got, orig in ((kc, caches[0]), (vc, caches[1])):
         assert torch.equal(got.cpu().transpose(1, 2)[untouched], orig.cpu().transpose(1, 2)[untouched])
+    if b == 1:  # (that view took the twin) the engine's contiguous rows of one slot take the kernel: the same
+        kc1, vc1 = caches[0].clone(), caches[1].clone()
+        q1 = decode_ops.rope_kv_write(qkv, cos, sin, kc1, vc1, pos, group, rows=rows.contiguous())
+        torch.testing.assert_close(q1, q_ref, **_tol(dtype))
+        torch.testing.assert_close(kc1, kr, **_tol(dtype))
+        assert torch.equal(vc1, vr)
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
@@ -146,16 +153,16 @@ def test_split_partial_sums_read_as_the_rounded_sum(dtype, splits):
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
-@pytest.mark.parametrize("G", [7, 6, 1])
+@pytest.mark.parametrize("G, hd", [(7, 32), (6, 32), (1, 32), (7, 128)])  # (7, 128): Qwen2.5-7B's heads
 @pytest.mark.parametrize("splits", [1, 3])
-def test_rope_attention_matches_its_twins(dtype, G, splits):
+def test_rope_attention_matches_its_twins(dtype, G, hd, splits):
     """RoPE, the K/V writes and the decode attention in one kernel (each sequence's cache read up to the row before
     its position, BLOCK_N keys a step, online softmax, the step's own key and value from registers; or the cache in
     splits, empty ones included, merged by a second kernel) against rope_kv_write_reference + SDPA with the static
     path's mask, on a strided cache slice as the engine passes it, qkv as two splits' partial sums and a bias
     (positions within, at and across block edges; rows past pos hold garbage that must not count)."""
     g = torch.Generator().manual_seed(6)
-    B, ng, S, hd = 5, 2, 150, 32
+    B, ng, S = 5, 2, 150
     cache = (torch.randn(2, 3, B + 1, ng, S, hd, generator=g) * 2).to(dtype).to(DEV)  # [kv, layer, slots, ...]
     parts = torch.randn(2, B, ng, G + 2, hd, generator=g).to(DEV)
     bias = (torch.randn(ng * (G + 2) * hd, generator=g) * 0.5).to(dtype).to(DEV)
@@ -207,11 +214,12 @@ def test_rope_attention_matches_its_twins(dtype, G, splits):
 
 def test_attention_splits_only_where_programs_leave_the_gpu_idle():
     """One kernel at the rollout's batches and short caches; long caches of few sequences in splits of at least
-    ATTENTION_MIN_SPLIT_KEYS keys, up to one program per multiprocessor."""
+    ATTENTION_MIN_SPLIT_KEYS keys, up to one program per multiprocessor and at most ATTENTION_MAX_SPLITS."""
     assert decode_ops.attention_splits(64 * 4, 256, 132) == 1  # 7B shape, batch 64
     assert decode_ops.attention_splits(64 * 2, 256, 132) == 1  # 1.5B shape: short cache
     assert decode_ops.attention_splits(64 * 2, 16384, 132) == 2
-    assert decode_ops.attention_splits(4, 16384, 132) == 32
+    assert decode_ops.attention_splits(4, 16384, 132) == decode_ops.ATTENTION_MAX_SPLITS == 16  # (33 without it)
+    assert decode_ops.attention_splits(8, 8192, 132) == 16
     assert decode_ops.attention_splits(4, 2048, 132) == 4
     assert decode_ops.attention_splits(1, 300, 132) == 1
 
@@ -367,11 +375,12 @@ attention = dict(qkv_ptr=f32, bias_ptr=bf, cos_ptr=bf, sin_ptr=bf, k_ptr=bf, v_p
                  ml_ptr=f32, G="i32", scale="fp32", keys_per_split="i32", **strides, SPLITS=c, HAS_BIAS=c, GP=c, HD=c,
                  BLOCK_N=c, SPLIT=c, IP=c)
 consts = dict(SPLITS=2, HAS_BIAS=True, GP=16, HD=128, BLOCK_N=decode_ops.ATTENTION_BLOCK_N, IP="tf32")
-text = sass(decode_ops._rope_attention_kernel, attention, dict(consts, SPLIT=False), 4)
-split = sass(decode_ops._rope_attention_kernel, dict(attention, o_ptr=f32), dict(consts, SPLIT=True), 8)
+text = sass(decode_ops._rope_attention_kernel, attention, dict(consts, SPLIT=False), decode_ops.ATTENTION_WARPS)
+split = sass(decode_ops._rope_attention_kernel, dict(attention, o_ptr=f32), dict(consts, SPLIT=True),
+             decode_ops.ATTENTION_WARPS)
 combine = sass(decode_ops._attention_combine_kernel,
                dict(part_ptr=f32, ml_ptr=f32, o_ptr=bf, G="i32", stride_ob="i32", stride_og="i32", stride_or="i32",
-                    SPLITS=c, GP=c, HD=c), dict(SPLITS=8, GP=16, HD=128), 4)
+                    SPLITS=c, GP=c, HD=c), dict(SPLITS=decode_ops.ATTENTION_MAX_SPLITS, GP=16, HD=128), 4)
 out["attention"] = text.count("STL") + split.count("STL") + combine.count("STL")
 out["attention_mma"] = text.count("HMMA") > 0 and split.count("HMMA") > 0
 rows = {f"stride_{n}": "i32" for n in ("t", "g", "r", "split", "c", "q", "qg", "qr", "kb", "kg", "ks")}
@@ -419,14 +428,16 @@ def test_fused_resq_kernels_compile_for_sm90_without_spills(fmt):
                                                              "record": 0}
 
 
-@pytest.mark.parametrize("vocab", [5000, 4096, 37])
+@pytest.mark.parametrize("vocab, block", [(5000, 1024), (4096, 1024), (37, 1024), (5000, None)])
 @pytest.mark.parametrize("temperature", [1.0, 0.7])
-def test_sample_kernels_pick_the_twins_tokens(vocab, temperature, monkeypatch):
+def test_sample_kernels_pick_the_twins_tokens(vocab, block, temperature, monkeypatch):
     """decode_ops.sample (blocks of logits in parallel, then one program per row) against sample_reference (torch's
     softmax and the two-level CDF inversion): the same tokens except where (1 - u) x total falls within fp32 rounding
     of a CDF step, logprobs to fp32 rounding, never a -inf (zero-probability) token: -inf logits, a whole block of
-    them (the first), u at its ends; blocks of 1024 so a row has several, the last one partial."""
-    monkeypatch.setattr(decode_ops, "SAMPLE_BLOCK", 1024)
+    them (the first), u at its ends; blocks of 1024 so a row has several, the last one partial, and the launch's own
+    SAMPLE_BLOCK (None)."""
+    if block is not None:
+        monkeypatch.setattr(decode_ops, "SAMPLE_BLOCK", block)
     g = torch.Generator().manual_seed(vocab)
     B = 24
     logits = torch.randn(B, vocab, generator=g) * 3

@@ -386,11 +386,11 @@ if HAS_TRITON:
         d = tl.arange(0, HD)[None, :]
         base = (b * tl.num_programs(1) + g) * SPLITS
         m = tl.full([GP], float("-inf"), tl.float32)
-        for sp in tl.static_range(SPLITS):
+        for sp in range(SPLITS):  # (loops, not unrolled: 16 unrolled splits spilled registers with Triton 3.6)
             m = tl.maximum(m, tl.load(ml_ptr + (base + sp) * 2 * GP + r))
         l_sum = tl.zeros([GP], tl.float32)
         acc = tl.zeros([GP, HD], tl.float32)
-        for sp in tl.static_range(SPLITS):
+        for sp in range(SPLITS):
             w = tl.exp(tl.load(ml_ptr + (base + sp) * 2 * GP + r) - m)
             l_sum += w * tl.load(ml_ptr + (base + sp) * 2 * GP + GP + r)
             acc += w[:, None] * tl.load(part_ptr + (base + sp) * GP * HD + r[:, None] * HD + d)
@@ -591,13 +591,18 @@ ATTENTION_BLOCK_N = 64
 #: would leave streaming multiprocessors idle (few sequences, long contexts: a second, combining kernel then merges
 #: the splits); shorter caches take one kernel.
 ATTENTION_MIN_SPLIT_KEYS = 512
+#: Warps of the decode attention kernel (at 4 it spills registers for sm_90 at head size 128, Triton 3.6 and 3.9).
+ATTENTION_WARPS = 8
+#: At most this many splits (the combining kernel reads them one after another).
+ATTENTION_MAX_SPLITS = 16
 
 
 def attention_splits(programs: int, keys: int, sms: int) -> int:
     """Cache splits of the decode attention for ``programs`` (sequence, kv group) pairs over ``keys`` cache rows on
     ``sms`` multiprocessors: enough to give every multiprocessor a program, each split at least
-    :data:`ATTENTION_MIN_SPLIT_KEYS` keys; 1 where the programs already fill the GPU or the cache is short."""
-    return max(1, min(-(-sms // programs), keys // ATTENTION_MIN_SPLIT_KEYS))
+    :data:`ATTENTION_MIN_SPLIT_KEYS` keys, at most :data:`ATTENTION_MAX_SPLITS`; 1 where the programs already fill
+    the GPU or the cache is short."""
+    return max(1, min(-(-sms // programs), keys // ATTENTION_MIN_SPLIT_KEYS, ATTENTION_MAX_SPLITS))
 
 
 def _rope_usable(parts: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, k_cache: torch.Tensor,
@@ -644,13 +649,14 @@ def rope_attention(qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, k_ca
     strides = (group, float(scale), per_split, parts.stride(1), parts.stride(2), parts.stride(3), parts.stride(0),
                cos.stride(0), k_cache.stride(0), k_cache.stride(1), k_cache.stride(2), o.stride(0), o.stride(1),
                o.stride(2))
-    kw = dict(SPLITS=n_split, HAS_BIAS=bias is not None, BLOCK_N=ATTENTION_BLOCK_N, IP=ip, **common)
+    kw = dict(SPLITS=n_split, HAS_BIAS=bias is not None, BLOCK_N=ATTENTION_BLOCK_N, IP=ip, num_warps=ATTENTION_WARPS,
+              **common)
     if splits == 1:
         _rope_attention_kernel[(B, ng)](*args, o, o, *strides, SPLIT=False, **kw)
         return o
     part = torch.empty((B, ng, splits, GP, hd), dtype=torch.float32, device=qkv.device)
     ml = torch.empty((B, ng, splits, 2, GP), dtype=torch.float32, device=qkv.device)
-    _rope_attention_kernel[(B, ng, splits)](*args, part, ml, *strides, SPLIT=True, num_warps=8, **kw)  # (4: spills)
+    _rope_attention_kernel[(B, ng, splits)](*args, part, ml, *strides, SPLIT=True, **kw)
     _attention_combine_kernel[(B, ng)](part, ml, o, group, o.stride(0), o.stride(1), o.stride(2), SPLITS=splits,
                                        **common)
     return o
