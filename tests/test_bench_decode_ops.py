@@ -26,11 +26,24 @@ def test_every_op_is_timed_against_its_twin_and_checked(tmp_path, capsys):
     for (op, impl), r in rows.items():
         assert r["us"] > 0 and r["ms_per_generate"] == pytest.approx(r["us"] * r["per_step"] * 128 / 1e3)
         if impl == "twin":
-            assert r["vs_twin"] == 1.0 and r["check"] is None
+            assert r["vs_twin"] == 1.0 and r["check"] is None and r["ok"] is None
         if impl == "kernel":  # fp32 in the interpreter: the kernels agree with their twins to rounding
-            assert r["check"] <= 1e-5, op
+            assert r["check"] <= 1e-5 and r["ok"] is True, op
     assert rows[("add_rms_norm", "kernel")]["per_step"] == 2 * 2 and rows[("sample", "kernel")]["per_step"] == 1
     assert "rope kernel + sdpa" in capsys.readouterr().out
+
+
+def test_a_kernel_off_its_twin_fails_the_run_after_the_json(tmp_path, monkeypatch, capsys):
+    from megatron_fp4.kernels import decode_ops
+
+    swiglu = decode_ops.swiglu
+    monkeypatch.setattr(decode_ops, "swiglu", lambda a: swiglu(a) * 1.01)
+    out = tmp_path / "ops.json"
+    with pytest.raises(SystemExit, match="beyond the tests' tolerance: tiny swiglu$"):
+        bench_decode_ops.main(["--shapes", "tiny", "--batch", "3", "--cache", "16", "--reps", "1", "--out", str(out)])
+    rows = json.loads(out.read_text())["rows"]
+    assert [(r["op"], r["check"] > 1e-3) for r in rows if r["ok"] is False] == [("swiglu", True)]
+    assert "FAIL" in capsys.readouterr().out
 
 
 @pytest.mark.parametrize("flags, message", [
