@@ -519,29 +519,27 @@ class StaticCacheGenerator:
             owner[s] = moved[s] if s < n else -1
             n_host[s] = counts[s] if s < n else 0
 
+    #: What a decode step changes besides the K/V cache (saved and restored around the capture's warm-up).
     _SLOT_STATE = ("tok", "pos", "n_gen", "done", "stopped", "out_tok", "out_lp", "step")
 
-    def _warm_up(self, st: dict, B: int, params: SamplingParams, stop_ids: torch.Tensor) -> dict:
-        """Two decode steps of bucket B that leave no trace (kernel autotuning and lazy weight forms happen here, not
-        under capture); returns the slots' state as it was, for the capture to restore again.
-
-        The steps write K/V only at the live slots' current and next positions, rows that every later step writes
-        before it reads them, so the cache needs no restore; the slots' state does."""
-        saved = {k: st[k].clone() for k in self._SLOT_STATE}
+    def _warm_up(self, st: dict, B: int, params: SamplingParams, stop_ids: torch.Tensor) -> None:
+        """Two decode steps of bucket B before its capture (kernel autotuning and lazy weight forms happen here, not
+        under capture); the caller restores :data:`_SLOT_STATE`. The steps write K/V only at the live slots' current
+        and next positions, rows that every later step writes before it reads them: the cache needs no restore."""
         for _ in range(2):
-            st["step"].zero_()  # each warm-up step reads the chunk's first uniforms (a chunk may be one step)
+            st["step"].zero_()  # each step reads the chunk's first uniforms (a chunk may be one step)
             self._step(st, B, params, stop_ids)
-        for k, v in saved.items():
-            st[k].copy_(v)
-        return saved
 
     def _capture(self, st: dict, B: int, params: SamplingParams, stop_ids: torch.Tensor):
-        """Warm up, then capture one decode step of bucket B (the capture runs nothing: the state stays)."""
+        """Warm up on a side stream, then capture one decode step of bucket B; the slots' state is as before."""
+        saved = {k: st[k].clone() for k in self._SLOT_STATE}
         stream = torch.cuda.Stream()
         stream.wait_stream(torch.cuda.current_stream())
         with torch.cuda.stream(stream):
-            saved = self._warm_up(st, B, params, stop_ids)
+            self._warm_up(st, B, params, stop_ids)
         torch.cuda.current_stream().wait_stream(stream)
+        for k, v in saved.items():
+            st[k].copy_(v)
         if self._pool is None:
             self._pool = torch.cuda.graph_pool_handle()
         g = torch.cuda.CUDAGraph()
