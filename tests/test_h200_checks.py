@@ -74,3 +74,24 @@ def test_decode_profile_runs_every_case_with_stand_in_tools(tmp_path):
     r = subprocess.run(["bash", SCRIPT, "decode-profile"], capture_output=True, text=True, env=env, timeout=120)
     assert r.returncode == 0 and r.stdout.count("== decode_profile_") == 2, r.stderr[-2000:]
     assert (out / "decode_profile_mxfp4_m64_wgmma4.txt").exists() and (out / "decode_profile_hif4_m16_wgmma2.txt").exists()
+
+
+def test_a_failing_test_selection_does_not_end_the_part(tmp_path):
+    """decode-tests with stand-ins (nvidia-smi; a python3 whose pytest fails): both test selections and the benchmark
+    after them still run, and the part ends with status 1 naming the failed selections (a device call tells all it
+    can, not just the first failure)."""
+    bin_dir, site, log = tmp_path / "bin", tmp_path / "site", tmp_path / "calls.log"
+    for d in (bin_dir, site / "megatron"):
+        d.mkdir(parents=True)
+    (bin_dir / "nvidia-smi").write_text("#!/bin/sh\necho 'stand-in GPU'\n")
+    (bin_dir / "python3").write_text(f'#!/bin/sh\necho "$*" >> {log}\ncase "$1 $2" in "-m pytest") exit 3;; esac\n')
+    for tool in ("nvidia-smi", "python3"):
+        (bin_dir / tool).chmod(0o755)
+    env = {**os.environ, "PATH": f"{bin_dir}:{os.environ['PATH']}", "SITE_DIR": str(site), "OUT": str(tmp_path)}
+    r = subprocess.run(["bash", SCRIPT, "decode-tests"], capture_output=True, text=True, env=env, timeout=120)
+    calls = log.read_text().splitlines()
+    assert r.returncode == 1, r.stderr[-2000:]
+    assert [c.split()[0] for c in calls] == ["-", "-m", "-m", "benchmarks/bench_decode_ops.py"], calls
+    assert "h200_checks.sh decode-tests: FAILED:" in r.stderr
+    assert "pytest -m gpu tests/test_cuda_decode.py tests/test_rollout_static.py (exit 3)" in r.stderr
+    assert "pytest tests/test_decode_ops.py" in r.stderr
