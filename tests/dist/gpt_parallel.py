@@ -24,7 +24,6 @@ import os
 import re
 import sys
 import zlib
-from functools import partial
 
 import torch
 
@@ -279,7 +278,6 @@ def run_linears(seed: int) -> dict:
     and, with no recipe, against megatron-core's own linears bit for bit."""
     from megatron.core import parallel_state as ps
     from megatron.core.tensor_parallel import ColumnParallelLinear, RowParallelLinear
-    from megatron.core.transformer import TransformerConfig
 
     from megatron_fp4.linear import fp4_linear
     from megatron_fp4.parallel import FP4ColumnParallelLinear, FP4RowParallelLinear, FP4TransformerConfig
