@@ -303,10 +303,14 @@ class StaticCacheGenerator:
             qkv = self._linear(layer.qkv, h).view(b * L, self.kv_heads, self.group + 2, self.head_dim)
             kc, vc = st["k"][i], st["v"][i]  # [slots, ng, S, hd]
             q = rope(qkv, st["cos"], st["sin"], kc, vc, pos, self.group, rows=rows)  # [b * L, ng, G, hd]
-            # (GQA in SDPA itself: no K/V copies repeated per query head)
-            o = F.scaled_dot_product_attention(q.view(b, L, self.heads, self.head_dim).transpose(1, 2),
-                                               kc[slots, :, :L], vc[slots, :, :L], is_causal=True, scale=self.scale,
-                                               enable_gqa=self.group > 1)
+            k, v = kc[slots, :, :L], vc[slots, :, :L]
+            # GQA in SDPA itself (no K/V copies repeated per query head), except fp32 on CUDA: torch 2.11's fused
+            # kernels take GQA in 16-bit types only, and its math kernel would hold every L x L score
+            gqa = self.group > 1 and not (q.is_cuda and q.dtype == torch.float32)
+            if self.group > 1 and not gqa:
+                k, v = k.repeat_interleave(self.group, 1), v.repeat_interleave(self.group, 1)
+            o = F.scaled_dot_product_attention(q.view(b, L, self.heads, self.head_dim).transpose(1, 2), k, v,
+                                               is_causal=True, scale=self.scale, enable_gqa=gqa)
             delta = self._linear(layer.proj, o.transpose(1, 2).reshape(b * L, self.heads * self.head_dim))
             h, x = self._add_norm(x, delta, layer.ln2)
             delta = self._mlp(layer, h)
