@@ -855,3 +855,34 @@ def test_linear_bias_is_added_before_the_one_rounding(name, M):
         register_rollout_backend(DEV, before)
     assert got.dtype == torch.float16 and torch.equal(stored, got.unsqueeze(0))
     torch.testing.assert_close(got, ref, atol=2e-3, rtol=2e-3)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("name", ["hif4", "mxfp4"])
+@pytest.mark.parametrize("M", [4, 40, 100])  # decode GEMM split 3+ ways at 4 and 40 tokens; a prefill GEMM at 100
+def test_gpu_rollout_linear_bias_through_the_kernels_at_size(name, M):
+    """rollout_linear with a bias through the kernel backend (the decode GEMM's split sums, the bias and one rounding
+    in split_sum) against the reference with no backend, on a weight large enough for several K splits (the test
+    above: at most two): bf16 out within a rounding, the bias added once (a missing or doubled bias is off by ~1),
+    as-stored sums the same numbers."""
+    from megatron_fp4.resq import RolloutPrecision, register_rollout_backend, rollout_backend_for, rollout_linear
+    from megatron_fp4.rollout_kernels import register_kernel_backend
+
+    g = torch.Generator().manual_seed(M)
+    x = torch.randn(M, 4096, generator=g).to(torch.bfloat16).to(DEV)
+    wt = (torch.randn(1024, 4096, generator=g) * 0.02).to(DEV)
+    bias = torch.randn(1024, generator=g).to(torch.bfloat16).to(DEV)
+    before = rollout_backend_for(DEV)
+    try:
+        for precision in (RolloutPrecision("w4a16", name), RolloutPrecision("w4a4", name, "2:4"),
+                          RolloutPrecision("w4a4", name, "2:4", resq_combine="bf16")):
+            register_rollout_backend(DEV, None)
+            ref = rollout_linear(x, wt, bias, precision)
+            assert register_kernel_backend(DEV)
+            got = rollout_linear(x, wt, bias, precision)
+            stored = rollout_linear(x, wt, bias, precision, as_stored=True)
+            assert got.dtype == torch.bfloat16 and got.shape == (M, 1024)
+            torch.testing.assert_close(got.float(), ref.float(), atol=2e-2, rtol=1e-2, msg=precision.label)
+            torch.testing.assert_close(stored.float().sum(0), got.float(), atol=2e-2, rtol=1e-2, msg=precision.label)
+    finally:
+        register_rollout_backend(DEV, before)
