@@ -7,14 +7,15 @@ benchmarks/results/.
         --out benchmarks/results/decode_ops_h200.json
 
 Ops (per decode step: the norms twice a layer, the others once a layer or once a step): ``add_rms_norm`` (residual add
-+ RMSNorm), ``rope_attention`` (RoPE, the K/V writes and the attention over each cache up to its position, against
++ RMSNorm; ``add_rms_norm_8splits``: the FP4 steps' form, the residual as 8 fp32 split-K partial sums, against
+split_sum first), ``rope_attention`` (RoPE, the K/V writes and the attention over each cache up to its position, against
 both the RoPE kernel + SDPA with a mask, the ``MEGATRON_FP4_DECODE_ATTENTION=sdpa`` path, and the PyTorch twin),
 ``swiglu``, ``sample`` (temperature 1: the head's bf16 logits to a token and its logprob) and ``record_tokens`` (the
 step's bookkeeping). Random bf16 data (fp32 on a CPU, where Triton's interpreter runs and only ``--shapes tiny``
-makes sense: the times then say nothing). ``check`` is the kernel's largest difference from the twin, relative as
-the tests measure it (max |kernel - twin| / (1 + |twin|); ``sample``: the fraction of tokens that differ;
-``record_tokens``: of the states after one step), ``ok`` whether it is within the tests' tolerance (:data:`TOLERANCE`);
-a failed check exits with status 1 after the JSON is written.
+makes sense: the times then say nothing). ``check`` is each implementation's largest difference from the twin,
+relative as the tests measure it (max |impl - twin| / (1 + |twin|); ``sample``: the fraction of tokens that differ;
+``record_tokens``: of the states after one step, the kernel only), ``ok`` whether it is within the tests' tolerance
+(:data:`TOLERANCE`); a failed check exits with status 1 after the JSON is written.
 """
 
 from __future__ import annotations
@@ -94,6 +95,7 @@ def bench_shape(name: str, batch: int, cache: int, reps: int, device) -> list[di
         return (torch.randn(*shape, generator=g, device=device) * scale).to(dtype)
 
     x, delta = randn(batch, h), randn(batch, h)
+    parts = (torch.randn(8, batch, h, generator=g, device=device) / math.sqrt(8)).float()
     norm = torch.nn.RMSNorm(h, eps=1e-6).to(device)
     qkv = randn(1, batch, ng, G + 2, hd)
     kc, vc = randn(batch, ng, cache, hd), randn(batch, ng, cache, hd)
@@ -128,6 +130,12 @@ def bench_shape(name: str, batch: int, cache: int, reps: int, device) -> list[di
     ops = {
         "add_rms_norm": (2 * L, {"kernel": lambda: decode_ops.add_rms_norm(x, delta, norm)[0],
                                  "twin": lambda: decode_ops.add_rms_norm_reference(x, delta, norm)[0]}),
+        # the FP4 steps' form: delta as the decode GEMM's fp32 split sums (8: 7B proj at 64 tokens; fc2 takes 9),
+        # read by the norm kernel itself, or first added and rounded by split_sum (the same numbers, one more launch)
+        "add_rms_norm_8splits": (2 * L, {
+            "kernel": lambda: decode_ops.add_rms_norm(x, parts, norm)[0],
+            "split_sum + kernel": lambda: decode_ops.add_rms_norm(x, decode_ops.split_sum(parts, x.dtype), norm)[0],
+            "twin": lambda: decode_ops.add_rms_norm_reference(x, parts, norm)[0]}),
         "rope_attention": (L, {
             "kernel": lambda: decode_ops.rope_attention(qkv, cos, sin, kc, vc, pos, G, scale),
             "rope kernel + sdpa": rope_sdpa,
@@ -141,19 +149,19 @@ def bench_shape(name: str, batch: int, cache: int, reps: int, device) -> list[di
     rows = []
     for op, (per_step, impls) in ops.items():
         if op == "record_tokens":  # (in place)
-            check = record_check()
-        else:
+            checks = {"kernel": record_check()}
+        else:  # every implementation against the twin
             outs = {k: fn() for k, fn in impls.items()}
-            check = ((outs["kernel"][0] != outs["twin"][0]).float().mean().item() if op == "sample"
-                     else _diff(outs["kernel"], outs["twin"]))
-        ok = check <= TOLERANCE["sample" if op == "sample" else dtype]
+            checks = {k: ((o[0] != outs["twin"][0]).float().mean().item() if op == "sample" else _diff(o, outs["twin"]))
+                      for k, o in outs.items() if k != "twin"}
         twin_us = None
         for impl in reversed(list(impls)):  # the twin first: the kernels' speed-up against it
             us = time_us(impls[impl], reps, device)
             twin_us = twin_us or us
+            check = checks.get(impl)
             rows.append(dict(shape=name, op=op, impl=impl, us=us, per_step=per_step,
-                             ms_per_generate=us * per_step * 128 / 1e3, vs_twin=twin_us / us,
-                             check=check if impl == "kernel" else None, ok=ok if impl == "kernel" else None))
+                             ms_per_generate=us * per_step * 128 / 1e3, vs_twin=twin_us / us, check=check,
+                             ok=None if check is None else check <= TOLERANCE["sample" if op == "sample" else dtype]))
     return rows
 
 
@@ -179,11 +187,11 @@ def main(argv=None) -> None:
     rows = []
     for name in shapes:
         rows += bench_shape(name, a.batch, a.cache, a.reps, device)
-    print(f"{'shape':14s} {'op':15s} {'implementation':20s} {'us/call':>9s} {'ms/generate':>12s} {'vs twin':>8s} "
+    print(f"{'shape':14s} {'op':20s} {'implementation':20s} {'us/call':>9s} {'ms/generate':>12s} {'vs twin':>8s} "
           f"{'check':>9s}")
     for r in rows:
         check = "" if r["check"] is None else f"{r['check']:.2e}" + ("" if r["ok"] else " FAIL")
-        print(f"{r['shape']:14s} {r['op']:15s} {r['impl']:20s} {r['us']:9.2f} {r['ms_per_generate']:12.2f} "
+        print(f"{r['shape']:14s} {r['op']:20s} {r['impl']:20s} {r['us']:9.2f} {r['ms_per_generate']:12.2f} "
               f"{r['vs_twin']:7.2f}x {check:>9s}")
     info = dict(device=torch.cuda.get_device_name() if device.type == "cuda" else "cpu (Triton interpreter)",
                 torch=torch.__version__, date=time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()), batch=a.batch,
