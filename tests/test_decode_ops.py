@@ -14,6 +14,7 @@ pytest.importorskip("triton")
 
 from megatron_fp4.kernels import decode_ops  # noqa: E402
 from megatron_fp4.kernels._common import interpreting  # noqa: E402
+from sm90 import ROOT, compile_env  # noqa: E402
 
 DEV = "cuda" if torch.cuda.is_available() else "cpu"
 if DEV == "cpu" and not interpreting():
@@ -415,11 +416,9 @@ def test_fused_resq_kernels_compile_for_sm90_without_spills(fmt):
     import subprocess
     import sys
 
-    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-    env["PYTHONPATH"] = root + os.pathsep + env.get("PYTHONPATH", "")
+    env = compile_env()  # (the H200's Triton where .sm90-triton/ holds it: tests/sm90.py)
     r = subprocess.run([sys.executable, "-c", _SM90_SCRIPT, str(fmt)], capture_output=True, text=True, env=env,
-                       cwd=root, timeout=600)
+                       cwd=ROOT, timeout=600)
     if r.returncode != 0 and "nvdisasm" in r.stderr and "No such file" in r.stderr:
         pytest.skip("this Triton has no NVIDIA tools")
     assert r.returncode == 0, r.stderr[-2000:]

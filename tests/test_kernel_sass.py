@@ -12,6 +12,7 @@ import sys
 import pytest
 
 from megatron_fp4.kernels import _nvcc
+from sm90 import compile_env
 
 triton = pytest.importorskip("triton")
 
@@ -21,7 +22,7 @@ PTXAS = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bi
 
 def _kernel_sass(args):
     """(instructions per value, layout conversions) of ``kernel_sass.main(args)``, compiled in a fresh process."""
-    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}  # compile for real, not interpret
+    env = compile_env()  # compile for real, not interpret; the H200's Triton where .sm90-triton/ holds it
     env["TRITON_DEFAULT_FP_FUSION"] = "1"
     code = (f"import sys; sys.path.insert(0, {ROOT!r}); from benchmarks.kernel_sass import main; "
             f"print('PER_VALUE', main({args!r}), main.convert_layouts)")
