@@ -92,7 +92,8 @@ case "$1" in
     prebuild_tests
     run_tests -m gpu tests/test_cuda_decode.py tests/test_rollout_static.py
     # (the fused decode-step kernels' tests carry no gpu mark: on a GPU they run on CUDA, bf16 included)
-    run_tests tests/test_decode_ops.py tests/test_kernels.py -k "bias_is_added or bias_through"
+    run_tests tests/test_decode_ops.py tests/test_kernels.py::test_linear_bias_is_added_before_the_one_rounding \
+      tests/test_kernels.py::test_gpu_rollout_linear_bias_through_the_kernels_at_size
     # each fused decode-step kernel against what it replaces, inside CUDA graphs (~1 minute)
     python3 benchmarks/bench_decode_ops.py --shapes qwen2.5-1.5b,qwen2.5-7b --batch 64 --cache 256 \
       --out "$results/decode_ops_h200.json"
