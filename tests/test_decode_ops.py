@@ -184,7 +184,12 @@ def test_rope_attention_matches_its_twins(dtype, G, hd, splits):
     assert torch.equal(c_got, c_rope)  # the same rows written, bit for bit
     torch.testing.assert_close(got, decode_ops.decode_attention_reference(q, c_rope[0, 1, :B], c_rope[1, 1, :B],
                                                                           pos, 0.3), **tol)
-    torch.testing.assert_close(got, want, **(tol if dtype == torch.float32 else dict(atol=3e-2, rtol=3e-2)))
+    # against the whole twin, whose RoPE rounds q and k op by op (a unit in the last place apart from the kernel's
+    # fused rotation): the scores move by |q||k| units, so the outputs by a few (H200, split variant, bf16: 0.10 at
+    # values up to ~8; fp32 at head size 128: 1.5e-5)
+    twin_tol = {torch.float32: dict(atol=1e-4, rtol=1e-4), torch.float16: dict(atol=3e-2, rtol=3e-2),
+                torch.bfloat16: dict(atol=0.15, rtol=3e-2)}[dtype]
+    torch.testing.assert_close(got, want, **twin_tol)
     at = torch.zeros(S, dtype=torch.bool).repeat(B, 1)
     at[torch.arange(B), pos.cpu()] = True
 
