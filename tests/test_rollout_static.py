@@ -198,10 +198,9 @@ def test_capture_warm_up_leaves_no_trace(model, prompts, monkeypatch, chunk):
     def capture(self, st, B, p, stop_ids):
         def replay():
             warm_ups.append(B)
-            saved = {k: st[k].clone() for k in self._SLOT_STATE}
+            saved = self._save_slots(st)
             self._warm_up(st, B, p, stop_ids)
-            for k, v in saved.items():
-                st[k].copy_(v)
+            self._restore_slots(st, saved)
             self._step(st, B, p, stop_ids)
         return types.SimpleNamespace(replay=replay)
 

@@ -306,11 +306,12 @@ class StaticCacheGenerator:
             k, v = kc[slots, :, :L], vc[slots, :, :L]
             # GQA in SDPA itself (no K/V copies repeated per query head), except fp32 on CUDA: torch 2.11's fused
             # kernels take GQA in 16-bit types only, and its math kernel would hold every L x L score
-            gqa = self.group > 1 and not (q.is_cuda and q.dtype == torch.float32)
-            if self.group > 1 and not gqa:
+            repeat = self.group > 1 and q.is_cuda and q.dtype == torch.float32
+            if repeat:
                 k, v = k.repeat_interleave(self.group, 1), v.repeat_interleave(self.group, 1)
             o = F.scaled_dot_product_attention(q.view(b, L, self.heads, self.head_dim).transpose(1, 2), k, v,
-                                               is_causal=True, scale=self.scale, enable_gqa=gqa)
+                                               is_causal=True, scale=self.scale,
+                                               enable_gqa=self.group > 1 and not repeat)
             delta = self._linear(layer.proj, o.transpose(1, 2).reshape(b * L, self.heads * self.head_dim))
             h, x = self._add_norm(x, delta, layer.ln2)
             delta = self._mlp(layer, h)
@@ -526,6 +527,15 @@ class StaticCacheGenerator:
     #: What a decode step changes besides the K/V cache (saved and restored around the capture's warm-up).
     _SLOT_STATE = ("tok", "pos", "n_gen", "done", "stopped", "out_tok", "out_lp", "step")
 
+    @classmethod
+    def _save_slots(cls, st: dict) -> dict:
+        return {k: st[k].clone() for k in cls._SLOT_STATE}
+
+    @staticmethod
+    def _restore_slots(st: dict, saved: dict) -> None:
+        for k, v in saved.items():
+            st[k].copy_(v)
+
     def _warm_up(self, st: dict, B: int, params: SamplingParams, stop_ids: torch.Tensor) -> None:
         """Two decode steps of bucket B before its capture (kernel autotuning and lazy weight forms happen here, not
         under capture); the caller restores :data:`_SLOT_STATE`. The steps write K/V only at the live slots' current
@@ -536,19 +546,17 @@ class StaticCacheGenerator:
 
     def _capture(self, st: dict, B: int, params: SamplingParams, stop_ids: torch.Tensor):
         """Warm up on a side stream, then capture one decode step of bucket B; the slots' state is as before."""
-        saved = {k: st[k].clone() for k in self._SLOT_STATE}
+        saved = self._save_slots(st)  # (on the current stream, where it is restored)
         stream = torch.cuda.Stream()
         stream.wait_stream(torch.cuda.current_stream())
         with torch.cuda.stream(stream):
             self._warm_up(st, B, params, stop_ids)
         torch.cuda.current_stream().wait_stream(stream)
-        for k, v in saved.items():
-            st[k].copy_(v)
+        self._restore_slots(st, saved)
         if self._pool is None:
             self._pool = torch.cuda.graph_pool_handle()
         g = torch.cuda.CUDAGraph()
         with torch.cuda.graph(g, pool=self._pool):
             self._step(st, B, params, stop_ids)
-        for k, v in saved.items():
-            st[k].copy_(v)
+        self._restore_slots(st, saved)
         return g
