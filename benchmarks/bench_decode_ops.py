@@ -126,7 +126,7 @@ def bench_shape(name: str, batch: int, cache: int, reps: int, device) -> list[di
         q = decode_ops.rope_kv_write(qkv, cos, sin, kc, vc, pos, G)
         return F.scaled_dot_product_attention(q, kc, vc, attn_mask=valid, scale=scale)
 
-    # op -> (calls per decode step, {implementation: fn}, check of the first against the last)
+    # op -> (calls per decode step, {implementation: fn}; the twin last, the others checked against it)
     ops = {
         "add_rms_norm": (2 * L, {"kernel": lambda: decode_ops.add_rms_norm(x, delta, norm)[0],
                                  "twin": lambda: decode_ops.add_rms_norm_reference(x, delta, norm)[0]}),
@@ -201,9 +201,9 @@ def main(argv=None) -> None:
     with open(a.out, "w") as f:
         json.dump({"info": info, "rows": rows}, f, indent=1)
     print(f"wrote {a.out}")
-    failed = [f"{r['shape']} {r['op']}" for r in rows if r["ok"] is False]
+    failed = [f"{r['shape']} {r['op']} ({r['impl']})" for r in rows if r["ok"] is False]
     if failed:
-        sys.exit(f"bench_decode_ops.py: kernel differs from its twin beyond the tests' tolerance: {', '.join(failed)}")
+        sys.exit(f"bench_decode_ops.py: differs from the twin beyond the tests' tolerance: {', '.join(failed)}")
 
 
 if __name__ == "__main__":

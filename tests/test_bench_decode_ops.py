@@ -41,7 +41,7 @@ def test_a_kernel_off_its_twin_fails_the_run_after_the_json(tmp_path, monkeypatc
     swiglu = decode_ops.swiglu
     monkeypatch.setattr(decode_ops, "swiglu", lambda a: swiglu(a) * 1.01)
     out = tmp_path / "ops.json"
-    with pytest.raises(SystemExit, match="beyond the tests' tolerance: tiny swiglu$"):
+    with pytest.raises(SystemExit, match=r"beyond the tests' tolerance: tiny swiglu \(kernel\)$"):
         bench_decode_ops.main(["--shapes", "tiny", "--batch", "3", "--cache", "16", "--reps", "1", "--out", str(out)])
     rows = json.loads(out.read_text())["rows"]
     assert [(r["op"], r["check"] > 1e-3) for r in rows if r["ok"] is False] == [("swiglu", True)]
