@@ -600,3 +600,35 @@ def test_two_node_launch_saves_and_resumes_after_both_are_killed(tmp_path):
     for rank in range(4):
         layout = torch.load(final / f"rank_{rank:05d}.pt", weights_only=True, mmap=True)["layout"]
         assert (layout["tp"], layout["dp"], layout["tp_rank"], layout["dp_rank"]) == (2, 2, rank % 2, rank // 2)
+
+
+@pytest.mark.slow
+def test_sigterm_with_exit_signal_handler_saves_the_step_and_resumes(tmp_path):
+    """--exit-signal-handler: a SIGTERM mid-run lets the step in progress end, saves it, exits 0 without results;
+    the same command resumes from that very step and finishes."""
+    ckpt, log, res = tmp_path / "ckpt", tmp_path / "run.jsonl", tmp_path / "res.json"
+    cmd = [sys.executable, os.path.join(ROOT, "pretrain_rl.py"), *TINY, "--train-iters", "4", "--save-interval", "100",
+           "--save", str(ckpt), "--exit-signal-handler", "--log-jsonl", str(log), "--results-json", str(res)]
+    proc = subprocess.Popen(cmd, env=_env(), cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    deadline = time.monotonic() + 600
+    while (not log.exists() or '"kind": "train"' not in log.read_text()) and proc.poll() is None \
+            and time.monotonic() < deadline:
+        time.sleep(0.05)
+    proc.send_signal(signal.SIGTERM)
+    out = proc.communicate(timeout=600)[0]
+    assert proc.returncode == 0, out[-3000:]
+    done = max(row["step"] for row in _read_jsonl(log) if row["kind"] == "train")
+    assert done < 4, "the run finished before the signal came"
+    assert f"[stop] SIGTERM: stopped after GRPO step {done} of 4" in out
+    assert _saved_step(ckpt) == done and not res.exists()  # saved (step 0 and this step only), not finished
+
+    r = subprocess.run(cmd, env=_env(), cwd=ROOT, capture_output=True, text=True, timeout=600)
+    assert r.returncode == 0, r.stderr[-3000:]
+    assert f"(step {done})" in re.search(r"resumed from .*", r.stdout).group(0)
+    steps = [row["step"] for row in _read_jsonl(log) if row["kind"] == "train"]
+    assert steps == list(range(1, 5)) and json.loads(res.read_text())["steps"] == 4
+
+
+def test_exit_signal_handler_needs_save():
+    r = _run(["--exit-signal-handler", "--train-iters", "1"])
+    assert r.returncode == 2 and "--exit-signal-handler saves a checkpoint" in r.stderr

@@ -64,6 +64,7 @@ def test_smollm2_preset_plans_the_issue_rows_and_resumable_commands(tmp_path):
     assert "--train-iters 100 --seed 2" in text
     ckpt = os.path.join(args.ckpt_dir, "seed2", "mxfp4", "fp4_fp4_resq_2of4")
     assert cmd[cmd.index("--save") + 1] == ckpt and cmd[cmd.index("--save-interval") + 1] == "10"
+    assert "--exit-signal-handler" in cmd  # a stop at the time budget saves the step just done
     # the presets whose runs start over keep --init-from and take no --save
     gpu = mt.parse(["--out", str(tmp_path / "g")])
     gcmd = mt.run_command_line(gpu, mt.plan([1], ["hif4"], ["fp4_fp4"])[0], "/warm")
@@ -77,7 +78,7 @@ def test_a_stopped_run_resumes_and_keeps_its_metrics(tmp_path, monkeypatch):
     ckpt = tmp_path / "runs_ckpt" / "seed1" / "hif4" / "fp4_fp4"
     calls = []
 
-    def first(cmd, log, env, deadline=None, append=False):  # the driver, stopped after its step-2 checkpoint
+    def first(cmd, log, env, deadline=None, append=False, grace=0.0):  # the driver, stopped after its step-2 checkpoint
         calls.append(append)
         assert deadline == 123.0
         with open(cmd[cmd.index("--log-jsonl") + 1], "a") as f:
@@ -94,7 +95,7 @@ def test_a_stopped_run_resumes_and_keeps_its_metrics(tmp_path, monkeypatch):
     assert json.loads((rdir / "progress.json").read_text())["calls"] == 1
     assert len((rdir / "train.jsonl").read_text().splitlines()) == 3
 
-    def second(cmd, log, env, deadline=None, append=False):  # resumed from step 2: step 3 again, then 4
+    def second(cmd, log, env, deadline=None, append=False, grace=0.0):  # resumed from step 2: step 3 again, then 4
         calls.append(append)
         with open(cmd[cmd.index("--log-jsonl") + 1], "a") as f:
             for step in (3, 4):
@@ -139,7 +140,7 @@ def test_an_unfinished_run_without_checkpoint_starts_over(tmp_path, monkeypatch)
     (rdir / "progress.json").write_text(json.dumps({"seconds": 99.0, "calls": 3}))
     seen = {}
 
-    def driver(cmd, log, env, deadline=None, append=False):
+    def driver(cmd, log, env, deadline=None, append=False, grace=0.0):
         seen["append"], seen["jsonl"] = append, os.path.exists(cmd[cmd.index("--log-jsonl") + 1])
         return 1
 
@@ -222,6 +223,36 @@ def test_run_command_stops_a_process_at_its_deadline(tmp_path):
     assert mt.run_command([sys.executable, "-c", "pass"], str(log), dict(os.environ), deadline=time.monotonic() + 60,
                           append=True) == 0
     assert "started" in log.read_text()  # appended, not rewritten
+
+
+def test_run_command_sends_sigterm_a_grace_before_the_deadline(tmp_path):
+    """The driver's --exit-signal-handler gets ``grace`` seconds to finish its step and save (a stand-in here)."""
+    log = tmp_path / "log.txt"
+    child = ("import signal, sys, time\n"
+             "def stop(*_):\n    time.sleep(0.5); print('saved', flush=True); sys.exit(0)\n"
+             "signal.signal(signal.SIGTERM, stop)\nprint('started', flush=True)\ntime.sleep(60)\n")
+    t0 = time.monotonic()
+    rc = mt.run_command([sys.executable, "-c", child], str(log), dict(os.environ), deadline=time.monotonic() + 8,
+                        grace=6)
+    assert rc == mt.STOPPED and time.monotonic() - t0 < 6  # SIGTERM at ~2 s, done 0.5 s later: no kill
+    assert "saved" in log.read_text() and "stopped at the --time-budget deadline (exit 0)" in log.read_text()
+
+
+def test_a_stop_as_the_last_step_ends_counts_as_done(tmp_path, monkeypatch):
+    args = _args(tmp_path)
+    run = mt.plan([1], ["hif4"], ["bf16_fp4"])[0]
+
+    def driver(cmd, log, env, deadline=None, append=False, grace=0.0):  # finished as the SIGTERM came
+        with open(cmd[cmd.index("--results-json") + 1], "w") as f:
+            json.dump({"warm_start": {"arith/accuracy": 0.2}, "final": {"arith/accuracy": 0.4}, "steps": 100}, f)
+        return mt.STOPPED
+
+    monkeypatch.setattr(mt, "run_command", driver)
+    assert mt.run_one(args, run, "unused", {}, deadline=1.0)["status"] == "done"
+    # a stale result of an earlier call does not count
+    monkeypatch.setattr(mt, "run_command", lambda *a, **k: mt.STOPPED)
+    (tmp_path / "runs" / run.name / "results.json").unlink()
+    assert mt.run_one(args, run, "unused", {}, deadline=1.0)["status"] == "stopped"
 
 
 @pytest.mark.parametrize("argv, message", [

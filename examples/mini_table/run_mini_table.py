@@ -20,7 +20,8 @@ SmolLM2-135M-Instruct and the GSM8K-style chat task of examples/smollm2/run_grpo
 GGUF conversion and the driver's task flags). There is no warm-up: the "warm start" of every seed is the converted
 checkpoint (CKPT_DIR/smollm2/ckpt, made once), passed to every run as --ref-load. Runs checkpoint into
 CKPT_DIR/seed{S}/{FMT}/{ROW} every few steps (--save, --save-interval) and resume from there when the same command
-runs again (train.jsonl is then appended to, not restarted); --time-budget stops running runs at the budget.
+runs again (train.jsonl is then appended to, not restarted); --time-budget stops running runs at the budget (a
+SIGTERM STOP_GRACE_S before it: they save the step just done, --exit-signal-handler).
 """
 
 from __future__ import annotations
@@ -116,7 +117,11 @@ SMOLLM2 = {"smollm2": "full", "smollm2-tiny": "tiny"}
 SAVE_INTERVAL = {"smollm2": 10, "smollm2-tiny": 1}
 DEFAULT_ONLY = {p: ("bf16_bf16", "bf16_fp4", "fp4_fp4", "fp4_fp4_resq_2of4") for p in SMOLLM2}
 PRESETS = tuple(sorted(MODEL)) + tuple(SMOLLM2)
-MIN_START_S = 60.0  # a resumable run is started only with at least this much of --time-budget left
+#: A resumable run still going this long before --time-budget's end is sent SIGTERM: with --exit-signal-handler it
+#: finishes its GRPO step, saves a checkpoint and exits (nothing lost since its last --save-interval checkpoint);
+#: one still running at the budget's end is killed.
+STOP_GRACE_S = 60.0
+MIN_START_S = STOP_GRACE_S + 60.0  # a resumable run is started only with at least this much of --time-budget left
 
 
 def smollm2_example():
@@ -200,9 +205,10 @@ STOPPED = -1000  # run_command's status for a run stopped at its deadline
 
 
 def run_command(cmd: list[str], log_path: str, env: dict, deadline: float | None = None,
-                append: bool = False) -> int:
+                append: bool = False, grace: float = 0.0) -> int:
     """Run a pretrain_rl.py command, teeing its console output to log_path (appended to with ``append``); returns
-    the exit status, or STOPPED when it was still running at ``deadline`` (time.monotonic()) and was terminated."""
+    the exit status, or STOPPED when it was still running ``grace`` seconds before ``deadline`` (time.monotonic())
+    and was sent SIGTERM then (killed if still running at ``deadline``)."""
     with open(log_path, "a" if append else "w") as log:
         if append:
             log.write(f"\n[mini_table] resumed: {shlex.join(cmd)}\n")
@@ -213,13 +219,13 @@ def run_command(cmd: list[str], log_path: str, env: dict, deadline: float | None
             stopped.set()
             proc.terminate()
             try:
-                proc.wait(30)
+                proc.wait(max(grace, 30.0))
             except subprocess.TimeoutExpired:
                 proc.kill()
 
         timer = None
         if deadline is not None:
-            timer = threading.Timer(max(0.0, deadline - time.monotonic()), stop)
+            timer = threading.Timer(max(0.0, deadline - grace - time.monotonic()), stop)
             timer.daemon = True
             timer.start()
         for line in proc.stdout:
@@ -230,7 +236,7 @@ def run_command(cmd: list[str], log_path: str, env: dict, deadline: float | None
         if timer is not None:
             timer.cancel()
         if stopped.is_set():
-            log.write("\n[mini_table] stopped at the --time-budget deadline; the same command resumes it\n")
+            log.write(f"\n[mini_table] stopped at the --time-budget deadline (exit {rc}); the same command resumes it\n")
             return STOPPED
         return rc
 
@@ -336,8 +342,10 @@ def run_command_line(args, run: Run, warm_ckpt: str) -> list[str]:
         cmd += ["--init-from", warm_ckpt]
     cmd += ["--log-jsonl", jsonl, "--results-json", res]
     ckpt = run_ckpt_dir(args, run)
-    if ckpt is not None:  # re-running the same command resumes from here (--load defaults to --save)
-        cmd += ["--save", ckpt, "--save-interval", str(args.save_interval), "--keep-last", "1"]
+    if ckpt is not None:  # re-running the same command resumes from here (--load defaults to --save); a SIGTERM
+        # at the time budget saves the step just done (--exit-signal-handler)
+        cmd += ["--save", ckpt, "--save-interval", str(args.save_interval), "--keep-last", "1",
+                "--exit-signal-handler"]
     if args.tensorboard:
         cmd += ["--tensorboard-dir", os.path.join(rdir, "tb")]
     return cmd
@@ -372,9 +380,13 @@ def run_one(args, run: Run, warm_ckpt: str, env: dict, deadline: float | None = 
             return {"status": "failed", "exit": "stale checkpoint", "seconds": 0.0}
     with open(cmd_path, "w") as f:
         f.write(shlex.join(cmd) + "\n")
+    if os.path.exists(res):
+        os.remove(res)  # the driver writes it when the run ends: only this call's counts
     t0 = time.monotonic()
     rc = run_command(cmd, os.path.join(rdir, "stdout.log"), env, deadline=deadline if ckpt else None,
-                     append=resuming)
+                     append=resuming, grace=STOP_GRACE_S)
+    if rc == STOPPED and os.path.isfile(res):
+        rc = 0  # the stop came as the last step ended: the run finished
     progress = {"seconds": progress["seconds"] + time.monotonic() - t0, "calls": progress["calls"] + 1}
     if rc != 0:
         if ckpt is not None:
@@ -472,8 +484,9 @@ def parse(argv=None):
                    help="runs in parallel (separate processes; on one GPU a small model leaves it mostly idle)")
     p.add_argument("--time-budget", type=float, default=0,
                    help="seconds: do not start a run expected to end after this (0 = no limit); smollm2 presets: "
-                        f"start runs while {MIN_START_S:.0f} s are left and stop the running ones at the budget "
-                        "(they resume from their last checkpoint when the same command runs again)")
+                        f"start runs while {MIN_START_S:.0f} s are left; {STOP_GRACE_S:.0f} s before the budget "
+                        "the running ones finish their step, save and stop (they resume from there when the same "
+                        "command runs again)")
     p.add_argument("--tensorboard", action="store_true", help="also write tensorboard logs per run")
     p.add_argument("--list", action="store_true", help="print the planned runs and their status, run nothing")
     p.add_argument("--verbose", action="store_true", help="echo the runs' console output")

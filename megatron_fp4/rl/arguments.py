@@ -228,6 +228,8 @@ def validate_args(args: argparse.Namespace, world_size: int = 1) -> argparse.Nam
             args.save):
         raise ValueError(f"--save-hf={args.save_hf!r} is the --save folder (the run's checkpoints): export to another "
                          f"folder, e.g. {os.path.join(args.save, 'hf')}")
+    if args.exit_signal_handler and args.save is None:
+        raise ValueError("--exit-signal-handler saves a checkpoint before the run stops: it needs --save DIR")
     if args.save_hf is not None and os.path.isdir(args.save_hf) and os.listdir(args.save_hf):
         raise ValueError(f"--save-hf={args.save_hf!r} already holds files: the export needs a new or empty directory")
     if args.tokenizer_model is not None and not os.path.exists(args.tokenizer_model):

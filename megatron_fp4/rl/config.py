@@ -352,6 +352,10 @@ class CheckpointConfig:
                                         "(config.json, tokenizer, safetensors; transformers loads it)")
     save_interval: int = knob(50, "GRPO steps between checkpoints", check=positive)
     keep_last: int = knob(2, "checkpoints kept in --save", check=positive)
+    exit_signal_handler: bool = knob(False, "on SIGTERM (a scheduler's or a job runner's stop; SIGINT too): finish "
+                                            "the GRPO step in progress, save a checkpoint to --save and exit with "
+                                            "status 0 without --results-json (Megatron-LM's flag); the same command "
+                                            "resumes the run")
 
 
 @dataclass(frozen=True)

@@ -9,12 +9,14 @@ evaluator (greedy held-out accuracy), the checkpointer (save, resume, reshard) a
 
 from __future__ import annotations
 
+import signal
 import time
-from typing import Any
+from typing import Any, Optional
 
 from megatron_fp4.rl.actor import Actor
 from megatron_fp4.rl.checkpointer import Checkpointer, StartPlan
 from megatron_fp4.rl.config import RLConfig
+from megatron_fp4.rl.distributed import any_rank
 from megatron_fp4.rl.evaluator import Evaluator
 from megatron_fp4.rl.monitor import MetricsLogger, device_memory_metrics
 from megatron_fp4.rl.rollout_manager import RolloutManager
@@ -38,19 +40,39 @@ class GRPOTrainer:
 
     # -- the loop ---------------------------------------------------------------------------------------------------
     def train(self) -> dict[str, Any]:
-        """GRPO steps until --train-iters; returns the warm-start and final held-out accuracy."""
+        """GRPO steps until --train-iters; returns the warm-start and final held-out accuracy. With
+        --exit-signal-handler a SIGTERM / SIGINT stops the run after the step in progress (saved first): the result
+        then has ``stopped`` (the signal's name) and no final evaluation."""
         run = self.cfg.run
         last_eval = None
-        while self.step < run.train_iters:
-            metrics = self.train_step()
-            step = self.step
-            self.logger.record(step, "train", metrics, console=step % run.log_interval == 0)
-            if step % run.eval_interval == 0 or step == run.train_iters:
-                last_eval = self.evaluator.evaluate(rollout_id=f"eval_{step}")
-                self.logger.record(step, "eval", last_eval)
-            self.log_underflow(step)
-            if self.cfg.checkpoint.save and (step % self.cfg.checkpoint.save_interval == 0 or step == run.train_iters):
-                self.save()
+        stop = StopSignal() if self.cfg.checkpoint.exit_signal_handler else None
+        try:
+            while self.step < run.train_iters:
+                metrics = self.train_step()
+                step = self.step
+                self.logger.record(step, "train", metrics, console=step % run.log_interval == 0)
+                if step % run.eval_interval == 0 or step == run.train_iters:
+                    last_eval = self.evaluator.evaluate(rollout_id=f"eval_{step}")
+                    self.logger.record(step, "eval", last_eval)
+                self.log_underflow(step)
+                saved = False
+                if self.cfg.checkpoint.save and (step % self.cfg.checkpoint.save_interval == 0
+                                                 or step == run.train_iters):
+                    self.save()
+                    saved = True
+                if stop is not None and step < run.train_iters and stop.agreed():
+                    if not saved:
+                        self.save()
+                    if self.logger.rank == 0:
+                        print(f"[stop] {stop.received or 'a signal on another rank'}: stopped after GRPO step {step} "
+                              f"of {run.train_iters}, checkpoint saved in {self.cfg.checkpoint.save}; the same "
+                              f"command resumes the run", flush=True)
+                    return {"warm_start": self.extra.get("warm_start", {}), "final": {}, "steps": self.step,
+                            "warmup_losses": self.extra.get("warmup_losses", []),
+                            "stopped": stop.received or "signal"}
+        finally:
+            if stop is not None:
+                stop.restore()
         if self.cfg.checkpoint.save_hf:
             self.checkpointer.save_hf(self.actor)
         warm = self.extra.get("warm_start", {})
@@ -145,3 +167,26 @@ class GRPOTrainer:
         fmt = self.rollout.engine.precision.format
         self.logger.record(step, "underflow", rates, console=False, tensorboard=True,
                            fields={"format": fmt, "sparsity": sparsity})
+
+
+class StopSignal:
+    """--exit-signal-handler (Megatron-LM's flag): SIGTERM and SIGINT only set ``received`` (the signal's name), so
+    the GRPO step in progress runs to its end; :meth:`agreed`, between steps, tells whether any rank got one (every
+    rank then stops after the same step). :meth:`restore` puts the previous handlers back."""
+
+    SIGNALS = (signal.SIGTERM, signal.SIGINT)
+
+    def __init__(self) -> None:
+        self.received: Optional[str] = None
+        self._previous = {s: signal.signal(s, self._handle) for s in self.SIGNALS}
+
+    def _handle(self, signum, frame) -> None:
+        self.received = signal.Signals(signum).name
+
+    def agreed(self) -> bool:
+        """Whether any rank has received a stop signal (a collective: every rank calls it after each step)."""
+        return any_rank(self.received is not None)
+
+    def restore(self) -> None:
+        for s, handler in self._previous.items():
+            signal.signal(s, handler)
