@@ -11,9 +11,9 @@ logprob checks, max and mean over --check-samples samples: the graph path's logp
 run eagerly (the engine's "static" path) teacher-forced on the same tokens, and against one teacher-forced full
 forward in the same precision (megatron-core, :func:`megatron_fp4.rollout.teacher_forced_logprobs`); ``--eager-baseline`` also times the engine's megatron path (the reference) on the first
 shape in BF16 and scores its tokens through the graph path (teacher-forced), and ``--hf-anchor`` times HF
-transformers' ``generate`` with a static cache on the same shape. ``--profile`` (native backend) adds per row the
-CUDA time of one more generate by kernel family (FP4 decode GEMM, other GEMMs, attention, quantizers, ...; graph
-replays included) and its top kernels: where a decode step's time goes.
+transformers' ``generate`` with a static cache on the same shape. ``--profile`` adds per row the CUDA time of one
+more generate by kernel family (FP4 decode GEMM, other GEMMs, attention, quantizers, ...; graph replays included) and
+its top kernels: where a decode step's time goes (SGLang rows: from the Engine's own profiler trace).
 
 Backends: "native" (:class:`megatron_fp4.rollout.NativeRolloutEngine`; ``--decode`` picks its path) and "sglang"
 (:class:`megatron_fp4.rollout.sglang_engine.SGLangRolloutEngine`: the same random model written as an HF folder
@@ -160,6 +160,9 @@ def _sglang_row(a, shape, model, hf, p, prompts, params, sub) -> dict:
             engine.flush_cache()
             samples = engine.generate(prompts, params)
             times.append(engine.last_generate_stats["seconds"])
+        profile = _sglang_profile(engine, prompts, params, os.path.join(a.work_dir, "profile", shape,
+                                                                         p.label.replace("/", "_"))) \
+            if getattr(a, "profile", False) else None
         sync = engine.update_weights(model.named_parameters())  # (flushes the cache itself)
         engine.generate(prompts, params)
         after_sync = dict(engine.last_generate_stats)
@@ -179,10 +182,41 @@ def _sglang_row(a, shape, model, hf, p, prompts, params, sub) -> dict:
                weight_sync_s=sync.total_seconds, tokens_per_s_after_sync=after_sync["tokens_per_s"],
                logp_vs_teacher_forced_max=dmax, logp_vs_teacher_forced_mean=dmean, check_samples=len(sub),
                check_weights_freed_gib=check_gib)
+    if profile is not None:
+        row["profile"] = profile
+        print(f"  CUDA ms per generate by family: {json.dumps(profile.get('families_ms', profile))}", flush=True)
     print(f"sglang {shape} {p.label:28s} {row['tokens_per_s']:9.0f} tok/s (start {start:.1f} s; after sync "
           f"{row['tokens_per_s_after_sync']:.0f} tok/s) |dlogp| vs teacher-forced full forward max {dmax:.2e} "
           f"mean {dmean:.2e}", flush=True)
     return row
+
+
+def _sglang_profile(engine, prompts, params, folder: str, wait_s: float = 300.0) -> dict:
+    """--profile for an SGLang row: one more generate (prefix cache flushed) under the Engine's own torch.profiler
+    (``start_profile`` / ``stop_profile``: its scheduler runs in another process and exports a Chrome trace into
+    ``folder``), summed by kernel family as the native rows' (:func:`kernel_profile.trace_kernels`). The trace may
+    still be being written when ``stop_profile`` returns: read once it parses, for up to ``wait_s``."""
+    import glob
+    import shutil
+
+    from kernel_profile import trace_kernels
+
+    shutil.rmtree(folder, ignore_errors=True)
+    os.makedirs(folder)
+    engine.flush_cache()
+    engine.engine.start_profile(output_dir=folder, with_stack=False, record_shapes=False)  # (SGLang: stacks on)
+    engine.generate(prompts, params)
+    engine.engine.stop_profile()
+    deadline, error = time.monotonic() + wait_s, "no trace file"
+    while time.monotonic() < deadline:
+        files = sorted(glob.glob(os.path.join(folder, "*.json*")))
+        if files:
+            try:
+                return trace_kernels(files)
+            except (EOFError, OSError, ValueError) as e:  # half-written (gzip, json)
+                error = f"{type(e).__name__}: {e}"
+        time.sleep(2)
+    return {"error": f"{error} in {folder} after {wait_s:.0f} s"}
 
 
 def _row_key(r: dict) -> tuple:
@@ -218,7 +252,8 @@ def main() -> None:
                     help="also time the megatron path (BF16, first shape) and score its tokens via the graph path")
     ap.add_argument("--hf-anchor", action="store_true", help="also time HF transformers generate (static cache)")
     ap.add_argument("--profile", action="store_true",
-                    help="native backend: add the CUDA time of one generate per row by kernel family (torch.profiler)")
+                    help="add the CUDA time of one more generate per row by kernel family (torch.profiler; SGLang: "
+                         "its Engine's own profiler, trace under --work-dir/profile)")
     ap.add_argument("--out", default=os.path.join(os.path.dirname(__file__), "results", "rollout.json"))
     ap.add_argument("--append", action="store_true",
                     help="keep --out's rows of other (backend, shape, precision, batch, path) and its infos")
@@ -226,8 +261,6 @@ def main() -> None:
     unknown = [p for p in a.precisions.split(",") if p not in PRECISIONS]
     if unknown:
         ap.error(f"--precisions: unknown {unknown}; allowed: {', '.join(PRECISIONS)}")
-    if a.profile and a.backend != "native":
-        ap.error("--profile: only with --backend native (an SGLang Engine runs in processes of its own)")
     if a.backend == "sglang":
         from megatron_fp4.rollout.sglang_engine import sglang_start_problem
 

@@ -6,6 +6,7 @@ eager step says which op launched what).
 
 from __future__ import annotations
 
+import os
 import re
 
 import torch
@@ -53,6 +54,39 @@ def short_name(name: str) -> str:
             + (" with cast" if "WithCast" in rest else ""))
 
 
+def _summary(kernels: dict[str, list], fams: dict[str, float]) -> dict:
+    """families_ms (descending) and the 30 top kernels as [name, calls, ms]."""
+    top = sorted(kernels.items(), key=lambda kv: -kv[1][1])[:30]
+    return {"families_ms": {k: round(v, 2) for k, v in sorted(fams.items(), key=lambda kv: -kv[1])},
+            "top_kernels_ms": [[n[:120], calls, round(ms, 2)] for n, (calls, ms) in top]}
+
+
+def _add(kernels: dict[str, list], fams: dict[str, float], name: str, ms: float) -> None:
+    fam = family(name)
+    fams[fam] = fams.get(fam, 0.0) + ms
+    k = kernels.setdefault(short_name(name), [0, 0.0])
+    k[0] += 1
+    k[1] += ms
+
+
+def trace_kernels(paths) -> dict:
+    """:func:`profile_step`'s families and top kernels from Chrome trace files that torch.profiler exported in another
+    process (``.json`` or ``.json.gz``; e.g. an SGLang Engine's scheduler after ``start_profile`` / ``stop_profile``):
+    the events of category "kernel", durations in microseconds. ``files`` says which files were read."""
+    import gzip
+    import json
+
+    kernels: dict[str, list] = {}
+    fams: dict[str, float] = {}
+    for path in paths:
+        with (gzip.open if str(path).endswith(".gz") else open)(path, "rt") as f:
+            events = json.load(f)
+        for ev in events.get("traceEvents", events) if isinstance(events, dict) else events:
+            if isinstance(ev, dict) and ev.get("cat") == "kernel" and "dur" in ev:
+                _add(kernels, fams, ev.get("name", "?"), float(ev["dur"]) / 1e3)
+    return {**_summary(kernels, fams), "files": [os.path.basename(str(p)) for p in paths]}
+
+
 def profile_step(step) -> dict:
     """CUDA time (ms) of one call of ``step`` by kernel family; its top kernels by :func:`short_name` as [name, calls,
     ms] (the calls say per what a kernel runs: 28 layers x 128 steps = 3,584 is once per layer and decode step); and
@@ -67,16 +101,9 @@ def profile_step(step) -> dict:
     kernels: dict[str, list] = {}  # short name -> [calls, ms]
     for ev in prof.events():
         if ev.device_type.name == "CUDA":
-            ms = ev.device_time_total / 1e3
-            fam = family(ev.name)
-            fams[fam] = fams.get(fam, 0.0) + ms
-            k = kernels.setdefault(short_name(ev.name), [0, 0.0])
-            k[0] += 1
-            k[1] += ms
-    top = sorted(kernels.items(), key=lambda kv: -kv[1][1])[:30]
+            _add(kernels, fams, ev.name, ev.device_time_total / 1e3)
     ops = [[e.key, str(e.input_shapes)[:160], e.count, round(e.self_device_time_total / 1e3, 2)]
            for e in prof.key_averages(group_by_input_shape=True)
            if e.key.startswith("aten::") and e.self_device_time_total > 0]
-    return {"families_ms": {k: round(v, 2) for k, v in sorted(fams.items(), key=lambda kv: -kv[1])},
-            "top_kernels_ms": [[n[:120], calls, round(ms, 2)] for n, (calls, ms) in top],
+    return {**_summary(kernels, fams),
             "top_ops_ms": sorted(ops, key=lambda r: -r[3])[:16]}  # [op, input shapes, calls, own CUDA ms]

@@ -118,12 +118,8 @@ def test_profile_short_names_say_what_torchs_templated_kernels_compute():
         assert short_name(plain) == plain
 
 
-def test_profile_families_name_the_rollout_kernels_and_profile_is_native_only(monkeypatch, capsys):
-    """--profile sorts a decode step's kernels into families (the FP4 decode GEMMs before the other GEMMs), and
-    refuses the SGLang backend (its Engine runs in processes of its own) before anything starts."""
-    import pytest
-
-    import bench_rollout
+def test_profile_families_name_the_rollout_kernels():
+    """--profile sorts a decode step's kernels into families (the FP4 decode GEMMs before the other GEMMs)."""
     from kernel_profile import family
 
     assert [family(n) for n in ("w4_wgmma_kernel", "_w4_decode_kernel", "sm90_xmma_gemm_bf16bf16_bf16f32",
@@ -132,7 +128,60 @@ def test_profile_families_name_the_rollout_kernels_and_profile_is_native_only(mo
         "fp4 decode gemm", "fp4 decode gemm", "gemm", "fp4 quantize", "fp4 quantize", "attention",
         "norm / rope / swiglu", "norm / rope / swiglu", "other"]
     assert family("_split_sum_kernel") == "copy/cast"  # (what it replaced: a zero-fill and a cast)
-    monkeypatch.setattr(sys, "argv", ["bench_rollout.py", "--backend", "sglang", "--profile"])
-    with pytest.raises(SystemExit):
-        bench_rollout.main()
-    assert "--profile: only with --backend native" in capsys.readouterr().err
+
+
+def test_sglang_profile_reads_the_engines_trace_by_family(tmp_path):
+    """--profile on an SGLang row: the Engine's scheduler writes a Chrome trace (gzip) that may still be half written
+    when stop_profile returns; its kernel events are summed by family as the native rows' (CPU events ignored)."""
+    import gzip
+    import json
+    import threading
+    import time
+
+    import bench_rollout
+
+    trace = {"traceEvents": [
+        {"cat": "kernel", "name": "w4_wgmma_kernel", "dur": 3000.0},
+        {"cat": "kernel", "name": "w4_wgmma_kernel", "dur": 2000.0},
+        {"cat": "kernel", "name": "_split_sum_kernel", "dur": 400.0},
+        {"cat": "kernel", "name": "nvjet_sm90_tst_64x32_64x16_4x2_h_bz_TNT", "dur": 1250.0},
+        {"cat": "cpu_op", "name": "aten::mm", "dur": 999.0},
+        {"ph": "M", "name": "process_name"}]}
+    calls = []
+
+    def finish(path):  # the scheduler finishes the file a moment after stop_profile returned
+        time.sleep(0.5)
+        with gzip.open(path, "wt") as f:
+            json.dump(trace, f)
+
+    class Engine:  # sglang.Engine's profiler methods, as SGLangRolloutEngine.engine holds it
+        def start_profile(self, output_dir=None, with_stack=None, record_shapes=None):  # (ProfileReq's fields)
+            calls.append("start")
+            self.dir = output_dir
+
+        def stop_profile(self):
+            calls.append("stop")
+            path = os.path.join(self.dir, "1764900000-TP-0.trace.json.gz")
+            with open(path, "wb") as f:  # its first bytes only: not yet readable
+                f.write(gzip.compress(json.dumps(trace).encode())[:20])
+            threading.Thread(target=finish, args=(path,)).start()
+
+    class Rollout:
+        engine = Engine()
+
+        def flush_cache(self):
+            calls.append("flush")
+
+        def generate(self, prompts, params):
+            calls.append("generate")
+
+    r = Rollout()
+    folder = tmp_path / "profile" / "w4a16_hif4"
+    out = bench_rollout._sglang_profile(r, [[1, 2]], None, str(folder), wait_s=30)
+    assert calls == ["flush", "start", "generate", "stop"]
+    assert out["families_ms"] == {"fp4 decode gemm": 5.0, "gemm": 1.25, "copy/cast": 0.4}
+    assert out["top_kernels_ms"][0] == ["w4_wgmma_kernel", 2, 5.0]
+    assert out["files"] == ["1764900000-TP-0.trace.json.gz"]
+    # no trace at all: an error in the row, not an exception (the row's speed is still measured)
+    Engine.stop_profile = lambda self: None
+    assert "no trace file" in bench_rollout._sglang_profile(r, [[1, 2]], None, str(folder), wait_s=0.1)["error"]
