@@ -632,3 +632,19 @@ def test_sigterm_with_exit_signal_handler_saves_the_step_and_resumes(tmp_path):
 def test_exit_signal_handler_needs_save():
     r = _run(["--exit-signal-handler", "--train-iters", "1"])
     assert r.returncode == 2 and "--exit-signal-handler saves a checkpoint" in r.stderr
+
+
+def test_stop_signal_waits_for_the_step_and_a_second_one_stops_at_once(capsys):
+    from megatron_fp4.rl.trainer import StopSignal
+
+    before = signal.getsignal(signal.SIGINT)
+    stop = StopSignal()
+    try:
+        os.kill(os.getpid(), signal.SIGINT)  # the first: noted, nothing raised
+        assert stop.received == "SIGINT" and "stops after this GRPO step" in capsys.readouterr().out
+        with pytest.raises(KeyboardInterrupt):  # the second: as without the flag
+            os.kill(os.getpid(), signal.SIGINT)
+            time.sleep(1)
+    finally:
+        stop.restore()
+    assert signal.getsignal(signal.SIGINT) is before

@@ -9,6 +9,7 @@ evaluator (greedy held-out accuracy), the checkpointer (save, resume, reshard) a
 
 from __future__ import annotations
 
+import os
 import signal
 import time
 from typing import Any, Optional
@@ -172,7 +173,8 @@ class GRPOTrainer:
 class StopSignal:
     """--exit-signal-handler (Megatron-LM's flag): SIGTERM and SIGINT only set ``received`` (the signal's name), so
     the GRPO step in progress runs to its end; :meth:`agreed`, between steps, tells whether any rank got one (every
-    rank then stops after the same step). :meth:`restore` puts the previous handlers back."""
+    rank then stops after the same step). A second signal acts as it would without the flag (Ctrl-C twice: stop
+    now). :meth:`restore` puts the previous handlers back."""
 
     SIGNALS = (signal.SIGTERM, signal.SIGINT)
 
@@ -181,7 +183,14 @@ class StopSignal:
         self._previous = {s: signal.signal(s, self._handle) for s in self.SIGNALS}
 
     def _handle(self, signum, frame) -> None:
+        if self.received is not None:  # the second one: the usual way out
+            self.restore()
+            signal.raise_signal(signum)
+            return
         self.received = signal.Signals(signum).name
+        if os.environ.get("RANK", "0") == "0":
+            print(f"[stop] {self.received}: the run stops after this GRPO step, once it is saved (the same signal "
+                  f"again stops it now)", flush=True)
 
     def agreed(self) -> bool:
         """Whether any rank has received a stop signal (a collective: every rank calls it after each step)."""
