@@ -1,7 +1,8 @@
 """--pack-sequences: each training micro-batch as one THD pack of its sequences. The pack index of a right-padded
 batch (hand-worked); the actor's GRPO loss, NLL loss and forward-only log-probs through megatron's schedule equal the
 padded batch's (losses, statistics and parameter gradients within 1e-5, fp32, SDPA attention); the flag's
-constraints; a driver step with and without packing."""
+constraints; --use-dynamic-batch-size's micro-batches by tokens (hand-worked, the same gradients); a driver step
+padded, packed and by tokens."""
 
 from __future__ import annotations
 
@@ -103,6 +104,66 @@ def test_packed_forward_only_logprobs(model):
         assert torch.isfinite(b).all()
 
 
+def _sequences():
+    """_batches()'s eight rows as one Sequences batch (packed lengths, up to the last loss token: 9, 4, 13, 6, 13,
+    0, 11, 0)."""
+    from megatron_fp4.rl.sequences import Sequences
+
+    bs = _batches()
+    cat = {k: torch.cat([b[k] for b in bs]) for k in bs[0]}
+    seqs = Sequences(cat["inputs"], cat["labels"], cat["mask"], cat["logp_rollout"], torch.zeros(8),
+                     cat["advantages"])
+    return seqs, {k: cat[k] for k in ("logp_old", "logp_ref")}
+
+
+def test_dynamic_batches_by_tokens_hand_worked():
+    seqs, extra = _sequences()
+    cut = actor.microbatches_by_tokens(seqs, 20, extra)  # 9+4 | 13+6 | 13+0 | 11+0: at most 20 packed tokens each
+    assert [b["inputs"].shape[0] for b in cut] == [2, 2, 2, 2]
+    assert [int(actor.pack_index(b["mask"])[2][-1]) for b in cut] == [13, 19, 13, 11]
+    assert torch.equal(torch.cat([b["logp_ref"] for b in cut]), extra["logp_ref"])  # every row once, in order
+    assert [b["inputs"].shape[0] for b in actor.microbatches_by_tokens(seqs, 13)] == [2, 1, 1, 2, 2]
+    assert [b["inputs"].shape[0] for b in actor.microbatches_by_tokens(seqs, 1000)] == [8]
+    with pytest.raises(ValueError, match="--max-tokens-per-gpu=12 is less than a sequence of this batch \(13 tokens"):
+        actor.microbatches_by_tokens(seqs, 12)
+
+
+@pytest.mark.parametrize("kind", ["grpo", "nll"])
+def test_dynamic_batches_give_the_fixed_size_gradients(model, kind):
+    """Per-token loss accounting: the gradients and summed loss statistics of the whole batch do not depend on how it
+    is cut into micro-batches (two of four sequences, or by a token budget)."""
+    loss_fn = partial(actor._grpo_loss, grpo.GRPOConfig(group_size=2, kl_beta=0.01)) if kind == "grpo" \
+        else actor._nll_loss
+    seqs, extra = _sequences()
+
+    def run(batches):
+        model.zero_grad(set_to_none=True)
+        store = actor.run_schedule(model, batches, loss_fn, forward_only=False, pack=True)
+        sums = {k: sum(float(d[k]) for d in store) for k in store[0]}
+        return sums, {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
+
+    fixed, g_fixed = run(actor.microbatches(seqs, 4, extra))
+    dynamic, g_dynamic = run(actor.microbatches_by_tokens(seqs, 20, extra))
+    for k in fixed:
+        if not k.endswith("_max"):
+            assert math.isclose(dynamic[k], fixed[k], rel_tol=1e-5, abs_tol=1e-6), (k, fixed[k], dynamic[k])
+    for n, g in g_fixed.items():
+        rel = float((g_dynamic[n] - g).norm() / g.norm())
+        assert rel < 1e-5, (n, rel)
+
+
+def test_dynamic_batch_flags():
+    args = parse_args(["--use-dynamic-batch-size", "--max-tokens-per-gpu", "4096", "--attention-backend", "sdpa"])
+    assert args.pack_sequences is True and args.max_tokens_per_gpu == 4096  # its micro-batches are packs
+    with pytest.raises(ValueError, match="--use-dynamic-batch-size needs --max-tokens-per-gpu"):
+        parse_args(["--use-dynamic-batch-size", "--attention-backend", "sdpa"])
+    with pytest.raises(ValueError, match="--max-tokens-per-gpu=4096 takes effect only with --use-dynamic-batch-size"):
+        parse_args(["--max-tokens-per-gpu", "4096"])
+    with pytest.raises(ValueError, match="--use-dynamic-batch-size \(it packs sequences\) needs --attention-backend "
+                                         "sdpa"):
+        parse_args(["--use-dynamic-batch-size", "--max-tokens-per-gpu", "64", "--attention-backend", "local"])
+
+
 def test_flag_constraints():
     assert parse_args([]).pack_sequences is False
     if not torch.cuda.is_available():
@@ -187,15 +248,17 @@ def test_driver_step_with_and_without_packing(tmp_path):
     env = dict(os.environ, PYTHONPATH=os.pathsep.join([ROOT, os.path.join(ROOT, "tests"),
                                                        os.environ.get("PYTHONPATH", "")]), OMP_NUM_THREADS="1")
     rows = {}
-    for name, extra in (("padded", []), ("packed", ["--pack-sequences"])):
+    for name, extra in (("padded", []), ("packed", ["--pack-sequences"]),
+                        ("dynamic", ["--use-dynamic-batch-size", "--max-tokens-per-gpu", "40"])):
         log = tmp_path / f"{name}.jsonl"
         r = subprocess.run([sys.executable, os.path.join(ROOT, "pretrain_rl.py"), *TINY, *extra, "--log-jsonl",
                             str(log)], env=env, cwd=ROOT, capture_output=True, text=True, timeout=600)
         assert r.returncode == 0, r.stderr[-3000:]
         assert "attention sdpa" in r.stdout
         rows[name] = [json.loads(line) for line in open(log) if '"train"' in line][0]
-    a, b = rows["padded"], rows["packed"]
-    assert a["reward_mean"] == b["reward_mean"] and a["response_length_mean"] == b["response_length_mean"]
+    a = rows["padded"]
     assert a["grad_norm"] > 0 and a["loss"] != 0
-    for k in ("loss", "entropy_mean", "kl_mean", "logp_abs_diff_mean", "ratio_mean", "grad_norm"):
-        assert math.isclose(a[k], b[k], rel_tol=1e-5, abs_tol=1e-7), (k, a[k], b[k])
+    for b in (rows["packed"], rows["dynamic"]):  # (dynamic: micro-batches of up to 40 tokens, not 6 sequences)
+        assert a["reward_mean"] == b["reward_mean"] and a["response_length_mean"] == b["response_length_mean"]
+        for k in ("loss", "entropy_mean", "kl_mean", "logp_abs_diff_mean", "ratio_mean", "grad_norm"):
+            assert math.isclose(a[k], b[k], rel_tol=1e-5, abs_tol=1e-7), (k, a[k], b[k])

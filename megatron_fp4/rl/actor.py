@@ -116,15 +116,36 @@ def run_schedule(model, batches: list[dict], loss_fn: Callable, forward_only: bo
 
 def microbatches(seqs: Sequences, size: int, extra: Optional[dict[str, torch.Tensor]] = None) -> list[dict]:
     """``seqs`` (and per-sequence ``extra`` tensors) cut into micro-batch dicts of ``size`` sequences."""
-    out = []
-    for start in range(0, len(seqs), size):
-        sl = slice(start, start + size)
-        mb = {"inputs": seqs.inputs[sl], "labels": seqs.labels[sl], "mask": seqs.mask[sl],
-              "logp_rollout": seqs.logp_rollout[sl], "advantages": seqs.advantages[sl]}
-        for k, v in (extra or {}).items():
-            mb[k] = v[sl]
-        out.append(mb)
+    return [_microbatch(seqs, slice(start, start + size), extra) for start in range(0, len(seqs), size)]
+
+
+def microbatches_by_tokens(seqs: Sequences, max_tokens: int, extra: Optional[dict[str, torch.Tensor]] = None
+                           ) -> list[dict]:
+    """``seqs`` cut into micro-batches of consecutive sequences holding at most ``max_tokens`` tokens as
+    :func:`pack_index` packs them (each sequence up to its last loss token; --use-dynamic-batch-size). A sequence
+    longer than ``max_tokens`` is an error naming the flag."""
+    m = seqs.mask.bool()
+    lengths = (m * torch.arange(1, m.shape[1] + 1)).amax(dim=1).tolist() if len(seqs) else []
+    if lengths and max(lengths) > max_tokens:
+        raise ValueError(f"--max-tokens-per-gpu={max_tokens} is less than a sequence of this batch ({max(lengths)} "
+                         f"tokens up to its last loss token): raise it to at least the longest prompt + response")
+    out, start, used = [], 0, 0
+    for i, n in enumerate(lengths):
+        if used + n > max_tokens:
+            out.append(_microbatch(seqs, slice(start, i), extra))
+            start, used = i, 0
+        used += n
+    if start < len(lengths):
+        out.append(_microbatch(seqs, slice(start, len(lengths)), extra))
     return out
+
+
+def _microbatch(seqs: Sequences, sl: slice, extra: Optional[dict[str, torch.Tensor]]) -> dict:
+    mb = {"inputs": seqs.inputs[sl], "labels": seqs.labels[sl], "mask": seqs.mask[sl],
+          "logp_rollout": seqs.logp_rollout[sl], "advantages": seqs.advantages[sl]}
+    for k, v in (extra or {}).items():
+        mb[k] = v[sl]
+    return mb
 
 
 def pad_batch(batch: dict, rows: int, cols: int) -> dict:
@@ -282,6 +303,12 @@ class Actor:
         bad = bool(finite) and not bool(torch.stack(finite).all())  # one host read, not one per parameter
         return not any_rank(bad)
 
+    def microbatches(self, seqs: Sequences, extra: Optional[dict[str, torch.Tensor]] = None) -> list[dict]:
+        """The micro-batches of a pass: by tokens with --use-dynamic-batch-size, else --micro-batch-size sequences."""
+        if self.cfg.use_dynamic_batch_size:
+            return microbatches_by_tokens(seqs, self.cfg.max_tokens_per_gpu, extra)
+        return microbatches(seqs, self.cfg.micro_batch_size, extra)
+
     def _backward(self, batches: list[dict], loss_fn: Callable) -> list[dict]:
         self.policy.zero_grad_buffer()
         self.optimizer.zero_grad()
@@ -297,7 +324,7 @@ class Actor:
             lp = _logprobs(batch, logits)
             return lp.sum() * 0, torch.tensor(1, dtype=torch.int), {"logp": lp}
 
-        store = run_schedule(model, microbatches(seqs, self.cfg.micro_batch_size), loss_fn, forward_only=True,
+        store = run_schedule(model, self.microbatches(seqs), loss_fn, forward_only=True,
                              pack=self.cfg.pack_sequences)
         if not store:
             return None
@@ -306,7 +333,7 @@ class Actor:
     # -- the two kinds of update ------------------------------------------------------------------------------------
     def supervised_update(self, seqs: Sequences) -> float:
         """One cross-entropy step on the masked labels; returns the NLL per token (on every rank)."""
-        store = self._backward(microbatches(seqs, self.cfg.micro_batch_size), _nll_loss)
+        store = self._backward(self.microbatches(seqs), _nll_loss)
         self.optimizer_step()
         nll = sum(float(d["nll_sum"]) for d in store) if store else 0.0
         ntok = sum(float(d["tokens"]) for d in store) if store else 0.0
@@ -352,7 +379,7 @@ class Actor:
                     if dp_sum(float(part.mask.sum())) == 0:  # every sample of this share filtered out
                         continue
                     self.set_lr(self.lr_at(step - 1, i))
-                stats = reduce_token_stats(self._backward(microbatches(part, self.cfg.micro_batch_size, part_extra),
+                stats = reduce_token_stats(self._backward(self.microbatches(part, part_extra),
                                                           loss_fn))
                 clock.lap(metrics, "train/forward_backward_s")
                 # one decision per optimizer step, before the optimizer touches the weights

@@ -247,22 +247,30 @@ def validate_args(args: argparse.Namespace, world_size: int = 1) -> argparse.Nam
                          f"{'' if args.fp4_train else ' with --no-fp4-train'}")
     if args.resq_combine != "exact" and args.resq == "none":
         raise ValueError(f"--resq-combine={args.resq_combine!r} needs a ResQ residual (--resq other than 'none')")
+    if args.use_dynamic_batch_size:
+        if args.max_tokens_per_gpu is None:
+            raise ValueError("--use-dynamic-batch-size needs --max-tokens-per-gpu N (packed tokens per micro-batch)")
+        args.pack_sequences = True  # its micro-batches are packs
+    elif args.max_tokens_per_gpu is not None:
+        raise ValueError(f"--max-tokens-per-gpu={args.max_tokens_per_gpu} takes effect only with "
+                         f"--use-dynamic-batch-size (micro-batches by tokens); add it, or drop --max-tokens-per-gpu")
     if args.pack_sequences:
         from megatron_fp4.parallel.attention import resolve_attention_backend
 
+        flag = "--use-dynamic-batch-size (it packs sequences)" if args.use_dynamic_batch_size else "--pack-sequences"
         if resolve_attention_backend(args.attention_backend) != "sdpa":
-            raise ValueError(f"--pack-sequences needs --attention-backend sdpa (megatron-core's unfused attention "
+            raise ValueError(f"{flag} needs --attention-backend sdpa (megatron-core's unfused attention "
                              f"takes no packed sequences); got --attention-backend {args.attention_backend}"
                              + (" (local without CUDA)" if args.attention_backend == "auto" else ""))
         if pp > 1:
-            raise ValueError(f"--pack-sequences is not supported with --pipeline-model-parallel-size={pp} (allowed: 1)")
+            raise ValueError(f"{flag} is not supported with --pipeline-model-parallel-size={pp} (allowed: 1)")
     if args.cuda_graph_impl == "local":
         import torch
 
         if not torch.cuda.is_available():
             raise ValueError("--cuda-graph-impl local needs a CUDA GPU (CUDA graphs); use --cuda-graph-impl none")
         if args.pack_sequences:
-            raise ValueError("--cuda-graph-impl local needs one micro-batch shape; --pack-sequences makes one per "
+            raise ValueError(f"--cuda-graph-impl local needs one micro-batch shape; {flag} makes one per "
                              "micro-batch (drop one of the two)")
         if pp > 1:
             raise ValueError(f"--cuda-graph-impl local is not supported with --pipeline-model-parallel-size={pp} "

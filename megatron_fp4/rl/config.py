@@ -270,6 +270,14 @@ class ActorConfig:
                                                       "rollout-batch-size x n-samples-per-prompt / this",
                                                 check=positive)
     micro_batch_size: int = knob(256, "sequences per training micro-batch", check=positive)
+    use_dynamic_batch_size: bool = knob(False, "cut the training and log-prob passes into micro-batches by tokens, "
+                                               "not sequences (slime's flag): consecutive sequences packed as "
+                                               "--pack-sequences packs them (implied) up to --max-tokens-per-gpu "
+                                               "tokens each; --micro-batch-size is then unused. The same losses "
+                                               "(per-token accounting) in fewer passes when responses are short")
+    max_tokens_per_gpu: Optional[int] = knob(None, "with --use-dynamic-batch-size: packed tokens per micro-batch "
+                                                   "(each sequence counted up to its last loss token; at least the "
+                                                   "longest prompt + response)", check=positive)
     pack_sequences: bool = knob(False, "run each training micro-batch as one THD pack of its sequences (each up to its "
                                        "last loss token, attention within each sequence): no compute on padding. "
                                        "Needs the sdpa attention (--attention-backend sdpa, or auto on CUDA) and "
