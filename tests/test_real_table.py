@@ -189,6 +189,34 @@ def test_a_run_out_of_device_memory_runs_again_with_fewer_neighbours(tmp_path, m
         assert rc == 1 and len(done) == 5 and f"{target} FAILED" in out
 
 
+def test_machine_left_starts_only_runs_that_can_finish_and_the_started_ones_first(tmp_path, monkeypatch, capsys):
+    """--machine-left: a new run longer than the machine's time left (the longest finished run) is not started (it
+    would be lost with the machine, and slow the others); a run with a checkpoint resumes, ahead of the queue."""
+    out = tmp_path / "runs"
+    done = mt.plan([1], ["hif4"], ["bf16_bf16"])[0]
+    (out / done.name).mkdir(parents=True)
+    (out / done.name / "results.json").write_text(json.dumps({"warm_start": {}, "final": {}, "seconds": 1000.0}))
+    started = mt.plan([1], ["hif4"], ["fp4_fp4"])[0]
+    (tmp_path / "runs_ckpt" / started.name).mkdir(parents=True)
+    (tmp_path / "runs_ckpt" / started.name / mt.TRACKER_FILE).write_text("90")
+    calls = []
+
+    def fake_run_one(args, run, warm, env, deadline=None):
+        calls.append(run.name)
+        return {"status": "stopped", "seconds": 1.0}
+
+    monkeypatch.setattr(mt, "ensure_warm", lambda args, seed, env: "warm")
+    monkeypatch.setattr(mt, "run_one", fake_run_one)
+    argv = ["--preset", "smollm2", "--out", str(out), "--seeds", "1", "--formats", "hif4", "--only",
+            "bf16_bf16,bf16_fp4,fp4_fp4", "--jobs", "1"]
+    assert mt.main(argv + ["--machine-left", "500"]) == 0
+    assert calls == [started.name]  # bf16_fp4 (new, ~1000 s) not started; fp4_fp4 (step 90) resumed
+    assert "not starting seed1/hif4/bf16_fp4: a run takes about 1000s and the machine goes back in" in \
+        capsys.readouterr().out
+    calls.clear()
+    assert mt.main(argv) == 0 and calls == [started.name, "seed1/hif4/bf16_fp4"]  # no limit: both, started first
+
+
 def test_shards_of_one_machine_make_the_warm_start_once(tmp_path, monkeypatch):
     """Two shards (--shard 0/2, 1/2) start at once and need the same seed's warm start: one makes it, the other
     waits for it (CI once saw both write the same checkpoint, and one fail)."""
@@ -260,6 +288,7 @@ def test_a_stop_as_the_last_step_ends_counts_as_done(tmp_path, monkeypatch):
     (["--preset", "smollm2", "--save-interval", "0"], "--save-interval=0 is not valid"),
     (["--preset", "smollm2", "--grpo-steps", "0"], "--grpo-steps=0 is not valid"),
     (["--preset", "smollm2", "--time-budget", "-1"], "--time-budget=-1.0 is not valid"),
+    (["--preset", "smollm2", "--machine-left", "-5"], "--machine-left=-5.0 is not valid"),
     (["--preset", "smollm2", "--only", "fp4_fp5"], "--only: 'fp4_fp5' is not valid"),
 ])
 def test_bad_flags_are_one_line_errors(tmp_path, argv, message):

@@ -14,7 +14,8 @@
 # shard of the runs per GPU (JOBS runs at once on each),
 # prints each run's last step every 45 s, then the status table, and leaves runs/real_table (small files) in
 # $OUT/real_table.tgz. FLAGS go to run_mini_table.py (e.g. "--only bf16_bf16 -- --lr 1e-5"); TABLE_OUT=DIR puts the
-# runs in DIR instead of runs/real_table (a trial schedule apart from the table).
+# runs in DIR instead of runs/real_table (a trial schedule apart from the table). MACHINE_LEFT=S (the device tool's
+# budget_left_s before the call): new runs that would not finish before the machine goes back are not started.
 set -u
 T0=$(date +%s)
 MODE=${1:-run}
@@ -55,7 +56,8 @@ echo "time budget ${BUDGET}s, $NGPU GPU(s), --jobs $JOBS per GPU, --seeds $SEEDS
 pids=()
 for g in $(seq 0 $((NGPU - 1))); do  # one shard of the planned runs per GPU
   CUDA_VISIBLE_DEVICES=$g python3 examples/mini_table/run_mini_table.py --preset smollm2 --out "$TABLE" \
-    --seeds "$SEEDS" --shard $g/$NGPU --jobs "$JOBS" --time-budget $BUDGET "$@" >> "$TABLE.shard$g.log" 2>&1 &
+    --seeds "$SEEDS" --shard $g/$NGPU --jobs "$JOBS" --time-budget $BUDGET \
+    ${MACHINE_LEFT:+--machine-left $(( MACHINE_LEFT - ($(date +%s) - T0) ))} "$@" >> "$TABLE.shard$g.log" 2>&1 &
   pids+=($!)
 done
 running() { for p in "${pids[@]}"; do kill -0 $p 2>/dev/null && return 0; done; return 1; }

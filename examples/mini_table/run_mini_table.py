@@ -327,6 +327,12 @@ def run_ckpt_dir(args, run: Run) -> str | None:
     return os.path.join(args.ckpt_dir, run.name) if args.preset in SMOLLM2 else None
 
 
+def in_progress(args, run: Run) -> bool:
+    """Whether ``run`` has a checkpoint to resume from (started in an earlier call on this machine)."""
+    ckpt = run_ckpt_dir(args, run)
+    return ckpt is not None and os.path.isfile(os.path.join(ckpt, TRACKER_FILE))
+
+
 def run_command_line(args, run: Run, warm_ckpt: str) -> list[str]:
     """The pretrain_rl.py command of one table run."""
     rdir = os.path.join(args.out, run.name)
@@ -487,6 +493,11 @@ def parse(argv=None):
                         f"start runs while {MIN_START_S:.0f} s are left; {STOP_GRACE_S:.0f} s before the budget "
                         "the running ones finish their step, save and stop (they resume from there when the same "
                         "command runs again)")
+    p.add_argument("--machine-left", type=float, default=0,
+                   help="smollm2 presets: seconds until the machine (and the runs' checkpoints on it) goes away, this "
+                        "call included (e.g. the device tool's budget left); a new run expected to take longer (the "
+                        "longest finished run) is not started: it would be lost and slow the runs that can finish. "
+                        "0 = no limit")
     p.add_argument("--tensorboard", action="store_true", help="also write tensorboard logs per run")
     p.add_argument("--list", action="store_true", help="print the planned runs and their status, run nothing")
     p.add_argument("--verbose", action="store_true", help="echo the runs' console output")
@@ -516,6 +527,8 @@ def parse(argv=None):
         raise SystemExit(f"--save-interval={args.save_interval} is not valid; expected at least 1")
     if args.time_budget < 0:
         raise SystemExit(f"--time-budget={args.time_budget} is not valid; expected seconds >= 0")
+    if args.machine_left < 0:
+        raise SystemExit(f"--machine-left={args.machine_left} is not valid; expected seconds >= 0")
     if args.jobs < 1:
         raise SystemExit(f"--jobs={args.jobs} is not valid; expected at least 1")
     args.task_flags = None
@@ -547,13 +560,21 @@ def main(argv=None) -> int:
     resumable = args.preset in SMOLLM2
     deadline = t_start + args.time_budget if args.time_budget and resumable else None
 
-    queue = deque(todo)
+    queue = deque(sorted(todo, key=lambda r: not in_progress(args, r)))  # the started runs first: finish those
     jobs = {"limit": args.jobs, "live": 0, "oom": set()}
 
     def work(run: Run) -> None:
         with lock:
             estimate = max(durations) if durations else 0.0
-            left = args.time_budget - (time.monotonic() - t_start)
+            elapsed = time.monotonic() - t_start
+            left = args.time_budget - elapsed
+            if (resumable and args.machine_left and estimate > args.machine_left - elapsed
+                    and not in_progress(args, run)):
+                print(f"[mini_table] not starting {run.name}: a run takes about {estimate:.0f}s and the machine goes "
+                      f"back in {args.machine_left - elapsed:.0f}s (--machine-left): it would be lost, and slow "
+                      f"the runs that can finish", flush=True)
+                status[run.name] = "machine"
+                return
             over = (left < MIN_START_S) if resumable else (left < estimate)
             if stop.is_set() or (args.time_budget and over):
                 if not stop.is_set():
