@@ -648,3 +648,34 @@ def test_stop_signal_waits_for_the_step_and_a_second_one_stops_at_once(capsys):
     finally:
         stop.restore()
     assert signal.getsignal(signal.SIGINT) is before
+
+
+@pytest.mark.slow
+def test_a_sigterm_to_one_rank_stops_every_rank_after_the_same_step(tmp_path):
+    """--exit-signal-handler at DP=2: only one worker gets the SIGTERM (a node's share of a job); the ranks agree
+    (an all-reduce after each step), both save that step together and exit 0, and the run resumes from it."""
+    ckpt, log = tmp_path / "ckpt", tmp_path / "run.jsonl"
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
+           os.path.join(ROOT, "pretrain_rl.py"), *TINY, "--train-iters", "5", "--save-interval", "100", "--save",
+           str(ckpt), "--exit-signal-handler", "--log-jsonl", str(log)]
+    proc = subprocess.Popen(cmd, env=_env(), cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                            start_new_session=True)
+    try:
+        deadline = time.monotonic() + 600
+        while (not log.exists() or '"kind": "train"' not in log.read_text()) and proc.poll() is None \
+                and time.monotonic() < deadline:
+            time.sleep(0.05)
+        rows = subprocess.run(["ps", "-eo", "pid=,ppid=,args="], capture_output=True, text=True).stdout.split("\n")
+        workers = sorted(int(r.split()[0]) for r in rows if "pretrain_rl.py" in r and "torch.distributed.run" not in r
+                         and r.strip())
+        assert len(workers) == 2, rows
+        os.kill(workers[-1], signal.SIGTERM)  # one worker only
+        out = proc.communicate(timeout=600)[0]
+    finally:
+        _kill_tree(proc.pid)
+    assert proc.returncode == 0, out[-3000:]
+    done = max(row["step"] for row in _read_jsonl(log) if row["kind"] == "train")
+    assert done < 5 and f"stopped after GRPO step {done} of 5" in out and _saved_step(ckpt) == done
+    r = subprocess.run(cmd, env=_env(), cwd=ROOT, capture_output=True, text=True, timeout=600)
+    assert r.returncode == 0 and f"(step {done})" in r.stdout, r.stderr[-3000:]
+    assert [row["step"] for row in _read_jsonl(log) if row["kind"] == "train"] == [1, 2, 3, 4, 5]
