@@ -78,11 +78,8 @@ def main(argv=None) -> dict:
     trainer.start(plan)
     result = trainer.train()
     result.update(seconds=time.monotonic() - t_start, setup=setup)
-    if result.get("stopped"):  # --exit-signal-handler: saved, not finished (no final numbers, no --results-json)
-        trainer.logger.close()
-        destroy_parallel()
-        return result
-    if rank == 0:
+    # --exit-signal-handler's stop: saved, not finished (no final numbers, no --results-json)
+    if rank == 0 and not result.get("stopped"):
         warm = result["warm_start"]
         for key, value in result["final"].items():
             before = warm.get(key, float("nan"))
