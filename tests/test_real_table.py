@@ -52,7 +52,7 @@ def _args(tmp_path, *extra):
 def test_smollm2_preset_plans_the_issue_rows_and_resumable_commands(tmp_path):
     args = _args(tmp_path, "--seeds", "1,2,3")
     assert args.only == ["bf16_bf16", "bf16_fp4", "fp4_fp4", "fp4_fp4_resq_2of4"]
-    assert args.grpo_steps == 100 and args.save_interval == 10
+    assert args.grpo_steps == 100 and args.save_interval == 25
     runs = mt.plan(args.seeds, args.formats, args.only)
     assert len(runs) == 3 * 7  # per seed: BF16/BF16 once, three FP4 rows in HiF4 and MXFP4
     assert sum(len(mt.shard(runs, f"{i}/4")) for i in range(4)) == len(runs)
@@ -63,7 +63,7 @@ def test_smollm2_preset_plans_the_issue_rows_and_resumable_commands(tmp_path):
     assert "--fp4-block-format mxfp4 --rollout-precision w4a4 --resq 2:4" in text
     assert "--train-iters 100 --seed 2" in text
     ckpt = os.path.join(args.ckpt_dir, "seed2", "mxfp4", "fp4_fp4_resq_2of4")
-    assert cmd[cmd.index("--save") + 1] == ckpt and cmd[cmd.index("--save-interval") + 1] == "10"
+    assert cmd[cmd.index("--save") + 1] == ckpt and cmd[cmd.index("--save-interval") + 1] == "25"
     assert "--exit-signal-handler" in cmd  # a stop at the time budget saves the step just done
     # the presets whose runs start over keep --init-from and take no --save
     gpu = mt.parse(["--out", str(tmp_path / "g")])
