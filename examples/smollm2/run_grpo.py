@@ -205,7 +205,7 @@ def driver_args(work: Path, preset: dict, train: Path, eval_: Path, gpu: bool, s
     args += ["--train-iters", str(preset["train_iters"]), "--save-hf", str(work / "hf"),
              "--save-debug-rollout-data", str(work / "debug" / "{rollout_id}.pt"),
              "--results-json", str(work / "results.json"), "--log-jsonl", str(work / "metrics.jsonl")]
-    if gpu:  # checkpoints every 20 steps, and the step in progress on Ctrl-C / SIGTERM: the same command resumes the run
+    if gpu:  # checkpoints every 20 steps and on Ctrl-C / SIGTERM: re-running the same command resumes the run
         args += ["--save", str(work / "run"), "--save-interval", "20", "--exit-signal-handler"]
     return args
 
