@@ -238,7 +238,8 @@ def run_command(cmd: list[str], log_path: str, env: dict, deadline: float | None
         if timer is not None:
             timer.cancel()
         if stopped.is_set():
-            log.write(f"\n[mini_table] stopped at the --time-budget deadline (exit {rc}); the same command resumes it\n")
+            log.write(f"\n[mini_table] stopped at the --time-budget deadline (exit {rc}); the same command "
+                      f"resumes it\n")
             return STOPPED
         return rc
 
