@@ -160,9 +160,10 @@ def _sglang_row(a, shape, model, hf, p, prompts, params, sub) -> dict:
             engine.flush_cache()
             samples = engine.generate(prompts, params)
             times.append(engine.last_generate_stats["seconds"])
-        profile = _sglang_profile(engine, prompts, params, os.path.join(a.work_dir, "profile", shape,
-                                                                         p.label.replace("/", "_"))) \
-            if getattr(a, "profile", False) else None
+        profile = None
+        if a.profile:
+            folder = os.path.join(a.work_dir, "profile", shape, p.label.replace("/", "_"))
+            profile = _sglang_profile(engine, prompts, params, folder)
         sync = engine.update_weights(model.named_parameters())  # (flushes the cache itself)
         engine.generate(prompts, params)
         after_sync = dict(engine.last_generate_stats)

@@ -65,8 +65,8 @@ def test_sglang_rows_flush_the_prefix_cache_before_every_timed_generate(monkeypa
     monkeypatch.setattr(sglang_engine, "SGLangRolloutEngine", Engine)
     monkeypatch.setattr(bench_rollout, "export_hf", lambda model, args, path: path)
     monkeypatch.setattr("megatron_fp4.rollout.teacher_forced_logprobs", lambda m, p, t, prec: [[-0.5, -0.25]] * len(p))
-    a = types.SimpleNamespace(work_dir="/tmp/unused", check_samples=2, batch=2, precisions="bf16", repeats=2,
-                              prompt_len=4, new_tokens=2)
+    a = types.SimpleNamespace(work_dir="/tmp/unused", profile=False, check_samples=2, batch=2, precisions="bf16",
+                              repeats=2, prompt_len=4, new_tokens=2)
     model = types.SimpleNamespace(named_parameters=lambda: iter(()))
     from megatron_fp4.rollout.precision import get_weight_cache
 

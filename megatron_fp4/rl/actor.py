@@ -53,12 +53,18 @@ def lr_schedule(it: int, *, lr: float, min_lr: Optional[float], warmup_iters: in
     return min_lr + 0.5 * (lr - min_lr) * (1 + math.cos(math.pi * frac))
 
 
+def pack_lengths(mask: torch.Tensor) -> torch.Tensor:
+    """Each row's length in a THD pack: its last loss position + 1 (0 for a row without loss tokens)."""
+    m = mask.bool()
+    return (m * torch.arange(1, m.shape[1] + 1, device=m.device)).amax(dim=1)
+
+
 def pack_index(mask: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, int]:
     """(rows, columns, cu_seqlens, longest) of the THD pack of a right-padded micro-batch with loss ``mask [B, T]``:
     each row's positions up to its last loss token (rows without one are left out), row after row; cu_seqlens
     (int32) bounds the sequences in the pack."""
     m = mask.bool()
-    lengths = (m * torch.arange(1, m.shape[1] + 1, device=m.device)).amax(dim=1)  # last loss position + 1
+    lengths = pack_lengths(m)
     if int(lengths.sum()) == 0:  # nothing enters the loss: pack one token so that the forward still runs
         lengths[0] = 1
     rows, cols = (torch.arange(m.shape[1], device=m.device)[None, :] < lengths[:, None]).nonzero(as_tuple=True)
@@ -122,10 +128,9 @@ def microbatches(seqs: Sequences, size: int, extra: Optional[dict[str, torch.Ten
 def microbatches_by_tokens(seqs: Sequences, max_tokens: int, extra: Optional[dict[str, torch.Tensor]] = None
                            ) -> list[dict]:
     """``seqs`` cut into micro-batches of consecutive sequences holding at most ``max_tokens`` tokens as
-    :func:`pack_index` packs them (each sequence up to its last loss token; --use-dynamic-batch-size). A sequence
+    :func:`pack_index` packs them (:func:`pack_lengths`; --use-dynamic-batch-size). A sequence
     longer than ``max_tokens`` is an error naming the flag."""
-    m = seqs.mask.bool()
-    lengths = (m * torch.arange(1, m.shape[1] + 1)).amax(dim=1).tolist() if len(seqs) else []
+    lengths = pack_lengths(seqs.mask).tolist() if len(seqs) else []
     if lengths and max(lengths) > max_tokens:
         raise ValueError(f"--max-tokens-per-gpu={max_tokens} is less than a sequence of this batch ({max(lengths)} "
                          f"tokens up to its last loss token): raise it to at least the longest prompt + response")

@@ -254,10 +254,10 @@ def validate_args(args: argparse.Namespace, world_size: int = 1) -> argparse.Nam
     elif args.max_tokens_per_gpu is not None:
         raise ValueError(f"--max-tokens-per-gpu={args.max_tokens_per_gpu} takes effect only with "
                          f"--use-dynamic-batch-size (micro-batches by tokens); add it, or drop --max-tokens-per-gpu")
+    flag = "--use-dynamic-batch-size (it packs sequences)" if args.use_dynamic_batch_size else "--pack-sequences"
     if args.pack_sequences:
         from megatron_fp4.parallel.attention import resolve_attention_backend
 
-        flag = "--use-dynamic-batch-size (it packs sequences)" if args.use_dynamic_batch_size else "--pack-sequences"
         if resolve_attention_backend(args.attention_backend) != "sdpa":
             raise ValueError(f"{flag} needs --attention-backend sdpa (megatron-core's unfused attention "
                              f"takes no packed sequences); got --attention-backend {args.attention_backend}"
