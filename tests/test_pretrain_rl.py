@@ -665,10 +665,11 @@ def test_a_sigterm_to_one_rank_stops_every_rank_after_the_same_step(tmp_path):
         while (not log.exists() or '"kind": "train"' not in log.read_text()) and proc.poll() is None \
                 and time.monotonic() < deadline:
             time.sleep(0.05)
-        rows = subprocess.run(["ps", "-eo", "pid=,ppid=,args="], capture_output=True, text=True).stdout.split("\n")
-        workers = sorted(int(r.split()[0]) for r in rows if "pretrain_rl.py" in r and "torch.distributed.run" not in r
-                         and r.strip())
-        assert len(workers) == 2, rows
+        # torchrun's children, read from ps's pid/ppid columns only: ps cuts args to 80 columns where stdout is a
+        # pipe, so a long interpreter path would hide the script's name (CI's venv did)
+        rows = subprocess.run(["ps", "-eo", "pid=,ppid="], capture_output=True, text=True).stdout.split("\n")
+        workers = sorted(int(r.split()[0]) for r in rows if r.strip() and int(r.split()[1]) == proc.pid)
+        assert len(workers) == 2, (proc.pid, rows)
         os.kill(workers[-1], signal.SIGTERM)  # one worker only
         out = proc.communicate(timeout=600)[0]
     finally:

@@ -124,7 +124,7 @@ def test_dynamic_batches_by_tokens_hand_worked():
     assert torch.equal(torch.cat([b["logp_ref"] for b in cut]), extra["logp_ref"])  # every row once, in order
     assert [b["inputs"].shape[0] for b in actor.microbatches_by_tokens(seqs, 13)] == [2, 1, 1, 2, 2]
     assert [b["inputs"].shape[0] for b in actor.microbatches_by_tokens(seqs, 1000)] == [8]
-    with pytest.raises(ValueError, match="--max-tokens-per-gpu=12 is less than a sequence of this batch \(13 tokens"):
+    with pytest.raises(ValueError, match=r"--max-tokens-per-gpu=12 is less than a sequence of this batch \(13 tokens"):
         actor.microbatches_by_tokens(seqs, 12)
 
 
@@ -159,7 +159,7 @@ def test_dynamic_batch_flags():
         parse_args(["--use-dynamic-batch-size", "--attention-backend", "sdpa"])
     with pytest.raises(ValueError, match="--max-tokens-per-gpu=4096 takes effect only with --use-dynamic-batch-size"):
         parse_args(["--max-tokens-per-gpu", "4096"])
-    with pytest.raises(ValueError, match="--use-dynamic-batch-size \(it packs sequences\) needs --attention-backend "
+    with pytest.raises(ValueError, match=r"--use-dynamic-batch-size \(it packs sequences\) needs --attention-backend "
                                          "sdpa"):
         parse_args(["--use-dynamic-batch-size", "--max-tokens-per-gpu", "64", "--attention-backend", "local"])
 
