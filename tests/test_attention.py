@@ -144,6 +144,95 @@ def test_packed_sequences_equal_one_by_one(padded):
     assert bool(gaps.any()) == padded
 
 
+def _per_sequence(q, k, v, cu, scale):
+    """One causal SDPA call per THD sequence (GQA inside SDPA): the reference of the varlen path."""
+    import torch.nn.functional as F
+    outs, bounds = [], cu.tolist()
+    for a, b in zip(bounds[:-1], bounds[1:]):
+        o = F.scaled_dot_product_attention(q[a:b].transpose(0, 1), k[a:b].transpose(0, 1), v[a:b].transpose(0, 1),
+                                           is_causal=True, scale=scale, enable_gqa=k.shape[1] != q.shape[1])
+        outs.append(o.transpose(0, 1))
+    return torch.cat(outs)
+
+
+def _varlen_2_11(query, key, value, cu_seq_q, cu_seq_k, max_q, max_k, *, return_aux=None, scale=None,
+                 window_size=(-1, -1)):
+    """torch 2.11's ``varlen_attn`` signature (the H200 image: no ``enable_gqa``; FlashAttention there), computed
+    by plain SDPA per sequence, which refuses unequal head counts as ``enable_gqa=False`` does."""
+    assert window_size == (-1, 0) and key.shape[1] == query.shape[1], (window_size, key.shape, query.shape)
+    return _per_sequence(query, key, value, cu_seq_q, scale)
+
+
+def _varlen_newer(query, key, value, cu_seq_q, cu_seq_k, max_q, max_k, *, return_aux=None, scale=None,
+                  window_size=(-1, -1), enable_gqa=False):
+    assert window_size == (-1, 0) and enable_gqa == (key.shape[1] != query.shape[1])
+    return _per_sequence(query, key, value, cu_seq_q, scale)
+
+
+def _varlen_older(query, key, value, cu_seq_q, cu_seq_k, max_q, max_k, is_causal=False, return_aux=None,
+                  scale=None):
+    assert is_causal and key.shape[1] == query.shape[1]
+    return _per_sequence(query, key, value, cu_seq_q, scale)
+
+
+@pytest.mark.parametrize("attn", [_varlen_2_11, _varlen_newer, _varlen_older])
+@pytest.mark.parametrize("groups", [4, 2, 1])
+def test_varlen_call_fits_each_pytorch_signature(attn, groups):
+    """The packed path's varlen_attn call is built from the installed PyTorch's signature: on torch 2.11 (the H200
+    image, no ``enable_gqa``) a GQA key/value is repeated per query head, on newer releases passed as is with
+    ``enable_gqa``. Outputs and gradients equal one SDPA call per sequence (a first version passed ``enable_gqa``
+    unconditionally: a TypeError on the H200, found by reading 2.11's source)."""
+    from megatron_fp4.parallel.attention import varlen_causal_attention
+    g = torch.Generator().manual_seed(4)
+    cu = torch.tensor([0, 5, 8, 14], dtype=torch.int32)
+    q = torch.randn(14, 4, 16, generator=g, requires_grad=True)
+    k = torch.randn(14, groups, 16, generator=g, requires_grad=True)
+    v = torch.randn(14, groups, 16, generator=g, requires_grad=True)
+    up = torch.randn(14, 4, 16, generator=g)
+    got = varlen_causal_attention(q, k, v, cu, 6, 0.25, attn=attn)
+    grads = torch.autograd.grad(got, (q, k, v), up)
+    want = _per_sequence(q, k, v, cu, 0.25)
+    for a, b in zip((got, *grads), (want, *torch.autograd.grad(want, (q, k, v), up))):
+        torch.testing.assert_close(a, b, **TOL)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("groups", [12, 2])
+def test_gpu_varlen_pack_equals_per_sequence_sdpa(groups, monkeypatch):
+    """On CUDA in bf16 the packed path runs PyTorch's FlashAttention varlen (GQA included, forward and backward)
+    and equals one causal SDPA call per sequence within bf16 rounding."""
+    import functools
+
+    from megatron_fp4.parallel import attention
+    assert attention.varlen_attn is not None
+    calls = []
+
+    @functools.wraps(attention.varlen_attn)
+    def counted(*a, **kw):
+        calls.append(kw)
+        return counted.__wrapped__(*a, **kw)
+
+    monkeypatch.setattr(attention, "varlen_attn", counted)
+    _, sdpa = _pair(_config(heads=12, groups=groups, hidden=12 * 128))
+    sdpa = sdpa.cuda()
+    g = torch.Generator(device="cuda").manual_seed(5)
+    lengths = torch.tensor([300, 17, 464, 1, 200])
+    cu = torch.cat([torch.zeros(1, dtype=torch.long), lengths.cumsum(0)]).to(torch.int32).cuda()
+    t = int(lengths.sum())
+    q, k, v = (torch.randn(t, h, 128, device="cuda", generator=g).bfloat16().requires_grad_()
+               for h in (12, groups, groups))
+    up = torch.randn(t, 12 * 128, device="cuda", generator=g).bfloat16()
+    params = PackedSeqParams(qkv_format="thd", cu_seqlens_q=cu, cu_seqlens_kv=cu, max_seqlen_q=464,
+                             max_seqlen_kv=464)
+    got = sdpa(q, k, v, None, packed_seq_params=params)
+    grads = torch.autograd.grad(got, (q, k, v), up)
+    want = _per_sequence(q, k, v, cu, sdpa._sdpa_scale()).reshape(t, -1)
+    wgrads = torch.autograd.grad(want, (q, k, v), up)
+    assert len(calls) == 1, calls  # the varlen kernel, not the per-sequence loop
+    for a, b in zip((got, *grads), (want, *wgrads)):
+        torch.testing.assert_close(a.float(), b.float(), rtol=2e-2, atol=2e-2)
+
+
 def test_packed_gpt_model_equals_one_forward_per_sequence():
     """A whole GPTModel on a THD pack (positions restart per sequence, RoPE per sequence through cu_seqlens) gives
     each sequence's own logits (megatron-core's unfused attention does not take packed sequences)."""

@@ -39,6 +39,8 @@ Megatron-LM's ``--attention-backend local`` names the same module) or "auto" (sd
 from __future__ import annotations
 
 import contextlib
+import functools
+import inspect
 from typing import Optional
 
 import torch
@@ -79,6 +81,30 @@ def _attend_mask(masked: torch.Tensor) -> torch.Tensor:
     """SDPA's boolean mask (True = attend) of a megatron mask (True = masked); fully masked rows attend to all."""
     attend = ~masked.bool()
     return attend | ~attend.any(dim=-1, keepdim=True)
+
+
+@functools.lru_cache(maxsize=None)
+def _parameter_names(fn) -> frozenset:
+    return frozenset(inspect.signature(fn).parameters)
+
+
+def varlen_causal_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, cu_seqlens: torch.Tensor,
+                            longest: int, scale: float, attn=None) -> torch.Tensor:
+    """``varlen_attn`` (``attn``: the module's by default) on THD ``[t, heads, hn]`` sequences, each causal, with the
+    keyword arguments the installed PyTorch takes. Its signature has changed between releases: torch 2.11 (the H200
+    image) has ``window_size`` and no ``enable_gqa``, so there a GQA key/value is repeated per query head (megatron's
+    grouping: query head h reads group h // (heads / groups)); newer releases take ``enable_gqa``; an older one
+    ``is_causal`` instead of ``window_size``."""
+    attn = attn or varlen_attn
+    params = _parameter_names(attn)
+    kw = {"window_size": (-1, 0)} if "window_size" in params else {"is_causal": True}
+    if key.shape[1] != query.shape[1]:
+        if "enable_gqa" in params:
+            kw["enable_gqa"] = True
+        else:
+            rep = query.shape[1] // key.shape[1]
+            key, value = key.repeat_interleave(rep, dim=1), value.repeat_interleave(rep, dim=1)
+    return attn(query, key, value, cu_seqlens, cu_seqlens, longest, longest, scale=scale, **kw)
 
 
 class SDPADotProductAttention(DotProductAttention):
@@ -165,8 +191,7 @@ class SDPADotProductAttention(DotProductAttention):
             longest = None if padded else params.max_seqlen_q
             if longest is None:
                 longest = int((slots[1:] - slots[:-1]).max())
-            out = varlen_attn(query, key, value, slots, slots, int(longest), int(longest), scale=self._sdpa_scale(),
-                              window_size=(-1, 0), enable_gqa=gqa)
+            out = varlen_causal_attention(query, key, value, slots, int(longest), self._sdpa_scale())
             return out.reshape(t, np_ * hn)
         out = query.new_zeros(t, np_, hn)
         bounds = slots.tolist()
