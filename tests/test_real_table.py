@@ -283,6 +283,32 @@ def test_a_stop_as_the_last_step_ends_counts_as_done(tmp_path, monkeypatch):
     assert mt.run_one(args, run, "unused", {}, deadline=1.0)["status"] == "stopped"
 
 
+def test_smollm2_gpu_runs_take_token_micro_batches_the_driver_accepts(tmp_path):
+    """On a GPU the table's (and the example's) update runs in micro-batches of 5,120 packed tokens
+    (--use-dynamic-batch-size, SDPA attention), and the driver's own argument check accepts the whole command;
+    --max-tokens-per-gpu 0 gives session 33's padded micro-batches of 8; the CPU keeps them."""
+    from pathlib import Path
+
+    from megatron_fp4.rl.arguments import parse_args
+
+    ex = mt.smollm2_example()
+    full, tiny = ex.PRESETS["full"], ex.PRESETS["tiny"]
+    for name in ("train.jsonl", "eval.jsonl"):
+        (tmp_path / name).write_text('{"prompt": [{"role": "user", "content": "1 + 1?"}], "label": "2"}\n')
+    (tmp_path / "ck").mkdir()
+    paths = (tmp_path / "ck", full, tmp_path / "train.jsonl", tmp_path / "eval.jsonl")
+    gpu = ex.task_args(*paths, gpu=True, precision=())
+    text = " ".join(gpu)
+    assert "--use-dynamic-batch-size --max-tokens-per-gpu 5120 --attention-backend sdpa" in text
+    assert 5120 >= ex.MAX_PROMPT_LENGTH + full["response_len"]  # the longest sequence fits one micro-batch
+    args = parse_args([*gpu, "--fp4-block-format", "hif4", "--rollout-precision", "w4a4"])
+    assert args.use_dynamic_batch_size and args.pack_sequences and args.max_tokens_per_gpu == 5120
+    for flags in (ex.task_args(*paths, gpu=True, precision=(), max_tokens=0),
+                  ex.task_args(Path("ck"), tiny, Path("t"), Path("e"), gpu=False, precision=())):
+        assert "--use-dynamic-batch-size" not in flags and flags[flags.index("--micro-batch-size") + 1] == "8"
+    assert "--max-tokens-per-gpu 2048" in " ".join(ex.task_args(*paths, gpu=True, precision=(), max_tokens=2048))
+
+
 @pytest.mark.parametrize("argv, message", [
     (["--preset", "gpu", "--save-interval", "5"], "--save-interval: only the resumable presets"),
     (["--preset", "smollm2", "--save-interval", "0"], "--save-interval=0 is not valid"),
@@ -290,6 +316,8 @@ def test_a_stop_as_the_last_step_ends_counts_as_done(tmp_path, monkeypatch):
     (["--preset", "smollm2", "--time-budget", "-1"], "--time-budget=-1.0 is not valid"),
     (["--preset", "smollm2", "--machine-left", "-5"], "--machine-left=-5.0 is not valid"),
     (["--preset", "smollm2", "--only", "fp4_fp5"], "--only: 'fp4_fp5' is not valid"),
+    (["--preset", "smollm2", "--max-tokens-per-gpu", "-1"], "--max-tokens-per-gpu=-1 is not valid"),
+    (["--preset", "gpu", "--max-tokens-per-gpu", "4096"], "--max-tokens-per-gpu: only the smollm2 presets"),
 ])
 def test_bad_flags_are_one_line_errors(tmp_path, argv, message):
     with pytest.raises(SystemExit, match=message):

@@ -16,6 +16,8 @@
 # $OUT/real_table.tgz. FLAGS go to run_mini_table.py (e.g. "--only bf16_bf16 -- --lr 1e-5"); TABLE_OUT=DIR puts the
 # runs in DIR instead of runs/real_table (a trial schedule apart from the table). MACHINE_LEFT=S (the device tool's
 # budget_left_s before the call): new runs that would not finish before the machine goes back are not started.
+# MAX_TOKENS=N: packed tokens per training micro-batch (run_mini_table.py --max-tokens-per-gpu; default 5120, 0 =
+# session 33's padded micro-batches of 8 sequences).
 set -u
 T0=$(date +%s)
 MODE=${1:-run}
@@ -57,7 +59,8 @@ pids=()
 for g in $(seq 0 $((NGPU - 1))); do  # one shard of the planned runs per GPU
   CUDA_VISIBLE_DEVICES=$g python3 examples/mini_table/run_mini_table.py --preset smollm2 --out "$TABLE" \
     --seeds "$SEEDS" --shard $g/$NGPU --jobs "$JOBS" --time-budget $BUDGET \
-    ${MACHINE_LEFT:+--machine-left $(( MACHINE_LEFT - ($(date +%s) - T0) ))} "$@" >> "$TABLE.shard$g.log" 2>&1 &
+    ${MACHINE_LEFT:+--machine-left $(( MACHINE_LEFT - ($(date +%s) - T0) ))} \
+    ${MAX_TOKENS:+--max-tokens-per-gpu $MAX_TOKENS} "$@" >> "$TABLE.shard$g.log" 2>&1 &
   pids+=($!)
 done
 running() { for p in "${pids[@]}"; do kill -0 $p 2>/dev/null && return 0; done; return 1; }
@@ -83,6 +86,7 @@ for g in "${!pids[@]}"; do
   echo "run_mini_table.py --shard $g/$NGPU exit $?"
   tail -n 12 "$TABLE.shard$g.log"
 done
-python3 examples/mini_table/run_mini_table.py --preset smollm2 --out "$TABLE" --seeds "$SEEDS" --list "$@" \
+python3 examples/mini_table/run_mini_table.py --preset smollm2 --out "$TABLE" --seeds "$SEEDS" --list \
+  ${MAX_TOKENS:+--max-tokens-per-gpu $MAX_TOKENS} "$@" \
   2>/dev/null | grep -v " todo"
 tar czf "$OUT/real_table.tgz" "$TABLE" "$TABLE".shard*.log

@@ -271,7 +271,8 @@ def ensure_pretrained(args, seed: int) -> str:
         import torch
 
         gpu = args.preset == "smollm2" and torch.cuda.is_available()
-        args.task_flags = ex.task_args(ckpt, preset, train, eval_, gpu, precision=())
+        args.task_flags = ex.task_args(ckpt, preset, train, eval_, gpu, precision=(),
+                                       max_tokens=args.max_tokens_per_gpu)
         args.pretrained = {"model": "SmolLM2-135M-Instruct", "checkpoint": str(ckpt), "gguf": ex.GGUF_FILE,
                            "n_train": preset["train"], "n_eval": preset["eval"], "eval_set": ex.EVAL_SET,
                            "gpu": gpu, "seconds": time.monotonic() - t0, **info}
@@ -501,6 +502,11 @@ def parse(argv=None):
                         "call included (e.g. the device tool's budget left); a new run expected to take longer (the "
                         "longest finished run) is not started: it would be lost and slow the runs that can finish. "
                         "0 = no limit")
+    p.add_argument("--max-tokens-per-gpu", type=int, default=None,
+                   help="smollm2 on a GPU: packed tokens per training micro-batch (--use-dynamic-batch-size; "
+                        "default: examples/smollm2/run_grpo.py's, 5120); 0: micro-batches of 8 sequences padded to "
+                        "the longest (session 33's runs: the same loss and gradients up to rounding in BF16 "
+                        "training, ~2x the passes)")
     p.add_argument("--tensorboard", action="store_true", help="also write tensorboard logs per run")
     p.add_argument("--list", action="store_true", help="print the planned runs and their status, run nothing")
     p.add_argument("--verbose", action="store_true", help="echo the runs' console output")
@@ -530,6 +536,12 @@ def parse(argv=None):
         raise SystemExit(f"--save-interval={args.save_interval} is not valid; expected at least 1")
     if args.time_budget < 0:
         raise SystemExit(f"--time-budget={args.time_budget} is not valid; expected seconds >= 0")
+    if args.max_tokens_per_gpu is not None and args.max_tokens_per_gpu < 0:
+        raise SystemExit(f"--max-tokens-per-gpu={args.max_tokens_per_gpu} is not valid; expected 0 (padded "
+                         f"micro-batches) or the tokens per micro-batch")
+    if args.max_tokens_per_gpu is not None and args.preset not in SMOLLM2:
+        raise SystemExit(f"--max-tokens-per-gpu: only the smollm2 presets take it; --preset {args.preset} sets "
+                         f"its micro-batches in GRPO (or after --)")
     if args.machine_left < 0:
         raise SystemExit(f"--machine-left={args.machine_left} is not valid; expected seconds >= 0")
     if args.jobs < 1:

@@ -59,11 +59,18 @@ ITEMS = ["apples", "books", "coins", "pencils", "stickers", "marbles", "cookies"
 #: The full run (a GPU) and the CPU short version: problems, GRPO batch and length, steps, evaluation. The greedy
 #: answers before training are 14-70 tokens (one of 256 repeated itself to the limit); the short version cuts many,
 #: and trains on them all the same (--no-overlong-filter), so that every sample is in the loss.
+#: ``max_tokens_per_gpu``: on a GPU, the update and log-prob passes run in micro-batches of packed tokens
+#: (--use-dynamic-batch-size) instead of ``micro_batch_size`` sequences padded to the longest: a step of 256
+#: sequences of ~200 prompt + 20-256 response tokens is then ~15 passes instead of 32, none on padding. Session 33's
+#: table runs spent 6-10 s of a 7-12 s step there, as fixed costs per micro-batch (8 runs sharing one H200); 5,120
+#: tokens keeps each run's activations within ~2 GiB of the padded worst case (8 x 464 tokens) measured then.
 PRESETS = {
     "full": dict(train=2000, eval=128, rollout_batch_size=32, n_samples=8, response_len=256, eval_response_len=256,
-                 train_iters=100, eval_interval=10, lr=1e-5, micro_batch_size=8, overlong_filter=True),
+                 train_iters=100, eval_interval=10, lr=1e-5, micro_batch_size=8, max_tokens_per_gpu=5120,
+                 overlong_filter=True),
     "tiny": dict(train=16, eval=4, rollout_batch_size=2, n_samples=4, response_len=24, eval_response_len=24,
-                 train_iters=2, eval_interval=100, lr=1e-5, micro_batch_size=8, overlong_filter=False),
+                 train_iters=2, eval_interval=100, lr=1e-5, micro_batch_size=8, max_tokens_per_gpu=None,
+                 overlong_filter=False),
 }
 MAX_PROMPT_LENGTH = 256  # the chat-template prompts are 193-208 tokens; the driver would cut a longer one's start
 
@@ -168,11 +175,13 @@ PRECISION = ("--fp4-block-format", "hif4", "--rollout-precision", "w4a4", "--res
 
 
 def task_args(ckpt: Path, preset: dict, train: Path, eval_: Path, gpu: bool,
-              precision: tuple[str, ...] = PRECISION) -> list[str]:
+              precision: tuple[str, ...] = PRECISION, max_tokens: Optional[int] = None) -> list[str]:
     """pretrain_rl.py's flags for the model, the task and the GRPO schedule (slime's spellings where slime has
     them): the converted checkpoint ``ckpt`` as --ref-load, the chat-template data, the grader, ``precision``,
     the batch, lengths and learning rate of ``preset``. No seed and no outputs (``driver_args`` adds the example's;
-    examples/mini_table/run_mini_table.py --preset smollm2 its own per table run)."""
+    examples/mini_table/run_mini_table.py --preset smollm2 its own per table run). On a GPU the micro-batches hold
+    ``max_tokens`` packed tokens (default: the preset's ``max_tokens_per_gpu``; 0: ``micro_batch_size`` padded
+    sequences, as session 33's table runs)."""
     args = ["--ref-load", str(ckpt),
             "--prompt-data", str(train), "--input-key", "prompt", "--label-key", "label", "--apply-chat-template",
             "--rm-type", "gsm8k", "--eval-prompt-data", EVAL_SET, str(eval_),
@@ -188,6 +197,9 @@ def task_args(ckpt: Path, preset: dict, train: Path, eval_: Path, gpu: bool,
     # bf16 parameters on a GPU (the native engine then decodes with CUDA graphs); on the CPU the static-KV-cache
     # path: more than 2.5x faster there than megatron-core's forward (the driver's CPU default)
     args += ["--bf16"] if gpu else ["--rollout-decode", "static"]
+    max_tokens = preset["max_tokens_per_gpu"] if max_tokens is None else max_tokens
+    if gpu and max_tokens:  # packs need the SDPA core attention (FlashAttention varlen), auto's choice on CUDA
+        args += ["--use-dynamic-batch-size", "--max-tokens-per-gpu", str(max_tokens), "--attention-backend", "sdpa"]
     if not preset["overlong_filter"]:
         args.append("--no-overlong-filter")
     return args
