@@ -186,8 +186,9 @@ def test_wgmma_tiles_compile_without_spills_or_serialized_wgmmas(tmp_path):
 
 @pytest.mark.skipif(_nvcc.nvcc() is None, reason="needs nvcc (no GPU: a compile for sm_90a)")
 def test_launchers_take_the_bf16_output_flag_and_refuse_it_with_atomic_split_k():
-    """Both launchers' 15 arguments (ctypes) reach the library: a bf16 output with an atomic split-K is refused
-    before any CUDA call (cudaErrorInvalidValue = 1); any other launch fails here only for want of a GPU."""
+    """Both launchers' 16 arguments (ctypes) reach the library: a bf16 output with an atomic split-K is refused
+    before any CUDA call (cudaErrorInvalidValue = 1); any other launch, PDL or not, fails here only for want of a
+    GPU."""
     from megatron_fp4.kernels import cuda_decode as cd
 
     for kernel, tile in (("mma", None), ("wgmma", cd.NATURAL_TILE), ("wgmma", dict(cd.NATURAL_TILE, CLUSTER=1)),
@@ -195,9 +196,36 @@ def test_launchers_take_the_bf16_output_flag_and_refuse_it_with_atomic_split_k()
         fn = cd.build(kernel, 1, False, 16, cd._tile(kernel, 1, 16, tile))
         args = [None] * 4 + [16, 64, 4, 2, 64, 64]  # M, N, S, C, ldx, ldo
         for partial in (0, 1):  # (per-split partial sums are fp32 too)
-            refused = fn(*args, 2, 1, 1, partial, None) == 1  # split 2, cps 1, bf16 output
+            refused = fn(*args, 2, 1, 1, partial, 0, None) == 1  # split 2, cps 1, bf16 output
             assert refused == (not (tile or {}).get("CLUSTER")), (kernel, tile)
-        assert fn(*args, 1, 2, 1, 0, None) not in (0, 1)  # no GPU here: some other CUDA error, not the refusal
+        for pdl in (0, 1):  # no GPU here: some other CUDA error, not the refusal
+            assert fn(*args, 1, 2, 1, 0, pdl, None) not in (0, 1)
+
+
+@pytest.mark.skipif(_nvcc.nvcc() is None, reason="needs nvcc (no GPU: a compile for sm_90a)")
+def test_decode_kernels_start_by_waiting_for_the_kernel_before(tmp_path):
+    """Programmatic dependent launch (MEGATRON_FP4_PDL=1): both kernels' first instructions are griddepcontrol.wait
+    (SASS ACQBULK) and griddepcontrol.launch_dependents (PREEXIT), ahead of any load or store, so a kernel launched
+    early reads nothing the kernel before it still writes."""
+    import triton
+
+    from megatron_fp4.kernels import cuda_decode as cd
+
+    nvdisasm = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "nvdisasm")
+    if not os.path.exists(nvdisasm):
+        pytest.skip("this Triton has no nvdisasm")
+    for kernel, tile in (("mma", None), ("wgmma", cd.NATURAL_TILE)):
+        defines = cd._defines(kernel, 1, False, 16, cd._tile(kernel, 1, 16, tile))
+        path = str(tmp_path / f"{kernel}.cubin")
+        cmd = [a for a in _nvcc.command(cd._SOURCES[kernel], defines, path, "90a", "-cubin")
+               if a not in ("-shared", "-Xcompiler", "-fPIC")]
+        r = subprocess.run(cmd, capture_output=True, text=True)
+        assert r.returncode == 0, r.stderr[-2000:]
+        sass = subprocess.run([nvdisasm, "-c", path], capture_output=True, text=True, check=True).stdout
+        ops = [line.split("*/", 1)[1].strip().split()[0] for line in sass.splitlines() if line.strip().startswith("/*0")]
+        first_memory = next(i for i, op in enumerate(ops) if op.startswith(("LD", "ST", "UTMA", "SYNCS", "UBLKCP"))
+                            and not op.startswith("LDC"))
+        assert ops.index("ACQBULK") < first_memory and ops.index("PREEXIT") < first_memory, ops[:first_memory + 1]
 
 
 # ---------------------------------------------------------------------------------------------------------------

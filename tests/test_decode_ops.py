@@ -432,6 +432,63 @@ def test_fused_resq_kernels_compile_for_sm90_without_spills(fmt):
                                                              "record": 0}
 
 
+_PDL_SCRIPT = r"""
+import json
+import triton
+from triton.backends.compiler import GPUTarget
+from triton.compiler import ASTSource
+from megatron_fp4.kernels import decode_ops
+
+f32, c = "*fp32", "constexpr"
+sig = dict(tok_ptr="*i64", lp_ptr=f32, stop_ptr="*i64", done_ptr="*i1", n_ptr="*i64", ot_ptr="*i64", ol_ptr=f32,
+           stopped_ptr="*i1", limit_ptr="*i64", cur_ptr="*i64", pos_ptr="*i64", B="i32", NSTOP="i32", LAST="i32",
+           stride_ot="i32", stride_ol="i32", BLOCK=c, PDL=c)
+out = {}
+for pdl in (False, True):
+    k = triton.compile(ASTSource(fn=decode_ops._record_kernel, signature=sig, constexprs=dict(BLOCK=64, PDL=pdl)),
+                       target=GPUTarget("cuda", 90, 32), options={"num_warps": 4, "launch_pdl": pdl})
+    ptx = k.asm["ptx"]
+    body = ptx[ptx.index("{", ptx.index(".entry")):]
+    out[str(pdl)] = [bool(k.metadata.launch_pdl), body.find("griddepcontrol.wait"),
+                     body.find("griddepcontrol.launch_dependents"), body.find("ld.global")]
+print(json.dumps(out))
+"""
+
+
+def test_pdl_launch_keywords(monkeypatch):
+    """MEGATRON_FP4_PDL=1 adds the kernels' PDL constexpr and Triton's launch_pdl option, except in the interpreter
+    (no grid dependency control there); off by default."""
+    from megatron_fp4.kernels._common import PDL_ENV, pdl_launch
+
+    monkeypatch.delenv(PDL_ENV, raising=False)
+    assert pdl_launch() == {}
+    monkeypatch.setenv(PDL_ENV, "1")
+    monkeypatch.setenv("TRITON_INTERPRET", "1")
+    assert pdl_launch() == {}
+    monkeypatch.setenv("TRITON_INTERPRET", "0")
+    assert pdl_launch() == {"PDL": True, "launch_pdl": True}
+
+
+@pytest.mark.skipif(DEV == "cuda", reason="on a GPU the engine's tests run the kernels with PDL themselves")
+def test_pdl_kernels_wait_before_their_first_load_on_sm90():
+    """A decode kernel compiled for the H200 with PDL (Triton's compiler and ptxas, no GPU) carries the launch
+    option and begins with griddepcontrol.wait and launch_dependents, before its first global load; without PDL
+    neither instruction is there."""
+    import json
+    import subprocess
+    import sys
+
+    r = subprocess.run([sys.executable, "-c", _PDL_SCRIPT], capture_output=True, text=True, env=compile_env(),
+                       cwd=ROOT, timeout=600)
+    if r.returncode != 0 and "nvdisasm" in r.stderr and "No such file" in r.stderr:
+        pytest.skip("this Triton has no NVIDIA tools")
+    assert r.returncode == 0, r.stderr[-2000:]
+    out = json.loads(r.stdout.strip().splitlines()[-1])
+    assert out["False"][:3] == [False, -1, -1]
+    launch_pdl, wait, launch, load = out["True"]
+    assert launch_pdl and 0 <= wait < launch < load, out
+
+
 @pytest.mark.parametrize("vocab, block", [(5000, 1024), (4096, 1024), (37, 1024), (5000, None)])
 @pytest.mark.parametrize("temperature", [1.0, 0.7])
 def test_sample_kernels_pick_the_twins_tokens(vocab, block, temperature, monkeypatch):

@@ -37,6 +37,45 @@ def interpreting() -> bool:
     return os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
 
 
+#: Programmatic dependent launch (PDL, Hopper): with MEGATRON_FP4_PDL=1 the decode step's kernels (megatron_fp4.
+#: kernels.decode_ops, the CUDA decode GEMM) launch with CUDA's programmatic-stream-serialization attribute. Each
+#: starts by waiting for the kernel before it (griddepcontrol.wait: all of its work done and visible) and lets the
+#: next one launch (griddepcontrol.launch_dependents), so a kernel's launch and block scheduling overlap the end of
+#: the one before instead of following it; inside a CUDA graph the edges are programmatic. Every kernel launched so
+#: waits before it touches memory, so the order of the step's reads and writes is the stream's. Off by default
+#: until measured on the H200 (docs/PERFORMANCE.md).
+PDL_ENV = "MEGATRON_FP4_PDL"
+try:
+    from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
+except Exception:  # pragma: no cover - Triton without grid dependency control: no PDL
+    gdc_launch_dependents = gdc_wait = None
+
+
+def pdl_enabled() -> bool:
+    """Whether the decode kernels launch with PDL (``MEGATRON_FP4_PDL=1``, Triton with grid dependency control, not
+    the interpreter)."""
+    return os.environ.get(PDL_ENV, "0") == "1" and gdc_wait is not None and not interpreting()
+
+
+def pdl_launch() -> dict:
+    """Keywords for a Triton launch of a kernel that starts with :func:`pdl_enter` (its ``PDL`` constexpr and
+    Triton's ``launch_pdl`` option), empty when PDL is off."""
+    return {"PDL": True, "launch_pdl": True} if pdl_enabled() else {}
+
+
+if HAS_TRITON and gdc_wait is not None:
+    @triton.jit
+    def pdl_enter(PDL: tl.constexpr):
+        """A PDL kernel's first step: wait for the kernel before it, then let the next one launch."""
+        if PDL:
+            gdc_wait()
+            gdc_launch_dependents()
+elif HAS_TRITON:  # pragma: no cover
+    @triton.jit
+    def pdl_enter(PDL: tl.constexpr):
+        pass
+
+
 def kernels_usable(*tensors: torch.Tensor) -> bool:
     """Whether the Triton kernels can run on these tensors (CUDA + Triton, or the CPU interpreter)."""
     if not HAS_TRITON:

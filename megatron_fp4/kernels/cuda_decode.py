@@ -33,6 +33,7 @@ from typing import Optional
 import torch
 
 from megatron_fp4.kernels import _nvcc
+from megatron_fp4.kernels._common import pdl_enabled
 from megatron_fp4.formats import QuantizedTensor
 
 __all__ = ["DecodeWeight", "to_decode_layout", "decode_layout_dequantize", "available", "w4_decode",
@@ -358,7 +359,7 @@ def natural_layout() -> bool:
 MAX_M = int(os.environ.get("MEGATRON_FP4_CUDA_DECODE_MAX_M", "64"))
 _SOURCES = {"mma": "w4_decode.cu", "wgmma": "w4_wgmma.cu"}
 _SYMBOLS = {"mma": "w4_decode_launch", "wgmma": "w4_wgmma_launch"}
-_ARGTYPES = [ctypes.c_void_p] * 4 + [ctypes.c_int] * 10 + [ctypes.c_void_p]  # both launchers
+_ARGTYPES = [ctypes.c_void_p] * 4 + [ctypes.c_int] * 11 + [ctypes.c_void_p]  # both launchers
 
 
 def available() -> bool:
@@ -512,7 +513,8 @@ def w4_decode(x: torch.Tensor, dw: DecodeWeight, config: Optional[dict] = None,
     out = (torch.zeros if atomic and not partial else torch.empty)(
         (split, M, dw.n) if partial else (M, dw.n), dtype=torch.bfloat16 if obf16 else torch.float32, device=x.device)
     err = fn(dw.codes.data_ptr(), dw.meta.data_ptr(), x.data_ptr(), out.data_ptr(), M, dw.n, S, C, x.stride(0),
-             out.stride(-2), split, cps, int(obf16), int(partial), torch.cuda.current_stream(x.device).cuda_stream)
+             out.stride(-2), split, cps, int(obf16), int(partial), int(pdl_enabled()),
+             torch.cuda.current_stream(x.device).cuda_stream)
     if err:
         what = (f"a TMA map (CUresult {err - 1000})" if err >= 1000 else
                 "no cuTensorMapEncodeTiled in the driver" if err == 999 else f"cudaError {err}")

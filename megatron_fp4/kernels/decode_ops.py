@@ -31,7 +31,8 @@ from typing import Optional
 import torch
 import torch.nn.functional as F
 
-from megatron_fp4.kernels._common import HAS_TRITON, KERNEL_FORMATS, TILE_FMT, TILE_RECIP, kernels_usable, tl, triton
+from megatron_fp4.kernels._common import (HAS_TRITON, KERNEL_FORMATS, TILE_FMT, TILE_RECIP, kernels_usable, pdl_launch,
+                                          tl, triton)
 
 __all__ = ["add_rms_norm", "add_rms_norm_reference", "add_rms_norm_resq", "add_rms_norm_resq_reference",
            "attention_splits", "decode_attention_reference", "invert_cdf", "record_tokens",
@@ -191,6 +192,7 @@ def record_tokens_reference(state: dict, tok: torch.Tensor, lp: torch.Tensor, st
 # Triton device code
 # ----------------------------------------------------------------------------------------------------------------
 if HAS_TRITON:
+    from megatron_fp4.kernels._common import pdl_enter
 
     @triton.jit
     def _residual_row(x_ptr, d_ptr, s_ptr, N, eps, stride_x, stride_d, stride_s, stride_split, SPLITS: tl.constexpr,
@@ -214,9 +216,11 @@ if HAS_TRITON:
 
     @triton.jit
     def _add_rms_norm_kernel(x_ptr, d_ptr, w_ptr, y_ptr, s_ptr, N, eps, stride_x, stride_d, stride_y, stride_s,
-                             stride_split, SPLITS: tl.constexpr, HAS_DELTA: tl.constexpr, BLOCK: tl.constexpr):
+                             stride_split, SPLITS: tl.constexpr, HAS_DELTA: tl.constexpr, BLOCK: tl.constexpr,
+                             PDL: tl.constexpr = False):
         """One row: s and r (:func:`_residual_row`), y = s * r * w in fp32 rounded once to y's dtype
         (torch.nn.RMSNorm's computation)."""
+        pdl_enter(PDL)
         xf, r, cols, m = _residual_row(x_ptr, d_ptr, s_ptr, N, eps, stride_x, stride_d, stride_s, stride_split,
                                        SPLITS, HAS_DELTA, BLOCK)
         w = tl.load(w_ptr + cols, mask=m, other=0.0).to(tl.float32)
@@ -229,10 +233,11 @@ if HAS_TRITON:
     def _add_rms_norm_resq_kernel(x_ptr, d_ptr, w_ptr, e_ptr, s_ptr, N, KP, eps, stride_x, stride_d, stride_e,
                                   stride_s, stride_split, SPLITS: tl.constexpr, HAS_DELTA: tl.constexpr,
                                   BLOCK: tl.constexpr, BK: tl.constexpr, FMT: tl.constexpr, R1: tl.constexpr,
-                                  R2: tl.constexpr, R3: tl.constexpr):
+                                  R2: tl.constexpr, R3: tl.constexpr, PDL: tl.constexpr = False):
         """One row: s and r (:func:`_residual_row`); then, BK columns at a time, y = s * r * w rounded to x's dtype
         (the norm's output) and the ResQ 2:4 sum of y, bf16(Q(y) + S(Q(y - Q(y)))), stored over the padded K (KP:
         the format's blocks) as the resq kernel's EXPAND=3 (FMT 0 hif4, 1 mxfp4, 2 mxfp4_rceil)."""
+        pdl_enter(PDL)
         row = tl.program_id(0)
         xf, r, cols, m = _residual_row(x_ptr, d_ptr, s_ptr, N, eps, stride_x, stride_d, stride_s, stride_split,
                                        SPLITS, HAS_DELTA, BLOCK)
@@ -285,9 +290,10 @@ if HAS_TRITON:
     def _rope_kv_kernel(qkv_ptr, bias_ptr, cos_ptr, sin_ptr, q_ptr, kc_ptr, vc_ptr, pos_ptr, rows_ptr, G, H,
                         stride_t, stride_g, stride_r, stride_split, stride_c, stride_q, stride_qg, stride_qr,
                         stride_kb, stride_kg, stride_ks, SPLITS: tl.constexpr, HAS_BIAS: tl.constexpr,
-                        HAS_ROWS: tl.constexpr, RP: tl.constexpr, BD: tl.constexpr):
+                        HAS_ROWS: tl.constexpr, RP: tl.constexpr, BD: tl.constexpr, PDL: tl.constexpr = False):
         """One (token, kv group): :func:`_rope_rows` at the token's position, rounded to q's dtype; the queries to
         q, the key and value to the token's cache slot (rows_ptr's, else the token's own index) at that position."""
+        pdl_enter(PDL)
         b = tl.program_id(0)
         g = tl.program_id(1)
         p = tl.load(pos_ptr + b)
@@ -307,7 +313,7 @@ if HAS_TRITON:
                                keys_per_split, stride_t, stride_g, stride_r, stride_split, stride_c, stride_kb,
                                stride_kg, stride_ks, stride_ob, stride_og, stride_or, SPLITS: tl.constexpr,
                                HAS_BIAS: tl.constexpr, GP: tl.constexpr, HD: tl.constexpr, BLOCK_N: tl.constexpr,
-                               SPLIT: tl.constexpr, IP: tl.constexpr):
+                               SPLIT: tl.constexpr, IP: tl.constexpr, PDL: tl.constexpr = False):
         """One (sequence, kv group[, split of the cache]): :func:`_rope_rows` of its step's qkv at its position p
         (the key and value written to the cache at p by the program whose rows hold p: no program reads that row),
         then its G query heads (rows, padded to GP) against cache rows 0..p-1 (SPLIT: those of rows [split *
@@ -315,6 +321,7 @@ if HAS_TRITON:
         registers: online softmax in fp32, P rounded to the cache's dtype for the PV product (as flash attention).
         SPLIT: the split's unnormalized output and its (max, sum) go to o_ptr / ml_ptr (fp32, [B, ng, splits, GP,
         ...]) for _attention_combine_kernel."""
+        pdl_enter(PDL)
         b = tl.program_id(0)
         g = tl.program_id(1)
         dt = k_ptr.dtype.element_ty
@@ -377,9 +384,10 @@ if HAS_TRITON:
 
     @triton.jit
     def _attention_combine_kernel(part_ptr, ml_ptr, o_ptr, G, stride_ob, stride_og, stride_or, SPLITS: tl.constexpr,
-                                  GP: tl.constexpr, HD: tl.constexpr):
+                                  GP: tl.constexpr, HD: tl.constexpr, PDL: tl.constexpr = False):
         """One (sequence, kv group): the splits' partial outputs merged by their softmax maxima and sums (an empty
         split has max -inf and sum 0: weight 0; split 0 always holds row 0)."""
+        pdl_enter(PDL)
         b = tl.program_id(0)
         g = tl.program_id(1)
         r = tl.arange(0, GP)
@@ -400,8 +408,9 @@ if HAS_TRITON:
 
     @triton.jit
     def _split_sum_kernel(t_ptr, b_ptr, y_ptr, N, stride_t, stride_y, stride_split, DT: tl.constexpr,
-                          SPLITS: tl.constexpr, HAS_BIAS: tl.constexpr, BLOCK: tl.constexpr):
+                          SPLITS: tl.constexpr, HAS_BIAS: tl.constexpr, BLOCK: tl.constexpr, PDL: tl.constexpr = False):
         """y = DT(t's splits added in order in fp32 [+ bias in fp32]): one rounding, as :func:`sum_splits`."""
+        pdl_enter(PDL)
         row = tl.program_id(0)
         cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
         m = cols < N
@@ -413,8 +422,10 @@ if HAS_TRITON:
         tl.store(y_ptr + row * stride_y + cols, acc.to(DT), mask=m)
 
     @triton.jit
-    def _sample_partials_kernel(x_ptr, m_ptr, s_ptr, V, NB, stride_x, T, BLOCK: tl.constexpr):
+    def _sample_partials_kernel(x_ptr, m_ptr, s_ptr, V, NB, stride_x, T, BLOCK: tl.constexpr,
+                                PDL: tl.constexpr = False):
         """One (row, block of BLOCK logits): m = max(x / T), s = sum(exp(x / T - m)) (m = -inf, s = 0: all -inf)."""
+        pdl_enter(PDL)
         row = tl.program_id(0)
         blk = tl.program_id(1)
         cols = blk * BLOCK + tl.arange(0, BLOCK)
@@ -426,11 +437,12 @@ if HAS_TRITON:
 
     @triton.jit
     def _sample_pick_kernel(x_ptr, m_ptr, s_ptr, u_ptr, tok_ptr, lp_ptr, V, NB, stride_x, T, BLOCK: tl.constexpr,
-                            NBP: tl.constexpr):
+                            NBP: tl.constexpr, PDL: tl.constexpr = False):
         """One row: the blocks' sums on the row's max M, w_b = s_b exp(m_b - M), their total and cumulative sum; the
         first block whose cumulative sum reaches (1 - u) x total, then the first token inside it whose cumulative
         exp(x / T - m_b) reaches the rest (at most the block's own sum, and above zero: never a zero-probability
         token); logprob x / T - M - log(total)."""
+        pdl_enter(PDL)
         row = tl.program_id(0)
         j = tl.arange(0, NBP)
         jm = j < NB
@@ -459,8 +471,9 @@ if HAS_TRITON:
 
     @triton.jit
     def _record_kernel(tok_ptr, lp_ptr, stop_ptr, done_ptr, n_ptr, ot_ptr, ol_ptr, stopped_ptr, limit_ptr, cur_ptr,
-                       pos_ptr, B, NSTOP, LAST, stride_ot, stride_ol, BLOCK: tl.constexpr):
+                       pos_ptr, B, NSTOP, LAST, stride_ot, stride_ol, BLOCK: tl.constexpr, PDL: tl.constexpr = False):
         """:func:`record_tokens_reference` for slots [0, B) in one program."""
+        pdl_enter(PDL)
         b = tl.arange(0, BLOCK)
         m = b < B
         live = m & (tl.load(done_ptr + b, mask=m, other=1) == 0)
@@ -483,11 +496,12 @@ if HAS_TRITON:
     @triton.jit
     def _swiglu_kernel(a_ptr, y_ptr, F_, FP, stride_a, stride_y, stride_split, DT: tl.constexpr,
                        SPLITS: tl.constexpr, BLOCK: tl.constexpr, FMT: tl.constexpr, R1: tl.constexpr,
-                       R2: tl.constexpr, R3: tl.constexpr):
+                       R2: tl.constexpr, R3: tl.constexpr, PDL: tl.constexpr = False):
         """a (its splits' partial sums added in order in fp32) rounded to DT, silu(a0) rounded to it (as F.silu),
         times a1, rounded once more (as torch's multiply). FMT >= 0 (0 hif4, 1 mxfp4, 2 mxfp4_rceil; BLOCK a
         multiple of 64): y gets the ResQ 2:4 sum of that product instead, bf16(Q(y) + S(Q(y - Q(y)))), over the
         format's padded width FP (the resq kernel's EXPAND=3)."""
+        pdl_enter(PDL)
         row = tl.program_id(0)
         cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
         m = cols < F_
@@ -563,7 +577,7 @@ def add_rms_norm(x: torch.Tensor, delta: Optional[torch.Tensor], norm: torch.nn.
     w, eps, s, d, stride_split, kw = launch
     y = torch.empty(x.shape, dtype=x.dtype, device=x.device)
     _add_rms_norm_kernel[(x.shape[0],)](x, d, w, y, s, x.shape[1], eps, x.stride(0), d.stride(-2), y.stride(0),
-                                        s.stride(0), stride_split, **kw)
+                                        s.stride(0), stride_split, **kw, **pdl_launch())
     return y, s
 
 
@@ -581,7 +595,8 @@ def add_rms_norm_resq(x: torch.Tensor, delta: Optional[torch.Tensor], norm: torc
     KP = -(-N // _block_size(fmt)) * _block_size(fmt)
     e = torch.empty((B, KP), dtype=torch.bfloat16, device=x.device)
     _add_rms_norm_resq_kernel[(B,)](x, d, w, e, s, N, KP, eps, x.stride(0), d.stride(-2), e.stride(0), s.stride(0),
-                                    stride_split, BK=RESQ_NORM_BK, FMT=TILE_FMT[fmt], **TILE_RECIP, **kw)
+                                    stride_split, BK=RESQ_NORM_BK, FMT=TILE_FMT[fmt], **TILE_RECIP, **kw,
+                                    **pdl_launch())
     return e[:, :N], s
 
 
@@ -652,13 +667,13 @@ def rope_attention(qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, k_ca
     kw = dict(SPLITS=n_split, HAS_BIAS=bias is not None, BLOCK_N=ATTENTION_BLOCK_N, IP=ip, num_warps=ATTENTION_WARPS,
               **common)
     if splits == 1:
-        _rope_attention_kernel[(B, ng)](*args, o, o, *strides, SPLIT=False, **kw)
+        _rope_attention_kernel[(B, ng)](*args, o, o, *strides, SPLIT=False, **kw, **pdl_launch())
         return o
     part = torch.empty((B, ng, splits, GP, hd), dtype=torch.float32, device=qkv.device)
     ml = torch.empty((B, ng, splits, 2, GP), dtype=torch.float32, device=qkv.device)
-    _rope_attention_kernel[(B, ng, splits)](*args, part, ml, *strides, SPLIT=True, **kw)
+    _rope_attention_kernel[(B, ng, splits)](*args, part, ml, *strides, SPLIT=True, **kw, **pdl_launch())
     _attention_combine_kernel[(B, ng)](part, ml, o, group, o.stride(0), o.stride(1), o.stride(2), SPLITS=splits,
-                                       **common)
+                                       **common, **pdl_launch())
     return o
 
 
@@ -676,7 +691,7 @@ def split_sum(t: torch.Tensor, dtype: torch.dtype, bias: Optional[torch.Tensor] 
     BLOCK = min(1024, triton.next_power_of_2(N))
     _split_sum_kernel[(M, triton.cdiv(N, BLOCK))](parts, parts if bias is None else bias, y, N, parts.stride(1),
                                                   y.stride(0), parts.stride(0), DT=_TL_DTYPES[dtype], SPLITS=S,
-                                                  HAS_BIAS=bias is not None, BLOCK=BLOCK)
+                                                  HAS_BIAS=bias is not None, BLOCK=BLOCK, **pdl_launch())
     return y
 
 
@@ -696,7 +711,7 @@ def rope_kv_write(qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, k_cac
                              parts.stride(3), parts.stride(0), cos.stride(0), q.stride(0), q.stride(1), q.stride(2),
                              k_cache.stride(0), k_cache.stride(1), k_cache.stride(2), SPLITS=S,
                              HAS_BIAS=bias is not None, HAS_ROWS=rows is not None,
-                             RP=triton.next_power_of_2(group + 2), BD=triton.next_power_of_2(hd))
+                             RP=triton.next_power_of_2(group + 2), BD=triton.next_power_of_2(hd), **pdl_launch())
     return q
 
 
@@ -721,7 +736,8 @@ def swiglu(a: torch.Tensor, out_dtype: Optional[torch.dtype] = None, splits: boo
     n_splits, stride_split = (a.shape[0], a.stride(0)) if splits else (1, 0)
     _swiglu_kernel[(B, triton.cdiv(FP, BLOCK))](a, y, F_, FP, a.stride(-2), y.stride(0), stride_split,
                                                 DT=_TL_DTYPES[dtype], SPLITS=n_splits, BLOCK=BLOCK,
-                                                FMT=-1 if resq is None else TILE_FMT[resq], **TILE_RECIP)
+                                                FMT=-1 if resq is None else TILE_FMT[resq], **TILE_RECIP,
+                                                **pdl_launch())
     return y[:, :F_]
 
 
@@ -745,9 +761,10 @@ def sample(logits: torch.Tensor, u: torch.Tensor, temperature: float = 1.0) -> t
     s = torch.empty_like(m)
     tok = torch.empty(B, dtype=torch.long, device=logits.device)
     lp = torch.empty(B, dtype=torch.float32, device=logits.device)
-    _sample_partials_kernel[(B, NB)](logits, m, s, V, NB, logits.stride(0), float(temperature), BLOCK=BLOCK)
+    _sample_partials_kernel[(B, NB)](logits, m, s, V, NB, logits.stride(0), float(temperature), BLOCK=BLOCK,
+                                     **pdl_launch())
     _sample_pick_kernel[(B,)](logits, m, s, u.float(), tok, lp, V, NB, logits.stride(0), float(temperature),
-                              BLOCK=BLOCK, NBP=triton.next_power_of_2(NB))
+                              BLOCK=BLOCK, NBP=triton.next_power_of_2(NB), **pdl_launch())
     return tok, lp
 
 
@@ -762,4 +779,4 @@ def record_tokens(state: dict, tok: torch.Tensor, lp: torch.Tensor, stop_ids: to
     _record_kernel[(1,)](tok, lp, stop_ids, state["done"], state["n_gen"], state["out_tok"], state["out_lp"],
                          state["stopped"], state["limit"], state["tok"], state["pos"], B, stop_ids.numel(),
                          state["out_tok"].shape[1] - 1, state["out_tok"].stride(0), state["out_lp"].stride(0),
-                         BLOCK=max(16, triton.next_power_of_2(B)))
+                         BLOCK=max(16, triton.next_power_of_2(B)), **pdl_launch())

@@ -23,6 +23,7 @@ from typing import Iterable, Optional, Sequence
 import torch
 from megatron.core.inference.contexts import StaticInferenceContext
 
+from megatron_fp4.kernels._common import pdl_enabled
 from megatron_fp4.ops import warn_reference_fallback
 from megatron_fp4.resq import RolloutPrecision, rollout_backend_for
 from megatron_fp4.rollout_kernels import register_kernel_backend
@@ -340,6 +341,8 @@ class NativeRolloutEngine(RolloutEngine):
             self.last_generate_stats.update(self._static.last_stats)
             if self._static.fused:  # megatron_fp4/kernels/decode_ops.py's fused decode-step kernels (the GPU default)
                 path += "+fused" + ("+resq" if self._static.resq_format(1) is not None else "")
+                if pdl_enabled():  # the step's kernels with programmatic dependent launch (MEGATRON_FP4_PDL=1)
+                    path += "+pdl"
                 self.last_generate_stats["path"] = path
         return results
 

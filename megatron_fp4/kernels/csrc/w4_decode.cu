@@ -73,6 +73,7 @@ w4_decode_kernel(const uint4* __restrict__ codes, const uint32_t* __restrict__ m
                  float* __restrict__ out, int M, int N, int S, int C, int ldx, int ldo, int cps, int obf16,
                  int partial) {
   __shared__ __align__(16) uint16_t xs[XST][MT * XS];
+  pdl_enter();
   const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
   const int g = lane >> 2, t = lane & 3;
   const int slab0 = (blockIdx.x * WARPS + warp) * SPW;
@@ -184,12 +185,16 @@ w4_decode_kernel(const uint4* __restrict__ codes, const uint32_t* __restrict__ m
 }
 
 extern "C" int w4_decode_launch(const void* codes, const void* meta, const void* x, void* out, int M, int N, int S,
-                                int C, int ldx, int ldo, int split, int cps, int obf16, int partial,
+                                int C, int ldx, int ldo, int split, int cps, int obf16, int partial, int pdl,
                                 void* stream) {
   if (obf16 && split > 1) return (int)cudaErrorInvalidValue;  // partial sums need fp32
-  dim3 grid((S + WARPS * SPW - 1) / (WARPS * SPW), split);
-  w4_decode_kernel<<<grid, WARPS * 32, 0, (cudaStream_t)stream>>>(
-      (const uint4*)codes, (const uint32_t*)meta, (const uint16_t*)x, (float*)out, M, N, S, C, ldx, ldo, cps, obf16,
-      partial);
-  return (int)cudaGetLastError();
+  cudaLaunchConfig_t cfg = {};
+  cfg.gridDim = dim3((S + WARPS * SPW - 1) / (WARPS * SPW), split);
+  cfg.blockDim = dim3(WARPS * 32);
+  cfg.stream = (cudaStream_t)stream;
+  cudaLaunchAttribute attr[1];
+  cfg.attrs = attr;
+  if (pdl) pdl_attribute(&attr[cfg.numAttrs++]);
+  return (int)cudaLaunchKernelEx(&cfg, w4_decode_kernel, (const uint4*)codes, (const uint32_t*)meta,
+                                 (const uint16_t*)x, (float*)out, M, N, S, C, ldx, ldo, cps, obf16, partial);
 }

@@ -4,6 +4,7 @@
 // the bit tricks are described in w4_decode.cu and megatron_fp4/kernels/cuda_decode.py.
 #pragma once
 #include <cuda_bf16.h>
+#include <cuda_runtime.h>
 #include <stdint.h>
 
 #ifndef FMT
@@ -19,6 +20,21 @@
 #else
 #define W4_NATURAL 0
 #endif
+
+// Programmatic dependent launch (cuda_decode.w4_decode with MEGATRON_FP4_PDL=1; megatron_fp4/kernels/_common.py):
+// a kernel launched with the attribute may start before the kernel ahead of it in the stream has finished, so it
+// first waits for that kernel (all of its work done and visible: before any of this kernel's loads or stores),
+// then lets the next kernel launch. Both are no-ops in a launch without the attribute.
+DINL void pdl_enter() {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+  asm volatile("griddepcontrol.wait;" ::: "memory");
+  asm volatile("griddepcontrol.launch_dependents;" ::: "memory");
+#endif
+}
+static inline void pdl_attribute(cudaLaunchAttribute* a) {  // (host: the launchers)
+  a->id = cudaLaunchAttributeProgrammaticStreamSerialization;
+  a->val.programmaticStreamSerializationAllowed = 1;
+}
 
 DINL uint32_t bmul(uint32_t a, uint32_t b) {
   uint32_t d;

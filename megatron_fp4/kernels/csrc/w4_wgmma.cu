@@ -347,6 +347,7 @@ w4_wgmma_kernel(const uint4* __restrict__ codes, const uint32_t* __restrict__ me
 #else
   __shared__ __align__(128) uint8_t xs[XST * STAGE_BYTES];
 #endif
+  pdl_enter();
   const int lane = threadIdx.x & 31;
   const int warp = __shfl_sync(0xFFFFFFFFu, threadIdx.x >> 5, 0);  // warp-uniform, as ptxas can see
   const int g = lane >> 2, t = lane & 3;
@@ -613,7 +614,8 @@ static int encode_w_map(CUtensorMap* map, const void* w, int S, int C, int bytes
 #endif
 
 extern "C" int w4_wgmma_launch(const void* codes, const void* meta, const void* x, void* out, int M, int N, int S,
-                               int C, int ldx, int ldo, int split, int cps, int obf16, int partial, void* stream) {
+                               int C, int ldx, int ldo, int split, int cps, int obf16, int partial, int pdl,
+                               void* stream) {
   if (obf16 && split > 1 && !CLUSTER) return (int)cudaErrorInvalidValue;  // partial sums need fp32
   dim3 grid((S / 4 + WGS - 1) / WGS, split);
 #if NATURAL
@@ -641,18 +643,19 @@ extern "C" int w4_wgmma_launch(const void* codes, const void* meta, const void* 
   cfg.blockDim = dim3(THREADS);
   cfg.dynamicSmemBytes = smem;
   cfg.stream = (cudaStream_t)stream;
+  cudaLaunchAttribute attr[2];
+  cfg.attrs = attr;
 #if CLUSTER
-  cudaLaunchAttribute attr[1];
   if (split > 1) {  // the split blocks of a row tile in one cluster
     if (split > 8) return (int)cudaErrorInvalidValue;  // (the portable cluster size; cuda_decode caps the split)
-    attr[0].id = cudaLaunchAttributeClusterDimension;
-    attr[0].val.clusterDim.x = 1;
-    attr[0].val.clusterDim.y = split;
-    attr[0].val.clusterDim.z = 1;
-    cfg.attrs = attr;
-    cfg.numAttrs = 1;
+    attr[cfg.numAttrs].id = cudaLaunchAttributeClusterDimension;
+    attr[cfg.numAttrs].val.clusterDim.x = 1;
+    attr[cfg.numAttrs].val.clusterDim.y = split;
+    attr[cfg.numAttrs].val.clusterDim.z = 1;
+    ++cfg.numAttrs;
   }
 #endif
+  if (pdl) pdl_attribute(&attr[cfg.numAttrs++]);
   return (int)cudaLaunchKernelEx(&cfg, w4_wgmma_kernel, (const uint4*)codes, (const uint32_t*)meta, (const uint4*)x,
                                  (float*)out, M, N, S, C, ldx / 8, ldo, cps, obf16, CLUSTER ? 0 : partial
 #if NATURAL
