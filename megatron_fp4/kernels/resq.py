@@ -15,7 +15,7 @@ from typing import Optional
 import torch
 
 from megatron_fp4.kernels._common import (DECODE_MAX_M, HAS_TRITON, KERNEL_FORMATS, TILE_FMT, TILE_RECIP, cdiv,
-                                          kernels_usable, tl, triton, tune_bucket)
+                                          kernels_usable, pdl_launch, tl, triton, tune_bucket)
 from megatron_fp4.kernels.quantize import Expanded, _block_config, _fixed_launch, _rows_view, expand_packed, fp8_rows
 from megatron_fp4.formats import QuantizedTensor, get_format
 from megatron_fp4.resq import RESQ_COMBINES
@@ -25,6 +25,7 @@ __all__ = ["resq_quantize", "resq_quantize_reference", "resq_matmul", "DECODE_MA
 RESQ_EXPAND_MODES = (None, "native", "bf16", "sum")
 
 if HAS_TRITON:
+    from megatron_fp4.kernels._common import pdl_enter
     from megatron_fp4.kernels.quantize import (_bcast, _bf16_rne, _first_tile, _hif4_tile, _k_tile,  # noqa: F401
                                                _load_x, _mx_e5m2, _mx_tile, _mx_x, _store_packed)
 
@@ -64,9 +65,11 @@ if HAS_TRITON:
     def _resq_kernel(x_ptr, qc_ptr, qs_ptr, rc_ptr, rs_ptr, ex_ptr, exr_ptr, rexp_ptr, rok_ptr, R, K, KP,
                      stride_xr, stride_xk, stride_cr, stride_sr, stride_er, K_BUCKET, FMT: tl.constexpr,
                      EXPAND: tl.constexpr, BR: tl.constexpr, BK: tl.constexpr, R1: tl.constexpr,
-                     R2: tl.constexpr, R3: tl.constexpr, PREFETCH: tl.constexpr = 0):
+                     R2: tl.constexpr, R3: tl.constexpr, PREFETCH: tl.constexpr = 0, PDL: tl.constexpr = False):
         """FMT 0 hif4, 1 mxfp4, 2 mxfp4_rceil. EXPAND 0 none, 1 native (HiF4 bf16, MXFP4 E5M2 + shared row
-        scale), 2 bf16, 3 sum: bf16(deq Q(X) + deq S(Q(R))) (the fp32 sum rounded once, as the reference)."""
+        scale), 2 bf16, 3 sum: bf16(deq Q(X) + deq S(Q(R))) (the fp32 sum rounded once, as the reference). PDL: a
+        decode step's launch (:func:`megatron_fp4.kernels._common.pdl_enter`)."""
+        pdl_enter(PDL)
         BLK: tl.constexpr = 64 if FMT == 0 else 32
         NB: tl.constexpr = BK // BLK
         rows = tl.program_id(0) * BR + tl.arange(0, BR)
@@ -212,7 +215,7 @@ def resq_quantize(x: torch.Tensor, fmt, expand: Optional[str] = None, config: Op
     kw = dict(FMT=fmt_id, EXPAND=mode, **TILE_RECIP)
     fixed, grid = _fixed_launch(x2, kp, BR, BK, config, row_pass=mode == 1 and fmt_id != 0)
     if fixed:
-        _resq_kernel[grid](*args, **kw, BR=BR, BK=BK, PREFETCH=pf[0] if pf else 0, num_warps=warps)
+        _resq_kernel[grid](*args, **kw, BR=BR, BK=BK, PREFETCH=pf[0] if pf else 0, num_warps=warps, **pdl_launch())
     else:
         _resq_tuned[lambda meta: (cdiv(R, meta["BR"]), 1)](*args, **kw)
     sshape = (*outer, nblk, 4) if fmt_id == 0 else (*outer, nblk)
