@@ -25,19 +25,11 @@
 // a kernel launched with the attribute may start before the kernel ahead of it in the stream has finished, so it
 // first waits for that kernel (all of its work done and visible: before any of this kernel's loads or stores),
 // then lets the next kernel launch. Both are no-ops in a launch without the attribute.
-DINL void pdl_wait() {
+DINL void pdl_enter() {
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
   asm volatile("griddepcontrol.wait;" ::: "memory");
-#endif
-}
-DINL void pdl_launch_dependents() {
-#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
   asm volatile("griddepcontrol.launch_dependents;" ::: "memory");
 #endif
-}
-DINL void pdl_enter() {
-  pdl_wait();
-  pdl_launch_dependents();
 }
 static inline void pdl_attribute(cudaLaunchAttribute* a) {  // (host: the launchers)
   a->id = cudaLaunchAttributeProgrammaticStreamSerialization;

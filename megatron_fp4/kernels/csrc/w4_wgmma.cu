@@ -347,12 +347,7 @@ w4_wgmma_kernel(const uint4* __restrict__ codes, const uint32_t* __restrict__ me
 #else
   __shared__ __align__(128) uint8_t xs[XST * STAGE_BYTES];
 #endif
-#if WTMA  // the wait is the producer's alone, after its first weight TMAs (below): the consumers read only what
-  // its TMAs bring, the activations issued after the wait, and store after they have read them
-  pdl_launch_dependents();
-#else
   pdl_enter();
-#endif
   const int lane = threadIdx.x & 31;
   const int warp = __shfl_sync(0xFFFFFFFFu, threadIdx.x >> 5, 0);  // warp-uniform, as ptxas can see
   const int g = lane >> 2, t = lane & 3;
@@ -368,34 +363,19 @@ w4_wgmma_kernel(const uint4* __restrict__ codes, const uint32_t* __restrict__ me
   if (warp == CONSUMERS / 32) {  // the producer: chunk c into stage c % XST once the wgmmas of chunk c - XST retired
 #if NATURAL  // chunk c's activations by one TMA (lane 0's) once the stage is empty; tokens past M read as zeros
     // (their sums are never stored)
-    const uint32_t ring = (uint32_t)__cvta_generic_to_shared(xs);
-#if WTMA  // the block's slabs (rows past S read as zeros: an idle warpgroup's, never stored); the first XST chunks'
-    // before the wait for the kernel ahead (PDL: the weights are not its output), the activations after it
-    const int pre = min(XST, nch);
-#define WEIGHT_TMAS(c)                                                                                             \
-  {                                                                                                                \
-    const uint32_t dst = ring + ((c) % XST) * RSTAGE_BYTES + STAGE_BYTES, bar = full0 + ((c) % XST) * 8;           \
-    mbar_arrive_tx(bar, STAGE_BYTES + SLABS * (512 + META_BYTES));                                                 \
-    tma_load_3d(dst, &wmap, 0, c0 + (c), blockIdx.x * SLABS, bar);                                                 \
-    tma_load_3d(dst + SLABS * 512, &mmap, 0, c0 + (c), blockIdx.x * SLABS, bar);                                   \
-  }
-    if (lane == 0)
-      for (int c = 0; c < pre; ++c) WEIGHT_TMAS(c);
-    pdl_wait();
-#endif
     for (int c = 0; c < nch; ++c) {
       const int s = c % XST;
       if (c >= XST) bar_sync(EMPTY_BAR(s));
       if (lane == 0) {
-#if WTMA
-        if (c >= pre) WEIGHT_TMAS(c);
-#else
+        const uint32_t dst = (uint32_t)__cvta_generic_to_shared(xs) + s * RSTAGE_BYTES;
         mbar_arrive_tx(full0 + s * 8, STAGE_BYTES + SLABS * (512 + META_BYTES));
+        tma_load_2d(dst, &xmap, (c0 + c) * 64, 0, full0 + s * 8);
+#if WTMA  // the block's slabs (rows past S read as zeros: an idle warpgroup's, never stored)
+        tma_load_3d(dst + STAGE_BYTES, &wmap, 0, c0 + c, blockIdx.x * SLABS, full0 + s * 8);
+        tma_load_3d(dst + STAGE_BYTES + SLABS * 512, &mmap, 0, c0 + c, blockIdx.x * SLABS, full0 + s * 8);
 #endif
-        tma_load_2d(ring + s * RSTAGE_BYTES, &xmap, (c0 + c) * 64, 0, full0 + s * 8);
       }
     }
-#undef WEIGHT_TMAS
     producer_cluster_barriers();
     return;
 #endif
