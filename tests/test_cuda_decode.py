@@ -8,6 +8,7 @@ dispatch path.
 """
 
 import os
+import re
 import subprocess
 
 import pytest
@@ -204,9 +205,10 @@ def test_launchers_take_the_bf16_output_flag_and_refuse_it_with_atomic_split_k()
 
 @pytest.mark.skipif(_nvcc.nvcc() is None, reason="needs nvcc (no GPU: a compile for sm_90a)")
 def test_decode_kernels_start_by_waiting_for_the_kernel_before(tmp_path):
-    """Programmatic dependent launch (MEGATRON_FP4_PDL=1): both kernels' first instructions are griddepcontrol.wait
-    (SASS ACQBULK) and griddepcontrol.launch_dependents (PREEXIT), ahead of any load or store, so a kernel launched
-    early reads nothing the kernel before it still writes."""
+    """Programmatic dependent launch (MEGATRON_FP4_PDL=1): both kernels begin with griddepcontrol.wait (SASS
+    ACQBULK), then griddepcontrol.launch_dependents (PREEXIT), ahead of any global or shared-memory access (read by
+    instruction address in nvdisasm's listing), so a kernel launched early reads nothing the kernel before it still
+    writes and lets the next one launch only once the one before has finished."""
     import triton
 
     from megatron_fp4.kernels import cuda_decode as cd
@@ -222,10 +224,13 @@ def test_decode_kernels_start_by_waiting_for_the_kernel_before(tmp_path):
         r = subprocess.run(cmd, capture_output=True, text=True)
         assert r.returncode == 0, r.stderr[-2000:]
         sass = subprocess.run([nvdisasm, "-c", path], capture_output=True, text=True, check=True).stdout
-        ops = [line.split("*/", 1)[1].strip().split()[0] for line in sass.splitlines() if line.strip().startswith("/*0")]
-        first_memory = next(i for i, op in enumerate(ops) if op.startswith(("LD", "ST", "UTMA", "SYNCS", "UBLKCP"))
-                            and not op.startswith("LDC"))
-        assert ops.index("ACQBULK") < first_memory and ops.index("PREEXIT") < first_memory, ops[:first_memory + 1]
+        words = [line.split("*/", 1)[1].split() for line in sass.splitlines()
+                 if re.match(r"\s*/\*[0-9a-f]{4,}\*/", line)]  # the instruction lines, by their addresses
+        ops = [w[1] if w[0].startswith("@") else w[0].rstrip(";") for w in words]  # (past a predicate)
+        first_memory = min(i for i, op in enumerate(ops) if op.startswith(("LDG", "STG", "RED", "ATOM", "UTMALDG",
+                                                                           "UBLKCP", "LDS", "STS", "SYNCS")))
+        assert ops.count("ACQBULK") == 1 and ops.index("ACQBULK") < ops.index("PREEXIT") < first_memory, \
+            ops[:first_memory + 1]
 
 
 # ---------------------------------------------------------------------------------------------------------------

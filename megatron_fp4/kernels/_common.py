@@ -42,8 +42,9 @@ def interpreting() -> bool:
 #: starts by waiting for the kernel before it (griddepcontrol.wait: all of its work done and visible) and lets the
 #: next one launch (griddepcontrol.launch_dependents), so a kernel's launch and block scheduling overlap the end of
 #: the one before instead of following it; inside a CUDA graph the edges are programmatic. Every kernel launched so
-#: waits before it touches memory, so the order of the step's reads and writes is the stream's. Off by default
-#: until measured on the H200 (docs/PERFORMANCE.md).
+#: waits before it touches memory, and lets the next one launch only after its wait (so a kernel runs early only
+#: beside the one just before it, never beside older ones): the order of the step's reads and writes is the
+#: stream's. Off by default until measured on the H200 (docs/PERFORMANCE.md).
 PDL_ENV = "MEGATRON_FP4_PDL"
 try:
     from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait

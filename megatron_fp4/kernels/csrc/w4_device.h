@@ -24,7 +24,9 @@
 // Programmatic dependent launch (cuda_decode.w4_decode with MEGATRON_FP4_PDL=1; megatron_fp4/kernels/_common.py):
 // a kernel launched with the attribute may start before the kernel ahead of it in the stream has finished, so it
 // first waits for that kernel (all of its work done and visible: before any of this kernel's loads or stores),
-// then lets the next kernel launch. Both are no-ops in a launch without the attribute.
+// then lets the next kernel launch: in that order, a kernel starts early only beside the one kernel just before
+// it, never beside older ones (a weight's requantize, say). Both are no-ops in a launch without the attribute.
+// (Loading weights before the wait was tried and dropped: the kernel just before may be the one writing them.)
 DINL void pdl_enter() {
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
   asm volatile("griddepcontrol.wait;" ::: "memory");
