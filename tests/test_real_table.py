@@ -217,6 +217,33 @@ def test_machine_left_starts_only_runs_that_can_finish_and_the_started_ones_firs
     assert mt.main(argv) == 0 and calls == [started.name, "seed1/hif4/bf16_fp4"]  # no limit: both, started first
 
 
+def test_machine_left_estimates_a_run_by_the_finished_runs_of_its_micro_batches(tmp_path, monkeypatch, capsys):
+    """The estimate --machine-left compares is the longest finished run with the same micro-batches as this call's
+    runs (cmd.txt): session 33's padded runs (up to 1,390 s) do not hold back packed ones once a packed run has
+    finished; with none finished yet, the longest of all."""
+    assert mt.micro_batching(["--micro-batch-size", "8"]) == "sequences"
+    assert mt.micro_batching(["--use-dynamic-batch-size", "--max-tokens-per-gpu", "5120"]) == "tokens 5120"
+    assert mt.run_estimate([(1000.0, "sequences"), (300.0, "tokens 5120")], "tokens 5120") == 300.0
+    assert mt.run_estimate([(1000.0, "sequences")], "tokens 5120") == 1000.0 and mt.run_estimate([], "x") == 0.0
+    out = tmp_path / "runs"
+    packed = ["--use-dynamic-batch-size", "--max-tokens-per-gpu", "5120"]
+    for row, seconds, flags in (("bf16_bf16", 1000.0, ["--micro-batch-size", "8"]), ("bf16_fp4", 300.0, packed)):
+        run = mt.plan([1], ["hif4"], [row])[0]
+        (out / run.name).mkdir(parents=True)
+        (out / run.name / "results.json").write_text(json.dumps({"warm_start": {}, "final": {}, "seconds": seconds}))
+        (out / run.name / "cmd.txt").write_text(" ".join(["python", "pretrain_rl.py", *flags]) + "\n")
+    calls = []
+    monkeypatch.setattr(mt, "run_one", lambda args, run, *a, **k: calls.append(run.name) or {"status": "stopped",
+                                                                                             "seconds": 1.0})
+    argv = ["--preset", "smollm2", "--out", str(out), "--seeds", "1", "--formats", "hif4", "--only",
+            "bf16_bf16,bf16_fp4,fp4_fp4", "--jobs", "1", "--machine-left", "500"]
+    for flags, started in ((packed, ["seed1/hif4/fp4_fp4"]), (["--micro-batch-size", "8"], [])):
+        monkeypatch.setattr(mt, "ensure_warm", lambda args, seed, env: setattr(args, "task_flags", flags) or "warm")
+        calls.clear()
+        assert mt.main(argv) == 0 and calls == started, (flags, calls)
+    assert "a run takes about 1000s" in capsys.readouterr().out
+
+
 def test_shards_of_one_machine_make_the_warm_start_once(tmp_path, monkeypatch):
     """Two shards (--shard 0/2, 1/2) start at once and need the same seed's warm start: one makes it, the other
     waits for it (CI once saw both write the same checkpoint, and one fail)."""

@@ -444,6 +444,33 @@ def load_record(args, run: Run) -> dict | None:
         return json.load(f)
 
 
+def micro_batching(flags: list[str]) -> str:
+    """The training micro-batches of a pretrain_rl.py command line: "tokens N" (--use-dynamic-batch-size
+    --max-tokens-per-gpu N) or "sequences" (--micro-batch-size)."""
+    if "--use-dynamic-batch-size" in flags and "--max-tokens-per-gpu" in flags[:-1]:
+        return "tokens " + flags[flags.index("--max-tokens-per-gpu") + 1]
+    return "sequences"
+
+
+def finished_durations(args, runs: list[Run]) -> list[tuple[float, str]]:
+    """(seconds, :func:`micro_batching` of its cmd.txt) of every finished run."""
+    out = []
+    for run in runs:
+        rec = load_record(args, run)
+        if rec is not None:
+            path = os.path.join(args.out, run.name, "cmd.txt")
+            flags = shlex.split(open(path).read()) if os.path.isfile(path) else []
+            out.append((rec["seconds"], micro_batching(flags)))
+    return out
+
+
+def run_estimate(durations: list[tuple[float, str]], batching: str) -> float:
+    """How long a new run takes: the longest finished run with the same micro-batches (session 33's padded runs
+    took up to 1,390 s; packed ones are meant to be faster), else the longest finished run, else 0."""
+    same = [sec for sec, b in durations if b == batching]
+    return max(same or [sec for sec, _ in durations] or [0.0])
+
+
 def progress_table(args, runs: list[Run], status: dict[str, str]) -> str:
     lines = [f"{'run':44s} {'status':8s} {'warm':>6s} {'final':>6s} {'bf16-eval':>9s} {'mismatch':>9s} {'sec':>6s}"]
     for run in runs:
@@ -566,9 +593,10 @@ def main(argv=None) -> int:
         env.update(HF_HUB_OFFLINE="1", HF_DATASETS_OFFLINE="1", TOKENIZERS_PARALLELISM="false")
     t_start = time.monotonic()
     status: dict[str, str] = {}
-    durations = [rec["seconds"] for r in runs if (rec := load_record(args, r))]
+    durations = finished_durations(args, runs)
     todo = [r for r in runs if load_record(args, r) is None]
     warm = {seed: ensure_warm(args, seed, env) for seed in sorted({r.seed for r in todo})}
+    batching = micro_batching(args.task_flags or [])  # (the smollm2 presets' flags, known once the model is there)
     lock = threading.Lock()
     stop = threading.Event()
 
@@ -580,7 +608,7 @@ def main(argv=None) -> int:
 
     def work(run: Run) -> None:
         with lock:
-            estimate = max(durations) if durations else 0.0
+            estimate = run_estimate(durations, batching)
             elapsed = time.monotonic() - t_start
             left = args.time_budget - elapsed
             if (resumable and args.machine_left and estimate > args.machine_left - elapsed
@@ -605,7 +633,7 @@ def main(argv=None) -> int:
         with lock:
             status[run.name] = out["status"]
             if out["status"] == "done":
-                durations.append(out["seconds"])
+                durations.append((out["seconds"], batching))
                 print(f"[mini_table] {run.name}: accuracy {accuracy_of(out['warm_start']):.3f} -> "
                       f"{accuracy_of(out['final']):.3f} ({out['seconds']:.0f}s)", flush=True)
             elif out["status"] == "oom" and run.name not in jobs["oom"] and jobs["limit"] > 1:
