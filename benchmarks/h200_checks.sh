@@ -12,9 +12,9 @@
 #   decode-bench  bench_kernels.py --decode --decode-sweep on the 7B and 1.5B MLP shapes
 #   engine-bench  bench_rollout.py: the native engine's rows on the 1.5B and 7B shapes (issue 20's engine targets,
 #                 --profile), then the ResQ rows again with the opt-in fused quantize (MEGATRON_FP4_DECODE_FUSED_RESQ=1)
-#   engine-pdl    programmatic dependent launch (MEGATRON_FP4_PDL=1): the engine's GPU tests and the decode-step
-#                 kernels' tests with it, then the 7B rows without and with it in one JSON (paths "graph+fused" and
-#                 "graph+fused+pdl"): whether it becomes the default
+#   engine-pdl    programmatic dependent launch (MEGATRON_FP4_PDL=1): the 7B rows without and with it in one JSON
+#                 (paths "graph+fused" and "graph+fused+pdl"), then the decode-step kernels' and the engine's GPU
+#                 tests with it: whether it becomes the default
 #   decode-natural  the natural-K-order decode GEMM (the default layout): its GPU tests (CLUSTER's determinism too),
 #                 then its tiles (WTMA, CLUSTER, forced splits) against the default tile on 7B and 1.5B MLP shapes
 #   decode-profile  Nsight Compute on the decode GEMM (a 7B MLP weight): the default tile at M = 16 (both formats;
@@ -115,14 +115,16 @@ case "$1" in
       --out "$results/rollout_h200_engine.json"
     ;;
   engine-pdl)  # the same tests and rows with the kernels waiting on griddepcontrol (megatron_fp4/kernels/_common.py)
-    prebuild_tests natural
-    python3 benchmarks/bench_rollout.py --backend native --shapes qwen2.5-7b --check-samples 64 \
+    # (the rows first, so that they come back within the call; each row's own checks compare the graph with eager
+    # and with a teacher-forced forward; then the GPU tests with PDL, as long as the call lasts)
+    python3 benchmarks/bench_rollout.py --backend native --shapes qwen2.5-7b --check-samples 16 \
       --out "$results/rollout_h200_pdl.json"
     export MEGATRON_FP4_PDL=1
-    run_tests -m gpu tests/test_rollout_static.py
-    run_tests tests/test_decode_ops.py
-    python3 benchmarks/bench_rollout.py --backend native --shapes qwen2.5-7b --check-samples 64 \
+    python3 benchmarks/bench_rollout.py --backend native --shapes qwen2.5-7b --check-samples 16 \
       --append --out "$results/rollout_h200_pdl.json"
+    run_tests tests/test_decode_ops.py
+    prebuild_tests natural
+    run_tests -m gpu tests/test_rollout_static.py
     ;;
   decode-natural)  # the "_cuda" columns: the default (NATURAL_TILE); the sweep: every NATURAL tile of SWEEP_TILES
     # (the engine's shapes: Megatron's fc1 is gate and up in one weight; 7B qkv 3584x4608 and proj; 1.5B fc1, fc2)
