@@ -244,6 +244,19 @@ def test_machine_left_estimates_a_run_by_the_finished_runs_of_its_micro_batches(
     assert "a run takes about 1000s" in capsys.readouterr().out
 
 
+def test_fp4_training_runs_start_first(tmp_path, monkeypatch):
+    """New runs start FP4-training rows first (the longest), then BF16-training ones, each group in plan order:
+    the short runs fill the end of a call."""
+    calls = []
+    monkeypatch.setattr(mt, "ensure_warm", lambda args, seed, env: "warm")
+    monkeypatch.setattr(mt, "run_one", lambda args, run, *a, **k: calls.append(run.name) or {"status": "stopped",
+                                                                                             "seconds": 1.0})
+    assert mt.main(["--preset", "smollm2", "--out", str(tmp_path / "runs"), "--seeds", "1,2", "--formats", "hif4",
+                    "--only", "bf16_bf16,bf16_fp4,fp4_fp4", "--jobs", "1"]) == 0
+    assert calls == ["seed1/hif4/fp4_fp4", "seed2/hif4/fp4_fp4", "seed1/bf16/bf16_bf16", "seed1/hif4/bf16_fp4",
+                     "seed2/bf16/bf16_bf16", "seed2/hif4/bf16_fp4"]
+
+
 def test_shards_of_one_machine_make_the_warm_start_once(tmp_path, monkeypatch):
     """Two shards (--shard 0/2, 1/2) start at once and need the same seed's warm start: one makes it, the other
     waits for it (CI once saw both write the same checkpoint, and one fail)."""

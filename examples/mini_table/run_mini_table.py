@@ -603,7 +603,9 @@ def main(argv=None) -> int:
     resumable = args.preset in SMOLLM2
     deadline = t_start + args.time_budget if args.time_budget and resumable else None
 
-    queue = deque(sorted(todo, key=lambda r: not in_progress(args, r)))  # the started runs first: finish those
+    # the started runs first (finish those), then the FP4-training rows (the longest: ~1.4x a BF16-training run in
+    # session 33), so that the short runs fill the end of a call instead of a long one running alone
+    queue = deque(sorted(todo, key=lambda r: (not in_progress(args, r), r.row.training != "FP4")))
     jobs = {"limit": args.jobs, "live": 0, "oom": set()}
 
     def work(run: Run) -> None:
