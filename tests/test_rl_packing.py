@@ -286,17 +286,20 @@ def test_driver_fp4_training_step_by_tokens(tmp_path, fmt):
 
 
 @pytest.mark.gpu
-def test_gpu_driver_step_packed_equals_padded_in_bf16(tmp_path):
-    """On a GPU in bf16 (the real-model table's setting) the packed and the token micro-batches run FlashAttention
-    varlen (torch 2.11 has no enable_gqa there: this model is GQA 4/2) and log the padded step's statistics up to bf16
-    rounding."""
+@pytest.mark.parametrize("training", ["bf16", "hif4"])
+def test_gpu_driver_step_packed_equals_padded_in_bf16(tmp_path, training):
+    """On a GPU in bf16 (the real-model table's setting; BF16 or HiF4 training) the packed and the token micro-batches
+    run FlashAttention varlen (torch 2.11 has no enable_gqa there: this model is GQA 4/2) and log the padded step's
+    statistics up to bf16 rounding (HiF4: and the wgrad blocks' other grouping of the tokens)."""
     env = dict(os.environ, PYTHONPATH=os.pathsep.join([ROOT, os.path.join(ROOT, "tests"),
                                                        os.environ.get("PYTHONPATH", "")]))
+    flags = TINY if training == "bf16" else [a for a in TINY if a != "--no-fp4-train"] + ["--fp4-block-format",
+                                                                                          training]
     rows = {}
     for name, extra in (("padded", []), ("packed", ["--pack-sequences"]),
                         ("dynamic", ["--use-dynamic-batch-size", "--max-tokens-per-gpu", "40"])):
         log = tmp_path / f"{name}.jsonl"
-        r = subprocess.run([sys.executable, os.path.join(ROOT, "pretrain_rl.py"), *TINY, "--bf16", *extra,
+        r = subprocess.run([sys.executable, os.path.join(ROOT, "pretrain_rl.py"), *flags, "--bf16", *extra,
                             "--log-jsonl", str(log)], env=env, cwd=ROOT, capture_output=True, text=True, timeout=600)
         assert r.returncode == 0, r.stderr[-3000:]
         rows[name] = [json.loads(line) for line in open(log) if '"train"' in line][0]
