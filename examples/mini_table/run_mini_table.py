@@ -527,7 +527,8 @@ def parse(argv=None):
     p.add_argument("--machine-left", type=float, default=0,
                    help="smollm2 presets: seconds until the machine (and the runs' checkpoints on it) goes away, this "
                         "call included (e.g. the device tool's budget left); a new run expected to take longer (the "
-                        "longest finished run) is not started: it would be lost and slow the runs that can finish. "
+                        "longest finished run with the same micro-batches) is not started: it would be lost and "
+                        "slow the runs that can finish. "
                         "0 = no limit")
     p.add_argument("--max-tokens-per-gpu", type=int, default=None,
                    help="smollm2 on a GPU: packed tokens per training micro-batch (--use-dynamic-batch-size; "
