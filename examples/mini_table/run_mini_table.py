@@ -369,7 +369,7 @@ def run_one(args, run: Run, warm_ckpt: str, env: dict, deadline: float | None = 
     os.makedirs(rdir, exist_ok=True)
     jsonl, res = os.path.join(rdir, "train.jsonl"), os.path.join(rdir, "pretrain_result.json")
     ckpt = run_ckpt_dir(args, run)
-    resuming = ckpt is not None and os.path.isfile(os.path.join(ckpt, TRACKER_FILE))
+    resuming = in_progress(args, run)
     progress_path = os.path.join(rdir, "progress.json")
     progress = {"seconds": 0.0, "calls": 0}
     if resuming and os.path.isfile(progress_path):
