@@ -239,23 +239,40 @@ TINY = ["--num-layers", "2", "--hidden-size", "64", "--ffn-hidden-size", "128", 
         "--group-rm", "--no-fp4-train"]
 
 
+#: The micro-batches the driver tests compare: padded (TINY's 6 sequences), packed, and by tokens (up to 40).
+MICRO_BATCHES = {"padded": [], "packed": ["--pack-sequences"],
+                 "dynamic": ["--use-dynamic-batch-size", "--max-tokens-per-gpu", "40"]}
+
+
+def _first_steps(tmp_path, flags: list[str], names, threads: bool = True) -> dict[str, dict]:
+    """The first GRPO step's train row of ``pretrain_rl.py *flags`` with each of MICRO_BATCHES' ``names`` (one process
+    each; ``threads``: one CPU thread)."""
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join([ROOT, os.path.join(ROOT, "tests"),
+                                                       os.environ.get("PYTHONPATH", "")]))
+    if threads:
+        env["OMP_NUM_THREADS"] = "1"
+    rows = {}
+    for name in names:
+        log = tmp_path / f"{name}.jsonl"
+        r = subprocess.run([sys.executable, os.path.join(ROOT, "pretrain_rl.py"), *flags, *MICRO_BATCHES[name],
+                            "--log-jsonl", str(log)], env=env, cwd=ROOT, capture_output=True, text=True, timeout=600)
+        assert r.returncode == 0, r.stderr[-3000:]
+        assert "attention sdpa" in r.stdout
+        rows[name] = [json.loads(line) for line in open(log) if '"train"' in line][0]
+    return rows
+
+
+def _fp4_training(fmt: str) -> list[str]:
+    return [a for a in TINY if a != "--no-fp4-train"] + ["--fp4-block-format", fmt]
+
+
 @pytest.mark.slow
 def test_driver_step_with_and_without_packing(tmp_path):
     """The first GRPO step (same starting weights, so the same rollout; a group reward, so non-zero advantages)
     logs the same loss statistics and gradient norm whether the micro-batches are packed or padded (up to fp32
     rounding). High-precision training: FP4 quantizes the weight gradient in blocks along the tokens, and packing
     changes which tokens share a block (measured: grad norm 1.4e-3 relative apart in HiF4)."""
-    env = dict(os.environ, PYTHONPATH=os.pathsep.join([ROOT, os.path.join(ROOT, "tests"),
-                                                       os.environ.get("PYTHONPATH", "")]), OMP_NUM_THREADS="1")
-    rows = {}
-    for name, extra in (("padded", []), ("packed", ["--pack-sequences"]),
-                        ("dynamic", ["--use-dynamic-batch-size", "--max-tokens-per-gpu", "40"])):
-        log = tmp_path / f"{name}.jsonl"
-        r = subprocess.run([sys.executable, os.path.join(ROOT, "pretrain_rl.py"), *TINY, *extra, "--log-jsonl",
-                            str(log)], env=env, cwd=ROOT, capture_output=True, text=True, timeout=600)
-        assert r.returncode == 0, r.stderr[-3000:]
-        assert "attention sdpa" in r.stdout
-        rows[name] = [json.loads(line) for line in open(log) if '"train"' in line][0]
+    rows = _first_steps(tmp_path, TINY, MICRO_BATCHES)
     a = rows["padded"]
     assert a["grad_norm"] > 0 and a["loss"] != 0
     for b in (rows["packed"], rows["dynamic"]):  # (dynamic: micro-batches of up to 40 tokens, not 6 sequences)
@@ -269,16 +286,7 @@ def test_driver_fp4_training_step_by_tokens(tmp_path, fmt):
     """FP4 training (the real-model table's FP4/FP4 rows) in micro-batches of packed tokens: the same rollout and
     loss as padded micro-batches, the gradient norm within 2% (the wgrad's FP4 blocks along the tokens group other
     tokens in a pack: measured 0.06% apart in HiF4, 0.8% in MXFP4)."""
-    env = dict(os.environ, PYTHONPATH=os.pathsep.join([ROOT, os.path.join(ROOT, "tests"),
-                                                       os.environ.get("PYTHONPATH", "")]), OMP_NUM_THREADS="1")
-    fp4 = [a for a in TINY if a != "--no-fp4-train"] + ["--fp4-block-format", fmt]
-    rows = {}
-    for name, extra in (("padded", []), ("dynamic", ["--use-dynamic-batch-size", "--max-tokens-per-gpu", "40"])):
-        log = tmp_path / f"{name}.jsonl"
-        r = subprocess.run([sys.executable, os.path.join(ROOT, "pretrain_rl.py"), *fp4, *extra, "--log-jsonl",
-                            str(log)], env=env, cwd=ROOT, capture_output=True, text=True, timeout=600)
-        assert r.returncode == 0, r.stderr[-3000:]
-        rows[name] = [json.loads(line) for line in open(log) if '"train"' in line][0]
+    rows = _first_steps(tmp_path, _fp4_training(fmt), ("padded", "dynamic"))
     a, b = rows["padded"], rows["dynamic"]
     assert a["reward_mean"] == b["reward_mean"] and a["grad_norm"] > 0
     assert math.isclose(a["loss"], b["loss"], rel_tol=1e-4), (a["loss"], b["loss"])
@@ -291,18 +299,8 @@ def test_gpu_driver_step_packed_equals_padded_in_bf16(tmp_path, training):
     """On a GPU in bf16 (the real-model table's setting; BF16 or HiF4 training) the packed and the token micro-batches
     run FlashAttention varlen (torch 2.11 has no enable_gqa there: this model is GQA 4/2) and log the padded step's
     statistics up to bf16 rounding (HiF4: and the wgrad blocks' other grouping of the tokens)."""
-    env = dict(os.environ, PYTHONPATH=os.pathsep.join([ROOT, os.path.join(ROOT, "tests"),
-                                                       os.environ.get("PYTHONPATH", "")]))
-    flags = TINY if training == "bf16" else [a for a in TINY if a != "--no-fp4-train"] + ["--fp4-block-format",
-                                                                                          training]
-    rows = {}
-    for name, extra in (("padded", []), ("packed", ["--pack-sequences"]),
-                        ("dynamic", ["--use-dynamic-batch-size", "--max-tokens-per-gpu", "40"])):
-        log = tmp_path / f"{name}.jsonl"
-        r = subprocess.run([sys.executable, os.path.join(ROOT, "pretrain_rl.py"), *flags, "--bf16", *extra,
-                            "--log-jsonl", str(log)], env=env, cwd=ROOT, capture_output=True, text=True, timeout=600)
-        assert r.returncode == 0, r.stderr[-3000:]
-        rows[name] = [json.loads(line) for line in open(log) if '"train"' in line][0]
+    flags = TINY if training == "bf16" else _fp4_training(training)
+    rows = _first_steps(tmp_path, [*flags, "--bf16"], MICRO_BATCHES, threads=False)
     a = rows["padded"]
     assert a["grad_norm"] > 0
     for b in (rows["packed"], rows["dynamic"]):
