@@ -217,17 +217,23 @@ def test_machine_left_starts_only_runs_that_can_finish_and_the_started_ones_firs
     assert mt.main(argv) == 0 and calls == [started.name, "seed1/hif4/bf16_fp4"]  # no limit: both, started first
 
 
-def test_machine_left_estimates_a_run_by_the_finished_runs_of_its_micro_batches(tmp_path, monkeypatch, capsys):
-    """The estimate --machine-left compares is the longest finished run with the same micro-batches as this call's
-    runs (cmd.txt): session 33's padded runs (up to 1,390 s) do not hold back packed ones once a packed run has
-    finished; with none finished yet, the longest of all."""
+def test_machine_left_estimates_a_run_by_the_finished_runs_of_its_kind_and_micro_batches(tmp_path, monkeypatch,
+                                                                                         capsys):
+    """The estimate --machine-left compares is the longest finished run of the same row and format with the same
+    micro-batches as this call's runs (cmd.txt): session 33's padded runs (up to 1,390 s) do not hold back packed
+    ones once a packed run of their kind has finished, and a fast kind (packed MXFP4 FP4/FP4: 304 s, its answers
+    mostly truncated and out of the loss) does not let a slow one start; otherwise the longest run of all."""
     assert mt.micro_batching(["--micro-batch-size", "8"]) == "sequences"
     assert mt.micro_batching(["--use-dynamic-batch-size", "--max-tokens-per-gpu", "5120"]) == "tokens 5120"
-    assert mt.run_estimate([(1000.0, "sequences"), (300.0, "tokens 5120")], "tokens 5120") == 300.0
-    assert mt.run_estimate([(1000.0, "sequences")], "tokens 5120") == 1000.0 and mt.run_estimate([], "x") == 0.0
+    durations = [(1000.0, "sequences", "hif4/bf16_fp4"), (300.0, "tokens 5120", "hif4/bf16_fp4"),
+                 (200.0, "tokens 5120", "mxfp4/fp4_fp4")]
+    assert mt.run_estimate(durations, "tokens 5120", "hif4/bf16_fp4") == 300.0
+    assert mt.run_estimate(durations, "sequences", "hif4/bf16_fp4") == 1000.0
+    assert mt.run_estimate(durations, "tokens 5120", "hif4/fp4_fp4") == 1000.0  # not mxfp4/fp4_fp4's 200 s
+    assert mt.run_estimate([], "x", "y") == 0.0
     out = tmp_path / "runs"
     packed = ["--use-dynamic-batch-size", "--max-tokens-per-gpu", "5120"]
-    for row, seconds, flags in (("bf16_bf16", 1000.0, ["--micro-batch-size", "8"]), ("bf16_fp4", 300.0, packed)):
+    for row, seconds, flags in (("fp4_fp4", 1000.0, ["--micro-batch-size", "8"]), ("bf16_fp4", 300.0, packed)):
         run = mt.plan([1], ["hif4"], [row])[0]
         (out / run.name).mkdir(parents=True)
         (out / run.name / "results.json").write_text(json.dumps({"warm_start": {}, "final": {}, "seconds": seconds}))
@@ -235,13 +241,15 @@ def test_machine_left_estimates_a_run_by_the_finished_runs_of_its_micro_batches(
     calls = []
     monkeypatch.setattr(mt, "run_one", lambda args, run, *a, **k: calls.append(run.name) or {"status": "stopped",
                                                                                              "seconds": 1.0})
-    argv = ["--preset", "smollm2", "--out", str(out), "--seeds", "1", "--formats", "hif4", "--only",
-            "bf16_bf16,bf16_fp4,fp4_fp4", "--jobs", "1", "--machine-left", "500"]
-    for flags, started in ((packed, ["seed1/hif4/fp4_fp4"]), (["--micro-batch-size", "8"], [])):
+    argv = ["--preset", "smollm2", "--out", str(out), "--seeds", "1,2", "--formats", "hif4", "--only",
+            "bf16_fp4,fp4_fp4", "--jobs", "1", "--machine-left", "500"]
+    for flags, started in ((packed, ["seed2/hif4/bf16_fp4"]), (["--micro-batch-size", "8"], [])):
         monkeypatch.setattr(mt, "ensure_warm", lambda args, seed, env: setattr(args, "task_flags", flags) or "warm")
         calls.clear()
         assert mt.main(argv) == 0 and calls == started, (flags, calls)
-    assert "a run takes about 1000s" in capsys.readouterr().out
+    log = capsys.readouterr().out
+    assert "not starting seed2/hif4/fp4_fp4: a run takes about 1000s" in log
+    assert "not starting seed2/hif4/bf16_fp4: a run takes about 1000s" in log  # padded: only the padded run counts
 
 
 def test_fp4_training_runs_start_first(tmp_path, monkeypatch):

@@ -452,23 +452,30 @@ def micro_batching(flags: list[str]) -> str:
     return "sequences"
 
 
-def finished_durations(args, runs: list[Run]) -> list[tuple[float, str]]:
-    """(seconds, :func:`micro_batching` of its cmd.txt) of every finished run."""
+def kind_of(run: Run) -> str:
+    """The row and format of a run, its seed left out ("hif4/fp4_fp4"): the runs that take alike."""
+    return f"{run.fmt}/{run.row.id}"
+
+
+def finished_durations(args, runs: list[Run]) -> list[tuple[float, str, str]]:
+    """(seconds, :func:`micro_batching` of its cmd.txt, :func:`kind_of`) of every finished run."""
     out = []
     for run in runs:
         rec = load_record(args, run)
         if rec is not None:
             path = os.path.join(args.out, run.name, "cmd.txt")
             flags = shlex.split(open(path).read()) if os.path.isfile(path) else []
-            out.append((rec["seconds"], micro_batching(flags)))
+            out.append((rec["seconds"], micro_batching(flags), kind_of(run)))
     return out
 
 
-def run_estimate(durations: list[tuple[float, str]], batching: str) -> float:
-    """How long a new run takes: the longest finished run with the same micro-batches (session 33's padded runs
-    took up to 1,390 s; packed ones are meant to be faster), else the longest finished run, else 0."""
-    same = [sec for sec, b in durations if b == batching]
-    return max(same or [sec for sec, _ in durations] or [0.0])
+def run_estimate(durations: list[tuple[float, str, str]], batching: str, kind: str) -> float:
+    """How long a new run takes: the longest finished run of the same kind (row and format) with the same
+    micro-batches, else the longest finished run of all (cautious: runs of one micro-batching differ 2x by kind, e.g.
+    a packed MXFP4 FP4/FP4 run trains few tokens, its answers mostly truncated, and took 304 s where HiF4 FP4/FP4 took
+    679 s), else 0."""
+    same = [sec for sec, b, k in durations if b == batching and k == kind]
+    return max(same or [sec for sec, _, _ in durations] or [0.0])
 
 
 def progress_table(args, runs: list[Run], status: dict[str, str]) -> str:
@@ -527,7 +534,8 @@ def parse(argv=None):
     p.add_argument("--machine-left", type=float, default=0,
                    help="smollm2 presets: seconds until the machine (and the runs' checkpoints on it) goes away, this "
                         "call included (e.g. the device tool's budget left); a new run expected to take longer (the "
-                        "longest finished run with the same micro-batches) is not started: it would be lost and "
+                        "longest finished run of its row and format with the same micro-batches, else the longest "
+                        "finished run) is not started: it would be lost and "
                         "slow the runs that can finish. "
                         "0 = no limit")
     p.add_argument("--max-tokens-per-gpu", type=int, default=None,
@@ -611,7 +619,7 @@ def main(argv=None) -> int:
 
     def work(run: Run) -> None:
         with lock:
-            estimate = run_estimate(durations, batching)
+            estimate = run_estimate(durations, batching, kind_of(run))
             elapsed = time.monotonic() - t_start
             left = args.time_budget - elapsed
             if (resumable and args.machine_left and estimate > args.machine_left - elapsed
@@ -636,7 +644,7 @@ def main(argv=None) -> int:
         with lock:
             status[run.name] = out["status"]
             if out["status"] == "done":
-                durations.append((out["seconds"], batching))
+                durations.append((out["seconds"], batching, kind_of(run)))
                 print(f"[mini_table] {run.name}: accuracy {accuracy_of(out['warm_start']):.3f} -> "
                       f"{accuracy_of(out['final']):.3f} ({out['seconds']:.0f}s)", flush=True)
             elif out["status"] == "oom" and run.name not in jobs["oom"] and jobs["limit"] > 1:
