@@ -372,6 +372,22 @@ def test_bad_flags_are_one_line_errors(tmp_path, argv, message):
         mt.parse([*argv, "--out", str(tmp_path)])
 
 
+def test_plot_runs_says_which_runs_took_which_micro_batches():
+    """The report names the runs of each micro-batching where they differ (session 33's padded runs beside session
+    35's packed ones), and says nothing where all are alike."""
+    padded = "python pretrain_rl.py --micro-batch-size 8 --bf16"
+    packed = "python pretrain_rl.py --micro-batch-size 8 --use-dynamic-batch-size --max-tokens-per-gpu 5120"
+    assert plot_runs.micro_batches(padded) == "8 sequences padded per micro-batch"
+    assert plot_runs.micro_batches(padded + " --pack-sequences") == "8 sequences packed per micro-batch"
+    assert plot_runs.micro_batches(packed) == "packs of up to 5120 tokens"
+    runs = [{"command": c, "dir": f"/r/seed1/{name}", "runs_dir": "/r"}
+            for c, name in ((padded, "bf16/bf16_bf16"), (packed, "hif4/fp4_fp4"), (packed, "mxfp4/fp4_fp4"))]
+    line = plot_runs.micro_batches_line(runs)[0]
+    assert ("8 sequences padded per micro-batch: seed1/bf16/bf16_bf16; packs of up to 5120 tokens: "
+            "seed1/hif4/fp4_fp4, seed1/mxfp4/fp4_fp4.") in line
+    assert plot_runs.micro_batches_line(runs[1:]) == []
+
+
 def test_plot_runs_intervals():
     m, lo, hi, k = plot_runs.ci95([0.2, 0.3, 0.4])
     assert k == 3 and m == pytest.approx(0.3) and hi - m == pytest.approx(4.303 * 0.1 / math.sqrt(3))

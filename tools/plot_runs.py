@@ -126,7 +126,7 @@ def load_runs(runs_dir: str) -> list[dict]:
             continue
         _check_record(rec, path)
         rec["log"] = read_jsonl(os.path.join(dirpath, "train.jsonl"))
-        rec["dir"] = dirpath
+        rec["dir"], rec["runs_dir"] = dirpath, runs_dir
         out.append(rec)
     return out
 
@@ -134,6 +134,25 @@ def load_runs(runs_dir: str) -> list[dict]:
 def flag_value(command: str, flag: str, default=None):
     parts = shlex.split(command or "")
     return parts[parts.index(flag) + 1] if flag in parts[:-1] else default
+
+
+def micro_batches(command: str) -> str:
+    """How a run's update and log-prob passes were cut: packs of up to N tokens or micro-batches of sequences."""
+    if "--use-dynamic-batch-size" in shlex.split(command or ""):
+        return f"packs of up to {flag_value(command, '--max-tokens-per-gpu', '?')} tokens"
+    return (f"{flag_value(command, '--micro-batch-size', '1')} sequences"
+            f"{' packed' if '--pack-sequences' in shlex.split(command or '') else ' padded'} per micro-batch")
+
+
+def micro_batches_line(runs: list[dict]) -> list[str]:
+    """A line saying which runs took which micro-batches, where they differ (none where all are alike)."""
+    kinds: dict[str, list[str]] = {}
+    for r in runs:
+        kinds.setdefault(micro_batches(r.get("command", "")), []).append(os.path.relpath(r["dir"], r["runs_dir"]))
+    if len(kinds) < 2:
+        return []
+    return ["Micro-batches differ between runs (packs give BF16 training the same loss and gradients; FP4 "
+            "training's wgrad quantizes blocks along the tokens, which packs group differently): " + "; ".join(f"{k}: {', '.join(sorted(v))}" for k, v in sorted(kinds.items())) + ".", ""]
 
 
 # ---------------------------------------------------------------------------------------------------- statistics
@@ -447,7 +466,7 @@ def write_report(runs_dir: str, out_md: str, command: str, notes: str | None = N
         start = ("the warm start is the same weights for every row of a seed, evaluated in that row's rollout "
                  "precision before GRPO")
     lines = [title, "", "Produced by:", "", "```bash", command, "```", "", about,
-             "", "```bash", short_command(ex.get("command", "")), "```", "",
+             "", "```bash", short_command(ex.get("command", "")), "```", "", *micro_batches_line(runs),
              *([_read_notes(notes), ""] if notes else []),
              "## Accuracy (held-out greedy accuracy in %, mean ± std over seeds [95% interval], after GRPO)", "",
              f"Evaluated greedily in each run's own rollout precision; {start}. The 95% interval is Student's t "
