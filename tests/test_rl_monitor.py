@@ -47,6 +47,25 @@ def test_format_and_logger(tmp_path):
     assert silent.getvalue() == ""
 
 
+def test_eta_counts_the_pace_since_the_first_line_of_its_kind(monkeypatch):
+    """The console's eta is the pace since this kind's first line times the steps left: a 200 s warm-up before GRPO,
+    or 80 steps before a resume, do not make it 50x too long (or short)."""
+    clock = [1000.0]
+    monkeypatch.setattr("megatron_fp4.rl.monitor.time.monotonic", lambda: clock[0])
+    out = io.StringIO()
+    lg = MetricsLogger(total_steps=100, stream=out)
+    clock[0] += 200.0  # setup and a supervised warm-up
+    lg.log(81, {"loss": 0.1})  # a run resumed at step 80: no pace yet, no eta
+    for step in (82, 83):
+        clock[0] += 2.0
+        lg.log(step, {"loss": 0.1})
+    lg.log(90, {"accuracy": 0.5}, prefix="eval")  # another kind: its own first line
+    lines = out.getvalue().splitlines()
+    assert "eta" not in lines[0] and lines[0].endswith("| 200s")
+    assert lines[1].endswith("| 202s | eta 36s") and lines[2].endswith("| 204s | eta 34s")  # 2 s a step
+    assert "eta" not in lines[3]
+
+
 def test_wandb_run_receives_every_record(tmp_path, monkeypatch):
     """--use-wandb: the logger sends each record under kind/ to a W&B run (offline here: nothing leaves the
     machine), and the run's config holds every knob."""

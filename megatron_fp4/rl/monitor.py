@@ -130,6 +130,7 @@ class MetricsLogger:
             from torch.utils.tensorboard import SummaryWriter
             self.writer = SummaryWriter(log_dir=log_dir)
         self._t0 = time.monotonic()
+        self._anchors: dict[str, tuple[int, float]] = {}  # prefix -> (step, time) of its first console line
 
     def record(self, step: int, kind: str, metrics: Mapping[str, Any], console: bool = True,
                tensorboard: bool | None = None, fields: Mapping[str, Any] | None = None) -> None:
@@ -157,10 +158,13 @@ class MetricsLogger:
         if not console:
             return
         line = format_metrics(step, metrics, self.total_steps, self.console_keys)
-        elapsed = time.monotonic() - self._t0
+        now = time.monotonic()
+        elapsed = now - self._t0
+        # the pace since this kind's first line: setup, a warm-up or the steps before a resume do not count
+        step0, t0 = self._anchors.setdefault(prefix, (step, now))
         eta = ""
-        if self.total_steps and step > 0:
-            eta = f" | eta {elapsed / step * max(self.total_steps - step, 0):.0f}s"
+        if self.total_steps and step > step0:
+            eta = f" | eta {(now - t0) / (step - step0) * max(self.total_steps - step, 0):.0f}s"
         print(f"[{prefix}] {line} | {elapsed:.0f}s{eta}", file=self.stream, flush=True)
 
     def close(self) -> None:
