@@ -388,6 +388,32 @@ def test_plot_runs_says_which_runs_took_which_micro_batches():
     assert plot_runs.micro_batches_line(runs[1:]) == []
 
 
+def _records(accs: dict) -> list[dict]:
+    """Finished-run records as plot_runs.load_runs gives them: {(row, format): [accuracy per seed 1, 2, 3]}."""
+    return [{"row": row, "format": fmt, "seed": seed, "final": {"accuracy": acc}, "log": []}
+            for (row, fmt), accs_ in accs.items() for seed, acc in enumerate(accs_, 1)]
+
+
+def test_plot_runs_finding_c_measures_resq_against_the_table_s_own_reference():
+    """Finding (c) (ResQ 2:4 recovers most of the FP4 rollout gap): the gap is to FP4/BF16 where the table has it
+    (the mini table), else to BF16/BF16 (the real-model table, which has no FP4/BF16 row; said so); paired by seed;
+    "most" judged with the noise of ResQ's gain: agrees, disagrees, or inconclusive in between."""
+    base = {("bf16_bf16", "bf16"): [0.44, 0.45, 0.43], ("fp4_fp4", "hif4"): [0.24, 0.25, 0.23]}
+    text = "\n".join(plot_runs.findings(_records({**base, ("fp4_fp4_resq_2of4", "hif4"): [0.40, 0.41, 0.39]}),
+                                         n_eval=10 ** 6))
+    assert "gap BF16/BF16 (this table has no FP4/BF16 row" in text and "- FP4/FP4 +20.0 points" in text
+    assert "ResQ 2:4 recovers +16.0 (80% of it; paper, to the same row: HiF4 78%). **agrees**" in text
+    text = "\n".join(plot_runs.findings(_records({**base, ("fp4_fp4_resq_2of4", "hif4"): [0.26, 0.27, 0.25]}),
+                                         n_eval=10 ** 6))
+    assert "recovers +2.0 (10% of it" in text and "**disagrees**" in text
+    text = "\n".join(plot_runs.findings(_records({**base, ("fp4_fp4_resq_2of4", "hif4"): [0.33, 0.35, 0.33]}),
+                                         n_eval=128))  # 128 problems: half the gap within the gain's noise
+    assert "**inconclusive** (half the gap" in text
+    mini = {**base, ("fp4_bf16", "hif4"): [0.30, 0.31, 0.29], ("fp4_fp4_resq_2of4", "hif4"): [0.29, 0.30, 0.28]}
+    text = "\n".join(plot_runs.findings(_records(mini), n_eval=10 ** 6))
+    assert "gap FP4/BF16 - FP4/FP4 +6.0 points" in text and "(83% of it; paper, to the same row: HiF4 80%)" in text
+
+
 def test_plot_runs_intervals():
     m, lo, hi, k = plot_runs.ci95([0.2, 0.3, 0.4])
     assert k == 3 and m == pytest.approx(0.3) and hi - m == pytest.approx(4.303 * 0.1 / math.sqrt(3))
