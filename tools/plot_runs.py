@@ -138,10 +138,11 @@ def flag_value(command: str, flag: str, default=None):
 
 def micro_batches(command: str) -> str:
     """How a run's update and log-prob passes were cut: packs of up to N tokens or micro-batches of sequences."""
-    if "--use-dynamic-batch-size" in shlex.split(command or ""):
+    parts = shlex.split(command or "")
+    if "--use-dynamic-batch-size" in parts:
         return f"packs of up to {flag_value(command, '--max-tokens-per-gpu', '?')} tokens"
-    return (f"{flag_value(command, '--micro-batch-size', '1')} sequences"
-            f"{' packed' if '--pack-sequences' in shlex.split(command or '') else ' padded'} per micro-batch")
+    how = "packed" if "--pack-sequences" in parts else "padded"
+    return f"{flag_value(command, '--micro-batch-size', '1')} sequences {how} per micro-batch"
 
 
 def micro_batches_line(runs: list[dict]) -> list[str]:
@@ -151,8 +152,9 @@ def micro_batches_line(runs: list[dict]) -> list[str]:
         kinds.setdefault(micro_batches(r.get("command", "")), []).append(os.path.relpath(r["dir"], r["runs_dir"]))
     if len(kinds) < 2:
         return []
-    return ["Micro-batches differ between runs (packs give BF16 training the same loss and gradients; FP4 "
-            "training's wgrad quantizes blocks along the tokens, which packs group differently): " + "; ".join(f"{k}: {', '.join(sorted(v))}" for k, v in sorted(kinds.items())) + ".", ""]
+    which = "; ".join(f"{k}: {', '.join(sorted(v))}" for k, v in sorted(kinds.items()))
+    return [f"Micro-batches differ between runs (packs give BF16 training the same loss and gradients; FP4 training's "
+            f"wgrad quantizes blocks along the tokens, which packs group differently): {which}.", ""]
 
 
 # ---------------------------------------------------------------------------------------------------- statistics
@@ -381,11 +383,9 @@ def findings(runs: list[dict], n_eval: int) -> list[str]:
                        f"vs {mm['bf16_fp4']:.4f} (BF16/FP4). Paper: BF16/FP4 below FP4/FP4. {verdict(d > 0, sig)}.")
         if have("fp4_fp4", "fp4_fp4_resq_2of4", ref):
             seeds = set(b[ref]) & set(b["fp4_fp4"]) & set(b["fp4_fp4_resq_2of4"])  # all three paired by seed
-            gap_by_seed = {k: b[ref][k] for k in seeds}
-            fp4 = {k: b["fp4_fp4"][k] for k in seeds}
-            gap = sum(b[ref][k] - b["fp4_fp4"][k] for k in seeds) / max(len(seeds), 1)
-            gain = sum(b["fp4_fp4_resq_2of4"][k] - b["fp4_fp4"][k] for k in seeds) / max(len(seeds), 1)
-            d, n, sig = compare(gap_by_seed, fp4, se)
+            ref_acc, fp4, resq = ({k: b[r][k] for k in seeds} for r in (ref, "fp4_fp4", "fp4_fp4_resq_2of4"))
+            gap, n, sig = compare(ref_acc, fp4, se)
+            gain, n_gain, _ = compare(resq, fp4, se)
             R = next(row for row in ROWS if row.id == ref)
             name = f"{R.training}/{R.rollout}" + ("" if ref == "fp4_bf16" else
                                                   " (this table has no FP4/BF16 row; BF16/BF16 has no FP4 training "
@@ -400,7 +400,6 @@ def findings(runs: list[dict], n_eval: int) -> list[str]:
                 i = FORMATS.index(fmt)
                 paper = (PAPER["fp4_fp4_resq_2of4"][i] - PAPER["fp4_fp4"][i]) / (PAPER[ref][i] - PAPER["fp4_fp4"][i])
                 # "most" = more than half the gap, judged with the noise of ResQ's own gain
-                _, n_gain, _ = compare({k: b["fp4_fp4_resq_2of4"][k] for k in seeds}, fp4, se)
                 lo, hi = gain - 2 * n_gain, gain + 2 * n_gain
                 judged = ("**agrees**" if lo > gap / 2 else "**disagrees**" if hi < gap / 2 else
                           f"**inconclusive** (half the gap, {pts(gap / 2)}, is within 2x the gain's noise, "
