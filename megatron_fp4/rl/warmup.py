@@ -47,7 +47,8 @@ class SupervisedWarmup:
                                   tok.pad_id)
             losses.append(actor.supervised_update(seqs))
             if progress and torch.distributed.get_rank() == 0 and (it % 25 == 0 or it == iters - 1):
-                print(f"[warmup] iter {it + 1}/{iters} | nll {losses[-1]:.4f} | {time.monotonic() - t0:.0f}s",
-                      flush=True)
+                el = time.monotonic() - t0
+                eta = f" | eta {el / (it + 1) * (iters - it - 1):.0f}s" if it else ""  # (the first pays start-up)
+                print(f"[warmup] iter {it + 1}/{iters} | nll {losses[-1]:.4f} | {el:.0f}s{eta}", flush=True)
         actor.set_lr(actor.lr_at(0))
         return losses
