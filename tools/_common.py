@@ -31,6 +31,14 @@ def parse_size(text: str) -> int:
     return size
 
 
+def add_output_args(p: argparse.ArgumentParser) -> None:
+    """The options of a tool that writes safetensors shards into --save: --max-shard-size (parse it with
+    :func:`parse_size`), --no-progress, --overwrite."""
+    p.add_argument("--max-shard-size", default="5GB", help="largest safetensors file (default 5GB)")
+    p.add_argument("--no-progress", action="store_true", help="no progress bar")
+    p.add_argument("--overwrite", action="store_true", help="replace an existing output in --save")
+
+
 #: --dtype choices of the tools (torch attribute names).
 DTYPES = ("float32", "bfloat16", "float16")
 

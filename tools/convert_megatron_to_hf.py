@@ -14,7 +14,7 @@ from __future__ import annotations
 import argparse
 
 import _common  # noqa: F401
-from _common import DTYPES, iteration_arg, parse_size, run_cli, tool_parser
+from _common import DTYPES, add_output_args, iteration_arg, parse_size, run_cli, tool_parser
 
 PROG = "convert_megatron_to_hf.py"
 
@@ -28,9 +28,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--dtype", default=None, choices=tuple(DTYPES),
                    help="cast the weights (default: as stored; float32 from a --bf16 RL run exports its fp32 master "
                         "weights)")
-    p.add_argument("--max-shard-size", default="5GB", help="largest safetensors file (default 5GB)")
-    p.add_argument("--no-progress", action="store_true", help="no progress bar")
-    p.add_argument("--overwrite", action="store_true", help="replace an existing output in --save")
+    add_output_args(p)
     return p.parse_args(argv)
 
 

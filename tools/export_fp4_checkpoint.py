@@ -17,7 +17,7 @@ import argparse
 import os
 
 import _common  # noqa: F401
-from _common import iteration_arg, non_negative_int, parse_size, run_cli, tool_parser
+from _common import add_output_args, iteration_arg, non_negative_int, parse_size, run_cli, tool_parser
 
 PROG = "export_fp4_checkpoint.py"
 
@@ -43,9 +43,7 @@ def parse_args(argv=None) -> argparse.Namespace:
                    help="keep the linears of the first N transformer layers in high precision")
     p.add_argument("--high-precision-last-layers", type=non_negative_int, default=0,
                    help="keep the linears of the last N transformer layers in high precision")
-    p.add_argument("--max-shard-size", default="5GB", help="largest safetensors file (default 5GB)")
-    p.add_argument("--no-progress", action="store_true", help="no progress bar")
-    p.add_argument("--overwrite", action="store_true", help="replace an existing output in --save")
+    add_output_args(p)
     return p.parse_args(argv)
 
 
