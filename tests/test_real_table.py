@@ -222,7 +222,9 @@ def test_machine_left_estimates_a_run_by_the_finished_runs_of_its_kind_and_micro
     """The estimate --machine-left compares is the longest finished run of the same row and format with the same
     micro-batches as this call's runs (cmd.txt): session 33's padded runs (up to 1,390 s) do not hold back packed
     ones once a packed run of their kind has finished, and a fast kind (packed MXFP4 FP4/FP4: 304 s, its answers
-    mostly truncated and out of the loss) does not let a slow one start; otherwise the longest run of all."""
+    mostly truncated and out of the loss) does not let a slow one start; else the kind's padded run (slower than
+    packs: a packed BF16/BF16 run is not held back by the 1,133 s of a padded MXFP4 BF16/FP4 one); otherwise the
+    longest run of all."""
     assert mt.micro_batching(["--micro-batch-size", "8"]) == "sequences"
     assert mt.micro_batching(["--use-dynamic-batch-size", "--max-tokens-per-gpu", "5120"]) == "tokens 5120"
     durations = [(1000.0, "sequences", "hif4/bf16_fp4"), (300.0, "tokens 5120", "hif4/bf16_fp4"),
@@ -230,6 +232,8 @@ def test_machine_left_estimates_a_run_by_the_finished_runs_of_its_kind_and_micro
     assert mt.run_estimate(durations, "tokens 5120", "hif4/bf16_fp4") == 300.0
     assert mt.run_estimate(durations, "sequences", "hif4/bf16_fp4") == 1000.0
     assert mt.run_estimate(durations, "tokens 5120", "hif4/fp4_fp4") == 1000.0  # not mxfp4/fp4_fp4's 200 s
+    # a kind finished only in padded micro-batches: its padded run (packs are faster), not the longest of all
+    assert mt.run_estimate(durations + [(800.0, "sequences", "bf16/bf16_bf16")], "tokens 5120", "bf16/bf16_bf16") == 800
     assert mt.run_estimate([], "x", "y") == 0.0
     out = tmp_path / "runs"
     packed = ["--use-dynamic-batch-size", "--max-tokens-per-gpu", "5120"]

@@ -471,11 +471,13 @@ def finished_durations(args, runs: list[Run]) -> list[tuple[float, str, str]]:
 
 def run_estimate(durations: list[tuple[float, str, str]], batching: str, kind: str) -> float:
     """How long a new run takes: the longest finished run of the same kind (row and format) with the same
-    micro-batches, else the longest finished run of all (cautious: runs of one micro-batching differ 2x by kind, e.g.
-    a packed MXFP4 FP4/FP4 run trains few tokens, its answers mostly truncated, and took 304 s where HiF4 FP4/FP4 took
-    679 s), else 0."""
+    micro-batches, else of the same kind in padded micro-batches ("sequences": session 33's runs, slower than packs),
+    else the longest finished run of all (cautious: runs of one micro-batching differ 2x by kind, e.g. a packed MXFP4
+    FP4/FP4 run trains few tokens, its answers mostly truncated, and took 304 s where HiF4 FP4/FP4 took 679 s),
+    else 0."""
     same = [sec for sec, b, k in durations if b == batching and k == kind]
-    return max(same or [sec for sec, _, _ in durations] or [0.0])
+    padded = [sec for sec, b, k in durations if b == "sequences" and k == kind]
+    return max(same or padded or [sec for sec, _, _ in durations] or [0.0])
 
 
 def progress_table(args, runs: list[Run], status: dict[str, str]) -> str:
@@ -534,8 +536,8 @@ def parse(argv=None):
     p.add_argument("--machine-left", type=float, default=0,
                    help="smollm2 presets: seconds until the machine (and the runs' checkpoints on it) goes away, this "
                         "call included (e.g. the device tool's budget left); a new run expected to take longer (the "
-                        "longest finished run of its row and format with the same micro-batches, else the longest "
-                        "finished run) is not started: it would be lost and "
+                        "longest finished run of its row and format with the same micro-batches, else in padded "
+                        "ones, else the longest finished run) is not started: it would be lost and "
                         "slow the runs that can finish. "
                         "0 = no limit")
     p.add_argument("--max-tokens-per-gpu", type=int, default=None,
