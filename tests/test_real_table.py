@@ -384,12 +384,12 @@ def test_plot_runs_says_which_runs_took_which_micro_batches():
     assert plot_runs.micro_batches(padded) == "8 sequences padded per micro-batch"
     assert plot_runs.micro_batches(padded + " --pack-sequences") == "8 sequences packed per micro-batch"
     assert plot_runs.micro_batches(packed) == "packs of up to 5120 tokens"
-    runs = [{"command": c, "dir": f"/r/seed1/{name}", "runs_dir": "/r"}
+    runs = [{"command": c, "dir": f"/r/seed1/{name}"}
             for c, name in ((padded, "bf16/bf16_bf16"), (packed, "hif4/fp4_fp4"), (packed, "mxfp4/fp4_fp4"))]
-    line = plot_runs.micro_batches_line(runs)[0]
+    line = plot_runs.micro_batches_line(runs, "/r")[0]
     assert ("8 sequences padded per micro-batch: seed1/bf16/bf16_bf16; packs of up to 5120 tokens: "
             "seed1/hif4/fp4_fp4, seed1/mxfp4/fp4_fp4.") in line
-    assert plot_runs.micro_batches_line(runs[1:]) == []
+    assert plot_runs.micro_batches_line(runs[1:], "/r") == []
 
 
 def _records(accs: dict) -> list[dict]:

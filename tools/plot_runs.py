@@ -21,7 +21,7 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, os.path.join(ROOT, "examples", "mini_table"))
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from _common import run_cli, tool_parser  # noqa: E402
-from run_mini_table import ROWS, accuracy_of  # noqa: E402  (the rows and their labels: one source of truth)
+from run_mini_table import ROWS, accuracy_of, micro_batching  # noqa: E402  (the rows and their labels: one source of truth)
 
 PROG = "plot_runs.py"
 
@@ -126,7 +126,7 @@ def load_runs(runs_dir: str) -> list[dict]:
             continue
         _check_record(rec, path)
         rec["log"] = read_jsonl(os.path.join(dirpath, "train.jsonl"))
-        rec["dir"], rec["runs_dir"] = dirpath, runs_dir
+        rec["dir"] = dirpath
         out.append(rec)
     return out
 
@@ -137,19 +137,22 @@ def flag_value(command: str, flag: str, default=None):
 
 
 def micro_batches(command: str) -> str:
-    """How a run's update and log-prob passes were cut: packs of up to N tokens or micro-batches of sequences."""
+    """How a run's update and log-prob passes were cut (:func:`run_mini_table.micro_batching` decides which kind):
+    packs of up to N tokens or micro-batches of sequences."""
     parts = shlex.split(command or "")
-    if "--use-dynamic-batch-size" in parts:
-        return f"packs of up to {flag_value(command, '--max-tokens-per-gpu', '?')} tokens"
+    kind = micro_batching(parts)
+    if kind != "sequences":  # "tokens N"
+        return f"packs of up to {kind.split()[1]} tokens"
     how = "packed" if "--pack-sequences" in parts else "padded"
     return f"{flag_value(command, '--micro-batch-size', '1')} sequences {how} per micro-batch"
 
 
-def micro_batches_line(runs: list[dict]) -> list[str]:
-    """A line saying which runs took which micro-batches, where they differ (none where all are alike)."""
+def micro_batches_line(runs: list[dict], runs_dir: str) -> list[str]:
+    """A line saying which runs (under ``runs_dir``) took which micro-batches, where they differ (none where all are
+    alike)."""
     kinds: dict[str, list[str]] = {}
     for r in runs:
-        kinds.setdefault(micro_batches(r.get("command", "")), []).append(os.path.relpath(r["dir"], r["runs_dir"]))
+        kinds.setdefault(micro_batches(r.get("command", "")), []).append(os.path.relpath(r["dir"], runs_dir))
     if len(kinds) < 2:
         return []
     which = "; ".join(f"{k}: {', '.join(sorted(v))}" for k, v in sorted(kinds.items()))
@@ -484,7 +487,7 @@ def write_report(runs_dir: str, out_md: str, command: str, notes: str | None = N
         start = ("the warm start is the same weights for every row of a seed, evaluated in that row's rollout "
                  "precision before GRPO")
     lines = [title, "", "Produced by:", "", "```bash", command, "```", "", about,
-             "", "```bash", short_command(ex.get("command", "")), "```", "", *micro_batches_line(runs),
+             "", "```bash", short_command(ex.get("command", "")), "```", "", *micro_batches_line(runs, runs_dir),
              *([_read_notes(notes), ""] if notes else []),
              "## Accuracy (held-out greedy accuracy in %, mean ± std over seeds [95% interval], after GRPO)", "",
              f"Evaluated greedily in each run's own rollout precision; {start}. The 95% interval is Student's t "
