@@ -545,7 +545,9 @@ def write_report(runs_dir: str, out_md: str, command: str, notes: str | None = N
     lines += ["## Agreement with the paper's findings", "",
               "Generated from the numbers above. Differences are paired by seed (every row of a seed starts from the "
               "same warm start) and count only when they exceed twice their noise: the larger of the paired "
-              "standard error over seeds and the binomial standard error of the held-out accuracies.", ""]
+              "standard error over seeds and the binomial standard error of the held-out accuracies. (a), (b) and "
+              "(d) are SPEC §1's lessons (a), (b) and (c); (c) is Rollout-ResQ's claim (SPEC §4). A finding is "
+              "listed only where the table has its rows.", ""]
     lines += findings(runs, n_eval)
     lines.append("")
     text = "\n".join(lines)
