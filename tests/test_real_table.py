@@ -542,3 +542,24 @@ def test_h200_call_script_on_a_cpu(tmp_path):
                        capture_output=True, text=True, timeout=600)  # the GPU tests' mode, here on the CPU
     assert t.returncode == 0 and " passed" in t.stdout, t.stdout[-2000:] + t.stderr[-2000:]
     shutil.rmtree(tmp_path / "runs", ignore_errors=True)
+
+
+def test_plot_runs_lists_every_run_with_what_explains_it():
+    """The report's "Every run" table: one line per run in the table's row order (then format, seed), its start and
+    final accuracy (BF16 in parentheses where evaluated), mean mismatch and truncated share over the steps, the
+    steps whose update was skipped, wall time and micro-batches."""
+    packed = "python pretrain_rl.py --use-dynamic-batch-size --max-tokens-per-gpu 5120"
+    train = [{"kind": "train", "step": 1, "logp_abs_diff_mean": 1.0, "truncated_ratio": 1.0, "skipped": 1},
+             {"kind": "train", "step": 2, "logp_abs_diff_mean": 2.0, "truncated_ratio": 0.5},
+             {"kind": "eval", "step": 2, "truncated_ratio": 0.0}]
+    runs = [{"row": "fp4_fp4", "format": "mxfp4", "seed": 2, "dir": "/r/seed2/mxfp4/fp4_fp4", "command": packed,
+             "warm_start": {"arith/accuracy": 0.023}, "final": {"arith/accuracy": 0.031, "arith/accuracy_bf16": 0.203},
+             "seconds": 344.4, "log": train},
+            {"row": "bf16_bf16", "format": "bf16", "seed": 1, "dir": "/r/seed1/bf16/bf16_bf16", "command": "",
+             "warm_start": {"accuracy": 0.188}, "final": {"accuracy": 0.445}, "seconds": 802.1, "log": []}]
+    lines = plot_runs.runs_table(runs, "/r")
+    body = [line for line in lines if line.startswith("| seed")]
+    assert body == ["| seed1/bf16/bf16_bf16 | BF16 / BF16 | 18.8 | 44.5 | - | - | 0 | 802 | "
+                    "1 sequences padded per micro-batch |",
+                    "| seed2/mxfp4/fp4_fp4 | FP4 / FP4 | 2.3 | 3.1 (20.3) | 1.500 | 75.0% | 1 | 344 | "
+                    "packs of up to 5120 tokens |"]

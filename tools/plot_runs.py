@@ -234,6 +234,39 @@ def mean_mismatch(r: dict) -> float:
     return sum(vals) / len(vals) if vals else float("nan")
 
 
+def runs_table(runs: list[dict], runs_dir: str) -> list[str]:
+    """One line per finished run, in the table's row order: what the cells above average over, with what explains
+    a run (its answers truncated at the length limit, steps whose update was skipped because no answer counted,
+    wall time, micro-batches)."""
+    lines = ["## Every run", "",
+             "Held-out accuracy in % at the start and after GRPO, in the run's rollout precision (after GRPO also in "
+             "BF16); mean train-rollout mismatch and truncated share of the answers over the steps; steps whose "
+             "update was skipped (no answer counted, e.g. all truncated under the overlong filter); wall time of "
+             "the run summed over its calls.", "",
+             "| run | training / rollout | start | after GRPO (BF16) | mismatch | truncated | skipped steps | "
+             "wall s | micro-batches |",
+             "|---|---|---|---|---|---|---|---|---|"]
+    order = {row.id: i for i, row in enumerate(ROWS)}
+    row_of = {row.id: row for row in ROWS}
+
+    def pct(x: float) -> str:
+        return "-" if x != x else f"{x * 100:.1f}"
+
+    for r in sorted(runs, key=lambda r: (order[r["row"]], r["format"], r["seed"])):
+        train = [x for x in r["log"] if x.get("kind") == "train"]
+        trunc = [x["truncated_ratio"] for x in train if _number(x.get("truncated_ratio"))]
+        row = row_of[r["row"]]
+        bf16 = accuracy_of(r.get("final", {}), "accuracy_bf16")
+        after = pct(final_acc(r)) + ("" if bf16 != bf16 else f" ({pct(bf16)})")
+        mm = mean_mismatch(r)
+        lines.append(f"| {os.path.relpath(r['dir'], runs_dir)} | {row.training} / {row.rollout} | "
+                     f"{pct(accuracy_of(r.get('warm_start', {})))} | {after} | {'-' if mm != mm else f'{mm:.3f}'} | "
+                     f"{pct(sum(trunc) / len(trunc)) + '%' if trunc else '-'} | "
+                     f"{sum(1 for x in train if x.get('skipped'))} | {r.get('seconds', float('nan')):.0f} | "
+                     f"{micro_batches(r.get('command', ''))} |")
+    return lines + [""]
+
+
 # ---------------------------------------------------------------------------------------------------- plots
 def plot_rewards(runs: list[dict], path: str, smooth: int = 5) -> None:
     import matplotlib
@@ -521,9 +554,10 @@ def write_report(runs_dir: str, out_md: str, command: str, notes: str | None = N
             late.append(fmt_ms(*mean_std(vals), scale=1.0, digits=3))
         lines.append(f"| {row.training} | {row.rollout} | {mm[0]} | {mm[1]} | {late[0]} | {late[1]} |")
 
+    lines += ["", *runs_table(runs, runs_dir)]
     reward_png = f"{stem}_rewards.png"
     plot_rewards(runs, os.path.join(out_dir, reward_png))
-    lines += ["", "## Reward curves", "", f"![reward curves]({reward_png})", ""]
+    lines += ["## Reward curves", "", f"![reward curves]({reward_png})", ""]
     under_png = f"{stem}_underflow.png"
     if plot_underflow(runs, os.path.join(out_dir, under_png)):
         lines += ["## Per-layer rollout activation underflow", "",
