@@ -301,6 +301,35 @@ def test_an_interrupted_overwrite_loses_nothing(hf, conv, reference, tmp_path, m
     record(SUITE, "converter/crash during --overwrite", "correct")
 
 
+def test_an_hf_export_that_fails_leaves_the_folder_as_it_was(conv, tmp_path, monkeypatch):
+    """The HF writers (convert_megatron_to_hf, export_fp4_checkpoint) write through ShardedSafetensorsWriter as a
+    context: a failure after some files were written (here the disk filling at the second file) removes them and
+    keeps the folder's earlier export; a folder the export created goes too; the same call then succeeds."""
+    import megatron_fp4.models.hf_conversion as hc
+    from megatron_fp4.models.fp4_checkpoint import export_fp4_checkpoint
+
+    real = hc.save_safetensors
+
+    def crash_on_second_file(*a, **k):
+        if len(list(Path(a[1]).parent.glob("model-tmp-*"))) == 1:
+            raise OSError(28, "No space left on device")
+        return real(*a, **k)
+
+    earlier = convert_megatron_to_hf(conv, tmp_path / "hf", max_shard_bytes=60_000, progress=False)
+    before = tree_digest(earlier)
+    monkeypatch.setattr(hc, "save_safetensors", crash_on_second_file)
+    with pytest.raises(OSError, match="No space left"):
+        convert_megatron_to_hf(conv, earlier, max_shard_bytes=60_000, overwrite=True, progress=False)
+    assert tree_digest(earlier) == before  # the earlier export is intact, no temporary file left
+    with pytest.raises(OSError, match="No space left"):
+        export_fp4_checkpoint(conv, tmp_path / "new" / "fp4", format="hif4", max_shard_bytes=60_000, progress=False)
+    assert not (tmp_path / "new" / "fp4").exists()  # created by the export, removed with it
+    monkeypatch.undo()
+    convert_megatron_to_hf(conv, earlier, max_shard_bytes=60_000, overwrite=True, progress=False)
+    assert tree_digest(earlier) == before  # the same input writes the same bytes
+    record(SUITE, "HF writers/crash mid-export", "correct")
+
+
 def test_ownership_constants_are_the_writers_own_and_the_trainer_refuses_converted_folders(conv):
     from megatron_fp4 import ownership
     from megatron_fp4.models import checkpoint_io

@@ -44,7 +44,6 @@ from megatron_fp4.models.hf_conversion import (
     HFFolderSource,
     _run_root,
     _source_paths,
-    abort_hf_output,
     check_hf_exportable,
     ShardedSafetensorsWriter,
     progress_bar,
@@ -178,30 +177,25 @@ def export_fp4_checkpoint(source: Union[str, os.PathLike, ShardedWeights], save_
         return {QUANT_META_KEY: json.dumps({"format": format, "block_size": fmt.block_size, "modules": {
             m: quantized[m] for m in quantized if f"{m}.{PACKED}" in names}}, sort_keys=True)}
 
-    writer = ShardedSafetensorsWriter(save_dir, max_shard_bytes, writer=writer_record(
-        "megatron_fp4.models.fp4_checkpoint.export_fp4_checkpoint", format=format), metadata_fn=file_metadata)
     kept: list[str] = []
-    try:
-        with progress_bar(count, f"export {format}", progress) as bar:
-            for name, w in tensors:
-                module = _quantized_module(name, num_layers, high_precision_first_layers, high_precision_last_layers)
-                if module is None:
-                    writer.add(name, w)
-                    if name.endswith(".weight"):
-                        kept.append(name[: -len(".weight")])
-                else:
-                    qt = fmt.quantize(w, dim=-1)
-                    quantized[module] = {"shape": list(w.shape), "dtype": dtype_name(w.dtype)}
-                    writer.add(f"{module}.{PACKED}", qt.codes)
-                    writer.add(f"{module}.{SCALE}", qt.scales)
-                    if qt.global_scale is not None:
-                        writer.add(f"{module}.{GLOBAL_SCALE}", qt.global_scale.reshape(()).to(torch.float32))
-                bar.update(1)
-            writer._flush()
-    except BaseException:
-        abort_hf_output(writer, save_dir, created)
-        raise
-    writer.close()
+    with ShardedSafetensorsWriter(save_dir, max_shard_bytes, metadata_fn=file_metadata, remove_dir_on_abort=created,
+                                  writer=writer_record("megatron_fp4.models.fp4_checkpoint.export_fp4_checkpoint",
+                                                       format=format)
+                                  ) as writer, progress_bar(count, f"export {format}", progress) as bar:
+        for name, w in tensors:
+            module = _quantized_module(name, num_layers, high_precision_first_layers, high_precision_last_layers)
+            if module is None:
+                writer.add(name, w)
+                if name.endswith(".weight"):
+                    kept.append(name[: -len(".weight")])
+            else:
+                qt = fmt.quantize(w, dim=-1)
+                quantized[module] = {"shape": list(w.shape), "dtype": dtype_name(w.dtype)}
+                writer.add(f"{module}.{PACKED}", qt.codes)
+                writer.add(f"{module}.{SCALE}", qt.scales)
+                if qt.global_scale is not None:
+                    writer.add(f"{module}.{GLOBAL_SCALE}", qt.global_scale.reshape(()).to(torch.float32))
+            bar.update(1)
     write_assets(save_dir)
     qc = {
         "quant_method": QUANT_METHOD,

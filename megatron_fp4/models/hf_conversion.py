@@ -722,9 +722,12 @@ class ShardedSafetensorsWriter:
     """
 
     def __init__(self, out_dir: PathLike, max_shard_bytes: int = 5 * 2**30, writer: Optional[dict] = None,
-                 metadata_fn: Optional[Any] = None) -> None:
-        """``metadata_fn(names)``: extra safetensors metadata of a file holding tensors ``names``."""
+                 metadata_fn: Optional[Any] = None, remove_dir_on_abort: bool = False) -> None:
+        """``metadata_fn(names)``: extra safetensors metadata of a file holding tensors ``names``;
+        ``remove_dir_on_abort``: the caller created ``out_dir`` for this output, so a failed write removes it when
+        it is left empty."""
         self.metadata_fn = metadata_fn
+        self.remove_dir_on_abort = remove_dir_on_abort
         self.out_dir = Path(out_dir)
         self.out_dir.mkdir(parents=True, exist_ok=True)
         if int(max_shard_bytes) < 1:
@@ -755,10 +758,31 @@ class ShardedSafetensorsWriter:
         self._buf, self._buf_bytes = {}, 0
 
     def abort(self) -> None:
-        """Remove the files written so far (under their temporary names); what the folder held stays."""
+        """Remove the files written so far (under their temporary names), and the folder when
+        ``remove_dir_on_abort`` and it is left empty; the folder's earlier files stay (only :meth:`close` replaces
+        them)."""
         for tmp, _ in self._files:
             (self.out_dir / tmp).unlink(missing_ok=True)
         self._files, self._buf, self._buf_bytes = [], {}, 0
+        if self.remove_dir_on_abort and self.out_dir.is_dir() and not any(self.out_dir.iterdir()):
+            self.out_dir.rmdir()
+
+    def __enter__(self) -> "ShardedSafetensorsWriter":
+        return self
+
+    def __exit__(self, exc_type, exc, tb) -> bool:
+        """Leaving the block: :meth:`close` after the last file is written, or :meth:`abort` when the block raised
+        (an interrupt too) or the last file could not be written."""
+        if exc_type is not None:
+            self.abort()
+            return False
+        try:
+            self._flush()
+        except BaseException:
+            self.abort()
+            raise
+        self.close()
+        return False
 
     def close(self) -> list[str]:
         """Write the last file, rename the files to their final names (replacing the folder's earlier weight files,
@@ -805,36 +829,22 @@ def convert_megatron_to_hf(load_dir: Union[PathLike, ShardedWeights], save_dir: 
         ckpt.hf_assets_dir  # and the tokenizer files it recorded
     created = not Path(save_dir).exists()
     save_dir = prepare_output_dir(save_dir, overwrite, sources=_source_paths(ckpt) + _run_root(ckpt))
-    writer = ShardedSafetensorsWriter(save_dir, max_shard_bytes, writer=writer_record(
-        "megatron_fp4.models.hf_conversion.convert_megatron_to_hf"))  # (no paths: the same input, the same bytes)
     written_dtype = None
-    try:
-        with progress_bar(num_hf_tensors(ckpt.model_args), "megatron->hf", progress) as bar:
-            for name, t in iter_hf_tensors_from_megatron(ckpt):
-                if dtype is not None and t.is_floating_point():
-                    t = t.to(dtype)
-                written_dtype = written_dtype or t.dtype
-                writer.add(name, t)
-                bar.update(1)
-            writer._flush()
-    except BaseException:
-        abort_hf_output(writer, save_dir, created)
-        raise
-    writer.close()
+    with ShardedSafetensorsWriter(save_dir, max_shard_bytes, remove_dir_on_abort=created, writer=writer_record(
+            "megatron_fp4.models.hf_conversion.convert_megatron_to_hf")  # (no paths: the same input, the same bytes)
+            ) as writer, progress_bar(num_hf_tensors(ckpt.model_args), "megatron->hf", progress) as bar:
+        for name, t in iter_hf_tensors_from_megatron(ckpt):
+            if dtype is not None and t.is_floating_point():
+                t = t.to(dtype)
+            written_dtype = written_dtype or t.dtype
+            writer.add(name, t)
+            bar.update(1)
     ckpt.write_hf_assets(save_dir)
     if written_dtype is not None:
         for key in [k for k in ("dtype", "torch_dtype") if k in cfg] or ["dtype"]:
             cfg[key] = str(written_dtype).replace("torch.", "")
     _write_text_atomic(save_dir / "config.json", json.dumps(cfg, indent=2) + "\n")
     return save_dir
-
-
-def abort_hf_output(writer: "ShardedSafetensorsWriter", save_dir: Path, created: bool) -> None:
-    """After a failed export: remove what it wrote (the folder too when the export created it and it is empty);
-    the folder's earlier files are untouched (they are replaced only by :meth:`ShardedSafetensorsWriter.close`)."""
-    writer.abort()
-    if created and save_dir.is_dir() and not any(save_dir.iterdir()):
-        save_dir.rmdir()
 
 
 def _run_root(ckpt: ShardedWeights) -> list[Path]:
