@@ -2,7 +2,8 @@
 train.jsonl under --runs and writes a markdown report with the accuracy table (mean +- std over seeds and its 95%
 interval, HiF4 and MXFP4 columns as in SPEC §1), reward curves and per-layer rollout underflow plots (PNG), the
 train-rollout logprob mismatch per configuration, every run's own numbers, and a comparison with the paper's
-findings computed from the numbers. The same for the table on SmolLM2-135M-Instruct (run_mini_table.py --preset smollm2).
+findings computed from the numbers. The same for the table on SmolLM2-135M-Instruct (run_mini_table.py --preset
+smollm2).
 
     python tools/plot_runs.py --runs runs/mini_table --out docs/results/mini_table.md
     python tools/plot_runs.py --runs runs/real_table --out docs/results/real_table.md
