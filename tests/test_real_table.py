@@ -535,7 +535,7 @@ def test_h200_call_script_on_a_cpu(tmp_path):
     with tarfile.open(tmp_path / "out" / "real_table.tgz") as tar:
         names = tar.getnames()
     assert any(n.endswith("seed1/hif4/fp4_fp4/results.json") for n in names)
-    assert any(n.endswith("t.shard1.log") for n in names)
+    assert any(n.endswith("t/shard1.log") for n in names)  # the console logs travel inside the table's folder
     bad = subprocess.run(["bash", script, "train"], cwd=ROOT, env=env, capture_output=True, text=True)
     assert bad.returncode == 2 and "mode: stage, test or run, not 'train'" in bad.stdout
     t = subprocess.run(["bash", script, "test", "tests/test_decode_ops.py", "-k", "swiglu"], cwd=ROOT, env=env,

@@ -51,7 +51,7 @@ fi
 [ -f $GGUF ] || { echo "no $GGUF yet: bring .smol/gguf.part00 and .smol/gguf.part01 first (two calls)"; exit 2; }
 JOBS=${2:?JOBS}; SEEDS=${3:?SEEDS}; shift 3
 TABLE=${TABLE_OUT:-runs/real_table}
-mkdir -p "$(dirname "$TABLE")"
+mkdir -p "$TABLE"  # its console logs (shard0.log, ...) live in it: carrying the folder carries them
 BUDGET=$(( ${CALL_S:-575} - 25 - ($(date +%s) - T0) ))
 NGPU=$(nvidia-smi -L | wc -l)
 echo "time budget ${BUDGET}s, $NGPU GPU(s), --jobs $JOBS per GPU, --seeds $SEEDS $*"
@@ -60,7 +60,7 @@ for g in $(seq 0 $((NGPU - 1))); do  # one shard of the planned runs per GPU
   CUDA_VISIBLE_DEVICES=$g python3 examples/mini_table/run_mini_table.py --preset smollm2 --out "$TABLE" \
     --seeds "$SEEDS" --shard $g/$NGPU --jobs "$JOBS" --time-budget $BUDGET \
     ${MACHINE_LEFT:+--machine-left $(( MACHINE_LEFT - ($(date +%s) - T0) ))} \
-    ${MAX_TOKENS:+--max-tokens-per-gpu $MAX_TOKENS} "$@" >> "$TABLE.shard$g.log" 2>&1 &
+    ${MAX_TOKENS:+--max-tokens-per-gpu $MAX_TOKENS} "$@" >> "$TABLE/shard$g.log" 2>&1 &
   pids+=($!)
 done
 running() { for p in "${pids[@]}"; do kill -0 $p 2>/dev/null && return 0; done; return 1; }
@@ -84,9 +84,9 @@ done
 for g in "${!pids[@]}"; do
   wait ${pids[$g]}
   echo "run_mini_table.py --shard $g/$NGPU exit $?"
-  tail -n 12 "$TABLE.shard$g.log"
+  tail -n 12 "$TABLE/shard$g.log"
 done
 python3 examples/mini_table/run_mini_table.py --preset smollm2 --out "$TABLE" --seeds "$SEEDS" --list \
   ${MAX_TOKENS:+--max-tokens-per-gpu $MAX_TOKENS} "$@" \
   2>/dev/null | grep -v " todo"
-tar czf "$OUT/real_table.tgz" "$TABLE" "$TABLE".shard*.log
+tar czf "$OUT/real_table.tgz" "$TABLE"
