@@ -15,6 +15,7 @@ import pytest
 import torch
 
 from megatron_fp4.kernels import decode_ops
+from megatron_fp4.kernels._common import pdl_enabled
 from megatron_fp4.models import GPTModelArgs, build_gpt_model
 from megatron_fp4.parallel import initialize_parallel
 from megatron_fp4.resq import QuantizedWeightCache, RolloutPrecision, copy_into
@@ -58,6 +59,12 @@ def _maxdiff(a, b):
     return max(abs(x - y) for s, r in zip(a, b) for x, y in zip(s, r))
 
 
+def _fused(path):
+    """The engine's path label for the fused decode-step kernels: "+pdl" when they launch with programmatic
+    dependent launch (MEGATRON_FP4_PDL=1, as benchmarks/h200_checks.sh engine-pdl runs these tests)."""
+    return path + ("+pdl" if pdl_enabled() else "")
+
+
 @pytest.mark.parametrize("precision", [RolloutPrecision("bf16"), RolloutPrecision("w4a4", "hif4", "2:4"),
                                        RolloutPrecision("w4a16", "mxfp4")], ids=lambda p: p.label)
 def test_static_greedy_equals_megatron_path(model, prompts, precision):
@@ -85,7 +92,7 @@ def test_fused_decode_kernels_equal_the_unfused_steps(model, prompts, precision,
     monkeypatch.setenv("MEGATRON_FP4_DECODE_FUSED", "1")
     eng = NativeRolloutEngine(model, precision, decode="static", max_batch_size=3, graph_chunk=4)
     want, got = ref.generate(prompts, params), eng.generate(prompts, params)
-    assert eng.last_generate_stats["path"] == "static+fused" and ref.last_generate_stats["path"] == "static"
+    assert eng.last_generate_stats["path"] == _fused("static+fused") and ref.last_generate_stats["path"] == "static"
     assert [s.token_ids for s in got] == [s.token_ids for s in want]
     assert [s.finish_reason for s in got] == [s.finish_reason for s in want]
     assert _maxdiff([s.logprobs for s in got], [s.logprobs for s in want]) < 1e-4
@@ -135,7 +142,7 @@ def test_fused_resq_norms_equal_the_resq_linears(model, prompts, monkeypatch, fm
                         lambda *a, _f=decode_ops.swiglu, **k: calls.append(("swiglu", k.get("resq"))) or _f(*a, **k))
     got = eng.generate(prompts, params)
     assert set(calls) == {("norm", fmt), ("swiglu", fmt), ("swiglu", None)}  # decode quantized; prefill's SwiGLU
-    assert eng.last_generate_stats["path"] == "static+fused+resq"
+    assert eng.last_generate_stats["path"] == _fused("static+fused+resq")
     assert [s.token_ids for s in got] == [s.token_ids for s in want]
     assert _maxdiff([s.logprobs for s in got], [s.logprobs for s in want]) < 1e-5
     calls.clear()
@@ -177,7 +184,7 @@ def test_fused_steps_take_split_partial_sums(model, prompts, monkeypatch, qkv_bi
         got = eng.generate(prompts, params)
     finally:
         register_rollout_backend("cpu", None)
-    assert eng.last_generate_stats["path"] == "static+fused" and None in asked
+    assert eng.last_generate_stats["path"] == _fused("static+fused") and None in asked
     assert [s.token_ids for s in got] == [s.token_ids for s in want]
     assert _maxdiff([s.logprobs for s in got], [s.logprobs for s in want]) < 1e-4
 
@@ -348,7 +355,7 @@ def test_gpu_fused_resq_norms_equal_the_resq_linears(fmt, monkeypatch):
     monkeypatch.setenv("MEGATRON_FP4_DECODE_FUSED_RESQ", "1")
     eng = NativeRolloutEngine(m, precision, decode="graph", max_batch_size=8, graph_chunk=8)
     got = eng.generate(ps, params)
-    assert eng.last_generate_stats["path"] == "graph+fused+resq"
+    assert eng.last_generate_stats["path"] == _fused("graph+fused+resq")
     assert [s.token_ids for s in got] == [s.token_ids for s in want]
     assert _maxdiff([s.logprobs for s in got], [s.logprobs for s in want]) == 0
 
@@ -370,7 +377,7 @@ def test_gpu_graph_path_matches_eager(precision, fused, monkeypatch):
     graph = NativeRolloutEngine(m, precision, decode="graph", max_batch_size=8, graph_chunk=8)
     out = graph.generate(ps, params)
     st = graph.last_generate_stats
-    assert st["path"] == ("graph+fused" if fused else "graph") and st["graphs"] >= 1
+    assert st["path"] == (_fused("graph+fused") if fused else "graph") and st["graphs"] >= 1
     tf = teacher_forced_logprobs(m, ps, [s.token_ids for s in out], precision)
     assert _maxdiff([s.logprobs for s in out], tf) < 0.1  # bf16 model: rounding order + FP4 boundary flips
     _assert_stops(ps, out, (3,), max_new=24, max_seq=96)
