@@ -7,7 +7,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from megatron_fp4.models import GPTModelArgs, build_gpt_model
+from megatron_fp4.models import build_gpt_model
 from megatron_fp4.parallel import initialize_parallel
 from megatron_fp4.recipe import HiF4BlockScaling, fp4_autocast
 from megatron_fp4.resq import RolloutPrecision, paper_rollout_precisions, rollout_linear
@@ -24,29 +24,20 @@ from megatron_fp4.rollout import (
     teacher_forced_logprobs,
 )
 from megatron_fp4.rollout.precision import RolloutLinearMixin
+from rollout_helpers import VOCAB, random_prompts, tiny_gpt_args
 
-VOCAB = 96
 STOP = (3, 4, 5)
-
-
-
-def _args(**kw) -> GPTModelArgs:
-    base = dict(num_layers=2, hidden_size=128, ffn_hidden_size=256, num_attention_heads=4, num_query_groups=2,
-                vocab_size=VOCAB, max_seq_len=64, add_qkv_bias=True, init_method_std=0.08)
-    base.update(kw)
-    return GPTModelArgs(**base)
 
 
 @pytest.fixture(scope="module")
 def model():
     initialize_parallel(1, 1, seed=1234)
-    return build_gpt_model(_args())
+    return build_gpt_model(tiny_gpt_args())
 
 
 @pytest.fixture(scope="module")
 def prompts():
-    g = torch.Generator().manual_seed(7)
-    return [torch.randint(6, VOCAB, (n,), generator=g).tolist() for n in (5, 9, 3, 6, 3)]
+    return random_prompts((5, 9, 3, 6, 3))
 
 
 PRECISIONS = [
@@ -129,7 +120,7 @@ def test_bf16_greedy_equals_megatron_core_forward(model, prompts):
 def test_rollout_ignores_training_recipe():
     # a model trained in FP4 (config recipe) still rolls out in the rollout precision only
     initialize_parallel(1, 1, seed=99)
-    fp4_model = build_gpt_model(_args(fp4_recipe=HiF4BlockScaling())).eval()
+    fp4_model = build_gpt_model(tiny_gpt_args(fp4_recipe=HiF4BlockScaling())).eval()
     seqs = [[7, 8, 9, 10, 11, 12]]
     with torch.no_grad():
         with fp4_autocast(enabled=False):
@@ -173,9 +164,9 @@ def test_seeded_sampling_is_reproducible(model, prompts):
 
 def test_weight_sync_quantizes_once_and_matches_source(prompts):
     initialize_parallel(1, 1, seed=1)
-    trainer = build_gpt_model(_args())
+    trainer = build_gpt_model(tiny_gpt_args())
     initialize_parallel(1, 1, seed=2)
-    rollout_model = build_gpt_model(_args())
+    rollout_model = build_gpt_model(tiny_gpt_args())
     precision = RolloutPrecision("w4a4", "hif4", "2:4")
     engine = NativeRolloutEngine(rollout_model, precision)
     assert isinstance(engine, RolloutEngine)

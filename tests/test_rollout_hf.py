@@ -13,8 +13,8 @@ from megatron_fp4.models import GPTModelArgs, build_gpt_model  # noqa: E402
 from megatron_fp4.parallel import initialize_parallel  # noqa: E402
 from megatron_fp4.resq import RolloutPrecision  # noqa: E402
 from megatron_fp4.rollout import NativeRolloutEngine, SamplingParams  # noqa: E402
+from rollout_helpers import VOCAB, random_prompts  # noqa: E402
 
-VOCAB = 96
 STOP = (3, 4, 5)
 
 
@@ -42,8 +42,7 @@ def hf_and_engine():
 
 def test_greedy_matches_hf_generate(hf_and_engine):
     hf, engine = hf_and_engine
-    g = torch.Generator().manual_seed(3)
-    prompts = [torch.randint(6, VOCAB, (n,), generator=g).tolist() for n in (4, 7, 3, 9)]
+    prompts = random_prompts((4, 7, 3, 9), seed=3)
     params = SamplingParams(temperature=0.0, max_new_tokens=16, stop_token_ids=STOP)
     samples = engine.generate(prompts, params)
     total = 0

@@ -16,21 +16,17 @@ import torch
 
 from megatron_fp4.kernels import decode_ops
 from megatron_fp4.kernels._common import pdl_enabled
-from megatron_fp4.models import GPTModelArgs, build_gpt_model
+from megatron_fp4.models import build_gpt_model
 from megatron_fp4.parallel import initialize_parallel
 from megatron_fp4.resq import QuantizedWeightCache, RolloutPrecision, copy_into
 from megatron_fp4.rollout import (NativeRolloutEngine, RolloutUnderflowMonitor, SamplingParams,
                                   teacher_forced_logprobs)
 from megatron_fp4.rollout.static_decode import StaticCacheGenerator, graph_sample, precision_is_token_local
+from rollout_helpers import random_prompts, tiny_gpt_args
 
-VOCAB = 96
 
-
-def _args(**kw) -> GPTModelArgs:
-    base = dict(num_layers=2, hidden_size=128, ffn_hidden_size=256, num_attention_heads=4, num_query_groups=2,
-                vocab_size=VOCAB, max_seq_len=48, add_qkv_bias=True, init_method_std=0.08)
-    base.update(kw)
-    return GPTModelArgs(**base)
+def _args(**kw):
+    return tiny_gpt_args(**{"max_seq_len": 48, **kw})
 
 
 @pytest.fixture(scope="module")
@@ -41,8 +37,7 @@ def model():
 
 @pytest.fixture(scope="module")
 def prompts():
-    g = torch.Generator().manual_seed(7)
-    return [torch.randint(6, VOCAB, (n,), generator=g).tolist() for n in (5, 9, 3, 6, 3, 11, 2)]
+    return random_prompts((5, 9, 3, 6, 3, 11, 2))
 
 
 def _assert_stops(prompts, samples, stops, max_new, max_seq):
@@ -347,8 +342,7 @@ def test_gpu_fused_resq_norms_equal_the_resq_linears(fmt, monkeypatch):
     monkeypatch.setenv("MEGATRON_FP4_DECODE_FUSED", "1")
     initialize_parallel(1, 1, seed=3)
     m = build_gpt_model(_args(params_dtype=torch.bfloat16, init_method_std=0.02, max_seq_len=96))
-    g = torch.Generator().manual_seed(0)
-    ps = [torch.randint(6, VOCAB, (n,), generator=g).tolist() for n in (5, 17, 9, 30, 2, 12) * 3]
+    ps = random_prompts((5, 17, 9, 30, 2, 12) * 3, seed=0)
     params = SamplingParams(temperature=1.0, max_new_tokens=24, seed=0, stop_token_ids=(3,))
     precision = RolloutPrecision("w4a4", fmt, "2:4", resq_combine="bf16")
     want = NativeRolloutEngine(m, precision, decode="graph", max_batch_size=8, graph_chunk=8).generate(ps, params)
@@ -371,8 +365,7 @@ def test_gpu_graph_path_matches_eager(precision, fused, monkeypatch):
     monkeypatch.setenv("MEGATRON_FP4_DECODE_FUSED", "1" if fused else "0")
     initialize_parallel(1, 1, seed=3)
     m = build_gpt_model(_args(params_dtype=torch.bfloat16, init_method_std=0.02, max_seq_len=96))
-    g = torch.Generator().manual_seed(0)
-    ps = [torch.randint(6, VOCAB, (n,), generator=g).tolist() for n in (5, 17, 9, 30, 2, 12) * 3]
+    ps = random_prompts((5, 17, 9, 30, 2, 12) * 3, seed=0)
     params = SamplingParams(temperature=1.0, max_new_tokens=24, seed=0, stop_token_ids=(3,))
     graph = NativeRolloutEngine(m, precision, decode="graph", max_batch_size=8, graph_chunk=8)
     out = graph.generate(ps, params)
