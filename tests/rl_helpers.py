@@ -43,19 +43,13 @@ def make_tiny_qwen2(path: Path, vocab_size: int = 64, seed: int = 0) -> None:
     """A 2-layer Qwen2 (hidden 64, tied embeddings) with random O(1)-logit weights, saved to ``path``."""
     from transformers import Qwen2Config, Qwen2ForCausalLM
 
+    from test_tools_helpers import randomize_hf_weights
+
     cfg = Qwen2Config(vocab_size=vocab_size, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
                       num_attention_heads=4, num_key_value_heads=2, tie_word_embeddings=True, rms_norm_eps=1e-5,
                       max_position_embeddings=64, rope_theta=10000.0)
     model = Qwen2ForCausalLM(cfg)
-    g = torch.Generator().manual_seed(seed)
-    with torch.no_grad():
-        for n, p in model.named_parameters():
-            if "norm" in n:
-                p.copy_(1.0 + 0.2 * torch.randn(p.shape, generator=g))
-            elif n.endswith("bias"):
-                p.copy_(0.2 * torch.randn(p.shape, generator=g))
-            else:
-                p.copy_(0.15 * torch.randn(p.shape, generator=g))
+    randomize_hf_weights(model, seed)
     model.eval().save_pretrained(str(path))
 
 

@@ -29,6 +29,19 @@ VARIANTS = {
 }
 
 
+def randomize_hf_weights(model, seed: int) -> None:
+    """Random weights that give O(1) logits: norms near 1, biases and matrices small, drawn in parameter order."""
+    g = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for n, p in model.named_parameters():
+            if "norm" in n:
+                p.copy_(1.0 + 0.2 * torch.randn(p.shape, generator=g))
+            elif n.endswith("bias"):
+                p.copy_(0.2 * torch.randn(p.shape, generator=g))
+            else:
+                p.copy_(0.15 * torch.randn(p.shape, generator=g))
+
+
 def make_hf_model(name: str, path: Path, seed: int = 0):
     """Build the tiny model ``name`` with random weights (O(1) logits), save_pretrained it to ``path``."""
     from transformers import LlamaConfig, LlamaForCausalLM, Qwen2Config, Qwen2ForCausalLM
@@ -42,15 +55,7 @@ def make_hf_model(name: str, path: Path, seed: int = 0):
         model = Qwen2ForCausalLM(Qwen2Config(**common))
     else:
         model = LlamaForCausalLM(LlamaConfig(**common, head_dim=v.get("head_dim", v["hidden"] // v["heads"])))
-    g = torch.Generator().manual_seed(seed)
-    with torch.no_grad():
-        for n, p in model.named_parameters():
-            if "norm" in n:
-                p.copy_(1.0 + 0.2 * torch.randn(p.shape, generator=g))
-            elif n.endswith("bias"):
-                p.copy_(0.2 * torch.randn(p.shape, generator=g))
-            else:
-                p.copy_(0.15 * torch.randn(p.shape, generator=g))
+    randomize_hf_weights(model, seed)
     model = model.to(v.get("dtype", torch.float32)).eval()
     kwargs = {"max_shard_size": v["shard"]} if "shard" in v else {}
     model.save_pretrained(str(path), **kwargs)
