@@ -426,6 +426,10 @@ def test_plot_runs_intervals():
     assert k == 1 and (round(lo * 100, 1), round(hi * 100, 1)) == (14.3, 28.1)
     assert plot_runs.fmt_ci([0.2, 0.3, 0.4]) == "30.0 ± 10.0 [5.2, 54.8] (n=3)"
     assert plot_runs.fmt_ci([]) == "-"
+    # an accuracy's interval stays within 0-100% (the real table's MXFP4 FP4/FP4: 2.3, 3.1, 0.8)
+    xs = [0.023, 0.031, 0.008]
+    assert plot_runs.ci95(xs)[1] < 0 and plot_runs.ci95(xs, bounds=(0.0, 1.0))[1] == 0.0
+    assert plot_runs.fmt_ci(xs, bounds=(0.0, 1.0)) == "2.1 ± 1.2 [0.0, 5.0] (n=3)"
 
 
 def _needs_smollm2() -> None:

@@ -196,21 +196,24 @@ def wilson95(p: float, n: int) -> tuple[float, float]:
     return max(0.0, centre - half), min(1.0, centre + half)
 
 
-def ci95(xs: list[float], n_eval: int | None = None) -> tuple[float, float, float, int]:
-    """(mean, low, high, k) over the k finite values: Student's t 95% interval of the mean over seeds for k >= 2;
-    for one seed, the Wilson interval of its held-out accuracy over ``n_eval`` problems when given (else NaNs)."""
+def ci95(xs: list[float], n_eval: int | None = None,
+         bounds: tuple[float, float] = (-math.inf, math.inf)) -> tuple[float, float, float, int]:
+    """(mean, low, high, k) over the k finite values: Student's t 95% interval of the mean over seeds for k >= 2,
+    clipped to ``bounds``, the values' possible range (an accuracy's is (0, 1)); for one seed, the Wilson interval
+    of its held-out accuracy over ``n_eval`` problems when given (else NaNs)."""
     m, s, k = mean_std(xs)
     if k >= 2:
         half = t975(k - 1) * s / math.sqrt(k)
-        return m, m - half, m + half, k
+        return m, max(bounds[0], m - half), min(bounds[1], m + half), k
     if k == 1 and n_eval:
         return (m, *wilson95(m, n_eval), 1)
     return m, float("nan"), float("nan"), k
 
 
-def fmt_ci(xs: list[float], n_eval: int | None = None, scale: float = 100.0, digits: int = 1) -> str:
+def fmt_ci(xs: list[float], n_eval: int | None = None, scale: float = 100.0, digits: int = 1,
+           bounds: tuple[float, float] = (-math.inf, math.inf)) -> str:
     """'mean ± std [95% interval] (n=k)' of a table cell."""
-    m, lo, hi, k = ci95(xs, n_eval)
+    m, lo, hi, k = ci95(xs, n_eval, bounds)
     if k == 0:
         return "-"
     s = mean_std(xs)[1]
@@ -525,14 +528,14 @@ def write_report(runs_dir: str, out_md: str, command: str, notes: str | None = N
              *([_read_notes(notes), ""] if notes else []),
              "## Accuracy (held-out greedy accuracy in %, mean ± std over seeds [95% interval], after GRPO)", "",
              f"Evaluated greedily in each run's own rollout precision; {start}. The 95% interval is Student's t "
-             f"interval of the mean over seeds (with one seed: the Wilson interval of that run's accuracy on the "
-             f"{n_eval} held-out problems). Paper = SPEC §1 (Qwen2.5-3B, GSM8K mean@1).", "",
+             f"interval of the mean over seeds, clipped to 0-100% (with one seed: the Wilson interval of that run's "
+             f"accuracy on the {n_eval} held-out problems). Paper = SPEC §1 (Qwen2.5-3B, GSM8K mean@1).", "",
              f"| training | rollout | HiF4 | MXFP4 | {'start' if real else 'warm start'} HiF4 / MXFP4 | paper HiF4 | "
              f"paper MXFP4 |",
              "|---|---|---|---|---|---|---|"]
     ran = [row for row in ROWS if any(r["row"] == row.id for r in runs)]  # rows left out of the plan: no line
     for row in ran:
-        cells = [fmt_ci([final_acc(r) for r in cell(runs, row.id, f)], n_eval) for f in FORMATS]
+        cells = [fmt_ci([final_acc(r) for r in cell(runs, row.id, f)], n_eval, bounds=(0.0, 1.0)) for f in FORMATS]
         warm = [fmt_ms(*mean_std([accuracy_of(r.get("warm_start", {}))
                                   for r in cell(runs, row.id, f)])).split(" (n=")[0] for f in FORMATS]
         paper = PAPER.get(row.id, ("-", "-"))
@@ -544,7 +547,8 @@ def write_report(runs_dir: str, out_md: str, command: str, notes: str | None = N
               "| training | rollout | HiF4 mismatch | MXFP4 mismatch | HiF4 late reward | MXFP4 late reward |",
               "|---|---|---|---|---|---|"]
     for row in ran:
-        mm = [fmt_ci([mean_mismatch(r) for r in cell(runs, row.id, f)], scale=1.0, digits=4) for f in FORMATS]
+        mm = [fmt_ci([mean_mismatch(r) for r in cell(runs, row.id, f)], scale=1.0, digits=4, bounds=(0.0, math.inf))
+              for f in FORMATS]
         late = []
         for f in FORMATS:
             vals = []
