@@ -49,8 +49,8 @@ class SupervisedWarmup:
             if it == 0:
                 t1 = time.monotonic()  # the pace is measured from here: the first iteration pays start-up
             if progress and torch.distributed.get_rank() == 0 and (it % 25 == 0 or it == iters - 1):
-                el = time.monotonic() - t0
-                eta = f" | eta {(time.monotonic() - t1) / it * (iters - it - 1):.0f}s" if it else ""
-                print(f"[warmup] iter {it + 1}/{iters} | nll {losses[-1]:.4f} | {el:.0f}s{eta}", flush=True)
+                now = time.monotonic()
+                eta = f" | eta {(now - t1) / it * (iters - it - 1):.0f}s" if it else ""
+                print(f"[warmup] iter {it + 1}/{iters} | nll {losses[-1]:.4f} | {now - t0:.0f}s{eta}", flush=True)
         actor.set_lr(actor.lr_at(0))
         return losses
