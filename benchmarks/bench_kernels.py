@@ -352,6 +352,50 @@ SWEEP_TILES = (
 DECODE_SHAPES = [(3584, 18944), (18944, 3584), (1536, 8960), (8960, 1536), (1536, 2048), (1536, 1536)]  # (K, N)
 
 
+#: Tiles of the decode-sized activation quantizers swept by ``--decode-quantize``: (rows per program, K per step,
+#: warps, prefetch, programs per row block; 0: :func:`megatron_fp4.kernels._common.k_split`'s, 64: one per K tile).
+DECODE_QUANT_TILES = [(1, 1024, 4, 0, 0), (1, 1024, 4, 0, 64), (1, 512, 4, 0, 0), (1, 512, 4, 0, 64),
+                      (1, 512, 2, 0, 64), (1, 256, 2, 0, 64), (1, 256, 1, 0, 64), (1, 128, 1, 0, 64),
+                      (2, 512, 4, 0, 64), (1, 1024, 8, 0, 64), (1, 512, 4, 1, 0)]
+
+
+def bench_decode_quantize(ks=(3584, 18944), ms_list=(16, 64), tiles=DECODE_QUANT_TILES):
+    """The decode step's activation quantizers alone, per tile (CUDA-graph replays, inputs rotated): W4A4's exact
+    BF16 expansion (``quantize(expand="bf16", packed=False)``) and ResQ 2:4's bf16 sum with and without its packed
+    outputs (``resq_quantize(expand="sum", packed=...)``). Every tile's output is checked bit for bit against the
+    default tile's (and that one, once per case, against the PyTorch reference). Rows: {"kernel", "fmt", "K", "M",
+    "tile" (None: the default), "us", "exact"}."""
+    from megatron_fp4.formats import get_format
+    from megatron_fp4.kernels.quantize import quantize_reference
+    from megatron_fp4.kernels.resq import resq_quantize_reference
+
+    rows = []
+    for K in ks:
+        for M in ms_list:
+            xs = [torch.randn(M, K, device="cuda", dtype=torch.bfloat16) * 3 for _ in range(8)]
+            for fmt in ("hif4", "mxfp4"):
+                cases = {
+                    "w4a4 bf16": lambda x, c: quantize(x, fmt, expand="bf16", packed=False, config=c)[1].values,
+                    "resq sum": lambda x, c: resq_quantize(x, fmt, expand="sum", packed=False, config=c)[2].values,
+                    "resq sum+packed": lambda x, c: resq_quantize(x, fmt, expand="sum", config=c)[2].values,
+                }
+                refs = {"w4a4 bf16": quantize_reference(xs[0], get_format(fmt), -1, "bf16")[1].values,
+                        "resq sum": resq_quantize_reference(xs[0], get_format(fmt), "sum")[2].values}
+                for name, fn in cases.items():
+                    default = fn(xs[0], None)
+                    ref = refs.get(name, refs["resq sum"])
+                    ok_ref = bool(torch.equal(default.view(torch.int16), ref.view(torch.int16)))
+                    for tile in [None] + (list(tiles) if name != "resq sum+packed" else []):
+                        got = fn(xs[0], tile)
+                        exact = bool(torch.equal(got.view(torch.int16), default.view(torch.int16))) and ok_ref
+                        us = 1e3 * bench([lambda i=i: fn(xs[i], tile) for i in range(len(xs))], graph=True)
+                        rows.append({"kernel": name, "fmt": fmt, "K": K, "M": M, "tile": tile, "us": us,
+                                     "exact": exact})
+                        print(f"  {name:16s} {fmt:5s} K={K:5d} M={M:2d} {str(tile):22s} {us:7.2f} us"
+                              f"{'' if exact else '  NOT EXACT'}", flush=True)
+    return rows
+
+
 def bench_decode(shapes, ms_list=(16, 64), sweep=False, sweep_keys=None):
     """Issue 20's decode table: the CUDA decode kernel (megatron_fp4.kernels.cuda_decode) against cuBLAS BF16 (and the
     Triton decode kernel), W4A16, W4A4 on the exact BF16 expansion (GEMM alone and quantize + GEMM) and ResQ 2:4 in its
@@ -387,7 +431,7 @@ def bench_decode(shapes, ms_list=(16, 64), sweep=False, sweep_keys=None):
                                                                                                natural=nat)
                                  for p in ps] for nat in (False, True)}
                 exs = [quantize(xi, fmt, expand="bf16")[1].values for xi in xs]
-                sums = [resq_quantize(xi, fmt, expand="sum")[2].values for xi in xs]
+                sums = [resq_quantize(xi, fmt, expand="sum", packed=False)[2].values for xi in xs]
                 # exactness: the CUDA kernel against the fp64 product of the same operands
                 ref = exs[0].double() @ ps[0].packed.dequantize().double().t()
                 for kernel in ("mma", "wgmma"):
@@ -403,7 +447,7 @@ def bench_decode(shapes, ms_list=(16, 64), sweep=False, sweep_keys=None):
                 rec(f"{fmt}_w4a4_e2e_cuda", bench([lambda i=i: cd.w4_decode(
                     quantize(xs[i], fmt, expand="bf16")[1].values, ps[i].decode) for i in range(n)], graph=True))
                 rec(f"{fmt}_resq24sum_e2e_cuda", bench([lambda i=i: cd.w4_decode(
-                    resq_quantize(xs[i], fmt, expand="sum")[2].values, ps[i].decode) for i in range(n)], graph=True))
+                    resq_quantize(xs[i], fmt, expand="sum", packed=False)[2].values, ps[i].decode) for i in range(n)], graph=True))
                 rec(f"{fmt}_resq24sum_gemm_cuda", bench([lambda i=i: cd.w4_decode(sums[i], ps[i].decode)
                                                          for i in range(n)], graph=True))
                 for kernel in ("mma", "wgmma"):  # the GEMM alone on each kernel (the columns above: the default)
@@ -507,6 +551,10 @@ def main():
     p.add_argument("--sweep-keys", help="with --decode-sweep: only the tiles that set one of these keys, e.g. "
                                         "NATURAL,WRING (then on every shape, not only the 7B MLP ones)")
     p.add_argument("--decode-ms", default="16,64", help="with --decode: token counts (comma-separated, 1..64)")
+    p.add_argument("--decode-quantize", action="store_true",
+                   help="only the decode step's activation quantizers (W4A4 expansion, ResQ 2:4 bf16 sum) per tile, "
+                        "K 3584 and 18944 at --decode-ms tokens -> --out (default "
+                        "benchmarks/results/decode_quantize_h200.json)")
     p.add_argument("--training-operands", action="store_true",
                    help="only the training operands' quantization into both GEMM layouts, and the column pass two "
                         "ways (Qwen2.5-1.5B's X and dY at 8192 tokens) -> --out (default "
@@ -547,6 +595,19 @@ def main():
             json.dump(d, fh, indent=1)
         print(decode_markdown(d))
         print(f"wrote {out} in {time.time() - t0:.0f} s")
+        return
+    if args.decode_quantize:
+        out = args.out if args.out != p.get_default("out") else "benchmarks/results/decode_quantize_h200.json"
+        t0 = time.time()
+        ms = [int(m) for m in args.decode_ms.split(",")]
+        d = {"gpu": torch.cuda.get_device_name(), "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
+             "torch": torch.__version__, "triton": triton.__version__, "tiles": DECODE_QUANT_TILES,
+             "rows": bench_decode_quantize(ms_list=tuple(ms))}
+        d["wall_s"] = time.time() - t0
+        os.makedirs(os.path.dirname(out) or ".", exist_ok=True)
+        with open(out, "w") as fh:
+            json.dump(d, fh, indent=1)
+        print(f"wrote {out} in {d['wall_s']:.0f} s")
         return
     if args.training_operands:
         out = args.out if args.out != p.get_default("out") else "benchmarks/results/training_quant_h200.json"

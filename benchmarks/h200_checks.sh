@@ -15,6 +15,8 @@
 #   engine-pdl    programmatic dependent launch (MEGATRON_FP4_PDL=1): the 7B rows without and with it in one JSON
 #                 (paths "graph+fused" and "graph+fused+pdl"), then the decode-step kernels' and the engine's GPU
 #                 tests with it: whether it becomes the default
+#   decode-quantize  the decode step's activation quantizers (W4A4 expansion, ResQ 2:4 bf16 sum) per tile
+#                 (bench_kernels.py --decode-quantize), then their GPU tests
 #   decode-natural  the natural-K-order decode GEMM (the default layout): its GPU tests (CLUSTER's determinism too),
 #                 then its tiles (WTMA, CLUSTER, forced splits) against the default tile on 7B and 1.5B MLP shapes
 #   decode-profile  Nsight Compute on the decode GEMM (a 7B MLP weight): the default tile at M = 16 (both formats;
@@ -39,9 +41,9 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 usage="usage: bash benchmarks/h200_checks.sh train-tests|train-bench|decode-tests|decode-bench|decode-profile|rl-step"
-usage+="|rl-mismatch|decode-natural|engine-bench|engine-pdl|sglang-bench"
+usage+="|rl-mismatch|decode-natural|decode-quantize|engine-bench|engine-pdl|sglang-bench"
 case "${1:-}" in train-tests | train-bench | decode-tests | decode-bench | decode-profile | rl-step | rl-mismatch | \
-  decode-natural | engine-bench | engine-pdl | sglang-bench) ;;
+  decode-natural | decode-quantize | engine-bench | engine-pdl | sglang-bench) ;;
   *) echo "$usage" >&2; exit 2 ;;
 esac
 SITE=${SITE_DIR:-/tmp/site}
@@ -101,6 +103,10 @@ case "$1" in
     # each fused decode-step kernel against what it replaces, inside CUDA graphs (~1 minute)
     python3 benchmarks/bench_decode_ops.py --shapes qwen2.5-1.5b,qwen2.5-7b --batch 64 --cache 256 \
       --out "$results/decode_ops_h200.json"
+    ;;
+  decode-quantize)
+    python3 benchmarks/bench_kernels.py --decode-quantize --decode-ms 16,64 --out "$results/decode_quantize_h200.json"
+    run_tests tests/test_kernels.py -k "few_rows or resq or expansion_only or prefetch"
     ;;
   decode-bench)
     python3 benchmarks/bench_kernels.py --decode --decode-sweep --shapes 3584x18944,18944x3584,1536x8960,8960x1536 \

@@ -158,8 +158,9 @@ def test_mxfp4_rounding_every_bf16_value(name):
 
 @pytest.mark.parametrize("name", FORMATS)
 def test_quantize_few_rows_split_along_k(name):
-    """Decode-sized activations (few rows): programs share out each row's K tiles (with and without prefetch);
-    codes, scales and the BF16 expansions stay bit-identical, for the plain and the fused ResQ kernel."""
+    """Decode-sized activations (few rows): programs share out each row's K tiles (with and without prefetch, as
+    many programs per row as k_split gives or a tile's fifth item asks); codes, scales and the BF16 expansions stay
+    bit-identical, for the plain and the fused ResQ kernel (its bf16 sum alone too)."""
     from megatron_fp4.kernels._common import cdiv, k_split
 
     f = get_format(name)
@@ -167,7 +168,8 @@ def test_quantize_few_rows_split_along_k(name):
     assert k_split(2, cdiv(3000, 256), x.device) > 1
     ref = f.quantize(x)
     qq, ss = resq_components(x.cpu(), name, "2:4")
-    for cfg in (None, (1, 256, 4, 0), (1, 256, 4, 1)):
+    # (the fifth item: programs per row block, here one per K tile and more than there are: capped at the tiles)
+    for cfg in (None, (1, 256, 4, 0), (1, 256, 4, 1), (1, 256, 4, 0, 64), (1, 512, 2, 1, 3)):
         for expand in (None, "bf16"):
             out = quantize(x, name, expand=expand, config=cfg)
             q = out[0] if expand else out
@@ -177,7 +179,28 @@ def test_quantize_few_rows_split_along_k(name):
         q, r, eq, er = resq_quantize(x, name, expand="bf16", config=cfg)
         assert torch.equal(q.codes, ref.codes) and torch.equal(q.scales, ref.scales)
         assert torch.equal(eq.values.float()[:, :3000].cpu(), qq) and torch.equal(er.values.float()[:, :3000].cpu(), ss)
+        es = resq_quantize(x, name, expand="sum", config=cfg, packed=False)[2]
+        assert torch.equal(es.values[:, :3000].cpu(), (qq + ss).to(torch.bfloat16))
     _check_pack(x, name, -1)  # MXFP4 "native": one program per row (the row scale scans the whole row)
+
+
+def test_decode_quantize_tiles():
+    """The decode step's activation tiles (session 38's sweep): a 7B fc2 input (64 x 18944) two rows per program and
+    a program per 512-value K tile; smaller ones (64 x 3584, 16 x 18944) one row per program in 1024-value steps,
+    shared out by k_split; a given tile's fifth item sets the programs per row block (at most one per K tile)."""
+    from megatron_fp4.kernels._common import k_split
+    from megatron_fp4.kernels.quantize import _fixed_launch
+
+    big = torch.empty((64, 18944), dtype=torch.bfloat16)
+    assert _fixed_launch(big, 18944, None, row_pass=False) == (True, (2, 512, 4, 0), (32, 37))
+    for shape in ((64, 3584), (16, 18944)):
+        x = torch.empty(shape, dtype=torch.bfloat16)
+        tiles = -(-shape[1] // 1024)
+        assert _fixed_launch(x, shape[1], None, False) == (True, (1, 1024, 4, 0),
+                                                             (shape[0], k_split(shape[0], tiles, x.device)))
+    assert _fixed_launch(big, 18944, None, row_pass=True)[2] == (32, 1)  # a row pass: one program per row block
+    assert _fixed_launch(big, 18944, (4, 256, 2, 1, 5), False) == (True, (4, 256, 2, 1), (16, 5))
+    assert _fixed_launch(big, 18944, (4, 256, 2, 1, 500), False)[2] == (16, 74)
 
 
 @pytest.mark.parametrize("name", ["hif4", "mxfp4"])
@@ -200,6 +223,10 @@ def _check_resq(x, name, config=None):
     want = resq_activation(x, name, "2:4", out_dtype=torch.bfloat16)
     got = es.values[:, :x.shape[1]]
     assert torch.equal(got.isnan(), want.isnan()) and torch.equal(got.nan_to_num(), want.nan_to_num())
+    # the sum alone (the decode GEMMs' operand): the kernel without its packed outputs writes the same bits
+    nq, nr, only, nn = resq_quantize(x, name, expand="sum", config=config, packed=False)
+    assert nq is None and nr is None and nn is None
+    assert torch.equal(only.values.view(torch.int16), es.values.view(torch.int16))
     if name != "hif4":  # MXFP4 "native": both E5M2 operands on one row scale, flushes as the twin's
         _, _, en, enr = resq_quantize(x, name, expand="native", config=config)
         _, _, tn, tnr = resq_quantize_reference(x, get_format(name), "native")
@@ -388,6 +415,8 @@ def test_training_backend_expansion_only_and_strided(name, host_reads):
     assert torch.equal(quantize(xt, name, expand="bf16", packed=False)[1].values, ref)
     with pytest.raises(ValueError, match="packed=False needs expand"):
         quantize(x, name, packed=False)
+    with pytest.raises(ValueError, match="packed=False is resq_quantize's sum-only form"):
+        resq_quantize(x, name, expand="bf16", packed=False)
     from megatron_fp4.kernels.quantize import _row_major
 
     assert torch.equal(_row_major(xt), xt.contiguous())  # what large transposed operands go through on a GPU

@@ -242,7 +242,7 @@ def _gemm(x: torch.Tensor, w: PreparedWeight, resq: str, activations: str, resq_
         if resq_combine == "bf16" and x.shape[0] <= DECODE_MAX_M:
             from megatron_fp4.kernels.resq import resq_quantize
 
-            a = resq_quantize(x, w.fmt, expand="sum")[2]
+            a = resq_quantize(x, w.fmt, expand="sum", packed=False)[2]
             if x.shape[0] <= max_m:
                 return decode_matmul(a.values, w, dec_dtype)
             return mm_expanded(a, w.bf16_expanded(), out_dtype=out_dtype)

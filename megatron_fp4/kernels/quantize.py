@@ -561,23 +561,33 @@ def _transposed(x2: torch.Tensor) -> bool:
     return x2.stride(1) != 1 and x2.stride(0) == 1
 
 
-def _block_config(fmt_name: str, x2: torch.Tensor):
-    """Fixed tile (rows, K step, warps) for small inputs and the interpreter (larger inputs autotune)."""
+def _block_config(x2: torch.Tensor):
+    """Fixed tile (rows, K step, warps[, prefetch, programs per row block]) for small inputs and the interpreter
+    (larger inputs autotune)."""
     if _transposed(x2):
         return (64, 64, 4)
     if x2.shape[0] <= DECODE_MAX_M:  # decode-sized activations: one row per program, long K steps
-        return (1, 1024, 4)
+        # the largest (a 7B fc2's 64 x 18944): two rows per program and a program per K tile (on an H100, session
+        # 38, benchmarks/results/decode_quantize_h100.json: ResQ's sum 10-15% faster, W4A4's 5-8%; at 64 x 3584
+        # and at 16 tokens within 3% of the one-row tile, which stays there)
+        return (2, 512, 4, 0, 64) if x2.numel() >= 1 << 20 else (1, 1024, 4)
     return (8, 256, 4)
 
 
-def _fixed_launch(x2: torch.Tensor, kp: int, BR: int, BK: int, config, row_pass: bool):
-    """(whether a quantize kernel runs a fixed tile rather than autotuning, the fixed tile's grid). Small inputs,
-    the interpreter, a given ``config`` and few rows (decode activations) take the fixed tile; with few row
-    blocks the K tiles are shared out over programs too, unless a first pass scans whole rows (``row_pass``:
-    MXFP4's "native" expansion computes its row scale)."""
+def _fixed_launch(x2: torch.Tensor, kp: int, config: Optional[tuple], row_pass: bool):
+    """(whether a quantize kernel runs a fixed tile rather than autotuning, that tile as (rows, K step, warps,
+    prefetch), its grid). Small inputs, the interpreter, a given ``config`` and few rows (decode activations) take
+    a fixed tile (``config``, else :func:`_block_config`'s); with few row blocks the K tiles are shared out over
+    programs too (:func:`k_split`, or the programs per row block a tile's fifth item gives, at most one per K
+    tile), unless a first pass scans whole rows (``row_pass``: MXFP4's "native" expansion computes its row
+    scale)."""
     R, k = x2.shape
+    tile = tuple(config or _block_config(x2))
+    BR, BK, warps = tile[:3]
     fixed = config is not None or interpreting() or R * k < (1 << 16) or R <= DECODE_MAX_M
-    return fixed, (cdiv(R, BR), 1 if row_pass else k_split(cdiv(R, BR), cdiv(kp, BK), x2.device))
+    tiles = cdiv(kp, BK)
+    split = min(tile[4], tiles) if len(tile) > 4 and tile[4] else k_split(cdiv(R, BR), tiles, x2.device)
+    return fixed, (BR, BK, warps, tile[3] if len(tile) > 3 else 0), (cdiv(R, BR), 1 if row_pass else split)
 
 
 def quantize(x: torch.Tensor, fmt, dim: int = -1, expand: Optional[str] = None,
@@ -589,8 +599,8 @@ def quantize(x: torch.Tensor, fmt, dim: int = -1, expand: Optional[str] = None,
     ``packed=False`` (with ``expand``) writes only the expansion and returns ``(None, Expanded)`` (the training
     GEMMs read nothing else).
     Falls back to the PyTorch reference where the kernels cannot run (no Triton, no GPU, other formats).
-    ``config`` = (rows per program, K per step, warps[, prefetch 0/1]) skips autotuning (small inputs use a fixed
-    one). ``out`` (with ``packed=False``): an :class:`Expanded` of the same expansion and shape, e.g. an earlier
+    ``config`` = (rows per program, K per step, warps[, prefetch 0/1[, programs per row block]]) skips autotuning
+    (small inputs use a fixed one). ``out`` (with ``packed=False``): an :class:`Expanded` of the same expansion and shape, e.g. an earlier
     result, whose buffers receive the new one (what a CUDA graph that reads them needs); it is returned.
     ``_xt`` (:func:`quantize_both_layouts`): a [K, R] buffer the HiF4 expansion-only row pass fills with x^T.
     """
@@ -621,9 +631,8 @@ def quantize(x: torch.Tensor, fmt, dim: int = -1, expand: Optional[str] = None,
     nblk = kp // bs
     dev = x.device
     codes = torch.empty((R, kp // 2), dtype=torch.uint8, device=dev) if packed else _unused((1, 1), dev)
-    BR, BK, warps, *pf = config or _block_config(f.name, x2)
-    pf = pf[0] if pf else 0
-    fixed, grid = _fixed_launch(x2, kp, BR, BK, config, row_pass=f.name != "hif4" and expand in ("native", "e4m3"))
+    fixed, (BR, BK, warps, pf), grid = _fixed_launch(x2, kp, config,
+                                                     row_pass=f.name != "hif4" and expand in ("native", "e4m3"))
     tgrid = lambda meta: (cdiv(R, meta["BR"]), 1)  # noqa: E731
     ex = None
     if f.name == "hif4":

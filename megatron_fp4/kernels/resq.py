@@ -16,7 +16,7 @@ import torch
 
 from megatron_fp4.kernels._common import (DECODE_MAX_M, HAS_TRITON, KERNEL_FORMATS, TILE_FMT, TILE_RECIP, cdiv,
                                           kernels_usable, pdl_launch, tl, triton, tune_bucket)
-from megatron_fp4.kernels.quantize import Expanded, _block_config, _fixed_launch, _rows_view, expand_packed, fp8_rows
+from megatron_fp4.kernels.quantize import Expanded, _fixed_launch, _rows_view, expand_packed, fp8_rows
 from megatron_fp4.formats import QuantizedTensor, get_format
 from megatron_fp4.resq import RESQ_COMBINES
 
@@ -65,10 +65,12 @@ if HAS_TRITON:
     def _resq_kernel(x_ptr, qc_ptr, qs_ptr, rc_ptr, rs_ptr, ex_ptr, exr_ptr, rexp_ptr, rok_ptr, R, K, KP,
                      stride_xr, stride_xk, stride_cr, stride_sr, stride_er, K_BUCKET, FMT: tl.constexpr,
                      EXPAND: tl.constexpr, BR: tl.constexpr, BK: tl.constexpr, R1: tl.constexpr,
-                     R2: tl.constexpr, R3: tl.constexpr, PREFETCH: tl.constexpr = 0, PDL: tl.constexpr = False):
+                     R2: tl.constexpr, R3: tl.constexpr, PREFETCH: tl.constexpr = 0, PDL: tl.constexpr = False,
+                     PACKED: tl.constexpr = 1):
         """FMT 0 hif4, 1 mxfp4, 2 mxfp4_rceil. EXPAND 0 none, 1 native (HiF4 bf16, MXFP4 E5M2 + shared row
         scale), 2 bf16, 3 sum: bf16(deq Q(X) + deq S(Q(R))) (the fp32 sum rounded once, as the reference). PDL: a
-        decode step's launch (:func:`megatron_fp4.kernels._common.pdl_enter`)."""
+        decode step's launch (:func:`megatron_fp4.kernels._common.pdl_enter`). PACKED 0 (with EXPAND 3): only the
+        sum is stored, not the packed Q(X) and S(Q(R)) (what a GEMM on the sum reads: their packing is skipped)."""
         pdl_enter(PDL)
         BLK: tl.constexpr = 64 if FMT == 0 else 32
         NB: tl.constexpr = BK // BLK
@@ -94,17 +96,18 @@ if HAS_TRITON:
             cols = k0 + tl.arange(0, BK)
             x, xn = _k_tile(x_ptr, rows, rmask, cols, xn, K, stride_xr, stride_xk, BK, PREFETCH)
             codes, X, bad, val, rcodes, RX, rbad, rval = _resq_tiles(x, FMT, BR, BK, R1, R2, R3)
-            _store_packed(qc_ptr, codes, rows, rmask, k0, KP, stride_cr, BR, BK)
-            _store_packed(rc_ptr, rcodes, rows, rmask, k0, KP, stride_cr, BR, BK)
-            jb = k0 // BLK + tl.arange(0, NB)
-            smask = rmask[:, None] & (jb[None, :] < KP // BLK)
-            sptr = rows[:, None] * stride_sr + jb[None, :]
-            if FMT == 0:
-                tl.store(qs_ptr + sptr, X, mask=smask)
-                tl.store(rs_ptr + sptr, RX, mask=smask)
-            else:
-                tl.store(qs_ptr + sptr, tl.where(bad, 255, X + 127).to(tl.uint8), mask=smask)
-                tl.store(rs_ptr + sptr, tl.where(rbad, 255, RX + 127).to(tl.uint8), mask=smask)
+            if PACKED:
+                _store_packed(qc_ptr, codes, rows, rmask, k0, KP, stride_cr, BR, BK)
+                _store_packed(rc_ptr, rcodes, rows, rmask, k0, KP, stride_cr, BR, BK)
+                jb = k0 // BLK + tl.arange(0, NB)
+                smask = rmask[:, None] & (jb[None, :] < KP // BLK)
+                sptr = rows[:, None] * stride_sr + jb[None, :]
+                if FMT == 0:
+                    tl.store(qs_ptr + sptr, X, mask=smask)
+                    tl.store(rs_ptr + sptr, RX, mask=smask)
+                else:
+                    tl.store(qs_ptr + sptr, tl.where(bad, 255, X + 127).to(tl.uint8), mask=smask)
+                    tl.store(rs_ptr + sptr, tl.where(rbad, 255, RX + 127).to(tl.uint8), mask=smask)
             emask = rmask[:, None] & (cols[None, :] < KP)
             eptr = rows[:, None] * stride_er + cols[None, :]
             if EXPAND == 2 or (EXPAND == 1 and FMT == 0):
@@ -126,7 +129,7 @@ if HAS_TRITON:
 if HAS_TRITON:
     from megatron_fp4.kernels.quantize import _TUNE
 
-    _resq_tuned = triton.autotune(**{**_TUNE, "key": _TUNE["key"] + ["FMT"]})(_resq_kernel)
+    _resq_tuned = triton.autotune(**{**_TUNE, "key": _TUNE["key"] + ["FMT", "PACKED"]})(_resq_kernel)
 
 
 def resq_quantize_reference(x: torch.Tensor, f, expand: Optional[str]):
@@ -162,35 +165,42 @@ def _rescale(qt: QuantizedTensor, S: torch.Tensor) -> Expanded:
     return fp8_rows(dequantize_rows(qt, torch.arange(S.numel(), device=S.device)), S)
 
 
-def resq_quantize(x: torch.Tensor, fmt, expand: Optional[str] = None, config: Optional[tuple] = None):
+def resq_quantize(x: torch.Tensor, fmt, expand: Optional[str] = None, config: Optional[tuple] = None,
+                  packed: bool = True):
     """Fused Rollout-ResQ quantization of ``x [..., K]`` along K with 2:4 sparsity of the quantized residual.
 
     Returns ``(Q(X), S(Q(R)), expanded Q(X), expanded S(Q(R)))`` (the last two None without ``expand``); the
     residual's dropped elements have code 0. With ``expand="native"`` and MXFP4, both expansions share one row
     scale so that the GEMM can add them in one accumulator. ``expand="sum"``: the third item is the one BF16
-    operand bf16(Q(X) + S(Q(R))) (``resq_combine="bf16"`` of ``megatron_fp4.resq``), the fourth None.
-    ``config``: a fixed tile, as for :func:`megatron_fp4.kernels.quantize.quantize`.
+    operand bf16(Q(X) + S(Q(R))) (``resq_combine="bf16"`` of ``megatron_fp4.resq``), the fourth None;
+    ``packed=False`` (with "sum" only) writes nothing else and returns ``(None, None, sum, None)``: a GEMM on the
+    sum reads nothing else, and the kernel then skips packing (a fifth fewer instructions). ``config``: a fixed
+    tile, as for :func:`megatron_fp4.kernels.quantize.quantize`.
     """
     f = get_format(fmt)
     if expand not in RESQ_EXPAND_MODES:
         raise ValueError(f"expand={expand!r} is not valid; allowed values: "
                          f"{', '.join(map(repr, RESQ_EXPAND_MODES))}")
+    if not packed and expand != "sum":
+        raise ValueError(f"packed=False is resq_quantize's sum-only form: it needs expand='sum', got {expand!r}")
     if f.name not in KERNEL_FORMATS or not kernels_usable(x) or x.numel() == 0:
-        return resq_quantize_reference(x, f, expand)
+        out = resq_quantize_reference(x, f, expand)
+        return out if packed else (None, None, out[2], None)
     x2, outer, k = _rows_view(x, x.dim() - 1)
     R = x2.shape[0]
     bs = f.block_size
     kp = cdiv(k, bs) * bs
     nblk = kp // bs
     dev = x.device
-    qc = torch.empty((R, kp // 2), dtype=torch.uint8, device=dev)
+    rows = R if packed else 1  # (unused 1-row stand-ins without packed outputs)
+    qc = torch.empty((rows, kp // 2), dtype=torch.uint8, device=dev)
     rc = torch.empty_like(qc)
     if f.name == "hif4":
-        qs = torch.empty((R, nblk, 4), dtype=torch.uint8, device=dev)
+        qs = torch.empty((rows, nblk, 4), dtype=torch.uint8, device=dev)
         rs = torch.empty_like(qs)
         qs_arg, rs_arg = qs.view(torch.int32), rs.view(torch.int32)
     else:
-        qs = torch.empty((R, nblk), dtype=torch.uint8, device=dev)
+        qs = torch.empty((rows, nblk), dtype=torch.uint8, device=dev)
         rs = torch.empty_like(qs)
         qs_arg, rs_arg = qs, rs
     fmt_id = TILE_FMT[f.name]
@@ -209,15 +219,16 @@ def resq_quantize(x: torch.Tensor, fmt, expand: Optional[str] = None, config: Op
     else:
         ex = torch.empty((R, kp), dtype=torch.bfloat16, device=dev)
         exr = torch.empty_like(ex)
-    BR, BK, warps, *pf = config or _block_config(f.name, x2)
     args = (x2, qc, qs_arg, rc, rs_arg, ex, exr, rexp if rexp is not None else qc, rok if rok is not None else qc, R,
             k, kp, x2.stride(0), x2.stride(1), qc.stride(0), nblk, ex.stride(0), tune_bucket(k))
-    kw = dict(FMT=fmt_id, EXPAND=mode, **TILE_RECIP)
-    fixed, grid = _fixed_launch(x2, kp, BR, BK, config, row_pass=mode == 1 and fmt_id != 0)
+    kw = dict(FMT=fmt_id, EXPAND=mode, **TILE_RECIP, PACKED=int(packed))
+    fixed, (BR, BK, warps, pf), grid = _fixed_launch(x2, kp, config, row_pass=mode == 1 and fmt_id != 0)
     if fixed:
-        _resq_kernel[grid](*args, **kw, BR=BR, BK=BK, PREFETCH=pf[0] if pf else 0, num_warps=warps, **pdl_launch())
+        _resq_kernel[grid](*args, **kw, BR=BR, BK=BK, PREFETCH=pf, num_warps=warps, **pdl_launch())
     else:
         _resq_tuned[lambda meta: (cdiv(R, meta["BR"]), 1)](*args, **kw)
+    if not packed:
+        return None, None, Expanded(ex), None
     sshape = (*outer, nblk, 4) if fmt_id == 0 else (*outer, nblk)
     q = QuantizedTensor(f, qc.reshape(*outer, kp // 2), qs.reshape(sshape), x.shape, x.dim() - 1, x.dtype)
     r = QuantizedTensor(f, rc.reshape(*outer, kp // 2), rs.reshape(sshape), x.shape, x.dim() - 1, x.dtype)
@@ -259,7 +270,7 @@ def resq_matmul(x: torch.Tensor, qw: QuantizedTensor, ew: Optional[Expanded] = N
         return (q @ wq.t() + s @ wq.t()).to(out_dtype)
     M = x.shape[0]
     if combine == "bf16":
-        a = resq_quantize(x, qw.fmt, expand="sum")[2]
+        a = resq_quantize(x, qw.fmt, expand="sum", packed=False)[2]
         if M <= DECODE_MAX_M:
             return w4_matmul(a.values, qw, wide=wide).to(out_dtype)
         if ew is None or ew.values.dtype != torch.bfloat16:
