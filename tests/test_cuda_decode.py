@@ -77,6 +77,24 @@ def test_natural_decode_layout_reads_back_the_reference(name, N, K):
     assert _same(decode_layout_dequantize(dw), _reference(qt, dw))
 
 
+@pytest.mark.parametrize("name", ["hif4", "mxfp4"])
+@pytest.mark.parametrize("natural", [False, True])
+def test_decode_layout_in_row_blocks(name, natural, monkeypatch):
+    """A weight laid out in blocks of LAYOUT_ROWS rows (what bounds the layout's int64 temporaries) is the layout of
+    the whole at once: codes, meta, NaN rows (in the second block too), padding of the last block's slabs."""
+    from megatron_fp4.kernels import cuda_decode as cd
+
+    w = _weight(200, 128, name).to(torch.bfloat16)
+    w[130, 5] = float("nan")  # a NaN block in the third 64-row block
+    qt = get_format(name).quantize(w, dim=-1)
+    whole = to_decode_layout(qt, False, natural=natural)
+    monkeypatch.setattr(cd, "LAYOUT_ROWS", 64)
+    blocks = to_decode_layout(qt, False, natural=natural)
+    assert torch.equal(blocks.codes, whole.codes) and torch.equal(blocks.meta, whole.meta)
+    assert torch.equal(blocks.nan_rows, whole.nan_rows) and 130 in whole.nan_rows.tolist()
+    assert blocks.slabs == whole.slabs == 16  # 13 slabs of 16 rows, padded to a multiple of 4
+
+
 def test_natural_layout_is_the_default(monkeypatch):
     from megatron_fp4.kernels.cuda_decode import natural_layout
     from megatron_fp4.kernels.dispatch import PreparedWeight, decode_kernel_max_m

@@ -111,6 +111,12 @@ def _to_int32(v: torch.Tensor) -> torch.Tensor:
     return torch.where(v >= 2 ** 31, v - 2 ** 32, v).to(torch.int32)
 
 
+#: Weight rows :func:`to_decode_layout` lays out at a time (a multiple of 16 x _SLAB_PAD): its temporaries are int64
+#: tensors of up to 32 bytes per weight value (a 7B fc1 at once: 4 GiB, which ran an SGLang Engine on an H100 out of
+#: memory at its first weight sync, session 38); in blocks of this many rows, ~250 MB at K = 3584.
+LAYOUT_ROWS = 2048
+
+
 def to_decode_layout(qt: QuantizedTensor, wide: bool = False, natural: bool = False) -> DecodeWeight:
     """Re-lay a packed 2-D weight ``[N, K]`` (quantized along K, HiF4 or MXFP4) out for :func:`w4_decode`.
 
@@ -125,12 +131,26 @@ def to_decode_layout(qt: QuantizedTensor, wide: bool = False, natural: bool = Fa
     if name not in ("hif4", "mxfp4", "mxfp4_rceil") or qt.codes.dim() != 2:
         raise ValueError(f"to_decode_layout takes a 2-D HiF4/MXFP4 weight, got {name} {tuple(qt.codes.shape)}")
     fmt_id = 0 if name == "hif4" else 1
-    N, kh = qt.codes.shape
+    N = qt.codes.shape[0]
+    # row blocks of whole padded slab groups: their slabs concatenate to the whole weight's
+    parts = [_layout_rows(qt.codes[r:r + LAYOUT_ROWS], qt.scales[r:r + LAYOUT_ROWS], fmt_id, natural)
+             for r in range(0, N, LAYOUT_ROWS)]
+    codes = parts[0][0] if len(parts) == 1 else torch.cat([p[0] for p in parts])
+    meta = parts[0][1] if len(parts) == 1 else torch.cat([p[1] for p in parts])
+    nan = (qt.scales.reshape(N, -1) == 255) if fmt_id == 1 else (qt.scales[..., 0] == 255)
+    nan_rows = nan.any(dim=1).nonzero().flatten()
+    return DecodeWeight(codes, meta, N, qt.shape[-1], fmt_id, bool(wide) and fmt_id == 1, natural,
+                        nan_rows if len(nan_rows) else None)
+
+
+def _layout_rows(qcodes: torch.Tensor, qscales: torch.Tensor, fmt_id: int, natural: bool) -> tuple:
+    """:func:`to_decode_layout`'s codes and meta of the rows ``qcodes`` / ``qscales`` (packed codes and scales)."""
+    N, kh = qcodes.shape
     C = -(-2 * kh // 64)
     S = -(-(-(-N // 16)) // _SLAB_PAD) * _SLAB_PAD
-    dev = qt.codes.device
+    dev = qcodes.device
     nib = torch.zeros((S * 16, C * 64), dtype=torch.int64, device=dev)
-    nib[:N, : 2 * kh] = _nibbles(qt.codes)
+    nib[:N, : 2 * kh] = _nibbles(qcodes)
     if natural and fmt_id == 0:
         nib = torch.tensor(_HIF4_OFFSET, device=dev)[nib]  # (the padding's +0 as well)
     if natural:  # [S, h, g, C, s, i1, t, i0]: K = 64 c + 16 s + 8 i1 + 2 t + i0, i = 2 i1 + i0
@@ -150,11 +170,11 @@ def to_decode_layout(qt: QuantizedTensor, wide: bool = False, natural: bool = Fa
     codes = _to_int32(words).reshape(S, C, 32, 4).contiguous()
     if fmt_id == 1:
         sc = torch.full((S * 16, 2 * C), 127, dtype=torch.uint8, device=dev)
-        sc[:N, : qt.scales.shape[1]] = qt.scales.reshape(N, -1)
+        sc[:N, : qscales.shape[1]] = qscales.reshape(N, -1)
         meta = sc.view(S, 2, 8, C, 2).permute(0, 3, 2, 1, 4).reshape(S, C, 32).contiguous()
     else:
         sc = torch.zeros((S * 16, C, 4), dtype=torch.uint8, device=dev)
-        sc[:N, : qt.scales.shape[1]] = qt.scales
+        sc[:N, : qscales.shape[1]] = qscales
         sc = sc.to(torch.int64)
         code, e8, e16 = sc[..., 0], sc[..., 1], sc[..., 2] | (sc[..., 3] << 8)
         q = torch.arange(16, device=dev)
@@ -172,10 +192,7 @@ def to_decode_layout(qt: QuantizedTensor, wide: bool = False, natural: bool = Fa
         cb = code.view(S, 2, 8, C).permute(0, 3, 2, 1).reshape(S, C, 8, 2)  # bytes c(g), c(g + 8)
         meta = torch.cat((ebytes.reshape(S, C, -1), cb.reshape(S, C, 16)), -1)
         meta = meta.to(torch.uint8).contiguous()
-    nan = (qt.scales.reshape(N, -1) == 255) if fmt_id == 1 else (qt.scales[..., 0] == 255)
-    nan_rows = nan.any(dim=1).nonzero().flatten()
-    return DecodeWeight(codes, meta, N, qt.shape[-1], fmt_id, bool(wide) and fmt_id == 1, natural,
-                        nan_rows if len(nan_rows) else None)
+    return codes, meta
 
 
 # --------------------------------------------------------------------------------------------------------------------
