@@ -8,6 +8,7 @@ checked here before it costs a device call:
     python benchmarks/kernel_sass.py decode --fmt hif4 --res --histogram
     python benchmarks/kernel_sass.py quantize --fmt hif4 --BR 4 --BK 512 --expand 1 --prefetch --num-stages 3
     python benchmarks/kernel_sass.py columns --fmt hif4 --BK 64 --num-warps 4
+    python benchmarks/kernel_sass.py resq --fmt hif4 --BR 1 --BK 1024 --num-warps 4 [--packed]
     python benchmarks/kernel_sass.py cuda --fmt hif4 --BM 16 --tile '{"KERNEL": "wgmma", "PRODUCER": 1, "LEAN": 1}'
 
 (``cuda``: the CUDA decode GEMMs of megatron_fp4/kernels/csrc, built by nvcc where it exists.) Prints the
@@ -134,6 +135,24 @@ def quantize_case(fmt: str, BR: int, BK: int, expand: int, prefetch: bool, unpac
     return fn, sig, const, divisible, BR * BK
 
 
+def resq_case(fmt: str, BR: int, BK: int, packed: bool):
+    """(kernel, signature, constexprs, divisible args, values per loop iteration) of the fused ResQ quantize kernel
+    in its bf16-sum form (``resq_quantize(expand="sum")``: the decode GEMMs' operand), with or without its packed
+    Q(X) and S(Q(R)) (``packed``)."""
+    from megatron_fp4.kernels import resq
+    from megatron_fp4.kernels._common import TILE_RECIP
+
+    scale = "*i32" if fmt == "hif4" else "*u8"
+    sig = {"x_ptr": "*bf16", "qc_ptr": "*u8", "qs_ptr": scale, "rc_ptr": "*u8", "rs_ptr": scale, "ex_ptr": "*bf16",
+           "exr_ptr": "*bf16", "rexp_ptr": "*u8", "rok_ptr": "*u8"}
+    sig.update({k: "i32" for k in ("R", "K", "KP", "stride_xr", "stride_xk", "stride_cr", "stride_sr", "stride_er",
+                                   "K_BUCKET")})
+    const = dict(FMT=0 if fmt == "hif4" else 1, EXPAND=3, BR=BR, BK=BK, **TILE_RECIP, PREFETCH=0, PDL=False,
+                 PACKED=int(packed), stride_xk=1)
+    divisible = [k for k in sig if k not in ("stride_xk", "K_BUCKET", "R")]
+    return resq._resq_kernel, sig, const, divisible, BR * BK
+
+
 def columns_case(fmt: str, BC: int):
     """(kernel, signature, constexprs, divisible args, values per program: 64 rows x BC columns) of the column
     kernel (``megatron_fp4.kernels.quantize``'s exact expansion of a transposed view, read from the row-major
@@ -176,9 +195,10 @@ def cuda_case(fmt: str, BM: int, tile: dict, wide: bool) -> tuple:
 
 def main(argv=None):
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("kernel", choices=["decode", "quantize", "columns", "cuda"],
+    p.add_argument("kernel", choices=["decode", "quantize", "resq", "columns", "cuda"],
                    help="decode: the decode GEMM (megatron_fp4.kernels.decode_gemm.w4_matmul); quantize: the row "
-                        "quantize kernel; columns: the column kernel (a transposed view's exact expansion, --BK "
+                        "quantize kernel; resq: the fused ResQ quantize kernel's bf16 sum (--BR, --BK, --packed); "
+                        "columns: the column kernel (a transposed view's exact expansion, --BK "
                         "columns per program); cuda: the CUDA decode GEMM on a 7B MLP weight (nvcc; --BM tokens, "
                         "--tile)")
     p.add_argument("--fmt", choices=["hif4", "mxfp4"], default="mxfp4")
@@ -195,6 +215,7 @@ def main(argv=None):
     p.add_argument("--expand", type=int, choices=[0, 1, 2], default=0,
                    help="quantize: 0 none, 1 native, 2 bf16 (HiF4: any nonzero is its bf16 expansion)")
     p.add_argument("--unpacked", action="store_true", help="quantize: the expansion only (PACKED=0, training)")
+    p.add_argument("--packed", action="store_true", help="resq: also the packed Q(X) and S(Q(R)) (PACKED=1)")
     p.add_argument("--transpose", action="store_true",
                    help="quantize, HiF4 with --unpacked: the row pass also writes x's transposed copy")
     p.add_argument("--tile", default=None,
@@ -230,6 +251,8 @@ def main(argv=None):
             p.error("--unpacked needs --expand 1 or 2 (the expansion is all the kernel writes then)")
         fn, sig, const, div, values = quantize_case(args.fmt, args.BR, args.BK, args.expand, args.prefetch,
                                                     args.unpacked, args.transpose)
+    elif args.kernel == "resq":
+        fn, sig, const, div, values = resq_case(args.fmt, args.BR, args.BK, args.packed)
     else:
         fn, sig, const, div, values = columns_case(args.fmt, args.BK)
     compiled = compile_sm90(fn, sig, const, div, args.num_warps, args.num_stages)
