@@ -25,7 +25,10 @@
 // a kernel launched with the attribute may start before the kernel ahead of it in the stream has finished, so it
 // first waits for that kernel (all of its work done and visible: before any of this kernel's loads or stores),
 // then lets the next kernel launch: in that order, a kernel starts early only beside the one kernel just before
-// it, never beside older ones (a weight's requantize, say). Both are no-ops in a launch without the attribute.
+// it, never beside older ones (a weight's requantize, say). The wait is a no-op in a launch without the attribute;
+// the trigger is not: it lets the NEXT kernel start early if that one was launched with the attribute, whatever
+// ours was (sgl-kernel launches its SiLU-and-mul so on Hopper: in SGLang's profile it then includes the wait for
+// our GEMM's tail, docs/PERFORMANCE.md issue 19 session 38). That kernel still waits for ours to finish.
 // (Loading weights before the wait was tried and dropped: the kernel just before may be the one writing them.)
 DINL void pdl_enter() {
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
