@@ -534,6 +534,17 @@ def markdown(path):
     return "\n".join(lines)
 
 
+def _decode_ms(p: argparse.ArgumentParser, args) -> list:
+    """--decode-ms as token counts (the parser's error on anything but comma-separated counts in 1..64)."""
+    try:
+        ms = [int(m) for m in args.decode_ms.split(",")]
+    except ValueError:
+        ms = []
+    if not ms or not all(1 <= m <= 64 for m in ms):
+        p.error(f"--decode-ms takes comma-separated token counts in 1..64, got {args.decode_ms!r}")
+    return ms
+
+
 def main():
     p = argparse.ArgumentParser()
     p.add_argument("--markdown", metavar="JSON", help="print the markdown tables of a results JSON and exit")
@@ -550,7 +561,8 @@ def main():
     p.add_argument("--decode-sweep", action="store_true", help="with --decode: also sweep the CUDA kernel's tiles")
     p.add_argument("--sweep-keys", help="with --decode-sweep: only the tiles that set one of these keys, e.g. "
                                         "NATURAL,WRING (then on every shape, not only the 7B MLP ones)")
-    p.add_argument("--decode-ms", default="16,64", help="with --decode: token counts (comma-separated, 1..64)")
+    p.add_argument("--decode-ms", default="16,64",
+                   help="with --decode or --decode-quantize: token counts (comma-separated, 1..64)")
     p.add_argument("--decode-quantize", action="store_true",
                    help="only the decode step's activation quantizers (W4A4 expansion, ResQ 2:4 bf16 sum) per tile, "
                         "K 3584 and 18944 at --decode-ms tokens -> --out (default "
@@ -567,12 +579,7 @@ def main():
         print(decode_markdown(d) if "decode" in d else markdown(args.markdown))
         return
     if args.decode:
-        try:
-            ms = [int(m) for m in args.decode_ms.split(",")]
-        except ValueError:
-            ms = []
-        if not ms or not all(1 <= m <= 64 for m in ms):
-            p.error(f"--decode-ms takes comma-separated token counts in 1..64, got {args.decode_ms!r}")
+        ms = _decode_ms(p, args)
         out = args.out if args.out != p.get_default("out") else "benchmarks/results/decode_h200.json"
         t0 = time.time()
         dev = torch.cuda.get_device_name()
@@ -596,26 +603,17 @@ def main():
         print(decode_markdown(d))
         print(f"wrote {out} in {time.time() - t0:.0f} s")
         return
-    if args.decode_quantize:
-        out = args.out if args.out != p.get_default("out") else "benchmarks/results/decode_quantize_h200.json"
+    if args.decode_quantize or args.training_operands:  # one table of rows each
+        name = "decode_quantize" if args.decode_quantize else "training_quant"
+        out = args.out if args.out != p.get_default("out") else f"benchmarks/results/{name}_h200.json"
+        ms = _decode_ms(p, args)
         t0 = time.time()
-        ms = [int(m) for m in args.decode_ms.split(",")]
         d = {"gpu": torch.cuda.get_device_name(), "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
-             "torch": torch.__version__, "triton": triton.__version__, "tiles": DECODE_QUANT_TILES,
-             "rows": bench_decode_quantize(ms_list=tuple(ms))}
-        d["wall_s"] = time.time() - t0
-        os.makedirs(os.path.dirname(out) or ".", exist_ok=True)
-        with open(out, "w") as fh:
-            json.dump(d, fh, indent=1)
-        print(f"wrote {out} in {d['wall_s']:.0f} s")
-        return
-    if args.training_operands:
-        out = args.out if args.out != p.get_default("out") else "benchmarks/results/training_quant_h200.json"
-        t0 = time.time()
-        copy_gbs, _ = ceilings()
-        d = {"gpu": torch.cuda.get_device_name(), "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
-             "torch": torch.__version__, "triton": triton.__version__, "copy_GBps": copy_gbs,
-             "rows": bench_training_operands()}
+             "torch": torch.__version__, "triton": triton.__version__}
+        if args.decode_quantize:
+            d.update(tiles=DECODE_QUANT_TILES, rows=bench_decode_quantize(ms_list=tuple(ms)))
+        else:
+            d.update(copy_GBps=ceilings()[0], rows=bench_training_operands())
         d["wall_s"] = time.time() - t0
         os.makedirs(os.path.dirname(out) or ".", exist_ok=True)
         with open(out, "w") as fh:
