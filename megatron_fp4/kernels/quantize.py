@@ -600,8 +600,9 @@ def quantize(x: torch.Tensor, fmt, dim: int = -1, expand: Optional[str] = None,
     GEMMs read nothing else).
     Falls back to the PyTorch reference where the kernels cannot run (no Triton, no GPU, other formats).
     ``config`` = (rows per program, K per step, warps[, prefetch 0/1[, programs per row block]]) skips autotuning
-    (small inputs use a fixed one). ``out`` (with ``packed=False``): an :class:`Expanded` of the same expansion and shape, e.g. an earlier
-    result, whose buffers receive the new one (what a CUDA graph that reads them needs); it is returned.
+    (small inputs use a fixed one). ``out`` (with ``packed=False``): an :class:`Expanded` of the same expansion and
+    shape, e.g. an earlier result, whose buffers receive the new one (what a CUDA graph that reads them needs); it
+    is returned.
     ``_xt`` (:func:`quantize_both_layouts`): a [K, R] buffer the HiF4 expansion-only row pass fills with x^T.
     """
     f = get_format(fmt)
