@@ -447,7 +447,8 @@ def bench_decode(shapes, ms_list=(16, 64), sweep=False, sweep_keys=None):
                 rec(f"{fmt}_w4a4_e2e_cuda", bench([lambda i=i: cd.w4_decode(
                     quantize(xs[i], fmt, expand="bf16")[1].values, ps[i].decode) for i in range(n)], graph=True))
                 rec(f"{fmt}_resq24sum_e2e_cuda", bench([lambda i=i: cd.w4_decode(
-                    resq_quantize(xs[i], fmt, expand="sum", packed=False)[2].values, ps[i].decode) for i in range(n)], graph=True))
+                    resq_quantize(xs[i], fmt, expand="sum", packed=False)[2].values, ps[i].decode)
+                    for i in range(n)], graph=True))
                 rec(f"{fmt}_resq24sum_gemm_cuda", bench([lambda i=i: cd.w4_decode(sums[i], ps[i].decode)
                                                          for i in range(n)], graph=True))
                 for kernel in ("mma", "wgmma"):  # the GEMM alone on each kernel (the columns above: the default)
@@ -606,7 +607,7 @@ def main():
     if args.decode_quantize or args.training_operands:  # one table of rows each
         name = "decode_quantize" if args.decode_quantize else "training_quant"
         out = args.out if args.out != p.get_default("out") else f"benchmarks/results/{name}_h200.json"
-        ms = _decode_ms(p, args)
+        ms = _decode_ms(p, args) if args.decode_quantize else None  # (--training-operands takes no token counts)
         t0 = time.time()
         d = {"gpu": torch.cuda.get_device_name(), "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
              "torch": torch.__version__, "triton": triton.__version__}
