@@ -396,15 +396,17 @@ def bench_decode_quantize(ks=(3584, 18944), ms_list=(16, 64), tiles=DECODE_QUANT
     return rows
 
 
-def bench_decode(shapes, ms_list=(16, 64), sweep=False, sweep_keys=None):
+def bench_decode(shapes, ms_list=(16, 64), sweep=False, sweep_keys=None, sweep_tiles=None):
     """Issue 20's decode table: the CUDA decode kernel (megatron_fp4.kernels.cuda_decode) against cuBLAS BF16 (and the
     Triton decode kernel), W4A16, W4A4 on the exact BF16 expansion (GEMM alone and quantize + GEMM) and ResQ 2:4 in its
     bf16-sum form (quantize + GEMM), both formats; every column a CUDA-graph replay with weights rotated through
-    more than the L2. Each CUDA result is checked against the fp64 product of the same operands."""
+    more than the L2. Each CUDA result is checked against the fp64 product of the same operands. ``sweep_tiles``: the
+    tiles to sweep instead of :data:`SWEEP_TILES` (then on every shape, as with ``sweep_keys``)."""
     from megatron_fp4.kernels import cuda_decode as cd
     from megatron_fp4.kernels.dispatch import prepare_weight
 
-    tiles = [t for t in SWEEP_TILES if not sweep_keys or any(t.get(k) for k in sweep_keys)] if sweep else []
+    tiles = (list(sweep_tiles) if sweep_tiles else
+             [t for t in SWEEP_TILES if not sweep_keys or any(t.get(k) for k in sweep_keys)]) if sweep else []
     t0 = time.perf_counter()  # every configuration compiled in parallel first (on first use each compiles alone)
     built = cd.prebuild(tiles, ntoks=tuple(sorted({cd._ntok(m) for m in ms_list})))
     print(f"  {built} CUDA decode configurations built in {time.perf_counter() - t0:.0f} s", flush=True)
@@ -456,7 +458,7 @@ def bench_decode(shapes, ms_list=(16, 64), sweep=False, sweep_keys=None):
                         exs[i], layouts[False][i], config={"KERNEL": kernel}) for i in range(n)], graph=True))
                 rec(f"{fmt}_w4a16_triton", bench([lambda i=i: w4_matmul(xs[i], ps[i].packed, wide=ps[i].wide)
                                                   for i in range(n)], graph=True))
-                if sweep and (sweep_keys or (K, N) in ((3584, 18944), (18944, 3584))):  # keys: every shape
+                if sweep and (sweep_keys or sweep_tiles or (K, N) in ((3584, 18944), (18944, 3584))):
                     for cfg in tiles:
                         dws = layouts[bool(cfg.get("NATURAL"))]
                         try:
@@ -546,6 +548,23 @@ def _decode_ms(p: argparse.ArgumentParser, args) -> list:
     return ms
 
 
+def _sweep_tiles(p, text):
+    """``--sweep-tiles``' JSON list as full natural tiles (each object's keys over :data:`_NAT`), or None; a parser
+    error naming the option and the allowed keys on anything else."""
+    if not text:
+        return None
+    from megatron_fp4.kernels import cuda_decode as cd
+
+    try:
+        items = json.loads(text)
+        if not isinstance(items, list) or not items:
+            raise ValueError("not a non-empty JSON list")
+        return [{**_NAT, **cd.natural_tile_override(json.dumps(t))} for t in items]
+    except ValueError as e:
+        p.error(f"--sweep-tiles takes a JSON list of objects with integer keys among "
+                f"{', '.join(cd.NATURAL_TILE_KEYS)}, got {text!r} ({e})")
+
+
 def main():
     p = argparse.ArgumentParser()
     p.add_argument("--markdown", metavar="JSON", help="print the markdown tables of a results JSON and exit")
@@ -562,6 +581,10 @@ def main():
     p.add_argument("--decode-sweep", action="store_true", help="with --decode: also sweep the CUDA kernel's tiles")
     p.add_argument("--sweep-keys", help="with --decode-sweep: only the tiles that set one of these keys, e.g. "
                                         "NATURAL,WRING (then on every shape, not only the 7B MLP ones)")
+    p.add_argument("--sweep-tiles", metavar="JSON",
+                   help="with --decode-sweep: sweep these natural-layout tiles instead, on every shape: a JSON list of "
+                        "objects over NATURAL_TILE's keys (those MEGATRON_FP4_DECODE_NATURAL_TILE takes), e.g. "
+                        "'[{\"WGS\": 1, \"MINB\": 3}]'")
     p.add_argument("--decode-ms", default="16,64",
                    help="with --decode or --decode-quantize: token counts (comma-separated, 1..64)")
     p.add_argument("--decode-quantize", action="store_true",
@@ -581,6 +604,7 @@ def main():
         return
     if args.decode:
         ms = _decode_ms(p, args)
+        sweep_tiles = _sweep_tiles(p, args.sweep_tiles)
         out = args.out if args.out != p.get_default("out") else "benchmarks/results/decode_h200.json"
         t0 = time.time()
         dev = torch.cuda.get_device_name()
@@ -589,7 +613,8 @@ def main():
         if args.shapes:
             shapes = [tuple(int(v) for v in s.split("x")) for s in args.shapes.split(",")]
         rows, sweep_rows = bench_decode(shapes, ms_list=tuple(ms), sweep=args.decode_sweep,
-                                        sweep_keys=args.sweep_keys.split(",") if args.sweep_keys else None)
+                                        sweep_keys=args.sweep_keys.split(",") if args.sweep_keys else None,
+                                        sweep_tiles=sweep_tiles)
         from megatron_fp4.kernels import cuda_decode as cd
         d = {"gpu": dev, "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()), "torch": torch.__version__,
              "triton": triton.__version__, "copy_GBps": copy_gbs, "cublas_bf16_8192_TFLOPs": bf16_peak,
