@@ -132,6 +132,24 @@ def test_natural_tile_override_names_the_variable_and_keys():
     assert _balanced_split(28, 296, 264) == 9 and _balanced_split(28, 296, 264, 8) == 8
 
 
+def test_natural_tile_per_token_bucket(monkeypatch):
+    """64 tokens take NATURAL_TILE_AT_64's keys over NATURAL_TILE's; the environment's keys
+    (MEGATRON_FP4_DECODE_NATURAL_TILE) go over both, a call's config over all."""
+    from megatron_fp4.kernels import cuda_decode as cd
+
+    monkeypatch.setattr(cd, "_NATURAL_ENV", {})
+    for m in (8, 16, 32):
+        assert cd.natural_tile(None, m) == {**cd.NATURAL_TILE, "NATURAL": 1}
+    at64 = cd.natural_tile(None, 64)
+    assert at64 == {**cd.NATURAL_TILE, **cd.NATURAL_TILE_AT_64, "NATURAL": 1} and at64["WGS"] == 1
+    assert cd.natural_tile({"WGS": 2, "MINB": 2}, 64)["WGS"] == 2
+    monkeypatch.setattr(cd, "_NATURAL_ENV", {"WGS": 2, "CLUSTER": 1})
+    assert cd.natural_tile(None, 64)["WGS"] == 2 and cd.natural_tile(None, 16)["CLUSTER"] == 1
+    assert cd.natural_tile({"WGS": 4}, 64)["WGS"] == 4
+    # the split follows the tile: 64-row blocks, three per SM (132 SMs) on the 7B fc2 weight at 64 tokens
+    assert cd._balanced_split(18944 // 64, 56, 3 * 132, 56, cd._split_tail(64)) == 1
+
+
 def test_decode_layout_mxfp4_without_wide_scales():
     qt = get_format("mxfp4").quantize(_weight(24, 128, "mxfp4", specials=False) * 1e-3, dim=-1)
     assert not _wide(qt)
@@ -196,6 +214,7 @@ def test_wgmma_tiles_compile_without_spills_or_serialized_wgmmas(tmp_path):
     configs += [(f, 0, 64, t) for t in SWEEP_TILES if t.get("WGS") == 4 or t.get("NATURAL") and t["MINB"] < 3
                 for f in (0, 1)]
     configs += [(f, w, 16, cd.LARGE_M16_TILES[f]) for f, w in ((0, 0), (1, 0), (1, 1))]
+    configs += [(f, w, m, cd.natural_tile(None, m)) for f, w in ((0, 0), (1, 0), (1, 1)) for m in (8, 16, 32, 64)]
     builds = {tuple(sorted(cd._defines("wgmma", f, bool(w), m, cd._tile("wgmma", f, m, tile)).items()))
               for f, w, m, tile in configs}  # (a SPLIT override compiles nothing new)
     for defines in map(dict, sorted(builds)):

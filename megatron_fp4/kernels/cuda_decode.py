@@ -37,8 +37,8 @@ from megatron_fp4.kernels._common import pdl_enabled
 from megatron_fp4.formats import QuantizedTensor
 
 __all__ = ["DecodeWeight", "to_decode_layout", "decode_layout_dequantize", "available", "w4_decode",
-           "DECODE_TILES", "WGMMA_TILES", "WGMMA_MAX_WEIGHT", "LARGE_M16_TILES", "NATURAL_TILE", "natural_tile", "natural_layout",
-           "default_kernel", "build", "prebuild"]
+           "DECODE_TILES", "WGMMA_TILES", "WGMMA_MAX_WEIGHT", "LARGE_M16_TILES", "NATURAL_TILE", "NATURAL_TILE_AT_64",
+           "natural_tile", "natural_layout", "default_kernel", "build", "prebuild"]
 
 _SLAB_PAD = 4  # slabs padded to a multiple of this (the largest slabs-per-warp tile)
 
@@ -352,13 +352,24 @@ def natural_tile_override(text: str) -> dict:
     return tile
 
 
-if os.environ.get("MEGATRON_FP4_DECODE_NATURAL_TILE"):
-    NATURAL_TILE.update(natural_tile_override(os.environ["MEGATRON_FP4_DECODE_NATURAL_TILE"]))
+#: :data:`NATURAL_TILE`'s keys that differ at 64 tokens (the rollout's decode batch): one warpgroup per block, three
+#: blocks per SM. At 64 tokens the kernel is latency-bound (Nsight Compute on the H200, session 39: 0.46-0.55 warps
+#: issued per scheduler and cycle, achieved occupancy 16% of 28%: on 3584x18944 the balanced split is 1, 148 blocks
+#: of two warpgroups on 132 SMs, most SMs running one); 64-row blocks spread the rows over more, smaller blocks. On an
+#: H100 (benchmarks/results/decode_m64_tile_h100.json): 7B fc1 3584x37888 HiF4 57.5 -> 52.8 us, MXFP4 48.9 -> 48.1,
+#: fc2 27.8 -> 27.6 / 24.0 -> 23.3; the engine's 7B rows +2.5-3.1%. At 16 tokens it was slower on fc1 (43.3 -> 47.2).
+NATURAL_TILE_AT_64 = dict(WGS=1, MINB=3)
+#: ``MEGATRON_FP4_DECODE_NATURAL_TILE``'s keys: over every token bucket's tile
+_NATURAL_ENV = natural_tile_override(os.environ.get("MEGATRON_FP4_DECODE_NATURAL_TILE") or "{}")
+NATURAL_TILE.update(_NATURAL_ENV)
 
 
-def natural_tile(config: Optional[dict] = None) -> dict:
-    """The tile a natural-order weight runs: ``config``'s keys over :data:`NATURAL_TILE`'s."""
-    return {**NATURAL_TILE, **(config or {}), "NATURAL": 1}
+def natural_tile(config: Optional[dict] = None, ntok: int = 0) -> dict:
+    """The tile a natural-order weight runs at ``ntok`` tokens (a token bucket: 8, 16, 32, 64): ``config``'s keys
+    over the environment's (``MEGATRON_FP4_DECODE_NATURAL_TILE``), over :data:`NATURAL_TILE_AT_64`'s at 64 tokens,
+    over :data:`NATURAL_TILE`'s."""
+    return {**NATURAL_TILE, **(NATURAL_TILE_AT_64 if ntok == 64 else {}), **_NATURAL_ENV, **(config or {}),
+            "NATURAL": 1}
 
 
 def natural_layout() -> bool:
@@ -439,9 +450,10 @@ def prebuild(tiles: Optional[list] = None, ntoks=(16, 64), workers: int = 0) -> 
     jobs = {job(kernel, f, w, m, None) for kernel in _SOURCES for f, w in ((0, 0), (1, 0), (1, 1))
             for m in (8, 16, 32, 64)}
     jobs |= {job("wgmma", f, w, 16, LARGE_M16_TILES[f]) for f, w in ((0, 0), (1, 0), (1, 1))}
-    jobs |= {job("wgmma", f, w, m, NATURAL_TILE) for f, w in ((0, 0), (1, 0), (1, 1)) for m in (8, 16, 32, 64)}
-    tiles = [natural_tile(t) if t.get("NATURAL") else t for t in tiles or []]
-    jobs |= {job(t["KERNEL"], f, 0, m, t) for t in tiles for f in (0, 1) for m in ntoks}
+    jobs |= {job("wgmma", f, w, m, natural_tile(None, m)) for f, w in ((0, 0), (1, 0), (1, 1))
+             for m in (8, 16, 32, 64)}
+    jobs |= {job(t["KERNEL"], f, 0, m, natural_tile(t, m) if t.get("NATURAL") else t)
+             for t in tiles or [] for f in (0, 1) for m in ntoks}
     from concurrent.futures import ThreadPoolExecutor
 
     with ThreadPoolExecutor(max_workers=workers or os.cpu_count() or 4) as ex:
@@ -503,7 +515,7 @@ def w4_decode(x: torch.Tensor, dw: DecodeWeight, config: Optional[dict] = None,
     if dw.natural:  # only NATURAL tiles read this layout (and they read no other)
         if (config or {}).get("KERNEL", "wgmma") != "wgmma":
             raise ValueError(f"w4_decode: a natural-order weight needs the wgmma kernel, got {config}")
-        config = natural_tile(config)
+        config = natural_tile(config, ntok)
     elif (config or {}).get("NATURAL"):
         raise ValueError("w4_decode: NATURAL=1 tiles read weights made by to_decode_layout(natural=True)")
     kernel, config = _choose(dw.n, dw.k, ntok, config, dw.fmt_id)
