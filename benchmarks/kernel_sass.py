@@ -177,6 +177,8 @@ def cuda_case(fmt: str, BM: int, tile: dict, wide: bool) -> tuple:
     if _nvcc.nvcc() is None:
         raise SystemExit("kernel_sass.py cuda: needs nvcc (CUDA's compiler) on PATH or CUDA_HOME")
     fmt_id, ntok = int(fmt == "mxfp4"), cd._ntok(BM)
+    if not tile and cd.natural_layout():  # the default layout's tile, as w4_decode picks it
+        tile = cd.natural_tile(None, ntok)
     kernel, config = cd._choose(18944, 3584, ntok, tile or None, fmt_id)
     cfg = cd._tile(kernel, fmt_id, ntok, config)
     defines = cd._defines(kernel, fmt_id, wide, ntok, cfg)

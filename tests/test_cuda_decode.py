@@ -77,6 +77,20 @@ def test_natural_decode_layout_reads_back_the_reference(name, N, K):
     assert _same(decode_layout_dequantize(dw), _reference(qt, dw))
 
 
+def test_hif4_negated_factor_by_exponent_add():
+    """The natural HiF4 kernel's -136 F (w4_device.h's dequant): -136 x base once per chunk, then e added to the
+    exponent field of each half, is bit for bit -136 x (base x 2^e) rounded (every E6M2 code, every exponent sum)."""
+    from megatron_fp4.kernels.cuda_decode import _bf, _bits
+
+    c = torch.arange(256, dtype=torch.int64).unsqueeze(-1)
+    e = torch.arange(4, dtype=torch.int64)
+    base = ((((c >> 2) & 63) + 77) << 7) | ((c & 3) << 5)
+    before = _bits(_bf(base + (e << 7)) * -136.0)
+    after = _bits(_bf(base) * -136.0) + (e << 7)
+    assert torch.equal(after, before) and bool((after < 2 ** 16).all())
+    assert torch.equal(_bf(after), -136.0 * _bf(base) * 2.0 ** e)  # exact: no rounding anywhere
+
+
 @pytest.mark.parametrize("name", ["hif4", "mxfp4"])
 @pytest.mark.parametrize("natural", [False, True])
 def test_decode_layout_in_row_blocks(name, natural, monkeypatch):

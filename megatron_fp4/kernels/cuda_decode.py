@@ -271,7 +271,8 @@ def decode_layout_dequantize(dw: DecodeWeight) -> torch.Tensor:
                 mask, magic, mv = ((0x00070007, 0x43004300, 128.0) if j % 2 == 0 else (0x00700070, 0x41004100, 8.0))
                 a = (t & mask) | magic
                 sign = (w << (12 - 4 * j)) & 0x80008000
-            neg = _bits(_bf(F) * -mv)
+            # -mv F: the natural kernel adds e to the exponent field of -136 x base (exact: w4_device.h's dequant)
+            neg = _bits(_bf(base) * -mv) + (e << 7) if dw.natural else _bits(_bf(F) * -mv)
             out = []
             for ha, hs in zip(_halves(a), _halves(sign)):
                 v = _bits(_bf(ha) * _bf(F) + _bf(neg))

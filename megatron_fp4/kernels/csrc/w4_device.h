@@ -59,13 +59,30 @@ DINL uint32_t and_or(uint32_t a, uint32_t c) {
   asm("lop3.b32 %0, %1, %2, %3, 0xEA;" : "=r"(d) : "r"(a), "n"(B), "r"(c));
   return d;
 }
-DINL uint32_t dup_lo(uint32_t v) { return __byte_perm(v, 0, 0x1010); }
+// a & m where the compiler cannot move the mask behind a shift (the shift and the add after it then make one IMAD)
+DINL uint32_t and_mask(uint32_t a, uint32_t m) {
+  uint32_t d;
+  asm("and.b32 %0, %1, %2;" : "=r"(d) : "r"(a), "r"(m));
+  return d;
+}
+// One 16-bit half of v in both halves. Spelled as PTX moves of the halves (not a byte permute), ptxas folds them into
+// the consuming bf16x2 FMA or multiply as an operand selector (.H0_H0 / .H1_H1): no instruction of its own
+// (session 39: 16 PRMTs less per 64-value chunk of the natural HiF4 loop, 4 of MXFP4's).
+DINL uint32_t dup_lo(uint32_t v) {
+  uint32_t d;
+  asm("{\n .reg .b16 l, h;\n mov.b32 {l, h}, %1;\n mov.b32 %0, {l, l};\n}" : "=r"(d) : "r"(v));
+  return d;
+}
+DINL uint32_t dup_hi(uint32_t v) {
+  uint32_t d;
+  asm("{\n .reg .b16 l, h;\n mov.b32 {l, h}, %1;\n mov.b32 %0, {h, h};\n}" : "=r"(d) : "r"(v));
+  return d;
+}
 // One output of a decode GEMM: fp32, or (obf16) rounded to bf16 to nearest even into a bf16 array at the same index.
 DINL void store_out(float* out, size_t i, float v, int obf16) {
   if (obf16) reinterpret_cast<__nv_bfloat16*>(out)[i] = __float2bfloat16_rn(v);
   else out[i] = v;
 }
-DINL uint32_t dup_hi(uint32_t v) { return __byte_perm(v, 0, 0x3232); }
 
 #if FMT == 1
 // MXFP4 chunk state: bf16x2 factors per (row g / g + 8, block 0 / 1), duplicated in both halves.
@@ -145,7 +162,7 @@ DINL void dequant(uint32_t w, const Scales& S, int s, uint32_t* a) {
 // second (eb).
 struct Scales {
 #if W4_NATURAL
-  uint32_t ea, eb, base;
+  uint32_t ea, eb, base, nbase;  // nbase: -136 x base (exact: see dequant)
 #else
   uint32_t e, base;
 #endif
@@ -172,6 +189,9 @@ DINL Scales make_scales(uint32_t m) {  // m: low 16 bits: e bits (lane); high 16
 #endif
   // (the NaN code 255 gives a finite stand-in, as mx_pair's)
   S.base = ((((cp >> 2) & 0x003F003Fu) + 0x004D004Du) << 7) | ((cp & 0x00030003u) << 5);
+#if W4_NATURAL
+  S.nbase = bmul(S.base, 0xC308C308u);  // (bf16x2 -136: 0xC308)
+#endif
 #if defined(LEAN) && LEAN
   asm("mov.b32 %0, 0x43004300;" : "=r"(S.k128));
   asm("mov.b32 %0, 0x41004100;" : "=r"(S.k8));
@@ -182,12 +202,18 @@ DINL Scales make_scales(uint32_t m) {  // m: low 16 bits: e bits (lane); high 16
 // Natural layout: nibble j of each half is pair j's code in offset binary o = 8 + value (cuda_decode._HIF4_OFFSET),
 // rows g (j = 0, 2) and g + 8 (j = 1, 3), the first (j < 2) and the second (j >= 2) 4-value group of the step:
 // bf16(128 + o) x F - 136 F = (o - 8) F in one FMA, exact (136 F has at most 5 + 3 significant bits), no sign step.
+// The factors F = base x 2^e and -136 F = nbase x 2^e both by adding e to the exponent field of the two halves' bf16
+// (base and nbase are exact: E6M2 / 4 has 2 significant bits, 136 F at most 5 + 3; their exponents stay within
+// 77..150, so no carry leaves a half), the mask before the shift (the shift and the add are then one IMAD for F and
+// one for -136 F); the halves are broadcast to both halves of the bf16x2 operands by dup_lo / dup_hi, which ptxas
+// folds into the FMA's operand selectors (.H0_H0 / .H1_H1).
 DINL void dequant(uint32_t w, const Scales& S, int s, uint32_t* a) {
-  const uint32_t fp = S.base + (((S.ea >> (2 * s)) & 0x00030003u) << 7);
-  const uint32_t fp2 = S.base + (((S.eb >> (2 * s)) & 0x00030003u) << 7);
+  const uint32_t ea = and_mask(S.ea, 0x00030003u << (2 * s)), eb = and_mask(S.eb, 0x00030003u << (2 * s));
+  const int sh = 7 - 2 * s;
+  const uint32_t fp = S.base + (ea << sh), fp2 = S.base + (eb << sh), np = S.nbase + (ea << sh),
+                 np2 = S.nbase + (eb << sh);
   const uint32_t fg = dup_lo(fp), fh = dup_hi(fp), fg2 = dup_lo(fp2), fh2 = dup_hi(fp2);
-  const uint32_t ng = bmul(fg, 0xC308C308u), nh = bmul(fh, 0xC308C308u);  // -136 F (bf16x2 -136: 0xC308)
-  const uint32_t ng2 = bmul(fg2, 0xC308C308u), nh2 = bmul(fh2, 0xC308C308u);
+  const uint32_t ng = dup_lo(np), nh = dup_hi(np), ng2 = dup_lo(np2), nh2 = dup_hi(np2);
 #if defined(LEAN) && LEAN
   const uint32_t k128 = S.k128;
   a[0] = bfma(and_or<0x000F000Fu>(w, k128), fg, ng);
