@@ -12,6 +12,8 @@
 #   decode-bench  bench_kernels.py --decode --decode-sweep on the 7B and 1.5B MLP shapes
 #   engine-bench  bench_rollout.py: the native engine's rows on the 1.5B and 7B shapes (issue 20's engine targets,
 #                 --profile), then the ResQ rows again with the opt-in fused quantize (MEGATRON_FP4_DECODE_FUSED_RESQ=1)
+#   engine-m64    session 39's 64-token decode tile and HiF4 dequantization: their GPU tests, then the 7B rows with
+#                 them, without the tile, and with the decode kernel on qkv and proj too (MEGATRON_FP4_DECODE_KERNEL_MAX_M)
 #   engine-pdl    programmatic dependent launch (MEGATRON_FP4_PDL=1): the 7B rows without and with it in one JSON
 #                 (paths "graph+fused" and "graph+fused+pdl"), then the decode-step kernels' and the engine's GPU
 #                 tests with it: whether it becomes the default
@@ -41,9 +43,9 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 usage="usage: bash benchmarks/h200_checks.sh train-tests|train-bench|decode-tests|decode-bench|decode-profile|rl-step"
-usage+="|rl-mismatch|decode-natural|decode-quantize|engine-bench|engine-pdl|sglang-bench"
+usage+="|rl-mismatch|decode-natural|decode-quantize|engine-bench|engine-m64|engine-pdl|sglang-bench"
 case "${1:-}" in train-tests | train-bench | decode-tests | decode-bench | decode-profile | rl-step | rl-mismatch | \
-  decode-natural | decode-quantize | engine-bench | engine-pdl | sglang-bench) ;;
+  decode-natural | decode-quantize | engine-bench | engine-m64 | engine-pdl | sglang-bench) ;;
   *) echo "$usage" >&2; exit 2 ;;
 esac
 SITE=${SITE_DIR:-/tmp/site}
@@ -131,6 +133,25 @@ case "$1" in
     run_tests tests/test_decode_ops.py
     prebuild_tests natural
     run_tests -m gpu tests/test_rollout_static.py
+    ;;
+  engine-m64)  # session 39's 64-token decode (NATURAL_TILE_AT_64: one warpgroup per block; HiF4's leaner
+    # dequantization) on the GPU: its GPU tests, then the 7B rows with it, again without its tile, and with the decode
+    # kernel on qkv and proj too (at 64 tokens they are cuBLAS's: dispatch.decode_kernel_max_m)
+    prebuild_tests natural
+    run_tests -m gpu tests/test_cuda_decode.py -k "natural or out_dtype_none or fp64"
+    python3 benchmarks/bench_rollout.py --backend native --shapes qwen2.5-7b --check-samples 16 --profile \
+      --out "$results/rollout_h200_m64.json"
+    fp4=w4a16/hif4,w4a16/mxfp4,w4a4+resq2:4+bf16sum/hif4,w4a4+resq2:4+bf16sum/mxfp4
+    (
+      export MEGATRON_FP4_DECODE_NATURAL_TILE='{"WGS": 2, "MINB": 2}'
+      python3 benchmarks/bench_rollout.py --backend native --shapes qwen2.5-7b --check-samples 16 --precisions "$fp4" \
+        --out "$results/rollout_h200_m64_wgs2.json"
+    )
+    (
+      export MEGATRON_FP4_DECODE_KERNEL_MAX_M=64
+      python3 benchmarks/bench_rollout.py --backend native --shapes qwen2.5-7b --check-samples 16 --precisions "$fp4" \
+        --profile --out "$results/rollout_h200_m64_qkv.json"
+    )
     ;;
   decode-natural)  # the "_cuda" columns: the default (NATURAL_TILE); the sweep: every NATURAL tile of SWEEP_TILES
     # (the engine's shapes: Megatron's fc1 is gate and up in one weight; 7B qkv 3584x4608 and proj; 1.5B fc1, fc2)
