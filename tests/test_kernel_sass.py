@@ -59,12 +59,13 @@ def test_cuda_decode_lean_build_takes_fewer_instructions(fmt):
 
 
 @pytest.mark.skipif(_nvcc.nvcc() is None or not os.path.exists(PTXAS), reason="needs nvcc and Triton's nvdisasm")
-@pytest.mark.parametrize("fmt,bound", [("hif4", 4.4), ("mxfp4", 3.6)])
+@pytest.mark.parametrize("fmt,bound", [("hif4", 4.2), ("mxfp4", 3.4)])
 @pytest.mark.parametrize("tokens", ["16", "64"])
 def test_cuda_decode_default_tile_instructions(fmt, bound, tokens):
     """The default (natural-layout) tile's loop per value and thread. Session 39, nvcc 13.0, sm_90a: the bf16
-    factors broadcast by the FMAs' operand selectors instead of PRMTs, and HiF4's -136 F as an exponent add to one
-    product per chunk: HiF4 5.13 -> 4.16 at 16 tokens (5.06 -> 4.09 at 64), MXFP4 3.53 -> 3.41 (3.50 -> 3.38)."""
+    factors broadcast by the FMAs' operand selectors instead of PRMTs, HiF4's -136 F as an exponent add to one
+    product per chunk, and the ring's indices carried from chunk to chunk instead of divided out: HiF4 5.13 -> 3.95
+    at 16 tokens (5.06 -> 3.98 at 64), MXFP4 3.53 -> 3.17 (3.50 -> 3.17)."""
     per_value, _ = _kernel_sass(["cuda", "--fmt", fmt, "--BM", tokens])
     assert 2.0 < per_value < bound
 

@@ -422,12 +422,15 @@ w4_wgmma_kernel(const uint4* __restrict__ codes, const uint32_t* __restrict__ me
 #pragma unroll 1
   for (int kc = 0; kc < min(XST, nch); ++kc) COPY(kc);
 #endif
-#define FETCH(d, rel, kc)                                                       \
-  {                                                                             \
-    mbar_wait(full0 + ((kc) % XST) * 8, ((kc) / XST) & 1);                      \
-    wq[d] = *reinterpret_cast<const uint4*>(wsm + ((kc) % XST) * RSTAGE_BYTES); \
-    mq[d] = load_meta_shared(msm + ((kc) % XST) * (RSTAGE_BYTES / 4), lane);    \
+// FETCH_AT(d, st, ph): from stage st once its mbarrier has completed phase parity ph
+#define FETCH_AT(d, st, ph)                                                  \
+  {                                                                          \
+    mbar_wait(full0 + (st) * 8, (ph));                                       \
+    wq[d] = *reinterpret_cast<const uint4*>(wsm + (st) * RSTAGE_BYTES);      \
+    mq[d] = load_meta_shared(msm + (st) * (RSTAGE_BYTES / 4), lane);         \
   }
+#define FETCH(d, rel, kc) FETCH_AT(d, (kc) % XST, ((kc) / XST) & 1)
+#define FETCH_NEXT(d) FETCH_AT(d, fs, fph)  // chunk kk + DEPTH (the ring indices below)
 #else
   const size_t unit = (size_t)min(slab, S - 1) * C + c0;
   const uint4* wp = codes + unit * 32 + lane;
@@ -437,6 +440,7 @@ w4_wgmma_kernel(const uint4* __restrict__ codes, const uint32_t* __restrict__ me
     wq[d] = __ldg(wp + (rel) * 32);                        \
     mq[d] = load_meta(mp + (rel) * META_WORDS, lane);      \
   }
+#define FETCH_NEXT(d) FETCH(d, d + DEPTH, kk + DEPTH)
 #endif
   float acc[NTOK / 2];
 #pragma unroll
@@ -460,6 +464,9 @@ w4_wgmma_kernel(const uint4* __restrict__ codes, const uint32_t* __restrict__ me
     if (d < nch) FETCH(d, d, d);
   }
   uint32_t a[2][4][4];  // [chunk parity][k16 step][fragment register]
+  // The ring's indices carried from chunk to chunk (no division per chunk): cs = kk % XST, ps = (kk - 1) % XST,
+  // fs = (kk + DEPTH) % XST and fph the parity of (kk + DEPTH) / XST (the phase its FETCH waits for).
+  int cs = 0, ps = XST - 1, fs = DEPTH % XST, fph = (DEPTH / XST) & 1;
 
   for (int k = 0; k < nch; k += DEPTH) {
 #pragma unroll
@@ -469,7 +476,7 @@ w4_wgmma_kernel(const uint4* __restrict__ codes, const uint32_t* __restrict__ me
         const uint4 w = wq[d];
         const Scales sc = make_scales(mq[d]);
 #if !LEAN
-        if (kk + DEPTH < nch) FETCH(d, d + DEPTH, kk + DEPTH);
+        if (kk + DEPTH < nch) FETCH_NEXT(d);
 #endif
         dequant(w.x, sc, 0, a[d & 1][0]);
         dequant(w.y, sc, 1, a[d & 1][1]);
@@ -483,7 +490,7 @@ w4_wgmma_kernel(const uint4* __restrict__ codes, const uint32_t* __restrict__ me
         }
 #endif
 #elif PRODUCER
-        bar_sync(1 + kk % XST);  // chunk kk staged by the producer
+        bar_sync(1 + cs);  // chunk kk staged by the producer
 #else
         __syncthreads();  // chunk kk staged by all threads; every warpgroup has retired the wgmmas of chunk kk - 2
         if (kk + XST - 2 < nch) store_x(xr, xs + ((kk + XST - 2) % XST) * STAGE_BYTES, threadIdx.x);
@@ -492,10 +499,10 @@ w4_wgmma_kernel(const uint4* __restrict__ codes, const uint32_t* __restrict__ me
         // Every warpgroup issues its wgmmas (an idle one multiplies a clamped slab and stores nothing): a wgmma
         // under a thread-dependent branch makes ptxas serialize all of them.
 #if LEAN  // the descriptors by addition to the first stage's (the address field is bits 0-13, in 16-byte units)
-        const uint64_t stage = desc0 + (uint32_t)((kk % XST) * (XSTRIDE >> 4));
+        const uint64_t stage = desc0 + (uint32_t)(cs * (XSTRIDE >> 4));
 #define B_DESC(s) (stage + (s) * (STEP_ADV >> 4))
 #else
-        const uint32_t stage = xs0 + (kk % XST) * XSTRIDE;
+        const uint32_t stage = xs0 + cs * XSTRIDE;
 #define B_DESC(s) b_desc(stage + (s) * STEP_ADV)
 #endif
         wgmma_fence();
@@ -506,12 +513,18 @@ w4_wgmma_kernel(const uint4* __restrict__ codes, const uint32_t* __restrict__ me
         wgmma_commit();
         pin(acc);
 #if LEAN  // the prefetch once w is dequantized: it reuses w's registers (no copy that waits for the load)
-        if (kk + DEPTH < nch) FETCH(d, d + DEPTH, kk + DEPTH);
+        if (kk + DEPTH < nch) FETCH_NEXT(d);
 #endif
         wgmma_wait<1>();  // chunk kk - 1's group has retired: its A registers and stage are free
 #if PRODUCER
-        if (kk >= 1 && kk - 1 + XST < nch) bar_arrive(EMPTY_BAR((kk - 1) % XST));  // (the producer waits for it)
+        if (kk >= 1 && kk - 1 + XST < nch) bar_arrive(EMPTY_BAR(ps));  // (the producer waits for it)
 #endif
+        ps = cs;
+        cs = cs + 1 == XST ? 0 : cs + 1;
+        if (++fs == XST) {
+          fs = 0;
+          fph ^= 1;
+        }
       }
     }
 #if !WRING
@@ -520,6 +533,8 @@ w4_wgmma_kernel(const uint4* __restrict__ codes, const uint32_t* __restrict__ me
 #endif
   }
 #undef FETCH
+#undef FETCH_AT
+#undef FETCH_NEXT
 #undef COPY
   wgmma_wait<0>();
   pin(acc);
