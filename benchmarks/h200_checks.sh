@@ -12,7 +12,7 @@
 #   decode-bench  bench_kernels.py --decode --decode-sweep on the 7B and 1.5B MLP shapes
 #   engine-bench  bench_rollout.py: the native engine's rows on the 1.5B and 7B shapes (issue 20's engine targets,
 #                 --profile), then the ResQ rows again with the opt-in fused quantize (MEGATRON_FP4_DECODE_FUSED_RESQ=1)
-#   engine-m64    session 39's 64-token decode tile and HiF4 dequantization: their GPU tests, then the 7B rows with
+#   engine-m64    session 39's 64-token decode tile and leaner decode loop: their GPU tests, then the 7B rows with
 #                 them, without the tile, and with the decode kernel on qkv and proj too (MEGATRON_FP4_DECODE_KERNEL_MAX_M)
 #   engine-pdl    programmatic dependent launch (MEGATRON_FP4_PDL=1): the 7B rows without and with it in one JSON
 #                 (paths "graph+fused" and "graph+fused+pdl"), then the decode-step kernels' and the engine's GPU
@@ -134,8 +134,8 @@ case "$1" in
     prebuild_tests natural
     run_tests -m gpu tests/test_rollout_static.py
     ;;
-  engine-m64)  # session 39's 64-token decode (NATURAL_TILE_AT_64: one warpgroup per block; HiF4's leaner
-    # dequantization) on the GPU: its GPU tests, then the 7B rows with it, again without its tile, and with the decode
+  engine-m64)  # session 39's 64-token decode (NATURAL_TILE_AT_64: one warpgroup per block) and leaner decode loop
+    # (w4_device.h, w4_wgmma.cu) on the GPU: its GPU tests, then the 7B rows with it, again without its tile, and with the decode
     # kernel on qkv and proj too (at 64 tokens they are cuBLAS's: dispatch.decode_kernel_max_m)
     prebuild_tests natural
     run_tests -m gpu tests/test_cuda_decode.py -k "natural or out_dtype_none or fp64"
