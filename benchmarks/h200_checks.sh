@@ -134,9 +134,9 @@ case "$1" in
     prebuild_tests natural
     run_tests -m gpu tests/test_rollout_static.py
     ;;
-  engine-m64)  # session 39's 64-token decode (NATURAL_TILE_AT_64: one warpgroup per block) and leaner decode loop
-    # (w4_device.h, w4_wgmma.cu) on the GPU: its GPU tests, then the 7B rows with it, again without its tile, and with the decode
-    # kernel on qkv and proj too (at 64 tokens they are cuBLAS's: dispatch.decode_kernel_max_m)
+  engine-m64)  # session 39's 64-token decode (NATURAL_TILE_AT_64: one warpgroup per block) and leaner decode
+    # loop (w4_device.h, w4_wgmma.cu) on the GPU: their GPU tests, then the 7B rows with them, again without the tile,
+    # and with the decode kernel on qkv and proj too (at 64 tokens they are cuBLAS's: dispatch.decode_kernel_max_m)
     prebuild_tests natural
     run_tests -m gpu tests/test_cuda_decode.py -k "natural or out_dtype_none or fp64"
     python3 benchmarks/bench_rollout.py --backend native --shapes qwen2.5-7b --check-samples 16 --profile \
