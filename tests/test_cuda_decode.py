@@ -160,7 +160,7 @@ def test_natural_tile_per_token_bucket(monkeypatch):
     monkeypatch.setattr(cd, "_NATURAL_ENV", {"WGS": 2, "CLUSTER": 1})
     assert cd.natural_tile(None, 64)["WGS"] == 2 and cd.natural_tile(None, 16)["CLUSTER"] == 1
     assert cd.natural_tile({"WGS": 4}, 64)["WGS"] == 4
-    # the split follows the tile: 64-row blocks, three per SM (132 SMs) on the 7B fc2 weight at 64 tokens
+    # the split follows the tile: 64-row blocks, three per SM (132 SMs), a 7B gate or up weight (3584x18944), 64 tokens
     assert cd._balanced_split(18944 // 64, 56, 3 * 132, 56, cd._split_tail(64)) == 1
 
 
