@@ -80,11 +80,10 @@ def test_natural_decode_layout_reads_back_the_reference(name, N, K):
 def test_hif4_negated_factor_by_exponent_add():
     """The natural HiF4 kernel's -136 F (w4_device.h's dequant): -136 x base once per chunk, then e added to the
     exponent field of each half, is bit for bit -136 x (base x 2^e) rounded (every E6M2 code, every exponent sum)."""
-    from megatron_fp4.kernels.cuda_decode import _bf, _bits
+    from megatron_fp4.kernels.cuda_decode import _bf, _bits, _hif4_base_bits
 
-    c = torch.arange(256, dtype=torch.int64).unsqueeze(-1)
     e = torch.arange(4, dtype=torch.int64)
-    base = ((((c >> 2) & 63) + 77) << 7) | ((c & 3) << 5)
+    base = _hif4_base_bits(torch.arange(256, dtype=torch.int64).unsqueeze(-1))
     before = _bits(_bf(base + (e << 7)) * -136.0)
     after = _bits(_bf(base) * -136.0) + (e << 7)
     assert torch.equal(after, before) and bool((after < 2 ** 16).all())

@@ -213,6 +213,11 @@ def _halves(v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     return v & 0xFFFF, (v >> 16) & 0xFFFF
 
 
+def _hif4_base_bits(code: torch.Tensor) -> torch.Tensor:
+    """bf16 bits of E6M2 / 4 for HiF4's 8-bit scale codes (int64), as the decode kernels' make_scales builds them."""
+    return ((((code >> 2) & 63) + 77) << 7) | ((code & 3) << 5)
+
+
 def decode_layout_dequantize(dw: DecodeWeight) -> torch.Tensor:
     """The fp32 weight ``[N, K]`` the kernel multiplies, computed with its bit operations in PyTorch (CPU tests); the
     rows of :attr:`DecodeWeight.nan_rows` all NaN (what :func:`w4_decode` makes of their outputs)."""
@@ -259,8 +264,7 @@ def decode_layout_dequantize(dw: DecodeWeight) -> torch.Tensor:
             # the byte of (row, pair j >> 1): natural (g, A), (g, B), (g + 8, A), (g + 8, B); else (g), (g + 8)
             byte = 2 * row + (j >> 1) if dw.natural else row
             e = (ee.unsqueeze(-1) >> (8 * byte + 2 * s)) & 3
-            base = ((((c >> 2) & 63) + 77) << 7) | ((c & 3) << 5)
-            base = base.unsqueeze(-1)
+            base = _hif4_base_bits(c).unsqueeze(-1)
             F = base + (e << 7)
             if dw.natural:  # offset binary nibble j: bf16(128 + o) F - 136 F, no sign operation
                 a = ((w >> (4 * j)) & 0x000F000F) | 0x43004300
