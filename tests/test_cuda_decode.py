@@ -163,6 +163,27 @@ def test_natural_tile_per_token_bucket(monkeypatch):
     assert cd._balanced_split(18944 // 64, 56, 3 * 132, 56, cd._split_tail(64)) == 1
 
 
+def test_prebuild_jobs(monkeypatch):
+    """prebuild compiles each distinct set of nvcc defines once: natural tiles (given without KERNEL, as
+    h200_checks.sh's prebuild_tests passes the GPU tests' NATURAL_GPU_TILES) resolve over NATURAL_TILE, per token
+    bucket; a tile differing only in SPLIT compiles nothing new."""
+    from megatron_fp4.kernels import cuda_decode as cd
+
+    built = []
+    monkeypatch.setattr(cd._nvcc, "compile_library", lambda source, defines: built.append((source, defines)))
+    monkeypatch.setattr(cd, "_NATURAL_ENV", {})
+    base = cd.prebuild(workers=1)
+    assert base == len(built) == len({(s, tuple(sorted(d.items()))) for s, d in built})
+    built.clear()
+    tiles = [dict(t, NATURAL=1) for t in NATURAL_GPU_TILES if t] + [t for t in GPU_TILES if t]
+    assert cd.prebuild(tiles, ntoks=(8, 16, 64), workers=1) == len(built) > base
+    wgs4 = [d for s, d in built if d.get("NATURAL") and d["WGS"] == 4 and d["MINB"] == 1 and d["WTMA"] == 1]
+    assert sorted((d["FMT"], d["NTOK"]) for d in wgs4) == [(f, m) for f in (0, 1) for m in (8, 16, 64)]
+    assert all(s == "w4_wgmma.cu" for s, d in built if "NATURAL" in d)
+    built.clear()
+    assert cd.prebuild([dict(SPLIT=3, NATURAL=1)], ntoks=(16,), workers=1) == base
+
+
 def test_decode_layout_mxfp4_without_wide_scales():
     qt = get_format("mxfp4").quantize(_weight(24, 128, "mxfp4", specials=False) * 1e-3, dim=-1)
     assert not _wide(qt)

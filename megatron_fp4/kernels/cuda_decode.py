@@ -457,8 +457,10 @@ def prebuild(tiles: Optional[list] = None, ntoks=(16, 64), workers: int = 0) -> 
     jobs |= {job("wgmma", f, w, 16, LARGE_M16_TILES[f]) for f, w in ((0, 0), (1, 0), (1, 1))}
     jobs |= {job("wgmma", f, w, m, natural_tile(None, m)) for f, w in ((0, 0), (1, 0), (1, 1))
              for m in (8, 16, 32, 64)}
-    jobs |= {job(t["KERNEL"], f, 0, m, natural_tile(t, m) if t.get("NATURAL") else t)
-             for t in tiles or [] for f in (0, 1) for m in ntoks}
+    for t in tiles or []:
+        for m in ntoks:  # a natural tile's KERNEL comes from NATURAL_TILE
+            tile = natural_tile(t, m) if t.get("NATURAL") else t
+            jobs |= {job(tile["KERNEL"], f, 0, m, tile) for f in (0, 1)}
     from concurrent.futures import ThreadPoolExecutor
 
     with ThreadPoolExecutor(max_workers=workers or os.cpu_count() or 4) as ex:
