@@ -14,6 +14,9 @@
 #                 --profile), then the ResQ rows again with the opt-in fused quantize (MEGATRON_FP4_DECODE_FUSED_RESQ=1)
 #   engine-m64    session 39's 64-token decode tile and leaner decode loop: their GPU tests, then the 7B rows with
 #                 them, without the tile, and with the decode kernel on qkv and proj too (MEGATRON_FP4_DECODE_KERNEL_MAX_M)
+#   decode-xmc    X multicast (tile key XMC: a cluster of row tiles shares each chunk's activations, w4_wgmma.cu): the
+#                 natural GPU tests (session 39's loop and 64-token tile too), the 7B decode shapes at 16 and 64 tokens
+#                 with and without it, then the 7B rows by default and with MEGATRON_FP4_DECODE_NATURAL_TILE='{"XMC": 4}'
 #   engine-pdl    programmatic dependent launch (MEGATRON_FP4_PDL=1): the 7B rows without and with it in one JSON
 #                 (paths "graph+fused" and "graph+fused+pdl"), then the decode-step kernels' and the engine's GPU
 #                 tests with it: whether it becomes the default
@@ -43,9 +46,9 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 usage="usage: bash benchmarks/h200_checks.sh train-tests|train-bench|decode-tests|decode-bench|decode-profile|rl-step"
-usage+="|rl-mismatch|decode-natural|decode-quantize|engine-bench|engine-m64|engine-pdl|sglang-bench"
+usage+="|rl-mismatch|decode-natural|decode-quantize|decode-xmc|engine-bench|engine-m64|engine-pdl|sglang-bench"
 case "${1:-}" in train-tests | train-bench | decode-tests | decode-bench | decode-profile | rl-step | rl-mismatch | \
-  decode-natural | decode-quantize | engine-bench | engine-m64 | engine-pdl | sglang-bench) ;;
+  decode-natural | decode-quantize | decode-xmc | engine-bench | engine-m64 | engine-pdl | sglang-bench) ;;
   *) echo "$usage" >&2; exit 2 ;;
 esac
 SITE=${SITE_DIR:-/tmp/site}
@@ -151,6 +154,22 @@ case "$1" in
       export MEGATRON_FP4_DECODE_KERNEL_MAX_M=64
       python3 benchmarks/bench_rollout.py --backend native --shapes qwen2.5-7b --check-samples 16 --precisions "$fp4" \
         --profile --out "$results/rollout_h200_m64_qkv.json"
+    )
+    ;;
+  decode-xmc)  # X multicast against the default tiles (64 tokens: one warpgroup per block, three per SM; 16: two
+    # warpgroups, two per SM), then the engine's 7B rows without and with it (XMC 4 is 2 at 16 tokens)
+    prebuild_tests natural
+    run_tests -m gpu tests/test_cuda_decode.py -k "natural or out_dtype_none or fp64"
+    python3 benchmarks/bench_kernels.py --decode --decode-sweep --decode-ms 16,64 \
+      --shapes 3584x37888,18944x3584,3584x4608,3584x3584 --out "$results/decode_xmc_h200.json" --sweep-tiles \
+      '[{},{"WGS":1,"MINB":3},{"WGS":1,"MINB":3,"XMC":2},{"WGS":1,"MINB":3,"XMC":4},{"XMC":2},{"XMC":4}]'
+    python3 benchmarks/bench_rollout.py --backend native --shapes qwen2.5-7b --check-samples 16 --profile \
+      --out "$results/rollout_h200_m64.json"
+    (
+      export MEGATRON_FP4_DECODE_NATURAL_TILE='{"XMC": 4}'
+      python3 benchmarks/bench_rollout.py --backend native --shapes qwen2.5-7b --check-samples 16 --profile \
+        --precisions w4a16/hif4,w4a16/mxfp4,w4a4+resq2:4+bf16sum/hif4,w4a4+resq2:4+bf16sum/mxfp4 \
+        --out "$results/rollout_h200_xmc.json"
     )
     ;;
   decode-natural)  # the "_cuda" columns: the default (NATURAL_TILE); the sweep: every NATURAL tile of SWEEP_TILES
