@@ -12,11 +12,10 @@
 #   decode-bench  bench_kernels.py --decode --decode-sweep on the 7B and 1.5B MLP shapes
 #   engine-bench  bench_rollout.py: the native engine's rows on the 1.5B and 7B shapes (issue 20's engine targets,
 #                 --profile), then the ResQ rows again with the opt-in fused quantize (MEGATRON_FP4_DECODE_FUSED_RESQ=1)
-#   engine-m64    session 39's 64-token decode tile and leaner decode loop: their GPU tests, then the 7B rows with
-#                 them, without the tile, and with the decode kernel on qkv and proj too (MEGATRON_FP4_DECODE_KERNEL_MAX_M)
 #   decode-xmc    X multicast (tile key XMC: a cluster of row tiles shares each chunk's activations, w4_wgmma.cu): the
 #                 natural GPU tests (session 39's loop and 64-token tile too), the 7B decode shapes at 16 and 64 tokens
-#                 with and without it, then the 7B rows by default and with MEGATRON_FP4_DECODE_NATURAL_TILE='{"XMC": 4}'
+#                 with and without it, then the 7B rows by default, with MEGATRON_FP4_DECODE_NATURAL_TILE='{"XMC": 4}'
+#                 and with the decode kernel on qkv and proj too (MEGATRON_FP4_DECODE_KERNEL_MAX_M=64); ~7 min
 #   engine-pdl    programmatic dependent launch (MEGATRON_FP4_PDL=1): the 7B rows without and with it in one JSON
 #                 (paths "graph+fused" and "graph+fused+pdl"), then the decode-step kernels' and the engine's GPU
 #                 tests with it: whether it becomes the default
@@ -46,9 +45,9 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 usage="usage: bash benchmarks/h200_checks.sh train-tests|train-bench|decode-tests|decode-bench|decode-profile|rl-step"
-usage+="|rl-mismatch|decode-natural|decode-quantize|decode-xmc|engine-bench|engine-m64|engine-pdl|sglang-bench"
+usage+="|rl-mismatch|decode-natural|decode-quantize|decode-xmc|engine-bench|engine-pdl|sglang-bench"
 case "${1:-}" in train-tests | train-bench | decode-tests | decode-bench | decode-profile | rl-step | rl-mismatch | \
-  decode-natural | decode-quantize | decode-xmc | engine-bench | engine-m64 | engine-pdl | sglang-bench) ;;
+  decode-natural | decode-quantize | decode-xmc | engine-bench | engine-pdl | sglang-bench) ;;
   *) echo "$usage" >&2; exit 2 ;;
 esac
 SITE=${SITE_DIR:-/tmp/site}
@@ -137,25 +136,6 @@ case "$1" in
     prebuild_tests natural
     run_tests -m gpu tests/test_rollout_static.py
     ;;
-  engine-m64)  # session 39's 64-token decode (NATURAL_TILE_AT_64: one warpgroup per block) and leaner decode
-    # loop (w4_device.h, w4_wgmma.cu) on the GPU: their GPU tests, then the 7B rows with them, again without the tile,
-    # and with the decode kernel on qkv and proj too (at 64 tokens they are cuBLAS's: dispatch.decode_kernel_max_m)
-    prebuild_tests natural
-    run_tests -m gpu tests/test_cuda_decode.py -k "natural or out_dtype_none or fp64"
-    python3 benchmarks/bench_rollout.py --backend native --shapes qwen2.5-7b --check-samples 16 --profile \
-      --out "$results/rollout_h200_m64.json"
-    fp4=w4a16/hif4,w4a16/mxfp4,w4a4+resq2:4+bf16sum/hif4,w4a4+resq2:4+bf16sum/mxfp4
-    (
-      export MEGATRON_FP4_DECODE_NATURAL_TILE='{"WGS": 2, "MINB": 2}'
-      python3 benchmarks/bench_rollout.py --backend native --shapes qwen2.5-7b --check-samples 16 --precisions "$fp4" \
-        --out "$results/rollout_h200_m64_wgs2.json"
-    )
-    (
-      export MEGATRON_FP4_DECODE_KERNEL_MAX_M=64
-      python3 benchmarks/bench_rollout.py --backend native --shapes qwen2.5-7b --check-samples 16 --precisions "$fp4" \
-        --profile --out "$results/rollout_h200_m64_qkv.json"
-    )
-    ;;
   decode-xmc)  # X multicast against the default tiles (64 tokens: one warpgroup per block, three per SM; 16: two
     # warpgroups, two per SM), then the engine's 7B rows without and with it (XMC 4 is 2 at 16 tokens)
     prebuild_tests natural
@@ -170,6 +150,11 @@ case "$1" in
       python3 benchmarks/bench_rollout.py --backend native --shapes qwen2.5-7b --check-samples 16 --profile \
         --precisions w4a16/hif4,w4a16/mxfp4,w4a4+resq2:4+bf16sum/hif4,w4a4+resq2:4+bf16sum/mxfp4 \
         --out "$results/rollout_h200_xmc.json"
+    )
+    (  # session 39's open question: qkv and proj on the decode kernel at 64 tokens (dispatch.decode_kernel_max_m)
+      export MEGATRON_FP4_DECODE_KERNEL_MAX_M=64
+      python3 benchmarks/bench_rollout.py --backend native --shapes qwen2.5-7b --check-samples 16 \
+        --precisions w4a16/hif4,w4a16/mxfp4,w4a4+resq2:4+bf16sum/hif4 --out "$results/rollout_h200_qkv.json"
     )
     ;;
   decode-natural)  # the "_cuda" columns: the default (NATURAL_TILE); the sweep: every NATURAL tile of SWEEP_TILES
