@@ -137,7 +137,8 @@ case "$1" in
     run_tests -m gpu tests/test_rollout_static.py
     ;;
   decode-xmc)  # X multicast against the default tiles (64 tokens: one warpgroup per block, three per SM; 16: two
-    # warpgroups, two per SM), then the engine's 7B rows without and with it (XMC 4 is 2 at 16 tokens)
+    # warpgroups, two per SM), then the engine's 7B rows without and with it (XMC 4 is 2 at 16 tokens), and with qkv
+    # and proj on the decode kernel at 64 tokens
     prebuild_tests natural
     run_tests -m gpu tests/test_cuda_decode.py -k "natural or out_dtype_none or fp64"
     python3 benchmarks/bench_kernels.py --decode --decode-sweep --decode-ms 16,64 \
