@@ -261,6 +261,7 @@ def test_wgmma_tiles_compile_without_spills_or_serialized_wgmmas(tmp_path):
                 for f in (0, 1)]
     configs += [(f, w, 16, cd.LARGE_M16_TILES[f]) for f, w in ((0, 0), (1, 0), (1, 1))]
     configs += [(f, w, m, cd.natural_tile(None, m)) for f, w in ((0, 0), (1, 0), (1, 1)) for m in (8, 16, 32, 64)]
+    configs += [(f, 0, m, cd.natural_tile({"XMC": 4}, m)) for f in (0, 1) for m in (16, 64)]  # (XMC 2 at 16 tokens)
     builds = {tuple(sorted(cd._defines("wgmma", f, bool(w), m, cd._tile("wgmma", f, m, tile)).items()))
               for f, w, m, tile in configs}  # (a SPLIT override compiles nothing new)
     for defines in map(dict, sorted(builds)):
