@@ -163,18 +163,6 @@ def test_natural_tile_per_token_bucket(monkeypatch):
     assert cd._balanced_split(18944 // 64, 56, 3 * 132, 56, cd._split_tail(64)) == 1
 
 
-def test_x_multicast_cluster_size():
-    """XMC (the blocks of a cluster that share the activations' TMA) is at most ntok / 8 (slices of at least 8
-    tokens), reaches nvcc as -DXMC, and the environment's tile may set it."""
-    from megatron_fp4.kernels import cuda_decode as cd
-
-    tile = cd._tile("wgmma", 0, 64, cd.natural_tile({"XMC": 4}, 64))
-    assert [cd._xmc(tile, m) for m in (8, 16, 32, 64)] == [1, 2, 4, 4]
-    assert cd._defines("wgmma", 0, False, 16, tile)["XMC"] == 2
-    assert cd._defines("wgmma", 0, False, 64, cd._tile("wgmma", 0, 64, cd.natural_tile(None, 64)))["XMC"] == 1
-    assert cd.natural_tile_override('{"XMC": 2}') == {"XMC": 2}
-
-
 def test_prebuild_jobs(monkeypatch):
     """prebuild compiles each distinct set of nvcc defines once: natural tiles (given without KERNEL, as
     h200_checks.sh's prebuild_tests passes the GPU tests' NATURAL_GPU_TILES) resolve over NATURAL_TILE, per token
@@ -261,7 +249,6 @@ def test_wgmma_tiles_compile_without_spills_or_serialized_wgmmas(tmp_path):
                 for f in (0, 1)]
     configs += [(f, w, 16, cd.LARGE_M16_TILES[f]) for f, w in ((0, 0), (1, 0), (1, 1))]
     configs += [(f, w, m, cd.natural_tile(None, m)) for f, w in ((0, 0), (1, 0), (1, 1)) for m in (8, 16, 32, 64)]
-    configs += [(f, 0, m, cd.natural_tile({"XMC": 4}, m)) for f in (0, 1) for m in (16, 64)]  # (XMC 2 at 16 tokens)
     builds = {tuple(sorted(cd._defines("wgmma", f, bool(w), m, cd._tile("wgmma", f, m, tile)).items()))
               for f, w, m, tile in configs}  # (a SPLIT override compiles nothing new)
     for defines in map(dict, sorted(builds)):
@@ -371,7 +358,7 @@ def _assert_one_hot_reads_back(cd, name, tile, natural):
 #: The natural-K-order tiles (weights from to_decode_layout(natural=True); activations by TMA).
 NATURAL_GPU_TILES = [None, dict(WGS=4, XST=6, MINB=1), dict(XST=4, MINB=3), dict(SPLIT=1), dict(LEAN=0),
                      dict(CLUSTER=1), dict(CLUSTER=1, SPLIT=3), dict(WTMA=0), dict(WTMA=0, CLUSTER=1),
-                     dict(WTMA=0, WGS=4, XST=6, MINB=1), dict(XMC=2), dict(XMC=4), dict(XMC=4, SPLIT=3)]
+                     dict(WTMA=0, WGS=4, XST=6, MINB=1)]
 
 
 @pytest.mark.gpu
@@ -413,7 +400,7 @@ def test_gpu_cluster_split_k_is_deterministic(name):
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("tile", [None, dict(WTMA=0), dict(KERNEL="mma"), dict(CLUSTER=1), dict(XMC=4)])
+@pytest.mark.parametrize("tile", [None, dict(WTMA=0), dict(KERNEL="mma"), dict(CLUSTER=1)])
 def test_gpu_out_dtype_none_stores_each_splits_partial_sums(tile):
     """out_dtype None: [splits, M, N], each split's fp32 partial sums stored (no atomics, no zero-filled output):
     their sum in split order is the product, the same bits on every run; one split (SPLIT 1, or a cluster's own

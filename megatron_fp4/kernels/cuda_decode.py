@@ -339,7 +339,7 @@ NATURAL_TILE = dict(KERNEL="wgmma", PRODUCER=1, WGS=2, DEPTH=2, XST=6, MINB=2, L
 _LAYOUTS = ("permuted", "natural")
 #: Tile keys ``MEGATRON_FP4_DECODE_NATURAL_TILE`` may set (a JSON object merged into :data:`NATURAL_TILE` at import, for
 #: A/B runs of a whole engine: e.g. '{"CLUSTER": 1}', deterministic split-K, see w4_wgmma.cu).
-NATURAL_TILE_KEYS = ("WGS", "DEPTH", "XST", "MINB", "LEAN", "CLUSTER", "WTMA", "XMC", "SPLIT")
+NATURAL_TILE_KEYS = ("WGS", "DEPTH", "XST", "MINB", "LEAN", "CLUSTER", "WTMA", "SPLIT")
 
 
 def natural_tile_override(text: str) -> dict:
@@ -430,18 +430,12 @@ def _tile(kernel: str, fmt_id: int, ntok: int, config: Optional[dict]) -> dict:
     return cfg
 
 
-def _xmc(cfg: dict, ntok: int) -> int:
-    """The X multicast cluster size of a wgmma tile at ``ntok`` tokens: its XMC (1, 2 or 4), at most ntok / 8 (a
-    block's token slice is at least 8 tokens, one 128-byte swizzle atom)."""
-    return min(int(cfg.get("XMC", 1)), ntok // 8)
-
-
 def _defines(kernel: str, fmt_id: int, wide: bool, ntok: int, cfg: dict) -> dict:
     if kernel == "wgmma":
         return dict(FMT=fmt_id, WIDE=int(wide), NTOK=ntok, WGS=cfg["WGS"], DEPTH=cfg["DEPTH"], XST=cfg["XST"],
                     MINB=cfg["MINB"], PRODUCER=int(cfg["PRODUCER"]), LEAN=int(cfg.get("LEAN", 0)),
                     XPAIR=int(cfg.get("XPAIR", 0)), WRING=int(cfg.get("WRING", 0)), NATURAL=int(cfg.get("NATURAL", 0)),
-                    CLUSTER=int(cfg.get("CLUSTER", 0)), WTMA=int(cfg.get("WTMA", 0)), XMC=_xmc(cfg, ntok))
+                    CLUSTER=int(cfg.get("CLUSTER", 0)), WTMA=int(cfg.get("WTMA", 0)))
     return dict(FMT=fmt_id, WIDE=int(wide), NT=ntok // 8, SPW=cfg["SPW"], DEPTH=cfg["DEPTH"], WARPS=cfg["WARPS"])
 
 
@@ -538,8 +532,7 @@ def w4_decode(x: torch.Tensor, dw: DecodeWeight, config: Optional[dict] = None,
     sms = torch.cuda.get_device_properties(x.device).multi_processor_count
     cluster = kernel == "wgmma" and bool(cfg.get("CLUSTER"))  # split-K through a cluster: at most 8 splits
     if kernel == "wgmma":
-        xmc = _xmc(cfg, ntok)  # (row tiles rounded up to whole clusters)
-        row_blocks = -(-S // (4 * cfg["WGS"] * xmc)) * xmc
+        row_blocks = -(-S // (4 * cfg["WGS"]))
         most = 8 if cluster else C
         tail = 2 if cluster else _split_tail(ntok)  # a cluster adds its partial sums in shared memory
         split = min(cfg.get("SPLIT") or _balanced_split(row_blocks, C, cfg["MINB"] * sms, most, tail), most)

@@ -16,9 +16,8 @@
 // with the 128-byte swizzle, one per chunk; the default layout, cuda_decode.NATURAL_TILE), -DCLUSTER (1, with WRING:
 // deterministic split-K through a thread-block cluster, see Split-K below), -DWTMA (1, with NATURAL: the producer
 // warp brings the block's weight codes and metadata by two 3-D TMAs per chunk beside the activations' one, so the
-// consumer warps issue no copies; NATURAL_TILE's since session 28), -DXMC (2 | 4, with WTMA: blocks of XMC
-// consecutive row tiles form a cluster that shares each chunk's activations, see X multicast below). XPAIR, WRING,
-// NATURAL, CLUSTER, WTMA and XMC are tile keys: docs/PERFORMANCE.md (sessions 25-28, 40) has what each measured.
+// consumer warps issue no copies; NATURAL_TILE's since session 28). XPAIR, WRING, NATURAL, CLUSTER and WTMA are tile
+// keys: docs/PERFORMANCE.md (sessions 25-28) has what each measured.
 //
 // Each warpgroup owns one 64-row tile of W (four 16-row slabs of the decode layout, one per warp). Per 64-value chunk
 // of K a warp loads its slab's codes (one 16-byte load per lane), dequantizes them exactly into the BF16 A fragment of
@@ -61,15 +60,6 @@
 // ring, free by then), and after a cluster barrier each block sums a 1/split share of the tile's outputs over the
 // cluster's blocks in rank order (distributed shared memory) and stores them: no atomics, no zeroed output, the same
 // bits on every run.
-// X multicast (XMC > 1): every block reads all of x, so at 64 tokens a block of 64 weight rows brings 4x as many
-// activation bytes from L2 as weight bytes (M tokens x 2 bytes per K against 64 rows x 0.5). The XMC blocks of a
-// cluster (consecutive row tiles, the same split) share them: the producer of cluster rank r brings token slice r
-// (NTOK / XMC tokens) of each chunk by one TMA multicast into the same stage offset of every block of the cluster,
-// whose "full" mbarrier expects the whole chunk. A stage is refilled only once every block of the cluster has
-// retired it: after its consumers' named barrier each producer arrives on that stage's "cluster empty" mbarrier in
-// every block (XMC arrivals per phase) and waits for its own. The grid's row tiles are rounded up to a multiple of
-// XMC (blocks past the weight's rows compute on clamped data and store nothing); cluster barriers after the
-// mbarriers' initialization and before any block leaves.
 #include <cuda.h>  // CUtensorMap (NATURAL)
 #include <cudaTypedefs.h>  // PFN_cuTensorMapEncodeTiled (NATURAL)
 #include <cuda_bf16.h>
@@ -108,12 +98,6 @@
 #endif
 #ifndef WTMA
 #define WTMA 0
-#endif
-#ifndef XMC
-#define XMC 1
-#endif
-#if XMC != 1 && (!WTMA || CLUSTER || (XMC != 2 && XMC != 4) || NTOK / XMC < 8)
-#error "XMC (1, 2 or 4) needs WTMA, no CLUSTER, and slices of at least 8 tokens (the 128-byte swizzle's 1024-byte atom)"
 #endif
 #if WTMA && !NATURAL
 #error "WTMA needs NATURAL (the producer's TMA path)"
@@ -227,20 +211,6 @@ DINL void tma_load_3d(uint32_t dst, const CUtensorMap* map, int x0, int x1, int 
       "cp.async.bulk.tensor.3d.shared::cluster.global.mbarrier::complete_tx::bytes [%0], [%1, {%2, %3, %4}], [%5];"
       ::"r"(dst), "l"(reinterpret_cast<uint64_t>(map)), "r"(x0), "r"(x1), "r"(x2), "r"(bar) : "memory");
 }
-// XMC: the box at (x0, x1) into dst of every block of the cluster in mask, completing on each one's mbarrier bar
-DINL void tma_load_2d_multicast(uint32_t dst, const CUtensorMap* map, int x0, int x1, uint32_t bar, uint16_t mask) {
-  asm volatile(
-      "cp.async.bulk.tensor.2d.shared::cluster.global.mbarrier::complete_tx::bytes.multicast::cluster"
-      " [%0], [%1, {%2, %3}], [%4], %5;"
-      ::"r"(dst), "l"(reinterpret_cast<uint64_t>(map)), "r"(x0), "r"(x1), "r"(bar), "h"(mask) : "memory");
-}
-// XMC: arrive on the mbarrier at this block's address bar in the cluster's block of rank rank. It orders nothing but
-// itself (as CUTLASS's consumer release): what it reports, wgmmas retired, needs no memory made visible, and
-// .release.cluster costs a MEMBAR.GPU per chunk.
-DINL void mbar_arrive_cluster(uint32_t bar, uint32_t rank) {
-  asm volatile("{\n .reg .b32 r;\n mapa.shared::cluster.u32 r, %0, %1;\n"
-               " mbarrier.arrive.shared::cluster.b64 _, [r];\n}" ::"r"(bar), "r"(rank) : "memory");
-}
 
 DINL void wgmma_fence() { asm volatile("wgmma.fence.sync.aligned;" ::: "memory"); }
 DINL void wgmma_commit() { asm volatile("wgmma.commit_group.sync.aligned;" ::: "memory"); }
@@ -270,8 +240,6 @@ DINL void producer_cluster_barriers() {
     cluster_sync();
     cluster_sync();
   }
-#elif XMC > 1
-  cluster_sync();  // (the consumers' before they leave)
 #endif
 }
 
@@ -376,10 +344,6 @@ w4_wgmma_kernel(const uint4* __restrict__ codes, const uint32_t* __restrict__ me
   uint8_t* const xs = xs_raw + ((RALIGN - ((uint32_t)__cvta_generic_to_shared(xs_raw) & (RALIGN - 1))) & (RALIGN - 1));
   __shared__ __align__(8) uint64_t full[XST];
   const uint32_t full0 = (uint32_t)__cvta_generic_to_shared(full);
-#if XMC > 1
-  __shared__ __align__(8) uint64_t cempty[XST];  // stage s retired by every block of the cluster
-  const uint32_t cempty0 = (uint32_t)__cvta_generic_to_shared(cempty);
-#endif
 #else
   __shared__ __align__(128) uint8_t xs[XST * STAGE_BYTES];
 #endif
@@ -392,47 +356,23 @@ w4_wgmma_kernel(const uint4* __restrict__ codes, const uint32_t* __restrict__ me
   if (nch <= 0) return;  // block-uniform
 #if WRING
   if (threadIdx.x < XST) mbar_init(full0 + threadIdx.x * 8, NATURAL ? 1 : 32);  // the producer's arrivals
-#if XMC > 1
-  if (threadIdx.x < XST) mbar_init(cempty0 + threadIdx.x * 8, XMC);  // one arrival per block of the cluster
-#endif
   asm volatile("fence.mbarrier_init.release.cluster;" ::: "memory");
-#if XMC > 1
-  cluster_sync();  // every block's mbarriers are initialized before any multicast or remote arrival
-#else
   __syncthreads();
-#endif
 #endif
 #if PRODUCER
   if (warp == CONSUMERS / 32) {  // the producer: chunk c into stage c % XST once the wgmmas of chunk c - XST retired
 #if NATURAL  // chunk c's activations by one TMA (lane 0's) once the stage is empty; tokens past M read as zeros
     // (their sums are never stored)
-#if XMC > 1  // this block's token slice (a slice wholly past M starts at token M - 1: its sums are never stored)
-    const uint32_t rank = cluster_rank();
-    const int xrow = min((int)rank * (NTOK / XMC), M - 1);
-#endif
-    // (WTMA: a block wholly past the weight's rows, XMC's rounding, reads the last slab's: it stores nothing)
-    const int wslab = min((int)blockIdx.x * SLABS, S - 1);
     for (int c = 0; c < nch; ++c) {
       const int s = c % XST;
-      if (c >= XST) {
-        bar_sync(EMPTY_BAR(s));
-#if XMC > 1  // stage s is retired here: say so to every block of the cluster, then wait until all have said it
-        if (lane < XMC) mbar_arrive_cluster(cempty0 + s * 8, lane);
-        mbar_wait(cempty0 + s * 8, ((c / XST) - 1) & 1);
-#endif
-      }
+      if (c >= XST) bar_sync(EMPTY_BAR(s));
       if (lane == 0) {
         const uint32_t dst = (uint32_t)__cvta_generic_to_shared(xs) + s * RSTAGE_BYTES;
         mbar_arrive_tx(full0 + s * 8, STAGE_BYTES + SLABS * (512 + META_BYTES));
-#if XMC > 1
-        tma_load_2d_multicast(dst + rank * (STAGE_BYTES / XMC), &xmap, (c0 + c) * 64, xrow, full0 + s * 8,
-                              (uint16_t)((1u << XMC) - 1));
-#else
         tma_load_2d(dst, &xmap, (c0 + c) * 64, 0, full0 + s * 8);
-#endif
 #if WTMA  // the block's slabs (rows past S read as zeros: an idle warpgroup's, never stored)
-        tma_load_3d(dst + STAGE_BYTES, &wmap, 0, c0 + c, wslab, full0 + s * 8);
-        tma_load_3d(dst + STAGE_BYTES + SLABS * 512, &mmap, 0, c0 + c, wslab, full0 + s * 8);
+        tma_load_3d(dst + STAGE_BYTES, &wmap, 0, c0 + c, blockIdx.x * SLABS, full0 + s * 8);
+        tma_load_3d(dst + STAGE_BYTES + SLABS * 512, &mmap, 0, c0 + c, blockIdx.x * SLABS, full0 + s * 8);
 #endif
       }
     }
@@ -622,9 +562,6 @@ w4_wgmma_kernel(const uint4* __restrict__ codes, const uint32_t* __restrict__ me
     return;
   }
 #endif
-#if XMC > 1
-  cluster_sync();  // no block leaves while a peer may still arrive on its mbarriers
-#endif
   if (!active) return;
 
   const bool atomic = gridDim.y > 1 && !partial;
@@ -667,7 +604,7 @@ static int encode_x_map(CUtensorMap* map, const void* x, int M, int K, int ldx) 
   if (!encode) return err;
   const cuuint64_t dims[2] = {(cuuint64_t)K, (cuuint64_t)M};
   const cuuint64_t strides[1] = {(cuuint64_t)ldx * 2};
-  const cuuint32_t box[2] = {64, NTOK / XMC}, elem[2] = {1, 1};  // (XMC: a block's token slice)
+  const cuuint32_t box[2] = {64, NTOK}, elem[2] = {1, 1};
   const CUresult r = encode(map, CU_TENSOR_MAP_DATA_TYPE_BFLOAT16, 2, const_cast<void*>(x), dims, strides, box, elem,
                             CU_TENSOR_MAP_INTERLEAVE_NONE, CU_TENSOR_MAP_SWIZZLE_128B,
                             CU_TENSOR_MAP_L2_PROMOTION_L2_256B, CU_TENSOR_MAP_FLOAT_OOB_FILL_NONE);
@@ -695,7 +632,7 @@ extern "C" int w4_wgmma_launch(const void* codes, const void* meta, const void* 
                                int C, int ldx, int ldo, int split, int cps, int obf16, int partial, int pdl,
                                void* stream) {
   if (obf16 && split > 1 && !CLUSTER) return (int)cudaErrorInvalidValue;  // partial sums need fp32
-  dim3 grid(((S / 4 + WGS - 1) / WGS + XMC - 1) / XMC * XMC, split);
+  dim3 grid((S / 4 + WGS - 1) / WGS, split);
 #if NATURAL
   CUtensorMap xmap;
   if (const int err = encode_x_map(&xmap, x, M, C * 64, ldx)) return err;
@@ -732,12 +669,6 @@ extern "C" int w4_wgmma_launch(const void* codes, const void* meta, const void* 
     attr[cfg.numAttrs].val.clusterDim.z = 1;
     ++cfg.numAttrs;
   }
-#elif XMC > 1
-  attr[cfg.numAttrs].id = cudaLaunchAttributeClusterDimension;  // XMC consecutive row tiles share the activations
-  attr[cfg.numAttrs].val.clusterDim.x = XMC;
-  attr[cfg.numAttrs].val.clusterDim.y = 1;
-  attr[cfg.numAttrs].val.clusterDim.z = 1;
-  ++cfg.numAttrs;
 #endif
   if (pdl) pdl_attribute(&attr[cfg.numAttrs++]);
   return (int)cudaLaunchKernelEx(&cfg, w4_wgmma_kernel, (const uint4*)codes, (const uint32_t*)meta, (const uint4*)x,
