@@ -120,14 +120,14 @@ def test_natural_layout_is_the_default(monkeypatch):
     with pytest.raises(ValueError, match="MEGATRON_FP4_DECODE_LAYOUT='swizzled' is not valid; allowed values: "
                                          "'permuted', 'natural'"):
         natural_layout()
-    # the decode kernel serves up to 64 tokens on large natural-order weights, else up to 32 (cuBLAS above)
+    # the decode kernel serves up to 64 tokens on natural-order weights, else up to 32 (cuBLAS above)
     def max_m(n, k, natural):
         qt = get_format("mxfp4").quantize(torch.randn(n, k) * 0.1, dim=-1)
         dw = to_decode_layout(qt, False, natural=natural) if natural is not None else None
         return decode_kernel_max_m(PreparedWeight(qt, None, qt.fmt, "exact", False, decode=dw))
 
-    assert max_m(8960, 4096, True) == 64  # > WGMMA_MAX_WEIGHT (32 Mi values)
-    assert max_m(8960, 4096, False) == max_m(8960, 4096, None) == max_m(1536, 8960, True) == 32
+    assert max_m(8960, 4096, True) == max_m(1536, 1536, True) == 64
+    assert max_m(8960, 4096, False) == max_m(8960, 4096, None) == 32
 
 
 def test_natural_tile_override_names_the_variable_and_keys():
@@ -450,9 +450,9 @@ def test_gpu_rounded_split_k_is_the_split_sums_rounded_once(tile):
         assert torch.equal(got, cd.w4_decode(x, dw, config=cfg, out_dtype=torch.bfloat16))
         assert torch.equal(split_sum(parts, torch.bfloat16, bias), sum_splits(parts, torch.bfloat16, 2, bias))
     w = dispatch.prepare_weight(qt.dequantize().float(), "hif4")
-    for M in (16, 64):  # the decode kernel (split sums as stored), cuBLAS on the expansion (this weight's size)
+    for M in (16, 64):  # the decode kernel (split sums as stored) up to 64 tokens on a natural-order weight
         x = torch.randn(M, K, device="cuda").to(torch.bfloat16)
-        sums = dispatch.linear(x, w, activations="bf16", out_dtype=None if M == 16 else torch.float32)
+        sums = dispatch.linear(x, w, activations="bf16", out_dtype=None)
         got = dispatch.linear(x, w, activations="bf16", out_dtype=torch.bfloat16, bias=bias)
         assert torch.equal(got, sum_splits(sums, torch.bfloat16, 2, bias)), M
 

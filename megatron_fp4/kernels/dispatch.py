@@ -157,23 +157,20 @@ def decode_matmul(a: torch.Tensor, w: PreparedWeight, out_dtype: Optional[torch.
 
 
 #: Token counts up to which :func:`linear` runs a decode kernel (packed weights read once, dequantized in registers):
-#: 64 on weights in natural K order (the default layout, :func:`megatron_fp4.kernels.cuda_decode.natural_layout`) of
-#: more than ``cuda_decode.WGMMA_MAX_WEIGHT`` values, 32 on others; above, the activations' expansion times the
-#: weight's pre-expanded BF16 copy in one cuBLAS GEMM (the same exact numbers). On the H200 at 64 tokens the natural
-#: kernel beat cuBLAS BF16 on the 7B MLP weights (MXFP4 66 us for the pair against 75, HiF4 75 against 75) and lost on
-#: the 1.5B ones (0.81-1.11x), docs/PERFORMANCE.md. ``MEGATRON_FP4_DECODE_KERNEL_MAX_M`` sets one bound for every
-#: weight. ResQ's exact (two-operand) form keeps the Triton decode kernel up to DECODE_MAX_M.
+#: 64 on weights in natural K order (the default layout, :func:`megatron_fp4.kernels.cuda_decode.natural_layout`), 32
+#: on others; above, the activations' expansion times the weight's pre-expanded BF16 copy in one cuBLAS GEMM (the same
+#: exact numbers). On the H200 (session 41) with the 64-token tile (``cuda_decode.NATURAL_TILE_AT_64``), the 7B engine
+#: rows with qkv and proj on the decode kernel too at 64 tokens were 0.7-2.9% faster than with them on cuBLAS
+#: (docs/PERFORMANCE.md). ``MEGATRON_FP4_DECODE_KERNEL_MAX_M`` sets one bound for every weight. ResQ's exact
+#: (two-operand) form keeps the Triton decode kernel up to DECODE_MAX_M.
 DECODE_KERNEL_MAX_M = int(os.environ.get("MEGATRON_FP4_DECODE_KERNEL_MAX_M", "0")) or None
 
 
 def decode_kernel_max_m(w: PreparedWeight) -> int:
     """The largest token count :func:`linear` sends to a decode kernel for the weight ``w``."""
-    from megatron_fp4.kernels.cuda_decode import WGMMA_MAX_WEIGHT
-
     if DECODE_KERNEL_MAX_M:
         return DECODE_KERNEL_MAX_M
-    large = w.packed.codes.shape[-2] * w.packed.codes.shape[-1] * 2 > WGMMA_MAX_WEIGHT
-    return 64 if large and getattr(w.decode, "natural", False) else 32
+    return 64 if getattr(w.decode, "natural", False) else 32
 
 
 def linear(x: torch.Tensor, w: PreparedWeight, resq: str = "none", activations: str = "fp4",
