@@ -12,10 +12,10 @@
 #   decode-bench  bench_kernels.py --decode --decode-sweep on the 7B and 1.5B MLP shapes
 #   engine-bench  bench_rollout.py: the native engine's rows on the 1.5B and 7B shapes (issue 20's engine targets,
 #                 --profile), then the ResQ rows again with the opt-in fused quantize (MEGATRON_FP4_DECODE_FUSED_RESQ=1)
-#   decode-xmc    X multicast (tile key XMC: a cluster of row tiles shares each chunk's activations, w4_wgmma.cu): the
-#                 natural GPU tests (session 39's loop and 64-token tile too), the 7B decode shapes at 16 and 64 tokens
-#                 with and without it, then the 7B rows by default, with MEGATRON_FP4_DECODE_NATURAL_TILE='{"XMC": 4}'
-#                 and with the decode kernel on qkv and proj too (MEGATRON_FP4_DECODE_KERNEL_MAX_M=64); ~7 min
+#   decode-m64    the decode kernel on every natural-order weight up to 64 tokens (dispatch.decode_kernel_max_m, session
+#                 41): the natural GPU tests (session 39's loop and 64-token tile), verbose; then the engine's 7B and
+#                 1.5B rows, and the 1.5B FP4 rows again with the previous bound (cuBLAS above 32 tokens on weights of
+#                 at most 32 Mi values: MEGATRON_FP4_DECODE_KERNEL_MAX_M=32, all of the 1.5B's); ~5 min
 #   engine-pdl    programmatic dependent launch (MEGATRON_FP4_PDL=1): the 7B rows without and with it in one JSON
 #                 (paths "graph+fused" and "graph+fused+pdl"), then the decode-step kernels' and the engine's GPU
 #                 tests with it: whether it becomes the default
@@ -45,9 +45,9 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 usage="usage: bash benchmarks/h200_checks.sh train-tests|train-bench|decode-tests|decode-bench|decode-profile|rl-step"
-usage+="|rl-mismatch|decode-natural|decode-quantize|decode-xmc|engine-bench|engine-pdl|sglang-bench"
+usage+="|rl-mismatch|decode-natural|decode-quantize|decode-m64|engine-bench|engine-pdl|sglang-bench"
 case "${1:-}" in train-tests | train-bench | decode-tests | decode-bench | decode-profile | rl-step | rl-mismatch | \
-  decode-natural | decode-quantize | decode-xmc | engine-bench | engine-pdl | sglang-bench) ;;
+  decode-natural | decode-quantize | decode-m64 | engine-bench | engine-pdl | sglang-bench) ;;
   *) echo "$usage" >&2; exit 2 ;;
 esac
 SITE=${SITE_DIR:-/tmp/site}
@@ -66,7 +66,9 @@ nvidia-smi --query-gpu=name,driver_version,memory.used --format=csv,noheader
 # barrier, ends its selection at the timeout, not the whole device call.)
 failed=()
 run_tests() {
-  timeout "${TEST_TIMEOUT:-540}" python3 -m pytest -q -p no:cacheprovider "$@" || failed+=("pytest $* (exit $?)")
+  # (unbuffered: a selection that its timeout ends still shows how far it got)
+  PYTHONUNBUFFERED=1 timeout "${TEST_TIMEOUT:-540}" python3 -m pytest -q -p no:cacheprovider "$@" \
+    || failed+=("pytest $* (exit $?)")
 }
 prebuild_tests() {  # the GPU tests' tiles (with "natural": only the natural layout's), compiled in parallel
   python3 - "${1:-all}" <<'PY'
@@ -136,26 +138,16 @@ case "$1" in
     prebuild_tests natural
     run_tests -m gpu tests/test_rollout_static.py
     ;;
-  decode-xmc)  # X multicast against the default tiles (64 tokens: one warpgroup per block, three per SM; 16: two
-    # warpgroups, two per SM), then the engine's 7B rows without and with it (XMC 4 is 2 at 16 tokens), and with qkv
-    # and proj on the decode kernel at 64 tokens
+  decode-m64)  # the tests print each name as it passes (a hang shows where); the rows' JSON: the new bound, the old
     prebuild_tests natural
-    run_tests -m gpu tests/test_cuda_decode.py -k "natural or out_dtype_none or fp64"
-    python3 benchmarks/bench_kernels.py --decode --decode-sweep --decode-ms 16,64 \
-      --shapes 3584x37888,18944x3584,3584x4608,3584x3584 --out "$results/decode_xmc_h200.json" --sweep-tiles \
-      '[{},{"WGS":1,"MINB":3},{"WGS":1,"MINB":3,"XMC":2},{"WGS":1,"MINB":3,"XMC":4},{"XMC":2},{"XMC":4}]'
-    python3 benchmarks/bench_rollout.py --backend native --shapes qwen2.5-7b --check-samples 16 --profile \
+    run_tests -vv -m gpu tests/test_cuda_decode.py -k "natural or out_dtype_none or rounded_split"
+    python3 benchmarks/bench_rollout.py --backend native --shapes qwen2.5-7b,qwen2.5-1.5b --check-samples 16 \
       --out "$results/rollout_h200_m64.json"
     (
-      export MEGATRON_FP4_DECODE_NATURAL_TILE='{"XMC": 4}'
-      python3 benchmarks/bench_rollout.py --backend native --shapes qwen2.5-7b --check-samples 16 --profile \
+      export MEGATRON_FP4_DECODE_KERNEL_MAX_M=32
+      python3 benchmarks/bench_rollout.py --backend native --shapes qwen2.5-1.5b --check-samples 16 \
         --precisions w4a16/hif4,w4a16/mxfp4,w4a4+resq2:4+bf16sum/hif4,w4a4+resq2:4+bf16sum/mxfp4 \
-        --out "$results/rollout_h200_xmc.json"
-    )
-    (  # session 39's open question: qkv and proj on the decode kernel at 64 tokens (dispatch.decode_kernel_max_m)
-      export MEGATRON_FP4_DECODE_KERNEL_MAX_M=64
-      python3 benchmarks/bench_rollout.py --backend native --shapes qwen2.5-7b --check-samples 16 \
-        --precisions w4a16/hif4,w4a16/mxfp4,w4a4+resq2:4+bf16sum/hif4 --out "$results/rollout_h200_qkv.json"
+        --out "$results/rollout_h200_m32.json"
     )
     ;;
   decode-natural)  # the "_cuda" columns: the default (NATURAL_TILE); the sweep: every NATURAL tile of SWEEP_TILES
