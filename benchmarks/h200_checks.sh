@@ -13,9 +13,9 @@
 #   engine-bench  bench_rollout.py: the native engine's rows on the 1.5B and 7B shapes (issue 20's engine targets,
 #                 --profile), then the ResQ rows again with the opt-in fused quantize (MEGATRON_FP4_DECODE_FUSED_RESQ=1)
 #   decode-m64    the decode kernel on every natural-order weight up to 64 tokens (dispatch.decode_kernel_max_m, session
-#                 41): the natural GPU tests (session 39's loop and 64-token tile), verbose; then the engine's 7B and
-#                 1.5B rows, and the 1.5B FP4 rows again with the previous bound (cuBLAS above 32 tokens on weights of
-#                 at most 32 Mi values: MEGATRON_FP4_DECODE_KERNEL_MAX_M=32, all of the 1.5B's); ~5 min
+#                 41): the natural GPU tests (session 39's loop and 64-token tile), verbose; then the engine's 1.5B
+#                 rows, and its FP4 rows again with the previous bound (cuBLAS above 32 tokens on weights of at most
+#                 32 Mi values: MEGATRON_FP4_DECODE_KERNEL_MAX_M=32, all of the 1.5B's); ~5 min
 #   engine-pdl    programmatic dependent launch (MEGATRON_FP4_PDL=1): the 7B rows without and with it in one JSON
 #                 (paths "graph+fused" and "graph+fused+pdl"), then the decode-step kernels' and the engine's GPU
 #                 tests with it: whether it becomes the default
@@ -141,7 +141,7 @@ case "$1" in
   decode-m64)  # the tests print each name as it passes (a hang shows where); the rows' JSON: the new bound, the old
     prebuild_tests natural
     run_tests -vv -m gpu tests/test_cuda_decode.py -k "natural or out_dtype_none or rounded_split"
-    python3 benchmarks/bench_rollout.py --backend native --shapes qwen2.5-7b,qwen2.5-1.5b --check-samples 16 \
+    python3 benchmarks/bench_rollout.py --backend native --shapes qwen2.5-1.5b --check-samples 16 \
       --out "$results/rollout_h200_m64.json"
     (
       export MEGATRON_FP4_DECODE_KERNEL_MAX_M=32
