@@ -307,6 +307,11 @@ def test_add_rms_norm_resq_is_the_norm_then_resq_quantize(dtype, fmt, splits):
     y, s_ref = decode_ops.add_rms_norm(x, parts, norm)
     assert a.dtype == torch.bfloat16 and a.shape == x.shape and torch.equal(s, s_ref)
     assert torch.equal(a, resq_quantize(y, fmt, expand="sum")[2].values)
+    # a row in two programs (256 columns each, the second partial): the same bits
+    a1, s1 = decode_ops.add_rms_norm_resq(x, parts, norm, fmt, cols=decode_ops.RESQ_NORM_BK)
+    assert torch.equal(a1, a) and torch.equal(s1, s_ref)
+    with pytest.raises(ValueError, match="cols must be a positive multiple of RESQ_NORM_BK"):
+        decode_ops.add_rms_norm_resq(x, parts, norm, fmt, cols=100)
     from megatron_fp4.resq import resq_activation
 
     assert torch.equal(resq_activation(y, fmt, "2:4", dim=-1, out_dtype=torch.bfloat16), a)
@@ -365,12 +370,13 @@ recip = TILE_RECIP
 bf, f32, c = "*bf16", "*fp32", "constexpr"
 norm = dict(x_ptr=bf, d_ptr=f32, w_ptr=f32, e_ptr=bf, s_ptr=bf, N="i32", KP="i32", eps="fp32", stride_x="i32",
             stride_d="i32", stride_e="i32", stride_s="i32", stride_split="i32", SPLITS=c, HAS_DELTA=c, BLOCK=c, BK=c,
-            FMT=c, R1=c, R2=c, R3=c)
+            COLS=c, FMT=c, R1=c, R2=c, R3=c)
 swiglu = dict(a_ptr=f32, y_ptr=bf, F_="i32", FP="i32", stride_a="i32", stride_y="i32", stride_split="i32", DT=c,
               SPLITS=c, BLOCK=c, FMT=c, R1=c, R2=c, R3=c)
 out = {
     "norm": sass(decode_ops._add_rms_norm_resq_kernel, norm,
-                 dict(SPLITS=2, HAS_DELTA=True, BLOCK=4096, BK=decode_ops.RESQ_NORM_BK, FMT=fmt, **recip),
+                 dict(SPLITS=2, HAS_DELTA=True, BLOCK=4096, BK=decode_ops.RESQ_NORM_BK,
+                      COLS=decode_ops.RESQ_NORM_COLS, FMT=fmt, **recip),
                  decode_ops._norm_warps(4096)).count("STL"),
     "swiglu": sass(decode_ops._swiglu_kernel, swiglu,
                    dict(DT=tl.bfloat16, SPLITS=2, BLOCK=decode_ops.RESQ_SWIGLU_BLOCK, FMT=fmt, **recip),

@@ -203,6 +203,18 @@ if HAS_TRITON:
         row = tl.program_id(0)
         cols = tl.arange(0, BLOCK)
         m = cols < N
+        x = _residual_at(x_ptr, d_ptr, row, cols, m, stride_x, stride_d, stride_split, SPLITS, HAS_DELTA)
+        if HAS_DELTA:
+            if tl.program_id(1) == 0:  # (one program of the row stores it where several share a row)
+                tl.store(s_ptr + row * stride_s + cols, x, mask=m)
+        xf = x.to(tl.float32)
+        return xf, 1.0 / tl.sqrt(tl.sum(xf * xf, axis=0) / N + eps), cols, m
+
+    @triton.jit
+    def _residual_at(x_ptr, d_ptr, row, cols, m, stride_x, stride_d, stride_split, SPLITS: tl.constexpr,
+                     HAS_DELTA: tl.constexpr):
+        """x + d at the columns cols of row, rounded to x's dtype (d: the splits' partial sums added in order in fp32,
+        then rounded to x's dtype); x itself without a delta."""
         x = tl.load(x_ptr + row * stride_x + cols, mask=m, other=0.0)
         if HAS_DELTA:
             d = tl.load(d_ptr + row * stride_d + cols, mask=m, other=0.0).to(tl.float32)
@@ -210,9 +222,7 @@ if HAS_TRITON:
                 d += tl.load(d_ptr + k * stride_split + row * stride_d + cols, mask=m, other=0.0).to(tl.float32)
             d = d.to(x_ptr.dtype.element_ty)
             x = (x.to(tl.float32) + d.to(tl.float32)).to(x_ptr.dtype.element_ty)
-            tl.store(s_ptr + row * stride_s + cols, x, mask=m)
-        xf = x.to(tl.float32)
-        return xf, 1.0 / tl.sqrt(tl.sum(xf * xf, axis=0) / N + eps), cols, m
+        return x
 
     @triton.jit
     def _add_rms_norm_kernel(x_ptr, d_ptr, w_ptr, y_ptr, s_ptr, N, eps, stride_x, stride_d, stride_y, stride_s,
@@ -232,23 +242,21 @@ if HAS_TRITON:
     @triton.jit
     def _add_rms_norm_resq_kernel(x_ptr, d_ptr, w_ptr, e_ptr, s_ptr, N, KP, eps, stride_x, stride_d, stride_e,
                                   stride_s, stride_split, SPLITS: tl.constexpr, HAS_DELTA: tl.constexpr,
-                                  BLOCK: tl.constexpr, BK: tl.constexpr, FMT: tl.constexpr, R1: tl.constexpr,
-                                  R2: tl.constexpr, R3: tl.constexpr, PDL: tl.constexpr = False):
-        """One row: s and r (:func:`_residual_row`); then, BK columns at a time, y = s * r * w rounded to x's dtype
-        (the norm's output) and the ResQ 2:4 sum of y, bf16(Q(y) + S(Q(y - Q(y)))), stored over the padded K (KP:
-        the format's blocks) as the resq kernel's EXPAND=3 (FMT 0 hif4, 1 mxfp4, 2 mxfp4_rceil)."""
+                                  BLOCK: tl.constexpr, BK: tl.constexpr, COLS: tl.constexpr, FMT: tl.constexpr,
+                                  R1: tl.constexpr, R2: tl.constexpr, R3: tl.constexpr, PDL: tl.constexpr = False):
+        """Program (row, j): the row's s and r (:func:`_residual_row`, s stored by j = 0); then columns j * COLS ..
+        of the padded K (KP: the format's blocks), BK at a time: y = s * r * w rounded to x's dtype (the norm's
+        output) and the ResQ 2:4 sum of y, bf16(Q(y) + S(Q(y - Q(y)))), as the resq kernel's EXPAND=3 (FMT 0 hif4,
+        1 mxfp4, 2 mxfp4_rceil). Several programs per row: the quantize's serial work is shared out (each reads the
+        whole row for r)."""
         pdl_enter(PDL)
         row = tl.program_id(0)
         xf, r, cols, m = _residual_row(x_ptr, d_ptr, s_ptr, N, eps, stride_x, stride_d, stride_s, stride_split,
                                        SPLITS, HAS_DELTA, BLOCK)
-        if HAS_DELTA:
-            src = s_ptr + row * stride_s
-        else:
-            src = x_ptr + row * stride_x
-        tl.debug_barrier()  # s as stored, read back below by other threads
-        for k0 in range(0, KP, BK):
+        for k0 in range(tl.program_id(1) * COLS, tl.minimum(KP, tl.program_id(1) * COLS + COLS), BK):
             c = k0 + tl.arange(0, BK)
-            sc = tl.load(src + c, mask=c < N, other=0.0).to(tl.float32)
+            sc = _residual_at(x_ptr, d_ptr, row, c, c < N, stride_x, stride_d, stride_split, SPLITS,
+                              HAS_DELTA).to(tl.float32)
             wc = tl.load(w_ptr + c, mask=c < N, other=0.0).to(tl.float32)
             y = (sc * r * wc).to(x_ptr.dtype.element_ty).to(tl.float32)
             codes, X, bad, val, rcodes, RX, rbad, rval = _resq_tiles(tl.reshape(y, (1, BK)), FMT, 1, BK, R1, R2,
@@ -533,6 +541,10 @@ _TL_DTYPES = {torch.float32: tl.float32, torch.float16: tl.float16, torch.bfloat
 #: (tests/test_decode_ops.py::test_fused_resq_kernels_compile_for_sm90_without_spills).
 RESQ_SWIGLU_BLOCK = 256
 RESQ_NORM_BK = 256
+#: Columns per program of the fused RMSNorm + ResQ quantize (a multiple of RESQ_NORM_BK): a 7B row of 3584 in four
+#: programs, 256 for a 64-token step (one program per row took the quantize's 14 serial BK steps alone: session 32
+#: measured that kernel slower than the norm and the resq kernel apart). Each program reads the whole row for its norm.
+RESQ_NORM_COLS = 1024
 
 
 def _norm_warps(block: int) -> int:
@@ -581,12 +593,17 @@ def add_rms_norm(x: torch.Tensor, delta: Optional[torch.Tensor], norm: torch.nn.
     return y, s
 
 
-def add_rms_norm_resq(x: torch.Tensor, delta: Optional[torch.Tensor], norm: torch.nn.Module, fmt: str
-                      ) -> tuple[torch.Tensor, torch.Tensor]:
+def add_rms_norm_resq(x: torch.Tensor, delta: Optional[torch.Tensor], norm: torch.nn.Module, fmt: str,
+                      cols: Optional[int] = None) -> tuple[torch.Tensor, torch.Tensor]:
     """:func:`add_rms_norm_resq_reference` in one kernel (the residual add, the RMSNorm and ResQ 2:4's quantize of
     its output, ``resq_combine="bf16"``), for a torch RMSNorm and a kernel format; the twin otherwise. The result
     is what ``rollout_linear`` in W4A4 + ResQ 2:4 (bf16 sum) would multiply: the same linear in W4A16 on it gives
-    that precision's numbers with no quantize kernel of its own."""
+    that precision's numbers with no quantize kernel of its own. ``cols``: columns per program (a positive multiple
+    of :data:`RESQ_NORM_BK`; :data:`RESQ_NORM_COLS` by default)."""
+    cols = RESQ_NORM_COLS if cols is None else cols
+    if cols <= 0 or cols % RESQ_NORM_BK:
+        raise ValueError(f"add_rms_norm_resq: cols must be a positive multiple of RESQ_NORM_BK ({RESQ_NORM_BK}), "
+                         f"got {cols}")
     launch = _norm_launch(x, delta, norm) if fmt in KERNEL_FORMATS else None
     if launch is None:
         return add_rms_norm_resq_reference(x, delta, norm, fmt)
@@ -594,9 +611,10 @@ def add_rms_norm_resq(x: torch.Tensor, delta: Optional[torch.Tensor], norm: torc
     B, N = x.shape
     KP = -(-N // _block_size(fmt)) * _block_size(fmt)
     e = torch.empty((B, KP), dtype=torch.bfloat16, device=x.device)
-    _add_rms_norm_resq_kernel[(B,)](x, d, w, e, s, N, KP, eps, x.stride(0), d.stride(-2), e.stride(0), s.stride(0),
-                                    stride_split, BK=RESQ_NORM_BK, FMT=TILE_FMT[fmt], **TILE_RECIP, **kw,
-                                    **pdl_launch())
+    _add_rms_norm_resq_kernel[(B, triton.cdiv(KP, cols))](x, d, w, e, s, N, KP, eps, x.stride(0), d.stride(-2),
+                                                          e.stride(0), s.stride(0), stride_split, BK=RESQ_NORM_BK,
+                                                          COLS=cols, FMT=TILE_FMT[fmt], **TILE_RECIP, **kw,
+                                                          **pdl_launch())
     return e[:, :N], s
 
 
