@@ -15,7 +15,9 @@
 #   decode-m64    the decode kernel on every natural-order weight up to 64 tokens (dispatch.decode_kernel_max_m, session
 #                 41): the natural GPU tests (session 39's loop and 64-token tile), verbose; then the engine's 1.5B
 #                 rows, and its FP4 rows again with the previous bound (cuBLAS above 32 tokens on weights of at most
-#                 32 Mi values: MEGATRON_FP4_DECODE_KERNEL_MAX_M=32, all of the 1.5B's); ~5 min
+#                 32 Mi values: MEGATRON_FP4_DECODE_KERNEL_MAX_M=32, all of the 1.5B's); then the 7B ResQ rows
+#                 without and with the fused norm + quantize (MEGATRON_FP4_DECODE_FUSED_RESQ=1, now several programs
+#                 per row: decode_ops.RESQ_NORM_COLS) in one JSON; ~6 min
 #   engine-pdl    programmatic dependent launch (MEGATRON_FP4_PDL=1): the 7B rows without and with it in one JSON
 #                 (paths "graph+fused" and "graph+fused+pdl"), then the decode-step kernels' and the engine's GPU
 #                 tests with it: whether it becomes the default
@@ -148,6 +150,14 @@ case "$1" in
       python3 benchmarks/bench_rollout.py --backend native --shapes qwen2.5-1.5b --check-samples 16 \
         --precisions w4a16/hif4,w4a16/mxfp4,w4a4+resq2:4+bf16sum/hif4,w4a4+resq2:4+bf16sum/mxfp4 \
         --out "$results/rollout_h200_m32.json"
+    )
+    python3 benchmarks/bench_rollout.py --backend native --shapes qwen2.5-7b --check-samples 16 \
+      --precisions bf16,w4a4+resq2:4+bf16sum/hif4,w4a4+resq2:4+bf16sum/mxfp4 --out "$results/rollout_h200_resq.json"
+    (
+      export MEGATRON_FP4_DECODE_FUSED_RESQ=1
+      python3 benchmarks/bench_rollout.py --backend native --shapes qwen2.5-7b --check-samples 16 \
+        --precisions w4a4+resq2:4+bf16sum/hif4,w4a4+resq2:4+bf16sum/mxfp4 --append \
+        --out "$results/rollout_h200_resq.json"
     )
     ;;
   decode-natural)  # the "_cuda" columns: the default (NATURAL_TILE); the sweep: every NATURAL tile of SWEEP_TILES
