@@ -196,25 +196,14 @@ if HAS_TRITON:
 
     @triton.jit
     def _residual_row(x_ptr, d_ptr, s_ptr, N, eps, stride_x, stride_d, stride_s, stride_split, SPLITS: tl.constexpr,
-                      HAS_DELTA: tl.constexpr, BLOCK: tl.constexpr):
-        """One row (program_id 0): s = x + d rounded to x's dtype (stored; d = the splits' partial sums added in order
-        in fp32, then rounded to x's dtype: read as the GEMM's own rounded output). Returns (s in fp32 [BLOCK],
-        r = rsqrt(mean(s^2) + eps), the columns, their mask)."""
+                      HAS_DELTA: tl.constexpr, BLOCK: tl.constexpr, lo=0, hi=1 << 30):
+        """One row (program_id 0): s = x + d rounded to x's dtype (stored at columns lo .. hi - 1: a program's own
+        where several share a row; d = the splits' partial sums added in order in fp32, then rounded to x's dtype:
+        read as the GEMM's own rounded output). Returns (s in fp32 [BLOCK], r = rsqrt(mean(s^2) + eps), the columns,
+        their mask)."""
         row = tl.program_id(0)
         cols = tl.arange(0, BLOCK)
         m = cols < N
-        x = _residual_at(x_ptr, d_ptr, row, cols, m, stride_x, stride_d, stride_split, SPLITS, HAS_DELTA)
-        if HAS_DELTA:
-            if tl.program_id(1) == 0:  # (one program of the row stores it where several share a row)
-                tl.store(s_ptr + row * stride_s + cols, x, mask=m)
-        xf = x.to(tl.float32)
-        return xf, 1.0 / tl.sqrt(tl.sum(xf * xf, axis=0) / N + eps), cols, m
-
-    @triton.jit
-    def _residual_at(x_ptr, d_ptr, row, cols, m, stride_x, stride_d, stride_split, SPLITS: tl.constexpr,
-                     HAS_DELTA: tl.constexpr):
-        """x + d at the columns cols of row, rounded to x's dtype (d: the splits' partial sums added in order in fp32,
-        then rounded to x's dtype); x itself without a delta."""
         x = tl.load(x_ptr + row * stride_x + cols, mask=m, other=0.0)
         if HAS_DELTA:
             d = tl.load(d_ptr + row * stride_d + cols, mask=m, other=0.0).to(tl.float32)
@@ -222,7 +211,9 @@ if HAS_TRITON:
                 d += tl.load(d_ptr + k * stride_split + row * stride_d + cols, mask=m, other=0.0).to(tl.float32)
             d = d.to(x_ptr.dtype.element_ty)
             x = (x.to(tl.float32) + d.to(tl.float32)).to(x_ptr.dtype.element_ty)
-        return x
+            tl.store(s_ptr + row * stride_s + cols, x, mask=m & (cols >= lo) & (cols < hi))
+        xf = x.to(tl.float32)
+        return xf, 1.0 / tl.sqrt(tl.sum(xf * xf, axis=0) / N + eps), cols, m
 
     @triton.jit
     def _add_rms_norm_kernel(x_ptr, d_ptr, w_ptr, y_ptr, s_ptr, N, eps, stride_x, stride_d, stride_y, stride_s,
@@ -244,19 +235,25 @@ if HAS_TRITON:
                                   stride_s, stride_split, SPLITS: tl.constexpr, HAS_DELTA: tl.constexpr,
                                   BLOCK: tl.constexpr, BK: tl.constexpr, COLS: tl.constexpr, FMT: tl.constexpr,
                                   R1: tl.constexpr, R2: tl.constexpr, R3: tl.constexpr, PDL: tl.constexpr = False):
-        """Program (row, j): the row's s and r (:func:`_residual_row`, s stored by j = 0); then columns j * COLS ..
-        of the padded K (KP: the format's blocks), BK at a time: y = s * r * w rounded to x's dtype (the norm's
-        output) and the ResQ 2:4 sum of y, bf16(Q(y) + S(Q(y - Q(y)))), as the resq kernel's EXPAND=3 (FMT 0 hif4,
-        1 mxfp4, 2 mxfp4_rceil). Several programs per row: the quantize's serial work is shared out (each reads the
-        whole row for r)."""
+        """Program (row, j): the row's r and its columns j * COLS .. of s (:func:`_residual_row`); then those
+        columns of the padded K (KP: the format's blocks), BK at a time: y = s * r * w rounded to x's dtype (the
+        norm's output) and the ResQ 2:4 sum of y, bf16(Q(y) + S(Q(y - Q(y)))), as the resq kernel's EXPAND=3 (FMT 0
+        hif4, 1 mxfp4, 2 mxfp4_rceil). Several programs per row: the quantize's serial work is shared out (each
+        reads the whole row for r)."""
         pdl_enter(PDL)
         row = tl.program_id(0)
+        lo = tl.program_id(1) * COLS
+        hi = tl.minimum(KP, lo + COLS)
         xf, r, cols, m = _residual_row(x_ptr, d_ptr, s_ptr, N, eps, stride_x, stride_d, stride_s, stride_split,
-                                       SPLITS, HAS_DELTA, BLOCK)
-        for k0 in range(tl.program_id(1) * COLS, tl.minimum(KP, tl.program_id(1) * COLS + COLS), BK):
+                                       SPLITS, HAS_DELTA, BLOCK, lo, hi)
+        if HAS_DELTA:
+            src = s_ptr + row * stride_s
+        else:
+            src = x_ptr + row * stride_x
+        tl.debug_barrier()  # this program's columns of s as stored, read back below by other threads
+        for k0 in range(lo, hi, BK):
             c = k0 + tl.arange(0, BK)
-            sc = _residual_at(x_ptr, d_ptr, row, c, c < N, stride_x, stride_d, stride_split, SPLITS,
-                              HAS_DELTA).to(tl.float32)
+            sc = tl.load(src + c, mask=c < N, other=0.0).to(tl.float32)
             wc = tl.load(w_ptr + c, mask=c < N, other=0.0).to(tl.float32)
             y = (sc * r * wc).to(x_ptr.dtype.element_ty).to(tl.float32)
             codes, X, bad, val, rcodes, RX, rbad, rval = _resq_tiles(tl.reshape(y, (1, BK)), FMT, 1, BK, R1, R2,
