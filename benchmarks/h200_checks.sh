@@ -11,13 +11,7 @@
 #                 against what they replace)
 #   decode-bench  bench_kernels.py --decode --decode-sweep on the 7B and 1.5B MLP shapes
 #   engine-bench  bench_rollout.py: the native engine's rows on the 1.5B and 7B shapes (issue 20's engine targets,
-#                 --profile), then the ResQ rows again with the opt-in fused quantize (MEGATRON_FP4_DECODE_FUSED_RESQ=1)
-#   decode-m64    the decode kernel on every natural-order weight up to 64 tokens (dispatch.decode_kernel_max_m, session
-#                 41): the natural GPU tests (session 39's loop and 64-token tile), verbose; then the engine's 1.5B
-#                 rows, and its FP4 rows again with the previous bound (cuBLAS above 32 tokens on weights of at most
-#                 32 Mi values: MEGATRON_FP4_DECODE_KERNEL_MAX_M=32, all of the 1.5B's); then the 7B ResQ rows
-#                 without and with the fused norm + quantize (MEGATRON_FP4_DECODE_FUSED_RESQ=1, now several programs
-#                 per row: decode_ops.RESQ_NORM_COLS) in one JSON; ~6 min
+#                 --profile; the eager check at the graph's batch, 64: the same tiles, so the same split of K)
 #   engine-pdl    programmatic dependent launch (MEGATRON_FP4_PDL=1): the 7B rows without and with it in one JSON
 #                 (paths "graph+fused" and "graph+fused+pdl"), then the decode-step kernels' and the engine's GPU
 #                 tests with it: whether it becomes the default
@@ -47,9 +41,9 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 usage="usage: bash benchmarks/h200_checks.sh train-tests|train-bench|decode-tests|decode-bench|decode-profile|rl-step"
-usage+="|rl-mismatch|decode-natural|decode-quantize|decode-m64|engine-bench|engine-pdl|sglang-bench"
+usage+="|rl-mismatch|decode-natural|decode-quantize|engine-bench|engine-pdl|sglang-bench"
 case "${1:-}" in train-tests | train-bench | decode-tests | decode-bench | decode-profile | rl-step | rl-mismatch | \
-  decode-natural | decode-quantize | decode-m64 | engine-bench | engine-pdl | sglang-bench) ;;
+  decode-natural | decode-quantize | engine-bench | engine-pdl | sglang-bench) ;;
   *) echo "$usage" >&2; exit 2 ;;
 esac
 SITE=${SITE_DIR:-/tmp/site}
@@ -120,13 +114,9 @@ case "$1" in
     python3 benchmarks/bench_kernels.py --decode --decode-sweep --shapes 3584x18944,18944x3584,1536x8960,8960x1536 \
       --out "$results/decode_h200.json"
     ;;
-  engine-bench)  # one JSON: the default rows, then the fused-ResQ rows (path "graph+fused+resq") beside them
+  engine-bench)
     python3 benchmarks/bench_rollout.py --backend native --shapes qwen2.5-1.5b,qwen2.5-7b --check-samples 64 \
       --profile --out "$results/rollout_h200_engine.json"
-    export MEGATRON_FP4_DECODE_FUSED_RESQ=1
-    python3 benchmarks/bench_rollout.py --backend native --shapes qwen2.5-1.5b,qwen2.5-7b --check-samples 64 \
-      --precisions w4a4+resq2:4+bf16sum/hif4,w4a4+resq2:4+bf16sum/mxfp4 --profile --append \
-      --out "$results/rollout_h200_engine.json"
     ;;
   engine-pdl)  # the same tests and rows with the kernels waiting on griddepcontrol (megatron_fp4/kernels/_common.py)
     # (the rows first, so that they come back within the call; each row's own checks compare the graph with eager
@@ -139,26 +129,6 @@ case "$1" in
     run_tests tests/test_decode_ops.py
     prebuild_tests natural
     run_tests -m gpu tests/test_rollout_static.py
-    ;;
-  decode-m64)  # the tests print each name as it passes (a hang shows where); the rows' JSON: the new bound, the old
-    prebuild_tests natural
-    run_tests -vv -m gpu tests/test_cuda_decode.py -k "natural or out_dtype_none or rounded_split"
-    python3 benchmarks/bench_rollout.py --backend native --shapes qwen2.5-1.5b --check-samples 16 \
-      --out "$results/rollout_h200_m64.json"
-    (
-      export MEGATRON_FP4_DECODE_KERNEL_MAX_M=32
-      python3 benchmarks/bench_rollout.py --backend native --shapes qwen2.5-1.5b --check-samples 16 \
-        --precisions w4a16/hif4,w4a16/mxfp4,w4a4+resq2:4+bf16sum/hif4,w4a4+resq2:4+bf16sum/mxfp4 \
-        --out "$results/rollout_h200_m32.json"
-    )
-    python3 benchmarks/bench_rollout.py --backend native --shapes qwen2.5-7b --check-samples 16 \
-      --precisions bf16,w4a4+resq2:4+bf16sum/hif4,w4a4+resq2:4+bf16sum/mxfp4 --out "$results/rollout_h200_resq.json"
-    (
-      export MEGATRON_FP4_DECODE_FUSED_RESQ=1
-      python3 benchmarks/bench_rollout.py --backend native --shapes qwen2.5-7b --check-samples 16 \
-        --precisions w4a4+resq2:4+bf16sum/hif4,w4a4+resq2:4+bf16sum/mxfp4 --append \
-        --out "$results/rollout_h200_resq.json"
-    )
     ;;
   decode-natural)  # the "_cuda" columns: the default (NATURAL_TILE); the sweep: every NATURAL tile of SWEEP_TILES
     # (the engine's shapes: Megatron's fc1 is gate and up in one weight; 7B qkv 3584x4608 and proj; 1.5B fc1, fc2)

@@ -284,76 +284,13 @@ def test_rope_reads_qkv_splits_and_bias(dtype, splits, with_bias):
         torch.testing.assert_close(a, b, **_tol(dtype))  # RoPE: one fused computation against torch's roundings
 
 
-@pytest.mark.parametrize("dtype", [d for d in DTYPES if d != torch.float32])
-@pytest.mark.parametrize("fmt", ["hif4", "mxfp4"])
-@pytest.mark.parametrize("splits", [0, 1, 3])
-def test_add_rms_norm_resq_is_the_norm_then_resq_quantize(dtype, fmt, splits):
-    """The residual add + RMSNorm with ResQ 2:4's quantize of its output (bf16 sum) in one kernel: the activation is
-    bit for bit the resq kernel's (and the PyTorch reference's) on the fused norm's own output, so W4A16 on it is
-    W4A4 + ResQ 2:4 (bf16 sum). Rows of 320 (five HiF4 units, ten MXFP4 blocks: two BK chunks, the last partial)
-    with a few outliers, the case ResQ exists for; splits 0: no residual add (the first layer)."""
-    from megatron_fp4.kernels.resq import resq_quantize
-
-    g = torch.Generator().manual_seed(5)
-    N = 320
-    x = (torch.randn(6, N, generator=g) * 2).to(dtype).to(DEV)
-    x[1, 7] = 300.0
-    x[4, 200] = -90.0
-    parts = torch.randn(splits, 6, N, generator=g).to(DEV) if splits else None
-    norm = torch.nn.RMSNorm(N, eps=1e-6).to(DEV)
-    with torch.no_grad():
-        norm.weight.copy_(torch.rand(N, generator=g) + 0.5)
-    a, s = decode_ops.add_rms_norm_resq(x, parts, norm, fmt)
-    y, s_ref = decode_ops.add_rms_norm(x, parts, norm)
-    assert a.dtype == torch.bfloat16 and a.shape == x.shape and torch.equal(s, s_ref)
-    assert torch.equal(a, resq_quantize(y, fmt, expand="sum")[2].values)
-    # a row in two programs (256 columns each, the second partial): the same bits
-    a1, s1 = decode_ops.add_rms_norm_resq(x, parts, norm, fmt, cols=decode_ops.RESQ_NORM_BK)
-    assert torch.equal(a1, a) and torch.equal(s1, s_ref)
-    with pytest.raises(ValueError, match="cols must be a positive multiple of RESQ_NORM_BK"):
-        decode_ops.add_rms_norm_resq(x, parts, norm, fmt, cols=100)
-    from megatron_fp4.resq import resq_activation
-
-    assert torch.equal(resq_activation(y, fmt, "2:4", dim=-1, out_dtype=torch.bfloat16), a)
-    # not a torch RMSNorm: the twin serves the call
-    ln = torch.nn.LayerNorm(N).to(DEV).to(dtype)
-    a2, _ = decode_ops.add_rms_norm_resq(x, parts, ln, fmt)
-    assert torch.equal(a2, resq_activation(decode_ops.add_rms_norm_reference(x, parts, ln)[0], fmt, "2:4",
-                                           out_dtype=torch.bfloat16))
-
-
-@pytest.mark.parametrize("dtype", [d for d in DTYPES if d != torch.float32])
-@pytest.mark.parametrize("fmt", ["hif4", "mxfp4"])
-@pytest.mark.parametrize("splits", [False, True])
-def test_swiglu_resq_is_the_swiglu_then_resq_quantize(dtype, fmt, splits):
-    """SwiGLU with ResQ 2:4's quantize of its output (bf16 sum) in one kernel: bit for bit the resq kernel's and the
-    PyTorch reference's activation of the fused SwiGLU's own output. F = 1500: two column blocks, the last one
-    ragged (HiF4 pads 1500 to 1536, MXFP4 to 1504)."""
-    from megatron_fp4.kernels.resq import resq_quantize
-    from megatron_fp4.resq import resq_activation
-
-    g = torch.Generator().manual_seed(6)
-    a = (torch.randn(*((3,) if splits else ()), 4, 2 * 1500, generator=g) * 3)
-    a[..., 0, 11] = 80.0  # an outlier in a gate
-    a = a.to(DEV) if splits else a.to(dtype).to(DEV)
-    e = decode_ops.swiglu(a, dtype, splits, resq=fmt)
-    y = decode_ops.swiglu(a, dtype, splits)
-    assert e.dtype == torch.bfloat16 and e.shape == y.shape
-    assert torch.equal(e, resq_quantize(y, fmt, expand="sum")[2].values[:, :1500])
-    assert torch.equal(e, resq_activation(y, fmt, "2:4", dim=-1, out_dtype=torch.bfloat16))
-
-
-
 _SM90_SCRIPT = r"""
-import json, os, subprocess, sys, tempfile
+import json, os, subprocess, tempfile
 import triton
-import triton.language as tl
 from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
 from megatron_fp4.kernels import decode_ops
-from megatron_fp4.kernels._common import TILE_RECIP
 
-fmt = int(sys.argv[1])
 nvdisasm = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "nvdisasm")
 
 
@@ -366,22 +303,8 @@ def sass(kernel, signature, constexprs, num_warps):
         return subprocess.run([nvdisasm, "-c", fh.name], capture_output=True, text=True, check=True).stdout
 
 
-recip = TILE_RECIP
 bf, f32, c = "*bf16", "*fp32", "constexpr"
-norm = dict(x_ptr=bf, d_ptr=f32, w_ptr=f32, e_ptr=bf, s_ptr=bf, N="i32", KP="i32", eps="fp32", stride_x="i32",
-            stride_d="i32", stride_e="i32", stride_s="i32", stride_split="i32", SPLITS=c, HAS_DELTA=c, BLOCK=c, BK=c,
-            COLS=c, FMT=c, R1=c, R2=c, R3=c)
-swiglu = dict(a_ptr=f32, y_ptr=bf, F_="i32", FP="i32", stride_a="i32", stride_y="i32", stride_split="i32", DT=c,
-              SPLITS=c, BLOCK=c, FMT=c, R1=c, R2=c, R3=c)
-out = {
-    "norm": sass(decode_ops._add_rms_norm_resq_kernel, norm,
-                 dict(SPLITS=2, HAS_DELTA=True, BLOCK=4096, BK=decode_ops.RESQ_NORM_BK,
-                      COLS=decode_ops.RESQ_NORM_COLS, FMT=fmt, **recip),
-                 decode_ops._norm_warps(4096)).count("STL"),
-    "swiglu": sass(decode_ops._swiglu_kernel, swiglu,
-                   dict(DT=tl.bfloat16, SPLITS=2, BLOCK=decode_ops.RESQ_SWIGLU_BLOCK, FMT=fmt, **recip),
-                   4).count("STL"),
-}
+out = {}
 strides = {f"stride_{n}": "i32" for n in ("t", "g", "r", "split", "c", "kb", "kg", "ks", "ob", "og", "or")}
 attention = dict(qkv_ptr=f32, bias_ptr=bf, cos_ptr=bf, sin_ptr=bf, k_ptr=bf, v_ptr=bf, pos_ptr="*i64", o_ptr=bf,
                  ml_ptr=f32, G="i32", scale="fp32", keys_per_split="i32", **strides, SPLITS=c, HAS_BIAS=c, GP=c, HD=c,
@@ -415,25 +338,22 @@ print(json.dumps(out))
 
 
 @pytest.mark.skipif(DEV == "cuda", reason="on a GPU the tests above compile and run the kernels themselves")
-@pytest.mark.parametrize("fmt", [0, 1], ids=["hif4", "mxfp4"])
-def test_fused_resq_kernels_compile_for_sm90_without_spills(fmt):
-    """The fused ResQ kernels at the engine's launch shapes (7B: rows of 3584 in RESQ_NORM_BK-wide chunks, 8 warps;
-    SwiGLU blocks of RESQ_SWIGLU_BLOCK, 4 warps), the RoPE + attention kernel (head size 128, on tensor cores), the
-    RoPE kernel with a prefill's slots, the sampling kernels (blocks of SAMPLE_BLOCK logits) and the bookkeeping
-    kernel compile for the H200 (Triton's own ptxas, no GPU needed, in a process without the
-    interpreter) with no register spills (a 1024-wide HiF4 SwiGLU block spilled 2,263 registers): what the CPU
-    interpreter cannot show."""
+def test_decode_step_kernels_compile_for_sm90_without_spills():
+    """The RoPE + attention kernel (head size 128, on tensor cores), the RoPE kernel with a prefill's slots, the
+    sampling kernels (blocks of SAMPLE_BLOCK logits) and the bookkeeping kernel compile for the H200 (Triton's own
+    ptxas, no GPU needed, in a process without the interpreter) with no register spills: what the CPU interpreter
+    cannot show."""
     import json
     import subprocess
     import sys
 
     env = compile_env()  # (the H200's Triton where .sm90-triton/ holds it: tests/sm90.py)
-    r = subprocess.run([sys.executable, "-c", _SM90_SCRIPT, str(fmt)], capture_output=True, text=True, env=env,
+    r = subprocess.run([sys.executable, "-c", _SM90_SCRIPT], capture_output=True, text=True, env=env,
                        cwd=ROOT, timeout=600)
     if r.returncode != 0 and "nvdisasm" in r.stderr and "No such file" in r.stderr:
         pytest.skip("this Triton has no NVIDIA tools")
     assert r.returncode == 0, r.stderr[-2000:]
-    assert json.loads(r.stdout.strip().splitlines()[-1]) == {"norm": 0, "swiglu": 0, "attention": 0,
+    assert json.loads(r.stdout.strip().splitlines()[-1]) == {"attention": 0,
                                                              "attention_mma": True, "rope": 0, "sample": 0,
                                                              "record": 0}
 

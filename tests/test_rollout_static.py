@@ -117,35 +117,6 @@ def test_fused_step_attention_kernel_and_its_switch(model, prompts, monkeypatch)
         NativeRolloutEngine(model, precision, decode="static", max_batch_size=3).generate(prompts, params)
 
 
-@pytest.mark.parametrize("fmt", ["hif4", "mxfp4"])
-def test_fused_resq_norms_equal_the_resq_linears(model, prompts, monkeypatch, fmt):
-    """MEGATRON_FP4_DECODE_FUSED_RESQ=1: in W4A4 + ResQ 2:4 (bf16 sum) the RMSNorm kernels before qkv and fc1 and the
-    SwiGLU before fc2 also quantize their output (decode_ops.add_rms_norm_resq, swiglu(resq=)) and those linears run
-    W4A16 on it: the same tokens and logprobs as the fused steps that quantize inside the linears (and nothing
-    changes for another precision)."""
-    precision = RolloutPrecision("w4a4", fmt, "2:4", resq_combine="bf16")
-    params = SamplingParams(temperature=1.0, max_new_tokens=8, seed=3, stop_token_ids=(7,))
-    monkeypatch.setenv("MEGATRON_FP4_DECODE_FUSED", "1")
-    ref = NativeRolloutEngine(model, precision, decode="static", max_batch_size=3, graph_chunk=4)
-    want = ref.generate(prompts, params)
-    monkeypatch.setenv("MEGATRON_FP4_DECODE_FUSED_RESQ", "1")
-    eng = NativeRolloutEngine(model, precision, decode="static", max_batch_size=3, graph_chunk=4)
-    calls = []
-    monkeypatch.setattr(decode_ops, "add_rms_norm_resq",
-                        lambda *a, _f=decode_ops.add_rms_norm_resq: calls.append(("norm", a[-1])) or _f(*a))
-    monkeypatch.setattr(decode_ops, "swiglu",
-                        lambda *a, _f=decode_ops.swiglu, **k: calls.append(("swiglu", k.get("resq"))) or _f(*a, **k))
-    got = eng.generate(prompts, params)
-    assert set(calls) == {("norm", fmt), ("swiglu", fmt), ("swiglu", None)}  # decode quantized; prefill's SwiGLU
-    assert eng.last_generate_stats["path"] == _fused("static+fused+resq")
-    assert [s.token_ids for s in got] == [s.token_ids for s in want]
-    assert _maxdiff([s.logprobs for s in got], [s.logprobs for s in want]) < 1e-5
-    calls.clear()
-    eng.set_precision(RolloutPrecision("w4a4", fmt, "2:4"))  # the exact combine: the linears quantize
-    eng.generate(prompts[:1], params)
-    assert set(calls) == {("swiglu", None)}
-
-
 @pytest.mark.parametrize("qkv_bias", [True, False])
 def test_fused_steps_take_split_partial_sums(model, prompts, monkeypatch, qkv_bias):
     """The fused decode steps ask the rollout linears for their output as stored (rollout_linear as_stored): with a
@@ -334,26 +305,6 @@ def test_weight_cache_refresh_in_place(model):
 # ---------------------------------------------------------------------------------------------------------------
 # GPU: CUDA graphs
 # ---------------------------------------------------------------------------------------------------------------
-@pytest.mark.gpu
-@pytest.mark.parametrize("fmt", ["hif4", "mxfp4"])
-def test_gpu_fused_resq_norms_equal_the_resq_linears(fmt, monkeypatch):
-    """MEGATRON_FP4_DECODE_FUSED_RESQ=1 on the GPU (bf16, CUDA graphs, the decode GEMM kernels): the RMSNorm kernels'
-    ResQ quantize and W4A16 on it give W4A4 + ResQ 2:4 (bf16 sum)'s tokens and logprobs bit for bit."""
-    monkeypatch.setenv("MEGATRON_FP4_DECODE_FUSED", "1")
-    initialize_parallel(1, 1, seed=3)
-    m = build_gpt_model(_args(params_dtype=torch.bfloat16, init_method_std=0.02, max_seq_len=96))
-    ps = random_prompts((5, 17, 9, 30, 2, 12) * 3, seed=0)
-    params = SamplingParams(temperature=1.0, max_new_tokens=24, seed=0, stop_token_ids=(3,))
-    precision = RolloutPrecision("w4a4", fmt, "2:4", resq_combine="bf16")
-    want = NativeRolloutEngine(m, precision, decode="graph", max_batch_size=8, graph_chunk=8).generate(ps, params)
-    monkeypatch.setenv("MEGATRON_FP4_DECODE_FUSED_RESQ", "1")
-    eng = NativeRolloutEngine(m, precision, decode="graph", max_batch_size=8, graph_chunk=8)
-    got = eng.generate(ps, params)
-    assert eng.last_generate_stats["path"] == _fused("graph+fused+resq")
-    assert [s.token_ids for s in got] == [s.token_ids for s in want]
-    assert _maxdiff([s.logprobs for s in got], [s.logprobs for s in want]) == 0
-
-
 @pytest.mark.gpu
 @pytest.mark.parametrize("precision", [RolloutPrecision("bf16"), RolloutPrecision("w4a16", "hif4"),
                                        RolloutPrecision("w4a4", "mxfp4", "2:4", resq_combine="bf16"),

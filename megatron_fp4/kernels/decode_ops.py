@@ -31,11 +31,9 @@ from typing import Optional
 import torch
 import torch.nn.functional as F
 
-from megatron_fp4.kernels._common import (HAS_TRITON, KERNEL_FORMATS, TILE_FMT, TILE_RECIP, kernels_usable, pdl_launch,
-                                          tl, triton)
+from megatron_fp4.kernels._common import HAS_TRITON, kernels_usable, pdl_launch, tl, triton
 
-__all__ = ["add_rms_norm", "add_rms_norm_reference", "add_rms_norm_resq", "add_rms_norm_resq_reference",
-           "attention_splits", "decode_attention_reference", "invert_cdf", "record_tokens",
+__all__ = ["add_rms_norm", "add_rms_norm_reference", "attention_splits", "decode_attention_reference", "invert_cdf", "record_tokens",
            "record_tokens_reference", "rope_attention", "rope_attention_reference", "rope_reference",
            "rope_kv_write", "rope_kv_write_reference", "sample", "sample_reference", "split_sum", "sum_splits",
            "swiglu", "swiglu_reference"]
@@ -58,27 +56,6 @@ def add_rms_norm_reference(x: torch.Tensor, delta: Optional[torch.Tensor], norm:
                            ) -> tuple[torch.Tensor, torch.Tensor]:
     s = x if delta is None else x + sum_splits(delta, x.dtype, x.dim())
     return norm(s), s
-
-
-def _block_size(fmt: str) -> int:
-    from megatron_fp4.formats import get_format
-
-    return get_format(fmt).block_size
-
-
-def _resq_sum(y: torch.Tensor, fmt: str) -> torch.Tensor:
-    """ResQ 2:4's bf16-sum activation of ``y`` (the PyTorch reference)."""
-    from megatron_fp4.resq import resq_activation
-
-    return resq_activation(y, fmt, "2:4", dim=-1, out_dtype=torch.bfloat16)
-
-
-def add_rms_norm_resq_reference(x: torch.Tensor, delta: Optional[torch.Tensor], norm: torch.nn.Module, fmt: str
-                                ) -> tuple[torch.Tensor, torch.Tensor]:
-    """(``bf16(Q(y) + S(Q(y - Q(y))))`` of ``y = norm(x + delta)``, ``x + delta``): the activation Rollout-ResQ 2:4
-    with ``resq_combine="bf16"`` multiplies (:func:`megatron_fp4.resq.resq_activation`), of the normed output."""
-    y, s = add_rms_norm_reference(x, delta, norm)
-    return _resq_sum(y, fmt), s
 
 
 def rope_reference(t: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
@@ -196,11 +173,10 @@ if HAS_TRITON:
 
     @triton.jit
     def _residual_row(x_ptr, d_ptr, s_ptr, N, eps, stride_x, stride_d, stride_s, stride_split, SPLITS: tl.constexpr,
-                      HAS_DELTA: tl.constexpr, BLOCK: tl.constexpr, lo=0, hi=1 << 30):
-        """One row (program_id 0): s = x + d rounded to x's dtype (stored at columns lo .. hi - 1: a program's own
-        where several share a row; d = the splits' partial sums added in order in fp32, then rounded to x's dtype:
-        read as the GEMM's own rounded output). Returns (s in fp32 [BLOCK], r = rsqrt(mean(s^2) + eps), the columns,
-        their mask)."""
+                      HAS_DELTA: tl.constexpr, BLOCK: tl.constexpr):
+        """One row (program_id 0): s = x + d rounded to x's dtype and stored (d = the splits' partial sums added in
+        order in fp32, then rounded to x's dtype: read as the GEMM's own rounded output). Returns (s in fp32 [BLOCK],
+        r = rsqrt(mean(s^2) + eps), the columns, their mask)."""
         row = tl.program_id(0)
         cols = tl.arange(0, BLOCK)
         m = cols < N
@@ -211,7 +187,7 @@ if HAS_TRITON:
                 d += tl.load(d_ptr + k * stride_split + row * stride_d + cols, mask=m, other=0.0).to(tl.float32)
             d = d.to(x_ptr.dtype.element_ty)
             x = (x.to(tl.float32) + d.to(tl.float32)).to(x_ptr.dtype.element_ty)
-            tl.store(s_ptr + row * stride_s + cols, x, mask=m & (cols >= lo) & (cols < hi))
+            tl.store(s_ptr + row * stride_s + cols, x, mask=m)
         xf = x.to(tl.float32)
         return xf, 1.0 / tl.sqrt(tl.sum(xf * xf, axis=0) / N + eps), cols, m
 
@@ -226,40 +202,6 @@ if HAS_TRITON:
                                        SPLITS, HAS_DELTA, BLOCK)
         w = tl.load(w_ptr + cols, mask=m, other=0.0).to(tl.float32)
         tl.store(y_ptr + tl.program_id(0) * stride_y + cols, (xf * r * w).to(y_ptr.dtype.element_ty), mask=m)
-
-    from megatron_fp4.kernels.quantize import _bf16_rne
-    from megatron_fp4.kernels.resq import _resq_tiles
-
-    @triton.jit
-    def _add_rms_norm_resq_kernel(x_ptr, d_ptr, w_ptr, e_ptr, s_ptr, N, KP, eps, stride_x, stride_d, stride_e,
-                                  stride_s, stride_split, SPLITS: tl.constexpr, HAS_DELTA: tl.constexpr,
-                                  BLOCK: tl.constexpr, BK: tl.constexpr, COLS: tl.constexpr, FMT: tl.constexpr,
-                                  R1: tl.constexpr, R2: tl.constexpr, R3: tl.constexpr, PDL: tl.constexpr = False):
-        """Program (row, j): the row's r and its columns j * COLS .. of s (:func:`_residual_row`); then those
-        columns of the padded K (KP: the format's blocks), BK at a time: y = s * r * w rounded to x's dtype (the
-        norm's output) and the ResQ 2:4 sum of y, bf16(Q(y) + S(Q(y - Q(y)))), as the resq kernel's EXPAND=3 (FMT 0
-        hif4, 1 mxfp4, 2 mxfp4_rceil). Several programs per row: the quantize's serial work is shared out (each
-        reads the whole row for r)."""
-        pdl_enter(PDL)
-        row = tl.program_id(0)
-        lo = tl.program_id(1) * COLS
-        hi = tl.minimum(KP, lo + COLS)
-        xf, r, cols, m = _residual_row(x_ptr, d_ptr, s_ptr, N, eps, stride_x, stride_d, stride_s, stride_split,
-                                       SPLITS, HAS_DELTA, BLOCK, lo, hi)
-        if HAS_DELTA:
-            src = s_ptr + row * stride_s
-        else:
-            src = x_ptr + row * stride_x
-        tl.debug_barrier()  # this program's columns of s as stored, read back below by other threads
-        for k0 in range(lo, hi, BK):
-            c = k0 + tl.arange(0, BK)
-            sc = tl.load(src + c, mask=c < N, other=0.0).to(tl.float32)
-            wc = tl.load(w_ptr + c, mask=c < N, other=0.0).to(tl.float32)
-            y = (sc * r * wc).to(x_ptr.dtype.element_ty).to(tl.float32)
-            codes, X, bad, val, rcodes, RX, rbad, rval = _resq_tiles(tl.reshape(y, (1, BK)), FMT, 1, BK, R1, R2,
-                                                                     R3)
-            e = tl.reshape(_bf16_rne(val + rval), (BK,))
-            tl.store(e_ptr + row * stride_e + c, e.to(tl.bfloat16), mask=c < KP)
 
     @triton.jit
     def _rope_rows(qkv_ptr, bias_ptr, cos_ptr, sin_ptr, t, g, p, G, H, stride_t, stride_g, stride_r, stride_split,
@@ -499,13 +441,10 @@ if HAS_TRITON:
         tl.store(pos_ptr + b, tl.load(pos_ptr + b, mask=live, other=0) + 1, mask=live)
 
     @triton.jit
-    def _swiglu_kernel(a_ptr, y_ptr, F_, FP, stride_a, stride_y, stride_split, DT: tl.constexpr,
-                       SPLITS: tl.constexpr, BLOCK: tl.constexpr, FMT: tl.constexpr, R1: tl.constexpr,
-                       R2: tl.constexpr, R3: tl.constexpr, PDL: tl.constexpr = False):
+    def _swiglu_kernel(a_ptr, y_ptr, F_, stride_a, stride_y, stride_split, DT: tl.constexpr,
+                       SPLITS: tl.constexpr, BLOCK: tl.constexpr, PDL: tl.constexpr = False):
         """a (its splits' partial sums added in order in fp32) rounded to DT, silu(a0) rounded to it (as F.silu),
-        times a1, rounded once more (as torch's multiply). FMT >= 0 (0 hif4, 1 mxfp4, 2 mxfp4_rceil; BLOCK a
-        multiple of 64): y gets the ResQ 2:4 sum of that product instead, bf16(Q(y) + S(Q(y - Q(y)))), over the
-        format's padded width FP (the resq kernel's EXPAND=3)."""
+        times a1, rounded once more (as torch's multiply)."""
         pdl_enter(PDL)
         row = tl.program_id(0)
         cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
@@ -519,29 +458,13 @@ if HAS_TRITON:
         a0 = a0.to(dt).to(tl.float32)
         a1 = a1.to(dt).to(tl.float32)
         s = (a0 / (1.0 + tl.exp(-a0))).to(dt).to(tl.float32)
-        y = (s * a1).to(dt)
-        if FMT >= 0:
-            codes, X, bad, val, rcodes, RX, rbad, rval = _resq_tiles(tl.reshape(y.to(tl.float32), (1, BLOCK)), FMT,
-                                                                     1, BLOCK, R1, R2, R3)
-            e = tl.reshape(_bf16_rne(val + rval), (BLOCK,))
-            tl.store(y_ptr + row * stride_y + cols, e.to(tl.bfloat16), mask=cols < FP)
-        else:
-            tl.store(y_ptr + row * stride_y + cols, y, mask=m)
+        tl.store(y_ptr + row * stride_y + cols, (s * a1).to(dt), mask=m)
 
 
 # ----------------------------------------------------------------------------------------------------------------
 # entry points
 # ----------------------------------------------------------------------------------------------------------------
 _TL_DTYPES = {torch.float32: tl.float32, torch.float16: tl.float16, torch.bfloat16: tl.bfloat16} if HAS_TRITON else {}
-#: Columns per program (SwiGLU) and per step (RMSNorm) of the fused ResQ quantize: ResQ's tile code on 1-2 values per
-#: thread. On sm_90 (Triton's ptxas) HiF4's on 1024-wide SwiGLU blocks of 4 warps spilled 2,263 registers, these none
-#: (tests/test_decode_ops.py::test_fused_resq_kernels_compile_for_sm90_without_spills).
-RESQ_SWIGLU_BLOCK = 256
-RESQ_NORM_BK = 256
-#: Columns per program of the fused RMSNorm + ResQ quantize (a multiple of RESQ_NORM_BK): a 7B row of 3584 in four
-#: programs, 256 for a 64-token step (one program per row took the quantize's 14 serial BK steps alone: session 32
-#: measured that kernel slower than the norm and the resq kernel apart). Each program reads the whole row for its norm.
-RESQ_NORM_COLS = 1024
 
 
 def _norm_warps(block: int) -> int:
@@ -559,60 +482,25 @@ def _rms_params(norm: torch.nn.Module, x: torch.Tensor) -> Optional[tuple[torch.
     return w, float(eps)
 
 
-def _norm_launch(x: torch.Tensor, delta: Optional[torch.Tensor], norm: torch.nn.Module) -> Optional[tuple]:
-    """What the RMSNorm kernels share for ``x [B, N]``: (w, eps, s, d, stride_split, the SPLITS / HAS_DELTA / BLOCK /
-    num_warps keywords), with ``s`` the residual sum's output and ``d`` the delta read (x itself without one); None
-    where the kernels do not apply (the twins serve the call)."""
-    p = _rms_params(norm, x)
-    if p is None or not kernels_usable(x) or (delta is not None and (delta.shape[-2:] != x.shape or delta.dim() > 3
-                                                                     or delta.stride(-1) != 1)):
-        return None
-    s = torch.empty_like(x) if delta is not None else x
-    d = delta if delta is not None else x
-    splits, stride_split = (d.shape[0], d.stride(0)) if d.dim() == 3 else (1, 0)
-    BLOCK = triton.next_power_of_2(x.shape[1])
-    return (*p, s, d, stride_split,
-            dict(SPLITS=splits, HAS_DELTA=delta is not None, BLOCK=BLOCK, num_warps=_norm_warps(BLOCK)))
-
-
 def add_rms_norm(x: torch.Tensor, delta: Optional[torch.Tensor], norm: torch.nn.Module
                  ) -> tuple[torch.Tensor, torch.Tensor]:
     """(``norm(x + delta)``, ``x + delta``) for ``x, delta [B, N]`` (``delta`` None: no add; or ``[splits, B, N]``
     partial sums, see the module doc): one kernel for a torch RMSNorm (output in x's dtype, as torch's), the twin
     otherwise."""
-    launch = _norm_launch(x, delta, norm)
-    if launch is None:
+    p = _rms_params(norm, x)
+    if p is None or not kernels_usable(x) or (delta is not None and (delta.shape[-2:] != x.shape or delta.dim() > 3
+                                                                     or delta.stride(-1) != 1)):
         return add_rms_norm_reference(x, delta, norm)
-    w, eps, s, d, stride_split, kw = launch
+    w, eps = p
+    s = torch.empty_like(x) if delta is not None else x
+    d = delta if delta is not None else x  # (read only with a delta)
+    splits, stride_split = (d.shape[0], d.stride(0)) if d.dim() == 3 else (1, 0)
+    BLOCK = triton.next_power_of_2(x.shape[1])
     y = torch.empty(x.shape, dtype=x.dtype, device=x.device)
     _add_rms_norm_kernel[(x.shape[0],)](x, d, w, y, s, x.shape[1], eps, x.stride(0), d.stride(-2), y.stride(0),
-                                        s.stride(0), stride_split, **kw, **pdl_launch())
+                                        s.stride(0), stride_split, SPLITS=splits, HAS_DELTA=delta is not None,
+                                        BLOCK=BLOCK, num_warps=_norm_warps(BLOCK), **pdl_launch())
     return y, s
-
-
-def add_rms_norm_resq(x: torch.Tensor, delta: Optional[torch.Tensor], norm: torch.nn.Module, fmt: str,
-                      cols: Optional[int] = None) -> tuple[torch.Tensor, torch.Tensor]:
-    """:func:`add_rms_norm_resq_reference` in one kernel (the residual add, the RMSNorm and ResQ 2:4's quantize of
-    its output, ``resq_combine="bf16"``), for a torch RMSNorm and a kernel format; the twin otherwise. The result
-    is what ``rollout_linear`` in W4A4 + ResQ 2:4 (bf16 sum) would multiply: the same linear in W4A16 on it gives
-    that precision's numbers with no quantize kernel of its own. ``cols``: columns per program (a positive multiple
-    of :data:`RESQ_NORM_BK`; :data:`RESQ_NORM_COLS` by default)."""
-    cols = RESQ_NORM_COLS if cols is None else cols
-    if cols <= 0 or cols % RESQ_NORM_BK:
-        raise ValueError(f"add_rms_norm_resq: cols must be a positive multiple of RESQ_NORM_BK ({RESQ_NORM_BK}), "
-                         f"got {cols}")
-    launch = _norm_launch(x, delta, norm) if fmt in KERNEL_FORMATS else None
-    if launch is None:
-        return add_rms_norm_resq_reference(x, delta, norm, fmt)
-    w, eps, s, d, stride_split, kw = launch
-    B, N = x.shape
-    KP = -(-N // _block_size(fmt)) * _block_size(fmt)
-    e = torch.empty((B, KP), dtype=torch.bfloat16, device=x.device)
-    _add_rms_norm_resq_kernel[(B, triton.cdiv(KP, cols))](x, d, w, e, s, N, KP, eps, x.stride(0), d.stride(-2),
-                                                          e.stride(0), s.stride(0), stride_split, BK=RESQ_NORM_BK,
-                                                          COLS=cols, FMT=TILE_FMT[fmt], **TILE_RECIP, **kw,
-                                                          **pdl_launch())
-    return e[:, :N], s
 
 
 #: Keys per step of the decode attention kernel.
@@ -730,30 +618,24 @@ def rope_kv_write(qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, k_cac
     return q
 
 
-def swiglu(a: torch.Tensor, out_dtype: Optional[torch.dtype] = None, splits: bool = False,
-           resq: Optional[str] = None) -> torch.Tensor:
+def swiglu(a: torch.Tensor, out_dtype: Optional[torch.dtype] = None, splits: bool = False) -> torch.Tensor:
     """:func:`swiglu_reference` for ``a [..., 2F]`` (``splits``: ``[splits, B, 2F]`` partial sums, see the module doc)
-    in one kernel (``out_dtype``: a's by default; an fp32 ``a`` is read as its cast to ``out_dtype``). ``resq`` (a
-    format): the ResQ 2:4 bf16-sum activation of that output instead (bf16; as :func:`add_rms_norm_resq`)."""
+    in one kernel (``out_dtype``: a's by default; an fp32 ``a`` is read as its cast to ``out_dtype``)."""
     if not splits and a.dim() > 2 and a.is_contiguous():  # (the prefill's [b, L, 2F]: rows)
-        y = swiglu(a.view(-1, a.shape[-1]), out_dtype, resq=resq)
+        y = swiglu(a.view(-1, a.shape[-1]), out_dtype)
         return y.view(*a.shape[:-1], y.shape[-1])
     dtype = out_dtype or a.dtype
     if (not kernels_usable(a) or a.dim() != 2 + splits or a.shape[-1] % 2 or a.stride(-1) != 1
-            or (resq is not None and resq not in KERNEL_FORMATS) or dtype not in _TL_DTYPES):
-        y = swiglu_reference(a, out_dtype, splits)
-        return y if resq is None else _resq_sum(y, resq)
+            or dtype not in _TL_DTYPES):
+        return swiglu_reference(a, out_dtype, splits)
     B, F2 = a.shape[-2:]
     F_ = F2 // 2
-    FP = F_ if resq is None else -(-F_ // _block_size(resq)) * _block_size(resq)
-    y = torch.empty((B, FP), dtype=dtype if resq is None else torch.bfloat16, device=a.device)
-    BLOCK = min(1024, triton.next_power_of_2(F_)) if resq is None else RESQ_SWIGLU_BLOCK
+    y = torch.empty((B, F_), dtype=dtype, device=a.device)
+    BLOCK = min(1024, triton.next_power_of_2(F_))
     n_splits, stride_split = (a.shape[0], a.stride(0)) if splits else (1, 0)
-    _swiglu_kernel[(B, triton.cdiv(FP, BLOCK))](a, y, F_, FP, a.stride(-2), y.stride(0), stride_split,
-                                                DT=_TL_DTYPES[dtype], SPLITS=n_splits, BLOCK=BLOCK,
-                                                FMT=-1 if resq is None else TILE_FMT[resq], **TILE_RECIP,
-                                                **pdl_launch())
-    return y[:, :F_]
+    _swiglu_kernel[(B, triton.cdiv(F_, BLOCK))](a, y, F_, a.stride(-2), y.stride(0), stride_split,
+                                                DT=_TL_DTYPES[dtype], SPLITS=n_splits, BLOCK=BLOCK, **pdl_launch())
+    return y
 
 
 #: Logits per program of :func:`sample`'s first kernel (a Qwen2.5 row of 152,064: 75 programs; 64 rows, 4,800).

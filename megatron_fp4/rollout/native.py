@@ -340,7 +340,7 @@ class NativeRolloutEngine(RolloutEngine):
         if path != "megatron":
             self.last_generate_stats.update(self._static.last_stats)
             if self._static.fused:  # megatron_fp4/kernels/decode_ops.py's fused decode-step kernels (the GPU default)
-                path += "+fused" + ("+resq" if self._static.resq_format(1) is not None else "")
+                path += "+fused"
                 if pdl_enabled():  # the step's kernels with programmatic dependent launch (MEGATRON_FP4_PDL=1)
                     path += "+pdl"
                 self.last_generate_stats["path"] = path

@@ -168,11 +168,6 @@ class StaticCacheGenerator:
         on_gpu = any(p.is_cuda for p in model.parameters())
         self.fused = fused if fused is not None else os.environ.get("MEGATRON_FP4_DECODE_FUSED",
                                                                     "1" if on_gpu else "0") == "1"
-        #: W4A4 + ResQ 2:4 (bf16 sum) with ``fused``: the RMSNorm kernels before qkv and fc1 and the SwiGLU before fc2
-        #: also quantize their output (decode_ops.add_rms_norm_resq, swiglu(resq=)), and those linears run W4A16 on
-        #: it: the same numbers without three of the four quantize kernels per layer. Opt-in
-        #: (MEGATRON_FP4_DECODE_FUSED_RESQ=1) until measured on a GPU.
-        self.fused_resq = os.environ.get("MEGATRON_FP4_DECODE_FUSED_RESQ", "0") == "1"
         #: The fused step's attention: "kernel" (decode_ops.rope_attention: RoPE, the K/V writes and the attention
         #: over each cache up to its position in one kernel) or "sdpa" (the RoPE kernel, then SDPA with a mask over
         #: the whole cache, as the unfused path); MEGATRON_FP4_DECODE_ATTENTION.
@@ -242,43 +237,33 @@ class StaticCacheGenerator:
         return st
 
     # -- the model -----------------------------------------------------------------------------------------------------
-    def _linear(self, mod: torch.nn.Module, x: torch.Tensor, as_stored: bool = False, bias: bool = True,
-                precision: Optional[RolloutPrecision] = None) -> torch.Tensor:
+    def _linear(self, mod: torch.nn.Module, x: torch.Tensor, as_stored: bool = False, bias: bool = True
+                ) -> torch.Tensor:
         """``as_stored``: ``[splits, B, n]``, the decode GEMM's fp32 split-K partial sums as stored (no atomics, no
         zero-fill, no cast kernel; with a bias already added up), for the fused kernels that add them in order and
         round to the model's dtype as they read them: the step is then deterministic (graph and eager alike).
-        ``bias`` False: without the linear's bias (its reader adds it). ``precision``: instead of the generator's."""
-        return rollout_linear(x, mod.weight, getattr(mod, "bias", None) if bias else None,
-                              precision or self._precision, cache=self._cache, as_stored=as_stored)
+        ``bias`` False: without the linear's bias (its reader adds it)."""
+        return rollout_linear(x, mod.weight, getattr(mod, "bias", None) if bias else None, self._precision,
+                              cache=self._cache, as_stored=as_stored)
 
-    def _mlp(self, layer: _Layer, h: torch.Tensor, as_stored: bool = False,
-             w16: Optional[RolloutPrecision] = None) -> torch.Tensor:
+    def _mlp(self, layer: _Layer, h: torch.Tensor, as_stored: bool = False) -> torch.Tensor:
         """The MLP of the normed input ``h`` (``as_stored``: fc2's output as :meth:`_linear` says, and fc1's too
-        where the fused SwiGLU reads it; ``w16``: ``h`` is ResQ's activation already and fc1 runs in this precision,
-        W4A16 (:meth:`_decode`), and the fused SwiGLU makes fc2's)."""
+        where the fused SwiGLU reads it)."""
         splits = as_stored and self.fused and self.gated
-        a = self._linear(layer.fc1, h, splits, precision=w16)
-        fc2 = w16 if self.gated else None  # (the fused SwiGLU; w16 implies the fused step)
-        return self._linear(layer.fc2, self._act(a, h.dtype, splits, fc2 and fc2.format), as_stored, precision=fc2)
+        return self._linear(layer.fc2, self._act(self._linear(layer.fc1, h, splits), h.dtype, splits), as_stored)
 
-    def _act(self, a: torch.Tensor, dtype: torch.dtype, splits: bool = False, resq: Optional[str] = None
-             ) -> torch.Tensor:
-        """The activation of fc1's output ``a`` (``splits``: its split sums as stored, fused SwiGLU only; ``resq``:
-        ResQ's activation of it, in ``dtype``)."""
+    def _act(self, a: torch.Tensor, dtype: torch.dtype, splits: bool = False) -> torch.Tensor:
+        """The activation of fc1's output ``a`` (``splits``: its split sums as stored, fused SwiGLU only)."""
         if not self.gated:
             return self.act(a)
         if self.fused:  # gated MLPs here are SiLU (static_decode_support)
-            return decode_ops.swiglu(a, dtype, splits, resq=resq).to(dtype)
+            return decode_ops.swiglu(a, dtype, splits)
         a0, a1 = torch.chunk(a, 2, dim=-1)
         return self.act(a0) * a1
 
-    def _add_norm(self, x: torch.Tensor, delta: Optional[torch.Tensor], norm: torch.nn.Module,
-                  resq: Optional[str] = None) -> tuple[torch.Tensor, torch.Tensor]:
-        """(norm(x + delta), x + delta); ``delta`` None: (norm(x), x). ``resq`` (a format): the first item is the
-        ResQ 2:4 bf16-sum activation of norm(x + delta) instead, in x's dtype (:meth:`resq_format`)."""
-        if resq is not None:
-            a, s = decode_ops.add_rms_norm_resq(x, delta, norm, resq)
-            return a.to(x.dtype), s
+    def _add_norm(self, x: torch.Tensor, delta: Optional[torch.Tensor], norm: torch.nn.Module
+                  ) -> tuple[torch.Tensor, torch.Tensor]:
+        """(norm(x + delta), x + delta); ``delta`` None: (norm(x), x)."""
         if self.fused:
             return decode_ops.add_rms_norm(x, delta, norm)
         return decode_ops.add_rms_norm_reference(x, delta, norm)
@@ -318,18 +303,6 @@ class StaticCacheGenerator:
         last = torch.arange(b, device=x.device) * L + lens - 1
         return self._logits(self._add_norm(x[last], delta[last], self.final_norm)[0])
 
-    def resq_format(self, B: int) -> Optional[str]:
-        """The format whose ResQ quantize the decode step's RMSNorm kernels take over (``fused_resq``), or None: W4A4 +
-        ResQ 2:4 with the bf16 sum, at most DECODE_MAX_M tokens (where the kernels' W4A4 + ResQ and W4A16 paths
-        multiply the same bf16 activation by the same bf16 expansion of the weight)."""
-        from megatron_fp4.kernels._common import DECODE_MAX_M
-
-        p = self._precision
-        if (self.fused and self.fused_resq and p.mode == "w4a4" and p.activation_method == "resq"
-                and p.sparsity == "2:4" and p.resq_combine == "bf16" and B <= DECODE_MAX_M):
-            return p.format
-        return None
-
     def _decode(self, st: dict, B: int) -> torch.Tensor:
         """One token for slots [0, B): reads st tok/pos, writes K/V at pos, returns logits [B, V]. Each residual
         add is done with the norm that follows it (one kernel each when ``fused``)."""
@@ -338,15 +311,12 @@ class StaticCacheGenerator:
         cos, sin = st["cos"], st["sin"]  # [S, hd]: the RoPE ops read them at pos
         valid = None if self.attention_kernel else (st["ar_seq"][None, :] <= pos[:, None]).view(B, 1, 1, -1)
         delta = None
-        resq = self.resq_format(B)
-        # on ResQ's activation, already made by the fused kernels, W4A16 is W4A4 + ResQ 2:4 (bf16 sum)
-        w16 = RolloutPrecision("w4a16", resq) if resq is not None else None
         for i, layer in enumerate(self.layers):
-            h, x = self._add_norm(x, delta, layer.ln1, resq)
+            h, x = self._add_norm(x, delta, layer.ln1)
             kc, vc = st["k"][i, :B], st["v"][i, :B]  # [B, ng, S, hd]
             if self.fused:  # the RoPE kernels add qkv's splits in order, then (FP4: no cuBLAS epilogue) its bias
                 bias = getattr(layer.qkv, "bias", None) if self._precision.mode != "bf16" else None
-                qkv = self._linear(layer.qkv, h, True, bias=bias is None, precision=w16)
+                qkv = self._linear(layer.qkv, h, True, bias=bias is None)
                 qkv = qkv.view(qkv.shape[0], B, self.kv_heads, self.group + 2, self.head_dim)
             else:
                 qkv, bias = self._linear(layer.qkv, h).view(B, self.kv_heads, self.group + 2, self.head_dim), None
@@ -357,8 +327,8 @@ class StaticCacheGenerator:
                 q = rope(qkv, cos, sin, kc, vc, pos, self.group, bias)  # [B, ng, G, hd]; k, v written at pos
                 o = F.scaled_dot_product_attention(q, kc, vc, attn_mask=valid, scale=self.scale)  # [B, ng, G, hd]
             delta = self._linear(layer.proj, o.reshape(B, self.heads * self.head_dim), self.fused)
-            h, x = self._add_norm(x, delta, layer.ln2, resq)
-            delta = self._mlp(layer, h, self.fused, w16)
+            h, x = self._add_norm(x, delta, layer.ln2)
+            delta = self._mlp(layer, h, self.fused)
         return self._logits(self._add_norm(x, delta, self.final_norm)[0])
 
     def _step(self, st: dict, B: int, params: SamplingParams, stop_ids: torch.Tensor) -> None:
