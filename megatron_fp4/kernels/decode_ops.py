@@ -33,8 +33,8 @@ import torch.nn.functional as F
 
 from megatron_fp4.kernels._common import HAS_TRITON, kernels_usable, pdl_launch, tl, triton
 
-__all__ = ["add_rms_norm", "add_rms_norm_reference", "attention_splits", "decode_attention_reference", "invert_cdf", "record_tokens",
-           "record_tokens_reference", "rope_attention", "rope_attention_reference", "rope_reference",
+__all__ = ["add_rms_norm", "add_rms_norm_reference", "attention_splits", "decode_attention_reference", "invert_cdf",
+           "record_tokens", "record_tokens_reference", "rope_attention", "rope_attention_reference", "rope_reference",
            "rope_kv_write", "rope_kv_write_reference", "sample", "sample_reference", "split_sum", "sum_splits",
            "swiglu", "swiglu_reference"]
 

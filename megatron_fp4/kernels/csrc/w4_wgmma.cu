@@ -397,36 +397,31 @@ w4_wgmma_kernel(const uint4* __restrict__ codes, const uint32_t* __restrict__ me
   if (warp == CONSUMERS / 32) {  // the producer: chunk c into stage c % XST once the wgmmas of chunk c - XST retired
 #if NATURAL  // chunk c's activations by one TMA (lane 0's) once the stage is empty; tokens past M read as zeros
     // (their sums are never stored)
-#if PERSIST  // gc counts the block's chunks over its tiles, s is gc % XST
-    int s = 0, gc = 0;
-    TILE_BEGIN
-    for (int c = 0; c < nch; ++c, ++gc) {
-      if (gc >= XST) bar_sync(EMPTY_BAR(s));
-      if (lane == 0) {
-        const uint32_t dst = (uint32_t)__cvta_generic_to_shared(xs) + s * RSTAGE_BYTES;
-        mbar_arrive_tx(full0 + s * 8, STAGE_BYTES + SLABS * (512 + META_BYTES));
-        tma_load_2d(dst, &xmap, (c0 + c) * 64, 0, full0 + s * 8);
-        tma_load_3d(dst + STAGE_BYTES, &wmap, 0, c0 + c, TILE_X * SLABS, full0 + s * 8);
-        tma_load_3d(dst + STAGE_BYTES + SLABS * 512, &mmap, 0, c0 + c, TILE_X * SLABS, full0 + s * 8);
-      }
-      s = s + 1 == XST ? 0 : s + 1;
-    }
-    TILE_END
+#if PERSIST
+    int gc = 0;  // the block's chunks before this tile's
+#define GC(c) (gc + (c))
 #else
+#define GC(c) (c)
+#endif
+    TILE_BEGIN
     for (int c = 0; c < nch; ++c) {
-      const int s = c % XST;
-      if (c >= XST) bar_sync(EMPTY_BAR(s));
+      const int s = GC(c) % XST;
+      if (GC(c) >= XST) bar_sync(EMPTY_BAR(s));
       if (lane == 0) {
         const uint32_t dst = (uint32_t)__cvta_generic_to_shared(xs) + s * RSTAGE_BYTES;
         mbar_arrive_tx(full0 + s * 8, STAGE_BYTES + SLABS * (512 + META_BYTES));
         tma_load_2d(dst, &xmap, (c0 + c) * 64, 0, full0 + s * 8);
 #if WTMA  // the block's slabs (rows past S read as zeros: an idle warpgroup's, never stored)
-        tma_load_3d(dst + STAGE_BYTES, &wmap, 0, c0 + c, blockIdx.x * SLABS, full0 + s * 8);
-        tma_load_3d(dst + STAGE_BYTES + SLABS * 512, &mmap, 0, c0 + c, blockIdx.x * SLABS, full0 + s * 8);
+        tma_load_3d(dst + STAGE_BYTES, &wmap, 0, c0 + c, TILE_X * SLABS, full0 + s * 8);
+        tma_load_3d(dst + STAGE_BYTES + SLABS * 512, &mmap, 0, c0 + c, TILE_X * SLABS, full0 + s * 8);
 #endif
       }
     }
+#if PERSIST
+    gc += nch;
 #endif
+    TILE_END
+#undef GC
     producer_cluster_barriers();
     return;
 #endif
