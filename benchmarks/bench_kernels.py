@@ -348,9 +348,6 @@ SWEEP_TILES = (
     # NATURAL_TILE with the deterministic split-K of a thread-block cluster (session 27: 7-62% slower than the atomic
     # split at the balanced split, 7 on 3584x18944; is it the cluster's size? clusters of 2 and 4 pack a GPC evenly)
     *({**_NAT, "CLUSTER": 1, **split} for split in ({}, dict(SPLIT=2), dict(SPLIT=4))),
-    # PERSIST (session 42): persistent blocks, one ring through all of a block's tiles (the pipeline fills once per
-    # block, not once per tile), at the 16-token tile and at the 64-token one (NATURAL_TILE_AT_64's keys)
-    *({**_NAT, "PERSIST": 1, **keys} for keys in ({}, dict(WGS=1, MINB=3))),
 )
 DECODE_SHAPES = [(3584, 18944), (18944, 3584), (1536, 8960), (8960, 1536), (1536, 2048), (1536, 1536)]  # (K, N)
 

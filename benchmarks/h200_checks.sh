@@ -12,8 +12,6 @@
 #   decode-bench  bench_kernels.py --decode --decode-sweep on the 7B and 1.5B MLP shapes
 #   engine-bench  bench_rollout.py: the native engine's rows on the 1.5B and 7B shapes (issue 20's engine targets,
 #                 --profile; the eager check at the graph's batch, 64: the same tiles, so the same split of K)
-#   decode-persist  the persistent decode GEMM (PERSIST=1, opt-in, not yet run on a GPU): its GPU tests, the decode
-#                 GEMM on the engine's 7B weights with and without it, the engine's 7B rows with and without it; ~5 min
 #   engine-pdl    programmatic dependent launch (MEGATRON_FP4_PDL=1): the 7B rows without and with it in one JSON
 #                 (paths "graph+fused" and "graph+fused+pdl"), then the decode-step kernels' and the engine's GPU
 #                 tests with it: whether it becomes the default
@@ -43,9 +41,9 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 usage="usage: bash benchmarks/h200_checks.sh train-tests|train-bench|decode-tests|decode-bench|decode-profile|rl-step"
-usage+="|rl-mismatch|decode-natural|decode-persist|decode-quantize|engine-bench|engine-pdl|sglang-bench"
+usage+="|rl-mismatch|decode-natural|decode-quantize|engine-bench|engine-pdl|sglang-bench"
 case "${1:-}" in train-tests | train-bench | decode-tests | decode-bench | decode-profile | rl-step | rl-mismatch | \
-  decode-natural | decode-persist | decode-quantize | engine-bench | engine-pdl | sglang-bench) ;;
+  decode-natural | decode-quantize | engine-bench | engine-pdl | sglang-bench) ;;
   *) echo "$usage" >&2; exit 2 ;;
 esac
 SITE=${SITE_DIR:-/tmp/site}
@@ -139,25 +137,6 @@ case "$1" in
     python3 benchmarks/bench_kernels.py --decode --decode-sweep --sweep-keys NATURAL --decode-ms 16,32,64 \
       --shapes 3584x37888,18944x3584,3584x4608,3584x3584,1536x17920,8960x1536 \
       --out "$results/decode_natural_sweep_h200.json"
-    ;;
-  decode-persist)  # the persistent decode GEMM (PERSIST=1, session 42; opt-in): its GPU tests beside the default's,
-    # the engine's MLP, qkv and proj weights with and without it (at 64 tokens on NATURAL_TILE_AT_64's tile: WGS 1,
-    # MINB 3), then the engine's 7B rows without and with it (MEGATRON_FP4_DECODE_NATURAL_TILE; two JSON: the rows
-    # share their path)
-    prebuild_tests natural
-    run_tests -m gpu tests/test_cuda_decode.py -k "persistent or natural_layout_bit_exact or rounded_split"
-    python3 benchmarks/bench_kernels.py --decode --decode-sweep --decode-ms 16,64 \
-      --shapes 3584x37888,18944x3584,3584x4608,3584x3584 \
-      --sweep-tiles '[{"PERSIST":1},{"PERSIST":1,"WGS":1,"MINB":3},{"WGS":1,"MINB":3}]' \
-      --out "$results/decode_persist_h200.json"
-    python3 benchmarks/bench_rollout.py --backend native --shapes qwen2.5-7b --check-samples 64 \
-      --out "$results/rollout_h200_persist_off.json"
-    (
-      export MEGATRON_FP4_DECODE_NATURAL_TILE='{"PERSIST":1}'
-      python3 benchmarks/bench_rollout.py --backend native --shapes qwen2.5-7b --check-samples 64 \
-        --precisions w4a16/hif4,w4a16/mxfp4,w4a4+resq2:4+bf16sum/hif4,w4a4+resq2:4+bf16sum/mxfp4 \
-        --out "$results/rollout_h200_persist_on.json"
-    )
     ;;
   decode-profile)  # the third launch of each case (the first builds the kernel); one text report per case:
     # M = 16 on the default tile (natural layout), both formats; M = 64 (the rollout's batch) on both kernels of the

@@ -134,7 +134,6 @@ def test_natural_tile_override_names_the_variable_and_keys():
     from megatron_fp4.kernels.cuda_decode import natural_tile_override
 
     assert natural_tile_override('{"CLUSTER": 1, "SPLIT": 4}') == {"CLUSTER": 1, "SPLIT": 4}
-    assert natural_tile_override('{"PERSIST": 1}') == {"PERSIST": 1}
     for bad in ('{"CLUSTR": 1}', '{"PINA": 1}', '[1]', '{"CLUSTER": "1"}', '{"XST": -1}'):
         with pytest.raises(ValueError, match="MEGATRON_FP4_DECODE_NATURAL_TILE=.*keys among WGS, DEPTH, XST"):
             natural_tile_override(bad)
@@ -235,9 +234,7 @@ def _ptxas_report(defines: dict, path: str) -> str:
 def test_wgmma_tiles_compile_without_spills_or_serialized_wgmmas(tmp_path):
     """ptxas's report for the wgmma kernel's default tiles (every token bucket, both formats, wide MXFP4) and the
     producer-warp tiles the decode sweep times at M = 16 (and at M = 64 its LEAN tile without producer, its
-    four-warpgroup tiles and its NATURAL tiles for M = 64), and the default natural tiles made persistent (PERSIST=1)
-    at every token bucket (the sweep's two-warpgroup PERSIST tile spills 12 bytes at M = 64: it is left out there):
-    no register spills, and no "wgmma.mma_async instructions are serialized" note (ptxas's
+    four-warpgroup tiles and its NATURAL tiles for M = 64): no register spills, and no "wgmma.mma_async instructions are serialized" note (ptxas's
     answer to a wgmma under thread-dependent control flow, or to too few registers to keep the wgmmas in flight:
     they then run one at a time)."""
     from megatron_fp4.kernels import cuda_decode as cd
@@ -248,11 +245,10 @@ def test_wgmma_tiles_compile_without_spills_or_serialized_wgmmas(tmp_path):
     configs = [(f, w, m, None) for (f, m) in cd.WGMMA_TILES for w in ((0,) if f == 0 else (0, 1))]
     configs += [(f, 0, 16, t) for t in SWEEP_TILES if t.get("PRODUCER") for f in (0, 1)]
     configs += [(f, 0, 64, t) for t in SWEEP_TILES if t.get("LEAN") and not t.get("PRODUCER") for f in (0, 1)]
-    configs += [(f, 0, 64, t) for t in SWEEP_TILES
-                if t.get("WGS") == 4 or t.get("NATURAL") and t["MINB"] < 3 and not t.get("PERSIST") for f in (0, 1)]
+    configs += [(f, 0, 64, t) for t in SWEEP_TILES if t.get("WGS") == 4 or t.get("NATURAL") and t["MINB"] < 3
+                for f in (0, 1)]
     configs += [(f, w, 16, cd.LARGE_M16_TILES[f]) for f, w in ((0, 0), (1, 0), (1, 1))]
-    configs += [(f, w, m, cd.natural_tile(keys, m)) for f, w in ((0, 0), (1, 0), (1, 1)) for m in (8, 16, 32, 64)
-                for keys in (None, {"PERSIST": 1})]  # (PERSIST: as MEGATRON_FP4_DECODE_NATURAL_TILE would set it)
+    configs += [(f, w, m, cd.natural_tile(None, m)) for f, w in ((0, 0), (1, 0), (1, 1)) for m in (8, 16, 32, 64)]
     builds = {tuple(sorted(cd._defines("wgmma", f, bool(w), m, cd._tile("wgmma", f, m, tile)).items()))
               for f, w, m, tile in configs}  # (a SPLIT override compiles nothing new)
     for defines in map(dict, sorted(builds)):
@@ -362,7 +358,7 @@ def _assert_one_hot_reads_back(cd, name, tile, natural):
 #: The natural-K-order tiles (weights from to_decode_layout(natural=True); activations by TMA).
 NATURAL_GPU_TILES = [None, dict(WGS=4, XST=6, MINB=1), dict(XST=4, MINB=3), dict(SPLIT=1), dict(LEAN=0),
                      dict(CLUSTER=1), dict(CLUSTER=1, SPLIT=3), dict(WTMA=0), dict(WTMA=0, CLUSTER=1),
-                     dict(WTMA=0, WGS=4, XST=6, MINB=1), dict(PERSIST=1), dict(PERSIST=1, WGS=1, MINB=3)]
+                     dict(WTMA=0, WGS=4, XST=6, MINB=1)]
 
 
 @pytest.mark.gpu
@@ -383,29 +379,6 @@ def test_gpu_natural_layout_bit_exact(name, tile):
         assert ((got - ref).norm() / ref.norm()).item() < 1e-5, (name, M)
     with pytest.raises(ValueError, match="wgmma"):
         cd.w4_decode(x, dw, config={"KERNEL": "mma"})
-
-
-@pytest.mark.gpu
-@pytest.mark.parametrize("name", ["hif4", "mxfp4"])
-@pytest.mark.parametrize("keys", [{}, dict(WGS=1, MINB=3)], ids=["wgs2", "wgs1"])
-def test_gpu_persistent_blocks_give_the_same_bits(name, keys):
-    """PERSIST=1 on a weight of many more tiles than the GPU holds blocks (a 7B gate + up weight, 3584 x 37888: 296
-    row blocks of two warpgroups, times the split), so each block runs several tiles through one ring: every split's
-    partial sums as stored, the one-split fp32 and bf16 outputs, all bit for bit those of the same tile without it."""
-    cd = _cuda_ready()
-    N, K = 37888, 3584
-    qt = get_format(name).quantize((torch.randn(N, K, device="cuda") * 0.02).to(torch.bfloat16), dim=-1)
-    dw = to_decode_layout(qt, _wide(qt), natural=True)
-    for M, split in ((16, 4), (64, 1), (64, 3), (5, 7)):
-        x = torch.randn(M, K, device="cuda").to(torch.bfloat16)
-        base = dict(keys, SPLIT=split)
-        for out_dtype in (None,) + ((torch.float32, torch.bfloat16) if split == 1 else ()):
-            want = cd.w4_decode(x, dw, config=base, out_dtype=out_dtype)
-            got = cd.w4_decode(x, dw, config=dict(base, PERSIST=1), out_dtype=out_dtype)
-            assert torch.equal(got, want), (name, keys, M, split, out_dtype)
-    ref = x.double() @ qt.dequantize().double().t()
-    got = cd.w4_decode(x, dw, config=dict(keys, PERSIST=1)).double()  # the balanced split, atomic
-    assert ((got - ref).norm() / ref.norm()).item() < 1e-5
 
 
 @pytest.mark.gpu

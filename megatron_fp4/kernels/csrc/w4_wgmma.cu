@@ -16,9 +16,8 @@
 // with the 128-byte swizzle, one per chunk; the default layout, cuda_decode.NATURAL_TILE), -DCLUSTER (1, with WRING:
 // deterministic split-K through a thread-block cluster, see Split-K below), -DWTMA (1, with NATURAL: the producer
 // warp brings the block's weight codes and metadata by two 3-D TMAs per chunk beside the activations' one, so the
-// consumer warps issue no copies; NATURAL_TILE's since session 28), -DPERSIST (1, with WTMA: persistent blocks, see
-// Persistent below). XPAIR, WRING, NATURAL, CLUSTER, WTMA and PERSIST are tile keys: docs/PERFORMANCE.md (sessions
-// 25-28, 42) has what each measured.
+// consumer warps issue no copies; NATURAL_TILE's since session 28). XPAIR, WRING, NATURAL, CLUSTER and WTMA are tile
+// keys: docs/PERFORMANCE.md (sessions 25-28) has what each measured.
 //
 // Each warpgroup owns one 64-row tile of W (four 16-row slabs of the decode layout, one per warp). Per 64-value chunk
 // of K a warp loads its slab's codes (one 16-byte load per lane), dequantizes them exactly into the BF16 A fragment of
@@ -61,12 +60,6 @@
 // ring, free by then), and after a cluster barrier each block sums a 1/split share of the tile's outputs over the
 // cluster's blocks in rank order (distributed shared memory) and stores them: no atomics, no zeroed output, the same
 // bits on every run.
-// Persistent (-DPERSIST=1, WTMA): the launch takes as many blocks as fit the GPU at once (at most one per tile); block
-// b runs the tiles (row block, split) w = b, b + gridDim.x, ... (w % row blocks, w / row blocks) one after another
-// through one ring: the producer brings the next tile's first chunks while the warpgroups still multiply the last of
-// this one and store its outputs, so a block fills its pipeline once, not once per tile. Stages and phases count
-// the block's chunks over all its tiles (gc, g0 below); a consumer frees a stage only where the producer will fill it
-// again. PERSIST=0 compiles to the one-tile-per-block kernel as before (the macros below expand to its code).
 #include <cuda.h>  // CUtensorMap (NATURAL)
 #include <cudaTypedefs.h>  // PFN_cuTensorMapEncodeTiled (NATURAL)
 #include <cuda_bf16.h>
@@ -106,14 +99,8 @@
 #ifndef WTMA
 #define WTMA 0
 #endif
-#ifndef PERSIST
-#define PERSIST 0
-#endif
 #if WTMA && !NATURAL
 #error "WTMA needs NATURAL (the producer's TMA path)"
-#endif
-#if PERSIST && (!WTMA || CLUSTER)
-#error "PERSIST needs WTMA (the producer brings every byte) and no CLUSTER"
 #endif
 #if NATURAL && !WRING
 #error "NATURAL needs WRING"
@@ -364,30 +351,9 @@ w4_wgmma_kernel(const uint4* __restrict__ codes, const uint32_t* __restrict__ me
   const int lane = threadIdx.x & 31;
   const int warp = __shfl_sync(0xFFFFFFFFu, threadIdx.x >> 5, 0);  // warp-uniform, as ptxas can see
   const int g = lane >> 2, t = lane & 3;
-#if PERSIST  // this block's tiles (see Persistent in the header) and its chunks over all of them
-  const int nsplit = (C + cps - 1) / cps, rblocks = (S / 4 + WGS - 1) / WGS, tiles = rblocks * nsplit;
-  int bchunks = 0;
-  for (int w = blockIdx.x; w < tiles; w += gridDim.x) bchunks += min(C, (w / rblocks + 1) * cps) - w / rblocks * cps;
-#define TILE_BEGIN                                                  \
-  for (int w = blockIdx.x; w < tiles; w += gridDim.x) {             \
-    const int tile_x = w % rblocks, c0 = w / rblocks * cps;         \
-    const int nch = min(C, c0 + cps) - c0;
-#define TILE_END }
-#define TILE_X tile_x
-#define TILE_Y (w / rblocks)
-#define NSPLIT nsplit
-#define TILE_NEXT continue
-#else  // one tile per block: blockIdx (x, y)
   const int c0 = blockIdx.y * cps;
   const int nch = min(C, c0 + cps) - c0;
   if (nch <= 0) return;  // block-uniform
-#define TILE_BEGIN
-#define TILE_END
-#define TILE_X blockIdx.x
-#define TILE_Y blockIdx.y
-#define NSPLIT gridDim.y
-#define TILE_NEXT return
-#endif
 #if WRING
   if (threadIdx.x < XST) mbar_init(full0 + threadIdx.x * 8, NATURAL ? 1 : 32);  // the producer's arrivals
   asm volatile("fence.mbarrier_init.release.cluster;" ::: "memory");
@@ -397,35 +363,22 @@ w4_wgmma_kernel(const uint4* __restrict__ codes, const uint32_t* __restrict__ me
   if (warp == CONSUMERS / 32) {  // the producer: chunk c into stage c % XST once the wgmmas of chunk c - XST retired
 #if NATURAL  // chunk c's activations by one TMA (lane 0's) once the stage is empty; tokens past M read as zeros
     // (their sums are never stored)
-#if PERSIST
-    int gc = 0;  // the block's chunks before this tile's
-#define GC(c) (gc + (c))
-#else
-#define GC(c) (c)
-#endif
-    TILE_BEGIN
     for (int c = 0; c < nch; ++c) {
-      const int s = GC(c) % XST;
-      if (GC(c) >= XST) bar_sync(EMPTY_BAR(s));
+      const int s = c % XST;
+      if (c >= XST) bar_sync(EMPTY_BAR(s));
       if (lane == 0) {
         const uint32_t dst = (uint32_t)__cvta_generic_to_shared(xs) + s * RSTAGE_BYTES;
         mbar_arrive_tx(full0 + s * 8, STAGE_BYTES + SLABS * (512 + META_BYTES));
         tma_load_2d(dst, &xmap, (c0 + c) * 64, 0, full0 + s * 8);
 #if WTMA  // the block's slabs (rows past S read as zeros: an idle warpgroup's, never stored)
-        tma_load_3d(dst + STAGE_BYTES, &wmap, 0, c0 + c, TILE_X * SLABS, full0 + s * 8);
-        tma_load_3d(dst + STAGE_BYTES + SLABS * 512, &mmap, 0, c0 + c, TILE_X * SLABS, full0 + s * 8);
+        tma_load_3d(dst + STAGE_BYTES, &wmap, 0, c0 + c, blockIdx.x * SLABS, full0 + s * 8);
+        tma_load_3d(dst + STAGE_BYTES + SLABS * 512, &mmap, 0, c0 + c, blockIdx.x * SLABS, full0 + s * 8);
 #endif
       }
     }
-#if PERSIST
-    gc += nch;
-#endif
-    TILE_END
-#undef GC
     producer_cluster_barriers();
     return;
 #endif
-#if !PERSIST  // (PERSIST is NATURAL's)
     XRegs xr;
     load_x(xr, x, M, ldx16, c0, lane);
     for (int c = 0; c < nch; ++c) {
@@ -443,13 +396,10 @@ w4_wgmma_kernel(const uint4* __restrict__ codes, const uint32_t* __restrict__ me
     }
     producer_cluster_barriers();
     return;
-#endif
   }
 #endif
-#if !PERSIST
   const int slab = (blockIdx.x * WGS + (warp >> 2)) * 4 + (warp & 3);
   const bool active = slab < S;  // S is a multiple of 4: a warpgroup is active as a whole
-#endif
   const uint32_t xs0 = (uint32_t)__cvta_generic_to_shared(xs);
 #if LEAN
   const uint64_t desc0 = b_desc(xs0);
@@ -492,15 +442,6 @@ w4_wgmma_kernel(const uint4* __restrict__ codes, const uint32_t* __restrict__ me
   }
 #define FETCH_NEXT(d) FETCH(d, d + DEPTH, kk + DEPTH)
 #endif
-#if PERSIST  // the ring's indices (below), carried over the block's tiles; g0: the tile's first chunk among the block's
-  int cs = 0, ps = XST - 1, fs = DEPTH % XST, fph = (DEPTH / XST) & 1, g0 = 0;
-#define G0 g0
-#define LATER(kc) (g0 + (kc) + XST < bchunks)  // whether the producer fills chunk kc's stage again
-  TILE_BEGIN
-#else
-#define G0 0
-#define LATER(kc) ((kc) + XST < nch)
-#endif
   float acc[NTOK / 2];
 #pragma unroll
   for (int i = 0; i < NTOK / 2; ++i) acc[i] = 0.f;
@@ -520,15 +461,12 @@ w4_wgmma_kernel(const uint4* __restrict__ codes, const uint32_t* __restrict__ me
   MetaT mq[DEPTH];
 #pragma unroll
   for (int d = 0; d < DEPTH; ++d) {
-    if (d < nch) FETCH(d, d, G0 + d);
+    if (d < nch) FETCH(d, d, d);
   }
   uint32_t a[2][4][4];  // [chunk parity][k16 step][fragment register]
   // The ring's indices carried from chunk to chunk (no division per chunk): cs = kk % XST, ps = (kk - 1) % XST,
-  // fs = (kk + DEPTH) % XST and fph the parity of (kk + DEPTH) / XST (the phase its FETCH waits for); PERSIST: kk
-  // counted over the block's tiles
-#if !PERSIST
+  // fs = (kk + DEPTH) % XST and fph the parity of (kk + DEPTH) / XST (the phase its FETCH waits for).
   int cs = 0, ps = XST - 1, fs = DEPTH % XST, fph = (DEPTH / XST) & 1;
-#endif
 
   for (int k = 0; k < nch; k += DEPTH) {
 #pragma unroll
@@ -579,7 +517,7 @@ w4_wgmma_kernel(const uint4* __restrict__ codes, const uint32_t* __restrict__ me
 #endif
         wgmma_wait<1>();  // chunk kk - 1's group has retired: its A registers and stage are free
 #if PRODUCER
-        if (kk >= 1 && LATER(kk - 1)) bar_arrive(EMPTY_BAR(ps));  // (the producer waits for it)
+        if (kk >= 1 && kk - 1 + XST < nch) bar_arrive(EMPTY_BAR(ps));  // (the producer waits for it)
 #endif
         ps = cs;
         cs = cs + 1 == XST ? 0 : cs + 1;
@@ -600,14 +538,6 @@ w4_wgmma_kernel(const uint4* __restrict__ codes, const uint32_t* __restrict__ me
 #undef COPY
   wgmma_wait<0>();
   pin(acc);
-#if PERSIST
-  // the tile's last chunk: its stage is a later tile's (g0 moved on first: in the other order ptxas serializes the
-  // wgmmas, C7515)
-  g0 += nch;
-  if (LATER(-1)) bar_arrive(EMPTY_BAR(ps));
-#endif
-#undef G0
-#undef LATER
 #if CLUSTER
   if (gridDim.y > 1) {  // deterministic split-K through the cluster (see the header); gridDim.y is the cluster size
     asm volatile("bar.sync 15, %0;" ::"n"(CONSUMERS) : "memory");  // every consumer is done with the ring
@@ -632,15 +562,10 @@ w4_wgmma_kernel(const uint4* __restrict__ codes, const uint32_t* __restrict__ me
     return;
   }
 #endif
-#if PERSIST  // (the tile's)
-  const int slab = (TILE_X * WGS + (warp >> 2)) * 4 + (warp & 3);
-  const bool active = slab < S;
-#endif
-  if (!active) TILE_NEXT;
+  if (!active) return;
 
-  const bool atomic = NSPLIT > 1 && !partial;
-  float* o = out;
-  if (partial) o += (size_t)TILE_Y * M * ldo;  // this split's own [M, ldo] partial sums, stored
+  const bool atomic = gridDim.y > 1 && !partial;
+  if (partial) out += (size_t)blockIdx.y * M * ldo;  // this split's own [M, ldo] partial sums, stored
   const int n0 = slab * 16 + g;
 #pragma unroll
   for (int i = 0; i < NTOK / 8; ++i) {
@@ -648,18 +573,11 @@ w4_wgmma_kernel(const uint4* __restrict__ codes, const uint32_t* __restrict__ me
     for (int r = 0; r < 4; ++r) {
       const int n = n0 + (r >> 1) * 8, m = 8 * i + 2 * t + (r & 1);
       if (n < N && m < M) {
-        if (atomic) atomicAdd(o + (size_t)m * ldo + n, acc[4 * i + r]);
-        else store_out(o, (size_t)m * ldo + n, acc[4 * i + r], obf16);
+        if (atomic) atomicAdd(out + (size_t)m * ldo + n, acc[4 * i + r]);
+        else store_out(out, (size_t)m * ldo + n, acc[4 * i + r], obf16);
       }
     }
   }
-  TILE_END
-#undef TILE_BEGIN
-#undef TILE_END
-#undef TILE_X
-#undef TILE_Y
-#undef NSPLIT
-#undef TILE_NEXT
 }
 
 #if NATURAL
@@ -734,20 +652,6 @@ extern "C" int w4_wgmma_launch(const void* codes, const void* meta, const void* 
   }
 #else
   const int smem = 0;
-#endif
-#if PERSIST  // as many blocks as fit the GPU at once, at most one per tile (the blocks per SM the registers and the
-  // shared memory allow, from the runtime, once per library and device)
-  static int fit[64] = {};
-  int dev = 0;
-  if (cudaGetDevice(&dev) != cudaSuccess || dev >= 64) return (int)cudaErrorInvalidDevice;
-  if (!fit[dev]) {
-    int per_sm = 0, sms = 0;
-    cudaError_t err = cudaOccupancyMaxActiveBlocksPerMultiprocessor(&per_sm, w4_wgmma_kernel, THREADS, smem);
-    if (err == cudaSuccess) err = cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, dev);
-    if (err != cudaSuccess) return (int)err;
-    fit[dev] = max(1, per_sm * sms);
-  }
-  grid = dim3(min((int)(grid.x * grid.y), fit[dev]), 1);
 #endif
   cudaLaunchConfig_t cfg = {};
   cfg.gridDim = grid;
