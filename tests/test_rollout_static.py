@@ -54,6 +54,12 @@ def _maxdiff(a, b):
     return max(abs(x - y) for s, r in zip(a, b) for x, y in zip(s, r))
 
 
+def _unfused(monkeypatch):
+    """Pin the unfused static steps, which these CPU-semantics tests compare against: on a CUDA machine the fused
+    decode-step kernels are the default (MEGATRON_FP4_DECODE_FUSED), and the engine's path label says so."""
+    monkeypatch.setenv("MEGATRON_FP4_DECODE_FUSED", "0")
+
+
 def _fused(path):
     """The engine's path label for the fused decode-step kernels: "+pdl" when they launch with programmatic
     dependent launch (MEGATRON_FP4_PDL=1, as benchmarks/h200_checks.sh engine-pdl runs these tests)."""
@@ -62,7 +68,8 @@ def _fused(path):
 
 @pytest.mark.parametrize("precision", [RolloutPrecision("bf16"), RolloutPrecision("w4a4", "hif4", "2:4"),
                                        RolloutPrecision("w4a16", "mxfp4")], ids=lambda p: p.label)
-def test_static_greedy_equals_megatron_path(model, prompts, precision):
+def test_static_greedy_equals_megatron_path(model, prompts, precision, monkeypatch):
+    _unfused(monkeypatch)
     params = SamplingParams(temperature=0.0, max_new_tokens=10)
     ref = NativeRolloutEngine(model, precision).generate(prompts, params)
     eng = NativeRolloutEngine(model, precision, decode="static", max_batch_size=3, graph_chunk=4)
@@ -83,6 +90,7 @@ def test_fused_decode_kernels_equal_the_unfused_steps(model, prompts, precision,
     megatron_fp4/kernels/decode_ops.py's fused kernels (here in Triton's interpreter); same greedy tokens, logprobs
     within fp32 rounding of the unfused static path, the same stop and length handling."""
     params = SamplingParams(temperature=0.0, max_new_tokens=8, stop_token_ids=(7,))
+    _unfused(monkeypatch)
     ref = NativeRolloutEngine(model, precision, decode="static", max_batch_size=3, graph_chunk=4)
     monkeypatch.setenv("MEGATRON_FP4_DECODE_FUSED", "1")
     eng = NativeRolloutEngine(model, precision, decode="static", max_batch_size=3, graph_chunk=4)
@@ -123,7 +131,7 @@ def test_fused_steps_take_split_partial_sums(model, prompts, monkeypatch, qkv_bi
     backend that stores split-K partial sums (three here, along K), qkv, proj, fc1 and fc2 reach the fused kernels as
     [splits, B, n] (qkv's bias added by the RoPE kernel to its splits' sum), and the tokens and logprobs are those of
     the same backend's summed outputs."""
-    from megatron_fp4.resq import register_rollout_backend
+    from megatron_fp4.resq import register_rollout_backend, rollout_backend_for
 
     if not qkv_bias:
         model = build_gpt_model(_args(add_qkv_bias=False))
@@ -141,15 +149,18 @@ def test_fused_steps_take_split_partial_sums(model, prompts, monkeypatch, qkv_bi
 
     precision = RolloutPrecision("w4a16", "hif4")
     params = SamplingParams(temperature=0.0, max_new_tokens=8, stop_token_ids=(7,))
-    register_rollout_backend("cpu", split_backend)
+    device = next(model.parameters()).device.type  # (on a CUDA machine the model is there: its kernels' backend)
+    served = rollout_backend_for(device)
+    register_rollout_backend(device, split_backend)
     try:
+        _unfused(monkeypatch)
         want = NativeRolloutEngine(model, precision, decode="static", max_batch_size=3).generate(prompts, params)
         assert None not in asked
         monkeypatch.setenv("MEGATRON_FP4_DECODE_FUSED", "1")
         eng = NativeRolloutEngine(model, precision, decode="static", max_batch_size=3)
         got = eng.generate(prompts, params)
     finally:
-        register_rollout_backend("cpu", None)
+        register_rollout_backend(device, served)
     assert eng.last_generate_stats["path"] == _fused("static+fused") and None in asked
     assert [s.token_ids for s in got] == [s.token_ids for s in want]
     assert _maxdiff([s.logprobs for s in got], [s.logprobs for s in want]) < 1e-4
@@ -256,7 +267,8 @@ def test_two_level_cdf_inversion_matches_the_full_scan(vocab):
     assert ((counts - n * p.double()).abs()[likely] <= 5 * sigma[likely] + 1).all()
 
 
-def test_path_selection_and_argument_checks(model, prompts):
+def test_path_selection_and_argument_checks(model, prompts, monkeypatch):
+    _unfused(monkeypatch)
     assert not precision_is_token_local(RolloutPrecision("w4a4", "hif4", "channel"))
     eng = NativeRolloutEngine(model, RolloutPrecision("w4a4", "hif4", "channel"), decode="static")
     eng.generate(prompts[:2], SamplingParams(max_new_tokens=2, seed=0))
