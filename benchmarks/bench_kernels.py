@@ -364,10 +364,14 @@ def bench_decode_quantize(ks=(3584, 18944), ms_list=(16, 64), tiles=DECODE_QUANT
     BF16 expansion (``quantize(expand="bf16", packed=False)``) and ResQ 2:4's bf16 sum with and without its packed
     outputs (``resq_quantize(expand="sum", packed=...)``). Every tile's output is checked bit for bit against the
     default tile's (and that one, once per case, against the PyTorch reference). Rows: {"kernel", "fmt", "K", "M",
-    "tile" (None: the default), "us", "exact"}."""
+    "tile" (None: the default), "impl" (what ran: "cuda" for the ResQ sum's default where
+    ``cuda_quantize.resq_sum`` serves, else "triton"), "us", "exact"}."""
     from megatron_fp4.formats import get_format
+    from megatron_fp4.kernels import cuda_quantize
     from megatron_fp4.kernels.quantize import quantize_reference
     from megatron_fp4.kernels.resq import resq_quantize_reference
+
+    cuda_sum = cuda_quantize.available(cuda_quantize.RESQ_SOURCE)
 
     rows = []
     for K in ks:
@@ -389,9 +393,10 @@ def bench_decode_quantize(ks=(3584, 18944), ms_list=(16, 64), tiles=DECODE_QUANT
                         got = fn(xs[0], tile)
                         exact = bool(torch.equal(got.view(torch.int16), default.view(torch.int16))) and ok_ref
                         us = 1e3 * bench([lambda i=i: fn(xs[i], tile) for i in range(len(xs))], graph=True)
-                        rows.append({"kernel": name, "fmt": fmt, "K": K, "M": M, "tile": tile, "us": us,
-                                     "exact": exact})
-                        print(f"  {name:16s} {fmt:5s} K={K:5d} M={M:2d} {str(tile):22s} {us:7.2f} us"
+                        impl = "cuda" if cuda_sum and tile is None and name == "resq sum" else "triton"
+                        rows.append({"kernel": name, "fmt": fmt, "K": K, "M": M, "tile": tile, "impl": impl,
+                                     "us": us, "exact": exact})
+                        print(f"  {name:16s} {fmt:5s} K={K:5d} M={M:2d} {impl:6s} {str(tile):22s} {us:7.2f} us"
                               f"{'' if exact else '  NOT EXACT'}", flush=True)
     return rows
 

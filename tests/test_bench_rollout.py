@@ -123,9 +123,9 @@ def test_profile_families_name_the_rollout_kernels():
     from kernel_profile import family
 
     assert [family(n) for n in ("w4_wgmma_kernel", "_w4_decode_kernel", "sm90_xmma_gemm_bf16bf16_bf16f32",
-                                "_resq_kernel", "quant_both_kernel", "flash_fwd_kernel", "_add_rms_norm_kernel",
-                                "_rope_kv_kernel", "something_else")] == [
-        "fp4 decode gemm", "fp4 decode gemm", "gemm", "fp4 quantize", "fp4 quantize", "attention",
+                                "_resq_kernel", "quant_both_kernel", "resq_sum_kernel", "flash_fwd_kernel",
+                                "_add_rms_norm_kernel", "_rope_kv_kernel", "something_else")] == [
+        "fp4 decode gemm", "fp4 decode gemm", "gemm", "fp4 quantize", "fp4 quantize", "fp4 quantize", "attention",
         "norm / rope / swiglu", "norm / rope / swiglu", "other"]
     assert family("_split_sum_kernel") == "copy/cast"  # (what it replaced: a zero-fill and a cast)
 

@@ -94,6 +94,42 @@ int main(int argc, char** argv) {
 """
 
 
+# Rollout-ResQ's bf16 sum. Reads: format id, value count n (a multiple of the unit), n bf16 bit patterns; writes the n
+# bf16 sums: each unit split into parts of 8 values as the kernel's lanes hold them, both maxima (|x|, then the
+# residual's |r|) taken over the unit's parts between the two steps.
+_RESQ_HARNESS = r"""
+#include <cstdio>
+#include <vector>
+#include "quant_math.h"
+template <int F>
+void unit(const uint32_t* x, uint32_t* y, int parts) {
+  uint32_t bmax = 0, rmax = 0, q[8][4];
+  float r[8][8];
+  for (int p = 0; p < parts; ++p) bmax = qm::umax(bmax, qm::part_max(x + 4 * p));
+  for (int p = 0; p < parts; ++p) rmax = qm::umax(rmax, qm::resq_residual<F>(x + 4 * p, bmax, q[p], r[p]));
+  for (int p = 0; p < parts; ++p) qm::resq_sum<F>(q[p], r[p], rmax, y + 4 * p);
+}
+int main(int argc, char** argv) {
+  FILE* in = std::fopen(argv[1], "rb");
+  int fmt = 0; long n = 0;
+  if (std::fread(&fmt, 4, 1, in) != 1 || std::fread(&n, 8, 1, in) != 1) return 2;
+  std::vector<uint32_t> x(n / 2), y(n / 2);
+  if ((long)std::fread(x.data(), 4, n / 2, in) != n / 2) return 3;
+  std::fclose(in);
+  const int parts = fmt == 0 ? 8 : 4;
+  for (long u = 0; u < n / 2; u += 4 * parts) {
+    if (fmt == 0) unit<0>(&x[u], &y[u], parts);
+    else if (fmt == 1) unit<1>(&x[u], &y[u], parts);
+    else unit<2>(&x[u], &y[u], parts);
+  }
+  FILE* out = std::fopen(argv[2], "wb");
+  std::fwrite(y.data(), 4, n / 2, out);
+  std::fclose(out);
+  return 0;
+}
+"""
+
+
 def _build(tmp_path_factory, name: str, source: str):
     cxx = shutil.which("c++") or shutil.which("g++") or shutil.which("clang++")
     if cxx is None:
@@ -106,10 +142,7 @@ def _build(tmp_path_factory, name: str, source: str):
     return d, exe
 
 
-@pytest.fixture(scope="module")
-def harness(tmp_path_factory):
-    d, exe = _build(tmp_path_factory, "quant_math", _HARNESS)
-
+def _bits_runner(d, exe):
     def run(x: torch.Tensor, fmt_id: int) -> torch.Tensor:
         """bf16 bits (int16) of the host math on bf16 values x (a multiple of the unit, in units' order)."""
         bits = x.contiguous().view(torch.int16).numpy()
@@ -120,6 +153,16 @@ def harness(tmp_path_factory):
         return torch.from_numpy(np.fromfile(fout, dtype=np.int16).copy())
 
     return run
+
+
+@pytest.fixture(scope="module")
+def harness(tmp_path_factory):
+    return _bits_runner(*_build(tmp_path_factory, "quant_math", _HARNESS))
+
+
+@pytest.fixture(scope="module")
+def resq_harness(tmp_path_factory):
+    return _bits_runner(*_build(tmp_path_factory, "quant_math_resq", _RESQ_HARNESS))
 
 
 def _units(seed: int, n_units: int, unit: int) -> torch.Tensor:
@@ -180,6 +223,45 @@ def test_host_unit_math_matches_reference(harness, name):
         diff = (got[~nan] != want[~nan].view(torch.int16)).nonzero()
         assert diff.numel() == 0, (f"seed {seed}: {diff.numel()} values differ, first at {diff[0].item()}: "
                                    f"{got_v[~nan][diff[0]].item()} vs {want[~nan][diff[0]].item()}")
+
+
+def _resq_units(seed: int, n_units: int, unit: int) -> torch.Tensor:
+    """:func:`_units`' classes plus units whose residual is what 2:4 has to choose between: values a little off the
+    format's grid (residuals of a few significant bits, many equal magnitudes: ties), and units of one outlier over
+    many small values (the underflow ResQ is for)."""
+    g = torch.Generator().manual_seed(seed + 100)
+    q = n_units // 4
+    base = _units(seed, n_units - 2 * q, unit).view(-1, unit).float()
+    grid = torch.randint(-7, 8, (q, unit), generator=g).float() / 4 * torch.exp2(
+        torch.randint(-10, 10, (q, 1), generator=g).float())
+    near = grid * (1 + torch.randint(-3, 4, (q, unit), generator=g).float() / 64)
+    outl = torch.randn(q, unit, generator=g) * 1e-2
+    outl[torch.arange(q), torch.randint(0, unit, (q,), generator=g)] = 50.0
+    units = torch.cat([base, near, outl]).to(torch.bfloat16)
+    return units[torch.randperm(n_units, generator=g)].reshape(-1)
+
+
+@pytest.mark.parametrize("name", FORMATS)
+def test_host_resq_sum_matches_reference(resq_harness, name):
+    """quant_math.h's ResQ 2:4 bf16 sum (resq_residual, then resq_sum, the residual's unit maximum between them, as
+    the kernel's lanes run it) equals ``resq_quantize_reference(x, f, "sum")`` bit for bit, the Triton kernel's own
+    reference (NaN where NaN): every bf16 bit-pattern class, residuals on and near the grid (2:4's ties), outliers."""
+    from megatron_fp4.kernels.resq import resq_quantize_reference
+
+    f = get_format(name)
+    for seed in range(3):
+        x = _resq_units(seed, 1200, f.block_size)
+        got = resq_harness(x, {"hif4": 0, "mxfp4": 1, "mxfp4_rceil": 2}[name])
+        want = resq_quantize_reference(x.view(-1, f.block_size), f, "sum")[2].values.reshape(-1)
+        nan = want.isnan()
+        got_v = got.view(torch.bfloat16)
+        assert torch.equal(got_v.isnan(), nan), f"seed {seed}: NaN units differ"
+        diff = (got[~nan] != want[~nan].view(torch.int16)).nonzero()
+        assert diff.numel() == 0, (f"seed {seed}: {diff.numel()} values differ, first at {diff[0].item()}: "
+                                   f"{got_v[~nan][diff[0]].item()} vs {want[~nan][diff[0]].item()}")
+        # the sums differ from Q(x) alone in many units: the residual is there, not dropped
+        main = quantize_reference(x.view(-1, f.block_size), f, 1, "bf16")[1].values.reshape(-1)
+        assert (got[~nan] != main[~nan].view(torch.int16)).float().mean() > 0.2
 
 
 @pytest.mark.parametrize("name", ["mxfp4", "mxfp4_rceil"])
@@ -319,3 +401,64 @@ def test_fp8_quantize_both_layouts_serves_through_the_kernel(cols, monkeypatch):
     a, b = (e.values.float() * torch.exp2(e.row_exp.float())[:, None] for e in (dy_cols, got[1]))
     ref = a @ b.t()
     assert (dw - ref).abs().max() / ref.abs().max() < 1e-3
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("name", FORMATS)
+def test_resq_sum_kernel_bit_exact(name):
+    """The ResQ bf16-sum kernel equals the reference (``resq_quantize_reference(x, f, "sum")``) and the Triton kernel
+    (a fixed tile) bit for bit: the decode step's shapes (7B and 1.5B activations at 16 and 64 tokens), a K the format
+    pads, a row stride wider than K, every bf16 bit-pattern class; into a given buffer too."""
+    cq = _cuda_quantize()
+    if not cq.available(cq.RESQ_SOURCE):
+        pytest.skip("the CUDA ResQ kernel cannot build here or is turned off")
+    from megatron_fp4.kernels.resq import resq_quantize, resq_quantize_reference
+
+    f = get_format(name)
+    cases = [((64, 3584), 0), ((16, 18944), 0), ((64, 18944), 0), ((64, 1536), 0), ((3, 1000), 0), ((5, 72), 24),
+             ((1, 8), 0)]
+    for (rows, cols), pad in cases:
+        n = rows * (cols + pad)
+        x = _resq_units(rows + cols, -(-n // 64) + 8, 64)[:n].view(rows, cols + pad)[:, :cols].cuda()
+        got = cq.resq_sum(x, name)
+        kp = -(-cols // f.block_size) * f.block_size
+        assert got.shape == (rows, kp) and got.dtype == torch.bfloat16
+        want = resq_quantize_reference(x.cpu(), f, "sum")[2].values  # [rows, cols]: the padding dropped
+        nan = want.isnan()
+        g = got[:, :cols].cpu()
+        assert torch.equal(g.isnan(), nan), f"{rows} x {cols}: NaN values differ"
+        assert torch.equal(g[~nan].view(torch.int16), want[~nan].view(torch.int16)), f"{rows} x {cols}"
+        triton = resq_quantize(x, name, expand="sum", packed=False, config=(1, 1024, 4, 0))[2].values
+        assert torch.equal(got.isnan(), triton.isnan())
+        assert torch.equal(got[~got.isnan()].view(torch.int16), triton[~triton.isnan()].view(torch.int16))
+        out = torch.full_like(got, 7.0)
+        assert cq.resq_sum(x, name, out=out) is out and torch.equal(out.view(torch.int16), got.view(torch.int16))
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("name", ["hif4", "mxfp4"])
+def test_resq_quantize_sum_serves_through_the_kernel(name, monkeypatch):
+    """``resq_quantize(x, fmt, expand="sum", packed=False)`` (what ``dispatch.linear`` runs before a ResQ decode GEMM,
+    for the engine and the SGLang plug-in) returns the CUDA kernel's sum, inside a CUDA graph too; with
+    ``MEGATRON_FP4_CUDA_QUANT=0`` the Triton kernel's, the same bits."""
+    cq = _cuda_quantize()
+    if not cq.available(cq.RESQ_SOURCE):
+        pytest.skip("the CUDA ResQ kernel cannot build here or is turned off")
+    from megatron_fp4.kernels.resq import resq_quantize
+
+    x = (torch.randn(64, 3584, device="cuda") * torch.exp(torch.randn(64, 3584, device="cuda") * 2)).bfloat16()
+    calls = []
+    real = cq.resq_sum
+    monkeypatch.setattr(cq, "resq_sum", lambda *a, **k: calls.append(1) or real(*a, **k))
+    got = resq_quantize(x, name, expand="sum", packed=False)[2].values
+    assert calls, "the CUDA kernel did not serve"
+    static = x.clone()
+    g = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(g):
+        graphed = resq_quantize(static, name, expand="sum", packed=False)[2].values
+    static.copy_(x * 3)
+    g.replay()
+    assert torch.equal(graphed.view(torch.int16), real(x * 3, name).view(torch.int16))
+    monkeypatch.setenv("MEGATRON_FP4_CUDA_QUANT", "0")
+    want = resq_quantize(x, name, expand="sum", packed=False)[2].values
+    assert torch.equal(got.view(torch.int16), want.view(torch.int16))

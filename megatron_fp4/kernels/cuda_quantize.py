@@ -1,16 +1,19 @@
-"""The CUDA C++ both-layouts quantizer (``megatron_fp4/kernels/csrc/quant_both.cu``): a training operand's two exact
-BF16 expansions from one read of x.
+"""The CUDA C++ quantizers: the both-layouts quantizer (``megatron_fp4/kernels/csrc/quant_both.cu``: a training
+operand's two exact BF16 expansions from one read of x) and Rollout-ResQ's bf16 sum (``csrc/resq_sum.cu``).
 
     rows, cols = both_layouts(x, "hif4")   # x [R, K] along K -> [R, KP]; x.t() along R -> [K, RP]
     rows, cols = both_layouts_fp8(x, "mxfp4", cols_e4m3=True)  # MXFP4's FP8 form: (values, S, ok, 2^S) each
     both_layouts(w, "hif4", out=(w_rows, w_cols))  # into existing buffers (a weight's, under CUDA graphs)
+    a = resq_sum(x, "hif4")                # bf16(Q(x) + S(Q(x - Q(x)))) [R, KP]: ResQ 2:4's one GEMM operand
 
 Bit for bit ``megatron_fp4.kernels.quantize.quantize(x, fmt, expand="bf16", packed=False)`` and the same of
 ``x.t()`` (FP8: ``expand="native"`` (E5M2) or ``"e4m3"`` for each layout, as the reference computes them; the unit
 math, ``csrc/quant_math.h``, is shared with a host build that the CPU tests check against the PyTorch reference).
 Triton cannot express its layout: after the transpose each thread owns 16 consecutive tokens of two columns, so a
-HiF4 unit is 4 lanes of one warp, reduced by shuffles (docs/PERFORMANCE.md, issue 21). Built with nvcc on first
-use (:mod:`megatron_fp4.kernels._nvcc`); ``MEGATRON_FP4_CUDA_QUANT=0`` turns it off (the Triton passes serve).
+HiF4 unit is 4 lanes of one warp, reduced by shuffles (docs/PERFORMANCE.md, issue 21). :func:`resq_sum` is bit for
+bit ``megatron_fp4.kernels.resq.resq_quantize(x, fmt, expand="sum", packed=False)`` (the Triton kernel, which it
+replaces there: one part of 8 values per thread, for the decode step's small activations). Built with nvcc on first
+use (:mod:`megatron_fp4.kernels._nvcc`); ``MEGATRON_FP4_CUDA_QUANT=0`` turns both off (the Triton kernels serve).
 """
 
 from __future__ import annotations
@@ -24,7 +27,8 @@ import torch
 
 from megatron_fp4.kernels import _nvcc
 
-__all__ = ["available", "usable", "both_layouts", "both_layouts_fp8", "FORMAT_IDS", "FP8_FORMATS"]
+__all__ = ["available", "usable", "both_layouts", "both_layouts_fp8", "resq_sum", "FORMAT_IDS", "FP8_FORMATS",
+           "RESQ_SOURCE"]
 
 FORMAT_IDS = {"hif4": 0, "mxfp4": 1, "mxfp4_rceil": 2}
 _BLOCK = {"hif4": 64, "mxfp4": 32, "mxfp4_rceil": 32}
@@ -33,24 +37,28 @@ _FP8_ARGTYPES = _ARGTYPES[:-1] + [ctypes.c_void_p] * 8 + [ctypes.c_int] * 2 + [c
 #: The formats with an FP8 form (MXFP4: E2M1 times a power of two fits FP8 relative to a row scale).
 FP8_FORMATS = ("mxfp4", "mxfp4_rceil")
 _SOURCE = "quant_both.cu"
+#: The ResQ bf16-sum kernel's source (:func:`available` / :func:`usable` take it as ``source``).
+RESQ_SOURCE = "resq_sum.cu"
 
 
-def available() -> bool:
-    """Whether the kernel can run here: a CUDA GPU of compute capability 8.0 or newer, nvcc, not disabled by
-    ``MEGATRON_FP4_CUDA_QUANT=0``, and no earlier build failure."""
-    if os.environ.get("MEGATRON_FP4_CUDA_QUANT", "1") == "0" or _nvcc.build_failed(_SOURCE):
+def available(source: str = _SOURCE) -> bool:
+    """Whether the kernel of ``source`` (the both-layouts quantizer's by default, or :data:`RESQ_SOURCE`) can run
+    here: a CUDA GPU of compute capability 8.0 or newer, nvcc, not disabled by ``MEGATRON_FP4_CUDA_QUANT=0``, and no
+    earlier build failure."""
+    if os.environ.get("MEGATRON_FP4_CUDA_QUANT", "1") == "0" or _nvcc.build_failed(source):
         return False
     if not torch.cuda.is_available() or torch.cuda.get_device_capability()[0] < 8:
         return False
     return _nvcc.nvcc() is not None
 
 
-def usable(x: torch.Tensor, fmt_name: str) -> bool:
-    """Whether :func:`both_layouts` takes ``x``: a 2-D bf16 CUDA tensor with unit-stride rows, K a multiple of 8,
-    16-byte aligned rows, a format it implements, and the kernel :func:`available`."""
+def usable(x: torch.Tensor, fmt_name: str, source: str = _SOURCE) -> bool:
+    """Whether :func:`both_layouts` (or, with ``source=RESQ_SOURCE``, :func:`resq_sum`) takes ``x``: a 2-D bf16 CUDA
+    tensor with unit-stride rows, K a multiple of 8, 16-byte aligned rows, a format it implements, and the kernel
+    :func:`available`."""
     return (fmt_name in FORMAT_IDS and x.is_cuda and x.dtype == torch.bfloat16 and x.dim() == 2 and x.numel() > 0
             and x.stride(1) == 1 and x.shape[1] % 8 == 0 and x.stride(0) % 8 == 0 and x.data_ptr() % 16 == 0
-            and available())
+            and available(source))
 
 
 @functools.lru_cache(maxsize=None)
@@ -64,9 +72,9 @@ def _launcher(fmt_id: int, fp8: bool = False):
                           _FP8_ARGTYPES if fp8 else _ARGTYPES, arch=_arch())
 
 
-def _check(x: torch.Tensor, fmt_name: str, formats) -> None:
-    if not usable(x, fmt_name) or fmt_name not in formats:
-        raise ValueError(f"both_layouts: needs a 2-D bf16 CUDA tensor with contiguous, 16-byte aligned rows, K a "
+def _check(x: torch.Tensor, fmt_name: str, formats, source: str = _SOURCE, what: str = "both_layouts") -> None:
+    if not usable(x, fmt_name, source) or fmt_name not in formats:
+        raise ValueError(f"{what}: needs a 2-D bf16 CUDA tensor with contiguous, 16-byte aligned rows, K a "
                          f"multiple of 8 and format one of {sorted(formats)}; got {x.dtype} {tuple(x.shape)} "
                          f"strides {x.stride()} format {fmt_name!r}")
 
@@ -131,4 +139,26 @@ def both_layouts_fp8(x: torch.Tensor, fmt_name: str, rows_e4m3: bool = False, co
         rok.data_ptr(), cok.data_ptr(), int(rows_e4m3), int(cols_e4m3), torch.cuda.current_stream(dev).cuda_stream)
     if err:
         raise RuntimeError(f"quant_fp8 launch failed (cudaError {err})")
+    return out
+
+
+_RESQ_ARGTYPES = [ctypes.c_void_p] * 2 + [ctypes.c_int] * 3 + [ctypes.c_longlong] * 2 + [ctypes.c_void_p]
+
+
+def resq_sum(x: torch.Tensor, fmt_name: str, out: Optional[torch.Tensor] = None) -> torch.Tensor:
+    """bf16(deq Q(x) + S(deq Q(x - deq Q(x)))) ``[R, KP]`` (K padded to the format's block) for x ``[R, K]`` that
+    :func:`usable` accepts (``source=RESQ_SOURCE``): Rollout-ResQ 2:4's one GEMM operand (``resq_combine="bf16"``),
+    bit for bit ``megatron_fp4.kernels.resq.resq_quantize(x, fmt, expand="sum", packed=False)``. One launch, no host
+    sync; ``out``: the tensor to write into."""
+    _check(x, fmt_name, FORMAT_IDS, RESQ_SOURCE, "resq_sum")
+    R, K = x.shape
+    kp = -(-K // _BLOCK[fmt_name]) * _BLOCK[fmt_name]
+    if out is None:
+        out = torch.empty((R, kp), dtype=torch.bfloat16, device=x.device)
+    _check_out(out, (R, kp), (torch.bfloat16,), "resq_sum")
+    err = _nvcc.launcher(RESQ_SOURCE, dict(FMT=FORMAT_IDS[fmt_name]), "resq_sum_launch", _RESQ_ARGTYPES,
+                         arch=_arch())(x.data_ptr(), out.data_ptr(), R, K, kp, x.stride(0), out.stride(0),
+                                       torch.cuda.current_stream(x.device).cuda_stream)
+    if err:
+        raise RuntimeError(f"resq_sum launch failed (cudaError {err})")
     return out

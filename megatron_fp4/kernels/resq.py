@@ -174,8 +174,9 @@ def resq_quantize(x: torch.Tensor, fmt, expand: Optional[str] = None, config: Op
     scale so that the GEMM can add them in one accumulator. ``expand="sum"``: the third item is the one BF16
     operand bf16(Q(X) + S(Q(R))) (``resq_combine="bf16"`` of ``megatron_fp4.resq``), the fourth None;
     ``packed=False`` (with "sum" only) writes nothing else and returns ``(None, None, sum, None)``: a GEMM on the
-    sum reads nothing else, and the kernel then skips packing (a fifth fewer instructions). ``config``: a fixed
-    tile, as for :func:`megatron_fp4.kernels.quantize.quantize`.
+    sum reads nothing else. On a GPU with nvcc the CUDA kernel (:func:`megatron_fp4.kernels.cuda_quantize.resq_sum`)
+    writes it, else the Triton kernel without its packing (a fifth fewer instructions). ``config``: a fixed tile of
+    the Triton kernel (then it runs), as for :func:`megatron_fp4.kernels.quantize.quantize`.
     """
     f = get_format(fmt)
     if expand not in RESQ_EXPAND_MODES:
@@ -187,6 +188,11 @@ def resq_quantize(x: torch.Tensor, fmt, expand: Optional[str] = None, config: Op
         out = resq_quantize_reference(x, f, expand)
         return out if packed else (None, None, out[2], None)
     x2, outer, k = _rows_view(x, x.dim() - 1)
+    if not packed and config is None:  # the sum alone: the CUDA kernel where it runs (the same bits, fewer cycles)
+        from megatron_fp4.kernels import cuda_quantize
+
+        if cuda_quantize.usable(x2, f.name, cuda_quantize.RESQ_SOURCE):
+            return None, None, Expanded(cuda_quantize.resq_sum(x2, f.name)), None
     R = x2.shape[0]
     bs = f.block_size
     kp = cdiv(k, bs) * bs

@@ -116,18 +116,24 @@ QM_FN uint32_t pack(float lo, float hi, uint32_t w, bool bad) {
 // 2^(2 - shift) is exact, and so is 4m + 8.5 where it matters (4m >= 2^-5; below, k = 0 either way): k =
 // floor(4m + 0.5) (ties away from zero) is the integer part of 4m + 8.5, minus 8, which masking its low mantissa
 // bits gives (the value in [8, 16) has 20 fraction bits); min(., 15.5) caps k at 7.
-template <int N>
-QM_FN void hif4_parts(const uint32_t w[4 * N], uint32_t bmax, uint32_t out[4 * N]) {
-  const bool bad = bmax >= 0x7F80u;
-  const float vmax = bad ? 0.0f : as_f(bmax << 16);
+// HiF4's level 1 (SPEC 2.1 steps 2-4) of a unit whose largest |x| is vmax (0 for a NaN/Inf unit): returns r =
+// bf16_rne(1 / E6M2), in [2^-16, 2^48]; rb: E6M2's fp32 bits.
+QM_FN float hif4_scale(float vmax, uint32_t& rb) {
   float sf = bf16_rne(mul(vmax, 0.142578125f));
   sf = sf < 3.552713678800501e-15f ? 3.552713678800501e-15f : (sf > 49152.0f ? 49152.0f : sf);
   const uint32_t sb = as_u(sf);
-  const uint32_t rb = (sb + 0xFFFFFu + ((sb >> 21) & 1u)) & 0xFFE00000u;  // E6M2: RNE to 2 mantissa bits
+  rb = (sb + 0xFFFFFu + ((sb >> 21) & 1u)) & 0xFFE00000u;  // E6M2: RNE to 2 mantissa bits
   const int e = (int)((rb >> 23) & 0xFFu) - 127;
   const int m2 = (int)((rb >> 21) & 3u);
   const float recip = m2 == 0 ? 1.0f : (m2 == 1 ? 0.80078125f : (m2 == 2 ? 0.66796875f : 0.5703125f));
-  const float r = mul(recip, pow2(-e));  // bf16_rne(1 / E6M2), in [2^-16, 2^48]
+  return mul(recip, pow2(-e));
+}
+
+template <int N>
+QM_FN void hif4_parts(const uint32_t w[4 * N], uint32_t bmax, uint32_t out[4 * N]) {
+  const bool bad = bmax >= 0x7F80u;
+  uint32_t rb;
+  const float r = hif4_scale(bad ? 0.0f : as_f(bmax << 16), rb);
 #pragma unroll
   for (int pt = 0; pt < N; ++pt) {
     const uint32_t* wp = w + 4 * pt;
@@ -176,15 +182,17 @@ QM_FN float e2m1_round(float s) {
   return s < 1.0f ? lo : hi;
 }
 
-// The scale exponent X in [-127, 127] of a block whose largest |x| has the (finite) bf16 bits bmax.
-QM_FN int mx_x(uint32_t bmax, bool rceil) {
-  const uint32_t ab = bmax << 16;
+// The scale exponent X in [-127, 127] of a block whose largest |x| has the (finite) fp32 bits ab.
+QM_FN int mx_x32(uint32_t ab, bool rceil) {
   const int eb = (int)(ab >> 23);
   int X = eb - 129;
   if (rceil) X += (int)((ab & 0x7FFFFFu) > 0x400000u);
   if (eb == 0) X = -127;
   return X < -127 ? -127 : (X > 127 ? 127 : X);
 }
+
+// The same of a block whose largest |x| has the (finite) bf16 bits bmax.
+QM_FN int mx_x(uint32_t bmax, bool rceil) { return mx_x32(bmax << 16, rceil); }
 
 // MXFP4: N parts of one 32-value block, bmax the block's largest |x| (bf16 bits) (SPEC 2.2; rceil: NVIDIA's
 // never-clipping scale). A NaN/Inf block dequantizes to NaN.
@@ -338,6 +346,118 @@ QM_FN void quant_parts(const uint32_t w[4 * N], uint32_t bmax, uint32_t out[4 * 
   } else {
     mx_parts<N>(w, bmax, F == 2, out);
   }
+}
+
+// ---- Rollout-ResQ 2:4 in its bf16-sum form (SPEC 4; megatron_fp4/kernels/resq.py: the resq kernel's EXPAND=3) ----
+// bf16(deq Q(x) + S(deq Q(r))), r = x - deq Q(x) in fp32. r can need more significant bits than bf16 holds, so its
+// quantization takes fp32 values and follows the Triton tile functions (kernels/quantize.py: _hif4_tile, _mx_tile)
+// operation by operation, each product rounded on its own; S keeps the 2 largest magnitude codes of every 4 (ties:
+// the lower index) and the dropped values add +0, as the kernel's. Per part of 8 values, in two steps around the
+// residual unit's maximum (which spans the unit's parts): resq_residual, then resq_sum.
+
+// The largest |r| of 8 fp32 values as fp32 bits (integer order is value order on |r| bits, Inf and NaN above every
+// finite value).
+QM_FN uint32_t part_max32(const float r[8]) {
+  uint32_t m = 0u;
+#pragma unroll
+  for (int i = 0; i < 8; ++i) m = umax(m, as_u(r[i]) & 0x7FFFFFFFu);
+  return m;
+}
+
+// HiF4 of 8 fp32 values (one E1_8 group, two E1_16 groups) of a finite unit whose largest |r| has the fp32 bits
+// bmax: the dequantized values (r's sign) and their magnitude codes k (0..7), as floats.
+QM_FN void hif4_part32(const float x[8], uint32_t bmax, float v[8], float k[8]) {
+  uint32_t rb;
+  const float r = hif4_scale(as_f(bmax), rb);
+  uint32_t b16[2];
+#pragma unroll
+  for (int g = 0; g < 2; ++g)
+    b16[g] = umax(umax(as_u(x[4 * g]) & 0x7FFFFFFFu, as_u(x[4 * g + 1]) & 0x7FFFFFFFu),
+                  umax(as_u(x[4 * g + 2]) & 0x7FFFFFFFu, as_u(x[4 * g + 3]) & 0x7FFFFFFFu));
+  const bool e18 = mul(as_f(umax(b16[0], b16[1])), r) >= 4.0f;
+#pragma unroll
+  for (int g = 0; g < 2; ++g) {
+    float p16 = mul(as_f(b16[g]), r);
+    if (e18) p16 = mul(p16, 0.5f);
+    const int shift = (int)e18 + (int)(p16 >= 2.0f);
+    const float pw = shift == 0 ? 4.0f : (shift == 1 ? 2.0f : 1.0f);
+    const float gs = as_f(rb + (uint32_t)((shift - 2) << 23));  // E6M2 2^shift / 4
+#pragma unroll
+    for (int i = 4 * g; i < 4 * g + 4; ++i) {
+      const float m4 = mul(mul(as_f(as_u(x[i]) & 0x7FFFFFFFu), r), pw);
+      float kf = floorf(m4);
+      if (m4 - kf >= 0.5f) kf += 1.0f;
+      kf = kf > 7.0f ? 7.0f : kf;
+      k[i] = kf;
+      v[i] = as_f(as_u(mul(kf, gs)) | (as_u(x[i]) & 0x80000000u));
+    }
+  }
+}
+
+// MXFP4 of 8 fp32 values of a finite block whose largest |r| has the fp32 bits bmax: the dequantized values (r's
+// sign) and their E2M1 magnitudes (in code order).
+QM_FN void mx_part32(const float x[8], uint32_t bmax, bool rceil, float v[8], float k[8]) {
+  const int X = mx_x32(bmax, rceil);
+  const float inv = as_f((uint32_t)(127 - X) << 23);  // 2^-X (X <= 126 for finite blocks)
+  const float px = X == -127 ? 5.877471754111438e-39f : as_f((uint32_t)(X + 127) << 23);
+#pragma unroll
+  for (int i = 0; i < 8; ++i) {
+    k[i] = e2m1_round(mul(as_f(as_u(x[i]) & 0x7FFFFFFFu), inv));
+    v[i] = as_f(as_u(mul(k[i], px)) | (as_u(x[i]) & 0x80000000u));
+  }
+}
+
+// Bit i set where value i of 4 is among the 2 largest magnitudes m (ties: the lower index), as resq.py's _keep24:
+// one compare per pair (j > i beats i where m[j] > m[i], else i beats j), no branch.
+QM_FN uint32_t keep24(const float m[4]) {
+  const int b01 = m[1] > m[0], b02 = m[2] > m[0], b03 = m[3] > m[0], b12 = m[2] > m[1], b13 = m[3] > m[1],
+            b23 = m[3] > m[2];
+  const int n0 = b01 + b02 + b03, n1 = 1 - b01 + b12 + b13, n2 = 2 - b02 - b12 + b23, n3 = 3 - b03 - b13 - b23;
+  return (uint32_t)(n0 < 2) | ((uint32_t)(n1 < 2) << 1) | ((uint32_t)(n2 < 2) << 2) | ((uint32_t)(n3 < 2) << 3);
+}
+
+// bf16 bits of fp32 v, rounded to nearest even (either sign, Inf kept; not NaN: a NaN's payload could carry into
+// the sign).
+QM_FN uint32_t bf16_bits(float v) {
+  const uint32_t b = as_u(v);
+  return (b + 0x7FFFu + ((b >> 16) & 1u)) >> 16;
+}
+
+// Step 1 of a part (8 bf16 values, 4 words w) of a unit of format F whose largest |x| has the bf16 bits bmax: deq
+// Q(x) as bf16 words q (quant_parts) and the residual r = x - deq Q(x) in fp32. Returns the largest |r| of the part
+// (fp32 bits); the unit's is the maximum over its parts.
+template <int F>
+QM_FN uint32_t resq_residual(const uint32_t w[4], uint32_t bmax, uint32_t q[4], float r[8]) {
+  quant_parts<F, 1>(w, bmax, q);
+#pragma unroll
+  for (int i = 0; i < 4; ++i) {
+    r[2 * i] = as_f(w[i] << 16) - as_f(q[i] << 16);
+    r[2 * i + 1] = as_f(w[i] & 0xFFFF0000u) - as_f(q[i] & 0xFFFF0000u);
+  }
+  return part_max32(r);
+}
+
+// Step 2: the part's bf16 sum bf16(deq Q(x) + S(deq Q(r))) as 4 words, rbmax the residual unit's largest |r| (fp32
+// bits). A residual unit holding NaN or Inf (deq Q(x) NaN, or Inf where an rceil scale overflows fp32) quantizes to
+// NaN, so its sums are NaN (0x7FC0, as torch's); every other unit's sums are finite (finite deq Q(x) and residual).
+template <int F>
+QM_FN void resq_sum(const uint32_t q[4], const float r[8], uint32_t rbmax, uint32_t out[4]) {
+  float v[8], k[8];
+  if (F == 0) {
+    hif4_part32(r, rbmax, v, k);
+  } else {
+    mx_part32(r, rbmax, F == 2, v, k);
+  }
+  const uint32_t keep = keep24(k) | (keep24(k + 4) << 4);
+  const bool bad = rbmax >= 0x7F800000u;
+  uint32_t h[8];
+#pragma unroll
+  for (int i = 0; i < 8; ++i) {
+    const float qv = as_f(i & 1 ? q[i >> 1] & 0xFFFF0000u : q[i >> 1] << 16);
+    h[i] = bad ? 0x7FC0u : bf16_bits(qv + ((keep >> i) & 1u ? v[i] : 0.0f));
+  }
+#pragma unroll
+  for (int i = 0; i < 4; ++i) out[i] = h[2 * i] | (h[2 * i + 1] << 16);
 }
 
 }  // namespace qm
