@@ -20,12 +20,16 @@ from megatron_fp4.formats import get_format
 FORMATS = ["hif4", "mxfp4", "mxfp4_rceil"]
 _CSRC = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "megatron_fp4", "kernels", "csrc")
 
-# Reads: format id, value count n (a multiple of the unit), n bf16 bit patterns; writes the n bf16 results: each
-# unit split into parts of 8 values (4 words) as the kernel's lanes hold them, the unit maximum taken over the parts.
-_HARNESS = r"""
+
+def _unit_harness(unit_fn: str) -> str:
+    """A host program over bf16 units. Reads: format id, value count n (a multiple of the unit), n bf16 bit patterns;
+    writes the n bf16 results of ``unit<F>(x, y, parts)`` (C++ in ``unit_fn``) on each unit, its parts of 8 values
+    (4 words) as the kernel's lanes hold them."""
+    return r"""
 #include <cstdio>
 #include <vector>
 #include "quant_math.h"
+""" + unit_fn + r"""
 int main(int argc, char** argv) {
   FILE* in = std::fopen(argv[1], "rb");
   int fmt = 0; long n = 0;
@@ -35,13 +39,9 @@ int main(int argc, char** argv) {
   std::fclose(in);
   const int parts = fmt == 0 ? 8 : 4;
   for (long u = 0; u < n / 2; u += 4 * parts) {
-    uint32_t bmax = 0;
-    for (int p = 0; p < parts; ++p) bmax = qm::umax(bmax, qm::part_max(&x[u + 4 * p]));
-    for (int p = 0; p < parts; p += 2) {  // two parts per call, as each thread of the kernel holds them
-      if (fmt == 0) qm::quant_parts<0, 2>(&x[u + 4 * p], bmax, &y[u + 4 * p]);
-      else if (fmt == 1) qm::quant_parts<1, 2>(&x[u + 4 * p], bmax, &y[u + 4 * p]);
-      else qm::quant_parts<2, 2>(&x[u + 4 * p], bmax, &y[u + 4 * p]);
-    }
+    if (fmt == 0) unit<0>(&x[u], &y[u], parts);
+    else if (fmt == 1) unit<1>(&x[u], &y[u], parts);
+    else unit<2>(&x[u], &y[u], parts);
   }
   FILE* out = std::fopen(argv[2], "wb");
   std::fwrite(y.data(), 4, n / 2, out);
@@ -49,6 +49,17 @@ int main(int argc, char** argv) {
   return 0;
 }
 """
+
+
+# The expansion: the unit maximum taken over the parts, two parts per call (as each thread of the kernel holds them).
+_HARNESS = _unit_harness(r"""
+template <int F>
+void unit(const uint32_t* x, uint32_t* y, int parts) {
+  uint32_t bmax = 0;
+  for (int p = 0; p < parts; ++p) bmax = qm::umax(bmax, qm::part_max(x + 4 * p));
+  for (int p = 0; p < parts; p += 2) qm::quant_parts<F, 2>(x + 4 * p, bmax, y + 4 * p);
+}
+""")
 
 
 # MXFP4's FP8 form. Reads: rceil, e4m3, row length L (a multiple of 32), value count n (a multiple of L), n bf16
@@ -94,13 +105,9 @@ int main(int argc, char** argv) {
 """
 
 
-# Rollout-ResQ's bf16 sum. Reads: format id, value count n (a multiple of the unit), n bf16 bit patterns; writes the n
-# bf16 sums: each unit split into parts of 8 values as the kernel's lanes hold them, both maxima (|x|, then the
-# residual's |r|) taken over the unit's parts between the two steps.
-_RESQ_HARNESS = r"""
-#include <cstdio>
-#include <vector>
-#include "quant_math.h"
+# Rollout-ResQ's bf16 sum: one part of 8 values per call, both maxima (|x|, then the residual's |r|) taken over the
+# unit's parts between the two steps, as the kernel's lanes meet by shuffles.
+_RESQ_HARNESS = _unit_harness(r"""
 template <int F>
 void unit(const uint32_t* x, uint32_t* y, int parts) {
   uint32_t bmax = 0, rmax = 0, q[8][4];
@@ -109,25 +116,7 @@ void unit(const uint32_t* x, uint32_t* y, int parts) {
   for (int p = 0; p < parts; ++p) rmax = qm::umax(rmax, qm::resq_residual<F>(x + 4 * p, bmax, q[p], r[p]));
   for (int p = 0; p < parts; ++p) qm::resq_sum<F>(q[p], r[p], rmax, y + 4 * p);
 }
-int main(int argc, char** argv) {
-  FILE* in = std::fopen(argv[1], "rb");
-  int fmt = 0; long n = 0;
-  if (std::fread(&fmt, 4, 1, in) != 1 || std::fread(&n, 8, 1, in) != 1) return 2;
-  std::vector<uint32_t> x(n / 2), y(n / 2);
-  if ((long)std::fread(x.data(), 4, n / 2, in) != n / 2) return 3;
-  std::fclose(in);
-  const int parts = fmt == 0 ? 8 : 4;
-  for (long u = 0; u < n / 2; u += 4 * parts) {
-    if (fmt == 0) unit<0>(&x[u], &y[u], parts);
-    else if (fmt == 1) unit<1>(&x[u], &y[u], parts);
-    else unit<2>(&x[u], &y[u], parts);
-  }
-  FILE* out = std::fopen(argv[2], "wb");
-  std::fwrite(y.data(), 4, n / 2, out);
-  std::fclose(out);
-  return 0;
-}
-"""
+""")
 
 
 def _build(tmp_path_factory, name: str, source: str):

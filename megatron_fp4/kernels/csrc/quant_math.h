@@ -129,6 +129,15 @@ QM_FN float hif4_scale(float vmax, uint32_t& rb) {
   return mul(recip, pow2(-e));
 }
 
+// SPEC 2.1 step 5 for group g (of two, 4 values each) of an 8-value part (one E1_8 group): E1_8 + E1_16, from the
+// groups' largest |x| (fp32 bits b16) and r.
+QM_FN int hif4_shift(const uint32_t b16[2], float r, int g) {
+  const bool e18 = mul(as_f(umax(b16[0], b16[1])), r) >= 4.0f;
+  float p16 = mul(as_f(b16[g]), r);
+  if (e18) p16 = mul(p16, 0.5f);
+  return (int)e18 + (int)(p16 >= 2.0f);
+}
+
 template <int N>
 QM_FN void hif4_parts(const uint32_t w[4 * N], uint32_t bmax, uint32_t out[4 * N]) {
   const bool bad = bmax >= 0x7F80u;
@@ -146,12 +155,9 @@ QM_FN void hif4_parts(const uint32_t w[4 * N], uint32_t bmax, uint32_t out[4 * N
       const uint32_t m = vmax2(aw[2 * g], aw[2 * g + 1]);
       b16[g] = umax(m & 0xFFFFu, m >> 16) << 16;
     }
-    const bool e18 = mul(as_f(umax(b16[0], b16[1])), r) >= 4.0f;
 #pragma unroll
     for (int g = 0; g < 2; ++g) {
-      float p16 = mul(as_f(b16[g]), r);
-      if (e18) p16 = mul(p16, 0.5f);
-      const int shift = (int)e18 + (int)(p16 >= 2.0f);
+      const int shift = hif4_shift(b16, r, g);
       const float rp = as_f(as_u(r) + (uint32_t)((2 - shift) << 23));  // r 2^(2 - shift): 4m = |x| rp
       const float gs = as_f(rb + (uint32_t)((shift - 2) << 23));  // E6M2 2^shift / 4 (>= 2^-50, normal)
       const float ngs = mul(gs, -8.0f);
@@ -374,12 +380,9 @@ QM_FN void hif4_part32(const float x[8], uint32_t bmax, float v[8], float k[8]) 
   for (int g = 0; g < 2; ++g)
     b16[g] = umax(umax(as_u(x[4 * g]) & 0x7FFFFFFFu, as_u(x[4 * g + 1]) & 0x7FFFFFFFu),
                   umax(as_u(x[4 * g + 2]) & 0x7FFFFFFFu, as_u(x[4 * g + 3]) & 0x7FFFFFFFu));
-  const bool e18 = mul(as_f(umax(b16[0], b16[1])), r) >= 4.0f;
 #pragma unroll
   for (int g = 0; g < 2; ++g) {
-    float p16 = mul(as_f(b16[g]), r);
-    if (e18) p16 = mul(p16, 0.5f);
-    const int shift = (int)e18 + (int)(p16 >= 2.0f);
+    const int shift = hif4_shift(b16, r, g);
     const float pw = shift == 0 ? 4.0f : (shift == 1 ? 2.0f : 1.0f);
     const float gs = as_f(rb + (uint32_t)((shift - 2) << 23));  // E6M2 2^shift / 4
 #pragma unroll
