@@ -205,13 +205,18 @@ def test_host_unit_math_matches_reference(harness, name):
     for seed in range(3):
         x = _units(seed, 1200, f.block_size)
         got = harness(x, {"hif4": 0, "mxfp4": 1, "mxfp4_rceil": 2}[name])
-        want = quantize_reference(x.view(-1, f.block_size), f, 1, "bf16")[1].values.reshape(-1)
-        nan = want.isnan()
-        got_v = got.view(torch.bfloat16)
-        assert torch.equal(got_v.isnan(), nan), f"seed {seed}: NaN units differ"
-        diff = (got[~nan] != want[~nan].view(torch.int16)).nonzero()
-        assert diff.numel() == 0, (f"seed {seed}: {diff.numel()} values differ, first at {diff[0].item()}: "
-                                   f"{got_v[~nan][diff[0]].item()} vs {want[~nan][diff[0]].item()}")
+        _assert_same_bits(got, quantize_reference(x.view(-1, f.block_size), f, 1, "bf16")[1].values, seed)
+
+
+def _assert_same_bits(got: torch.Tensor, want: torch.Tensor, seed: int) -> None:
+    """The host math's bf16 bits ``got`` (int16) equal ``want``'s (bf16, any shape), NaN where NaN."""
+    want = want.reshape(-1)
+    nan = want.isnan()
+    got_v = got.view(torch.bfloat16)
+    assert torch.equal(got_v.isnan(), nan), f"seed {seed}: NaN units differ"
+    diff = (got[~nan] != want[~nan].view(torch.int16)).nonzero()
+    assert diff.numel() == 0, (f"seed {seed}: {diff.numel()} values differ, first at {diff[0].item()}: "
+                               f"{got_v[~nan][diff[0]].item()} vs {want[~nan][diff[0]].item()}")
 
 
 def _resq_units(seed: int, n_units: int, unit: int) -> torch.Tensor:
@@ -241,16 +246,12 @@ def test_host_resq_sum_matches_reference(resq_harness, name):
     for seed in range(3):
         x = _resq_units(seed, 1200, f.block_size)
         got = resq_harness(x, {"hif4": 0, "mxfp4": 1, "mxfp4_rceil": 2}[name])
-        want = resq_quantize_reference(x.view(-1, f.block_size), f, "sum")[2].values.reshape(-1)
-        nan = want.isnan()
-        got_v = got.view(torch.bfloat16)
-        assert torch.equal(got_v.isnan(), nan), f"seed {seed}: NaN units differ"
-        diff = (got[~nan] != want[~nan].view(torch.int16)).nonzero()
-        assert diff.numel() == 0, (f"seed {seed}: {diff.numel()} values differ, first at {diff[0].item()}: "
-                                   f"{got_v[~nan][diff[0]].item()} vs {want[~nan][diff[0]].item()}")
+        want = resq_quantize_reference(x.view(-1, f.block_size), f, "sum")[2].values
+        _assert_same_bits(got, want, seed)
         # the sums differ from Q(x) alone in many units: the residual is there, not dropped
         main = quantize_reference(x.view(-1, f.block_size), f, 1, "bf16")[1].values.reshape(-1)
-        assert (got[~nan] != main[~nan].view(torch.int16)).float().mean() > 0.2
+        fin = ~want.reshape(-1).isnan()
+        assert (got[fin] != main[fin].view(torch.int16)).float().mean() > 0.2
 
 
 @pytest.mark.parametrize("name", ["mxfp4", "mxfp4_rceil"])
