@@ -110,12 +110,6 @@ QM_FN uint32_t pack(float lo, float hi, uint32_t w, bool bad) {
   return bad ? 0x7FC07FC0u : v;
 }
 
-// HiF4: N parts of one 64-value unit (each part 8 values aligned to 8 = one E1_8 group, two E1_16 groups), bmax
-// the unit's largest |x| (bf16 bits). SPEC 2.1 steps 2-7; a NaN/Inf unit dequantizes to NaN.
-// The element step needs bf16 inputs: |x| and r = bf16(1 / E6M2) have 8 significant bits each, so 4m = |x| r
-// 2^(2 - shift) is exact, and so is 4m + 8.5 where it matters (4m >= 2^-5; below, k = 0 either way): k =
-// floor(4m + 0.5) (ties away from zero) is the integer part of 4m + 8.5, minus 8, which masking its low mantissa
-// bits gives (the value in [8, 16) has 20 fraction bits); min(., 15.5) caps k at 7.
 // HiF4's level 1 (SPEC 2.1 steps 2-4) of a unit whose largest |x| is vmax (0 for a NaN/Inf unit): returns r =
 // bf16_rne(1 / E6M2), in [2^-16, 2^48]; rb: E6M2's fp32 bits.
 QM_FN float hif4_scale(float vmax, uint32_t& rb) {
@@ -138,6 +132,12 @@ QM_FN int hif4_shift(const uint32_t b16[2], float r, int g) {
   return (int)e18 + (int)(p16 >= 2.0f);
 }
 
+// HiF4: N parts of one 64-value unit (each part 8 values aligned to 8 = one E1_8 group, two E1_16 groups), bmax
+// the unit's largest |x| (bf16 bits). SPEC 2.1 steps 2-7; a NaN/Inf unit dequantizes to NaN.
+// The element step needs bf16 inputs: |x| and r = bf16(1 / E6M2) have 8 significant bits each, so 4m = |x| r
+// 2^(2 - shift) is exact, and so is 4m + 8.5 where it matters (4m >= 2^-5; below, k = 0 either way): k =
+// floor(4m + 0.5) (ties away from zero) is the integer part of 4m + 8.5, minus 8, which masking its low mantissa
+// bits gives (the value in [8, 16) has 20 fraction bits); min(., 15.5) caps k at 7.
 template <int N>
 QM_FN void hif4_parts(const uint32_t w[4 * N], uint32_t bmax, uint32_t out[4 * N]) {
   const bool bad = bmax >= 0x7F80u;
