@@ -15,8 +15,8 @@
 #   engine-pdl    programmatic dependent launch (MEGATRON_FP4_PDL=1): the 7B rows without and with it in one JSON
 #                 (paths "graph+fused" and "graph+fused+pdl"), then the decode-step kernels' and the engine's GPU
 #                 tests with it: whether it becomes the default
-#   decode-quantize  the decode step's activation quantizers (W4A4 expansion, ResQ 2:4 bf16 sum) per tile
-#                 (bench_kernels.py --decode-quantize), then their GPU tests
+#   decode-quantize  the decode step's activation quantizers (W4A4 expansion, ResQ 2:4 bf16 sum: the CUDA kernel
+#                 and the Triton tiles) (bench_kernels.py --decode-quantize), then their GPU tests
 #   decode-natural  the natural-K-order decode GEMM (the default layout): its GPU tests (CLUSTER's determinism too),
 #                 then its tiles (WTMA, CLUSTER, forced splits) against the default tile on 7B and 1.5B MLP shapes
 #   decode-profile  Nsight Compute on the decode GEMM (a 7B MLP weight): the default tile at M = 16 (both formats;
@@ -109,6 +109,7 @@ case "$1" in
   decode-quantize)
     python3 benchmarks/bench_kernels.py --decode-quantize --decode-ms 16,64 --out "$results/decode_quantize_h200.json"
     run_tests tests/test_kernels.py -k "few_rows or resq or expansion_only or prefetch"
+    run_tests -m gpu tests/test_cuda_quantize.py -k resq
     ;;
   decode-bench)
     python3 benchmarks/bench_kernels.py --decode --decode-sweep --shapes 3584x18944,18944x3584,1536x8960,8960x1536 \
