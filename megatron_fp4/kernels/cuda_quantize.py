@@ -34,6 +34,7 @@ FORMAT_IDS = {"hif4": 0, "mxfp4": 1, "mxfp4_rceil": 2}
 _BLOCK = {"hif4": 64, "mxfp4": 32, "mxfp4_rceil": 32}
 _ARGTYPES = [ctypes.c_void_p] * 3 + [ctypes.c_int] * 4 + [ctypes.c_longlong] * 3 + [ctypes.c_void_p]
 _FP8_ARGTYPES = _ARGTYPES[:-1] + [ctypes.c_void_p] * 8 + [ctypes.c_int] * 2 + [ctypes.c_void_p]
+_RESQ_ARGTYPES = [ctypes.c_void_p] * 2 + [ctypes.c_int] * 3 + [ctypes.c_longlong] * 2 + [ctypes.c_void_p]
 #: The formats with an FP8 form (MXFP4: E2M1 times a power of two fits FP8 relative to a row scale).
 FP8_FORMATS = ("mxfp4", "mxfp4_rceil")
 _SOURCE = "quant_both.cu"
@@ -67,9 +68,14 @@ def _arch() -> str:
     return "90a" if (major, minor) == (9, 0) else f"{major}{minor}"
 
 
-def _launcher(fmt_id: int, fp8: bool = False):
-    return _nvcc.launcher(_SOURCE, dict(FMT=fmt_id), "quant_fp8_launch" if fp8 else "quant_both_launch",
-                          _FP8_ARGTYPES if fp8 else _ARGTYPES, arch=_arch())
+#: A launcher's source, symbol and argument types by kind.
+_KINDS = {"both": (_SOURCE, "quant_both_launch", _ARGTYPES), "fp8": (_SOURCE, "quant_fp8_launch", _FP8_ARGTYPES),
+          "resq": (RESQ_SOURCE, "resq_sum_launch", _RESQ_ARGTYPES)}
+
+
+def _launcher(fmt_id: int, kind: str = "both"):
+    source, symbol, argtypes = _KINDS[kind]
+    return _nvcc.launcher(source, dict(FMT=fmt_id), symbol, argtypes, arch=_arch())
 
 
 def _check(x: torch.Tensor, fmt_name: str, formats, source: str = _SOURCE, what: str = "both_layouts") -> None:
@@ -132,7 +138,7 @@ def both_layouts_fp8(x: torch.Tensor, fmt_name: str, rows_e4m3: bool = False, co
             raise ValueError(f"out {what}: needs S int32 [{n}], flags bool [{n}] and 2^S float32 [{n}] or None")
     (rv, rexp, rok, rsc), (cv, cexp, cok, csc) = out
     maxima = torch.zeros((R + K,), dtype=torch.int32, device=dev)
-    err = _launcher(FORMAT_IDS[fmt_name], fp8=True)(
+    err = _launcher(FORMAT_IDS[fmt_name], "fp8")(
         x.data_ptr(), rv.data_ptr(), cv.data_ptr(), R, K, kp, rp, x.stride(0), rv.stride(0), cv.stride(0),
         maxima.data_ptr(), maxima[R:].data_ptr(), rexp.data_ptr(), cexp.data_ptr(),
         rsc.data_ptr() if rsc is not None else None, csc.data_ptr() if csc is not None else None,
@@ -141,8 +147,6 @@ def both_layouts_fp8(x: torch.Tensor, fmt_name: str, rows_e4m3: bool = False, co
         raise RuntimeError(f"quant_fp8 launch failed (cudaError {err})")
     return out
 
-
-_RESQ_ARGTYPES = [ctypes.c_void_p] * 2 + [ctypes.c_int] * 3 + [ctypes.c_longlong] * 2 + [ctypes.c_void_p]
 
 
 def resq_sum(x: torch.Tensor, fmt_name: str, out: Optional[torch.Tensor] = None) -> torch.Tensor:
@@ -156,9 +160,8 @@ def resq_sum(x: torch.Tensor, fmt_name: str, out: Optional[torch.Tensor] = None)
     if out is None:
         out = torch.empty((R, kp), dtype=torch.bfloat16, device=x.device)
     _check_out(out, (R, kp), (torch.bfloat16,), "resq_sum")
-    err = _nvcc.launcher(RESQ_SOURCE, dict(FMT=FORMAT_IDS[fmt_name]), "resq_sum_launch", _RESQ_ARGTYPES,
-                         arch=_arch())(x.data_ptr(), out.data_ptr(), R, K, kp, x.stride(0), out.stride(0),
-                                       torch.cuda.current_stream(x.device).cuda_stream)
+    err = _launcher(FORMAT_IDS[fmt_name], "resq")(x.data_ptr(), out.data_ptr(), R, K, kp, x.stride(0),
+                                                   out.stride(0), torch.cuda.current_stream(x.device).cuda_stream)
     if err:
         raise RuntimeError(f"resq_sum launch failed (cudaError {err})")
     return out

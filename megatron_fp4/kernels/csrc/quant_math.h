@@ -82,7 +82,8 @@ QM_FN uint32_t part_max(const uint32_t w[4]) {
   return umax(m & 0xFFFFu, m >> 16);
 }
 
-// Round fp32 to bf16, ties to even (non-negative finite inputs here), result in fp32.
+// Round fp32 to bf16, ties to even (either sign, Inf kept; not NaN: a NaN's payload could carry into the sign),
+// result in fp32.
 QM_FN float bf16_rne(float v) {
   uint32_t b = as_u(v);
   return as_f((b + 0x7FFFu + ((b >> 16) & 1u)) & 0xFFFF0000u);
@@ -419,13 +420,6 @@ QM_FN uint32_t keep24(const float m[4]) {
   return (uint32_t)(n0 < 2) | ((uint32_t)(n1 < 2) << 1) | ((uint32_t)(n2 < 2) << 2) | ((uint32_t)(n3 < 2) << 3);
 }
 
-// bf16 bits of fp32 v, rounded to nearest even (either sign, Inf kept; not NaN: a NaN's payload could carry into
-// the sign).
-QM_FN uint32_t bf16_bits(float v) {
-  const uint32_t b = as_u(v);
-  return (b + 0x7FFFu + ((b >> 16) & 1u)) >> 16;
-}
-
 // Step 1 of a part (8 bf16 values, 4 words w) of a unit of format F whose largest |x| has the bf16 bits bmax: deq
 // Q(x) as bf16 words q (quant_parts) and the residual r = x - deq Q(x) in fp32. Returns the largest |r| of the part
 // (fp32 bits); the unit's is the maximum over its parts.
@@ -457,7 +451,7 @@ QM_FN void resq_sum(const uint32_t q[4], const float r[8], uint32_t rbmax, uint3
 #pragma unroll
   for (int i = 0; i < 8; ++i) {
     const float qv = as_f(i & 1 ? q[i >> 1] & 0xFFFF0000u : q[i >> 1] << 16);
-    h[i] = bad ? 0x7FC0u : bf16_bits(qv + ((keep >> i) & 1u ? v[i] : 0.0f));
+    h[i] = bad ? 0x7FC0u : as_u(bf16_rne(qv + ((keep >> i) & 1u ? v[i] : 0.0f))) >> 16;
   }
 #pragma unroll
   for (int i = 0; i < 4; ++i) out[i] = h[2 * i] | (h[2 * i + 1] << 16);
