@@ -278,9 +278,9 @@ def test_batch_dependent_sparsities_run(model, prompts, sparsity):
     assert [s.logprobs for s in samples] != [s.logprobs for s in plain]
 
 
-def test_kernel_backend_adapter_plan_and_fallback(model, prompts):
+def test_kernel_backend_adapter_plan_and_fallback(model, prompts, monkeypatch):
     pytest.importorskip("megatron_fp4.kernels.dispatch")
-    from megatron_fp4.resq import rollout_backend_for
+    from megatron_fp4.resq import ROLLOUT_LINEAR_PATHS, rollout_backend_for
     from megatron_fp4.rollout_kernels import _plan, register_kernel_backend, unregister_kernel_backend
 
     fmts = ("hif4", "mxfp4")
@@ -294,14 +294,19 @@ def test_kernel_backend_adapter_plan_and_fallback(model, prompts):
     for p in (RolloutPrecision("w16a4", "hif4"), RolloutPrecision("w4a4", "hif4", "dense"),
               RolloutPrecision("w4a4", "hif4", activation_method="occ"), RolloutPrecision("w4a4", "nvfp4")):
         assert _plan(p, torch.bfloat16, fmts) is None
-    # on CPU tensors (no Triton interpreter) the registered backend declines and the reference runs
+    # on CPU tensors without Triton's interpreter the registered backend declines and the reference runs (the
+    # kernels through the backend, interpreted, are tests/test_kernels.py's and test_kernels_model.py's: minutes here)
+    monkeypatch.setenv("TRITON_INTERPRET", "0")
     precision = RolloutPrecision("w4a4", "mxfp4", "2:4")
     params = SamplingParams(temperature=0.0, max_new_tokens=5)
     ref = NativeRolloutEngine(model, precision).generate(prompts, params)
     assert register_kernel_backend("cpu")
     try:
         assert rollout_backend_for("cpu") is not None
+        before = dict(ROLLOUT_LINEAR_PATHS)
         got = NativeRolloutEngine(model, precision).generate(prompts, params)
     finally:
         unregister_kernel_backend("cpu")
+    assert ROLLOUT_LINEAR_PATHS["backend"] == before["backend"]
+    assert ROLLOUT_LINEAR_PATHS["reference"] > before["reference"]
     assert [s.token_ids for s in got] == [s.token_ids for s in ref]
