@@ -280,6 +280,7 @@ def test_batch_dependent_sparsities_run(model, prompts, sparsity):
 
 def test_kernel_backend_adapter_plan_and_fallback(model, prompts, monkeypatch):
     pytest.importorskip("megatron_fp4.kernels.dispatch")
+    from megatron_fp4.kernels import _common
     from megatron_fp4.resq import ROLLOUT_LINEAR_PATHS, rollout_backend_for
     from megatron_fp4.rollout_kernels import _plan, register_kernel_backend, unregister_kernel_backend
 
@@ -295,8 +296,10 @@ def test_kernel_backend_adapter_plan_and_fallback(model, prompts, monkeypatch):
               RolloutPrecision("w4a4", "hif4", activation_method="occ"), RolloutPrecision("w4a4", "nvfp4")):
         assert _plan(p, torch.bfloat16, fmts) is None
     # on CPU tensors without Triton's interpreter the registered backend declines and the reference runs (the
-    # kernels through the backend, interpreted, are tests/test_kernels.py's and test_kernels_model.py's: minutes here)
-    monkeypatch.setenv("TRITON_INTERPRET", "0")
+    # kernels through the backend, interpreted, are tests/test_kernels.py's and test_rollout_static.py's: minutes
+    # here). Only kernels_usable is told so: TRITON_INTERPRET itself stays, since Triton reads it where a module's
+    # kernels are defined, and a module first imported under 0 would keep compiled kernels for the later tests.
+    monkeypatch.setattr(_common, "interpreting", lambda: False)
     precision = RolloutPrecision("w4a4", "mxfp4", "2:4")
     params = SamplingParams(temperature=0.0, max_new_tokens=5)
     ref = NativeRolloutEngine(model, precision).generate(prompts, params)
