@@ -148,7 +148,6 @@ def both_layouts_fp8(x: torch.Tensor, fmt_name: str, rows_e4m3: bool = False, co
     return out
 
 
-
 def resq_sum(x: torch.Tensor, fmt_name: str, out: Optional[torch.Tensor] = None) -> torch.Tensor:
     """bf16(deq Q(x) + S(deq Q(x - deq Q(x)))) ``[R, KP]`` (K padded to the format's block) for x ``[R, K]`` that
     :func:`usable` accepts (``source=RESQ_SOURCE``): Rollout-ResQ 2:4's one GEMM operand (``resq_combine="bf16"``),
