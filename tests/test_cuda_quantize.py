@@ -452,3 +452,26 @@ def test_resq_quantize_sum_serves_through_the_kernel(name, monkeypatch):
     monkeypatch.setenv("MEGATRON_FP4_CUDA_QUANT", "0")
     want = resq_quantize(x, name, expand="sum", packed=False)[2].values
     assert torch.equal(got.view(torch.int16), want.view(torch.int16))
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("name", ["hif4", "mxfp4"])
+def test_swiglu_resq_kernel_is_the_two_kernels_bits(name):
+    """The fused SwiGLU + ResQ sum equals the Triton SwiGLU followed by the ResQ quantize, bit for bit: fc1's fp32
+    split sums (1 and 3 splits) or its bf16 output, the 7B and 1.5B widths and a one-unit row."""
+    cq = _cuda_quantize()
+    if not cq.available(cq.SWIGLU_RESQ_SOURCE):
+        pytest.skip("the fused SwiGLU + ResQ kernel cannot build here or is turned off")
+    from megatron_fp4.kernels.decode_ops import swiglu
+    from megatron_fp4.kernels.resq import resq_quantize
+
+    for B, F in ((64, 18944), (16, 18944), (64, 8960), (3, 64)):
+        for splits in (0, 1, 3):
+            shape = (splits, B, 2 * F) if splits else (B, 2 * F)
+            a = torch.randn(shape, device="cuda") * torch.exp(torch.randn(shape, device="cuda"))
+            a = a if splits else a.bfloat16()
+            want = resq_quantize(swiglu(a, torch.bfloat16, splits=bool(splits)), name, expand="sum",
+                                 packed=False)[2].values
+            got = cq.swiglu_resq(a, name)
+            assert got.shape == want.shape and torch.equal(got.view(torch.int16), want.view(torch.int16)), \
+                (B, F, splits, (got != want).sum().item())

@@ -361,3 +361,64 @@ def test_gpu_graph_path_matches_eager(precision, fused, monkeypatch):
     b = NativeRolloutEngine(m, precision, decode="megatron").generate(ps, greedy)
     same = sum(x.token_ids == y.token_ids for x, y in zip(a, b)) / len(ps)
     assert same >= 0.5, same  # bf16 greedy ties diverge now and then; most sequences agree exactly
+
+
+@pytest.mark.parametrize("fmt", ["hif4", "mxfp4"])
+def test_fused_swiglu_resq_operand_reaches_fc2(model, prompts, monkeypatch, fmt):
+    """W4A4 + ResQ 2:4 (bf16 sum) on the fused path: fc2's ResQ operand comes from the fused SwiGLU + ResQ kernel
+    (here its reference ops stand in for it: the kernel's bits are tests/test_cuda_quantize.py's GPU test) and fc2
+    multiplies it as W4A16; the greedy tokens and logprobs are the unfused path's exactly, every layer's fc2 took
+    it, MEGATRON_FP4_FUSED_SWIGLU_RESQ=0 turns it off, and ResQ with the exact combine keeps its own linears."""
+    from megatron_fp4.kernels import cuda_quantize
+    from megatron_fp4.resq import resq_activation
+
+    precision = RolloutPrecision("w4a4", fmt, "2:4", resq_combine="bf16")
+    params = SamplingParams(temperature=0.0, max_new_tokens=4)
+    prompts = prompts[:4]
+    monkeypatch.setenv("MEGATRON_FP4_DECODE_FUSED", "1")
+    dtype = next(model.parameters()).dtype  # (the kernel's is bf16; the CPU model's what the unfused path computes)
+    calls = []
+
+    def swiglu_resq(a, f):
+        assert f == fmt
+        calls.append(a.shape)
+        h = decode_ops.swiglu(a, dtype, splits=a.dim() == 3)
+        return resq_activation(h, fmt, "2:4", dim=-1, out_dtype=torch.bfloat16).to(dtype)
+
+    monkeypatch.setattr(cuda_quantize, "swiglu_resq_usable", lambda a, f: True)
+    monkeypatch.setattr(cuda_quantize, "swiglu_resq", swiglu_resq)
+    monkeypatch.setenv("MEGATRON_FP4_FUSED_SWIGLU_RESQ", "0")
+    want = NativeRolloutEngine(model, precision, decode="static", max_batch_size=3).generate(prompts, params)
+    assert not calls
+    monkeypatch.delenv("MEGATRON_FP4_FUSED_SWIGLU_RESQ")
+    got = NativeRolloutEngine(model, precision, decode="static", max_batch_size=3).generate(prompts, params)
+    layers = len(model.decoder.layers)
+    assert calls and len(calls) % layers == 0  # (each forward's every layer: the prefills' and the decode steps')
+    assert [s.token_ids for s in got] == [s.token_ids for s in want]
+    assert [s.logprobs for s in got] == [s.logprobs for s in want]
+    calls.clear()
+    NativeRolloutEngine(model, RolloutPrecision("w4a4", fmt, "2:4"), decode="static",
+                        max_batch_size=3).generate(prompts[:1], params)
+    assert not calls
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("fmt", ["hif4", "mxfp4"])
+def test_gpu_fused_swiglu_resq_equals_the_resq_linears(fmt, monkeypatch):
+    """On a model wide enough for the fused CUDA kernel (hidden 1024, ffn 2816), the graph path with the fused
+    SwiGLU + ResQ operand (the default) gives the tokens and logprobs of MEGATRON_FP4_FUSED_SWIGLU_RESQ=0 exactly
+    (the same operands, the same GEMMs)."""
+    monkeypatch.setenv("MEGATRON_FP4_DECODE_FUSED", "1")
+    initialize_parallel(1, 1, seed=3)
+    m = build_gpt_model(_args(params_dtype=torch.bfloat16, init_method_std=0.02, max_seq_len=96, hidden_size=1024,
+                              ffn_hidden_size=2816, num_attention_heads=8, num_query_groups=2))
+    ps = random_prompts((5, 17, 9, 30, 2, 12), seed=0)
+    precision = RolloutPrecision("w4a4", fmt, "2:4", resq_combine="bf16")
+    for params in (SamplingParams(temperature=0.0, max_new_tokens=16),
+                   SamplingParams(temperature=1.0, max_new_tokens=16, seed=0)):
+        got = NativeRolloutEngine(m, precision, decode="graph", max_batch_size=8).generate(ps, params)
+        monkeypatch.setenv("MEGATRON_FP4_FUSED_SWIGLU_RESQ", "0")
+        want = NativeRolloutEngine(m, precision, decode="graph", max_batch_size=8).generate(ps, params)
+        monkeypatch.delenv("MEGATRON_FP4_FUSED_SWIGLU_RESQ")
+        assert [s.token_ids for s in got] == [s.token_ids for s in want]
+        assert [s.logprobs for s in got] == [s.logprobs for s in want]

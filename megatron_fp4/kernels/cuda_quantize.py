@@ -1,10 +1,12 @@
 """The CUDA C++ quantizers: the both-layouts quantizer (``megatron_fp4/kernels/csrc/quant_both.cu``: a training
-operand's two exact BF16 expansions from one read of x) and Rollout-ResQ's bf16 sum (``csrc/resq_sum.cu``).
+operand's two exact BF16 expansions from one read of x) and Rollout-ResQ's bf16 sum (``csrc/resq_sum.cu``; fused
+with the decode step's SwiGLU in ``csrc/swiglu_resq.cu``).
 
     rows, cols = both_layouts(x, "hif4")   # x [R, K] along K -> [R, KP]; x.t() along R -> [K, RP]
     rows, cols = both_layouts_fp8(x, "mxfp4", cols_e4m3=True)  # MXFP4's FP8 form: (values, S, ok, 2^S) each
     both_layouts(w, "hif4", out=(w_rows, w_cols))  # into existing buffers (a weight's, under CUDA graphs)
     a = resq_sum(x, "hif4")                # bf16(Q(x) + S(Q(x - Q(x)))) [R, KP]: ResQ 2:4's one GEMM operand
+    a = swiglu_resq(fc1_out, "hif4")       # the same of the SwiGLU of fc1's output (fp32 splits or bf16)
 
 Bit for bit ``megatron_fp4.kernels.quantize.quantize(x, fmt, expand="bf16", packed=False)`` and the same of
 ``x.t()`` (FP8: ``expand="native"`` (E5M2) or ``"e4m3"`` for each layout, as the reference computes them; the unit
@@ -12,8 +14,9 @@ math, ``csrc/quant_math.h``, is shared with a host build that the CPU tests chec
 Triton cannot express its layout: after the transpose each thread owns 16 consecutive tokens of two columns, so a
 HiF4 unit is 4 lanes of one warp, reduced by shuffles (docs/PERFORMANCE.md, issue 21). :func:`resq_sum` is bit for
 bit ``megatron_fp4.kernels.resq.resq_quantize(x, fmt, expand="sum", packed=False)`` (the Triton kernel, which it
-replaces there: one part of 8 values per thread, for the decode step's small activations). Built with nvcc on first
-use (:mod:`megatron_fp4.kernels._nvcc`); ``MEGATRON_FP4_CUDA_QUANT=0`` turns both off (the Triton kernels serve).
+replaces there: one part of 8 values per thread, for the decode step's small activations); :func:`swiglu_resq` is
+bit for bit the Triton SwiGLU (``decode_ops.swiglu``) followed by it. Built with nvcc on first use
+(:mod:`megatron_fp4.kernels._nvcc`); ``MEGATRON_FP4_CUDA_QUANT=0`` turns them all off (the Triton kernels serve).
 """
 
 from __future__ import annotations
@@ -27,8 +30,8 @@ import torch
 
 from megatron_fp4.kernels import _nvcc
 
-__all__ = ["available", "usable", "both_layouts", "both_layouts_fp8", "resq_sum", "FORMAT_IDS", "FP8_FORMATS",
-           "RESQ_SOURCE"]
+__all__ = ["available", "usable", "both_layouts", "both_layouts_fp8", "resq_sum", "swiglu_resq", "swiglu_resq_usable",
+           "FORMAT_IDS", "FP8_FORMATS", "RESQ_SOURCE", "SWIGLU_RESQ_SOURCE"]
 
 FORMAT_IDS = {"hif4": 0, "mxfp4": 1, "mxfp4_rceil": 2}
 _BLOCK = {"hif4": 64, "mxfp4": 32, "mxfp4_rceil": 32}
@@ -163,4 +166,39 @@ def resq_sum(x: torch.Tensor, fmt_name: str, out: Optional[torch.Tensor] = None)
                                                    out.stride(0), torch.cuda.current_stream(x.device).cuda_stream)
     if err:
         raise RuntimeError(f"resq_sum launch failed (cudaError {err})")
+    return out
+
+
+#: The fused SwiGLU + ResQ bf16-sum kernel's source (the decode step's operand of fc2, :func:`swiglu_resq`).
+SWIGLU_RESQ_SOURCE = "swiglu_resq.cu"
+_SWIGLU_ARGTYPES = [ctypes.c_void_p, ctypes.c_int, ctypes.c_void_p] + [ctypes.c_int] * 4 + [ctypes.c_longlong] * 3 \
+    + [ctypes.c_void_p]
+
+
+def swiglu_resq_usable(a: torch.Tensor, fmt_name: str) -> bool:
+    """Whether :func:`swiglu_resq` takes fc1's output ``a``: fp32 split sums ``[S, B, 2F]`` or bf16 ``[B, 2F]``, CUDA,
+    contiguous, F a multiple of 8, a format it implements, and the kernel available."""
+    return (fmt_name in FORMAT_IDS and a.is_cuda and a.is_contiguous() and a.numel() > 0 and a.shape[-1] % 16 == 0
+            and ((a.dim() == 3 and a.dtype == torch.float32) or (a.dim() == 2 and a.dtype == torch.bfloat16))
+            and a.data_ptr() % 16 == 0 and available(SWIGLU_RESQ_SOURCE))
+
+
+def swiglu_resq(a: torch.Tensor, fmt_name: str) -> torch.Tensor:
+    """The ResQ 2:4 bf16 sum ``[B, FP]`` of ``decode_ops.swiglu(a, torch.bfloat16, splits=a.dim() == 3)`` in one
+    kernel (the Triton SwiGLU's arithmetic, then :func:`resq_sum`'s), for ``a`` that :func:`swiglu_resq_usable`
+    accepts: what fc2 multiplies in W4A4 + ResQ 2:4 (bf16 sum), so fc2 runs as W4A16 on it."""
+    if not swiglu_resq_usable(a, fmt_name):
+        raise ValueError(f"swiglu_resq: needs fp32 [S, B, 2F] or bf16 [B, 2F] contiguous CUDA, F a multiple of 8, "
+                         f"format one of {sorted(FORMAT_IDS)}; got {a.dtype} {tuple(a.shape)} format {fmt_name!r}")
+    parts = a if a.dim() == 3 else a.unsqueeze(0)
+    S, B, F2 = parts.shape
+    F = F2 // 2
+    fp = -(-F // _BLOCK[fmt_name]) * _BLOCK[fmt_name]
+    out = torch.empty((B, fp), dtype=torch.bfloat16, device=a.device)
+    err = _nvcc.launcher(SWIGLU_RESQ_SOURCE, dict(FMT=FORMAT_IDS[fmt_name]), "swiglu_resq_launch", _SWIGLU_ARGTYPES,
+                         arch=_arch())(a.data_ptr(), int(a.dtype == torch.float32), out.data_ptr(), B, F, fp, S,
+                                       parts.stride(1), parts.stride(0), out.stride(0),
+                                       torch.cuda.current_stream(a.device).cuda_stream)
+    if err:
+        raise RuntimeError(f"swiglu_resq launch failed (cudaError {err})")
     return out

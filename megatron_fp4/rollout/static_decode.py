@@ -237,20 +237,42 @@ class StaticCacheGenerator:
         return st
 
     # -- the model -----------------------------------------------------------------------------------------------------
-    def _linear(self, mod: torch.nn.Module, x: torch.Tensor, as_stored: bool = False, bias: bool = True
-                ) -> torch.Tensor:
+    def _linear(self, mod: torch.nn.Module, x: torch.Tensor, as_stored: bool = False, bias: bool = True,
+                on_sum: bool = False) -> torch.Tensor:
         """``as_stored``: ``[splits, B, n]``, the decode GEMM's fp32 split-K partial sums as stored (no atomics, no
         zero-fill, no cast kernel; with a bias already added up), for the fused kernels that add them in order and
         round to the model's dtype as they read them: the step is then deterministic (graph and eager alike).
-        ``bias`` False: without the linear's bias (its reader adds it)."""
-        return rollout_linear(x, mod.weight, getattr(mod, "bias", None) if bias else None, self._precision,
+        ``bias`` False: without the linear's bias (its reader adds it). ``on_sum``: ``x`` is already ResQ 2:4's bf16
+        sum (a fused kernel made it, K padded to the format's block): the linear multiplies it as W4A16, the same
+        GEMM on the same operand as W4A4 + ResQ 2:4 (bf16 sum) runs after its own quantize."""
+        precision = self._precision
+        if on_sum:
+            x = x[:, :mod.weight.shape[1]]
+            precision = RolloutPrecision("w4a16", precision.format)
+        return rollout_linear(x, mod.weight, getattr(mod, "bias", None) if bias else None, precision,
                               cache=self._cache, as_stored=as_stored)
 
     def _mlp(self, layer: _Layer, h: torch.Tensor, as_stored: bool = False) -> torch.Tensor:
         """The MLP of the normed input ``h`` (``as_stored``: fc2's output as :meth:`_linear` says, and fc1's too
-        where the fused SwiGLU reads it)."""
+        where the fused SwiGLU reads it). In W4A4 + ResQ 2:4 (bf16 sum), fc2's operand comes from one CUDA kernel
+        that applies the SwiGLU and ResQ's quantize (``cuda_quantize.swiglu_resq``) where it can run, unless
+        ``MEGATRON_FP4_FUSED_SWIGLU_RESQ=0``: the same bits as the two kernels, one launch and one round trip less."""
         splits = as_stored and self.fused and self.gated
-        return self._linear(layer.fc2, self._act(self._linear(layer.fc1, h, splits), h.dtype, splits), as_stored)
+        a = self._linear(layer.fc1, h, splits)
+        if self.gated and self._fused_resq_operands():
+            from megatron_fp4.kernels import cuda_quantize
+
+            if cuda_quantize.swiglu_resq_usable(a, self._precision.format):
+                return self._linear(layer.fc2, cuda_quantize.swiglu_resq(a, self._precision.format), as_stored,
+                                    on_sum=True)
+        return self._linear(layer.fc2, self._act(a, h.dtype, splits), as_stored)
+
+    def _fused_resq_operands(self) -> bool:
+        """Whether the fused step makes W4A4 + ResQ 2:4 (bf16 sum)'s operand inside the kernel before the linear
+        (the SwiGLU's, for fc2): the fused path at that precision, unless ``MEGATRON_FP4_FUSED_SWIGLU_RESQ=0``."""
+        p = self._precision
+        return (self.fused and os.environ.get("MEGATRON_FP4_FUSED_SWIGLU_RESQ", "1") != "0"
+                and (p.mode, p.sparsity, p.resq_combine, p.activation_method) == ("w4a4", "2:4", "bf16", "resq"))
 
     def _act(self, a: torch.Tensor, dtype: torch.dtype, splits: bool = False) -> torch.Tensor:
         """The activation of fc1's output ``a`` (``splits``: its split sums as stored, fused SwiGLU only)."""

@@ -12,21 +12,13 @@
 #include <cuda_runtime.h>
 #include <stdint.h>
 
-#include "quant_math.h"
-
 #ifndef FMT
 #define FMT 0
 #endif
 
+#include "resq_lanes.h"
+
 #define THREADS 128
-constexpr int UNIT_LANES = FMT == 0 ? 8 : 4;
-
-__device__ __forceinline__ uint32_t unit_max(uint32_t v) {
-#pragma unroll
-  for (int s = 1; s < UNIT_LANES; s <<= 1) v = qm::umax(v, __shfl_xor_sync(0xFFFFFFFFu, v, s));
-  return v;
-}
-
 __global__ void __launch_bounds__(THREADS) resq_sum_kernel(const uint16_t* __restrict__ x, uint16_t* __restrict__ out,
                                                            int K, int KP, long long ldx, long long ldo) {
   const long long row = blockIdx.x;
@@ -34,10 +26,8 @@ __global__ void __launch_bounds__(THREADS) resq_sum_kernel(const uint16_t* __res
   uint4 v = make_uint4(0u, 0u, 0u, 0u);
   if (c < K) v = __ldg(reinterpret_cast<const uint4*>(x + row * ldx + c));
   const uint32_t w[4] = {v.x, v.y, v.z, v.w};
-  uint32_t q[4], o[4];
-  float r[8];
-  const uint32_t rmax = unit_max(qm::resq_residual<FMT>(w, unit_max(qm::part_max(w)), q, r));
-  qm::resq_sum<FMT>(q, r, rmax, o);
+  uint32_t o[4];
+  resq_sum_part(w, o);
   if (c < KP) *reinterpret_cast<uint4*>(out + row * ldo + c) = make_uint4(o[0], o[1], o[2], o[3]);
 }
 
