@@ -10,8 +10,9 @@ Ops (per decode step: the norms twice a layer, the others once a layer or once a
 + RMSNorm; ``add_rms_norm_8splits``: the FP4 steps' form, the residual as 8 fp32 split-K partial sums, against
 split_sum first), ``rope_attention`` (RoPE, the K/V writes and the attention over each cache up to its position, against
 both the RoPE kernel + SDPA with a mask, the ``MEGATRON_FP4_DECODE_ATTENTION=sdpa`` path, and the PyTorch twin),
-``swiglu``, ``sample`` (temperature 1: the head's bf16 logits to a token and its logprob) and ``record_tokens`` (the
-step's bookkeeping). Random bf16 data (fp32 on a CPU, where Triton's interpreter runs and only ``--shapes tiny``
+``swiglu``, ``sample`` (temperature 1: the head's bf16 logits to a token and its logprob), ``record_tokens`` (the
+step's bookkeeping) and, on a GPU with nvcc, ``swiglu_resq_{hif4,mxfp4}`` (W4A4 + ResQ 2:4 bf16 sum: fc2's operand
+in one CUDA kernel against the Triton SwiGLU then the ResQ quantize, which it must equal bit for bit). Random bf16 data (fp32 on a CPU, where Triton's interpreter runs and only ``--shapes tiny``
 makes sense: the times then say nothing). ``check`` is each implementation's largest difference from the twin,
 relative as the tests measure it (max |impl - twin| / (1 + |twin|); ``sample``: the fraction of tokens that differ;
 ``record_tokens``: of the states after one step, the kernel only), ``ok`` whether it is within the tests' tolerance
@@ -146,6 +147,19 @@ def bench_shape(name: str, batch: int, cache: int, reps: int, device) -> list[di
         "record_tokens": (1, {"kernel": lambda: decode_ops.record_tokens(state, tok, lp, stop),
                               "twin": lambda: decode_ops.record_tokens_reference(state, tok, lp, stop)}),
     }
+    from megatron_fp4.kernels import cuda_quantize
+
+    if device.type == "cuda" and cuda_quantize.available(cuda_quantize.SWIGLU_RESQ_SOURCE):
+        from megatron_fp4.kernels.resq import resq_quantize
+
+        # W4A4 + ResQ 2:4 (bf16 sum)'s operand of fc2 from fc1's fp32 split sums (2 splits): one kernel, or the
+        # Triton SwiGLU and the ResQ quantize (its twin here: the same bits are the check)
+        a2 = torch.randn(2, batch, 2 * ffn, generator=g, device=device)
+        for fmt in ("hif4", "mxfp4"):
+            ops[f"swiglu_resq_{fmt}"] = (L, {
+                "kernel": lambda fmt=fmt: cuda_quantize.swiglu_resq(a2, fmt),
+                "twin": lambda fmt=fmt: resq_quantize(decode_ops.swiglu(a2, torch.bfloat16, splits=True), fmt,
+                                                      expand="sum", packed=False)[2].values})
     rows = []
     for op, (per_step, impls) in ops.items():
         if op == "record_tokens":  # (in place)
@@ -161,7 +175,8 @@ def bench_shape(name: str, batch: int, cache: int, reps: int, device) -> list[di
             check = checks.get(impl)
             rows.append(dict(shape=name, op=op, impl=impl, us=us, per_step=per_step,
                              ms_per_generate=us * per_step * 128 / 1e3, vs_twin=twin_us / us, check=check,
-                             ok=None if check is None else check <= TOLERANCE["sample" if op == "sample" else dtype]))
+                             ok=None if check is None else (check == 0 if op.startswith("swiglu_resq") else
+                                                            check <= TOLERANCE["sample" if op == "sample" else dtype])))
     return rows
 
 
