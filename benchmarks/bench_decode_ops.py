@@ -12,8 +12,9 @@ split_sum first), ``rope_attention`` (RoPE, the K/V writes and the attention ove
 both the RoPE kernel + SDPA with a mask, the ``MEGATRON_FP4_DECODE_ATTENTION=sdpa`` path, and the PyTorch twin),
 ``swiglu``, ``sample`` (temperature 1: the head's bf16 logits to a token and its logprob), ``record_tokens`` (the
 step's bookkeeping) and, on a GPU with nvcc, ``swiglu_resq_{hif4,mxfp4}`` (W4A4 + ResQ 2:4 bf16 sum: fc2's operand
-in one CUDA kernel against the Triton SwiGLU then the ResQ quantize, which it must equal bit for bit). Random bf16 data (fp32 on a CPU, where Triton's interpreter runs and only ``--shapes tiny``
-makes sense: the times then say nothing). ``check`` is each implementation's largest difference from the twin,
+in one CUDA kernel against the Triton SwiGLU then the ResQ quantize, which it must equal bit for bit). Random bf16
+data (fp32 on a CPU, where Triton's interpreter runs and only ``--shapes tiny`` makes sense: the times then say
+nothing). ``check`` is each implementation's largest difference from the twin,
 relative as the tests measure it (max |impl - twin| / (1 + |twin|); ``sample``: the fraction of tokens that differ;
 ``record_tokens``: of the states after one step, the kernel only), ``ok`` whether it is within the tests' tolerance
 (:data:`TOLERANCE`); a failed check exits with status 1 after the JSON is written.

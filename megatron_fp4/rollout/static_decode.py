@@ -254,9 +254,9 @@ class StaticCacheGenerator:
 
     def _mlp(self, layer: _Layer, h: torch.Tensor, as_stored: bool = False) -> torch.Tensor:
         """The MLP of the normed input ``h`` (``as_stored``: fc2's output as :meth:`_linear` says, and fc1's too
-        where the fused SwiGLU reads it). In W4A4 + ResQ 2:4 (bf16 sum), fc2's operand comes from one CUDA kernel
-        that applies the SwiGLU and ResQ's quantize (``cuda_quantize.swiglu_resq``) where it can run, unless
-        ``MEGATRON_FP4_FUSED_SWIGLU_RESQ=0``: the same bits as the two kernels, one launch and one round trip less."""
+        where the fused SwiGLU reads it). Where :meth:`_fused_resq_operands` says so and the kernel takes fc1's
+        output, fc2's operand comes from one CUDA kernel (``cuda_quantize.swiglu_resq``: the SwiGLU and ResQ's
+        quantize, the two kernels' bits with one launch and one round trip less)."""
         splits = as_stored and self.fused and self.gated
         a = self._linear(layer.fc1, h, splits)
         if self.gated and self._fused_resq_operands():
@@ -269,7 +269,7 @@ class StaticCacheGenerator:
 
     def _fused_resq_operands(self) -> bool:
         """Whether the fused step makes W4A4 + ResQ 2:4 (bf16 sum)'s operand inside the kernel before the linear
-        (the SwiGLU's, for fc2): the fused path at that precision, unless ``MEGATRON_FP4_FUSED_SWIGLU_RESQ=0``."""
+        (the SwiGLU's, for fc2): on the fused path at that precision, unless ``MEGATRON_FP4_FUSED_SWIGLU_RESQ=0``."""
         p = self._precision
         return (self.fused and os.environ.get("MEGATRON_FP4_FUSED_SWIGLU_RESQ", "1") != "0"
                 and (p.mode, p.sparsity, p.resq_combine, p.activation_method) == ("w4a4", "2:4", "bf16", "resq"))

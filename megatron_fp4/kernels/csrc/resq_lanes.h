@@ -1,5 +1,5 @@
-// Device helpers of the ResQ bf16-sum kernels (resq_sum.cu, swiglu_resq.cu, norm_resq.cu): each thread holds one
-// part of 8 consecutive values; a unit's parts are consecutive lanes (HiF4: 8 per 64-value unit, MXFP4: 4 per
+// Device helpers of the ResQ bf16-sum kernels (resq_sum.cu, swiglu_resq.cu): each thread holds one part of 8
+// consecutive values; a unit's parts are consecutive lanes (HiF4: 8 per 64-value unit, MXFP4: 4 per
 // 32-value block), whose maxima meet by __shfl_xor. Include after defining FMT.
 #pragma once
 #include <cuda_runtime.h>

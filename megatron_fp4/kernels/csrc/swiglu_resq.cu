@@ -1,10 +1,11 @@
-// The decode step's SwiGLU fused with Rollout-ResQ 2:4's bf16-sum quantize (fc2's operand in W4A4 + ResQ 2:4, bf16
-// sum; rollout/static_decode.py, MEGATRON_FP4_FUSED_SWIGLU_RESQ=0 turns it off): out [B, FP] = resq_sum(y), y = bf16(bf16(silu(a0)) * a1), a0 / a1 = the gate / up halves of fc1's output a:
-// fp32 split-K partial sums [S, B, 2F] as the decode GEMM stores them (added in split order, then rounded to bf16),
-// or bf16 [B, 2F]. The SwiGLU arithmetic is the Triton kernel's (megatron_fp4/kernels/decode_ops.py: _swiglu_kernel)
-// as Triton 3.6 lowers it for sm_90 (its PTX: mul by log2 e, ex2.approx.f32, add 1, div.full.f32, cvt.rn.bf16.f32,
-// mul.rn.bf16x2), so y is that kernel's bits; the ResQ sum is quant_math.h's (resq_residual, resq_sum), as
-// resq_sum.cu's. Each thread holds 8 columns; a unit's lanes meet by shuffles. F must be a multiple of 8.
+// The decode step's SwiGLU fused with Rollout-ResQ 2:4's bf16-sum quantize: fc2's operand in W4A4 + ResQ 2:4 (bf16
+// sum), made by rollout/static_decode.py unless MEGATRON_FP4_FUSED_SWIGLU_RESQ=0. out [B, FP] = resq_sum(y),
+// y = bf16(bf16(silu(a0)) * a1), a0 / a1 = the gate / up halves of fc1's output a: fp32 split-K partial sums
+// [S, B, 2F] as the decode GEMM stores them (added in split order, then rounded to bf16), or bf16 [B, 2F]. The SwiGLU
+// arithmetic is the Triton kernel's (megatron_fp4/kernels/decode_ops.py: _swiglu_kernel) as Triton 3.6 lowers it for
+// sm_90 (its PTX: mul by log2 e, ex2.approx.f32, add 1, div.full.f32, cvt.rn.bf16.f32, mul.rn.bf16x2), so y is that
+// kernel's bits; the ResQ sum is quant_math.h's (resq_residual, resq_sum), as resq_sum.cu's. Each thread holds 8
+// columns; a unit's lanes meet by shuffles. F must be a multiple of 8.
 #include <cuda_bf16.h>
 #include <cuda_runtime.h>
 #include <stdint.h>
@@ -30,9 +31,9 @@ __device__ __forceinline__ float silu_bf16(float a) {
 }
 
 template <typename T>
-__global__ void __launch_bounds__(THREADS) swiglu_resq_kernel(const T* __restrict__ a, uint16_t* __restrict__ out, int F,
-                                                              int FP, int splits, long long lda, long long lds,
-                                                              long long ldo) {
+__global__ void __launch_bounds__(THREADS) swiglu_resq_kernel(const T* __restrict__ a, uint16_t* __restrict__ out,
+                                                              int F, int FP, int splits, long long lda,
+                                                              long long lds, long long ldo) {
   const long long row = blockIdx.x;
   const int c = (blockIdx.y * THREADS + threadIdx.x) * 8;  // (a unit's lanes: all < FP or none)
   uint32_t w[4] = {0u, 0u, 0u, 0u};
@@ -50,7 +51,8 @@ __global__ void __launch_bounds__(THREADS) swiglu_resq_kernel(const T* __restric
     }
 #pragma unroll
     for (int i = 0; i < 4; ++i) {
-      const __nv_bfloat162 s2 = __floats2bfloat162_rn(silu_bf16(round_bf16(g[2 * i])), silu_bf16(round_bf16(g[2 * i + 1])));
+      const __nv_bfloat162 s2 =
+          __floats2bfloat162_rn(silu_bf16(round_bf16(g[2 * i])), silu_bf16(round_bf16(g[2 * i + 1])));
       const __nv_bfloat162 u2 = __floats2bfloat162_rn(u[2 * i], u[2 * i + 1]);
       const __nv_bfloat162 y2 = __hmul2_rn(s2, u2);  // mul.rn.bf16x2
       w[i] = *reinterpret_cast<const uint32_t*>(&y2);
