@@ -176,6 +176,9 @@ class StaticCacheGenerator:
             raise ValueError(f"MEGATRON_FP4_DECODE_ATTENTION={attention!r} is not valid; allowed values: 'kernel', "
                              f"'sdpa'")
         self.attention_kernel = self.fused and attention == "kernel"
+        #: In W4A4 + ResQ 2:4 (bf16 sum), the fused step makes fc2's operand in one CUDA kernel (the SwiGLU and ResQ's
+        #: quantize: ``cuda_quantize.swiglu_resq``) where it can run; MEGATRON_FP4_FUSED_SWIGLU_RESQ=0 turns it off.
+        self.swiglu_resq = self.fused and os.environ.get("MEGATRON_FP4_FUSED_SWIGLU_RESQ", "1") != "0"
 
     # -- buffers -----------------------------------------------------------------------------------------------------
     @property
@@ -254,25 +257,18 @@ class StaticCacheGenerator:
 
     def _mlp(self, layer: _Layer, h: torch.Tensor, as_stored: bool = False) -> torch.Tensor:
         """The MLP of the normed input ``h`` (``as_stored``: fc2's output as :meth:`_linear` says, and fc1's too
-        where the fused SwiGLU reads it). Where :meth:`_fused_resq_operands` says so and the kernel takes fc1's
-        output, fc2's operand comes from one CUDA kernel (``cuda_quantize.swiglu_resq``: the SwiGLU and ResQ's
-        quantize, the two kernels' bits with one launch and one round trip less)."""
+        where the fused SwiGLU reads it). With :attr:`swiglu_resq` at W4A4 + ResQ 2:4 (bf16 sum), fc2's operand comes
+        from one CUDA kernel where it takes fc1's output: the two kernels' bits, one launch and one round trip less."""
         splits = as_stored and self.fused and self.gated
         a = self._linear(layer.fc1, h, splits)
-        if self.gated and self._fused_resq_operands():
+        p = self._precision
+        if self.swiglu_resq and self.gated and (p.mode, p.sparsity, p.resq_combine, p.activation_method) == (
+                "w4a4", "2:4", "bf16", "resq"):
             from megatron_fp4.kernels import cuda_quantize
 
-            if cuda_quantize.swiglu_resq_usable(a, self._precision.format):
-                return self._linear(layer.fc2, cuda_quantize.swiglu_resq(a, self._precision.format), as_stored,
-                                    on_sum=True)
+            if cuda_quantize.swiglu_resq_usable(a, p.format):
+                return self._linear(layer.fc2, cuda_quantize.swiglu_resq(a, p.format), as_stored, on_sum=True)
         return self._linear(layer.fc2, self._act(a, h.dtype, splits), as_stored)
-
-    def _fused_resq_operands(self) -> bool:
-        """Whether the fused step makes W4A4 + ResQ 2:4 (bf16 sum)'s operand inside the kernel before the linear
-        (the SwiGLU's, for fc2): on the fused path at that precision, unless ``MEGATRON_FP4_FUSED_SWIGLU_RESQ=0``."""
-        p = self._precision
-        return (self.fused and os.environ.get("MEGATRON_FP4_FUSED_SWIGLU_RESQ", "1") != "0"
-                and (p.mode, p.sparsity, p.resq_combine, p.activation_method) == ("w4a4", "2:4", "bf16", "resq"))
 
     def _act(self, a: torch.Tensor, dtype: torch.dtype, splits: bool = False) -> torch.Tensor:
         """The activation of fc1's output ``a`` (``splits``: its split sums as stored, fused SwiGLU only)."""
