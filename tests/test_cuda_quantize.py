@@ -475,3 +475,36 @@ def test_swiglu_resq_kernel_is_the_two_kernels_bits(name):
             got = cq.swiglu_resq(a, name)
             assert got.shape == want.shape and torch.equal(got.view(torch.int16), want.view(torch.int16)), \
                 (B, F, splits, (got != want).sum().item())
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("name", ["hif4", "mxfp4"])
+def test_norm_resq_kernel_is_the_two_kernels_bits(name):
+    """WIP (not yet run on a GPU): the fused residual add + RMSNorm + ResQ sum equals the Triton add_rms_norm followed
+    by the ResQ quantize, bit for bit (the same normed bits: the Triton kernel's layout and reduction order), and
+    stores the same residual sum: fp32 split sums (1 and 3 splits), a bf16 delta and none; the 7B and 1.5B widths,
+    one strip per thread (1024) and four (8960)."""
+    cq = _cuda_quantize()
+    if not cq.available(cq.NORM_RESQ_SOURCE):
+        pytest.skip("the fused norm + ResQ kernel cannot build here or is turned off")
+    from megatron_fp4.kernels.decode_ops import _norm_warps, add_rms_norm, add_rms_norm_resq
+    from megatron_fp4.kernels.resq import resq_quantize
+
+    for B, N in ((64, 3584), (16, 3584), (64, 1536), (3, 1024), (64, 8960)):
+        norm = torch.nn.RMSNorm(N, eps=1e-6, device="cuda", dtype=torch.bfloat16)
+        with torch.no_grad():
+            norm.weight.copy_(1 + 0.1 * torch.randn(N, device="cuda"))
+        x = (torch.randn(B, N, device="cuda") * 3).bfloat16()
+        for kind in ("none", "bf16", 1, 3):
+            delta = (None if kind == "none" else torch.randn(B, N, device="cuda").bfloat16() if kind == "bf16"
+                     else torch.randn(kind, B, N, device="cuda") * torch.exp(torch.randn(kind, B, N, device="cuda")))
+            h, s = add_rms_norm(x, delta, norm)
+            want = resq_quantize(h, name, expand="sum", packed=False)[2].values
+            got, got_s = add_rms_norm_resq(x, delta, norm, name)
+            assert torch.equal(got_s.view(torch.int16), s.view(torch.int16)), (B, N, kind)
+            normed = torch.empty_like(h)
+            cq.norm_resq(x, delta, norm.weight, norm.eps, name, _norm_warps(1 << (N - 1).bit_length()), normed)
+            bad = (normed.view(torch.int16) != h.view(torch.int16)).sum().item()
+            assert bad == 0, f"{bad} normed values differ from the Triton kernel's ({B} x {N}, delta {kind})"
+            assert got.shape == want.shape and torch.equal(got.view(torch.int16), want.view(torch.int16)), \
+                (B, N, kind, (got != want).sum().item())

@@ -202,3 +202,69 @@ def swiglu_resq(a: torch.Tensor, fmt_name: str) -> torch.Tensor:
     if err:
         raise RuntimeError(f"swiglu_resq launch failed (cudaError {err})")
     return out
+
+
+#: The fused residual add + RMSNorm + ResQ bf16-sum kernel's source (WIP, opt-in: one MXFP4 case of its GPU test
+#: failed on an H100, session 46).
+NORM_RESQ_SOURCE = "norm_resq.cu"
+_NORM_ARGTYPES = [ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int] + [ctypes.c_void_p] * 4 + [ctypes.c_int] * 4 \
+    + [ctypes.c_float] + [ctypes.c_int] * 2 + [ctypes.c_longlong] * 6 + [ctypes.c_void_p]
+
+
+def norm_resq_usable(x: torch.Tensor, delta: Optional[torch.Tensor], weight: torch.Tensor, fmt_name: str) -> bool:
+    """Whether :func:`norm_resq` takes these: x bf16 ``[B, N]`` (N a multiple of 8, 512 < N <= 16384), ``delta``
+    None, bf16 ``[B, N]`` or fp32 split sums ``[S, B, N]``, a bf16 norm weight ``[N]``, all CUDA with unit-stride,
+    16-byte aligned rows; a format it implements, and the kernel available."""
+    def rows_ok(t: torch.Tensor) -> bool:
+        return t.is_cuda and t.stride(-1) == 1 and t.data_ptr() % 16 == 0 and all(
+            s % 8 == 0 for s in t.stride()[:-1])
+
+    if fmt_name not in FORMAT_IDS or x.dim() != 2 or x.dtype != torch.bfloat16 or x.shape[0] == 0:
+        return False
+    N = x.shape[1]
+    if N % 8 or not 512 < N <= 16384 or weight.shape != (N,) or weight.dtype != torch.bfloat16:
+        return False
+    if delta is not None and not ((delta.dim() == 2 and delta.dtype == torch.bfloat16)
+                                  or (delta.dim() == 3 and delta.dtype == torch.float32)):
+        return False
+    if delta is not None and (tuple(delta.shape[-2:]) != tuple(x.shape) or not rows_ok(delta)):
+        return False
+    return rows_ok(x) and rows_ok(weight) and available(NORM_RESQ_SOURCE)
+
+
+def norm_resq(x: torch.Tensor, delta: Optional[torch.Tensor], weight: torch.Tensor, eps: float, fmt_name: str,
+              warps: int, normed: Optional[torch.Tensor] = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """(ResQ 2:4's bf16 sum ``[B, NP]`` of RMSNorm(s), s = x + delta ``[B, N]``) in one kernel for arguments that
+    :func:`norm_resq_usable` accepts: ``megatron_fp4.kernels.decode_ops.add_rms_norm`` (whose Triton kernel runs
+    ``warps`` warps: the same blocked layout and reduction order, so the same normed bits) followed by
+    :func:`resq_sum`. ``s`` is x itself without a delta. ``normed``: a contiguous bf16 ``[B, N]`` tensor that also
+    receives RMSNorm(s) (the tests' view of the kernel's normed bits)."""
+    if not norm_resq_usable(x, delta, weight, fmt_name):
+        raise ValueError("norm_resq: needs x bf16 [B, N] (N a multiple of 8 in (512, 16384]), delta None, bf16 [B, N] "
+                         "or fp32 [S, B, N], a bf16 weight [N], CUDA, 16-byte aligned unit-stride rows, format one "
+                         f"of {sorted(FORMAT_IDS)}; got x {x.dtype} {tuple(x.shape)}, delta "
+                         f"{None if delta is None else (delta.dtype, tuple(delta.shape))}, weight {weight.dtype} "
+                         f"{tuple(weight.shape)}, format {fmt_name!r}")
+    B, N = x.shape
+    block = 1 << (N - 1).bit_length()
+    threads = 32 * warps
+    reps = block // (8 * threads)
+    if reps not in (1, 2, 4) or reps * 8 * threads != block:
+        raise ValueError(f"norm_resq: {warps} warps do not tile a block of {block} columns as the Triton kernel does")
+    np_ = -(-N // _BLOCK[fmt_name]) * _BLOCK[fmt_name]
+    out = torch.empty((B, np_), dtype=torch.bfloat16, device=x.device)
+    s = torch.empty_like(x) if delta is not None else x
+    kind = 0 if delta is None else (1 if delta.dtype == torch.float32 else 2)
+    d = delta if delta is not None else x
+    splits, ld_split = (d.shape[0], d.stride(0)) if d.dim() == 3 else (1, 0)
+    if normed is not None:
+        _check_out(normed, (B, N), (torch.bfloat16,), "norm_resq's normed")
+    err = _nvcc.launcher(NORM_RESQ_SOURCE, dict(FMT=FORMAT_IDS[fmt_name]), "norm_resq_launch", _NORM_ARGTYPES,
+                         arch=_arch())(x.data_ptr(), d.data_ptr(), kind, weight.data_ptr(), s.data_ptr(),
+                                       out.data_ptr(), None if normed is None else normed.data_ptr(), B, N, np_,
+                                       splits, float(eps), threads, reps, x.stride(0), d.stride(-2), s.stride(0),
+                                       ld_split, out.stride(0), 0 if normed is None else normed.stride(0),
+                                       torch.cuda.current_stream(x.device).cuda_stream)
+    if err:
+        raise RuntimeError(f"norm_resq launch failed (cudaError {err})")
+    return out, s

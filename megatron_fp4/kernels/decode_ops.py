@@ -503,6 +503,19 @@ def add_rms_norm(x: torch.Tensor, delta: Optional[torch.Tensor], norm: torch.nn.
     return y, s
 
 
+def add_rms_norm_resq(x: torch.Tensor, delta: Optional[torch.Tensor], norm: torch.nn.Module, fmt: str
+                      ) -> Optional[tuple[torch.Tensor, torch.Tensor]]:
+    """WIP, opt-in: (ResQ 2:4's bf16 sum of ``norm(x + delta)``, ``x + delta``) in one CUDA kernel
+    (:func:`megatron_fp4.kernels.cuda_quantize.norm_resq`: :func:`add_rms_norm`'s Triton arithmetic, then the ResQ
+    quantize), or None where it does not apply (then :func:`add_rms_norm` and the ResQ linear serve)."""
+    from megatron_fp4.kernels import cuda_quantize
+
+    p = _rms_params(norm, x)
+    if p is None or not cuda_quantize.norm_resq_usable(x, delta, p[0], fmt):
+        return None
+    return cuda_quantize.norm_resq(x, delta, p[0], p[1], fmt, _norm_warps(1 << (x.shape[1] - 1).bit_length()))
+
+
 #: Keys per step of the decode attention kernel.
 ATTENTION_BLOCK_N = 64
 #: The decode attention splits a cache longer than this many keys per split when (sequence, kv group) programs alone

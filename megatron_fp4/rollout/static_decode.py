@@ -255,20 +255,36 @@ class StaticCacheGenerator:
         return rollout_linear(x, mod.weight, getattr(mod, "bias", None) if bias else None, precision,
                               cache=self._cache, as_stored=as_stored)
 
-    def _mlp(self, layer: _Layer, h: torch.Tensor, as_stored: bool = False) -> torch.Tensor:
+    def _mlp(self, layer: _Layer, h: torch.Tensor, as_stored: bool = False, on_sum: bool = False) -> torch.Tensor:
         """The MLP of the normed input ``h`` (``as_stored``: fc2's output as :meth:`_linear` says, and fc1's too
-        where the fused SwiGLU reads it). With :attr:`swiglu_resq` at W4A4 + ResQ 2:4 (bf16 sum), fc2's operand comes
-        from one CUDA kernel where it takes fc1's output: the two kernels' bits, one launch and one round trip less."""
+        where the fused SwiGLU reads it; ``on_sum``: ``h`` is fc1's ResQ operand, :meth:`_linear`). With
+        :attr:`swiglu_resq` at W4A4 + ResQ 2:4 (bf16 sum), fc2's operand comes from one CUDA kernel where it takes
+        fc1's output: the two kernels' bits, one launch and one round trip less."""
         splits = as_stored and self.fused and self.gated
-        a = self._linear(layer.fc1, h, splits)
+        a = self._linear(layer.fc1, h, splits, on_sum=on_sum)
         p = self._precision
-        if self.swiglu_resq and self.gated and (p.mode, p.sparsity, p.resq_combine, p.activation_method) == (
-                "w4a4", "2:4", "bf16", "resq"):
+        if self.swiglu_resq and self.gated and self._resq_bf16_sum():
             from megatron_fp4.kernels import cuda_quantize
 
             if cuda_quantize.swiglu_resq_usable(a, p.format):
                 return self._linear(layer.fc2, cuda_quantize.swiglu_resq(a, p.format), as_stored, on_sum=True)
         return self._linear(layer.fc2, self._act(a, h.dtype, splits), as_stored)
+
+    def _resq_bf16_sum(self) -> bool:
+        """Whether the precision is W4A4 + ResQ 2:4 (bf16 sum), whose operand the fused kernels can make."""
+        p = self._precision
+        return (p.mode, p.sparsity, p.resq_combine, p.activation_method) == ("w4a4", "2:4", "bf16", "resq")
+
+    def _add_norm_resq(self, x: torch.Tensor, delta: Optional[torch.Tensor], norm: torch.nn.Module
+                       ) -> tuple[torch.Tensor, torch.Tensor, bool]:
+        """:meth:`_add_norm`, or (the next linear's ResQ operand of norm(x + delta), x + delta, True) in one kernel
+        (``decode_ops.add_rms_norm_resq``; WIP, opt-in: MEGATRON_FP4_FUSED_NORM_RESQ=1, on the fused path at
+        W4A4 + ResQ 2:4, bf16 sum)."""
+        if self.fused and os.environ.get("MEGATRON_FP4_FUSED_NORM_RESQ") == "1" and self._resq_bf16_sum():
+            got = decode_ops.add_rms_norm_resq(x, delta, norm, self._precision.format)
+            if got is not None:
+                return got[0], got[1], True
+        return (*self._add_norm(x, delta, norm), False)
 
     def _act(self, a: torch.Tensor, dtype: torch.dtype, splits: bool = False) -> torch.Tensor:
         """The activation of fc1's output ``a`` (``splits``: its split sums as stored, fused SwiGLU only)."""
@@ -330,11 +346,11 @@ class StaticCacheGenerator:
         valid = None if self.attention_kernel else (st["ar_seq"][None, :] <= pos[:, None]).view(B, 1, 1, -1)
         delta = None
         for i, layer in enumerate(self.layers):
-            h, x = self._add_norm(x, delta, layer.ln1)
+            h, x, on_sum = self._add_norm_resq(x, delta, layer.ln1)
             kc, vc = st["k"][i, :B], st["v"][i, :B]  # [B, ng, S, hd]
             if self.fused:  # the RoPE kernels add qkv's splits in order, then (FP4: no cuBLAS epilogue) its bias
                 bias = getattr(layer.qkv, "bias", None) if self._precision.mode != "bf16" else None
-                qkv = self._linear(layer.qkv, h, True, bias=bias is None)
+                qkv = self._linear(layer.qkv, h, True, bias=bias is None, on_sum=on_sum)
                 qkv = qkv.view(qkv.shape[0], B, self.kv_heads, self.group + 2, self.head_dim)
             else:
                 qkv, bias = self._linear(layer.qkv, h).view(B, self.kv_heads, self.group + 2, self.head_dim), None
@@ -345,8 +361,8 @@ class StaticCacheGenerator:
                 q = rope(qkv, cos, sin, kc, vc, pos, self.group, bias)  # [B, ng, G, hd]; k, v written at pos
                 o = F.scaled_dot_product_attention(q, kc, vc, attn_mask=valid, scale=self.scale)  # [B, ng, G, hd]
             delta = self._linear(layer.proj, o.reshape(B, self.heads * self.head_dim), self.fused)
-            h, x = self._add_norm(x, delta, layer.ln2)
-            delta = self._mlp(layer, h, self.fused)
+            h, x, on_sum = self._add_norm_resq(x, delta, layer.ln2)
+            delta = self._mlp(layer, h, self.fused, on_sum)
         return self._logits(self._add_norm(x, delta, self.final_norm)[0])
 
     def _step(self, st: dict, B: int, params: SamplingParams, stop_ids: torch.Tensor) -> None:
