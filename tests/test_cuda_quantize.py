@@ -482,8 +482,8 @@ def test_swiglu_resq_kernel_is_the_two_kernels_bits(name):
 def test_norm_resq_kernel_is_the_two_kernels_bits(name):
     """WIP (one MXFP4 case failed on an H100, session 46): the fused residual add + RMSNorm + ResQ sum equals the
     Triton add_rms_norm followed by the ResQ quantize, bit for bit (the same normed bits: the Triton kernel's layout
-    and reduction order), and stores the same residual sum: fp32 split sums (1 and 3 splits), a bf16 delta and none; the 7B and 1.5B widths,
-    one strip per thread (1024) and four (8960)."""
+    and reduction order), and stores the same residual sum: fp32 split sums (1 and 3 splits), a bf16 delta and none;
+    the 7B and 1.5B widths, one strip per thread (1024) and four (8960)."""
     cq = _cuda_quantize()
     if not cq.available(cq.NORM_RESQ_SOURCE):
         pytest.skip("the fused norm + ResQ kernel cannot build here or is turned off")
