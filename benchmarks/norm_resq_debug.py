@@ -1,5 +1,8 @@
 """WIP (branch wip/fused-resq-operands): where the fused norm + ResQ kernel's normed values differ from the Triton
-``add_rms_norm`` (session 47, docs/PERFORMANCE.md: one bf16 unit, in a few values of a few rows; never in ResQ).
+``add_rms_norm`` (session 47, docs/PERFORMANCE.md: one bf16 unit, in a few values of a few rows; never in ResQ). The
+likely cause, found in the SASS after the GPU call, is fixed in norm_resq.cu (mean_eps: mean + eps rounded once, as
+the Triton norm's FFMA); ``dump`` on a GPU then shows 0 rows differing, and ``emulate`` says whether the sums of
+squares agree (a second cause would show there).
 
 On a GPU with nvcc, ``dump`` compares the two kernels on random rows (no delta), and for the first shapes that
 differ saves the inputs, both kernels' normed values and the Triton kernel's per-row sum of squares and r (a debug

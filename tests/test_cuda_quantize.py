@@ -477,12 +477,48 @@ def test_swiglu_resq_kernel_is_the_two_kernels_bits(name):
                 (B, F, splits, (got != want).sum().item())
 
 
+def test_norm_resq_rounds_mean_plus_eps_once_as_the_triton_norm(tmp_path):
+    """The Triton norm's PTX divides (div.full) then adds eps with a contractible add.f32, and ptxas fuses the
+    division's last multiply with the add: one FFMA, rcp(N) * sum + eps rounded once (Triton 3.6, every block of
+    the tests; session 47). In the fused kernel's SASS, for every variant (delta kinds x strips per thread, both
+    formats), the square root's operand comes from an FFMA with the eps parameter, not an FADD after an FMUL (two
+    roundings: r one unit in the last place apart in some rows, session 47's GPU mismatch). No GPU: nvcc for
+    sm_90a and nvdisasm."""
+    import re
+    import subprocess
+
+    import triton
+
+    from megatron_fp4.kernels import _nvcc
+
+    nvdisasm = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "nvdisasm")
+    if _nvcc.nvcc() is None or not os.path.exists(nvdisasm):
+        pytest.skip("needs nvcc and nvdisasm (a compile for sm_90a)")
+    for fmt in (0, 1):
+        path = str(tmp_path / f"norm{fmt}.cubin")
+        cmd = [a for a in _nvcc.command("norm_resq.cu", {"FMT": fmt}, path, "90a", "-cubin")
+               if a not in ("-shared", "-Xcompiler", "-fPIC")]
+        r = subprocess.run(cmd, capture_output=True, text=True)
+        assert r.returncode == 0, r.stderr[-2000:]
+        sass = subprocess.run([nvdisasm, "-c", path], capture_output=True, text=True, check=True).stdout
+        ins = [line.split("*/", 1)[1].split(";")[0].split() for line in sass.splitlines()
+               if re.match(r"\s*/\*[0-9a-f]{4,}\*/", line)]
+        ins = [w[1:] if w[0].startswith("@") else w for w in ins]  # (past a predicate)
+        roots = [i for i, w in enumerate(ins) if w[0] == "MUFU.SQRT"]
+        assert len(roots) == 9, len(roots)  # 3 delta kinds x 3 strip counts
+        for i in roots:
+            src = ins[i][2].rstrip(",")
+            feed = next(w for w in reversed(ins[:i]) if len(w) > 1 and w[1].rstrip(",") == src)
+            assert feed[0] == "FFMA" and re.match(r"(UR\d+|c\[)", feed[-1]), (fmt, feed)
+
+
 @pytest.mark.gpu
 @pytest.mark.parametrize("name", ["hif4", "mxfp4"])
 def test_norm_resq_kernel_is_the_two_kernels_bits(name):
-    """WIP (fails on an H100, sessions 46-47: in 10 of 80 cases 1-7 normed values, one bf16 unit apart, in 1-3 rows;
-    ResQ of the kernel's own normed values was exact every time: benchmarks/norm_resq_debug.py looks for the cause;
-    docs/PERFORMANCE.md session 47): the fused residual add + RMSNorm + ResQ sum equals the
+    """WIP (failed on an H100, sessions 46-47: in 10 of 80 cases 1-7 normed values, one bf16 unit apart, in 1-3 rows;
+    ResQ of the kernel's own normed values was exact every time. The cause, found in the SASS afterwards: mean + eps
+    rounded twice, not once as the Triton norm's FFMA; fixed (mean_eps) but not yet run on a GPU;
+    benchmarks/norm_resq_debug.py confirms it there): the fused residual add + RMSNorm + ResQ sum equals the
     Triton add_rms_norm followed by the ResQ quantize, bit for bit (the same normed bits: the Triton kernel's layout
     and reduction order), and stores the same residual sum: fp32 split sums (1 and 3 splits), a bf16 delta and none;
     the 7B and 1.5B widths, one strip per thread (1024) and four (8960)."""

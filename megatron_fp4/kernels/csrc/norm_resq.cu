@@ -6,8 +6,9 @@
 // Triton 3.6 lowers it for sm_90, so y is that kernel's bits: its blocked layout (8 consecutive columns per thread,
 // BLOCK = next power of two >= N split into REPS = BLOCK / (8 * threads) strips of 8 * threads columns), the sum
 // of squares as its PTX has it (fma over the thread's values in order, the first as fma(e0, e0, e1 * e1); then a
-// butterfly over the warp's lanes, 16 .. 1; then one over the warps' sums), div.full.f32 by N, add.f32 eps,
-// sqrt.approx.ftz.f32, div.full.f32 of 1 by that, and s as add.bf16 of x and d. The ResQ sum is quant_math.h's, as
+// butterfly over the warp's lanes, 16 .. 1; then one over the warps' sums), div.full.f32 by N and a contractible
+// add.f32 of eps (one FFMA in SASS: mean_eps), sqrt.approx.ftz.f32, div.full.f32 of 1 by that, and s as add.bf16 of x
+// and d. The ResQ sum is quant_math.h's, as
 // resq_sum.cu's: a unit's parts are consecutive lanes (the strips are multiples of 64 columns). N must be a
 // multiple of 8; blockDim.x = 32 * warps with the Triton kernel's warps (decode_ops._norm_warps).
 #include <cuda_bf16.h>
@@ -19,6 +20,15 @@
 #endif
 
 #include "resq_lanes.h"
+
+// mean(s^2) + eps as the Triton kernel's SASS has it: its PTX is div.full.f32 then a plain (contractible) add.f32, and
+// ptxas fuses the division's final multiply with the add into one FFMA, rcp(N) * tot + eps rounded once. An add.rn
+// here (__fadd_rn) kept two roundings and gave r one unit in the last place apart in some rows (session 47).
+__device__ __forceinline__ float mean_eps(float tot, float n, float eps) {
+  float d;
+  asm("{\n .reg .f32 q;\n div.full.f32 q, %1, %2;\n add.f32 %0, q, %3;\n}" : "=f"(d) : "f"(tot), "f"(n), "f"(eps));
+  return d;
+}
 
 __device__ __forceinline__ float div_full(float a, float b) {
   float d;
@@ -90,7 +100,7 @@ __global__ void __launch_bounds__(512) norm_resq_kernel(const uint16_t* __restri
   // every warp reduces the warps' sums itself (the butterfly gives every lane of a group the same bits)
   float tot = warp_sums[lane & (warps - 1)];
   for (int off = warps >> 1; off >= 1; off >>= 1) tot = __fadd_rn(tot, __shfl_xor_sync(0xFFFFFFFFu, tot, off));
-  const float r = div_full(1.0f, sqrt_approx_ftz(__fadd_rn(div_full(tot, float(N)), eps)));
+  const float r = div_full(1.0f, sqrt_approx_ftz(mean_eps(tot, float(N), eps)));
 #pragma unroll
   for (int rep = 0; rep < REPS; ++rep) {
     const int c = (rep * blockDim.x + threadIdx.x) * 8;
