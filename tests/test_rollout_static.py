@@ -426,11 +426,11 @@ def test_gpu_fused_swiglu_resq_equals_the_resq_linears(fmt, monkeypatch):
 
 @pytest.mark.parametrize("fmt", ["hif4", "mxfp4"])
 def test_fused_resq_operands_reach_the_linears(model, prompts, monkeypatch, fmt):
-    """WIP switch MEGATRON_FP4_FUSED_NORM_RESQ=1 with the fused SwiGLU (W4A4 + ResQ 2:4, bf16 sum): the
-    norms before qkv and fc1 and the SwiGLU before fc2 make those linears' ResQ operand, which they multiply as
-    W4A16. With the CUDA kernels stood in for by the reference ops (the kernels' bits are tests/test_cuda_quantize.py's
-    GPU tests), the greedy tokens and logprobs are the unfused ResQ linears' exactly, and every layer's three operands
-    came from the fused ops."""
+    """W4A4 + ResQ 2:4 (bf16 sum) on the fused path, by default: the norms before qkv and fc1 and the SwiGLU before
+    fc2 make those linears' ResQ operand, which they multiply as W4A16. With the CUDA kernels stood in for by the
+    reference ops (the kernels' bits are tests/test_cuda_quantize.py's GPU tests), the greedy tokens and logprobs are
+    those of MEGATRON_FP4_FUSED_NORM_RESQ=0 and MEGATRON_FP4_FUSED_SWIGLU_RESQ=0 (the unfused ResQ linears) exactly,
+    and every layer's three operands came from the fused ops."""
     from megatron_fp4.kernels import cuda_quantize
     from megatron_fp4.resq import resq_activation
 
@@ -438,7 +438,11 @@ def test_fused_resq_operands_reach_the_linears(model, prompts, monkeypatch, fmt)
     params = SamplingParams(temperature=0.0, max_new_tokens=4)
     prompts = prompts[:4]
     monkeypatch.setenv("MEGATRON_FP4_DECODE_FUSED", "1")
+    monkeypatch.setenv("MEGATRON_FP4_FUSED_NORM_RESQ", "0")
+    monkeypatch.setenv("MEGATRON_FP4_FUSED_SWIGLU_RESQ", "0")
     want = NativeRolloutEngine(model, precision, decode="static", max_batch_size=3).generate(prompts, params)
+    monkeypatch.delenv("MEGATRON_FP4_FUSED_NORM_RESQ")
+    monkeypatch.delenv("MEGATRON_FP4_FUSED_SWIGLU_RESQ")
     dtype = next(model.parameters()).dtype
     calls = {"norm": 0, "swiglu": 0}
 
@@ -459,8 +463,6 @@ def test_fused_resq_operands_reach_the_linears(model, prompts, monkeypatch, fmt)
     monkeypatch.setattr(decode_ops, "add_rms_norm_resq", norm_resq)
     monkeypatch.setattr(cuda_quantize, "swiglu_resq_usable", lambda a, f: True)
     monkeypatch.setattr(cuda_quantize, "swiglu_resq", swiglu_resq)
-    monkeypatch.setenv("MEGATRON_FP4_FUSED_NORM_RESQ", "1")
-    monkeypatch.setenv("MEGATRON_FP4_FUSED_SWIGLU_RESQ", "1")
     got = NativeRolloutEngine(model, precision, decode="static", max_batch_size=3).generate(prompts, params)
     layers = len(model.decoder.layers)
     # (the norms: each decode step's two per layer; the SwiGLU: the prefills' too)
@@ -477,9 +479,9 @@ def test_fused_resq_operands_reach_the_linears(model, prompts, monkeypatch, fmt)
 @pytest.mark.gpu
 @pytest.mark.parametrize("fmt", ["hif4", "mxfp4"])
 def test_gpu_fused_resq_operands_equal_the_resq_linears(fmt, monkeypatch):
-    """WIP: on a model wide enough for the fused CUDA kernels (hidden 1024, ffn 2816), the graph path with
-    MEGATRON_FP4_FUSED_NORM_RESQ and MEGATRON_FP4_FUSED_SWIGLU_RESQ gives the default path's tokens and logprobs
-    exactly (the same operands, the same GEMMs)."""
+    """On a model wide enough for the fused CUDA kernels (hidden 1024, ffn 2816), the graph path with both fused
+    ResQ operands (the default) gives the tokens and logprobs of MEGATRON_FP4_FUSED_NORM_RESQ=0 (the SwiGLU's
+    alone) exactly (the same operands, the same GEMMs)."""
     monkeypatch.setenv("MEGATRON_FP4_DECODE_FUSED", "1")
     initialize_parallel(1, 1, seed=3)
     m = build_gpt_model(_args(params_dtype=torch.bfloat16, init_method_std=0.02, max_seq_len=96, hidden_size=1024,
@@ -488,11 +490,9 @@ def test_gpu_fused_resq_operands_equal_the_resq_linears(fmt, monkeypatch):
     precision = RolloutPrecision("w4a4", fmt, "2:4", resq_combine="bf16")
     for params in (SamplingParams(temperature=0.0, max_new_tokens=16),
                    SamplingParams(temperature=1.0, max_new_tokens=16, seed=0)):
-        want = NativeRolloutEngine(m, precision, decode="graph", max_batch_size=8).generate(ps, params)
-        monkeypatch.setenv("MEGATRON_FP4_FUSED_NORM_RESQ", "1")
-        monkeypatch.setenv("MEGATRON_FP4_FUSED_SWIGLU_RESQ", "1")
         got = NativeRolloutEngine(m, precision, decode="graph", max_batch_size=8).generate(ps, params)
+        monkeypatch.setenv("MEGATRON_FP4_FUSED_NORM_RESQ", "0")
+        want = NativeRolloutEngine(m, precision, decode="graph", max_batch_size=8).generate(ps, params)
         monkeypatch.delenv("MEGATRON_FP4_FUSED_NORM_RESQ")
-        monkeypatch.delenv("MEGATRON_FP4_FUSED_SWIGLU_RESQ")
         assert [s.token_ids for s in got] == [s.token_ids for s in want]
         assert [s.logprobs for s in got] == [s.logprobs for s in want]

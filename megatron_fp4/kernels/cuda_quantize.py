@@ -204,8 +204,7 @@ def swiglu_resq(a: torch.Tensor, fmt_name: str) -> torch.Tensor:
     return out
 
 
-#: The fused residual add + RMSNorm + ResQ bf16-sum kernel's source (WIP, opt-in: one MXFP4 case of its GPU test
-#: failed on an H100, session 46).
+#: The fused residual add + RMSNorm + ResQ bf16-sum kernel's source.
 NORM_RESQ_SOURCE = "norm_resq.cu"
 _NORM_ARGTYPES = [ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int] + [ctypes.c_void_p] * 4 + [ctypes.c_int] * 4 \
     + [ctypes.c_float] + [ctypes.c_int] * 2 + [ctypes.c_longlong] * 6 + [ctypes.c_void_p]

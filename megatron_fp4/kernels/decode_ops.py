@@ -505,7 +505,7 @@ def add_rms_norm(x: torch.Tensor, delta: Optional[torch.Tensor], norm: torch.nn.
 
 def add_rms_norm_resq(x: torch.Tensor, delta: Optional[torch.Tensor], norm: torch.nn.Module, fmt: str
                       ) -> Optional[tuple[torch.Tensor, torch.Tensor]]:
-    """WIP, opt-in: (ResQ 2:4's bf16 sum of ``norm(x + delta)``, ``x + delta``) in one CUDA kernel
+    """(ResQ 2:4's bf16 sum of ``norm(x + delta)``, ``x + delta``) in one CUDA kernel
     (:func:`megatron_fp4.kernels.cuda_quantize.norm_resq`: :func:`add_rms_norm`'s Triton arithmetic, then the ResQ
     quantize), or None where it does not apply (then :func:`add_rms_norm` and the ResQ linear serve)."""
     from megatron_fp4.kernels import cuda_quantize

@@ -179,6 +179,9 @@ class StaticCacheGenerator:
         #: In W4A4 + ResQ 2:4 (bf16 sum), the fused step makes fc2's operand in one CUDA kernel (the SwiGLU and ResQ's
         #: quantize: ``cuda_quantize.swiglu_resq``) where it can run; MEGATRON_FP4_FUSED_SWIGLU_RESQ=0 turns it off.
         self.swiglu_resq = self.fused and os.environ.get("MEGATRON_FP4_FUSED_SWIGLU_RESQ", "1") != "0"
+        #: Likewise qkv's and fc1's operand comes from the residual add + RMSNorm before them (one CUDA kernel:
+        #: ``decode_ops.add_rms_norm_resq``) in the decode step; MEGATRON_FP4_FUSED_NORM_RESQ=0 turns it off.
+        self.norm_resq = self.fused and os.environ.get("MEGATRON_FP4_FUSED_NORM_RESQ", "1") != "0"
 
     # -- buffers -----------------------------------------------------------------------------------------------------
     @property
@@ -277,10 +280,10 @@ class StaticCacheGenerator:
 
     def _add_norm_resq(self, x: torch.Tensor, delta: Optional[torch.Tensor], norm: torch.nn.Module
                        ) -> tuple[torch.Tensor, torch.Tensor, bool]:
-        """:meth:`_add_norm`, or (the next linear's ResQ operand of norm(x + delta), x + delta, True) in one kernel
-        (``decode_ops.add_rms_norm_resq``; WIP, opt-in: MEGATRON_FP4_FUSED_NORM_RESQ=1, on the fused path at
-        W4A4 + ResQ 2:4, bf16 sum)."""
-        if self.fused and os.environ.get("MEGATRON_FP4_FUSED_NORM_RESQ") == "1" and self._resq_bf16_sum():
+        """:meth:`_add_norm`, or, with :attr:`norm_resq` at W4A4 + ResQ 2:4 (bf16 sum), (the next linear's ResQ
+        operand of norm(x + delta), x + delta, True) in one kernel where it can run (``decode_ops.add_rms_norm_resq``:
+        the two kernels' bits)."""
+        if self.norm_resq and self._resq_bf16_sum():
             got = decode_ops.add_rms_norm_resq(x, delta, norm, self._precision.format)
             if got is not None:
                 return got[0], got[1], True

@@ -1,4 +1,4 @@
-// The decode step's residual add + RMSNorm fused with Rollout-ResQ 2:4's bf16-sum quantize (WIP, opt-in): for one
+// The decode step's residual add + RMSNorm fused with Rollout-ResQ 2:4's bf16-sum quantize: for one
 // row per block, s = x + d (d: the previous linear's output: fp32 split-K partial sums [S, B, N] added in split
 // order then rounded to bf16, or bf16 [B, N], or none) is stored, and out [B, NP] = resq_sum(y) with
 // y = bf16((s * r) * w), r = 1 / sqrt(mean(s^2) + eps): what the qkv and fc1 linears multiply in W4A4 + ResQ 2:4
