@@ -402,28 +402,6 @@ def test_fused_swiglu_resq_operand_reaches_fc2(model, prompts, monkeypatch, fmt)
     assert not calls
 
 
-@pytest.mark.gpu
-@pytest.mark.parametrize("fmt", ["hif4", "mxfp4"])
-def test_gpu_fused_swiglu_resq_equals_the_resq_linears(fmt, monkeypatch):
-    """On a model wide enough for the fused CUDA kernel (hidden 1024, ffn 2816), the graph path with the fused
-    SwiGLU + ResQ operand (the default) gives the tokens and logprobs of MEGATRON_FP4_FUSED_SWIGLU_RESQ=0 exactly
-    (the same operands, the same GEMMs)."""
-    monkeypatch.setenv("MEGATRON_FP4_DECODE_FUSED", "1")
-    initialize_parallel(1, 1, seed=3)
-    m = build_gpt_model(_args(params_dtype=torch.bfloat16, init_method_std=0.02, max_seq_len=96, hidden_size=1024,
-                              ffn_hidden_size=2816, num_attention_heads=8, num_query_groups=2))
-    ps = random_prompts((5, 17, 9, 30, 2, 12), seed=0)
-    precision = RolloutPrecision("w4a4", fmt, "2:4", resq_combine="bf16")
-    for params in (SamplingParams(temperature=0.0, max_new_tokens=16),
-                   SamplingParams(temperature=1.0, max_new_tokens=16, seed=0)):
-        got = NativeRolloutEngine(m, precision, decode="graph", max_batch_size=8).generate(ps, params)
-        monkeypatch.setenv("MEGATRON_FP4_FUSED_SWIGLU_RESQ", "0")
-        want = NativeRolloutEngine(m, precision, decode="graph", max_batch_size=8).generate(ps, params)
-        monkeypatch.delenv("MEGATRON_FP4_FUSED_SWIGLU_RESQ")
-        assert [s.token_ids for s in got] == [s.token_ids for s in want]
-        assert [s.logprobs for s in got] == [s.logprobs for s in want]
-
-
 @pytest.mark.parametrize("fmt", ["hif4", "mxfp4"])
 def test_fused_resq_operands_reach_the_linears(model, prompts, monkeypatch, fmt):
     """W4A4 + ResQ 2:4 (bf16 sum) on the fused path, by default: the norms before qkv and fc1 and the SwiGLU before
@@ -478,10 +456,11 @@ def test_fused_resq_operands_reach_the_linears(model, prompts, monkeypatch, fmt)
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("fmt", ["hif4", "mxfp4"])
-def test_gpu_fused_resq_operands_equal_the_resq_linears(fmt, monkeypatch):
-    """On a model wide enough for the fused CUDA kernels (hidden 1024, ffn 2816), the graph path with both fused
-    ResQ operands (the default) gives the tokens and logprobs of MEGATRON_FP4_FUSED_NORM_RESQ=0 (the SwiGLU's
-    alone) exactly (the same operands, the same GEMMs)."""
+@pytest.mark.parametrize("switch", ["MEGATRON_FP4_FUSED_SWIGLU_RESQ", "MEGATRON_FP4_FUSED_NORM_RESQ"])
+def test_gpu_fused_resq_operands_equal_the_resq_linears(fmt, switch, monkeypatch):
+    """On a model wide enough for the fused CUDA kernels (hidden 1024, ffn 2816), the graph path with the fused
+    SwiGLU + ResQ and norm + ResQ operands (the default) gives the tokens and logprobs of each switch off exactly
+    (the same operands, the same GEMMs)."""
     monkeypatch.setenv("MEGATRON_FP4_DECODE_FUSED", "1")
     initialize_parallel(1, 1, seed=3)
     m = build_gpt_model(_args(params_dtype=torch.bfloat16, init_method_std=0.02, max_seq_len=96, hidden_size=1024,
@@ -491,8 +470,8 @@ def test_gpu_fused_resq_operands_equal_the_resq_linears(fmt, monkeypatch):
     for params in (SamplingParams(temperature=0.0, max_new_tokens=16),
                    SamplingParams(temperature=1.0, max_new_tokens=16, seed=0)):
         got = NativeRolloutEngine(m, precision, decode="graph", max_batch_size=8).generate(ps, params)
-        monkeypatch.setenv("MEGATRON_FP4_FUSED_NORM_RESQ", "0")
+        monkeypatch.setenv(switch, "0")
         want = NativeRolloutEngine(m, precision, decode="graph", max_batch_size=8).generate(ps, params)
-        monkeypatch.delenv("MEGATRON_FP4_FUSED_NORM_RESQ")
+        monkeypatch.delenv(switch)
         assert [s.token_ids for s in got] == [s.token_ids for s in want]
         assert [s.logprobs for s in got] == [s.logprobs for s in want]
