@@ -53,6 +53,7 @@ QM_FN float mul(float a, float b) {
 }
 
 QM_FN uint32_t umax(uint32_t a, uint32_t b) { return a > b ? a : b; }
+QM_FN uint32_t umin(uint32_t a, uint32_t b) { return a < b ? a : b; }
 
 // Unsigned maximum of each 16-bit half.
 QM_FN uint32_t vmax2(uint32_t a, uint32_t b) {
@@ -87,6 +88,18 @@ QM_FN uint32_t part_max(const uint32_t w[4]) {
 QM_FN float bf16_rne(float v) {
   uint32_t b = as_u(v);
   return as_f((b + 0x7FFFu + ((b >> 16) & 1u)) & 0xFFFF0000u);
+}
+
+// Two finite or infinite fp32 values rounded to bf16 to nearest even, as one word (lo in the low half): bf16_rne's
+// bits; on the device the hardware conversion (cvt.rn.bf16x2.f32, one instruction for both).
+QM_FN uint32_t bf16x2_rne(float lo, float hi) {
+#ifdef __CUDA_ARCH__
+  uint32_t d;
+  asm("cvt.rn.bf16x2.f32 %0, %1, %2;" : "=r"(d) : "f"(hi), "f"(lo));
+  return d;
+#else
+  return (as_u(bf16_rne(lo)) >> 16) | (as_u(bf16_rne(hi)) & 0xFFFF0000u);
+#endif
 }
 
 // Round to the nearest integer, ties to even (exact for |v| < 2^23).
@@ -179,14 +192,15 @@ QM_FN void hif4_parts(const uint32_t w[4 * N], uint32_t bmax, uint32_t out[4 * N
 }
 
 // The E2M1 value (0, 0.5, 1, 1.5, 2, 3, 4, 6) nearest to non-negative s, ties to even, saturating at 6 (kernels/
-// quantize.py: _e2m1_code, as a value): s >= 1 keeps one mantissa bit by an integer add (a carry moves the
-// exponent); s < 1 is rint(2 s) / 2 by the 2^23 trick.
+// quantize.py: _e2m1_code, as a value). E2M1's spacing is 0.5 below 2, 1 in [2, 4), 2 from 4: adding M = 2^22,
+// 2^23 or 2^24 (s's power of 2, clamped to [1, 4], times 2^22) rounds s to that spacing, ties to even (the sum's
+// last bit is the code's mantissa bit), and subtracting M again is exact.
 QM_FN float e2m1_round(float s) {
-  const uint32_t b = as_u(s);
-  float hi = as_f((b + 0x1FFFFFu + ((b >> 22) & 1u)) & 0xFFC00000u);
-  hi = hi > 6.0f ? 6.0f : hi;
-  const float lo = mul(fma_exact(s, 2.0f, 8388608.0f) - 8388608.0f, 0.5f);
-  return s < 1.0f ? lo : hi;
+  uint32_t e = as_u(s) & 0x7F800000u;
+  e = e < 0x3F800000u ? 0x3F800000u : (e > 0x40800000u ? 0x40800000u : e);
+  const float m = as_f(e + (22u << 23));
+  const float q = (s + m) - m;
+  return q > 6.0f ? 6.0f : q;
 }
 
 // The scale exponent X in [-127, 127] of a block whose largest |x| has the (finite) fp32 bits ab.
@@ -371,6 +385,19 @@ QM_FN uint32_t part_max32(const float r[8]) {
   return m;
 }
 
+// floor(m p + 1/2) for m >= 0 and p in {1, 2, 4}: the Triton tile's 4m = (|x| r) p (the product by p is exact: a
+// power of 2, far from overflow), rounded half up (floor, then + 1 where the fraction is >= 1/2). On the device one
+// FFMA rounded toward -inf and a floor: rounding down never lifts a sum to the next integer and keeps one that
+// reaches it (the integers are fp32 values), so the floor is the exact sum's. On the host the sum in double is exact
+// where its floor could differ from the exact sum's (m p, 24 significant bits, in [2^-28, 2^24]).
+QM_FN float round_half_up(float m, float p) {
+#ifdef __CUDA_ARCH__
+  return floorf(__fmaf_rd(m, p, 0.5f));
+#else
+  return (float)std::floor((double)m * p + 0.5);
+#endif
+}
+
 // HiF4 of 8 fp32 values (one E1_8 group, two E1_16 groups) of a finite unit whose largest |r| has the fp32 bits
 // bmax: the dequantized values (r's sign) and their magnitude codes k (0..7), as floats.
 QM_FN void hif4_part32(const float x[8], uint32_t bmax, float v[8], float k[8]) {
@@ -388,9 +415,7 @@ QM_FN void hif4_part32(const float x[8], uint32_t bmax, float v[8], float k[8]) 
     const float gs = as_f(rb + (uint32_t)((shift - 2) << 23));  // E6M2 2^shift / 4
 #pragma unroll
     for (int i = 4 * g; i < 4 * g + 4; ++i) {
-      const float m4 = mul(mul(as_f(as_u(x[i]) & 0x7FFFFFFFu), r), pw);
-      float kf = floorf(m4);
-      if (m4 - kf >= 0.5f) kf += 1.0f;
+      float kf = round_half_up(mul(as_f(as_u(x[i]) & 0x7FFFFFFFu), r), pw);
       kf = kf > 7.0f ? 7.0f : kf;
       k[i] = kf;
       v[i] = as_f(as_u(mul(kf, gs)) | (as_u(x[i]) & 0x80000000u));
@@ -411,13 +436,19 @@ QM_FN void mx_part32(const float x[8], uint32_t bmax, bool rceil, float v[8], fl
   }
 }
 
-// Bit i set where value i of 4 is among the 2 largest magnitudes m (ties: the lower index), as resq.py's _keep24:
-// one compare per pair (j > i beats i where m[j] > m[i], else i beats j), no branch.
-QM_FN uint32_t keep24(const float m[4]) {
-  const int b01 = m[1] > m[0], b02 = m[2] > m[0], b03 = m[3] > m[0], b12 = m[2] > m[1], b13 = m[3] > m[1],
-            b23 = m[3] > m[2];
-  const int n0 = b01 + b02 + b03, n1 = 1 - b01 + b12 + b13, n2 = 2 - b02 - b12 + b23, n3 = 3 - b03 - b13 - b23;
-  return (uint32_t)(n0 < 2) | ((uint32_t)(n1 < 2) << 1) | ((uint32_t)(n2 < 2) << 2) | ((uint32_t)(n3 < 2) << 3);
+// Whether value i of 4 is among the 2 largest magnitudes m (ties: the lower index), as resq.py's _keep24; m are
+// HiF4's codes 0..7 or E2M1's magnitudes, non-negative fp32 values with at most 3 significant bits. Each value's key
+// (m's bits, which order them, with 3 - i in the low bits, zero in m's) is unique and orders the values as the rule
+// does: the kept ones are those at or above the second-largest key, which a min/max network finds (no branch).
+QM_FN void keep24(const float m[4], bool keep[4]) {
+  uint32_t key[4];
+#pragma unroll
+  for (int i = 0; i < 4; ++i) key[i] = as_u(m[i]) | (uint32_t)(3 - i);
+  const uint32_t hi01 = umax(key[0], key[1]), lo01 = umin(key[0], key[1]), hi23 = umax(key[2], key[3]),
+                 lo23 = umin(key[2], key[3]);
+  const uint32_t second = umax(umin(hi01, hi23), umax(lo01, lo23));
+#pragma unroll
+  for (int i = 0; i < 4; ++i) keep[i] = key[i] >= second;
 }
 
 // Step 1 of a part (8 bf16 values, 4 words w) of a unit of format F whose largest |x| has the bf16 bits bmax: deq
@@ -445,16 +476,18 @@ QM_FN void resq_sum(const uint32_t q[4], const float r[8], uint32_t rbmax, uint3
   } else {
     mx_part32(r, rbmax, F == 2, v, k);
   }
-  const uint32_t keep = keep24(k) | (keep24(k + 4) << 4);
+  bool keep[8];
+  keep24(k, keep);
+  keep24(k + 4, keep + 4);
   const bool bad = rbmax >= 0x7F800000u;
-  uint32_t h[8];
+  float s[8];
 #pragma unroll
   for (int i = 0; i < 8; ++i) {
     const float qv = as_f(i & 1 ? q[i >> 1] & 0xFFFF0000u : q[i >> 1] << 16);
-    h[i] = bad ? 0x7FC0u : as_u(bf16_rne(qv + ((keep >> i) & 1u ? v[i] : 0.0f))) >> 16;
+    s[i] = qv + (keep[i] ? v[i] : 0.0f);
   }
 #pragma unroll
-  for (int i = 0; i < 4; ++i) out[i] = h[2 * i] | (h[2 * i + 1] << 16);
+  for (int i = 0; i < 4; ++i) out[i] = bad ? 0x7FC07FC0u : bf16x2_rne(s[2 * i], s[2 * i + 1]);
 }
 
 }  // namespace qm
