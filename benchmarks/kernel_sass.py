@@ -10,8 +10,10 @@ checked here before it costs a device call:
     python benchmarks/kernel_sass.py columns --fmt hif4 --BK 64 --num-warps 4
     python benchmarks/kernel_sass.py resq --fmt hif4 --BR 1 --BK 1024 --num-warps 4 [--packed]
     python benchmarks/kernel_sass.py cuda --fmt hif4 --BM 16 --tile '{"KERNEL": "wgmma", "PRODUCER": 1, "LEAN": 1}'
+    python benchmarks/kernel_sass.py resq-cuda --fmt hif4
 
-(``cuda``: the CUDA decode GEMMs of megatron_fp4/kernels/csrc, built by nvcc where it exists.) Prints the
+(``cuda``: the CUDA decode GEMMs of megatron_fp4/kernels/csrc, built by nvcc where it exists; ``resq-cuda``: its
+ResQ bf16-sum kernel, resq_sum.cu, whose per-thread math the fused SwiGLU and norm kernels share.) Prints the
 instructions per loop iteration, per value and the busiest opcodes, the layout conversions in Triton's
 GPU IR (each moves values between threads, through shared memory) and ptxas's registers and spills. The loop is
 the longest backward branch in the disassembly; a kernel without a loop (columns: the training quantizer's
@@ -195,14 +197,30 @@ def cuda_case(fmt: str, BM: int, tile: dict, wide: bool) -> tuple:
     return cubin, values, {"KERNEL": kernel, **defines}, r.stdout + r.stderr
 
 
+def resq_cuda_case(fmt: str) -> tuple:
+    """The CUDA ResQ bf16-sum kernel (csrc/resq_sum.cu: one part of 8 values per thread, no loop) compiled by nvcc
+    for sm_90a: (cubin bytes, ptxas's report)."""
+    from megatron_fp4.kernels import _nvcc
+
+    if _nvcc.nvcc() is None:
+        raise SystemExit("kernel_sass.py resq-cuda: needs nvcc (CUDA's compiler) on PATH or CUDA_HOME")
+    with tempfile.TemporaryDirectory() as d:
+        out = os.path.join(d, "k.cubin")
+        r = subprocess.run(_nvcc.command("resq_sum.cu", {"FMT": int(fmt == "mxfp4")}, out, "90a", "-cubin",
+                                         "-Xptxas", "-v"), capture_output=True, text=True)
+        if r.returncode:
+            raise SystemExit(f"kernel_sass.py resq-cuda: nvcc failed:\n{r.stderr[-2000:]}")
+        return open(out, "rb").read(), r.stdout + r.stderr
+
+
 def main(argv=None):
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("kernel", choices=["decode", "quantize", "resq", "columns", "cuda"],
+    p.add_argument("kernel", choices=["decode", "quantize", "resq", "columns", "cuda", "resq-cuda"],
                    help="decode: the decode GEMM (megatron_fp4.kernels.decode_gemm.w4_matmul); quantize: the row "
                         "quantize kernel; resq: the fused ResQ quantize kernel's bf16 sum (--BR, --BK, --packed); "
                         "columns: the column kernel (a transposed view's exact expansion, --BK "
                         "columns per program); cuda: the CUDA decode GEMM on a 7B MLP weight (nvcc; --BM tokens, "
-                        "--tile)")
+                        "--tile); resq-cuda: the CUDA ResQ bf16-sum kernel (nvcc; whole, 8 values per thread)")
     p.add_argument("--fmt", choices=["hif4", "mxfp4"], default="mxfp4")
     p.add_argument("--BN", type=int, default=64, help="weight rows per program")
     p.add_argument("--BM", type=int, default=16, help="token columns (16, 32 or 64)")
@@ -227,6 +245,17 @@ def main(argv=None):
     args = p.parse_args(argv)
     if args.BM not in (16, 32, 64):
         p.error(f"--BM {args.BM} is not valid; allowed values: 16, 32, 64")
+    if args.kernel == "resq-cuda":
+        cubin, report = resq_cuda_case(args.fmt)
+        ops = loop_opcodes(cubin)  # (no loop: the whole kernel)
+        n = sum(ops.values())
+        regs = re.search(r"Used (\d+) registers", report)
+        print(f"resq-cuda {args.fmt}: {n} instructions, 8 values per thread -> {n / 8:.2f} per value per thread; "
+              f"{regs.group(1) if regs else '?'} registers")
+        top = ops.most_common() if args.histogram else ops.most_common(12)
+        print("  " + ", ".join(f"{k} {v}" for k, v in top))
+        main.convert_layouts = 0  # (a Triton notion)
+        return n / 8
     if args.kernel == "cuda":
         try:
             tile = json.loads(args.tile) if args.tile else {}

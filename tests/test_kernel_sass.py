@@ -3,7 +3,8 @@ few instructions per weight value (the kernel it replaced ran 17-18; fp64 consta
 selects creeping back in would show here first). The training operands' column kernel compiles too and keeps
 its units-shaped tile math: one layout conversion (the transpose; a 2-D form of HiF4's tile math needed 13 and
 twice the instructions per value). The CUDA decode GEMM's LEAN build (built by nvcc where it exists) keeps its
-lead in instructions per weight value over the default build of the same tile."""
+lead in instructions per weight value over the default build of the same tile, and the CUDA ResQ sum keeps its
+session-48 count."""
 
 import os
 import subprocess
@@ -80,3 +81,14 @@ def test_resq_sum_alone_skips_the_packing(fmt):
     packed, _ = _kernel_sass(args + ["--packed"])
     alone, _ = _kernel_sass(args)
     assert 20.0 < alone < 0.9 * packed < 150.0
+
+
+@pytest.mark.skipif(_nvcc.nvcc() is None or not os.path.exists(PTXAS), reason="needs nvcc and Triton's nvdisasm")
+@pytest.mark.parametrize("fmt,bound", [("hif4", 50.0), ("mxfp4", 48.0)])
+def test_cuda_resq_sum_instructions(fmt, bound):
+    """The CUDA ResQ bf16 sum (resq_sum.cu; quant_math.h's resq_residual and resq_sum, which the fused SwiGLU and
+    norm kernels run too) per value and thread. Session 48, nvcc 13.0, sm_90a: 2:4's choice by a min/max network on
+    unique keys, HiF4's half-up rounding by one FFMA.RM and a floor, E2M1's rounding by one magic add and the sums
+    rounded two at a time by cvt.rn.bf16x2: HiF4 61.0 -> 45.0, MXFP4 59.0 -> 43.0."""
+    per_value, _ = _kernel_sass(["resq-cuda", "--fmt", fmt])
+    assert 20.0 < per_value < bound
