@@ -19,10 +19,10 @@ GPU IR (each moves values between threads, through shared memory) and ptxas's re
 the longest backward branch in the disassembly; a kernel without a loop (columns: the training quantizer's
 64-row tile of a transposed operand) counts whole, per value. Pointers and sizes get Triton's
 ``divisibility=16`` specialization (what a real launch with aligned shapes compiles to; without it loads do not
-vectorize and counts mislead). A count is a proxy: run 8's decode kernel was latency-bound, so fewer instructions stopped helping (docs/PERFORMANCE.md); and
-it comes from the Triton installed here, which may pick other layouts than the GPU machine's (3.9 here, 3.6
-there: the HiF4 pack-only quantize tile counts 106 per value here, 2.8x its expanding twin, yet ran faster on the
-H200), so confirm on the GPU before trusting a difference.
+vectorize and counts mislead). A count is a proxy: run 8's decode kernel was latency-bound, so fewer instructions
+stopped helping (docs/PERFORMANCE.md); and it comes from the Triton installed here, which may pick other layouts
+than the GPU machine's (3.9 here, 3.6 there: the HiF4 pack-only quantize tile counts 106 per value here, 2.8x its
+expanding twin, yet ran faster on the H200), so confirm on the GPU before trusting a difference.
 """
 
 from __future__ import annotations
