@@ -516,9 +516,9 @@ def test_norm_resq_rounds_mean_plus_eps_once_as_the_triton_norm(tmp_path):
 @pytest.mark.parametrize("name", ["hif4", "mxfp4"])
 def test_norm_resq_kernel_is_the_two_kernels_bits(name):
     """The fused residual add + RMSNorm + ResQ sum equals the Triton add_rms_norm followed by the ResQ quantize, bit
-    for bit (the same normed bits: the Triton kernel's layout
-    and reduction order), and stores the same residual sum: fp32 split sums (1 and 3 splits), a bf16 delta and none;
-    the 7B and 1.5B widths, one strip per thread (1024) and four (8960). (Sessions 46-47 on an H100: 10 of 80 cases
+    for bit (the same normed bits: the Triton kernel's layout and reduction order), and stores the same residual
+    sum: fp32 split sums (1 and 3 splits), a bf16 delta and none; the 7B and 1.5B widths, one strip per thread (1024)
+    and four (8960). (Sessions 46-47 on an H100: 10 of 80 cases
     had a few normed values one bf16 unit apart, mean + eps rounded twice where the Triton norm's FFMA rounds once;
     with mean_eps it passed on an H100 in session 48, and 18 x 64 random rows per width gave the same normed bits.)"""
     cq = _cuda_quantize()

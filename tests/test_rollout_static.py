@@ -364,51 +364,13 @@ def test_gpu_graph_path_matches_eager(precision, fused, monkeypatch):
 
 
 @pytest.mark.parametrize("fmt", ["hif4", "mxfp4"])
-def test_fused_swiglu_resq_operand_reaches_fc2(model, prompts, monkeypatch, fmt):
-    """W4A4 + ResQ 2:4 (bf16 sum) on the fused path: fc2's ResQ operand comes from the fused SwiGLU + ResQ kernel
-    (here its reference ops stand in for it: the kernel's bits are tests/test_cuda_quantize.py's GPU test) and fc2
-    multiplies it as W4A16; the greedy tokens and logprobs are the unfused path's exactly, every layer's fc2 took
-    it, MEGATRON_FP4_FUSED_SWIGLU_RESQ=0 turns it off, and ResQ with the exact combine keeps its own linears."""
-    from megatron_fp4.kernels import cuda_quantize
-    from megatron_fp4.resq import resq_activation
-
-    precision = RolloutPrecision("w4a4", fmt, "2:4", resq_combine="bf16")
-    params = SamplingParams(temperature=0.0, max_new_tokens=4)
-    prompts = prompts[:4]
-    monkeypatch.setenv("MEGATRON_FP4_DECODE_FUSED", "1")
-    dtype = next(model.parameters()).dtype  # (the kernel's is bf16; the CPU model's what the unfused path computes)
-    calls = []
-
-    def swiglu_resq(a, f):
-        assert f == fmt
-        calls.append(a.shape)
-        h = decode_ops.swiglu(a, dtype, splits=a.dim() == 3)
-        return resq_activation(h, fmt, "2:4", dim=-1, out_dtype=torch.bfloat16).to(dtype)
-
-    monkeypatch.setattr(cuda_quantize, "swiglu_resq_usable", lambda a, f: True)
-    monkeypatch.setattr(cuda_quantize, "swiglu_resq", swiglu_resq)
-    monkeypatch.setenv("MEGATRON_FP4_FUSED_SWIGLU_RESQ", "0")
-    want = NativeRolloutEngine(model, precision, decode="static", max_batch_size=3).generate(prompts, params)
-    assert not calls
-    monkeypatch.delenv("MEGATRON_FP4_FUSED_SWIGLU_RESQ")
-    got = NativeRolloutEngine(model, precision, decode="static", max_batch_size=3).generate(prompts, params)
-    layers = len(model.decoder.layers)
-    assert calls and len(calls) % layers == 0  # (each forward's every layer: the prefills' and the decode steps')
-    assert [s.token_ids for s in got] == [s.token_ids for s in want]
-    assert [s.logprobs for s in got] == [s.logprobs for s in want]
-    calls.clear()
-    NativeRolloutEngine(model, RolloutPrecision("w4a4", fmt, "2:4"), decode="static",
-                        max_batch_size=3).generate(prompts[:1], params)
-    assert not calls
-
-
-@pytest.mark.parametrize("fmt", ["hif4", "mxfp4"])
 def test_fused_resq_operands_reach_the_linears(model, prompts, monkeypatch, fmt):
     """W4A4 + ResQ 2:4 (bf16 sum) on the fused path, by default: the norms before qkv and fc1 and the SwiGLU before
     fc2 make those linears' ResQ operand, which they multiply as W4A16. With the CUDA kernels stood in for by the
     reference ops (the kernels' bits are tests/test_cuda_quantize.py's GPU tests), the greedy tokens and logprobs are
-    those of MEGATRON_FP4_FUSED_NORM_RESQ=0 and MEGATRON_FP4_FUSED_SWIGLU_RESQ=0 (the unfused ResQ linears) exactly,
-    and every layer's three operands came from the fused ops."""
+    those of MEGATRON_FP4_FUSED_NORM_RESQ=0 and MEGATRON_FP4_FUSED_SWIGLU_RESQ=0 (the unfused ResQ linears, which
+    call neither fused op) exactly, every layer's three operands came from the fused ops, and ResQ with the exact
+    combine keeps its own linears."""
     from megatron_fp4.kernels import cuda_quantize
     from megatron_fp4.resq import resq_activation
 
@@ -416,12 +378,7 @@ def test_fused_resq_operands_reach_the_linears(model, prompts, monkeypatch, fmt)
     params = SamplingParams(temperature=0.0, max_new_tokens=4)
     prompts = prompts[:4]
     monkeypatch.setenv("MEGATRON_FP4_DECODE_FUSED", "1")
-    monkeypatch.setenv("MEGATRON_FP4_FUSED_NORM_RESQ", "0")
-    monkeypatch.setenv("MEGATRON_FP4_FUSED_SWIGLU_RESQ", "0")
-    want = NativeRolloutEngine(model, precision, decode="static", max_batch_size=3).generate(prompts, params)
-    monkeypatch.delenv("MEGATRON_FP4_FUSED_NORM_RESQ")
-    monkeypatch.delenv("MEGATRON_FP4_FUSED_SWIGLU_RESQ")
-    dtype = next(model.parameters()).dtype
+    dtype = next(model.parameters()).dtype  # (the kernels' is bf16; the CPU model's what the unfused path computes)
     calls = {"norm": 0, "swiglu": 0}
 
     def operand(h):  # the ResQ linear's own activation (bf16 sum), held in the model's dtype
@@ -441,10 +398,17 @@ def test_fused_resq_operands_reach_the_linears(model, prompts, monkeypatch, fmt)
     monkeypatch.setattr(decode_ops, "add_rms_norm_resq", norm_resq)
     monkeypatch.setattr(cuda_quantize, "swiglu_resq_usable", lambda a, f: True)
     monkeypatch.setattr(cuda_quantize, "swiglu_resq", swiglu_resq)
+    monkeypatch.setenv("MEGATRON_FP4_FUSED_NORM_RESQ", "0")
+    monkeypatch.setenv("MEGATRON_FP4_FUSED_SWIGLU_RESQ", "0")
+    want = NativeRolloutEngine(model, precision, decode="static", max_batch_size=3).generate(prompts, params)
+    assert calls == {"norm": 0, "swiglu": 0}
+    monkeypatch.delenv("MEGATRON_FP4_FUSED_NORM_RESQ")
+    monkeypatch.delenv("MEGATRON_FP4_FUSED_SWIGLU_RESQ")
     got = NativeRolloutEngine(model, precision, decode="static", max_batch_size=3).generate(prompts, params)
     layers = len(model.decoder.layers)
-    # (the norms: each decode step's two per layer; the SwiGLU: the prefills' too)
+    # (the norms: each decode step's two per layer; the SwiGLU: every layer of each forward, the prefills' too)
     assert calls["norm"] > 0 and calls["norm"] % (2 * layers) == 0 and calls["swiglu"] > calls["norm"] // 2
+    assert calls["swiglu"] % layers == 0
     assert [s.token_ids for s in got] == [s.token_ids for s in want]
     assert [s.logprobs for s in got] == [s.logprobs for s in want]
     # not for other precisions: W4A4 + ResQ with the exact combine keeps its own linears
