@@ -173,43 +173,34 @@ def cuda_case(fmt: str, BM: int, tile: dict, wide: bool) -> tuple:
     """The CUDA decode GEMM (megatron_fp4.kernels.cuda_decode) of a 7B MLP weight at ``BM`` tokens with ``tile``
     (KERNEL and tile keys; none: the default launch's), compiled by nvcc for sm_90a: (cubin bytes, weight values
     per thread and loop iteration, the defines, ptxas's report)."""
-    from megatron_fp4.kernels import _nvcc
     from megatron_fp4.kernels import cuda_decode as cd
 
-    if _nvcc.nvcc() is None:
-        raise SystemExit("kernel_sass.py cuda: needs nvcc (CUDA's compiler) on PATH or CUDA_HOME")
     fmt_id, ntok = int(fmt == "mxfp4"), cd._ntok(BM)
     if not tile and cd.natural_layout():  # the default layout's tile, as w4_decode picks it
         tile = cd.natural_tile(None, ntok)
     kernel, config = cd._choose(18944, 3584, ntok, tile or None, fmt_id)
     cfg = cd._tile(kernel, fmt_id, ntok, config)
     defines = cd._defines(kernel, fmt_id, wide, ntok, cfg)
-    with tempfile.TemporaryDirectory() as d:
-        out = os.path.join(d, "k.cubin")
-        r = subprocess.run(_nvcc.command(cd._SOURCES[kernel], defines, out, "90a", "-cubin", "-Xptxas", "-v"),
-                           capture_output=True, text=True)
-        if r.returncode:
-            raise SystemExit(f"kernel_sass.py cuda: nvcc failed:\n{r.stderr[-2000:]}")
-        cubin = open(out, "rb").read()
+    cubin, report = nvcc_cubin("cuda", cd._SOURCES[kernel], defines)
     # per loop iteration each thread holds DEPTH chunks of 64 values of 16 rows (wgmma: its warp's slab; mma.sync:
     # SPW slabs), spread over the warp's 32 lanes
     values = cfg["DEPTH"] * (1 if kernel == "wgmma" else cfg["SPW"]) * 16 * 64 // 32
-    return cubin, values, {"KERNEL": kernel, **defines}, r.stdout + r.stderr
+    return cubin, values, {"KERNEL": kernel, **defines}, report
 
 
-def resq_cuda_case(fmt: str) -> tuple:
-    """The CUDA ResQ bf16-sum kernel (csrc/resq_sum.cu: one part of 8 values per thread, no loop) compiled by nvcc
-    for sm_90a: (cubin bytes, ptxas's report)."""
+def nvcc_cubin(mode: str, source: str, defines: dict) -> tuple:
+    """(cubin bytes, ptxas's report) of ``csrc/<source>`` with ``defines``, compiled by nvcc for sm_90a (``mode``:
+    the command's kernel argument, for its messages)."""
     from megatron_fp4.kernels import _nvcc
 
     if _nvcc.nvcc() is None:
-        raise SystemExit("kernel_sass.py resq-cuda: needs nvcc (CUDA's compiler) on PATH or CUDA_HOME")
+        raise SystemExit(f"kernel_sass.py {mode}: needs nvcc (CUDA's compiler) on PATH or CUDA_HOME")
     with tempfile.TemporaryDirectory() as d:
         out = os.path.join(d, "k.cubin")
-        r = subprocess.run(_nvcc.command("resq_sum.cu", {"FMT": int(fmt == "mxfp4")}, out, "90a", "-cubin",
-                                         "-Xptxas", "-v"), capture_output=True, text=True)
+        r = subprocess.run(_nvcc.command(source, defines, out, "90a", "-cubin", "-Xptxas", "-v"),
+                           capture_output=True, text=True)
         if r.returncode:
-            raise SystemExit(f"kernel_sass.py resq-cuda: nvcc failed:\n{r.stderr[-2000:]}")
+            raise SystemExit(f"kernel_sass.py {mode}: nvcc failed:\n{r.stderr[-2000:]}")
         return open(out, "rb").read(), r.stdout + r.stderr
 
 
@@ -246,7 +237,8 @@ def main(argv=None):
     if args.BM not in (16, 32, 64):
         p.error(f"--BM {args.BM} is not valid; allowed values: 16, 32, 64")
     if args.kernel == "resq-cuda":
-        cubin, report = resq_cuda_case(args.fmt)
+        # the CUDA ResQ bf16-sum kernel (csrc/resq_sum.cu): one part of 8 values per thread
+        cubin, report = nvcc_cubin("resq-cuda", "resq_sum.cu", {"FMT": int(args.fmt == "mxfp4")})
         ops = loop_opcodes(cubin)  # (no loop: the whole kernel)
         n = sum(ops.values())
         regs = re.search(r"Used (\d+) registers", report)
