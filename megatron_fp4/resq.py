@@ -257,6 +257,13 @@ class RolloutPrecision:
         return self.mode in ("w16a4", "w4a4")
 
     @property
+    def bf16_sum_operand(self) -> bool:
+        """Whether activations become one BF16 operand, ResQ 2:4's bf16 sum (W4A4 + ResQ 2:4, ``resq_combine``
+        "bf16"), that the linear multiplies as W4A16: the operand a fused kernel before the linear (the norm, the
+        SwiGLU) can make in its stead."""
+        return (self.mode, self.sparsity, self.resq_combine, self.activation_method) == ("w4a4", "2:4", "bf16", "resq")
+
+    @property
     def label(self) -> str:
         """Short name, e.g. "w4a4+resq2:4/hif4"."""
         extra = ""

@@ -508,12 +508,19 @@ def add_rms_norm_resq(x: torch.Tensor, delta: Optional[torch.Tensor], norm: torc
     """(ResQ 2:4's bf16 sum of ``norm(x + delta)``, ``x + delta``) in one CUDA kernel
     (:func:`megatron_fp4.kernels.cuda_quantize.norm_resq`: :func:`add_rms_norm`'s Triton arithmetic, then the ResQ
     quantize), or None where it does not apply (then :func:`add_rms_norm` and the ResQ linear serve)."""
+    p = _rms_params(norm, x)
+    return None if p is None else rms_norm_resq(x, delta, p[0], p[1], fmt)
+
+
+def rms_norm_resq(x: torch.Tensor, delta: Optional[torch.Tensor], weight: torch.Tensor, eps: float, fmt: str
+                  ) -> Optional[tuple[torch.Tensor, torch.Tensor]]:
+    """:func:`add_rms_norm_resq` for an RMSNorm given by its ``weight`` and ``eps`` (another library's norm module,
+    e.g. SGLang's in the plug-in), or None where the kernel does not apply."""
     from megatron_fp4.kernels import cuda_quantize
 
-    p = _rms_params(norm, x)
-    if p is None or not cuda_quantize.norm_resq_usable(x, delta, p[0], fmt):
+    if not cuda_quantize.norm_resq_usable(x, delta, weight, fmt):
         return None
-    return cuda_quantize.norm_resq(x, delta, p[0], p[1], fmt, _norm_warps(1 << (x.shape[1] - 1).bit_length()))
+    return cuda_quantize.norm_resq(x, delta, weight, eps, fmt, _norm_warps(1 << (x.shape[1] - 1).bit_length()))
 
 
 #: Keys per step of the decode attention kernel.

@@ -266,24 +266,19 @@ class StaticCacheGenerator:
         splits = as_stored and self.fused and self.gated
         a = self._linear(layer.fc1, h, splits, on_sum=on_sum)
         p = self._precision
-        if self.swiglu_resq and self.gated and self._resq_bf16_sum():
+        if self.swiglu_resq and self.gated and self._precision.bf16_sum_operand:
             from megatron_fp4.kernels import cuda_quantize
 
             if cuda_quantize.swiglu_resq_usable(a, p.format):
                 return self._linear(layer.fc2, cuda_quantize.swiglu_resq(a, p.format), as_stored, on_sum=True)
         return self._linear(layer.fc2, self._act(a, h.dtype, splits), as_stored)
 
-    def _resq_bf16_sum(self) -> bool:
-        """Whether the precision is W4A4 + ResQ 2:4 (bf16 sum), whose operand the fused kernels can make."""
-        p = self._precision
-        return (p.mode, p.sparsity, p.resq_combine, p.activation_method) == ("w4a4", "2:4", "bf16", "resq")
-
     def _add_norm_resq(self, x: torch.Tensor, delta: Optional[torch.Tensor], norm: torch.nn.Module
                        ) -> tuple[torch.Tensor, torch.Tensor, bool]:
         """:meth:`_add_norm`, or, with :attr:`norm_resq` at W4A4 + ResQ 2:4 (bf16 sum), (the next linear's ResQ
         operand of norm(x + delta), x + delta, True) in one kernel where it can run (``decode_ops.add_rms_norm_resq``:
         the two kernels' bits)."""
-        if self.norm_resq and self._resq_bf16_sum():
+        if self.norm_resq and self._precision.bf16_sum_operand:
             got = decode_ops.add_rms_norm_resq(x, delta, norm, self._precision.format)
             if got is not None:
                 return got[0], got[1], True
