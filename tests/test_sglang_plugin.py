@@ -640,12 +640,29 @@ def test_driver_engine_args_are_valid_server_args(tmp_path):
     assert sa.cuda_graph_max_bs_decode == 96 and sa.chunked_prefill_size == 2048 and sa.disable_prefill_cuda_graph
 
 
+def _sglang_mlp(precision: RolloutPrecision, w):
+    """SGLang's own Qwen2MLP with the plug-in at ``precision``, ``w`` loaded through its loaders and quantized."""
+    from sglang.srt.models.qwen2 import Qwen2MLP
+
+    default = torch.get_default_dtype()
+    torch.set_default_dtype(torch.float32)
+    try:
+        sgl = Qwen2MLP(HIDDEN, FFN, "silu", quant_config=_config(precision), prefix="model.layers.0.mlp")
+    finally:
+        torch.set_default_dtype(default)
+    gu = sgl.gate_up_proj.weight
+    gu.weight_loader(gu, w["gate"], 0)
+    gu.weight_loader(gu, w["up"], 1)
+    sgl.down_proj.weight.weight_loader(sgl.down_proj.weight, w["down"])
+    for m in (sgl.gate_up_proj, sgl.down_proj):
+        m.quant_method.process_weights_after_loading(m)
+    return sgl
+
+
 @pytest.mark.parametrize("name", ["hif4+2:4", "mxfp4+2:4"])
 def test_sglang_qwen2_mlp_equals_native_mlp(name):
     """SGLang's own Qwen2MLP (gate_up -> SiluAndMul -> down, the down_proj quantizing SGLang's activation) with the
     plug-in equals the MLP of megatron-core's GPT layer in the native engine's rollout precision."""
-    from sglang.srt.models.qwen2 import Qwen2MLP
-
     from megatron_fp4.models import GPTModelArgs, build_gpt_model
     from megatron_fp4.parallel import initialize_parallel
     from megatron_fp4.rollout.precision import rollout_precision
@@ -661,18 +678,7 @@ def test_sglang_qwen2_mlp_equals_native_mlp(name):
     with torch.no_grad():
         mlp.linear_fc1.weight.copy_(torch.cat([w["gate"], w["up"]]))
         mlp.linear_fc2.weight.copy_(w["down"])
-    default = torch.get_default_dtype()
-    torch.set_default_dtype(torch.float32)
-    try:
-        sgl = Qwen2MLP(HIDDEN, FFN, "silu", quant_config=_config(precision), prefix="model.layers.0.mlp")
-    finally:
-        torch.set_default_dtype(default)
-    gu = sgl.gate_up_proj.weight
-    gu.weight_loader(gu, w["gate"], 0)
-    gu.weight_loader(gu, w["up"], 1)
-    sgl.down_proj.weight.weight_loader(sgl.down_proj.weight, w["down"])
-    for m in (sgl.gate_up_proj, sgl.down_proj):
-        m.quant_method.process_weights_after_loading(m)
+    sgl = _sglang_mlp(precision, w)
     x = _inputs(6)["qkv"]
     with torch.no_grad(), rollout_precision(model, precision):
         y_mg, b = mlp(x.unsqueeze(1))
@@ -682,3 +688,125 @@ def test_sglang_qwen2_mlp_equals_native_mlp(name):
     with torch.no_grad():  # and FP4 mattered: the bf16 MLP differs by far more
         ref = torch.nn.functional.linear(torch.nn.functional.silu(x @ w["gate"].t()) * (x @ w["up"].t()), w["down"])
     assert (ref - y_sgl).abs().max() > 1e-3
+
+
+def _bf16_sum_operand(h: torch.Tensor, fmt: str) -> torch.Tensor:
+    """What the fused kernels make from the op's output ``h``: the ResQ linear's own operand (bf16 sum), held in
+    ``h``'s dtype (the kernels' is bf16; these CPU layers compute in fp32)."""
+    from megatron_fp4.resq import resq_activation
+
+    return resq_activation(h, fmt, "2:4", dim=-1, out_dtype=torch.bfloat16).to(h.dtype)
+
+
+@pytest.mark.parametrize("fmt", ["hif4", "mxfp4"])
+def test_fused_swiglu_makes_down_projs_operand(fmt, monkeypatch):
+    """At W4A4 + ResQ 2:4 (bf16 sum), SGLang's own Qwen2MLP gets the fused SwiGLU + ResQ activation (same object
+    and parameter names) whose operand down_proj multiplies as W4A16: with the CUDA kernel stood in for by the
+    reference ops (its bits are tests/test_cuda_quantize.py's GPU tests), the MLP's output is the unfused one's
+    exactly, and the kernel served every call. Not at other precisions, nor with MEGATRON_FP4_FUSED_SWIGLU_RESQ=0,
+    nor where the kernel does not apply (then SGLang's SiluAndMul serves and down_proj quantizes as before)."""
+    from sglang.srt.layers.activation import SiluAndMul
+
+    from megatron_fp4.kernels import cuda_quantize
+    from megatron_fp4.sglang_plugin.fused import SWIGLU_SWITCH, SiluAndMulResQ
+
+    precision = RolloutPrecision("w4a4", fmt, "2:4", resq_combine="bf16")
+    w = _hf_weights(7)
+    x = _inputs(8)["qkv"]
+    calls = []
+
+    def swiglu_resq(a, f):
+        assert f == fmt
+        calls.append(a.shape)
+        return _bf16_sum_operand(SiluAndMul().forward_native(a), f)
+
+    monkeypatch.setenv(SWIGLU_SWITCH, "0")
+    plain = _sglang_mlp(precision, w)
+    monkeypatch.delenv(SWIGLU_SWITCH)
+    fused = _sglang_mlp(precision, w)
+    assert type(plain.act_fn) is SiluAndMul and type(fused.act_fn) is SiluAndMulResQ
+    assert [n for n, _ in fused.named_parameters()] == [n for n, _ in plain.named_parameters()]
+    assert type(_sglang_mlp(PRECISIONS["hif4+2:4"], w).act_fn) is SiluAndMul  # the exact combine: its own quantize
+    with torch.no_grad():
+        want = plain(x)
+        unfused_here = fused(x)  # on the CPU the kernel does not apply: SGLang's activation, down_proj's quantize
+        monkeypatch.setattr(cuda_quantize, "swiglu_resq_usable", lambda a, f: True)
+        monkeypatch.setattr(cuda_quantize, "swiglu_resq", swiglu_resq)
+        got = fused(x)
+        assert plain(x).equal(want)  # the plain MLP never calls the kernel
+    assert calls == [(x.shape[0], 2 * FFN)]
+    assert unfused_here.equal(want) and got.equal(want)
+    assert (want - plain.down_proj(SiluAndMul().forward_native(plain.gate_up_proj(x)[0]).bfloat16().float())[0]
+            ).abs().max() > 0  # (the operand path is not the W4A16 of the plain activation)
+
+
+class _DecoderLike(torch.nn.Module):
+    """The attributes of SGLang's Qwen2 / Llama decoder layers that the fused norms read, in their order: the
+    attention's qkv_proj and the MLP's gate_up_proj, then the two RMSNorms (SGLang's real classes; its whole layer
+    needs a rotary embedding and a layer stack that a CPU test cannot build)."""
+
+    def __init__(self, precision: RolloutPrecision, w):
+        from sglang.srt.layers.layernorm import RMSNorm
+
+        super().__init__()
+        layers = _loaded_layers(precision, w)
+        self.self_attn, self.mlp = torch.nn.Module(), torch.nn.Module()
+        self.self_attn.qkv_proj = layers["qkv"]
+        self.mlp.gate_up_proj = layers["gate_up"]
+        self.input_layernorm = RMSNorm(HIDDEN, eps=1e-6)
+        self.post_attention_layernorm = RMSNorm(HIDDEN, eps=1e-6)
+        g = torch.Generator().manual_seed(9)
+        for norm in (self.input_layernorm, self.post_attention_layernorm):
+            norm.weight.data.copy_(1 + 0.1 * torch.randn(HIDDEN, generator=g))
+
+
+@pytest.mark.parametrize("fmt", ["hif4", "mxfp4"])
+def test_fused_norms_make_qkv_and_gate_ups_operand(fmt, monkeypatch):
+    """At W4A4 + ResQ 2:4 (bf16 sum), SGLang's RMSNorms before qkv_proj and gate_up_proj get the fused residual
+    add + RMSNorm + ResQ forward: with the kernel stood in for by the reference ops, each linear's output and the
+    new residual are the unfused ones' exactly (with and without a residual), the operand went to its own linear,
+    and a linear handed an operand fails loudly when it gets another tensor."""
+    from sglang.srt.layers.layernorm import RMSNorm
+
+    from megatron_fp4.kernels import decode_ops
+    from megatron_fp4.sglang_plugin.fused import NORM_SWITCH, RMSNormResQ
+
+    precision = RolloutPrecision("w4a4", fmt, "2:4", resq_combine="bf16")
+    w = _hf_weights(10)
+    monkeypatch.setenv(NORM_SWITCH, "0")
+    plain = _DecoderLike(precision, w)
+    monkeypatch.delenv(NORM_SWITCH)
+    fused = _DecoderLike(precision, w)
+    assert {type(plain.input_layernorm), type(plain.post_attention_layernorm)} == {RMSNorm}
+    assert {type(fused.input_layernorm), type(fused.post_attention_layernorm)} == {RMSNormResQ}
+    assert [n for n, _ in fused.named_parameters()] == [n for n, _ in plain.named_parameters()]
+    assert type(_DecoderLike(PRECISIONS["hif4+2:4"], w).input_layernorm) is RMSNorm
+    calls = []
+
+    def rms_norm_resq(x, delta, weight, eps, f):
+        assert f == fmt
+        calls.append(delta is not None)
+        ref = RMSNorm(HIDDEN, eps=eps)
+        ref.weight.data.copy_(weight)
+        out = ref.forward_native(x, delta) if delta is not None else (ref.forward_native(x), x)
+        return _bf16_sum_operand(out[0], f), out[1]
+
+    monkeypatch.setattr(decode_ops, "rms_norm_resq", rms_norm_resq)
+    g = torch.Generator().manual_seed(11)
+    x, r = torch.randn(37, HIDDEN, generator=g), torch.randn(37, HIDDEN, generator=g)
+    x[:, 5] *= 30.0
+    with torch.no_grad():
+        h0 = fused.input_layernorm(x)  # the first layer: no residual yet
+        got = fused.self_attn.qkv_proj(h0)[0]
+        assert got.equal(plain.self_attn.qkv_proj(plain.input_layernorm(x))[0])
+        h, s = fused.post_attention_layernorm(x, r)
+        want_h, want_s = plain.post_attention_layernorm(x, r)
+        assert s.equal(want_s)
+        assert fused.mlp.gate_up_proj(h)[0].equal(plain.mlp.gate_up_proj(want_h)[0])
+        assert calls == [False, True]
+        fused.input_layernorm(x)  # an operand that nobody keeps leaves nothing behind
+        assert fused.self_attn.qkv_proj(x)[0].equal(plain.self_attn.qkv_proj(x)[0])
+        h0 = fused.input_layernorm(x)
+        with pytest.raises(RuntimeError, match="MEGATRON_FP4_FUSED_NORM_RESQ=0"):
+            fused.self_attn.qkv_proj(x)  # not the operand its norm made for it
+        assert fused.self_attn.qkv_proj(x)[0].equal(plain.self_attn.qkv_proj(x)[0])  # (the hand-off is one call)

@@ -4,7 +4,8 @@ Installed with ``pip install -e .[sglang]``; SGLang finds it through the ``sglan
 ``megatron_fp4 = megatron_fp4.sglang_plugin:register`` (run in every SGLang process), which adds the method to
 SGLang's quantization registry and ``--quantization`` choices. Select it with ``quantization="megatron_fp4"``
 and a ``quantization_config`` (in config.json, or ``json_model_override_args``), see
-:mod:`megatron_fp4.sglang_plugin.options`. :mod:`options` needs no SGLang; the rest imports it.
+:mod:`megatron_fp4.sglang_plugin.options`. :mod:`options` needs no SGLang; the rest imports it. At W4A4 + ResQ 2:4
+(bf16 sum) the norms and SwiGLUs before the FP4 linears make their operands (:mod:`.fused`).
 """
 
 from __future__ import annotations

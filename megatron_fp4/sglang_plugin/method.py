@@ -27,8 +27,9 @@ from sglang.srt.layers.quantization.unquant import UnquantizedLinearMethod
 from sglang.srt.utils import set_weight_attrs
 
 from megatron_fp4.formats import QuantizedTensor, get_format
-from megatron_fp4.resq import (ROLLOUT_LINEAR_PATHS, QuantizedWeightCache, copy_into, rollout_backend_for,
-                               rollout_linear)
+from megatron_fp4.resq import (ROLLOUT_LINEAR_PATHS, QuantizedWeightCache, RolloutPrecision, copy_into,
+                               rollout_backend_for, rollout_linear)
+from megatron_fp4.sglang_plugin import fused
 from megatron_fp4.sglang_plugin.options import QUANT_METHOD, PluginOptions
 
 __all__ = ["MegatronFP4Config", "MegatronFP4LinearMethod", "requantize_stale_layers", "QUANT_METHOD"]
@@ -41,7 +42,8 @@ _BACKEND_CACHE = QuantizedWeightCache()
 REQUANT_STATS = {"layers": 0, "seconds": 0.0, "reallocated": 0}
 #: ``MEGATRON_FP4_PLUGIN_TRACE=FILE``: each FP4 linear appends one JSON line at its first forward in this process
 #: outside CUDA-graph capture and torch.compile tracing, ``{"layer", "path": "kernels" | "reference", "device",
-#: "pid", "rel_diff_vs_reference", "reference_abs_max"}``: which path served it and, for the kernels, how far their
+#: "pid", "fused_operand", "rel_diff_vs_reference", "reference_abs_max"}``: which path served it (``fused_operand``:
+#: its operand came from the fused norm / SwiGLU before it, :mod:`fused`) and, for the kernels, how far their
 #: output is from the PyTorch reference's on the same input, visible from outside SGLang's scheduler processes (the
 #: GPU tests check that no layer silently fell back to the reference and that the kernels computed its numbers).
 #: A debugging aid: the check costs a reference GEMM and a host sync per layer, once.
@@ -77,6 +79,8 @@ class MegatronFP4Config(QuantizationConfig):
         self.modules_not_quantized = list(modules_not_quantized or [])
         #: The checkpoint stores weight_packed/weight_scale (an FP4 export) instead of high-precision weights.
         self.packed_checkpoint = packed_checkpoint
+        if self.options.precision.bf16_sum_operand:
+            fused.install()  # the norms and SwiGLUs before our linears make their operand (sglang_plugin/fused.py)
 
     def __repr__(self) -> str:
         return f"MegatronFP4Config({self.options})"
@@ -132,6 +136,8 @@ class MegatronFP4LinearMethod(LinearMethodBase):
         self.options = config.options
         self.precision = config.options.precision
         self.prefix = prefix
+        #: The format, when a fused norm / SwiGLU may make this linear's operand (:mod:`fused`), else None.
+        self.fused_operand_format = self.options.format if self.precision.bf16_sum_operand else None
 
     def create_weights(self, layer: torch.nn.Module, input_size_per_partition: int,
                        output_partition_sizes: List[int], input_size: int, output_size: int,
@@ -215,25 +221,30 @@ class MegatronFP4LinearMethod(LinearMethodBase):
             self.requantize(layer)  # a refit that bypassed the re-quantizing loader
         elif layer.megatron_fp4_packed_loaded:
             self.adopt_packed(layer)
+        precision, fused_operand = self.precision, fused.take(layer, x)
+        if fused_operand:  # ResQ 2:4's bf16 sum already (K padded to the format's block): W4A16 on it
+            x, precision = x[..., :layer.weight.shape[1]], RolloutPrecision("w4a16", precision.format)
         trace = os.environ.get(TRACE_ENV) if not getattr(layer, "megatron_fp4_traced", False) else None
         served_by_backend = ROLLOUT_LINEAR_PATHS["backend"]
         if rollout_backend_for(x.device.type) is not None and not layer.megatron_fp4_from_packed:
-            y = rollout_linear(x, layer.weight, bias, self.precision, cache=_BACKEND_CACHE)
+            y = rollout_linear(x, layer.weight, bias, precision, cache=_BACKEND_CACHE)
         else:
-            y = rollout_linear(x, layer.weight, bias, self.precision, weight_q=layer.megatron_fp4_wq)
+            y = rollout_linear(x, layer.weight, bias, precision, weight_q=layer.megatron_fp4_wq)
         if trace and not _capturing(x):
-            self._trace(layer, x, bias, y, trace, ROLLOUT_LINEAR_PATHS["backend"] > served_by_backend)
+            self._trace(layer, x, bias, y, precision, trace, ROLLOUT_LINEAR_PATHS["backend"] > served_by_backend,
+                        fused_operand)
         return y
 
-    def _trace(self, layer, x, bias, y, trace: str, by_backend: bool) -> None:
+    def _trace(self, layer, x, bias, y, precision: RolloutPrecision, trace: str, by_backend: bool,
+               fused_operand: bool) -> None:
         """One trace line for ``layer`` (its first forward outside graph capture and compilation): the path that
         served it and, for the kernels, their largest difference from the PyTorch reference on the same input,
         relative to the reference's largest output (up to one rounding of the output dtype)."""
         layer.megatron_fp4_traced = True
         row = {"layer": self.prefix, "path": "kernels" if by_backend else "reference", "device": x.device.type,
-               "pid": os.getpid()}
+               "pid": os.getpid(), "fused_operand": fused_operand}
         if by_backend:
-            ref = rollout_linear(x, layer.weight, bias, self.precision, weight_q=layer.megatron_fp4_wq).float()
+            ref = rollout_linear(x, layer.weight, bias, precision, weight_q=layer.megatron_fp4_wq).float()
             top = row["reference_abs_max"] = float(ref.abs().max())  # > 0: the comparison saw a real output
             row["rel_diff_vs_reference"] = float((y.float() - ref).abs().max()) / max(top, 1e-30)
         with open(trace, "a") as f:
