@@ -284,7 +284,8 @@ def test_trace_names_the_path_that_served_each_layer(tmp_path, monkeypatch):
     """MEGATRON_FP4_PLUGIN_TRACE: one line per layer at its first forward, naming the backend ("kernels") or the
     reference, also when a registered backend declines the call (the fallback the GPU tests must see); a backend's
     line carries its difference from the reference on the same input (0 for the exact kernel twin, large for a
-    backend that computes something else)."""
+    backend that computes something else), from its first forward with an input: an all-zero one (SGLang's
+    warm-up forwards of dummy tokens, whose embedding row is the model's zero padding row) is not compared."""
     from megatron_fp4.resq import register_rollout_backend
     from megatron_fp4.sglang_plugin.method import TRACE_ENV, _BACKEND_CACHE
 
@@ -300,6 +301,8 @@ def test_trace_names_the_path_that_served_each_layer(tmp_path, monkeypatch):
         try:
             layers = _loaded_layers(precision, _hf_weights(0))
             with torch.no_grad():
+                for key, layer in layers.items():  # a warm-up forward of zeros
+                    layer(torch.zeros_like(xs[key]))
                 for _ in range(2):  # one line per layer, at its first forward only
                     for key, layer in layers.items():
                         layer(xs[key])

@@ -41,11 +41,12 @@ _BACKEND_CACHE = QuantizedWeightCache()
 #: recaptured).
 REQUANT_STATS = {"layers": 0, "seconds": 0.0, "reallocated": 0}
 #: ``MEGATRON_FP4_PLUGIN_TRACE=FILE``: each FP4 linear appends one JSON line at its first forward in this process
-#: outside CUDA-graph capture and torch.compile tracing, ``{"layer", "path": "kernels" | "reference", "device",
-#: "pid", "fused_operand", "rel_diff_vs_reference", "reference_abs_max"}``: which path served it (``fused_operand``:
-#: its operand came from the fused norm / SwiGLU before it, :mod:`fused`) and, for the kernels, how far their
-#: output is from the PyTorch reference's on the same input, visible from outside SGLang's scheduler processes (the
-#: GPU tests check that no layer silently fell back to the reference and that the kernels computed its numbers).
+#: outside CUDA-graph capture and torch.compile tracing (for the kernels: the first whose input is not all zeros;
+#: SGLang's warm-up forwards of dummy tokens can be), ``{"layer", "path": "kernels" | "reference", "device", "pid",
+#: "fused_operand", "rel_diff_vs_reference", "reference_abs_max"}``: which path served it (``fused_operand``: its
+#: operand came from the fused norm / SwiGLU before it, :mod:`fused`) and, for the kernels, how far their output is
+#: from the PyTorch reference's on the same input, visible from outside SGLang's scheduler processes (the GPU tests
+#: check that no layer silently fell back to the reference and that the kernels computed its numbers).
 #: A debugging aid: the check costs a reference GEMM and a host sync per layer, once.
 TRACE_ENV = "MEGATRON_FP4_PLUGIN_TRACE"
 _BACKENDS_TRIED: set = set()
@@ -237,16 +238,19 @@ class MegatronFP4LinearMethod(LinearMethodBase):
 
     def _trace(self, layer, x, bias, y, precision: RolloutPrecision, trace: str, by_backend: bool,
                fused_operand: bool) -> None:
-        """One trace line for ``layer`` (its first forward outside graph capture and compilation): the path that
-        served it and, for the kernels, their largest difference from the PyTorch reference on the same input,
-        relative to the reference's largest output (up to one rounding of the output dtype)."""
-        layer.megatron_fp4_traced = True
+        """One trace line for ``layer`` (its first forward outside graph capture and compilation; for the kernels,
+        the first whose input is not all zeros): the path that served it and, for the kernels, their
+        largest difference from the PyTorch reference on the same input, relative to the reference's largest output
+        (up to one rounding of the output dtype)."""
         row = {"layer": self.prefix, "path": "kernels" if by_backend else "reference", "device": x.device.type,
                "pid": os.getpid(), "fused_operand": fused_operand}
         if by_backend:
+            if not bool(x.any()):  # nothing to compare (SGLang's warm-up forwards of dummy tokens): a later forward
+                return
             ref = rollout_linear(x, layer.weight, bias, precision, weight_q=layer.megatron_fp4_wq).float()
             top = row["reference_abs_max"] = float(ref.abs().max())  # > 0: the comparison saw a real output
             row["rel_diff_vs_reference"] = float((y.float() - ref).abs().max()) / max(top, 1e-30)
+        layer.megatron_fp4_traced = True
         with open(trace, "a") as f:
             f.write(json.dumps(row) + "\n")
 
