@@ -266,7 +266,7 @@ class StaticCacheGenerator:
         splits = as_stored and self.fused and self.gated
         a = self._linear(layer.fc1, h, splits, on_sum=on_sum)
         p = self._precision
-        if self.swiglu_resq and self.gated and self._precision.bf16_sum_operand:
+        if self.swiglu_resq and self.gated and p.bf16_sum_operand:
             from megatron_fp4.kernels import cuda_quantize
 
             if cuda_quantize.swiglu_resq_usable(a, p.format):
