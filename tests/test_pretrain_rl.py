@@ -637,17 +637,22 @@ def test_exit_signal_handler_needs_save():
 def test_stop_signal_waits_for_the_step_and_a_second_one_stops_at_once(capsys):
     from megatron_fp4.rl.trainer import StopSignal
 
-    before = signal.getsignal(signal.SIGINT)
-    stop = StopSignal()
+    # Python's own SIGINT handler, as in a foreground run (a job started in the background with & has SIGINT
+    # ignored, and so would the second signal be)
+    outer = signal.signal(signal.SIGINT, signal.default_int_handler)
     try:
-        os.kill(os.getpid(), signal.SIGINT)  # the first: noted, nothing raised
-        assert stop.received == "SIGINT" and "stops after this GRPO step" in capsys.readouterr().out
-        with pytest.raises(KeyboardInterrupt):  # the second: as without the flag
-            os.kill(os.getpid(), signal.SIGINT)
-            time.sleep(1)
+        stop = StopSignal()
+        try:
+            os.kill(os.getpid(), signal.SIGINT)  # the first: noted, nothing raised
+            assert stop.received == "SIGINT" and "stops after this GRPO step" in capsys.readouterr().out
+            with pytest.raises(KeyboardInterrupt):  # the second: as without the flag
+                os.kill(os.getpid(), signal.SIGINT)
+                time.sleep(1)
+        finally:
+            stop.restore()
+        assert signal.getsignal(signal.SIGINT) is signal.default_int_handler
     finally:
-        stop.restore()
-    assert signal.getsignal(signal.SIGINT) is before
+        signal.signal(signal.SIGINT, outer)
 
 
 @pytest.mark.slow
