@@ -711,7 +711,8 @@ def test_fused_swiglu_makes_down_projs_operand(fmt, monkeypatch):
     from sglang.srt.layers.activation import SiluAndMul
 
     from megatron_fp4.kernels import cuda_quantize
-    from megatron_fp4.sglang_plugin.fused import SWIGLU_SWITCH, SiluAndMulResQ
+    from megatron_fp4.kernels.cuda_quantize import SWIGLU_RESQ_SWITCH as SWIGLU_SWITCH
+    from megatron_fp4.sglang_plugin.fused import SiluAndMulResQ
 
     precision = RolloutPrecision("w4a4", fmt, "2:4", resq_combine="bf16")
     w = _hf_weights(7)
@@ -772,7 +773,8 @@ def test_fused_norms_make_qkv_and_gate_ups_operand(fmt, monkeypatch):
     from sglang.srt.layers.layernorm import RMSNorm
 
     from megatron_fp4.kernels import decode_ops
-    from megatron_fp4.sglang_plugin.fused import NORM_SWITCH, RMSNormResQ
+    from megatron_fp4.kernels.cuda_quantize import NORM_RESQ_SWITCH as NORM_SWITCH
+    from megatron_fp4.sglang_plugin.fused import RMSNormResQ
 
     precision = RolloutPrecision("w4a4", fmt, "2:4", resq_combine="bf16")
     w = _hf_weights(10)

@@ -169,6 +169,18 @@ def resq_sum(x: torch.Tensor, fmt_name: str, out: Optional[torch.Tensor] = None)
     return out
 
 
+#: The environment switches of the fused ResQ-operand kernels (:func:`swiglu_resq`, :func:`norm_resq`), read by the
+#: native engine's decode step and the SGLang plug-in alike: "0" turns one off (:func:`fused_resq_on`).
+SWIGLU_RESQ_SWITCH = "MEGATRON_FP4_FUSED_SWIGLU_RESQ"
+NORM_RESQ_SWITCH = "MEGATRON_FP4_FUSED_NORM_RESQ"
+
+
+def fused_resq_on(switch: str) -> bool:
+    """Whether the fused ResQ-operand kernel of ``switch`` (:data:`SWIGLU_RESQ_SWITCH`, :data:`NORM_RESQ_SWITCH`) is
+    on: the default, unless the environment sets it to 0."""
+    return os.environ.get(switch, "1") != "0"
+
+
 #: The fused SwiGLU + ResQ bf16-sum kernel's source (the decode step's operand of fc2, :func:`swiglu_resq`).
 SWIGLU_RESQ_SOURCE = "swiglu_resq.cu"
 _SWIGLU_ARGTYPES = [ctypes.c_void_p, ctypes.c_int, ctypes.c_void_p] + [ctypes.c_int] * 4 + [ctypes.c_longlong] * 3 \

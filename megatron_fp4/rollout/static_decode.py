@@ -35,7 +35,7 @@ from typing import Optional, Sequence
 import torch
 import torch.nn.functional as F
 
-from megatron_fp4.kernels import decode_ops
+from megatron_fp4.kernels import cuda_quantize, decode_ops
 from megatron_fp4.resq import QuantizedWeightCache, RolloutPrecision, rollout_linear
 from megatron_fp4.rollout.base import RolloutSample, SamplingParams
 from megatron_fp4.rollout.sampling import filter_logits, filters
@@ -178,10 +178,10 @@ class StaticCacheGenerator:
         self.attention_kernel = self.fused and attention == "kernel"
         #: In W4A4 + ResQ 2:4 (bf16 sum), the fused step makes fc2's operand in one CUDA kernel (the SwiGLU and ResQ's
         #: quantize: ``cuda_quantize.swiglu_resq``) where it can run; MEGATRON_FP4_FUSED_SWIGLU_RESQ=0 turns it off.
-        self.swiglu_resq = self.fused and os.environ.get("MEGATRON_FP4_FUSED_SWIGLU_RESQ", "1") != "0"
+        self.swiglu_resq = self.fused and cuda_quantize.fused_resq_on(cuda_quantize.SWIGLU_RESQ_SWITCH)
         #: Likewise qkv's and fc1's operand comes from the residual add + RMSNorm before them (one CUDA kernel:
         #: ``decode_ops.add_rms_norm_resq``) in the decode step; MEGATRON_FP4_FUSED_NORM_RESQ=0 turns it off.
-        self.norm_resq = self.fused and os.environ.get("MEGATRON_FP4_FUSED_NORM_RESQ", "1") != "0"
+        self.norm_resq = self.fused and cuda_quantize.fused_resq_on(cuda_quantize.NORM_RESQ_SWITCH)
 
     # -- buffers -----------------------------------------------------------------------------------------------------
     @property
@@ -267,8 +267,6 @@ class StaticCacheGenerator:
         a = self._linear(layer.fc1, h, splits, on_sum=on_sum)
         p = self._precision
         if self.swiglu_resq and self.gated and p.bf16_sum_operand:
-            from megatron_fp4.kernels import cuda_quantize
-
             if cuda_quantize.swiglu_resq_usable(a, p.format):
                 return self._linear(layer.fc2, cuda_quantize.swiglu_resq(a, p.format), as_stored, on_sum=True)
         return self._linear(layer.fc2, self._act(a, h.dtype, splits), as_stored)

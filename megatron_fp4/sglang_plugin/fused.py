@@ -22,7 +22,6 @@ bf16 bit of a normed value; the SwiGLU is the native engine's too.
 
 from __future__ import annotations
 
-import os
 import weakref
 from typing import Optional
 
@@ -30,10 +29,10 @@ import torch
 from sglang.srt.layers.activation import SiluAndMul
 from sglang.srt.layers.layernorm import RMSNorm
 
-__all__ = ["install", "hand", "take", "SiluAndMulResQ", "RMSNormResQ", "SWIGLU_SWITCH", "NORM_SWITCH"]
+from megatron_fp4.kernels import cuda_quantize
+from megatron_fp4.kernels.cuda_quantize import NORM_RESQ_SWITCH, SWIGLU_RESQ_SWITCH, fused_resq_on
 
-SWIGLU_SWITCH = "MEGATRON_FP4_FUSED_SWIGLU_RESQ"
-NORM_SWITCH = "MEGATRON_FP4_FUSED_NORM_RESQ"
+__all__ = ["install", "hand", "take", "SiluAndMulResQ", "RMSNormResQ"]
 #: Where each norm's output goes in SGLang's decoder layers (Qwen2, Llama): the attribute path of its linear.
 NORM_READERS = {"input_layernorm": ("self_attn", "qkv_proj"), "post_attention_layernorm": ("mlp", "gate_up_proj")}
 _OPERAND = "_megatron_fp4_operand"  # on a linear: a weak reference to the operand made for its next call
@@ -63,7 +62,7 @@ def take(linear: torch.nn.Module, x: torch.Tensor) -> bool:
         return True
     raise RuntimeError(f"megatron_fp4: {type(linear).__name__} got another tensor than the ResQ operand its fused "
                        f"norm / SwiGLU made for it ({tuple(x.shape)} vs {tuple(made.shape)}): this model transforms "
-                       f"the op's output before the linear; set {NORM_SWITCH}=0 and {SWIGLU_SWITCH}=0")
+                       f"the op's output before the linear; set {NORM_RESQ_SWITCH}=0 and {SWIGLU_RESQ_SWITCH}=0")
 
 
 def _reader(module: torch.nn.Module) -> Optional[tuple[torch.nn.Module, str]]:
@@ -83,8 +82,6 @@ class SiluAndMulResQ(SiluAndMul):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         got = _reader(self)
         if got is not None:
-            from megatron_fp4.kernels import cuda_quantize
-
             if cuda_quantize.swiglu_resq_usable(x, got[1]):
                 return hand(got[0], cuda_quantize.swiglu_resq(x, got[1]))
         return super().forward(x)
@@ -120,9 +117,9 @@ def _attribute_path(module: torch.nn.Module, path: tuple) -> Optional[torch.nn.M
 def _on_register(parent: torch.nn.Module, name: str, module: Optional[torch.nn.Module]) -> None:
     """torch's module-registration hook: a SiluAndMul / RMSNorm whose reader is ours at the fused precision
     becomes the fused class (in place)."""
-    if type(module) is SiluAndMul and name == "act_fn" and os.environ.get(SWIGLU_SWITCH, "1") != "0":
+    if type(module) is SiluAndMul and name == "act_fn" and fused_resq_on(SWIGLU_RESQ_SWITCH):
         reader, cls = getattr(parent, "down_proj", None), SiluAndMulResQ
-    elif type(module) is RMSNorm and name in NORM_READERS and os.environ.get(NORM_SWITCH, "1") != "0":
+    elif type(module) is RMSNorm and name in NORM_READERS and fused_resq_on(NORM_RESQ_SWITCH):
         reader, cls = _attribute_path(parent, NORM_READERS[name]), RMSNormResQ
     else:
         return None
