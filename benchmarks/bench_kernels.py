@@ -627,7 +627,8 @@ def main():
              "decode_layout": "natural" if cd.natural_layout() else "permuted", "natural_tile": cd.NATURAL_TILE,
              "tiles": {f"{f} M<={m}": v for (f, m), v in cd.DECODE_TILES.items()},
              "wgmma_tiles": {f"{f} M<={m}": v for (f, m), v in cd.WGMMA_TILES.items()}, "decode": rows,
-             "sweep": sweep_rows, "wall_s": time.time() - t0}
+             "sweep": sweep_rows, "wall_s": time.time() - t0,
+             "env": {k: v for k, v in os.environ.items() if k.startswith("MEGATRON_FP4_")}}  # (A/B switches)
         os.makedirs(os.path.dirname(out) or ".", exist_ok=True)
         with open(out, "w") as fh:
             json.dump(d, fh, indent=1)

@@ -284,7 +284,8 @@ def main() -> None:
         info = dict(device=torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu",
                     date=time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()), torch=torch.__version__,
                     batch=a.batch, prompt_len=a.prompt_len, new_tokens=a.new_tokens, decode=a.decode,
-                    sampling="temperature 1, no stop tokens", wall_s=time.time() - t_start)
+                    sampling="temperature 1, no stop tokens", wall_s=time.time() - t_start,
+                    env={k: v for k, v in os.environ.items() if k.startswith("MEGATRON_FP4_")})  # (A/B switches)
         record = dict(info=info, rows=rows + anchors, checks=checks)
         os.makedirs(os.path.dirname(a.out) or ".", exist_ok=True)
         with open(a.out + ".tmp", "w") as f:

@@ -10,6 +10,7 @@ checked here before it costs a device call:
     python benchmarks/kernel_sass.py columns --fmt hif4 --BK 64 --num-warps 4
     python benchmarks/kernel_sass.py resq --fmt hif4 --BR 1 --BK 1024 --num-warps 4 [--packed]
     python benchmarks/kernel_sass.py cuda --fmt hif4 --BM 16 --tile '{"KERNEL": "wgmma", "PRODUCER": 1, "LEAN": 1}'
+    python benchmarks/kernel_sass.py cuda --fmt hif4 --BM 64 --tile '{"NATURAL": 1, "SUBN": 0}'
     python benchmarks/kernel_sass.py resq-cuda --fmt hif4
 
 (``cuda``: the CUDA decode GEMMs of megatron_fp4/kernels/csrc, built by nvcc where it exists; ``resq-cuda``: its
@@ -176,8 +177,10 @@ def cuda_case(fmt: str, BM: int, tile: dict, wide: bool) -> tuple:
     from megatron_fp4.kernels import cuda_decode as cd
 
     fmt_id, ntok = int(fmt == "mxfp4"), cd._ntok(BM)
-    if not tile and cd.natural_layout():  # the default layout's tile, as w4_decode picks it
-        tile = cd.natural_tile(None, ntok)
+    if not tile and cd.natural_layout():  # the default layout's tile, as w4_decode picks it (HiF4: the subnormal
+        tile = cd.natural_tile({"SUBN": 1}, ntok)  # codes, which a weight of values below ~3.5 takes)
+    elif tile.get("NATURAL"):  # keys over the default natural tile's
+        tile = cd.natural_tile(tile, ntok)
     kernel, config = cd._choose(18944, 3584, ntok, tile or None, fmt_id)
     cfg = cd._tile(kernel, fmt_id, ntok, config)
     defines = cd._defines(kernel, fmt_id, wide, ntok, cfg)

@@ -75,6 +75,53 @@ def test_natural_decode_layout_reads_back_the_reference(name, N, K):
     assert dw.natural and not torch.equal(dw.codes, to_decode_layout(qt, _wide(qt)).codes)
     assert dw.meta.shape[-1] == (144 if name == "hif4" else 32)  # HiF4: two exponent groups per lane, row and step
     assert _same(decode_layout_dequantize(dw), _reference(qt, dw))
+    assert not dw.subnormal  # (_weight's values reach ~1e4: HiF4's factors too large for the subnormal codes)
+
+
+@pytest.mark.parametrize("N,K", [(16, 64), (40, 192), (33, 96), (8, 32)])
+def test_hif4_subnormal_decode_layout_reads_back_the_reference(N, K, monkeypatch):
+    """HiF4's subnormal layout (sign and magnitude, one multiply per pair): the four rotations' bits take each
+    position of the word once; where the weight's factors fit (small values, NaN units included) it is the natural
+    layout's default and reads back the reference bit for bit; MEGATRON_FP4_DECODE_HIF4_SUBNORMAL=0 keeps offset
+    binary; subnormal=True on a weight that does not fit, or on another layout or format, is refused."""
+    from megatron_fp4.kernels.cuda_decode import HIF4_SUBNORMAL_SWITCH, _hif4_subnormal_position, hif4_subnormal_fits
+
+    positions = [_hif4_subnormal_position(j, h, b) for j in range(4) for h in range(2) for b in range(4)]
+    assert sorted(positions) == list(range(32))
+    qt = get_format("hif4").quantize((_weight(N, K, "hif4") * 1e-5).to(torch.bfloat16), dim=-1)
+    assert hif4_subnormal_fits(qt)
+    dw = to_decode_layout(qt, False, natural=True)
+    assert dw.subnormal and _same(decode_layout_dequantize(dw), _reference(qt, dw))
+    offset = to_decode_layout(qt, False, natural=True, subnormal=False)
+    assert not offset.subnormal and not torch.equal(offset.codes, dw.codes)
+    assert _same(decode_layout_dequantize(offset), _reference(qt, dw))
+    monkeypatch.setenv(HIF4_SUBNORMAL_SWITCH, "0")
+    assert not to_decode_layout(qt, False, natural=True).subnormal
+    big = get_format("hif4").quantize(_weight(N, K, "hif4").to(torch.bfloat16), dim=-1)
+    mx = get_format("mxfp4").quantize(_weight(N, K, "mxfp4") * 1e-5, dim=-1)
+    for q, natural in ((big, True), (qt, False), (mx, True)):
+        with pytest.raises(ValueError, match="subnormal=True takes a HiF4 weight in natural order"):
+            to_decode_layout(q, False, natural=natural, subnormal=True)
+    assert not to_decode_layout(mx, False, natural=True).subnormal
+
+
+def test_hif4_subnormal_factor_is_exact_up_to_its_bound():
+    """The subnormal layout's arithmetic for every E6M2 code, exponent sum e and signed magnitude: the bf16 subnormal
+    k x 2^-129 times E6M2 x 2^(e + 127) is (+-k / 4) x 2^e x E6M2 exactly while the exponent bits of E6M2 plus e are
+    at most 48 (hif4_subnormal_fits' bound), and the factor is not finite at 49 (inf or NaN): the bound is tight."""
+    from megatron_fp4.kernels.cuda_decode import _bf, _bits, _hif4_base_bits
+
+    code = torch.arange(255, dtype=torch.int64).view(-1, 1, 1)  # (255: NaN)
+    e = torch.arange(3, dtype=torch.int64).view(1, -1, 1)
+    c = torch.arange(16, dtype=torch.int64).view(1, 1, -1)  # sign-magnitude codes
+    sub = ((c & 8) << 12) | ((c & 7) << 4)  # bf16 bits: sign at 15, magnitude at 4..6, exponent field 0
+    factor = _hif4_base_bits(code) + (129 << 7) + (e << 7)
+    ok = (code >> 2) + e <= 48
+    e6m2 = _bf(_hif4_base_bits(code)) * 4
+    want = torch.where(c >= 8, -1.0, 1.0) * (c & 7) / 4 * 2.0 ** e * e6m2
+    got = _bf(_bits(_bf(sub) * _bf(factor)))
+    assert torch.equal(got[ok.expand_as(got)], want[ok.expand_as(want)])
+    assert not bool(torch.isfinite(_bf(factor[((code >> 2) + e == 49).expand_as(factor)])).any())
 
 
 def test_hif4_negated_factor_by_exponent_add():
@@ -178,7 +225,9 @@ def test_prebuild_jobs(monkeypatch):
     tiles = [dict(t, NATURAL=1) for t in NATURAL_GPU_TILES if t] + [t for t in GPU_TILES if t]
     assert cd.prebuild(tiles, ntoks=(8, 16, 64), workers=1) == len(built) > base
     wgs4 = [d for s, d in built if d.get("NATURAL") and d["WGS"] == 4 and d["MINB"] == 1 and d["WTMA"] == 1]
-    assert sorted((d["FMT"], d["NTOK"]) for d in wgs4) == [(f, m) for f in (0, 1) for m in (8, 16, 64)]
+    # (natural HiF4 in both of its layouts: offset binary and subnormal)
+    assert sorted((d["FMT"], d["NTOK"], d["SUBN"]) for d in wgs4) == sorted(
+        [(0, m, sub) for m in (8, 16, 64) for sub in (0, 1)] + [(1, m, 0) for m in (8, 16, 64)])
     assert all(s == "w4_wgmma.cu" for s, d in built if "NATURAL" in d)
     built.clear()
     assert cd.prebuild([dict(SPLIT=3, NATURAL=1)], ntoks=(16,), workers=1) == base
@@ -249,6 +298,7 @@ def test_wgmma_tiles_compile_without_spills_or_serialized_wgmmas(tmp_path):
                 for f in (0, 1)]
     configs += [(f, w, 16, cd.LARGE_M16_TILES[f]) for f, w in ((0, 0), (1, 0), (1, 1))]
     configs += [(f, w, m, cd.natural_tile(None, m)) for f, w in ((0, 0), (1, 0), (1, 1)) for m in (8, 16, 32, 64)]
+    configs += [(0, 0, m, dict(cd.natural_tile(None, m), SUBN=1)) for m in (8, 16, 32, 64)]  # HiF4's subnormal layout
     builds = {tuple(sorted(cd._defines("wgmma", f, bool(w), m, cd._tile("wgmma", f, m, tile)).items()))
               for f, w, m, tile in configs}  # (a SPLIT override compiles nothing new)
     for defines in map(dict, sorted(builds)):
@@ -339,10 +389,10 @@ def test_gpu_decode_bit_exact_one_hot(name, tile):
     _assert_one_hot_reads_back(_cuda_ready(), name, tile, natural=False)
 
 
-def _assert_one_hot_reads_back(cd, name, tile, natural):
+def _assert_one_hot_reads_back(cd, name, tile, natural, scale=1.0):
     """One-hot activation columns read the weight back exactly at M = 64, 16, 5 (K = 320, not a multiple of 64)."""
     N, K = 72, 320
-    qt = get_format(name).quantize(_weight(N, K, name).to(torch.bfloat16).cuda(), dim=-1)
+    qt = get_format(name).quantize((_weight(N, K, name) * scale).to(torch.bfloat16).cuda(), dim=-1)
     dw = to_decode_layout(qt, _wide(qt), natural=natural)
     ref = _reference(qt, dw)  # a NaN weight times the zero activations: NaN outputs
     for M in (64, 16, 5):
@@ -366,17 +416,24 @@ NATURAL_GPU_TILES = [None, dict(WGS=4, XST=6, MINB=1), dict(XST=4, MINB=3), dict
 @pytest.mark.parametrize("tile", NATURAL_GPU_TILES)
 def test_gpu_natural_layout_bit_exact(name, tile):
     """One-hot columns read back the reference weight exactly (M = 64, 16, 5, K not a multiple of 64: the TMA's
-    zero rows and columns), and random activations match the fp64 product (M = 1 .. 64, ragged slabs)."""
+    zero rows and columns), and random activations match the fp64 product (M = 1 .. 64, ragged slabs); HiF4 in both
+    of its natural layouts (offset binary for _weight's large values, subnormal for small ones)."""
     cd = _cuda_ready()
     _assert_one_hot_reads_back(cd, name, tile, natural=True)
+    if name == "hif4":
+        _assert_one_hot_reads_back(cd, name, tile, natural=True, scale=1e-5)
     N, K = 1000, 1056
     qt = get_format(name).quantize((torch.randn(N, K, device="cuda") * 0.05).to(torch.bfloat16), dim=-1)
-    dw = to_decode_layout(qt, _wide(qt), natural=True)
-    for M in (1, 7, 16, 33, 64):
-        x = torch.randn(M, K, device="cuda").to(torch.bfloat16)
-        ref = x.double() @ qt.dequantize().double().t()
-        got = cd.w4_decode(x, dw, config=tile).double()
-        assert ((got - ref).norm() / ref.norm()).item() < 1e-5, (name, M)
+    layouts = [to_decode_layout(qt, _wide(qt), natural=True)]
+    assert layouts[0].subnormal == (name == "hif4")
+    if name == "hif4":
+        layouts.append(to_decode_layout(qt, False, natural=True, subnormal=False))
+    for dw in layouts:
+        for M in (1, 7, 16, 33, 64):
+            x = torch.randn(M, K, device="cuda").to(torch.bfloat16)
+            ref = x.double() @ qt.dequantize().double().t()
+            got = cd.w4_decode(x, dw, config=tile).double()
+            assert ((got - ref).norm() / ref.norm()).item() < 1e-5, (name, dw.subnormal, M)
     with pytest.raises(ValueError, match="wgmma"):
         cd.w4_decode(x, dw, config={"KERNEL": "mma"})
 

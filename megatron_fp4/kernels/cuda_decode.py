@@ -63,6 +63,10 @@ class DecodeWeight:
     #: :func:`w4_decode` writes NaN into these rows' output columns, which is what the reference product gives (a NaN
     #: weight times any activation, zero included, is NaN, and so is the sum).
     nan_rows: Optional[torch.Tensor] = None
+    #: HiF4 in natural order: codes stored as bf16 subnormals, sign and magnitude (:func:`_hif4_subnormal_position`;
+    #: one multiply per pair in the kernel, w4_device.h), not offset binary; for weights whose every unit has
+    #: E6M2 x 2^e < 2 (:func:`hif4_subnormal_fits`). A refit that changes it changes the structure, as ``wide`` does.
+    subnormal: bool = False
 
     @property
     def slabs(self) -> int:
@@ -89,6 +93,9 @@ _HIF4_OFFSET = (8, 9, 10, 11, 12, 13, 14, 15, 8, 7, 6, 5, 4, 3, 2, 1)
 #: (0x81C081C0). Four pairs cost 4 funnel shifts and 5 LOP3s, where the permuted layout's nibbles cost a shift pair
 #: and two LOP3s each. No fourth rotation fits the bits the first three leave (a search over all), hence pair 3's two.
 _MX_ROT = (0, 4, 10)
+#: ``MEGATRON_FP4_DECODE_HIF4_SUBNORMAL=0``: natural-order HiF4 weights keep offset binary even where the subnormal
+#: codes fit (A/B runs; :func:`to_decode_layout`'s ``subnormal=None``).
+HIF4_SUBNORMAL_SWITCH = "MEGATRON_FP4_DECODE_HIF4_SUBNORMAL"
 _MX_ROT3_MANTISSA = 14
 _MX_ROT3_REST = 6
 
@@ -99,6 +106,36 @@ def _mx_natural_position(j: int, half: int, bit: int) -> int:
     target = (6, 7, 8, 15)[bit] + 16 * half
     r = _MX_ROT[j] if j < 3 else _MX_ROT3_MANTISSA if bit == 0 else _MX_ROT3_REST
     return (target + r) % 32
+
+
+def _hif4_subnormal_position(j: int, half: int, bit: int) -> int:
+    """Where bit ``bit`` (0..2 the magnitude's, 3 the sign) of pair ``j``'s code in ``half`` (0 low, 1 high) sits in a
+    natural-order HiF4 word of the subnormal layout: the word rotated right by 4j puts it at bf16 bit 4..6 or 15 of
+    that half (the magnitude k as the subnormal k x 2^-129; one mask, 0x80708070). The four rotations by 0, 4, 8 and
+    12 take each of the 32 bits once."""
+    return ((4, 5, 6, 15)[bit] + 16 * half + 4 * j) % 32
+
+
+def _hif4_exponent_sums(scales: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """HiF4 scales ``[rows, C, 4]`` (uint8: E6M2, E1_8, two E1_16 bytes) -> the E6M2 codes ``[rows, C]`` and each
+    4-value group's exponent sum e = E1_8 + E1_16 ``[rows, C, 16]`` (int64; 0 in a NaN unit)."""
+    sc = scales.to(torch.int64)
+    code, e8, e16 = sc[..., 0], sc[..., 1], sc[..., 2] | (sc[..., 3] << 8)
+    q = torch.arange(16, device=scales.device)
+    e = ((e8.unsqueeze(-1) >> (q // 2)) & 1) + ((e16.unsqueeze(-1) >> q) & 1)
+    return code, torch.where((code == 255).unsqueeze(-1), torch.zeros_like(e), e)
+
+
+def hif4_subnormal_fits(qt: QuantizedTensor) -> bool:
+    """Whether a HiF4 weight can take the subnormal decode layout: every unit (NaN ones aside) has E6M2 x 2^e < 2
+    for each of its groups' exponent sums e, i.e. the kernel's factor E6M2 x 2^(e + 127) is a finite bf16 (its
+    exponent field c + e + 206 <= 254, c the E6M2 code's exponent bits; a unit's largest value below ~3.5 suffices)."""
+    scales = qt.scales.reshape(qt.codes.shape[0], -1, 4)
+    for r in range(0, scales.shape[0], LAYOUT_ROWS):
+        code, e = _hif4_exponent_sums(scales[r:r + LAYOUT_ROWS])
+        if bool(((code != 255) & ((code >> 2) + e.amax(-1) > 48)).any()):
+            return False
+    return True
 
 
 def _rotr(w: torch.Tensor, r: int) -> torch.Tensor:
@@ -117,7 +154,8 @@ def _to_int32(v: torch.Tensor) -> torch.Tensor:
 LAYOUT_ROWS = 2048
 
 
-def to_decode_layout(qt: QuantizedTensor, wide: bool = False, natural: bool = False) -> DecodeWeight:
+def to_decode_layout(qt: QuantizedTensor, wide: bool = False, natural: bool = False,
+                     subnormal: Optional[bool] = None) -> DecodeWeight:
     """Re-lay a packed 2-D weight ``[N, K]`` (quantized along K, HiF4 or MXFP4) out for :func:`w4_decode`.
 
     Each lane's 32-bit word of a k16 step holds the 8 codes of its MMA A fragment: rows g and g + 8, MMA k 2t, 2t + 1,
@@ -125,25 +163,33 @@ def to_decode_layout(qt: QuantizedTensor, wide: bool = False, natural: bool = Fa
     activations are then staged in the same permuted order); ``natural`` keeps MMA k = K, so that the activations can
     be copied as they are (the NATURAL=1 tiles). A HiF4 lane then holds two micro-exponent groups per row and step
     (K 2t and 2t + 8 are 8 apart): its metadata has 32 bits of exponent sums per lane instead of 16, and its codes are
-    offset binary (:data:`_HIF4_OFFSET`). An MXFP4 word in natural order holds its codes' bits where
-    :data:`_MX_ROT`'s rotations read them, not as nibbles."""
+    offset binary (:data:`_HIF4_OFFSET`), or with ``subnormal`` sign and magnitude placed as bf16 subnormals
+    (:func:`_hif4_subnormal_position`: fewer instructions per value; None, the default: where
+    :func:`hif4_subnormal_fits` and ``MEGATRON_FP4_DECODE_HIF4_SUBNORMAL`` is not 0). An MXFP4 word in natural order
+    holds its codes' bits where :data:`_MX_ROT`'s rotations read them, not as nibbles."""
     name = qt.fmt.name
     if name not in ("hif4", "mxfp4", "mxfp4_rceil") or qt.codes.dim() != 2:
         raise ValueError(f"to_decode_layout takes a 2-D HiF4/MXFP4 weight, got {name} {tuple(qt.codes.shape)}")
     fmt_id = 0 if name == "hif4" else 1
+    if subnormal is None:
+        subnormal = (natural and fmt_id == 0 and os.environ.get(HIF4_SUBNORMAL_SWITCH, "1") != "0"
+                     and hif4_subnormal_fits(qt))
+    elif subnormal and not (natural and fmt_id == 0 and hif4_subnormal_fits(qt)):
+        raise ValueError("to_decode_layout: subnormal=True takes a HiF4 weight in natural order (natural=True) whose "
+                         "every unit has E6M2 x 2^e < 2 (hif4_subnormal_fits)")
     N = qt.codes.shape[0]
     # row blocks of whole padded slab groups: their slabs concatenate to the whole weight's
-    parts = [_layout_rows(qt.codes[r:r + LAYOUT_ROWS], qt.scales[r:r + LAYOUT_ROWS], fmt_id, natural)
+    parts = [_layout_rows(qt.codes[r:r + LAYOUT_ROWS], qt.scales[r:r + LAYOUT_ROWS], fmt_id, natural, subnormal)
              for r in range(0, N, LAYOUT_ROWS)]
     codes = parts[0][0] if len(parts) == 1 else torch.cat([p[0] for p in parts])
     meta = parts[0][1] if len(parts) == 1 else torch.cat([p[1] for p in parts])
     nan = (qt.scales.reshape(N, -1) == 255) if fmt_id == 1 else (qt.scales[..., 0] == 255)
     nan_rows = nan.any(dim=1).nonzero().flatten()
     return DecodeWeight(codes, meta, N, qt.shape[-1], fmt_id, bool(wide) and fmt_id == 1, natural,
-                        nan_rows if len(nan_rows) else None)
+                        nan_rows if len(nan_rows) else None, bool(subnormal))
 
 
-def _layout_rows(qcodes: torch.Tensor, qscales: torch.Tensor, fmt_id: int, natural: bool) -> tuple:
+def _layout_rows(qcodes: torch.Tensor, qscales: torch.Tensor, fmt_id: int, natural: bool, subnormal: bool) -> tuple:
     """:func:`to_decode_layout`'s codes and meta of the rows ``qcodes`` / ``qscales`` (packed codes and scales)."""
     N, kh = qcodes.shape
     C = -(-2 * kh // 64)
@@ -151,7 +197,7 @@ def _layout_rows(qcodes: torch.Tensor, qscales: torch.Tensor, fmt_id: int, natur
     dev = qcodes.device
     nib = torch.zeros((S * 16, C * 64), dtype=torch.int64, device=dev)
     nib[:N, : 2 * kh] = _nibbles(qcodes)
-    if natural and fmt_id == 0:
+    if natural and fmt_id == 0 and not subnormal:
         nib = torch.tensor(_HIF4_OFFSET, device=dev)[nib]  # (the padding's +0 as well)
     if natural:  # [S, h, g, C, s, i1, t, i0]: K = 64 c + 16 s + 8 i1 + 2 t + i0, i = 2 i1 + i0
         nib = nib.view(S, 2, 8, C, 4, 2, 4, 2).permute(0, 3, 2, 6, 4, 1, 5, 7).reshape(S, C, 8, 4, 4, 2, 4)
@@ -159,8 +205,9 @@ def _layout_rows(qcodes: torch.Tensor, qscales: torch.Tensor, fmt_id: int, natur
         nib = nib.view(S, 2, 8, C, 4, 4, 4).permute(0, 3, 2, 5, 4, 1, 6)  # [S, C, g, t, s, h, i]
     h = torch.arange(2, device=dev).view(2, 1)
     i = torch.arange(4, device=dev).view(1, 4)
-    if natural and fmt_id == 1:  # each code bit where _MX_ROT's rotations read it
-        pos = torch.tensor([[[_mx_natural_position(hh + 2 * (ii >> 1), ii & 1, b) for b in range(4)]
+    if natural and (fmt_id == 1 or subnormal):  # each code bit where the kernel's rotations read it
+        position = _mx_natural_position if fmt_id == 1 else _hif4_subnormal_position
+        pos = torch.tensor([[[position(hh + 2 * (ii >> 1), ii & 1, b) for b in range(4)]
                              for ii in range(4)] for hh in range(2)], device=dev)  # [h, i, bit]
         bit = torch.arange(4, device=dev)
         words = (((nib.unsqueeze(-1) >> bit) & 1) << pos).sum(dim=(-1, -2, -3))
@@ -175,11 +222,9 @@ def _layout_rows(qcodes: torch.Tensor, qscales: torch.Tensor, fmt_id: int, natur
     else:
         sc = torch.zeros((S * 16, C, 4), dtype=torch.uint8, device=dev)
         sc[:N, : qscales.shape[1]] = qscales
-        sc = sc.to(torch.int64)
-        code, e8, e16 = sc[..., 0], sc[..., 1], sc[..., 2] | (sc[..., 3] << 8)
-        q = torch.arange(16, device=dev)
-        e = ((e8.unsqueeze(-1) >> (q // 2)) & 1) + ((e16.unsqueeze(-1) >> q) & 1)  # [rows, C, 16]
-        e = torch.where((code == 255).unsqueeze(-1), torch.zeros_like(e), e)
+        code, e = _hif4_exponent_sums(sc)  # [rows, C], [rows, C, 16]
+        if subnormal:  # a NaN unit's stand-in (w4_decode writes its rows' NaN): a code whose factor stays finite
+            code = torch.where(code == 255, torch.zeros_like(code), code)
         steps = 2 * torch.arange(4, device=dev)
         if natural:  # lane t's groups at step s: A = 4 s + t // 2 (K 2t, 2t + 1), B = 4 s + 2 + t // 2 (K 2t + 8, 9)
             e = e.view(S, 2, 8, C, 4, 2, 2)  # [S, h, g, C, s, ab, tt]: group 4 s + 2 ab + tt
@@ -266,6 +311,11 @@ def decode_layout_dequantize(dw: DecodeWeight) -> torch.Tensor:
             e = (ee.unsqueeze(-1) >> (8 * byte + 2 * s)) & 3
             base = _hif4_base_bits(c).unsqueeze(-1)
             F = base + (e << 7)
+            if dw.subnormal:  # w4_device.h's W4_SUBN dequant: the subnormal k x 2^-129 times E6M2 x 2^(e + 127)
+                a = _rotr(w, 4 * j) & 0x80708070
+                F = base + ((129 << 7) + (e << 7))  # (base: E6M2 / 4, exponent field + 2 + 127)
+                vals.append([_bits(_bf(ha) * _bf(F)) for ha in _halves(a)])
+                continue
             if dw.natural:  # offset binary nibble j: bf16(128 + o) F - 136 F, no sign operation
                 a = ((w >> (4 * j)) & 0x000F000F) | 0x43004300
                 sign = torch.zeros_like(w)
@@ -435,7 +485,8 @@ def _defines(kernel: str, fmt_id: int, wide: bool, ntok: int, cfg: dict) -> dict
         return dict(FMT=fmt_id, WIDE=int(wide), NTOK=ntok, WGS=cfg["WGS"], DEPTH=cfg["DEPTH"], XST=cfg["XST"],
                     MINB=cfg["MINB"], PRODUCER=int(cfg["PRODUCER"]), LEAN=int(cfg.get("LEAN", 0)),
                     XPAIR=int(cfg.get("XPAIR", 0)), WRING=int(cfg.get("WRING", 0)), NATURAL=int(cfg.get("NATURAL", 0)),
-                    CLUSTER=int(cfg.get("CLUSTER", 0)), WTMA=int(cfg.get("WTMA", 0)))
+                    CLUSTER=int(cfg.get("CLUSTER", 0)), WTMA=int(cfg.get("WTMA", 0)),
+                    SUBN=int(bool(cfg.get("SUBN")) and fmt_id == 0 and bool(cfg.get("NATURAL"))))
     return dict(FMT=fmt_id, WIDE=int(wide), NT=ntok // 8, SPW=cfg["SPW"], DEPTH=cfg["DEPTH"], WARPS=cfg["WARPS"])
 
 
@@ -447,20 +498,20 @@ def build(kernel: str, fmt_id: int, wide: bool, ntok: int, cfg: dict):
 def prebuild(tiles: Optional[list] = None, ntoks=(16, 64), workers: int = 0) -> int:
     """Compile configurations in parallel ahead of use: both kernels' default tiles and :data:`NATURAL_TILE` (the
     default layout's) for both formats, the wide MXFP4 variant and every token bucket, plus ``tiles`` (dicts with
-    KERNEL and its tile keys; with NATURAL=1, keys over NATURAL_TILE's) for token buckets ``ntoks``. Returns how
-    many."""
+    KERNEL and its tile keys; with NATURAL=1, keys over NATURAL_TILE's) for token buckets ``ntoks``; natural HiF4 tiles
+    for both of its layouts (:attr:`DecodeWeight.subnormal`). Returns how many."""
     def job(kernel, f, w, m, tile):  # keyed by what reaches nvcc (a SPLIT override compiles nothing new)
         return kernel, tuple(sorted(_defines(kernel, f, bool(w), m, _tile(kernel, f, m, tile)).items()))
 
     jobs = {job(kernel, f, w, m, None) for kernel in _SOURCES for f, w in ((0, 0), (1, 0), (1, 1))
             for m in (8, 16, 32, 64)}
     jobs |= {job("wgmma", f, w, 16, LARGE_M16_TILES[f]) for f, w in ((0, 0), (1, 0), (1, 1))}
-    jobs |= {job("wgmma", f, w, m, natural_tile(None, m)) for f, w in ((0, 0), (1, 0), (1, 1))
-             for m in (8, 16, 32, 64)}
+    jobs |= {job("wgmma", f, w, m, dict(natural_tile(None, m), SUBN=sub)) for f, w in ((0, 0), (1, 0), (1, 1))
+             for m in (8, 16, 32, 64) for sub in (0, 1)}
     for t in tiles or []:
         for m in ntoks:  # a natural tile's KERNEL comes from NATURAL_TILE
             tile = natural_tile(t, m) if t.get("NATURAL") else t
-            jobs |= {job(tile["KERNEL"], f, 0, m, tile) for f in (0, 1)}
+            jobs |= {job(tile["KERNEL"], f, 0, m, dict(tile, SUBN=sub)) for f in (0, 1) for sub in (0, 1)}
     from concurrent.futures import ThreadPoolExecutor
 
     with ThreadPoolExecutor(max_workers=workers or os.cpu_count() or 4) as ex:
@@ -522,7 +573,7 @@ def w4_decode(x: torch.Tensor, dw: DecodeWeight, config: Optional[dict] = None,
     if dw.natural:  # only NATURAL tiles read this layout (and they read no other)
         if (config or {}).get("KERNEL", "wgmma") != "wgmma":
             raise ValueError(f"w4_decode: a natural-order weight needs the wgmma kernel, got {config}")
-        config = natural_tile(config, ntok)
+        config = dict(natural_tile(config, ntok), SUBN=int(dw.subnormal))  # (the weight's, not a tile's choice)
     elif (config or {}).get("NATURAL"):
         raise ValueError("w4_decode: NATURAL=1 tiles read weights made by to_decode_layout(natural=True)")
     kernel, config = _choose(dw.n, dw.k, ntok, config, dw.fmt_id)

@@ -1,7 +1,7 @@
 // Device code shared by the decode GEMMs (w4_decode.cu: mma.sync; w4_wgmma.cu: wgmma): dequantization of the
 // decode layout's FP4 codes into BF16 A fragments (mma.m16n8k16 and wgmma m64nNk16 from registers take the same
-// fragment per warp) and the chunk metadata loads. Built per -DFMT (0 HiF4, 1 MXFP4) and -DWIDE. The layout and
-// the bit tricks are described in w4_decode.cu and megatron_fp4/kernels/cuda_decode.py.
+// fragment per warp) and the chunk metadata loads. Built per -DFMT (0 HiF4, 1 MXFP4), -DWIDE and (HiF4 in natural
+// order) -DSUBN. The layout and the bit tricks are described in w4_decode.cu and megatron_fp4/kernels/cuda_decode.py.
 #pragma once
 #include <cuda_bf16.h>
 #include <cuda_runtime.h>
@@ -15,6 +15,12 @@
 #endif
 
 #define DINL __device__ __forceinline__
+// HiF4 in natural order: codes as bf16 subnormals (cuda_decode.to_decode_layout subnormal, DecodeWeight.subnormal)
+#if defined(SUBN) && SUBN && FMT == 0
+#define W4_SUBN 1
+#else
+#define W4_SUBN 0
+#endif
 #if defined(NATURAL) && NATURAL  // the natural-K-order layout (w4_wgmma.cu NATURAL=1; cuda_decode.to_decode_layout)
 #define W4_NATURAL 1
 #else
@@ -161,7 +167,9 @@ DINL void dequant(uint32_t w, const Scales& S, int s, uint32_t* a) {
 // row and step (K 2t, 2t + 1 and 2t + 8, 2t + 9) lie in different 4-value groups: E for the first (ea), E for the
 // second (eb).
 struct Scales {
-#if W4_NATURAL
+#if W4_NATURAL && W4_SUBN
+  uint32_t ea, eb, base;  // base: E6M2 x 2^127 (see dequant)
+#elif W4_NATURAL
   uint32_t ea, eb, base, nbase;  // nbase: -136 x base (exact: see dequant)
 #else
   uint32_t e, base;
@@ -187,9 +195,13 @@ DINL Scales make_scales(uint32_t m) {  // m: low 16 bits: e bits (lane); high 16
   S.e = __byte_perm(m, 0, 0x7170);      // e bits of row g -> low half, row g + 8 -> high half
   const uint32_t cp = __byte_perm(m, 0, 0x7372);  // E6M2 codes in the two halves
 #endif
-  // (the NaN code 255 gives a finite stand-in, as mx_pair's)
+  // (the NaN code 255 gives a finite stand-in, as mx_pair's; the subnormal layout stores 0 in its place)
+#if W4_SUBN
+  S.base = ((((cp >> 2) & 0x003F003Fu) + 0x00CE00CEu) << 7) | ((cp & 0x00030003u) << 5);
+#else
   S.base = ((((cp >> 2) & 0x003F003Fu) + 0x004D004Du) << 7) | ((cp & 0x00030003u) << 5);
-#if W4_NATURAL
+#endif
+#if W4_NATURAL && !W4_SUBN
   S.nbase = bmul(S.base, 0xC308C308u);  // (bf16x2 -136: 0xC308)
 #endif
 #if defined(LEAN) && LEAN
@@ -198,7 +210,24 @@ DINL Scales make_scales(uint32_t m) {  // m: low 16 bits: e bits (lane); high 16
 #endif
   return S;
 }
-#if W4_NATURAL
+#if W4_SUBN
+// Natural layout, codes as bf16 subnormals (cuda_decode._hif4_subnormal_position): the lane's word rotated right by
+// 4j and masked (0x80708070) holds pair j's codes as a bf16x2 whose halves carry the sign at bit 15 and the magnitude
+// k at bits 4..6 (exponent field 0: the value k x 2^-129, a subnormal); one multiply by F' = E6M2 x 2^(e + 127)
+// gives k x E6M2 x 2^(e - 2) = (k / 4) x 2^e x E6M2, exact, the sign with it (mul.rn.bf16x2 keeps subnormal inputs,
+// as MXFP4's codes of exponent 0 rely on too). F' is finite while E6M2 x 2^e < 2, which the layout checks for every
+// unit (else it keeps the offset binary below). No -136 F, so two integer multiply-adds fewer per step than that.
+// F' = base + (e << 7) adds e to the exponent field as there (no carry leaves a half: c + e + 206 <= 254).
+DINL void dequant(uint32_t w, const Scales& S, int s, uint32_t* a) {
+  const uint32_t ea = and_mask(S.ea, 0x00030003u << (2 * s)), eb = and_mask(S.eb, 0x00030003u << (2 * s));
+  const int sh = 7 - 2 * s;
+  const uint32_t fp = S.base + (ea << sh), fp2 = S.base + (eb << sh);
+  a[0] = bmul(w & 0x80708070u, dup_lo(fp));
+  a[1] = bmul(__funnelshift_r(w, w, 4) & 0x80708070u, dup_hi(fp));
+  a[2] = bmul(__funnelshift_r(w, w, 8) & 0x80708070u, dup_lo(fp2));
+  a[3] = bmul(__funnelshift_r(w, w, 12) & 0x80708070u, dup_hi(fp2));
+}
+#elif W4_NATURAL
 // Natural layout: nibble j of each half is pair j's code in offset binary o = 8 + value (cuda_decode._HIF4_OFFSET),
 // rows g (j = 0, 2) and g + 8 (j = 1, 3), the first (j < 2) and the second (j >= 2) 4-value group of the step:
 // bf16(128 + o) x F - 136 F = (o - 8) F in one FMA, exact (136 F has at most 5 + 3 significant bits), no sign step.
