@@ -137,19 +137,22 @@ def test_hif4_negated_factor_by_exponent_add():
     assert torch.equal(_bf(after), -136.0 * _bf(base) * 2.0 ** e)  # exact: no rounding anywhere
 
 
-@pytest.mark.parametrize("name", ["hif4", "mxfp4"])
+@pytest.mark.parametrize("name,scale", [("hif4", 1.0), ("hif4", 1e-5), ("mxfp4", 1.0)])
 @pytest.mark.parametrize("natural", [False, True])
-def test_decode_layout_in_row_blocks(name, natural, monkeypatch):
+def test_decode_layout_in_row_blocks(name, scale, natural, monkeypatch):
     """A weight laid out in blocks of LAYOUT_ROWS rows (what bounds the layout's int64 temporaries) is the layout of
-    the whole at once: codes, meta, NaN rows (in the second block too), padding of the last block's slabs."""
+    the whole at once: codes, meta, NaN rows (in the second block too), padding of the last block's slabs (HiF4's
+    small weight: the subnormal layout in natural order)."""
     from megatron_fp4.kernels import cuda_decode as cd
 
-    w = _weight(200, 128, name).to(torch.bfloat16)
+    w = (_weight(200, 128, name) * scale).to(torch.bfloat16)
     w[130, 5] = float("nan")  # a NaN block in the third 64-row block
     qt = get_format(name).quantize(w, dim=-1)
     whole = to_decode_layout(qt, False, natural=natural)
+    assert whole.subnormal == (natural and scale < 1)
     monkeypatch.setattr(cd, "LAYOUT_ROWS", 64)
     blocks = to_decode_layout(qt, False, natural=natural)
+    assert blocks.subnormal == whole.subnormal
     assert torch.equal(blocks.codes, whole.codes) and torch.equal(blocks.meta, whole.meta)
     assert torch.equal(blocks.nan_rows, whole.nan_rows) and 130 in whole.nan_rows.tolist()
     assert blocks.slabs == whole.slabs == 16  # 13 slabs of 16 rows, padded to a multiple of 4
