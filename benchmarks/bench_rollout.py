@@ -6,7 +6,8 @@ rollout precision, with the rollout-vs-eager logprob check; one table, JSON unde
 
 Models are randomly initialized Qwen2.5-shaped megatron-core GPTModels in bf16 (weights std 0.02); prompts are
 random token ids of exactly --prompt-len tokens; no stop tokens, so every sample has --new-tokens tokens.
-Each row: one warm-up generate (graph capture, kernel autotuning), then --repeats timed generates (median). The
+Each row: one warm-up generate (graph capture, kernel autotuning), then --repeats (5) timed generates (median; each in
+the row's ``seconds_all``). The
 logprob checks, max and mean over --check-samples samples: the graph path's logprobs against the same decode steps
 run eagerly (the engine's "static" path) teacher-forced on the same tokens, and against one teacher-forced full
 forward in the same precision (megatron-core, :func:`megatron_fp4.rollout.teacher_forced_logprobs`); ``--eager-baseline`` also times the engine's megatron path (the reference) on the first
@@ -178,7 +179,8 @@ def _sglang_row(a, shape, model, hf, p, prompts, params, sub) -> dict:
     n_tok = sum(len(s.token_ids) for s in samples)
     row = dict(backend="sglang", shape=shape, precision=p.label, batch=a.batch, prompt_len=a.prompt_len,
                new_tokens=a.new_tokens, tokens_per_s=n_tok / statistics.median(times),
-               seconds=statistics.median(times), generated_tokens=n_tok, path="sglang", engine_start_s=start,
+               seconds=statistics.median(times), seconds_all=times, generated_tokens=n_tok, path="sglang",
+               engine_start_s=start,
                prefix_cache="flushed before each generate",
                weight_sync_s=sync.total_seconds, tokens_per_s_after_sync=after_sync["tokens_per_s"],
                logp_vs_teacher_forced_max=dmax, logp_vs_teacher_forced_mean=dmean, check_samples=len(sub),
@@ -247,7 +249,9 @@ def main() -> None:
     ap.add_argument("--prompt-len", type=int, default=128)
     ap.add_argument("--new-tokens", type=int, default=128)
     ap.add_argument("--decode", default="auto", help="native engine path: auto, graph, static, megatron")
-    ap.add_argument("--repeats", type=int, default=2)
+    ap.add_argument("--repeats", type=int, default=5,
+                    help="timed generates per row (median; each one is in the row's seconds_all): an Engine's "
+                         "runs differ by a few percent, a generate costs about a second")
     ap.add_argument("--check-samples", type=int, default=16)
     ap.add_argument("--eager-baseline", action="store_true",
                     help="also time the megatron path (BF16, first shape) and score its tokens via the graph path")
@@ -334,7 +338,8 @@ def main() -> None:
             n_tok = sum(len(s.token_ids) for s in samples)
             row = dict(backend=a.backend, shape=shape, precision=p.label, batch=a.batch, prompt_len=a.prompt_len,
                        new_tokens=a.new_tokens, tokens_per_s=n_tok / statistics.median(times),
-                       seconds=statistics.median(times), generated_tokens=n_tok, path=st.get("path"),
+                       seconds=statistics.median(times), seconds_all=times, generated_tokens=n_tok,
+                       path=st.get("path"),
                        first_call_s=first, capture_s=warm.get("capture_seconds", 0.0), graphs=st.get("graphs"),
                        weight_sync_s=sync.total_seconds, weight_quantize_s=sync.quantize_seconds,
                        tokens_per_s_after_sync=after_sync["tokens_per_s"],

@@ -77,6 +77,7 @@ def test_sglang_rows_flush_the_prefix_cache_before_every_timed_generate(monkeypa
                               lambda: saved.append(len(rows)))
     assert calls == ["generate", "flush", "generate", "flush", "generate", "sync", "generate"]
     assert rows[0]["prefix_cache"] == "flushed before each generate" and rows[0]["tokens_per_s"] == 4.0
+    assert rows[0]["seconds_all"] == [1.0, 1.0]  # every timed generate, not only their median
     assert saved == [1]
     # the teacher-forced check's FP4 weights are dropped before the next Engine (session 29: 96 GiB after two rows)
     assert len(get_weight_cache(model)) == 0 and "check_weights_freed_gib" in rows[0]
