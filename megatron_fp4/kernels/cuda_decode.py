@@ -38,7 +38,7 @@ from megatron_fp4.formats import QuantizedTensor
 
 __all__ = ["DecodeWeight", "to_decode_layout", "decode_layout_dequantize", "available", "w4_decode",
            "DECODE_TILES", "WGMMA_TILES", "WGMMA_MAX_WEIGHT", "LARGE_M16_TILES", "NATURAL_TILE", "NATURAL_TILE_AT_64",
-           "natural_tile", "natural_layout", "default_kernel", "build", "prebuild"]
+           "natural_tile", "natural_layout", "hif4_subnormal_fits", "default_kernel", "build", "prebuild"]
 
 _SLAB_PAD = 4  # slabs padded to a multiple of this (the largest slabs-per-warp tile)
 
@@ -93,11 +93,11 @@ _HIF4_OFFSET = (8, 9, 10, 11, 12, 13, 14, 15, 8, 7, 6, 5, 4, 3, 2, 1)
 #: (0x81C081C0). Four pairs cost 4 funnel shifts and 5 LOP3s, where the permuted layout's nibbles cost a shift pair
 #: and two LOP3s each. No fourth rotation fits the bits the first three leave (a search over all), hence pair 3's two.
 _MX_ROT = (0, 4, 10)
+_MX_ROT3_MANTISSA = 14
+_MX_ROT3_REST = 6
 #: ``MEGATRON_FP4_DECODE_HIF4_SUBNORMAL=0``: natural-order HiF4 weights keep offset binary even where the subnormal
 #: codes fit (A/B runs; :func:`to_decode_layout`'s ``subnormal=None``).
 HIF4_SUBNORMAL_SWITCH = "MEGATRON_FP4_DECODE_HIF4_SUBNORMAL"
-_MX_ROT3_MANTISSA = 14
-_MX_ROT3_REST = 6
 
 
 def _mx_natural_position(j: int, half: int, bit: int) -> int:
@@ -310,12 +310,12 @@ def decode_layout_dequantize(dw: DecodeWeight) -> torch.Tensor:
             byte = 2 * row + (j >> 1) if dw.natural else row
             e = (ee.unsqueeze(-1) >> (8 * byte + 2 * s)) & 3
             base = _hif4_base_bits(c).unsqueeze(-1)
-            F = base + (e << 7)
             if dw.subnormal:  # w4_device.h's W4_SUBN dequant: the subnormal k x 2^-129 times E6M2 x 2^(e + 127)
                 a = _rotr(w, 4 * j) & 0x80708070
-                F = base + ((129 << 7) + (e << 7))  # (base: E6M2 / 4, exponent field + 2 + 127)
+                F = base + ((129 + e) << 7)  # (base: E6M2 / 4; its exponent field + 2 + 127 + e)
                 vals.append([_bits(_bf(ha) * _bf(F)) for ha in _halves(a)])
                 continue
+            F = base + (e << 7)
             if dw.natural:  # offset binary nibble j: bf16(128 + o) F - 136 F, no sign operation
                 a = ((w >> (4 * j)) & 0x000F000F) | 0x43004300
                 sign = torch.zeros_like(w)
