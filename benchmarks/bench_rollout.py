@@ -11,8 +11,8 @@ the row's ``seconds_all``). The logprob checks, max and mean over --check-sample
 against the same decode steps run eagerly (the engine's "static" path) teacher-forced on the same tokens, and
 against one teacher-forced full forward in the same precision (megatron-core,
 :func:`megatron_fp4.rollout.teacher_forced_logprobs`); ``--eager-baseline`` also times the engine's megatron path
-(the reference) on the first shape in BF16 and scores its tokens through the graph path (teacher-forced), and ``--hf-anchor`` times HF
-transformers' ``generate`` with a static cache on the same shape. ``--profile`` adds per row the CUDA time of one
+(the reference) on the first shape in BF16 and scores its tokens through the graph path (teacher-forced), and
+``--hf-anchor`` times HF transformers' ``generate`` with a static cache on the same shape. ``--profile`` adds per row the CUDA time of one
 more generate by kernel family (FP4 decode GEMM, other GEMMs, attention, quantizers, ...; graph replays included) and
 its top kernels: where a decode step's time goes (SGLang rows: from the Engine's own profiler trace).
 
