@@ -8,13 +8,13 @@ Models are randomly initialized Qwen2.5-shaped megatron-core GPTModels in bf16 (
 random token ids of exactly --prompt-len tokens; no stop tokens, so every sample has --new-tokens tokens.
 Each row: one warm-up generate (graph capture, kernel autotuning), then --repeats (5) timed generates (median; each in
 the row's ``seconds_all``). The logprob checks, max and mean over --check-samples samples: the graph path's logprobs
-against the same decode steps run eagerly (the engine's "static" path) teacher-forced on the same tokens, and
-against one teacher-forced full forward in the same precision (megatron-core,
-:func:`megatron_fp4.rollout.teacher_forced_logprobs`); ``--eager-baseline`` also times the engine's megatron path
-(the reference) on the first shape in BF16 and scores its tokens through the graph path (teacher-forced), and
-``--hf-anchor`` times HF transformers' ``generate`` with a static cache on the same shape. ``--profile`` adds per row the CUDA time of one
-more generate by kernel family (FP4 decode GEMM, other GEMMs, attention, quantizers, ...; graph replays included) and
-its top kernels: where a decode step's time goes (SGLang rows: from the Engine's own profiler trace).
+against the same decode steps run eagerly (the engine's "static" path) teacher-forced on the same tokens, and against
+one teacher-forced full forward in the same precision (megatron-core,
+:func:`megatron_fp4.rollout.teacher_forced_logprobs`); ``--eager-baseline`` also times the engine's megatron path (the
+reference) on the first shape in BF16 and scores its tokens through the graph path (teacher-forced), and ``--hf-anchor``
+times HF transformers' ``generate`` with a static cache on the same shape. ``--profile`` adds per row the CUDA time of
+one more generate by kernel family (FP4 decode GEMM, other GEMMs, attention, quantizers, ...; graph replays included)
+and its top kernels: where a decode step's time goes (SGLang rows: from the Engine's own profiler trace).
 
 Backends: "native" (:class:`megatron_fp4.rollout.NativeRolloutEngine`; ``--decode`` picks its path) and "sglang"
 (:class:`megatron_fp4.rollout.sglang_engine.SGLangRolloutEngine`: the same random model written as an HF folder
