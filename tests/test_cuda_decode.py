@@ -7,6 +7,7 @@ is one weight value) and equal to the fp64 product of the same operands within f
 dispatch path.
 """
 
+import dataclasses
 import os
 import re
 import subprocess
@@ -103,6 +104,26 @@ def test_hif4_subnormal_decode_layout_reads_back_the_reference(N, K, monkeypatch
         with pytest.raises(ValueError, match="subnormal=True takes a HiF4 weight in natural order"):
             to_decode_layout(q, False, natural=natural, subnormal=True)
     assert not to_decode_layout(mx, False, natural=True).subnormal
+
+
+def test_hif4_subnormal_fits_at_the_edge():
+    """hif4_subnormal_fits: E6M2 exponent bits c plus a group's exponent sum e at most 48 in every unit; NaN units
+    (code 255) aside. Units well below the edge need no exponent sums; those at c = 47, 48 are checked group by group."""
+    from megatron_fp4.kernels.cuda_decode import hif4_subnormal_fits
+
+    qt = get_format("hif4").quantize(torch.randn(4, 128) * 0.01, dim=-1)
+    assert hif4_subnormal_fits(qt)
+
+    def fits(code, e8=0, e16=0, nan_unit=False):
+        sc = qt.scales.clone()
+        sc[1, 1] = torch.tensor([code, e8, e16 & 255, e16 >> 8], dtype=torch.uint8)
+        if nan_unit:
+            sc[2, 0, 0] = 255
+        return hif4_subnormal_fits(dataclasses.replace(qt, scales=sc))
+
+    assert fits(48 << 2 | 3) and not fits(48 << 2, e16=1 << 15) and not fits(49 << 2)
+    assert fits(47 << 2, e8=1 << 7) and not fits(47 << 2, e8=1 << 7, e16=1 << 15)  # e = 1 fits, e = 2 not
+    assert fits(46 << 2 | 3, e8=255, e16=65535) and fits(40 << 2, nan_unit=True)
 
 
 def test_hif4_subnormal_factor_is_exact_up_to_its_bound():

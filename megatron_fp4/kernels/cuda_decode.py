@@ -130,17 +130,23 @@ def hif4_subnormal_fits(qt: QuantizedTensor) -> bool:
     """Whether a HiF4 weight can take the subnormal decode layout: every unit (NaN ones aside) has E6M2 x 2^e < 2
     for each of its groups' exponent sums e, i.e. the kernel's factor E6M2 x 2^(e + 127) is a finite bf16 (its
     exponent field c + e + 206 <= 254, c the E6M2 code's exponent bits; a unit's largest value below ~3.5 suffices)."""
-    scales = qt.scales.reshape(qt.codes.shape[0], -1, 4)
-    for r in range(0, scales.shape[0], LAYOUT_ROWS):
-        code, e = _hif4_exponent_sums(scales[r:r + LAYOUT_ROWS])
-        if bool(((code != 255) & ((code >> 2) + e.amax(-1) > 48)).any()):
-            return False
-    return True
+    scales = qt.scales.reshape(-1, 4)
+    c = scales[:, 0].to(torch.int32)
+    near = (c >> 2 >= 47) & (c != 255)  # (below: fits whatever e <= 2 is; at 49 and above: never)
+    if not bool(near.any()):
+        return True
+    code, e = _hif4_exponent_sums(scales[near.nonzero().flatten()])  # the few units at the edge
+    return not bool(((code >> 2) + e.amax(-1) > 48).any())
 
 
 def _rotr(w: torch.Tensor, r: int) -> torch.Tensor:
     """32-bit patterns (int64) rotated right by ``r`` (the CUDA funnel shift of a word with itself)."""
     return ((w >> r) | (w << (32 - r))) & 0xFFFFFFFF if r else w
+
+
+def _rotl(w: torch.Tensor, r: int) -> torch.Tensor:
+    """32-bit patterns (int64) rotated left by ``r``."""
+    return _rotr(w, 32 - r)
 
 
 def _to_int32(v: torch.Tensor) -> torch.Tensor:
@@ -205,15 +211,16 @@ def _layout_rows(qcodes: torch.Tensor, qscales: torch.Tensor, fmt_id: int, natur
         nib = nib.view(S, 2, 8, C, 4, 4, 4).permute(0, 3, 2, 5, 4, 1, 6)  # [S, C, g, t, s, h, i]
     h = torch.arange(2, device=dev).view(2, 1)
     i = torch.arange(4, device=dev).view(1, 4)
-    if natural and (fmt_id == 1 or subnormal):  # each code bit where the kernel's rotations read it
-        position = _mx_natural_position if fmt_id == 1 else _hif4_subnormal_position
-        pos = torch.tensor([[[position(hh + 2 * (ii >> 1), ii & 1, b) for b in range(4)]
+    if natural and fmt_id == 1:  # each code bit where _MX_ROT's rotations read it
+        pos = torch.tensor([[[_mx_natural_position(hh + 2 * (ii >> 1), ii & 1, b) for b in range(4)]
                              for ii in range(4)] for hh in range(2)], device=dev)  # [h, i, bit]
         bit = torch.arange(4, device=dev)
         words = (((nib.unsqueeze(-1) >> bit) & 1) << pos).sum(dim=(-1, -2, -3))
     else:
         shift = 4 * (h + 2 * (i >> 1) + 4 * (i & 1))  # nibble position of (h, i) in the 32-bit word
         words = (nib << shift).sum(dim=(-1, -2))  # [S, C, g, t, s]
+        if subnormal:  # pair j's nibble sits at 4 j (+ 16 in the high half): its magnitude 4 bits up, its sign 12
+            words = _rotl(words & 0x77777777, 4) | _rotl(words & 0x88888888, 12)  # (_hif4_subnormal_position)
     codes = _to_int32(words).reshape(S, C, 32, 4).contiguous()
     if fmt_id == 1:
         sc = torch.full((S * 16, 2 * C), 127, dtype=torch.uint8, device=dev)
