@@ -32,6 +32,11 @@ TILE_RECIP = dict(R1=HIF4_RECIP[1], R2=HIF4_RECIP[2], R3=HIF4_RECIP[3])
 DECODE_MAX_M = 64
 
 
+def switch_on(name: str) -> bool:
+    """Whether the on-by-default switch ``name`` (an environment variable) is on: unless it is set to 0."""
+    return os.environ.get(name, "1") != "0"
+
+
 def interpreting() -> bool:
     """True when Triton runs kernels in its CPU interpreter (TRITON_INTERPRET=1)."""
     return os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")

@@ -33,7 +33,7 @@ from typing import Optional
 import torch
 
 from megatron_fp4.kernels import _nvcc
-from megatron_fp4.kernels._common import pdl_enabled
+from megatron_fp4.kernels._common import pdl_enabled, switch_on
 from megatron_fp4.formats import QuantizedTensor
 
 __all__ = ["DecodeWeight", "to_decode_layout", "decode_layout_dequantize", "available", "w4_decode",
@@ -178,8 +178,7 @@ def to_decode_layout(qt: QuantizedTensor, wide: bool = False, natural: bool = Fa
         raise ValueError(f"to_decode_layout takes a 2-D HiF4/MXFP4 weight, got {name} {tuple(qt.codes.shape)}")
     fmt_id = 0 if name == "hif4" else 1
     if subnormal is None:
-        subnormal = (natural and fmt_id == 0 and os.environ.get(HIF4_SUBNORMAL_SWITCH, "1") != "0"
-                     and hif4_subnormal_fits(qt))
+        subnormal = natural and fmt_id == 0 and switch_on(HIF4_SUBNORMAL_SWITCH) and hif4_subnormal_fits(qt)
     elif subnormal and not (natural and fmt_id == 0 and hif4_subnormal_fits(qt)):
         raise ValueError("to_decode_layout: subnormal=True takes a HiF4 weight in natural order (natural=True) whose "
                          "every unit has E6M2 x 2^e < 2 (hif4_subnormal_fits)")
@@ -455,7 +454,7 @@ _ARGTYPES = [ctypes.c_void_p] * 4 + [ctypes.c_int] * 11 + [ctypes.c_void_p]  # b
 def available() -> bool:
     """Whether the CUDA decode kernels can serve: a Hopper GPU (sm_90), nvcc to build them, not disabled by
     ``MEGATRON_FP4_CUDA_DECODE=0``, and no earlier build failure."""
-    if os.environ.get("MEGATRON_FP4_CUDA_DECODE", "1") == "0" or any(map(_nvcc.build_failed, _SOURCES.values())):
+    if not switch_on("MEGATRON_FP4_CUDA_DECODE") or any(map(_nvcc.build_failed, _SOURCES.values())):
         return False
     if not torch.cuda.is_available() or torch.cuda.get_device_capability() != (9, 0):
         return False

@@ -23,12 +23,12 @@ from __future__ import annotations
 
 import ctypes
 import functools
-import os
 from typing import Optional
 
 import torch
 
 from megatron_fp4.kernels import _nvcc
+from megatron_fp4.kernels._common import switch_on
 
 __all__ = ["available", "usable", "both_layouts", "both_layouts_fp8", "resq_sum", "swiglu_resq", "swiglu_resq_usable",
            "FORMAT_IDS", "FP8_FORMATS", "RESQ_SOURCE", "SWIGLU_RESQ_SOURCE"]
@@ -49,7 +49,7 @@ def available(source: str = _SOURCE) -> bool:
     """Whether the kernel of ``source`` (the both-layouts quantizer's by default, or :data:`RESQ_SOURCE`) can run
     here: a CUDA GPU of compute capability 8.0 or newer, nvcc, not disabled by ``MEGATRON_FP4_CUDA_QUANT=0``, and no
     earlier build failure."""
-    if os.environ.get("MEGATRON_FP4_CUDA_QUANT", "1") == "0" or _nvcc.build_failed(source):
+    if not switch_on("MEGATRON_FP4_CUDA_QUANT") or _nvcc.build_failed(source):
         return False
     if not torch.cuda.is_available() or torch.cuda.get_device_capability()[0] < 8:
         return False
@@ -170,15 +170,9 @@ def resq_sum(x: torch.Tensor, fmt_name: str, out: Optional[torch.Tensor] = None)
 
 
 #: The environment switches of the fused ResQ-operand kernels (:func:`swiglu_resq`, :func:`norm_resq`), read by the
-#: native engine's decode step and the SGLang plug-in alike: "0" turns one off (:func:`fused_resq_on`).
+#: native engine's decode step and the SGLang plug-in alike: "0" turns one off (``_common.switch_on``).
 SWIGLU_RESQ_SWITCH = "MEGATRON_FP4_FUSED_SWIGLU_RESQ"
 NORM_RESQ_SWITCH = "MEGATRON_FP4_FUSED_NORM_RESQ"
-
-
-def fused_resq_on(switch: str) -> bool:
-    """Whether the fused ResQ-operand kernel of ``switch`` (:data:`SWIGLU_RESQ_SWITCH`, :data:`NORM_RESQ_SWITCH`) is
-    on: the default, unless the environment sets it to 0."""
-    return os.environ.get(switch, "1") != "0"
 
 
 #: The fused SwiGLU + ResQ bf16-sum kernel's source (the decode step's operand of fc2, :func:`swiglu_resq`).

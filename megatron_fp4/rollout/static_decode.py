@@ -36,6 +36,7 @@ import torch
 import torch.nn.functional as F
 
 from megatron_fp4.kernels import cuda_quantize, decode_ops
+from megatron_fp4.kernels._common import switch_on
 from megatron_fp4.resq import QuantizedWeightCache, RolloutPrecision, rollout_linear
 from megatron_fp4.rollout.base import RolloutSample, SamplingParams
 from megatron_fp4.rollout.sampling import filter_logits, filters
@@ -178,10 +179,10 @@ class StaticCacheGenerator:
         self.attention_kernel = self.fused and attention == "kernel"
         #: In W4A4 + ResQ 2:4 (bf16 sum), the fused step makes fc2's operand in one CUDA kernel (the SwiGLU and ResQ's
         #: quantize: ``cuda_quantize.swiglu_resq``) where it can run; MEGATRON_FP4_FUSED_SWIGLU_RESQ=0 turns it off.
-        self.swiglu_resq = self.fused and cuda_quantize.fused_resq_on(cuda_quantize.SWIGLU_RESQ_SWITCH)
+        self.swiglu_resq = self.fused and switch_on(cuda_quantize.SWIGLU_RESQ_SWITCH)
         #: Likewise qkv's and fc1's operand comes from the residual add + RMSNorm before them (one CUDA kernel:
         #: ``decode_ops.add_rms_norm_resq``) in the decode step; MEGATRON_FP4_FUSED_NORM_RESQ=0 turns it off.
-        self.norm_resq = self.fused and cuda_quantize.fused_resq_on(cuda_quantize.NORM_RESQ_SWITCH)
+        self.norm_resq = self.fused and switch_on(cuda_quantize.NORM_RESQ_SWITCH)
 
     # -- buffers -----------------------------------------------------------------------------------------------------
     @property

@@ -30,7 +30,8 @@ from sglang.srt.layers.activation import SiluAndMul
 from sglang.srt.layers.layernorm import RMSNorm
 
 from megatron_fp4.kernels import cuda_quantize
-from megatron_fp4.kernels.cuda_quantize import NORM_RESQ_SWITCH, SWIGLU_RESQ_SWITCH, fused_resq_on
+from megatron_fp4.kernels._common import switch_on
+from megatron_fp4.kernels.cuda_quantize import NORM_RESQ_SWITCH, SWIGLU_RESQ_SWITCH
 
 __all__ = ["install", "hand", "take", "SiluAndMulResQ", "RMSNormResQ"]
 #: Where each norm's output goes in SGLang's decoder layers (Qwen2, Llama): the attribute path of its linear.
@@ -117,9 +118,9 @@ def _attribute_path(module: torch.nn.Module, path: tuple) -> Optional[torch.nn.M
 def _on_register(parent: torch.nn.Module, name: str, module: Optional[torch.nn.Module]) -> None:
     """torch's module-registration hook: a SiluAndMul / RMSNorm whose reader is ours at the fused precision
     becomes the fused class (in place)."""
-    if type(module) is SiluAndMul and name == "act_fn" and fused_resq_on(SWIGLU_RESQ_SWITCH):
+    if type(module) is SiluAndMul and name == "act_fn" and switch_on(SWIGLU_RESQ_SWITCH):
         reader, cls = getattr(parent, "down_proj", None), SiluAndMulResQ
-    elif type(module) is RMSNorm and name in NORM_READERS and fused_resq_on(NORM_RESQ_SWITCH):
+    elif type(module) is RMSNorm and name in NORM_READERS and switch_on(NORM_RESQ_SWITCH):
         reader, cls = _attribute_path(parent, NORM_READERS[name]), RMSNormResQ
     else:
         return None
