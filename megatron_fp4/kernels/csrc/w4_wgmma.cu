@@ -36,7 +36,8 @@
 // and meets the warpgroups at named barriers (stage s full: barrier 1 + s, empty: 1 + XST + s) instead of a block
 // barrier per chunk. Only that warp then executes fence.proxy.async, which compiles to a MEMBAR that waits for all
 // of the executing thread's loads in flight: in the PRODUCER=0 form every warp drains its weight prefetch there.
-// WRING=1 (with PRODUCER=1): each ring stage also holds the block's codes and metadata of its chunk. Each consumer
+// WRING=1 (with PRODUCER=1): each ring stage also holds the block's codes and metadata of its chunk (in a second ring
+// after the activations' stages, see WSTAGE_BYTES). Each consumer
 // warp copies its own slab's there with cp.async.bulk (lane 0 the 512 bytes of codes, lane 1 the metadata), XST
 // chunks ahead, as soon as it has used the words the stage held before; the copies complete on the stage's
 // mbarrier, which the producer's 32 lanes arrive on once the activations are stored (the first with the stage's
@@ -125,13 +126,18 @@ PRODUCER 0 or 1"
 #define STAGE_BYTES (4 * STEP_BYTES)  // one 64-value chunk
 #define SLABS (WGS * 4)               // 16-row weight slabs per block (one per consumer warp)
 #define META_BYTES (META_WORDS * 4)
-// WRING: a ring stage is [activations | the slabs' codes (512 bytes each) | their metadata], 128-byte aligned
-// (NATURAL: 1024, the 128-byte swizzle's period)
+// WRING: the ring is XST stages of activations (STAGE_BYTES each, aligned to RALIGN: NATURAL 1024, the 128-byte
+// swizzle's period, else 128), then XST stages of weights: the slabs' codes (512 bytes each), then their metadata
+// (WSTAGE_BYTES, 128-byte aligned for the TMA). Stage s of both is one stage of the pipeline (one mbarrier).
+// Kept apart, neither pads the other to RALIGN: at 64 tokens a stage takes 10.4 KB, not 11 KB.
 #define RALIGN (NATURAL ? 1024 : 128)
-#define RSTAGE_BYTES ((STAGE_BYTES + SLABS * (512 + META_BYTES) + RALIGN - 1) / RALIGN * RALIGN)
-#define XSTRIDE (WRING ? RSTAGE_BYTES : STAGE_BYTES)  // bytes from one stage's activations to the next's
+#define WSTAGE_BYTES ((SLABS * (512 + META_BYTES) + 127) / 128 * 128)
+#define WRING0 (XST * STAGE_BYTES)  // WRING: the weights' first stage, in bytes from the ring's start
+#define RING_BYTES (XST * (STAGE_BYTES + (WRING ? WSTAGE_BYTES : 0)))
+#define XSTRIDE STAGE_BYTES  // bytes from one stage's activations to the next's
+static_assert(STAGE_BYTES % RALIGN == 0, "every stage's activations aligned");
 #if CLUSTER
-static_assert(NTOK / 2 * CONSUMERS * 4 <= XST * RSTAGE_BYTES, "CLUSTER: the partial sums must fit the ring");
+static_assert(NTOK / 2 * CONSUMERS * 4 <= RING_BYTES, "CLUSTER: the partial sums must fit the ring");
 #endif
 
 template <int N_>
@@ -340,7 +346,7 @@ w4_wgmma_kernel(const uint4* __restrict__ codes, const uint32_t* __restrict__ me
 #endif
 ) {
 #if WRING
-  extern __shared__ __align__(128) uint8_t xs_raw[];  // XST * RSTAGE_BYTES (+ RALIGN - 128 to align it)
+  extern __shared__ __align__(128) uint8_t xs_raw[];  // RING_BYTES (+ RALIGN - 128 to align it)
   uint8_t* const xs = xs_raw + ((RALIGN - ((uint32_t)__cvta_generic_to_shared(xs_raw) & (RALIGN - 1))) & (RALIGN - 1));
   __shared__ __align__(8) uint64_t full[XST];
   const uint32_t full0 = (uint32_t)__cvta_generic_to_shared(full);
@@ -367,12 +373,13 @@ w4_wgmma_kernel(const uint4* __restrict__ codes, const uint32_t* __restrict__ me
       const int s = c % XST;
       if (c >= XST) bar_sync(EMPTY_BAR(s));
       if (lane == 0) {
-        const uint32_t dst = (uint32_t)__cvta_generic_to_shared(xs) + s * RSTAGE_BYTES;
+        const uint32_t ring = (uint32_t)__cvta_generic_to_shared(xs);
         mbar_arrive_tx(full0 + s * 8, STAGE_BYTES + SLABS * (512 + META_BYTES));
-        tma_load_2d(dst, &xmap, (c0 + c) * 64, 0, full0 + s * 8);
+        tma_load_2d(ring + s * STAGE_BYTES, &xmap, (c0 + c) * 64, 0, full0 + s * 8);
 #if WTMA  // the block's slabs (rows past S read as zeros: an idle warpgroup's, never stored)
-        tma_load_3d(dst + STAGE_BYTES, &wmap, 0, c0 + c, blockIdx.x * SLABS, full0 + s * 8);
-        tma_load_3d(dst + STAGE_BYTES + SLABS * 512, &mmap, 0, c0 + c, blockIdx.x * SLABS, full0 + s * 8);
+        const uint32_t wdst = ring + WRING0 + s * WSTAGE_BYTES;
+        tma_load_3d(wdst, &wmap, 0, c0 + c, blockIdx.x * SLABS, full0 + s * 8);
+        tma_load_3d(wdst + SLABS * 512, &mmap, 0, c0 + c, blockIdx.x * SLABS, full0 + s * 8);
 #endif
       }
     }
@@ -407,8 +414,8 @@ w4_wgmma_kernel(const uint4* __restrict__ codes, const uint32_t* __restrict__ me
 
   // FETCH(d, rel, kc): chunk kc (rel chunks past wp / mp) into wq[d], mq[d]
 #if WRING  // from this warp's slab in the chunk's stage, once the stage is full
-  const uint8_t* wsm = xs + STAGE_BYTES + warp * 512 + lane * 16;
-  const uint32_t* msm = reinterpret_cast<const uint32_t*>(xs + STAGE_BYTES + SLABS * 512 + warp * META_BYTES);
+  const uint8_t* wsm = xs + WRING0 + warp * 512 + lane * 16;
+  const uint32_t* msm = reinterpret_cast<const uint32_t*>(xs + WRING0 + SLABS * 512 + warp * META_BYTES);
 #if !WTMA  // (WTMA: the producer's TMAs bring the weights too)
   // COPY(kc): lane 0 copies this warp's slab's codes of chunk kc into the chunk's stage, lane 1 its metadata
   const size_t cunit = (size_t)min(slab, S - 1) * C + c0;
@@ -416,9 +423,9 @@ w4_wgmma_kernel(const uint4* __restrict__ codes, const uint32_t* __restrict__ me
   const uint8_t* csrc = cmeta ? reinterpret_cast<const uint8_t*>(meta + cunit * META_WORDS)
                               : reinterpret_cast<const uint8_t*>(codes + cunit * 32);
   const uint32_t cbytes = cmeta ? META_BYTES : 512;
-  const uint32_t cdst = xs0 + STAGE_BYTES + (cmeta ? SLABS * 512 + warp * META_BYTES : warp * 512);
+  const uint32_t cdst = xs0 + WRING0 + (cmeta ? SLABS * 512 + warp * META_BYTES : warp * 512);
 #define COPY(kc) \
-  if (lane < 2) bulk_copy(cdst + ((kc) % XST) * RSTAGE_BYTES, csrc + (size_t)(kc) * cbytes, cbytes, full0 + ((kc) % XST) * 8)
+  if (lane < 2) bulk_copy(cdst + ((kc) % XST) * WSTAGE_BYTES, csrc + (size_t)(kc) * cbytes, cbytes, full0 + ((kc) % XST) * 8)
 #pragma unroll 1
   for (int kc = 0; kc < min(XST, nch); ++kc) COPY(kc);
 #endif
@@ -426,8 +433,8 @@ w4_wgmma_kernel(const uint4* __restrict__ codes, const uint32_t* __restrict__ me
 #define FETCH_AT(d, st, ph)                                                  \
   {                                                                          \
     mbar_wait(full0 + (st) * 8, (ph));                                       \
-    wq[d] = *reinterpret_cast<const uint4*>(wsm + (st) * RSTAGE_BYTES);      \
-    mq[d] = load_meta_shared(msm + (st) * (RSTAGE_BYTES / 4), lane);         \
+    wq[d] = *reinterpret_cast<const uint4*>(wsm + (st) * WSTAGE_BYTES);      \
+    mq[d] = load_meta_shared(msm + (st) * (WSTAGE_BYTES / 4), lane);         \
   }
 #define FETCH(d, rel, kc) FETCH_AT(d, (kc) % XST, ((kc) / XST) & 1)
 #define FETCH_NEXT(d) FETCH_AT(d, fs, fph)  // chunk kk + DEPTH (the ring indices below)
@@ -643,7 +650,7 @@ extern "C" int w4_wgmma_launch(const void* codes, const void* meta, const void* 
   if (const int err = encode_w_map(&mmap, meta, S, C, META_BYTES)) return err;
 #endif
 #if WRING
-  const int smem = XST * RSTAGE_BYTES + RALIGN - 128;  // over the 48 KB default: allowed once per library
+  const int smem = RING_BYTES + RALIGN - 128;  // over the 48 KB default: allowed once per library
   static bool smem_allowed = false;
   if (!smem_allowed) {
     const cudaError_t err = cudaFuncSetAttribute(w4_wgmma_kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, smem);
