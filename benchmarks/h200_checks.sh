@@ -10,6 +10,9 @@
 #                 kernels and the engine's static / graph decode path; then bench_decode_ops.py (those kernels timed
 #                 against what they replace)
 #   decode-bench  bench_kernels.py --decode --decode-sweep on the 7B and 1.5B MLP shapes
+#   issue20-rows  issue 20's rows in one call (about 4 minutes on an H100; what to run first when an H200 comes): the
+#                 natural decode GEMM's GPU tests (default tiles), its table on the 7B MLP weights at 16 and 64
+#                 tokens, then the native engine's 7B rows
 #   engine-bench  bench_rollout.py: the native engine's rows on the 1.5B and 7B shapes (issue 20's engine targets,
 #                 --profile; the eager check at the graph's batch, 64: the same tiles, so the same split of K)
 #   engine-pdl    programmatic dependent launch (MEGATRON_FP4_PDL=1): the 7B rows without and with it in one JSON
@@ -40,10 +43,10 @@
 # benchmarks/results/.
 set -euo pipefail
 cd "$(dirname "$0")/.."
-usage="usage: bash benchmarks/h200_checks.sh train-tests|train-bench|decode-tests|decode-bench|decode-profile|rl-step"
-usage+="|rl-mismatch|decode-natural|decode-quantize|engine-bench|engine-pdl|sglang-bench"
-case "${1:-}" in train-tests | train-bench | decode-tests | decode-bench | decode-profile | rl-step | rl-mismatch | \
-  decode-natural | decode-quantize | engine-bench | engine-pdl | sglang-bench) ;;
+usage="usage: bash benchmarks/h200_checks.sh train-tests|train-bench|decode-tests|decode-bench|issue20-rows"
+usage+="|decode-profile|rl-step|rl-mismatch|decode-natural|decode-quantize|engine-bench|engine-pdl|sglang-bench"
+case "${1:-}" in train-tests | train-bench | decode-tests | decode-bench | issue20-rows | decode-profile | rl-step | \
+  rl-mismatch | decode-natural | decode-quantize | engine-bench | engine-pdl | sglang-bench) ;;
   *) echo "$usage" >&2; exit 2 ;;
 esac
 SITE=${SITE_DIR:-/tmp/site}
@@ -114,6 +117,15 @@ case "$1" in
   decode-bench)
     python3 benchmarks/bench_kernels.py --decode --decode-sweep --shapes 3584x18944,18944x3584,1536x8960,8960x1536 \
       --out "$results/decode_h200.json"
+    ;;
+  issue20-rows)
+    prebuild_tests natural
+    run_tests -m gpu tests/test_cuda_decode.py \
+      -k "(natural_layout_bit_exact and None) or rounded_split or dispatch_decode"
+    python3 benchmarks/bench_kernels.py --decode --decode-ms 16,64 --shapes 3584x37888,18944x3584 \
+      --out "$results/decode_h200.json"
+    python3 benchmarks/bench_rollout.py --backend native --shapes qwen2.5-7b --check-samples 64 \
+      --out "$results/rollout_h200_7b.json"
     ;;
   engine-bench)
     python3 benchmarks/bench_rollout.py --backend native --shapes qwen2.5-1.5b,qwen2.5-7b --check-samples 64 \

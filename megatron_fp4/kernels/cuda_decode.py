@@ -414,15 +414,16 @@ def natural_tile_override(text: str) -> dict:
 
 
 #: :data:`NATURAL_TILE`'s keys that differ at 64 tokens (the rollout's decode batch), per format id. At 64 tokens a
-#: block reads 8 KB of activations per 64-value chunk against 2.2-2.4 KB of weights per 64 rows, so the ring's stages
+#: block reads 8 KB of activations per 64-value chunk against 2.1-2.6 KB of weights per 64 rows, so the ring's stages
 #: are mostly activations and shared memory caps how many are in flight. Session 39 (Nsight Compute on the H200:
 #: latency-bound, 0.46-0.55 warps issued per scheduler and cycle) moved both formats to one warpgroup per block, three
 #: blocks per SM (benchmarks/results/decode_m64_tile_h100.json: 7B fc1 3584x37888 HiF4 57.5 -> 52.8 us, MXFP4 48.9
 #: -> 48.1). Session 51, an H100 (benchmarks/results/decode_h100_s51_ring.json, ..._xst7.json): with the weights' stages
 #: kept apart from the activations' (w4_wgmma.cu, WSTAGE_BYTES) a seventh stage fits three MXFP4 blocks: fc1 46.9 ->
-#: 43.8 us, the engine's 7B MXFP4 rows +2.6% (W4A16) / +3.5% (ResQ); HiF4's larger metadata does not fit three (57.8
-#: us), and takes two warpgroups per block with eight stages instead (fc1 52.0 -> 50.1, fc2 25.5 -> 24.3; engine
-#: +1.1-1.2%). At 4 stages either format was 1.5-1.65x slower than at 6: the ring's depth is what the loop waits on.
+#: 43.8 us, the engine's 7B MXFP4 rows +2.6% (W4A16) / +3.5% (ResQ). HiF4's larger metadata (144 bytes per slab)
+#: does not fit three (57.8 us), and takes two warpgroups per block with eight stages instead (fc1 52.0 -> 50.1, fc2
+#: 25.5 -> 24.3; engine +1.1-1.2%). At 4 stages either format was 1.5-1.65x slower than at 6: the ring's depth is what
+#: the loop waits on.
 NATURAL_TILE_AT_64 = {0: dict(WGS=2, MINB=2, XST=8), 1: dict(WGS=1, MINB=3, XST=7)}
 #: ``MEGATRON_FP4_DECODE_NATURAL_TILE``'s keys: over every token bucket's tile
 _NATURAL_ENV = natural_tile_override(os.environ.get("MEGATRON_FP4_DECODE_NATURAL_TILE") or "{}")
