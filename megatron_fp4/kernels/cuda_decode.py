@@ -46,8 +46,8 @@ _SLAB_PAD = 4  # slabs padded to a multiple of this (the largest slabs-per-warp 
 @dataclass
 class DecodeWeight:
     """A packed weight ``[N, K]`` in the decode kernel's layout: ``codes`` int32 ``[S, C, 32, 4]`` (S 16-row slabs,
-    C 64-value chunks), ``meta`` uint8 ``[S, C, 80 | 32]`` (HiF4 | MXFP4; HiF4 in natural order 144); ``wide``: MXFP4
-    block scales above 2^1 present."""
+    C 64-value chunks), ``meta`` uint8 ``[S, C, 80 | 32]`` (HiF4 | MXFP4); ``wide``: MXFP4 block scales above 2^1
+    present."""
 
     codes: torch.Tensor
     meta: torch.Tensor
@@ -168,7 +168,9 @@ def to_decode_layout(qt: QuantizedTensor, wide: bool = False, natural: bool = Fa
     2t + 8, 2t + 9. By default those are K 4t .. 4t + 3 (one HiF4 micro-exponent group per lane, row and step; the
     activations are then staged in the same permuted order); ``natural`` keeps MMA k = K, so that the activations can
     be copied as they are (the NATURAL=1 tiles). A HiF4 lane then holds two micro-exponent groups per row and step
-    (K 2t and 2t + 8 are 8 apart): its metadata has 32 bits of exponent sums per lane instead of 16, and its codes are
+    (K 2t and 2t + 8 are 8 apart): 32 bits of exponent sums per lane instead of 16, the same for lanes t and t ^ 1,
+    so that the metadata stores them once per lane pair (16 words, read at lane >> 1; 80 bytes as in the permuted
+    order's 32 x 16 bits), and its codes are
     offset binary (:data:`_HIF4_OFFSET`), or with ``subnormal`` sign and magnitude placed as bf16 subnormals
     (:func:`_hif4_subnormal_position`: fewer instructions per value; None, the default: where
     :func:`hif4_subnormal_fits` and ``MEGATRON_FP4_DECODE_HIF4_SUBNORMAL`` is not 0). An MXFP4 word in natural order
@@ -232,11 +234,11 @@ def _layout_rows(qcodes: torch.Tensor, qscales: torch.Tensor, fmt_id: int, natur
         if subnormal:  # a NaN unit's stand-in (w4_decode writes its rows' NaN): a code whose factor stays finite
             code = torch.where(code == 255, torch.zeros_like(code), code)
         steps = 2 * torch.arange(4, device=dev)
-        if natural:  # lane t's groups at step s: A = 4 s + t // 2 (K 2t, 2t + 1), B = 4 s + 2 + t // 2 (K 2t + 8, 9)
+        if natural:  # lane t's groups at step s: A = 4 s + t // 2 (K 2t, 2t + 1), B = 4 s + 2 + t // 2 (K 2t + 8, 9):
+            # one word per lane pair (tt = t // 2), word 2 g + tt = lane >> 1
             e = e.view(S, 2, 8, C, 4, 2, 2)  # [S, h, g, C, s, ab, tt]: group 4 s + 2 ab + tt
-            e = e[..., torch.arange(4, device=dev) // 2]  # [S, h, g, C, s, ab, t]
-            e = e.permute(0, 3, 2, 6, 1, 5, 4)  # [S, C, g, t, h, ab, s]
-            ebytes = (e << steps).sum(-1)  # [S, C, g, t, h, ab]: bytes (g, A), (g, B), (g + 8, A), (g + 8, B)
+            e = e.permute(0, 3, 2, 6, 1, 5, 4)  # [S, C, g, tt, h, ab, s]
+            ebytes = (e << steps).sum(-1)  # [S, C, g, tt, h, ab]: bytes (g, A), (g, B), (g + 8, A), (g + 8, B)
         else:
             e = e.view(S, 2, 8, C, 4, 4).permute(0, 3, 2, 5, 1, 4)  # [S, C, g, t, h, s]
             ebytes = (e << steps).sum(-1)  # [S, C, g, t, h]: bytes (g), (g + 8)
@@ -305,9 +307,11 @@ def decode_layout_dequantize(dw: DecodeWeight) -> torch.Tensor:
             vals.append(out)
     else:
         m = dw.meta.to(torch.int64)
-        nb = 4 if dw.natural else 2  # bytes of exponent sums per lane
-        ee = sum(m[:, :, b:32 * nb:nb] << (8 * b) for b in range(nb))  # [S, C, 32]
-        cc = m[:, :, 32 * nb:32 * nb + 16:2] | (m[:, :, 32 * nb + 1:32 * nb + 16:2] << 8)  # [S, C, 8]
+        nb = 4 if dw.natural else 2  # bytes of exponent sums per lane (natural: one word per lane pair)
+        ee = sum(m[:, :, b:64:nb] << (8 * b) for b in range(nb))  # [S, C, 64 // nb]
+        if dw.natural:
+            ee = ee[:, :, lane >> 1]  # [S, C, 32]
+        cc = m[:, :, 64:80:2] | (m[:, :, 65:80:2] << 8)  # [S, C, 8]
         cc = cc[:, :, (lane >> 2)]
         for j in range(4):
             row = j & 1
@@ -420,9 +424,10 @@ def natural_tile_override(text: str) -> dict:
 #: blocks per SM (benchmarks/results/decode_m64_tile_h100.json: 7B fc1 3584x37888 HiF4 57.5 -> 52.8 us, MXFP4 48.9
 #: -> 48.1). Session 51, an H100 (benchmarks/results/decode_h100_s51_ring.json, ..._xst7.json): with the weights' stages
 #: kept apart from the activations' (w4_wgmma.cu, WSTAGE_BYTES) a seventh stage fits three MXFP4 blocks: fc1 46.9 ->
-#: 43.8 us, the engine's 7B MXFP4 rows +2.6% (W4A16) / +3.5% (ResQ). HiF4's larger metadata (144 bytes per slab)
-#: does not fit three (57.8 us), and takes two warpgroups per block with eight stages instead (fc1 52.0 -> 50.1, fc2
-#: 25.5 -> 24.3; engine +1.1-1.2%). At 4 stages either format was 1.5-1.65x slower than at 6: the ring's depth is what
+#: 43.8 us, the engine's 7B MXFP4 rows +2.6% (W4A16) / +3.5% (ResQ). HiF4's larger metadata (144 bytes per slab
+#: then) did not fit three (57.8 us), and takes two warpgroups per block with eight stages instead (fc1 52.0 -> 50.1,
+#: fc2 25.5 -> 24.3; engine +1.1-1.2%). Its metadata is 80 bytes now (one exponent word per lane pair), with which
+#: three blocks of seven stages fit: not yet measured. At 4 stages either format was 1.5-1.65x slower than at 6: the ring's depth is what
 #: the loop waits on.
 NATURAL_TILE_AT_64 = {0: dict(WGS=2, MINB=2, XST=8), 1: dict(WGS=1, MINB=3, XST=7)}
 #: ``MEGATRON_FP4_DECODE_NATURAL_TILE``'s keys: over every token bucket's tile

@@ -286,9 +286,10 @@ typedef uint32_t MetaT;
 DINL uint32_t load_meta(const uint32_t* __restrict__ p, int lane) { return __ldg(p + (lane >> 2)); }
 DINL uint32_t load_meta_shared(const uint32_t* p, int lane) { return p[lane >> 2]; }
 #elif W4_NATURAL
-#define META_WORDS 36  // 144 bytes: 32 x 32-bit e bits (per lane), 8 x 16-bit E6M2 codes (per g)
+// 80 bytes: 16 x 32-bit e bits (one per lane pair t, t ^ 1: the same 4-groups), 8 x 16-bit E6M2 codes (per g)
+#define META_WORDS 20
 DINL MetaT load_meta_shared(const uint32_t* p, int lane) {
-  return MetaT{p[lane], (uint32_t)reinterpret_cast<const uint16_t*>(p)[64 + (lane >> 2)]};
+  return MetaT{p[lane >> 1], (uint32_t)reinterpret_cast<const uint16_t*>(p)[32 + (lane >> 2)]};
 }
 #else
 #define META_WORDS 20  // 80 bytes: 32 x 16-bit e bits (per lane), 8 x 16-bit E6M2 codes (per g)
