@@ -427,8 +427,8 @@ def natural_tile_override(text: str) -> dict:
 #: 43.8 us, the engine's 7B MXFP4 rows +2.6% (W4A16) / +3.5% (ResQ). HiF4's larger metadata (144 bytes per slab
 #: then) did not fit three (57.8 us), and takes two warpgroups per block with eight stages instead (fc1 52.0 -> 50.1,
 #: fc2 25.5 -> 24.3; engine +1.1-1.2%). Its metadata is 80 bytes now (one exponent word per lane pair), with which
-#: three blocks of seven stages fit: not yet measured. At 4 stages either format was 1.5-1.65x slower than at 6: the ring's depth is what
-#: the loop waits on.
+#: three blocks of seven stages fit: not yet measured. At 4 stages either format was 1.5-1.65x slower than at 6: the
+#: ring's depth is what the loop waits on.
 NATURAL_TILE_AT_64 = {0: dict(WGS=2, MINB=2, XST=8), 1: dict(WGS=1, MINB=3, XST=7)}
 #: ``MEGATRON_FP4_DECODE_NATURAL_TILE``'s keys: over every token bucket's tile
 _NATURAL_ENV = natural_tile_override(os.environ.get("MEGATRON_FP4_DECODE_NATURAL_TILE") or "{}")

@@ -129,7 +129,7 @@ PRODUCER 0 or 1"
 // WRING: the ring is XST stages of activations (STAGE_BYTES each, aligned to RALIGN: NATURAL 1024, the 128-byte
 // swizzle's period, else 128), then XST stages of weights: the slabs' codes (512 bytes each), then their metadata
 // (WSTAGE_BYTES, 128-byte aligned for the TMA). Stage s of both is one stage of the pipeline (one mbarrier).
-// Kept apart, neither pads the other to RALIGN: at 64 tokens a stage takes 10.1 KB (MXFP4) / 10.6 KB (HiF4), not 11.
+// Kept apart, neither pads the other to RALIGN: at 64 tokens a stage takes 10.1 KB (MXFP4) / 10.4 KB (HiF4), not 11.
 #define RALIGN (NATURAL ? 1024 : 128)
 #define WSTAGE_BYTES ((SLABS * (512 + META_BYTES) + 127) / 128 * 128)
 #define WRING0 (XST * STAGE_BYTES)  // WRING: the weights' first stage, in bytes from the ring's start
