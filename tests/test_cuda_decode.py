@@ -236,6 +236,30 @@ def test_natural_tile_per_token_bucket(monkeypatch):
     assert cd._balanced_split(18944 // 64, 56, 3 * 132, 56, cd._split_tail(64)) == 1
 
 
+def _ring_block_bytes(fmt_id: int, ntok: int, tile: dict) -> int:
+    """Shared memory one block of a natural tile takes on the SM, as w4_wgmma.cu lays its ring out: XST stages of
+    activations (NTOK x 64 bf16) and of the slabs' weights (512 bytes of codes + META_BYTES each, 128-byte aligned),
+    the 896-byte slack that aligns the ring to 1 KB, 128 bytes of static mbarriers, the 1 KB the driver reserves."""
+    slabs, meta = 4 * tile["WGS"], (80, 32)[fmt_id]
+    wstage = -(-slabs * (512 + meta) // 128) * 128
+    return tile["XST"] * (ntok * 128 + wstage) + 896 + 128 + 1024
+
+
+def test_natural_default_tiles_fit_their_blocks_per_sm():
+    """Every token bucket's default tile fits MINB blocks in an H100 / H200 SM's 233,472 bytes of shared memory (a
+    tile that does not runs fewer blocks, and slower: HiF4's three blocks of seven stages at 64 tokens with its
+    144-byte metadata of session 51 needed 234,624 bytes and ran 10-25% slower than six stages on an H100; MXFP4's,
+    223,872 bytes, ran 6.6% faster)."""
+    from megatron_fp4.kernels import cuda_decode as cd
+
+    for f in (0, 1):
+        for m in (8, 16, 32, 64):
+            tile = cd.natural_tile(None, m, f)
+            assert tile["MINB"] * _ring_block_bytes(f, m, tile) <= 233472, (f, m, tile)
+    assert 3 * _ring_block_bytes(1, 64, dict(WGS=1, XST=7)) == 223872  # MXFP4: measured to fit three
+    assert 3 * _ring_block_bytes(0, 64, dict(WGS=1, XST=7)) == 229248  # HiF4 with its 80-byte metadata: fits
+
+
 def test_prebuild_jobs(monkeypatch):
     """prebuild compiles each distinct set of nvcc defines once: natural tiles (given without KERNEL, as
     h200_checks.sh's prebuild_tests passes the GPU tests' NATURAL_GPU_TILES) resolve over NATURAL_TILE, per token
