@@ -170,11 +170,10 @@ def to_decode_layout(qt: QuantizedTensor, wide: bool = False, natural: bool = Fa
     be copied as they are (the NATURAL=1 tiles). A HiF4 lane then holds two micro-exponent groups per row and step
     (K 2t and 2t + 8 are 8 apart): 32 bits of exponent sums per lane instead of 16, the same for lanes t and t ^ 1,
     so that the metadata stores them once per lane pair (16 words, read at lane >> 1; 80 bytes as in the permuted
-    order's 32 x 16 bits), and its codes are
-    offset binary (:data:`_HIF4_OFFSET`), or with ``subnormal`` sign and magnitude placed as bf16 subnormals
-    (:func:`_hif4_subnormal_position`: fewer instructions per value; None, the default: where
-    :func:`hif4_subnormal_fits` and ``MEGATRON_FP4_DECODE_HIF4_SUBNORMAL`` is not 0). An MXFP4 word in natural order
-    holds its codes' bits where :data:`_MX_ROT`'s rotations read them, not as nibbles."""
+    order's 32 x 16 bits), and its codes are offset binary (:data:`_HIF4_OFFSET`), or with ``subnormal`` sign and
+    magnitude placed as bf16 subnormals (:func:`_hif4_subnormal_position`: fewer instructions per value; None, the
+    default: where :func:`hif4_subnormal_fits` and ``MEGATRON_FP4_DECODE_HIF4_SUBNORMAL`` is not 0). An MXFP4 word in
+    natural order holds its codes' bits where :data:`_MX_ROT`'s rotations read them, not as nibbles."""
     name = qt.fmt.name
     if name not in ("hif4", "mxfp4", "mxfp4_rceil") or qt.codes.dim() != 2:
         raise ValueError(f"to_decode_layout takes a 2-D HiF4/MXFP4 weight, got {name} {tuple(qt.codes.shape)}")

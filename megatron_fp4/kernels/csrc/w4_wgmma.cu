@@ -134,7 +134,6 @@ PRODUCER 0 or 1"
 #define WSTAGE_BYTES ((SLABS * (512 + META_BYTES) + 127) / 128 * 128)
 #define WRING0 (XST * STAGE_BYTES)  // WRING: the weights' first stage, in bytes from the ring's start
 #define RING_BYTES (XST * (STAGE_BYTES + (WRING ? WSTAGE_BYTES : 0)))
-#define XSTRIDE STAGE_BYTES  // bytes from one stage's activations to the next's
 static_assert(STAGE_BYTES % RALIGN == 0, "every stage's activations aligned");
 #if CLUSTER
 static_assert(NTOK / 2 * CONSUMERS * 4 <= RING_BYTES, "CLUSTER: the partial sums must fit the ring");
@@ -391,7 +390,7 @@ w4_wgmma_kernel(const uint4* __restrict__ codes, const uint32_t* __restrict__ me
     for (int c = 0; c < nch; ++c) {
       const int s = c % XST;
       if (c >= XST) bar_sync(EMPTY_BAR(s));
-      store_x(xr, xs + s * XSTRIDE, lane);
+      store_x(xr, xs + s * STAGE_BYTES, lane);
 #if WRING  // the stage is full once these arrivals and the consumers' copies' bytes are in
       __syncwarp();
       if (lane == 0) mbar_arrive_tx(full0 + s * 8, SLABS * (512 + META_BYTES));
@@ -506,10 +505,10 @@ w4_wgmma_kernel(const uint4* __restrict__ codes, const uint32_t* __restrict__ me
         // Every warpgroup issues its wgmmas (an idle one multiplies a clamped slab and stores nothing): a wgmma
         // under a thread-dependent branch makes ptxas serialize all of them.
 #if LEAN  // the descriptors by addition to the first stage's (the address field is bits 0-13, in 16-byte units)
-        const uint64_t stage = desc0 + (uint32_t)(cs * (XSTRIDE >> 4));
+        const uint64_t stage = desc0 + (uint32_t)(cs * (STAGE_BYTES >> 4));
 #define B_DESC(s) (stage + (s) * (STEP_ADV >> 4))
 #else
-        const uint32_t stage = xs0 + cs * XSTRIDE;
+        const uint32_t stage = xs0 + cs * STAGE_BYTES;
 #define B_DESC(s) b_desc(stage + (s) * STEP_ADV)
 #endif
         wgmma_fence();
