@@ -226,7 +226,7 @@ def test_natural_tile_per_token_bucket(monkeypatch):
         for m in (8, 16, 32):
             assert cd.natural_tile(None, m, f) == {**cd.NATURAL_TILE, "NATURAL": 1}
         assert cd.natural_tile(None, 64, f) == {**cd.NATURAL_TILE, **cd.NATURAL_TILE_AT_64[f], "NATURAL": 1}
-    assert cd.natural_tile(None, 64, 1)["WGS"] == 1 and cd.natural_tile(None, 64, 0)["XST"] == 8
+    assert cd.natural_tile(None, 64, 1)["WGS"] == 1 and cd.natural_tile(None, 64, 0)["XST"] == 7
     assert cd.natural_tile({"WGS": 2, "MINB": 2}, 64, 1)["WGS"] == 2
     monkeypatch.setattr(cd, "_NATURAL_ENV", {"WGS": 2, "CLUSTER": 1})
     assert cd.natural_tile(None, 64, 1)["WGS"] == 2 and cd.natural_tile(None, 16, 0)["CLUSTER"] == 1

@@ -424,11 +424,14 @@ def natural_tile_override(text: str) -> dict:
 #: -> 48.1). Session 51, an H100 (benchmarks/results/decode_h100_s51_ring.json, ..._xst7.json): with the weights' stages
 #: kept apart from the activations' (w4_wgmma.cu, WSTAGE_BYTES) a seventh stage fits three MXFP4 blocks: fc1 46.9 ->
 #: 43.8 us, the engine's 7B MXFP4 rows +2.6% (W4A16) / +3.5% (ResQ). HiF4's larger metadata (144 bytes per slab
-#: then) did not fit three (57.8 us), and takes two warpgroups per block with eight stages instead (fc1 52.0 -> 50.1,
-#: fc2 25.5 -> 24.3; engine +1.1-1.2%). Its metadata is 80 bytes now (one exponent word per lane pair), with which
-#: three blocks of seven stages fit: not yet measured. At 4 stages either format was 1.5-1.65x slower than at 6: the
-#: ring's depth is what the loop waits on.
-NATURAL_TILE_AT_64 = {0: dict(WGS=2, MINB=2, XST=8), 1: dict(WGS=1, MINB=3, XST=7)}
+#: then) did not fit three (57.8 us), and took two warpgroups per block with eight stages instead (fc1 52.0 -> 50.1,
+#: fc2 25.5 -> 24.3; engine +1.1-1.2%). Session 52, an H100: with its metadata at 80 bytes (one exponent word per lane
+#: pair) three HiF4 blocks of seven stages fit too, and win on the 1.5B MLP and attention weights (1536x17920 15.1 ->
+#: 12.7 us, 8960x1536 12.5 -> 11.1) and on 7B fc1 (48.3 -> 47.7; fc2 24.3 -> 25.3): the engine's HiF4 rows +3.3% / +5.1%
+#: (1.5B W4A16 / ResQ) and +1.4% / +1.7% (7B) (benchmarks/results/decode_h100_s52_sweep_1.5b.json,
+#: rollout_h100_s52_hif4_ab*.json). At 4 stages either format was 1.5-1.65x slower than at 6: the ring's depth is
+#: what the loop waits on.
+NATURAL_TILE_AT_64 = {0: dict(WGS=1, MINB=3, XST=7), 1: dict(WGS=1, MINB=3, XST=7)}
 #: ``MEGATRON_FP4_DECODE_NATURAL_TILE``'s keys: over every token bucket's tile
 _NATURAL_ENV = natural_tile_override(os.environ.get("MEGATRON_FP4_DECODE_NATURAL_TILE") or "{}")
 NATURAL_TILE.update(_NATURAL_ENV)
