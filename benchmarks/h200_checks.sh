@@ -35,6 +35,10 @@
 # The sglang-bench and rl-* parts need the SGLang 0.5.17 bundle in .sgl/ (bash ../shared/tools/build_sglang_bundle.sh
 # .sgl, ~54 MB; carry it with .whl/ in the same call: the machine goes back 30 s after a call).
 #
+# REQUIRE_H200=1 ends the part at once (status 3, before anything is installed or built) on a GPU that is not an
+# H200: a call that hunts for the H200's rows then costs the machine's start, not the part's minutes, when an H100
+# comes (the device tool's nvidia-h200 kind may give either).
+#
 # megatron-core comes from wheels carried in .whl/ (made beside the checkout, with pip access: pip download -q
 # --no-deps --only-binary=:all: --python-version 3.12 --implementation cp --platform manylinux_2_28_x86_64 -d .whl
 # megatron-core==0.16.1), installed once into /tmp/site (SITE_DIR: elsewhere). nvcc's builds
@@ -49,6 +53,13 @@ case "${1:-}" in train-tests | train-bench | decode-tests | decode-bench | issue
   rl-mismatch | decode-natural | decode-quantize | engine-bench | engine-pdl | sglang-bench) ;;
   *) echo "$usage" >&2; exit 2 ;;
 esac
+if [ -n "${REQUIRE_H200:-}" ]; then
+  gpu=$(nvidia-smi --query-gpu=name --format=csv,noheader 2> /dev/null | head -1 || true)
+  if [[ "$gpu" != *H200* ]]; then
+    echo "h200_checks.sh $1: REQUIRE_H200 is set and this GPU is '${gpu:-none found}': stopped" >&2
+    exit 3
+  fi
+fi
 SITE=${SITE_DIR:-/tmp/site}
 if [ ! -d "$SITE/megatron" ]; then
   if ! ls .whl/*.whl > /dev/null 2>&1; then

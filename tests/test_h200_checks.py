@@ -95,3 +95,25 @@ def test_a_failing_test_selection_does_not_end_the_part(tmp_path):
     assert "h200_checks.sh decode-tests: FAILED:" in r.stderr
     assert "pytest -m gpu tests/test_cuda_decode.py tests/test_rollout_static.py (exit 3)" in r.stderr
     assert "pytest tests/test_decode_ops.py" in r.stderr
+
+
+def test_require_h200_stops_at_once_on_another_gpu(tmp_path):
+    """REQUIRE_H200=1: on an H100 (a stand-in nvidia-smi) the part ends with status 3 before it installs or runs
+    anything, naming the GPU; on an H200 it goes on (here into decode-bench's benchmark, which a stand-in python3
+    records)."""
+    bin_dir, site, out = tmp_path / "bin", tmp_path / "site", tmp_path / "out"
+    for d in (bin_dir, site / "megatron", out):
+        d.mkdir(parents=True)
+    smi, py, log = bin_dir / "nvidia-smi", bin_dir / "python3", tmp_path / "python3.log"
+    py.write_text(f"#!/bin/sh\necho \"$*\" >> {log}\n")
+    py.chmod(0o755)
+    env = {**os.environ, "PATH": f"{bin_dir}:{os.environ['PATH']}", "SITE_DIR": str(site), "OUT": str(out),
+           "REQUIRE_H200": "1"}
+    for name, code in (("NVIDIA H100 80GB HBM3", 3), ("NVIDIA H200", 0)):
+        smi.write_text(f"#!/bin/sh\necho '{name}'\n")
+        smi.chmod(0o755)
+        r = subprocess.run(["bash", SCRIPT, "decode-bench"], capture_output=True, text=True, env=env, timeout=60)
+        assert r.returncode == code, (name, r.stderr[-1000:])
+        if code:
+            assert "REQUIRE_H200" in r.stderr and name in r.stderr and not log.exists()
+    assert "benchmarks/bench_kernels.py --decode" in log.read_text()
