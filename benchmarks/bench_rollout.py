@@ -134,13 +134,19 @@ def sglang_rows(a, shape: str, model, args, prompts, params, rows: list, save) -
         try:
             row = _sglang_row(a, shape, model, hf, p, prompts, params, sub)
         except torch.OutOfMemoryError as e:
-            row = dict(backend="sglang", shape=shape, precision=p.label, batch=a.batch, path="sglang",
+            row = dict(backend="sglang", shape=shape, precision=p.label, batch=a.batch, path=_sglang_path(a),
                        error=f"{type(e).__name__}: {str(e)[:300]}")
             print(f"sglang {shape} {p.label:28s} failed: {row['error']}", flush=True)
         gc.collect()  # this row's Engine handle and check tensors, before the next Engine starts
         torch.cuda.empty_cache()
         rows.append(row)
         save()
+
+
+def _sglang_path(a) -> str:
+    """An SGLang row's path: "sglang" on the triton attention backend (every row before session 52), else
+    "sglang+BACKEND", so that --append keeps the rows of both."""
+    return "sglang" if a.sglang_attention_backend == "triton" else f"sglang+{a.sglang_attention_backend}"
 
 
 def _sglang_row(a, shape, model, hf, p, prompts, params, sub) -> dict:
@@ -150,7 +156,8 @@ def _sglang_row(a, shape, model, hf, p, prompts, params, sub) -> dict:
     from megatron_fp4.rollout.sglang_engine import SGLangRolloutEngine
 
     t0 = time.perf_counter()
-    with SGLangRolloutEngine(hf, p, device="cuda", attention_backend="triton", sampling_backend="pytorch",
+    with SGLangRolloutEngine(hf, p, device="cuda", attention_backend=a.sglang_attention_backend,
+                             sampling_backend="pytorch",
                              grammar_backend="none", enable_memory_saver=False,
                              cuda_graph_max_bs_decode=max(a.batch, 8),  # no graphs above the batch
                              disable_prefill_cuda_graph=True) as engine:
@@ -179,7 +186,8 @@ def _sglang_row(a, shape, model, hf, p, prompts, params, sub) -> dict:
     n_tok = sum(len(s.token_ids) for s in samples)
     row = dict(backend="sglang", shape=shape, precision=p.label, batch=a.batch, prompt_len=a.prompt_len,
                new_tokens=a.new_tokens, tokens_per_s=n_tok / statistics.median(times),
-               seconds=statistics.median(times), seconds_all=times, generated_tokens=n_tok, path="sglang",
+               seconds=statistics.median(times), seconds_all=times, generated_tokens=n_tok, path=_sglang_path(a),
+               attention_backend=a.sglang_attention_backend,
                engine_start_s=start,
                prefix_cache="flushed before each generate",
                weight_sync_s=sync.total_seconds, tokens_per_s_after_sync=after_sync["tokens_per_s"],
@@ -240,6 +248,11 @@ def main() -> None:
     ap.add_argument("--backend", default="native", choices=("native", "sglang"),
                     help="native: the in-process engine; sglang: sglang.Engine with the megatron_fp4 plug-in (CUDA "
                          "GPU, SGLang, sgl-kernel)")
+    ap.add_argument("--sglang-attention-backend", default="triton", choices=("triton", "fa3", "flashinfer"),
+                    help="--backend sglang: the Engine's attention backend (triton: the issue's setting and every row "
+                         "before session 52; flashinfer: JIT-compiled on first use; fa3: SGLang's default on Hopper, "
+                         "not in the offline bundle, which leaves out its 342 MB library). The GEMMs are the same, so "
+                         "a faster attention raises the weights' share of a step, and with it what FP4 can win")
     ap.add_argument("--work-dir", default="/tmp/bench_rollout",
                     help="--backend sglang: where the random models are written as HF folders")
     ap.add_argument("--shapes", default="qwen2.5-1.5b")

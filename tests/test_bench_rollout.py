@@ -37,13 +37,13 @@ def test_sglang_rows_flush_the_prefix_cache_before_every_timed_generate(monkeypa
     import bench_rollout
     from megatron_fp4.rollout import sglang_engine
 
-    calls = []
+    calls, backends = [], []
 
     class Engine:
         last_generate_stats = {"seconds": 1.0, "tokens_per_s": 4.0}
 
         def __init__(self, *args, **kwargs):
-            pass
+            backends.append(kwargs["attention_backend"])
 
         def __enter__(self):
             return self
@@ -66,7 +66,7 @@ def test_sglang_rows_flush_the_prefix_cache_before_every_timed_generate(monkeypa
     monkeypatch.setattr(bench_rollout, "export_hf", lambda model, args, path: path)
     monkeypatch.setattr("megatron_fp4.rollout.teacher_forced_logprobs", lambda m, p, t, prec: [[-0.5, -0.25]] * len(p))
     a = types.SimpleNamespace(work_dir="/tmp/unused", profile=False, check_samples=2, batch=2, precisions="bf16",
-                              repeats=2, prompt_len=4, new_tokens=2)
+                              repeats=2, prompt_len=4, new_tokens=2, sglang_attention_backend="triton")
     model = types.SimpleNamespace(named_parameters=lambda: iter(()))
     from megatron_fp4.rollout.precision import get_weight_cache
 
@@ -78,6 +78,7 @@ def test_sglang_rows_flush_the_prefix_cache_before_every_timed_generate(monkeypa
     assert calls == ["generate", "flush", "generate", "flush", "generate", "sync", "generate"]
     assert rows[0]["prefix_cache"] == "flushed before each generate" and rows[0]["tokens_per_s"] == 4.0
     assert rows[0]["seconds_all"] == [1.0, 1.0]  # every timed generate, not only their median
+    assert backends == ["triton"] and rows[0]["path"] == "sglang" and rows[0]["attention_backend"] == "triton"
     assert saved == [1]
     # the teacher-forced check's FP4 weights are dropped before the next Engine (session 29: 96 GiB after two rows)
     assert len(get_weight_cache(model)) == 0 and "check_weights_freed_gib" in rows[0]
@@ -96,6 +97,12 @@ def test_sglang_rows_flush_the_prefix_cache_before_every_timed_generate(monkeypa
                               lambda: saved.append(len(rows)))
     assert saved == [1, 2] and "OutOfMemoryError" in rows[0]["error"] and "tokens_per_s" not in rows[0]
     assert rows[1]["precision"] == "bf16" and rows[1]["tokens_per_s"] == 4.0
+
+    # --sglang-attention-backend reaches the Engine, and its rows get their own path (--append keeps both)
+    monkeypatch.setattr(sglang_engine, "SGLangRolloutEngine", Engine)
+    a.precisions, a.sglang_attention_backend, rows = "bf16", "fa3", []
+    bench_rollout.sglang_rows(a, "qwen2.5-1.5b", model, None, [[5, 6, 7, 8]] * 2, None, rows, lambda: None)
+    assert backends[-1] == "fa3" and rows[0]["path"] == "sglang+fa3"
 
 
 def test_profile_short_names_say_what_torchs_templated_kernels_compute():
