@@ -173,7 +173,7 @@ case "$1" in
     prebuild_tests natural
     run_tests -m gpu tests/test_cuda_decode.py -k "natural_layout_bit_exact and WST"
     sweep=${SWEEP_WST:-'[{"WGS":1,"MINB":3,"XST":7},{"WGS":1,"MINB":3,"XST":5,"WST":14},{"WGS":1,"MINB":3,"XST":4,"WST":16},
-      {"WGS":1,"MINB":3,"XST":6,"WST":10},{"XST":6},{"XST":4,"WST":16},{"XST":5,"WST":12}]'}
+      {"WGS":1,"MINB":3,"XST":6,"WST":10},{"XST":6},{"XST":4,"WST":16},{"XST":4,"WST":22},{"XST":5,"WST":12}]'}
     python3 benchmarks/bench_kernels.py --decode --decode-sweep --decode-ms 16,64 \
       --shapes 3584x37888,18944x3584,1536x17920,8960x1536 --sweep-tiles "$sweep" --out "$results/decode_wst.json"
     python3 benchmarks/bench_rollout.py --backend native --shapes qwen2.5-7b --check-samples 64 \
