@@ -173,8 +173,15 @@ case "$1" in
     prebuild_tests natural
     export TEST_TIMEOUT=${TEST_TIMEOUT:-150}  # (a protocol bug hangs a kernel: then 150 s, not the call's 540)
     run_tests -m gpu tests/test_cuda_decode.py -k "natural_layout_bit_exact and WST"
-    sweep=${SWEEP_WST:-'[{"WGS":1,"MINB":3,"XST":7},{"WGS":1,"MINB":3,"XST":5,"WST":14},{"WGS":1,"MINB":3,"XST":4,"WST":16},
-      {"WGS":1,"MINB":3,"XST":6,"WST":10},{"XST":6},{"XST":4,"WST":16},{"XST":4,"WST":22},{"XST":5,"WST":12}]'}
+    if [ ${#failed[@]} -gt 0 ]; then  # (a wrong or hung WST kernel: no sweep, which would hang or fail the same way)
+      echo "h200_checks.sh decode-wst: WST's GPU tests failed; the sweep and the engine rows did not run" >&2
+      exit 1
+    fi
+    # one warpgroup, three blocks (the 64-token tile), then NATURAL_TILE's two warpgroups, two blocks (16 tokens)
+    wg1='{"WGS":1,"MINB":3,"XST":7},{"WGS":1,"MINB":3,"XST":5,"WST":14},{"WGS":1,"MINB":3,"XST":4,"WST":16}'
+    wg1+=',{"WGS":1,"MINB":3,"XST":6,"WST":10}'
+    wg2='{"XST":6},{"XST":4,"WST":16},{"XST":4,"WST":22},{"XST":5,"WST":12}'
+    sweep=${SWEEP_WST:-"[$wg1,$wg2]"}
     python3 benchmarks/bench_kernels.py --decode --decode-sweep --decode-ms 16,64 \
       --shapes 3584x37888,18944x3584,1536x17920,8960x1536 --sweep-tiles "$sweep" --out "$results/decode_wst.json"
     python3 benchmarks/bench_rollout.py --backend native --shapes qwen2.5-7b --check-samples 64 \

@@ -117,3 +117,31 @@ def test_require_h200_stops_at_once_on_another_gpu(tmp_path):
         if code:
             assert "REQUIRE_H200" in r.stderr and name in r.stderr and not log.exists()
     assert "benchmarks/bench_kernels.py --decode" in log.read_text()
+
+
+def test_decode_wst_stops_when_its_tests_fail(tmp_path):
+    """decode-wst with stand-ins (a python3 whose pytest fails): after WST's GPU tests fail, neither the sweep nor the
+    engine rows run (a hung or wrong WST kernel would hang or fail them too, and take the rest of the device call);
+    with the tests passing both run, the second with the WST tile in MEGATRON_FP4_DECODE_NATURAL_TILE."""
+    bin_dir, site, log = tmp_path / "bin", tmp_path / "site", tmp_path / "calls.log"
+    for d in (bin_dir, site / "megatron"):
+        d.mkdir(parents=True)
+    smi, py = bin_dir / "nvidia-smi", bin_dir / "python3"
+    smi.write_text("#!/bin/sh\necho 'stand-in GPU'\n")
+    env = {**os.environ, "PATH": f"{bin_dir}:{os.environ['PATH']}", "SITE_DIR": str(site), "OUT": str(tmp_path)}
+    for pytest_exit, code in ((3, 1), (0, 0)):
+        py.write_text(f'#!/bin/sh\necho "$* tile=$MEGATRON_FP4_DECODE_NATURAL_TILE" >> {log}\n'
+                      f'case "$1 $2" in "-m pytest") exit {pytest_exit};; esac\n')
+        for tool in (smi, py):
+            tool.chmod(0o755)
+        log.write_text("")
+        r = subprocess.run(["bash", SCRIPT, "decode-wst"], capture_output=True, text=True, env=env, timeout=120)
+        calls = log.read_text().splitlines()
+        assert r.returncode == code, r.stderr[-2000:]
+        ran = [c.split()[0] for c in calls]
+        if pytest_exit:
+            assert ran == ["-", "-m"] and "the sweep and the engine rows did not run" in r.stderr, calls
+        else:
+            assert ran == ["-", "-m", "benchmarks/bench_kernels.py", "benchmarks/bench_rollout.py",
+                           "benchmarks/bench_rollout.py"], calls
+            assert calls[-2].endswith("tile=") and calls[-1].endswith('tile={"XST":5,"WST":14}'), calls
