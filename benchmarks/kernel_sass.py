@@ -178,9 +178,9 @@ def cuda_case(fmt: str, BM: int, tile: dict, wide: bool) -> tuple:
 
     fmt_id, ntok = int(fmt == "mxfp4"), cd._ntok(BM)
     if not tile and cd.natural_layout():  # the default layout's tile, as w4_decode picks it (HiF4: the subnormal
-        tile = cd.natural_tile({"SUBN": 1}, ntok, fmt_id)  # codes, which a weight of values below ~3.5 takes)
+        tile = cd.natural_tile({"SUBN": 1}, ntok)  # codes, which a weight of values below ~3.5 takes)
     elif tile.get("NATURAL"):  # keys over the default natural tile's
-        tile = cd.natural_tile(tile, ntok, fmt_id)
+        tile = cd.natural_tile(tile, ntok)
     kernel, config = cd._choose(18944, 3584, ntok, tile or None, fmt_id)
     cfg = cd._tile(kernel, fmt_id, ntok, config)
     defines = cd._defines(kernel, fmt_id, wide, ntok, cfg)

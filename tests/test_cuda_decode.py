@@ -217,20 +217,19 @@ def test_natural_tile_override_names_the_variable_and_keys():
 
 
 def test_natural_tile_per_token_bucket(monkeypatch):
-    """64 tokens take NATURAL_TILE_AT_64's keys (per format) over NATURAL_TILE's; the environment's keys
+    """64 tokens take NATURAL_TILE_AT_64's keys (both formats) over NATURAL_TILE's; the environment's keys
     (MEGATRON_FP4_DECODE_NATURAL_TILE) go over both, a call's config over all."""
     from megatron_fp4.kernels import cuda_decode as cd
 
     monkeypatch.setattr(cd, "_NATURAL_ENV", {})
-    for f in (0, 1):
-        for m in (8, 16, 32):
-            assert cd.natural_tile(None, m, f) == {**cd.NATURAL_TILE, "NATURAL": 1}
-        assert cd.natural_tile(None, 64, f) == {**cd.NATURAL_TILE, **cd.NATURAL_TILE_AT_64[f], "NATURAL": 1}
-    assert cd.natural_tile(None, 64, 1)["WGS"] == 1 and cd.natural_tile(None, 64, 0)["XST"] == 7
-    assert cd.natural_tile({"WGS": 2, "MINB": 2}, 64, 1)["WGS"] == 2
+    for m in (8, 16, 32):
+        assert cd.natural_tile(None, m) == {**cd.NATURAL_TILE, "NATURAL": 1}
+    assert cd.natural_tile(None, 64) == {**cd.NATURAL_TILE, **cd.NATURAL_TILE_AT_64, "NATURAL": 1}
+    assert cd.natural_tile(None, 64)["WGS"] == 1 and cd.natural_tile(None, 64)["XST"] == 7
+    assert cd.natural_tile({"WGS": 2, "MINB": 2}, 64)["WGS"] == 2
     monkeypatch.setattr(cd, "_NATURAL_ENV", {"WGS": 2, "CLUSTER": 1})
-    assert cd.natural_tile(None, 64, 1)["WGS"] == 2 and cd.natural_tile(None, 16, 0)["CLUSTER"] == 1
-    assert cd.natural_tile({"WGS": 4}, 64, 0)["WGS"] == 4
+    assert cd.natural_tile(None, 64)["WGS"] == 2 and cd.natural_tile(None, 16)["CLUSTER"] == 1
+    assert cd.natural_tile({"WGS": 4}, 64)["WGS"] == 4
     # the split follows the tile: MXFP4's 64-row blocks, three per SM (132 SMs), a 7B gate or up weight (3584x18944),
     # 64 tokens
     assert cd._balanced_split(18944 // 64, 56, 3 * 132, 56, cd._split_tail(64)) == 1
@@ -261,7 +260,7 @@ def test_natural_default_tiles_fit_their_blocks_per_sm():
 
     for f in (0, 1):
         for m in (8, 16, 32, 64):
-            tile = cd.natural_tile(None, m, f)
+            tile = cd.natural_tile(None, m)
             assert tile["MINB"] * _ring_block_bytes(f, m, tile) <= 233472, (f, m, tile)
     assert 3 * _ring_block_bytes(1, 64, dict(WGS=1, XST=7)) == 223872  # MXFP4: measured to fit three
     assert 3 * _ring_block_bytes(0, 64, dict(WGS=1, XST=7)) == 229248  # HiF4 with its 80-byte metadata: fits
@@ -358,9 +357,9 @@ def test_wgmma_tiles_compile_without_spills_or_serialized_wgmmas(tmp_path):
     configs += [(f, 0, 64, t) for t in SWEEP_TILES if t.get("WGS") == 4 or t.get("NATURAL") and t["MINB"] < 3
                 for f in (0, 1)]
     configs += [(f, w, 16, cd.LARGE_M16_TILES[f]) for f, w in ((0, 0), (1, 0), (1, 1))]
-    configs += [(f, w, m, cd.natural_tile(None, m, f)) for f, w in ((0, 0), (1, 0), (1, 1)) for m in (8, 16, 32, 64)]
-    configs += [(0, 0, m, dict(cd.natural_tile(None, m, 0), SUBN=1)) for m in (8, 16, 32, 64)]  # HiF4's subnormal codes
-    configs += [(f, 0, m, cd.natural_tile(dict(XST=5, WST=12), m, f)) for f in (0, 1) for m in (16, 64)]  # WST's
+    configs += [(f, w, m, cd.natural_tile(None, m)) for f, w in ((0, 0), (1, 0), (1, 1)) for m in (8, 16, 32, 64)]
+    configs += [(0, 0, m, dict(cd.natural_tile(None, m), SUBN=1)) for m in (8, 16, 32, 64)]  # HiF4's subnormal codes
+    configs += [(f, 0, m, cd.natural_tile(dict(XST=5, WST=12), m)) for f in (0, 1) for m in (16, 64)]  # WST's
     builds = {tuple(sorted(cd._defines("wgmma", f, bool(w), m, cd._tile("wgmma", f, m, tile)).items()))
               for f, w, m, tile in configs}  # (a SPLIT override compiles nothing new)
     for defines in map(dict, sorted(builds)):

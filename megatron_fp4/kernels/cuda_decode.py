@@ -416,32 +416,32 @@ def natural_tile_override(text: str) -> dict:
     return tile
 
 
-#: :data:`NATURAL_TILE`'s keys that differ at 64 tokens (the rollout's decode batch), per format id. At 64 tokens a
-#: block reads 8 KB of activations per 64-value chunk against 2.1-2.6 KB of weights per 64 rows, so the ring's stages
-#: are mostly activations and shared memory caps how many are in flight. Session 39 (Nsight Compute on the H200:
+#: :data:`NATURAL_TILE`'s keys that differ at 64 tokens (the rollout's decode batch), both formats. At 64 tokens a block
+#: reads 8 KB of activations per 64-value chunk against 2.1-2.6 KB of weights per 64 rows, so the ring's stages are
+#: mostly activations and shared memory caps how many are in flight. Session 39 (Nsight Compute on the H200:
 #: latency-bound, 0.46-0.55 warps issued per scheduler and cycle) moved both formats to one warpgroup per block, three
-#: blocks per SM (benchmarks/results/decode_m64_tile_h100.json: 7B fc1 3584x37888 HiF4 57.5 -> 52.8 us, MXFP4 48.9
-#: -> 48.1). Session 51, an H100 (benchmarks/results/decode_h100_s51_ring.json, ..._xst7.json): with the weights' stages
+#: blocks per SM (benchmarks/results/decode_m64_tile_h100.json: 7B fc1 3584x37888 HiF4 57.5 -> 52.8 us, MXFP4 48.9 ->
+#: 48.1). Session 51, an H100 (benchmarks/results/decode_h100_s51_ring.json, ..._xst7.json): with the weights' stages
 #: kept apart from the activations' (w4_wgmma.cu, WSTAGE_BYTES) a seventh stage fits three MXFP4 blocks: fc1 46.9 ->
-#: 43.8 us, the engine's 7B MXFP4 rows +2.6% (W4A16) / +3.5% (ResQ). HiF4's larger metadata (144 bytes per slab
-#: then) did not fit three (57.8 us), and took two warpgroups per block with eight stages instead (fc1 52.0 -> 50.1,
-#: fc2 25.5 -> 24.3; engine +1.1-1.2%). Session 52, an H100: with its metadata at 80 bytes (one exponent word per lane
-#: pair) three HiF4 blocks of seven stages fit too, and win on the 1.5B MLP and attention weights (1536x17920 15.1 ->
-#: 12.7 us, 8960x1536 12.5 -> 11.1) and on 7B fc1 (48.3 -> 47.7; fc2 24.3 -> 25.3): the engine's HiF4 rows +3.3% / +5.1%
-#: (1.5B W4A16 / ResQ) and +1.4% / +1.7% (7B) (benchmarks/results/decode_h100_s52_sweep_1.5b.json,
-#: rollout_h100_s52_hif4_ab*.json). At 4 stages either format was 1.5-1.65x slower than at 6: the ring's depth is
-#: what the loop waits on.
-NATURAL_TILE_AT_64 = {0: dict(WGS=1, MINB=3, XST=7), 1: dict(WGS=1, MINB=3, XST=7)}
+#: 43.8 us, the engine's 7B MXFP4 rows +2.6% (W4A16) / +3.5% (ResQ). HiF4's larger metadata (144 bytes per slab then)
+#: did not fit three (57.8 us), and took two warpgroups per block with eight stages instead (a tile per format for one
+#: session; fc1 52.0 -> 50.1, fc2 25.5 -> 24.3; engine +1.1-1.2%). Session 52, an H100: with its metadata at 80 bytes
+#: (one exponent word per lane pair) three HiF4 blocks of seven stages fit too, and win on the 1.5B MLP and attention
+#: weights (1536x17920 15.1 -> 12.7 us, 8960x1536 12.5 -> 11.1) and on 7B fc1 (48.3 -> 47.7; fc2 24.3 -> 25.3): the
+#: engine's HiF4 rows +3.3% / +5.1% (1.5B W4A16 / ResQ) and +1.4% / +1.7% (7B)
+#: (benchmarks/results/decode_h100_s52_sweep_1.5b.json, rollout_h100_s52_hif4_ab*.json). At 4 stages either format was
+#: 1.5-1.65x slower than at 6: the ring's depth is what the loop waits on.
+NATURAL_TILE_AT_64 = dict(WGS=1, MINB=3, XST=7)
 #: ``MEGATRON_FP4_DECODE_NATURAL_TILE``'s keys: over every token bucket's tile
 _NATURAL_ENV = natural_tile_override(os.environ.get("MEGATRON_FP4_DECODE_NATURAL_TILE") or "{}")
 NATURAL_TILE.update(_NATURAL_ENV)
 
 
-def natural_tile(config: Optional[dict], ntok: int, fmt_id: int) -> dict:
-    """The tile a natural-order weight of format id ``fmt_id`` runs at ``ntok`` tokens (a token bucket: 8, 16, 32,
-    64): ``config``'s keys over the environment's (``MEGATRON_FP4_DECODE_NATURAL_TILE``), over
-    :data:`NATURAL_TILE_AT_64`'s at 64 tokens, over :data:`NATURAL_TILE`'s."""
-    return {**NATURAL_TILE, **(NATURAL_TILE_AT_64[fmt_id] if ntok == 64 else {}), **_NATURAL_ENV, **(config or {}),
+def natural_tile(config: Optional[dict], ntok: int) -> dict:
+    """The tile a natural-order weight runs at ``ntok`` tokens (a token bucket: 8, 16, 32, 64): ``config``'s keys
+    over the environment's (``MEGATRON_FP4_DECODE_NATURAL_TILE``), over :data:`NATURAL_TILE_AT_64`'s at 64 tokens,
+    over :data:`NATURAL_TILE`'s."""
+    return {**NATURAL_TILE, **(NATURAL_TILE_AT_64 if ntok == 64 else {}), **_NATURAL_ENV, **(config or {}),
             "NATURAL": 1}
 
 
@@ -524,13 +524,12 @@ def prebuild(tiles: Optional[list] = None, ntoks=(16, 64), workers: int = 0) -> 
     jobs = {job(kernel, f, w, m, None) for kernel in _SOURCES for f, w in ((0, 0), (1, 0), (1, 1))
             for m in (8, 16, 32, 64)}
     jobs |= {job("wgmma", f, w, 16, LARGE_M16_TILES[f]) for f, w in ((0, 0), (1, 0), (1, 1))}
-    jobs |= {job("wgmma", f, w, m, dict(natural_tile(None, m, f), SUBN=sub)) for f, w in ((0, 0), (1, 0), (1, 1))
+    jobs |= {job("wgmma", f, w, m, dict(natural_tile(None, m), SUBN=sub)) for f, w in ((0, 0), (1, 0), (1, 1))
              for m in (8, 16, 32, 64) for sub in (0, 1)}
     for t in tiles or []:
         for m in ntoks:  # a natural tile's KERNEL comes from NATURAL_TILE
-            for f in (0, 1):
-                tile = natural_tile(t, m, f) if t.get("NATURAL") else t
-                jobs |= {job(tile["KERNEL"], f, 0, m, dict(tile, SUBN=sub)) for sub in (0, 1)}
+            tile = natural_tile(t, m) if t.get("NATURAL") else t
+            jobs |= {job(tile["KERNEL"], f, 0, m, dict(tile, SUBN=sub)) for f in (0, 1) for sub in (0, 1)}
     from concurrent.futures import ThreadPoolExecutor
 
     with ThreadPoolExecutor(max_workers=workers or os.cpu_count() or 4) as ex:
@@ -593,7 +592,7 @@ def w4_decode(x: torch.Tensor, dw: DecodeWeight, config: Optional[dict] = None,
         if (config or {}).get("KERNEL", "wgmma") != "wgmma":
             raise ValueError(f"w4_decode: a natural-order weight needs the wgmma kernel, got {config}")
         # (SUBN: the weight's, not a tile's choice)
-        config = dict(natural_tile(config, ntok, dw.fmt_id), SUBN=int(dw.subnormal))
+        config = dict(natural_tile(config, ntok), SUBN=int(dw.subnormal))
     elif (config or {}).get("NATURAL"):
         raise ValueError("w4_decode: NATURAL=1 tiles read weights made by to_decode_layout(natural=True)")
     kernel, config = _choose(dw.n, dw.k, ntok, config, dw.fmt_id)
