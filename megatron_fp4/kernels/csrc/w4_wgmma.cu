@@ -236,6 +236,14 @@ DINL void tma_load_3d(uint32_t dst, const CUtensorMap* map, int x0, int x1, int 
       ::"r"(dst), "l"(reinterpret_cast<uint64_t>(map)), "r"(x0), "r"(x1), "r"(x2), "r"(bar) : "memory");
 }
 
+// WTMA: the block's slabs of chunk c (codes, then metadata) into the weight stage at dst, completing on bar (slabs
+// past S read as zeros: an idle warpgroup's, never stored)
+#define LOAD_SLABS(dst, c, bar)                                                 \
+  {                                                                             \
+    tma_load_3d((dst), &wmap, 0, (c), blockIdx.x * SLABS, (bar));               \
+    tma_load_3d((dst) + SLABS * 512, &mmap, 0, (c), blockIdx.x * SLABS, (bar)); \
+  }
+
 DINL void wgmma_fence() { asm volatile("wgmma.fence.sync.aligned;" ::: "memory"); }
 DINL void wgmma_commit() { asm volatile("wgmma.commit_group.sync.aligned;" ::: "memory"); }
 template <int N_>
@@ -395,15 +403,14 @@ w4_wgmma_kernel(const uint4* __restrict__ codes, const uint32_t* __restrict__ me
 #endif
 #if WST
   if (warp == CONSUMERS / 32 + 1) {  // the weight producer: chunk c's slabs into weight stage c % WST once every
-    // consumer thread has read chunk c - WST's words from it (the block's slabs; rows past S read as zeros)
+    // consumer thread has read chunk c - WST's words from it
     if (lane == 0) {
       const uint32_t wring = (uint32_t)__cvta_generic_to_shared(xs) + WRING0;
       for (int c = 0; c < nch; ++c) {
         const int s = c % WST;
         if (c >= WST) mbar_wait(wempty0 + s * 8, (c / WST - 1) & 1);
         mbar_arrive_tx(wfull0 + s * 8, SLABS * (512 + META_BYTES));
-        tma_load_3d(wring + s * WSTAGE_BYTES, &wmap, 0, c0 + c, blockIdx.x * SLABS, wfull0 + s * 8);
-        tma_load_3d(wring + s * WSTAGE_BYTES + SLABS * 512, &mmap, 0, c0 + c, blockIdx.x * SLABS, wfull0 + s * 8);
+        LOAD_SLABS(wring + s * WSTAGE_BYTES, c0 + c, wfull0 + s * 8);
       }
     }
     return;
@@ -420,10 +427,8 @@ w4_wgmma_kernel(const uint4* __restrict__ codes, const uint32_t* __restrict__ me
         const uint32_t ring = (uint32_t)__cvta_generic_to_shared(xs);
         mbar_arrive_tx(full0 + s * 8, STAGE_BYTES + (WST ? 0 : SLABS * (512 + META_BYTES)));
         tma_load_2d(ring + s * STAGE_BYTES, &xmap, (c0 + c) * 64, 0, full0 + s * 8);
-#if WTMA && !WST  // the block's slabs (rows past S read as zeros: an idle warpgroup's, never stored)
-        const uint32_t wdst = ring + WRING0 + s * WSTAGE_BYTES;
-        tma_load_3d(wdst, &wmap, 0, c0 + c, blockIdx.x * SLABS, full0 + s * 8);
-        tma_load_3d(wdst + SLABS * 512, &mmap, 0, c0 + c, blockIdx.x * SLABS, full0 + s * 8);
+#if WTMA && !WST  // the block's slabs
+        LOAD_SLABS(ring + WRING0 + s * WSTAGE_BYTES, c0 + c, full0 + s * 8);
 #endif
       }
     }
