@@ -50,18 +50,26 @@ def test_profile_target_refuses_bad_input_naming_the_flag():
         assert r.returncode == 2 and flag in r.stderr, (args, r.stderr[-300:])
 
 
+def _stand_ins(tmp_path, tools: dict, out=None) -> dict:
+    """Stand-in tools (name -> the shell script's body) first on PATH, a site folder that already holds megatron-core:
+    the environment h200_checks.sh runs with here (results into ``out``, else tmp_path). Called again, it rewrites
+    the tools it is given."""
+    bin_dir, site = tmp_path / "bin", tmp_path / "site"
+    for d in (bin_dir, site / "megatron"):
+        d.mkdir(parents=True, exist_ok=True)
+    for name, body in tools.items():
+        (bin_dir / name).write_text("#!/bin/sh\n" + body)
+        (bin_dir / name).chmod(0o755)
+    return {**os.environ, "PATH": f"{bin_dir}:{os.environ['PATH']}", "SITE_DIR": str(site), "OUT": str(out or tmp_path)}
+
+
 def test_decode_profile_runs_every_case_with_stand_in_tools(tmp_path):
     """decode-profile on a machine without a GPU: stand-ins for nvidia-smi and ncu (its report without the lines the
     summary greps for), a site folder that already holds megatron-core. Every case still runs and leaves its files:
     a grep that finds nothing must not end the script (set -e), as it did on the H200 after the first case."""
-    bin_dir, site, out = tmp_path / "bin", tmp_path / "site", tmp_path / "out"
-    for d in (bin_dir, site / "megatron", out):
-        d.mkdir(parents=True)
-    (bin_dir / "nvidia-smi").write_text("#!/bin/sh\necho 'stand-in GPU'\n")
-    (bin_dir / "ncu").write_text("#!/bin/sh\necho \"ncu stand-in $*\"\n")
-    for tool in ("nvidia-smi", "ncu"):
-        (bin_dir / tool).chmod(0o755)
-    env = {**os.environ, "PATH": f"{bin_dir}:{os.environ['PATH']}", "SITE_DIR": str(site), "OUT": str(out)}
+    out = tmp_path / "out"
+    out.mkdir()
+    env = _stand_ins(tmp_path, {"nvidia-smi": "echo 'stand-in GPU'\n", "ncu": "echo \"ncu stand-in $*\"\n"}, out)
     r = subprocess.run(["bash", SCRIPT, "decode-profile"], capture_output=True, text=True, env=env, timeout=120)
     assert r.returncode == 0, r.stderr[-2000:]
     cases = ["hif4_m16_null", "mxfp4_m16_null", "mxfp4_m64_wgmma", "mxfp4_m64_mma"]
@@ -80,14 +88,9 @@ def test_a_failing_test_selection_does_not_end_the_part(tmp_path):
     """decode-tests with stand-ins (nvidia-smi; a python3 whose pytest fails): both test selections and the benchmark
     after them still run, and the part ends with status 1 naming the failed selections (a device call tells all it
     can, not just the first failure)."""
-    bin_dir, site, log = tmp_path / "bin", tmp_path / "site", tmp_path / "calls.log"
-    for d in (bin_dir, site / "megatron"):
-        d.mkdir(parents=True)
-    (bin_dir / "nvidia-smi").write_text("#!/bin/sh\necho 'stand-in GPU'\n")
-    (bin_dir / "python3").write_text(f'#!/bin/sh\necho "$*" >> {log}\ncase "$1 $2" in "-m pytest") exit 3;; esac\n')
-    for tool in ("nvidia-smi", "python3"):
-        (bin_dir / tool).chmod(0o755)
-    env = {**os.environ, "PATH": f"{bin_dir}:{os.environ['PATH']}", "SITE_DIR": str(site), "OUT": str(tmp_path)}
+    log = tmp_path / "calls.log"
+    env = _stand_ins(tmp_path, {"nvidia-smi": "echo 'stand-in GPU'\n",
+                                "python3": f'echo "$*" >> {log}\ncase "$1 $2" in "-m pytest") exit 3;; esac\n'})
     r = subprocess.run(["bash", SCRIPT, "decode-tests"], capture_output=True, text=True, env=env, timeout=120)
     calls = log.read_text().splitlines()
     assert r.returncode == 1, r.stderr[-2000:]
@@ -101,17 +104,10 @@ def test_require_h200_stops_at_once_on_another_gpu(tmp_path):
     """REQUIRE_H200=1: on an H100 (a stand-in nvidia-smi) the part ends with status 3 before it installs or runs
     anything, naming the GPU; on an H200 it goes on (here into decode-bench's benchmark, which a stand-in python3
     records)."""
-    bin_dir, site, out = tmp_path / "bin", tmp_path / "site", tmp_path / "out"
-    for d in (bin_dir, site / "megatron", out):
-        d.mkdir(parents=True)
-    smi, py, log = bin_dir / "nvidia-smi", bin_dir / "python3", tmp_path / "python3.log"
-    py.write_text(f"#!/bin/sh\necho \"$*\" >> {log}\n")
-    py.chmod(0o755)
-    env = {**os.environ, "PATH": f"{bin_dir}:{os.environ['PATH']}", "SITE_DIR": str(site), "OUT": str(out),
-           "REQUIRE_H200": "1"}
+    log = tmp_path / "python3.log"
     for name, code in (("NVIDIA H100 80GB HBM3", 3), ("NVIDIA H200", 0)):
-        smi.write_text(f"#!/bin/sh\necho '{name}'\n")
-        smi.chmod(0o755)
+        env = dict(_stand_ins(tmp_path, {"nvidia-smi": f"echo '{name}'\n", "python3": f'echo "$*" >> {log}\n'}),
+                   REQUIRE_H200="1")
         r = subprocess.run(["bash", SCRIPT, "decode-bench"], capture_output=True, text=True, env=env, timeout=60)
         assert r.returncode == code, (name, r.stderr[-1000:])
         if code:
@@ -123,17 +119,11 @@ def test_decode_wst_stops_when_its_tests_fail(tmp_path):
     """decode-wst with stand-ins (a python3 whose pytest fails): after WST's GPU tests fail, neither the sweep nor the
     engine rows run (a hung or wrong WST kernel would hang or fail them too, and take the rest of the device call);
     with the tests passing both run, the second with the WST tile in MEGATRON_FP4_DECODE_NATURAL_TILE."""
-    bin_dir, site, log = tmp_path / "bin", tmp_path / "site", tmp_path / "calls.log"
-    for d in (bin_dir, site / "megatron"):
-        d.mkdir(parents=True)
-    smi, py = bin_dir / "nvidia-smi", bin_dir / "python3"
-    smi.write_text("#!/bin/sh\necho 'stand-in GPU'\n")
-    env = {**os.environ, "PATH": f"{bin_dir}:{os.environ['PATH']}", "SITE_DIR": str(site), "OUT": str(tmp_path)}
+    log = tmp_path / "calls.log"
     for pytest_exit, code in ((3, 1), (0, 0)):
-        py.write_text(f'#!/bin/sh\necho "$* tile=$MEGATRON_FP4_DECODE_NATURAL_TILE" >> {log}\n'
-                      f'case "$1 $2" in "-m pytest") exit {pytest_exit};; esac\n')
-        for tool in (smi, py):
-            tool.chmod(0o755)
+        env = _stand_ins(tmp_path, {"nvidia-smi": "echo 'stand-in GPU'\n",
+                                    "python3": f'echo "$* tile=$MEGATRON_FP4_DECODE_NATURAL_TILE" >> {log}\n'
+                                               f'case "$1 $2" in "-m pytest") exit {pytest_exit};; esac\n'})
         log.write_text("")
         r = subprocess.run(["bash", SCRIPT, "decode-wst"], capture_output=True, text=True, env=env, timeout=120)
         calls = log.read_text().splitlines()
