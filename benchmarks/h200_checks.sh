@@ -29,9 +29,9 @@
 #                 natural layout) and both kernels on the permuted layout at M = 64 (MXFP4):
 #                 throughput, memory, warp stall reasons, source counters (hardware counters: the Firecracker runtime)
 #   sglang-bench  bench_rollout.py --backend sglang (issue 19's rows): SHAPE (qwen2.5-7b), PRECISIONS
-#                 (bf16,w4a16/mxfp4,w4a16/hif4), BATCH (64), ATTN (the attention backend: triton; flashinfer; fa3 is not in the bundle) from
-#                 the environment, PROFILE=1 adds --profile (the Engine's kernels by family); about three Engines fit
-#                 one call
+#                 (bf16,w4a16/mxfp4,w4a16/hif4), BATCH (64), ATTN (the attention backend: triton; flashinfer; fa3 is
+#                 not in the bundle) from the environment, PROFILE=1 adds --profile (the Engine's kernels by family);
+#                 about three Engines fit one call
 #   rl-step       bench_rl_step.py: one GRPO step of the driver per rollout backend (issue 19's 5x target; the GPU
 #                 memory an SGLang Engine takes beside training)
 #   rl-mismatch   bench_rl_step.py: 20 GRPO steps, native engine vs SGLang (HiF4 W4A4 + ResQ), mismatch per step
