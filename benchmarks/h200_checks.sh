@@ -22,9 +22,6 @@
 #                 and the Triton tiles) (bench_kernels.py --decode-quantize), then their GPU tests
 #   decode-natural  the natural-K-order decode GEMM (the default layout): its GPU tests (CLUSTER's determinism too),
 #                 then its tiles (WTMA, CLUSTER, forced splits) against the default tile on 7B and 1.5B MLP shapes
-#   decode-wst    WST, the weights' own ring in the decode GEMM (written without a GPU): its GPU tests, a sweep of WST
-#                 tiles against the default ones (7B and 1.5B MLP weights, 16 and 64 tokens), the engine's 7B rows
-#                 without and with a WST tile
 #   decode-profile  Nsight Compute on the decode GEMM (a 7B MLP weight): the default tile at M = 16 (both formats;
 #                 natural layout) and both kernels on the permuted layout at M = 64 (MXFP4):
 #                 throughput, memory, warp stall reasons, source counters (hardware counters: the Firecracker runtime)
@@ -52,10 +49,9 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 usage="usage: bash benchmarks/h200_checks.sh train-tests|train-bench|decode-tests|decode-bench|issue20-rows"
-usage+="|decode-profile|rl-step|rl-mismatch|decode-natural|decode-wst|decode-quantize|engine-bench|engine-pdl"
-usage+="|sglang-bench"
+usage+="|decode-profile|rl-step|rl-mismatch|decode-natural|decode-quantize|engine-bench|engine-pdl|sglang-bench"
 case "${1:-}" in train-tests | train-bench | decode-tests | decode-bench | issue20-rows | decode-profile | rl-step | \
-  rl-mismatch | decode-natural | decode-wst | decode-quantize | engine-bench | engine-pdl | sglang-bench) ;;
+  rl-mismatch | decode-natural | decode-quantize | engine-bench | engine-pdl | sglang-bench) ;;
   *) echo "$usage" >&2; exit 2 ;;
 esac
 if [ -n "${REQUIRE_H200:-}" ]; then
@@ -166,28 +162,6 @@ case "$1" in
     python3 benchmarks/bench_kernels.py --decode --decode-sweep --sweep-keys NATURAL --decode-ms 16,32,64 \
       --shapes 3584x37888,18944x3584,3584x4608,3584x3584,1536x17920,8960x1536 \
       --out "$results/decode_natural_sweep_h200.json"
-    ;;
-  decode-wst)  # WST, the weights' own ring (session 52: written and ptxas-checked without a GPU): its GPU tests first
-    # (every WST tile bit-exact), then WST tiles against the default tiles at 16 and 64 tokens on the 7B and 1.5B MLP
-    # weights (SWEEP_WST: other tiles), then the engine's 7B rows without and with one (WST_TILE) in one JSON
-    prebuild_tests natural
-    export TEST_TIMEOUT=${TEST_TIMEOUT:-150}  # (a protocol bug hangs a kernel: then 150 s, not the call's 540)
-    run_tests -m gpu tests/test_cuda_decode.py -k "natural_layout_bit_exact and WST"
-    if [ ${#failed[@]} -gt 0 ]; then  # (a wrong or hung WST kernel: no sweep, which would hang or fail the same way)
-      echo "h200_checks.sh decode-wst: WST's GPU tests failed; the sweep and the engine rows did not run" >&2
-      exit 1
-    fi
-    # one warpgroup, three blocks (the 64-token tile), then NATURAL_TILE's two warpgroups, two blocks (16 tokens)
-    wg1='{"WGS":1,"MINB":3,"XST":7},{"WGS":1,"MINB":3,"XST":5,"WST":14},{"WGS":1,"MINB":3,"XST":4,"WST":16}'
-    wg1+=',{"WGS":1,"MINB":3,"XST":6,"WST":10}'
-    wg2='{"XST":6},{"XST":4,"WST":16},{"XST":4,"WST":22},{"XST":5,"WST":12}'
-    sweep=${SWEEP_WST:-"[$wg1,$wg2]"}
-    python3 benchmarks/bench_kernels.py --decode --decode-sweep --decode-ms 16,64 \
-      --shapes 3584x37888,18944x3584,1536x17920,8960x1536 --sweep-tiles "$sweep" --out "$results/decode_wst.json"
-    python3 benchmarks/bench_rollout.py --backend native --shapes qwen2.5-7b --check-samples 64 \
-      --out "$results/rollout_wst.json"
-    MEGATRON_FP4_DECODE_NATURAL_TILE=${WST_TILE:-'{"XST":5,"WST":14}'} python3 benchmarks/bench_rollout.py \
-      --backend native --shapes qwen2.5-7b --check-samples 64 --append --out "$results/rollout_wst.json"
     ;;
   decode-profile)  # the third launch of each case (the first builds the kernel); one text report per case:
     # M = 16 on the default tile (natural layout), both formats; M = 64 (the rollout's batch) on both kernels of the

@@ -16,9 +16,9 @@
 // with the 128-byte swizzle, one per chunk; the default layout, cuda_decode.NATURAL_TILE), -DCLUSTER (1, with WRING:
 // deterministic split-K through a thread-block cluster, see Split-K below), -DWTMA (1, with NATURAL: the producer
 // warp brings the block's weight codes and metadata by two 3-D TMAs per chunk beside the activations' one, so the
-// consumer warps issue no copies; NATURAL_TILE's since session 28), -DWST (N > 0, with WTMA: the weights get a ring of
-// their own, N stages, and a second producer warp; see below). XPAIR, WRING, NATURAL, CLUSTER, WTMA and WST are tile
-// keys: docs/PERFORMANCE.md (sessions 25-28, 52) has what each measured.
+// consumer warps issue no copies; NATURAL_TILE's since session 28). XPAIR, WRING, NATURAL, CLUSTER and WTMA are tile
+// keys: docs/PERFORMANCE.md (sessions 25-28) has what each measured (and, session 53, WST: a ring of the weights' own
+// with a second producer warp, 5-30% slower everywhere on an H100, removed).
 //
 // Each warpgroup owns one 64-row tile of W (four 16-row slabs of the decode layout, one per warp). Per 64-value chunk
 // of K a warp loads its slab's codes (one 16-byte load per lane), dequantizes them exactly into the BF16 A fragment of
@@ -51,15 +51,6 @@
 // swizzle: a token's 64 values in one 128-byte row, 8 rows per 1024-byte atom, rows past M zero-filled) and arrives
 // on the stage's mbarrier with its byte count; the wgmmas read B through swizzle-mode descriptors. Nothing is staged
 // through registers. HiF4 then needs two exponent factors per row and step (w4_device.h).
-// WST=N (with WTMA): the weights' stages leave the activations' pipeline. A consumer holds a combined stage from the
-// FETCH of its weights (DEPTH chunks ahead) until its wgmmas retire (one chunk behind): DEPTH + 2 stages, so with XST
-// stages the weights' TMAs ran only XST - DEPTH - 2 chunks ahead of the FETCH that waits for them (3 at 64 tokens with
-// 7 stages). With WST the weights have N stages of their own, a full and an empty mbarrier each, and a second producer
-// warp (the block's last) that refills a stage as soon as every consumer thread has read its words (they arrive on
-// its empty mbarrier right after the FETCH): the weights' TMAs run N - 1 chunks ahead of their FETCH. The activations
-// keep the XST stages, their named "empty" barriers and the first producer warp; their own mbarrier ("full") now
-// counts only their bytes, and a consumer waits for it before its wgmmas. Weight stages are 2.1-2.4 KB against 8 KB of
-// activations at 64 tokens, so the same shared memory holds a much deeper weight ring (e.g. 5 + 14 stages for 7).
 // The output is fp32, or with obf16 bf16 (the sums rounded to nearest even: torch's .to(bfloat16) of the fp32 result)
 // wherever each output is stored once (no atomic split-K).
 // Split-K: blockIdx.y takes chunks [y * cps, (y + 1) * cps); with gridDim.y > 1 partial sums are added atomically
@@ -110,14 +101,8 @@
 #ifndef WTMA
 #define WTMA 0
 #endif
-#ifndef WST
-#define WST 0
-#endif
 #if WTMA && !NATURAL
 #error "WTMA needs NATURAL (the producer's TMA path)"
-#endif
-#if WST && (!WTMA || CLUSTER || WST < DEPTH + 1)
-#error "WST needs WTMA (the weights' own producer), no CLUSTER, and WST >= DEPTH + 1 (DEPTH chunks fetched ahead)"
 #endif
 #if NATURAL && !WRING
 #error "NATURAL needs WRING"
@@ -136,8 +121,7 @@ PRODUCER 0 or 1"
 #include "w4_device.h"
 
 #define CONSUMERS (WGS * 128)                 // the warpgroups' threads
-#define BAR_THREADS (CONSUMERS + 32 * PRODUCER)  // + the (activations') producer warp: the named barriers' threads
-#define THREADS (BAR_THREADS + (WST ? 32 : 0))      // + WST's weight producer warp
+#define THREADS (CONSUMERS + 32 * PRODUCER)  // + the producer warp
 #define STAGERS (PRODUCER ? 32 : THREADS)    // threads that stage the activations
 #define STEP_BYTES (NTOK * 32)      // one k16 step of B: NTOK tokens x 16 bf16
 #define STAGE_BYTES (4 * STEP_BYTES)  // one 64-value chunk
@@ -145,14 +129,12 @@ PRODUCER 0 or 1"
 #define META_BYTES (META_WORDS * 4)
 // WRING: the ring is XST stages of activations (STAGE_BYTES each, aligned to RALIGN: NATURAL 1024, the 128-byte
 // swizzle's period, else 128), then XST stages of weights: the slabs' codes (512 bytes each), then their metadata
-// (WSTAGE_BYTES, 128-byte aligned for the TMA). Stage s of both is one stage of the pipeline (one mbarrier), or with
-// WST the weights' ring has WST stages of its own. Kept apart, neither pads the other to RALIGN: at 64 tokens a stage
-// takes 10.1 KB (MXFP4) / 10.4 KB (HiF4), not 11.
+// (WSTAGE_BYTES, 128-byte aligned for the TMA). Stage s of both is one stage of the pipeline (one mbarrier).
+// Kept apart, neither pads the other to RALIGN: at 64 tokens a stage takes 10.1 KB (MXFP4) / 10.4 KB (HiF4), not 11.
 #define RALIGN (NATURAL ? 1024 : 128)
 #define WSTAGE_BYTES ((SLABS * (512 + META_BYTES) + 127) / 128 * 128)
 #define WRING0 (XST * STAGE_BYTES)  // WRING: the weights' first stage, in bytes from the ring's start
-#define WSTAGES (WST ? WST : XST)  // the weights' stages
-#define RING_BYTES (XST * STAGE_BYTES + (WRING ? WSTAGES * WSTAGE_BYTES : 0))
+#define RING_BYTES (XST * (STAGE_BYTES + (WRING ? WSTAGE_BYTES : 0)))
 static_assert(STAGE_BYTES % RALIGN == 0, "every stage's activations aligned");
 #if CLUSTER
 static_assert(NTOK / 2 * CONSUMERS * 4 <= RING_BYTES, "CLUSTER: the partial sums must fit the ring");
@@ -205,9 +187,9 @@ DINL void wgmma_rs<64>(float* d, const uint32_t* a, uint64_t desc) {
       : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(desc));
 }
 
-// Named barriers (0 is __syncthreads'): the warps that arrive do not wait; BAR_THREADS threads complete one.
-DINL void bar_sync(int id) { asm volatile("bar.sync %0, %1;" ::"r"(id), "n"(BAR_THREADS) : "memory"); }
-DINL void bar_arrive(int id) { asm volatile("bar.arrive %0, %1;" ::"r"(id), "n"(BAR_THREADS) : "memory"); }
+// Named barriers (0 is __syncthreads'): the warps that arrive do not wait; THREADS threads complete one.
+DINL void bar_sync(int id) { asm volatile("bar.sync %0, %1;" ::"r"(id), "n"(THREADS) : "memory"); }
+DINL void bar_arrive(int id) { asm volatile("bar.arrive %0, %1;" ::"r"(id), "n"(THREADS) : "memory"); }
 
 // mbarriers (WRING) and the bulk copy that completes on one
 DINL void mbar_init(uint32_t bar, int count) {
@@ -235,14 +217,6 @@ DINL void tma_load_3d(uint32_t dst, const CUtensorMap* map, int x0, int x1, int 
       "cp.async.bulk.tensor.3d.shared::cluster.global.mbarrier::complete_tx::bytes [%0], [%1, {%2, %3, %4}], [%5];"
       ::"r"(dst), "l"(reinterpret_cast<uint64_t>(map)), "r"(x0), "r"(x1), "r"(x2), "r"(bar) : "memory");
 }
-
-// WTMA: the block's slabs of chunk c (codes, then metadata) into the weight stage at dst, completing on bar (slabs
-// past S read as zeros: an idle warpgroup's, never stored)
-#define LOAD_SLABS(dst, c, bar)                                                 \
-  {                                                                             \
-    tma_load_3d((dst), &wmap, 0, (c), blockIdx.x * SLABS, (bar));               \
-    tma_load_3d((dst) + SLABS * 512, &mmap, 0, (c), blockIdx.x * SLABS, (bar)); \
-  }
 
 DINL void wgmma_fence() { asm volatile("wgmma.fence.sync.aligned;" ::: "memory"); }
 DINL void wgmma_commit() { asm volatile("wgmma.commit_group.sync.aligned;" ::: "memory"); }
@@ -376,10 +350,6 @@ w4_wgmma_kernel(const uint4* __restrict__ codes, const uint32_t* __restrict__ me
   uint8_t* const xs = xs_raw + ((RALIGN - ((uint32_t)__cvta_generic_to_shared(xs_raw) & (RALIGN - 1))) & (RALIGN - 1));
   __shared__ __align__(8) uint64_t full[XST];
   const uint32_t full0 = (uint32_t)__cvta_generic_to_shared(full);
-#if WST
-  __shared__ __align__(8) uint64_t wbar[2 * WST];  // the weight stages' full, then empty mbarriers
-  const uint32_t wfull0 = (uint32_t)__cvta_generic_to_shared(wbar), wempty0 = wfull0 + WST * 8;
-#endif
 #else
   __shared__ __align__(128) uint8_t xs[XST * STAGE_BYTES];
 #endif
@@ -392,29 +362,8 @@ w4_wgmma_kernel(const uint4* __restrict__ codes, const uint32_t* __restrict__ me
   if (nch <= 0) return;  // block-uniform
 #if WRING
   if (threadIdx.x < XST) mbar_init(full0 + threadIdx.x * 8, NATURAL ? 1 : 32);  // the producer's arrivals
-#if WST  // full: the weight producer's arrival (and its TMAs' bytes); empty: every consumer thread's
-  if (threadIdx.x < WST) {
-    mbar_init(wfull0 + threadIdx.x * 8, 1);
-    mbar_init(wempty0 + threadIdx.x * 8, CONSUMERS);
-  }
-#endif
   asm volatile("fence.mbarrier_init.release.cluster;" ::: "memory");
   __syncthreads();
-#endif
-#if WST
-  if (warp == CONSUMERS / 32 + 1) {  // the weight producer: chunk c's slabs into weight stage c % WST once every
-    // consumer thread has read chunk c - WST's words from it
-    if (lane == 0) {
-      const uint32_t wring = (uint32_t)__cvta_generic_to_shared(xs) + WRING0;
-      for (int c = 0; c < nch; ++c) {
-        const int s = c % WST;
-        if (c >= WST) mbar_wait(wempty0 + s * 8, (c / WST - 1) & 1);
-        mbar_arrive_tx(wfull0 + s * 8, SLABS * (512 + META_BYTES));
-        LOAD_SLABS(wring + s * WSTAGE_BYTES, c0 + c, wfull0 + s * 8);
-      }
-    }
-    return;
-  }
 #endif
 #if PRODUCER
   if (warp == CONSUMERS / 32) {  // the producer: chunk c into stage c % XST once the wgmmas of chunk c - XST retired
@@ -425,10 +374,12 @@ w4_wgmma_kernel(const uint4* __restrict__ codes, const uint32_t* __restrict__ me
       if (c >= XST) bar_sync(EMPTY_BAR(s));
       if (lane == 0) {
         const uint32_t ring = (uint32_t)__cvta_generic_to_shared(xs);
-        mbar_arrive_tx(full0 + s * 8, STAGE_BYTES + (WST ? 0 : SLABS * (512 + META_BYTES)));
+        mbar_arrive_tx(full0 + s * 8, STAGE_BYTES + SLABS * (512 + META_BYTES));
         tma_load_2d(ring + s * STAGE_BYTES, &xmap, (c0 + c) * 64, 0, full0 + s * 8);
-#if WTMA && !WST  // the block's slabs
-        LOAD_SLABS(ring + WRING0 + s * WSTAGE_BYTES, c0 + c, full0 + s * 8);
+#if WTMA  // the block's slabs (rows past S read as zeros: an idle warpgroup's, never stored)
+        const uint32_t wdst = ring + WRING0 + s * WSTAGE_BYTES;
+        tma_load_3d(wdst, &wmap, 0, c0 + c, blockIdx.x * SLABS, full0 + s * 8);
+        tma_load_3d(wdst + SLABS * 512, &mmap, 0, c0 + c, blockIdx.x * SLABS, full0 + s * 8);
 #endif
       }
     }
@@ -478,23 +429,14 @@ w4_wgmma_kernel(const uint4* __restrict__ codes, const uint32_t* __restrict__ me
 #pragma unroll 1
   for (int kc = 0; kc < min(XST, nch); ++kc) COPY(kc);
 #endif
-// FETCH_AT(d, st, ph): from (weight) stage st once its mbarrier has completed phase parity ph; with WST the words
-// are then read: this thread's arrival on the stage's empty mbarrier lets the weight producer refill it
-#if WST
-#define WFULL0 wfull0
-#define WREAD(st) mbar_arrive(wempty0 + (st) * 8)
-#else
-#define WFULL0 full0
-#define WREAD(st)
-#endif
+// FETCH_AT(d, st, ph): from stage st once its mbarrier has completed phase parity ph
 #define FETCH_AT(d, st, ph)                                                  \
   {                                                                          \
-    mbar_wait(WFULL0 + (st) * 8, (ph));                                      \
+    mbar_wait(full0 + (st) * 8, (ph));                                       \
     wq[d] = *reinterpret_cast<const uint4*>(wsm + (st) * WSTAGE_BYTES);      \
     mq[d] = load_meta_shared(msm + (st) * (WSTAGE_BYTES / 4), lane);         \
-    WREAD(st);                                                               \
   }
-#define FETCH(d, rel, kc) FETCH_AT(d, (kc) % WSTAGES, ((kc) / WSTAGES) & 1)
+#define FETCH(d, rel, kc) FETCH_AT(d, (kc) % XST, ((kc) / XST) & 1)
 #define FETCH_NEXT(d) FETCH_AT(d, fs, fph)  // chunk kk + DEPTH (the ring indices below)
 #else
   const size_t unit = (size_t)min(slab, S - 1) * C + c0;
@@ -530,12 +472,8 @@ w4_wgmma_kernel(const uint4* __restrict__ codes, const uint32_t* __restrict__ me
   }
   uint32_t a[2][4][4];  // [chunk parity][k16 step][fragment register]
   // The ring's indices carried from chunk to chunk (no division per chunk): cs = kk % XST, ps = (kk - 1) % XST,
-  // fs = (kk + DEPTH) % WSTAGES and fph the parity of (kk + DEPTH) / WSTAGES (the phase its FETCH waits for); WST:
-  // cph the parity of kk / XST (the phase of the activations' mbarrier that chunk kk's wgmmas wait for).
-  int cs = 0, ps = XST - 1, fs = DEPTH % WSTAGES, fph = (DEPTH / WSTAGES) & 1;
-#if WST
-  int cph = 0;
-#endif
+  // fs = (kk + DEPTH) % XST and fph the parity of (kk + DEPTH) / XST (the phase its FETCH waits for).
+  int cs = 0, ps = XST - 1, fs = DEPTH % XST, fph = (DEPTH / XST) & 1;
 
   for (int k = 0; k < nch; k += DEPTH) {
 #pragma unroll
@@ -574,9 +512,6 @@ w4_wgmma_kernel(const uint4* __restrict__ codes, const uint32_t* __restrict__ me
         const uint32_t stage = xs0 + cs * STAGE_BYTES;
 #define B_DESC(s) b_desc(stage + (s) * STEP_ADV)
 #endif
-#if WST  // (without WST chunk kk's FETCH waited for its whole stage)
-        mbar_wait(full0 + cs * 8, cph);
-#endif
         wgmma_fence();
         pin(acc);
 #pragma unroll
@@ -592,13 +527,8 @@ w4_wgmma_kernel(const uint4* __restrict__ codes, const uint32_t* __restrict__ me
         if (kk >= 1 && kk - 1 + XST < nch) bar_arrive(EMPTY_BAR(ps));  // (the producer waits for it)
 #endif
         ps = cs;
-        if (++cs == XST) {
-          cs = 0;
-#if WST
-          cph ^= 1;
-#endif
-        }
-        if (++fs == WSTAGES) {
+        cs = cs + 1 == XST ? 0 : cs + 1;
+        if (++fs == XST) {
           fs = 0;
           fph ^= 1;
         }
@@ -613,8 +543,6 @@ w4_wgmma_kernel(const uint4* __restrict__ codes, const uint32_t* __restrict__ me
 #undef FETCH_AT
 #undef FETCH_NEXT
 #undef COPY
-#undef WFULL0
-#undef WREAD
   wgmma_wait<0>();
   pin(acc);
 #if CLUSTER
