@@ -22,9 +22,9 @@
 #                 and the Triton tiles) (bench_kernels.py --decode-quantize), then their GPU tests
 #   decode-natural  the natural-K-order decode GEMM (the default layout): its GPU tests (CLUSTER's determinism too),
 #                 then its tiles (WTMA, CLUSTER, forced splits) against the default tile on 7B and 1.5B MLP shapes
-#   decode-profile  Nsight Compute on the decode GEMM (a 7B MLP weight): the default tile at M = 16 (both formats;
-#                 natural layout) and both kernels on the permuted layout at M = 64 (MXFP4):
-#                 throughput, memory, warp stall reasons, source counters (hardware counters: the Firecracker runtime)
+#   decode-profile  Nsight Compute on the decode GEMM (the 7B fused gate + up weight, 3584x37888): the default tiles
+#                 at M = 16 and 64, both formats: throughput, memory, warp stall reasons, source counters (hardware
+#                 counters: the Firecracker runtime)
 #   sglang-bench  bench_rollout.py --backend sglang (issue 19's rows): SHAPE (qwen2.5-7b), PRECISIONS
 #                 (bf16,w4a16/mxfp4,w4a16/hif4), BATCH (64), ATTN (the attention backend: triton; flashinfer; fa3 is
 #                 not in the bundle) from the environment, PROFILE=1 adds --profile (the Engine's kernels by family);
@@ -163,11 +163,10 @@ case "$1" in
       --shapes 3584x37888,18944x3584,3584x4608,3584x3584,1536x17920,8960x1536 \
       --out "$results/decode_natural_sweep_h200.json"
     ;;
-  decode-profile)  # the third launch of each case (the first builds the kernel); one text report per case:
-    # M = 16 on the default tile (natural layout), both formats; M = 64 (the rollout's batch) on both kernels of the
-    # permuted layout, MXFP4
+  decode-profile)  # the third launch of each case (the first builds the kernel); one text report per case: the
+    # default tiles (natural layout) at M = 16 and at 64 (the rollout's batch), both formats
     # (DECODE_PROFILE_CASES: other cases, one "format M tile-json" per line)
-    cases=${DECODE_PROFILE_CASES:-$'hif4 16 null\nmxfp4 16 null\nmxfp4 64 {"KERNEL":"wgmma"}\nmxfp4 64 {"KERNEL":"mma"}'}
+    cases=${DECODE_PROFILE_CASES:-$'hif4 16 null\nmxfp4 16 null\nhif4 64 null\nmxfp4 64 null'}
     while IFS= read -r case; do
       read -r fmt m tile <<< "$case"
       name=decode_profile_${fmt}_m${m}_$(echo "$tile" | tr -dc 'a-z0-9')
@@ -175,7 +174,7 @@ case "$1" in
         --section MemoryWorkloadAnalysis --section WarpStateStats --section SchedulerStats --section Occupancy \
         --section SourceCounters --metrics "regex:smsp__average_warps_issue_stalled_.*_per_issue_active\.ratio" \
         --export "/tmp/$name" --force-overwrite python3 benchmarks/profile_decode.py --format "$fmt" \
-        --shape 3584x18944 --m "$m" --tile "$tile" > "$results/$name.log" 2>&1 || echo "ncu failed for $name (exit $?)"
+        --shape 3584x37888 --m "$m" --tile "$tile" > "$results/$name.log" 2>&1 || echo "ncu failed for $name (exit $?)"
       # the report's sections and stall metrics (text), and per SASS instruction its executions and warp stall
       # samples (CSV; the source page of the same report)
       ncu --import "/tmp/$name.ncu-rep" --page details > "$results/$name.txt" 2>&1 || true

@@ -72,7 +72,7 @@ def test_decode_profile_runs_every_case_with_stand_in_tools(tmp_path):
     env = _stand_ins(tmp_path, {"nvidia-smi": "echo 'stand-in GPU'\n", "ncu": "echo \"ncu stand-in $*\"\n"}, out)
     r = subprocess.run(["bash", SCRIPT, "decode-profile"], capture_output=True, text=True, env=env, timeout=120)
     assert r.returncode == 0, r.stderr[-2000:]
-    cases = ["hif4_m16_null", "mxfp4_m16_null", "mxfp4_m64_wgmma", "mxfp4_m64_mma"]
+    cases = ["hif4_m16_null", "mxfp4_m16_null", "hif4_m64_null", "mxfp4_m64_null"]
     assert r.stdout.count("== decode_profile_") == 4
     for case in cases:
         for suffix in (".log", ".txt", "_sass.csv"):
