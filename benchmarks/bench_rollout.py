@@ -251,8 +251,9 @@ def main() -> None:
     ap.add_argument("--sglang-attention-backend", default="triton", choices=("triton", "fa3", "flashinfer"),
                     help="--backend sglang: the Engine's attention backend (triton: the issue's setting and every row "
                          "before session 52; flashinfer: JIT-compiled on first use; fa3: SGLang's default on Hopper, "
-                         "not in the offline bundle, which leaves out its 342 MB library). The GEMMs are the same, so "
-                         "a faster attention raises the weights' share of a step, and with it what FP4 can win")
+                         "not in the offline bundle, which leaves out its 342 MB library). The GEMMs are the same; on "
+                         "an H100 (session 53, 7B, batch 64) flashinfer ran SGLang's BF16 4%% slower than triton and "
+                         "our FP4 rows as fast")
     ap.add_argument("--work-dir", default="/tmp/bench_rollout",
                     help="--backend sglang: where the random models are written as HF folders")
     ap.add_argument("--shapes", default="qwen2.5-1.5b")
