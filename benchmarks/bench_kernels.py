@@ -472,8 +472,10 @@ def bench_decode(shapes, ms_list=(16, 64), sweep=False, sweep_keys=None, sweep_t
                         except Exception as e:  # noqa: BLE001
                             ms = float("nan")
                             print("  config failed", cfg, type(e).__name__, str(e)[:300], flush=True)
-                        sweep_rows.append({"K": K, "N": N, "M": M, "fmt": fmt, **cfg, "us": ms * 1e3})
-                        print(f"  cuda decode sweep {fmt} {K}x{N} M={M} {cfg}: {ms * 1e3:.1f} us", flush=True)
+                        # (the tile as the kernel ran it: a natural one over its token bucket's default)
+                        tile = cd.natural_tile(cfg, cd._ntok(M)) if cfg.get("NATURAL") else cfg
+                        sweep_rows.append({"K": K, "N": N, "M": M, "fmt": fmt, **tile, "us": ms * 1e3})
+                        print(f"  cuda decode sweep {fmt} {K}x{N} M={M} {tile}: {ms * 1e3:.1f} us", flush=True)
             rows.append(res)
             base = res["cublas_bf16"]["ms"]
             print(f"  K={K} N={N} M={M}: " + " ".join(
@@ -554,8 +556,10 @@ def _decode_ms(p: argparse.ArgumentParser, args) -> list:
 
 
 def _sweep_tiles(p, text):
-    """``--sweep-tiles``' JSON list as full natural tiles (each object's keys over :data:`_NAT`), or None; a parser
-    error naming the option and the allowed keys on anything else."""
+    """``--sweep-tiles``' JSON list as natural tiles (each object's keys with NATURAL=1: at each token count over that
+    bucket's default tile, :func:`~megatron_fp4.kernels.cuda_decode.natural_tile`, as the engine runs it; at 64
+    tokens :data:`~megatron_fp4.kernels.cuda_decode.NATURAL_TILE_AT_64`'s keys too), or None; a parser error naming
+    the option and the allowed keys on anything else."""
     if not text:
         return None
     from megatron_fp4.kernels import cuda_decode as cd
@@ -564,7 +568,7 @@ def _sweep_tiles(p, text):
         items = json.loads(text)
         if not isinstance(items, list) or not items:
             raise ValueError("not a non-empty JSON list")
-        return [{**_NAT, **cd.natural_tile_override(json.dumps(t))} for t in items]
+        return [dict(cd.natural_tile_override(json.dumps(t)), NATURAL=1) for t in items]
     except ValueError as e:
         p.error(f"--sweep-tiles takes a JSON list of objects with integer keys among "
                 f"{', '.join(cd.NATURAL_TILE_KEYS)}, got {text!r} ({e})")
@@ -588,8 +592,9 @@ def main():
                                         "NATURAL,WRING (then on every shape, not only the 7B MLP ones)")
     p.add_argument("--sweep-tiles", metavar="JSON",
                    help="with --decode-sweep: sweep these natural-layout tiles instead, on every shape: a JSON list of "
-                        "objects over NATURAL_TILE's keys (those MEGATRON_FP4_DECODE_NATURAL_TILE takes), e.g. "
-                        "'[{\"WGS\": 1, \"MINB\": 3}]'")
+                        "objects over NATURAL_TILE's keys (those MEGATRON_FP4_DECODE_NATURAL_TILE takes), each over the "
+                        "token count's default tile (at 64 tokens one warpgroup, three blocks, seven stages), e.g. "
+                        "'[{\"SPLIT\": 2}, {\"WGS\": 2, \"XST\": 6, \"MINB\": 2}]'")
     p.add_argument("--decode-ms", default="16,64",
                    help="with --decode or --decode-quantize: token counts (comma-separated, 1..64)")
     p.add_argument("--decode-quantize", action="store_true",

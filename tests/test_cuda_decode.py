@@ -235,6 +235,25 @@ def test_natural_tile_per_token_bucket(monkeypatch):
     assert cd._balanced_split(18944 // 64, 56, 3 * 132, 56, cd._split_tail(64)) == 1
 
 
+def test_sweep_tiles_run_over_each_token_buckets_default(monkeypatch):
+    """bench_kernels --sweep-tiles' objects go over the default tile of each token count, as the engine runs it: a
+    forced split at 64 tokens times the one-warpgroup, seven-stage tile (session 54's first 64-token split sweep timed
+    the 16-token tile there, since the objects went over NATURAL_TILE alone); a bad object is a parser error naming
+    the option."""
+    import argparse
+
+    from benchmarks.bench_kernels import _sweep_tiles
+    from megatron_fp4.kernels import cuda_decode as cd
+
+    monkeypatch.setattr(cd, "_NATURAL_ENV", {})
+    p = argparse.ArgumentParser()
+    (tile,) = _sweep_tiles(p, '[{"SPLIT": 3}]')
+    assert cd.natural_tile(tile, 64) == {**cd.NATURAL_TILE, **cd.NATURAL_TILE_AT_64, "SPLIT": 3, "NATURAL": 1}
+    assert cd.natural_tile(tile, 16) == {**cd.NATURAL_TILE, "SPLIT": 3, "NATURAL": 1}
+    with pytest.raises(SystemExit):
+        _sweep_tiles(p, '[{"SPLT": 3}]')
+
+
 def _ring_block_bytes(fmt_id: int, ntok: int, tile: dict) -> int:
     """Shared memory one block of a natural tile takes on the SM, as w4_wgmma.cu lays its ring out: XST stages of
     activations (NTOK x 64 bf16) and of the slabs' weights (512 bytes of codes + META_BYTES each, 128-byte aligned),
