@@ -213,7 +213,7 @@ def test_natural_tile_override_names_the_variable_and_keys():
     # a cluster is at most 8 blocks: the balanced split is capped there
     from megatron_fp4.kernels.cuda_decode import _balanced_split
 
-    assert _balanced_split(28, 296, 264) == 9 and _balanced_split(28, 296, 264, 8) == 8
+    assert _balanced_split(28, 296, 132, 2, 0, 2) == 9 and _balanced_split(28, 296, 132, 2, 8, 2) == 8
 
 
 def test_natural_tile_per_token_bucket(monkeypatch):
@@ -230,9 +230,8 @@ def test_natural_tile_per_token_bucket(monkeypatch):
     monkeypatch.setattr(cd, "_NATURAL_ENV", {"WGS": 2, "CLUSTER": 1})
     assert cd.natural_tile(None, 64)["WGS"] == 2 and cd.natural_tile(None, 16)["CLUSTER"] == 1
     assert cd.natural_tile({"WGS": 4}, 64)["WGS"] == 4
-    # the split follows the tile: MXFP4's 64-row blocks, three per SM (132 SMs), a 7B gate or up weight (3584x18944),
-    # 64 tokens
-    assert cd._balanced_split(18944 // 64, 56, 3 * 132, 56, cd._split_tail(64)) == 1
+    # the split follows the tile: 64-row blocks, three per SM (132 SMs), a 7B gate or up weight (3584x18944), 64 tokens
+    assert cd._balanced_split(18944 // 64, 56, 132, 3, 56, cd._split_tail(64)) == 1
 
 
 def test_sweep_tiles_run_over_each_token_buckets_default(monkeypatch):
@@ -323,18 +322,29 @@ def test_decode_kernel_choice_and_split():
     assert cd._choose(18944, 3584, 16, None, 0) == ("wgmma", cd.LARGE_M16_TILES[0]) and cd.LARGE_M16_TILES[0]["LEAN"]
     assert cd._choose(18944, 3584, 64, None, 0) == ("mma", None) and cd._choose(8960, 1536, 16, None, 0) == ("wgmma", None)
     assert cd._choose(18944, 3584, 16, {"KERNEL": "mma"}, 0) == ("mma", {"KERNEL": "mma"})
-    # whole waves: 148 row blocks x 56 chunks on 264 slots: not 2 splits (296 blocks, a second wave of 32)
-    assert cd._balanced_split(148, 56, 264) == 7
-    assert cd._balanced_split(28, 296, 264) == 9  # one wave of 252 blocks
-    assert cd._balanced_split(300, 4, 600) == 2 and cd._balanced_split(4, 1, 264) == 1
-    # at 64 tokens each block's epilogue adds 4x the outputs of 16 tokens' atomically: fewer splits
-    assert cd._balanced_split(148, 56, 264, tail=8) == 3 and cd._balanced_split(28, 296, 264, tail=8) == 9
-    # the tail as w4_decode passes it, and the splits it gives the engine's weights (session 28's measured bests on
-    # 7B fc1, 296 row blocks x 56 chunks; 1.5B fc1, 140 x 24; 7B fc2 unchanged, 28 x 296)
-    assert [cd._split_tail(n) for n in (8, 16, 32, 64)] == [1, 2, 8, 32]
-    assert [cd._balanced_split(296, 56, 264, tail=cd._split_tail(n)) for n in (16, 32, 64)] == [4, 2, 1]
-    assert [cd._balanced_split(140, 24, 264, tail=cd._split_tail(n)) for n in (16, 32, 64)] == [3, 1, 1]
-    assert [cd._balanced_split(28, 296, 264, tail=cd._split_tail(n)) for n in (16, 32, 64)] == [9, 9, 9]
+    # whole waves: 148 row blocks x 56 chunks on 132 SMs of 2 blocks: not 2 splits (296 blocks, a second wave of 32)
+    assert cd._balanced_split(148, 56, 132, 2, tail=2) == 7
+    assert cd._balanced_split(28, 296, 132, 2, tail=2) == 9  # one wave of 252 blocks
+    assert cd._balanced_split(300, 4, 300, 2, tail=2) == 2 and cd._balanced_split(4, 1, 132, 2) == 1
+    # a longer epilogue (more tokens' outputs added atomically per block): fewer splits
+    assert cd._balanced_split(148, 56, 132, 2, tail=8) == 3
+    # a wave of fewer than SPLIT_OVERLAP blocks per SM is not faster: 296 blocks on 132 SMs of three (session 54)
+    # take one split, not 4 splits' three waves of 1,184 short blocks
+    assert cd._balanced_split(296, 56, 132, 3, tail=16) == 1 and cd._balanced_split(296, 56, 132, 2, tail=16) == 2
+    # the tail as w4_decode passes it and the splits it gives the engine's weights (row blocks, chunks) at 16, 32 and
+    # 64 tokens with the default tiles (two warpgroups, then one at 64; three, two, three blocks per SM): session 54's
+    # measured best split on an H100 of each (benchmarks/results/decode_h100_s54_split_*.json), except qkv at 32
+    # (6 measured, 7 not) and 1.5B fc2 at 64 (9 and 12 measured within 2%, 11 not), the model's own
+    assert [cd._split_tail(n) for n in (8, 16, 32, 64)] == [8, 16, 32, 64]
+    picks = {}
+    for ntok, resident, wgs in ((16, 3, 2), (32, 2, 2), (64, 3, 1)):
+        for name, (n, k) in dict(qkv=(4608, 3584), proj=(3584, 3584), fc1_7b=(37888, 3584), fc2_7b=(3584, 18944),
+                                 fc1_15b=(17920, 1536), fc2_15b=(1536, 8960)).items():
+            row_blocks, chunks = -(-n // (64 * wgs)), k // 64
+            split = cd._balanced_split(row_blocks, chunks, 132, resident, tail=cd._split_tail(ntok))
+            picks.setdefault(name, []).append(-(-chunks // -(-chunks // split)))  # as w4_decode rounds it
+    assert picks == dict(qkv=[7, 7, 3], proj=[8, 8, 4], fc1_7b=[1, 1, 1], fc2_7b=[14, 9, 7], fc1_15b=[2, 1, 1],
+                         fc2_15b=[20, 20, 11])
     qt = get_format("hif4").quantize(torch.randn(16, 64), dim=-1)
     with pytest.raises(ValueError, match="allowed values: 'mma', 'wgmma'"):
         cd.w4_decode(torch.zeros(2, 64, dtype=torch.bfloat16), to_decode_layout(qt), config={"KERNEL": "tma"})
@@ -514,12 +524,27 @@ def test_gpu_natural_layout_bit_exact(name, tile):
 
 
 @pytest.mark.gpu
+def test_gpu_default_tiles_blocks_per_sm():
+    """The occupancy API on the built kernels: every token bucket's default tile runs at least its MINB blocks per SM
+    (what its registers were budgeted for and the split-K counted before session 54), and at 8-16 tokens three,
+    where its 66 registers and 42.7 KB ring leave room (the split-K counts them now)."""
+    cd = _cuda_ready()
+    for f, w in ((0, False), (1, False), (1, True)):
+        for m in (8, 16, 32, 64):
+            cfg = cd._tile("wgmma", f, m, dict(cd.natural_tile(None, m), SUBN=int(f == 0)))
+            blocks = cd.blocks_per_sm(f, w, m, cfg)
+            assert blocks >= cfg["MINB"], (f, w, m, blocks)
+            if m <= 16:
+                assert blocks == 3, (f, w, m, blocks)
+
+
+@pytest.mark.gpu
 @pytest.mark.parametrize("name", ["hif4", "mxfp4"])
 def test_gpu_cluster_split_k_is_deterministic(name):
     """CLUSTER=1: the same bits on every run (the split blocks sum in rank order, no atomics), where the atomic
     split-K of the same tile differs in the last bits between runs."""
     cd = _cuda_ready()
-    N, K = 3584, 18944  # a 7B MLP weight (down_proj): split 8 at 64 tokens
+    N, K = 3584, 18944  # a 7B MLP weight (down_proj): a split-K at 64 tokens (7 of the cluster's 8 at most)
     qt = get_format(name).quantize((torch.randn(N, K, device="cuda") * 0.02).to(torch.bfloat16), dim=-1)
     dw = to_decode_layout(qt, _wide(qt), natural=True)
     x = torch.randn(64, K, device="cuda").to(torch.bfloat16)

@@ -33,7 +33,7 @@ from typing import Optional
 import torch
 
 from megatron_fp4.kernels import _nvcc
-from megatron_fp4.kernels._common import pdl_enabled, switch_on
+from megatron_fp4.kernels._common import pdl_enabled, sm_count, switch_on
 from megatron_fp4.formats import QuantizedTensor
 
 __all__ = ["DecodeWeight", "to_decode_layout", "decode_layout_dequantize", "available", "w4_decode",
@@ -513,6 +513,25 @@ def build(kernel: str, fmt_id: int, wide: bool, ntok: int, cfg: dict):
     return _nvcc.launcher(_SOURCES[kernel], _defines(kernel, fmt_id, wide, ntok, cfg), _SYMBOLS[kernel], _ARGTYPES)
 
 
+@functools.lru_cache(maxsize=None)
+def _blocks_per_sm(defines: tuple, device: int) -> int:
+    fn = _nvcc.launcher(_SOURCES["wgmma"], dict(defines), "w4_wgmma_blocks_per_sm", [ctypes.POINTER(ctypes.c_int)])
+    blocks = ctypes.c_int(0)
+    with torch.cuda.device(device):
+        err = fn(ctypes.byref(blocks))
+    if err or blocks.value < 1:
+        raise RuntimeError(f"w4_wgmma_blocks_per_sm failed (cudaError {err}, {blocks.value} blocks) for {dict(defines)}")
+    return blocks.value
+
+
+def blocks_per_sm(fmt_id: int, wide: bool, ntok: int, cfg: dict, device: int = 0) -> int:
+    """How many blocks of the wgmma kernel built for ``cfg`` (a whole tile, as :func:`_tile` returns it) an SM of CUDA
+    ``device`` runs at once: the occupancy API on the built kernel (registers, shared memory, threads). It may exceed
+    the tile's MINB, ``__launch_bounds__``' floor: the default tile at 8-16 tokens, budgeted for two, runs three
+    (66 registers). Cached per configuration and device."""
+    return _blocks_per_sm(tuple(sorted(_defines("wgmma", fmt_id, wide, ntok, cfg).items())), device)
+
+
 def prebuild(tiles: Optional[list] = None, ntoks=(16, 64), workers: int = 0) -> int:
     """Compile configurations in parallel ahead of use: both kernels' default tiles and :data:`NATURAL_TILE` (the
     default layout's) for both formats, the wide MXFP4 variant and every token bucket, plus ``tiles`` (dicts with
@@ -537,27 +556,34 @@ def prebuild(tiles: Optional[list] = None, ntoks=(16, 64), workers: int = 0) -> 
     return len(jobs)
 
 
+#: Blocks an SM overlaps at no cost to each other (:func:`_balanced_split`): a wave of resident blocks takes at least
+#: this many blocks' time, however few of them the SM holds.
+SPLIT_OVERLAP = 2.5
+
+
 @functools.lru_cache(maxsize=None)
-def _balanced_split(row_blocks: int, chunks: int, slots: int, most: int = 0, tail: int = 2) -> int:
-    """Split-K for ``row_blocks`` x split blocks on ``slots`` resident blocks: the fewest splits (at most ``most``
-    when given) that minimize waves x (chunks per block + ``tail``, its pipeline fill and epilogue, in chunks): a
-    second, nearly empty wave of blocks costs as much as the first. The epilogue adds the block's outputs atomically
-    (or stores its split's partial sums), so its cost grows with the tokens: :func:`w4_decode` passes
-    :func:`_split_tail`."""
+def _balanced_split(row_blocks: int, chunks: int, sms: int, resident: int, most: int = 0, tail: int = 16) -> int:
+    """Split-K for ``row_blocks`` x split blocks on ``sms`` SMs that each run ``resident`` blocks at once: the fewest
+    splits (at most ``most`` when given) that minimize max(blocks on the busiest SM, :data:`SPLIT_OVERLAP` x waves)
+    x (chunks per block + ``tail``, its pipeline fill and epilogue, in chunks). An SM's blocks share its memory
+    throughput, but up to about 2.5 of them overlap (one alone keeps too few bytes in flight), so a wave of fewer
+    blocks than that per SM is not proportionally faster, and a second, nearly empty wave costs as much as the first.
+    The epilogue adds the block's outputs atomically (or stores its split's partial sums), so its cost grows with the
+    tokens: :func:`w4_decode` passes :func:`_split_tail`. Fitted to session 54's sweep of forced splits on an H100
+    (benchmarks/results/decode_h100_s54_split_*.json: the 7B and 1.5B MLP and attention weights at 16, 32 and 64
+    tokens, both formats): on those 36 cases its picks are the measured best splits or within 3% of them."""
     def cost(split):
         cps = -(-chunks // split)
-        return -(-row_blocks * -(-chunks // cps) // slots) * (cps + tail)
+        blocks = row_blocks * -(-chunks // cps)
+        return max(-(-blocks // sms), SPLIT_OVERLAP * -(-blocks // (resident * sms))) * (cps + tail)
 
     return min(range(1, min(chunks, most or chunks) + 1), key=lambda sp: (cost(sp), sp))
 
 
 def _split_tail(ntok: int) -> int:
-    """:func:`_balanced_split`'s ``tail`` at ``ntok`` tokens: tokens^2 / 128 (at least 1), i.e. 2 at 16 tokens (where
-    the constant was fitted), 8 at 32, 32 at 64. Fitted to session 28's sweep on the H200
-    (benchmarks/results/decode_natural_sweep_h200.json): on the engine's shapes it picks the measured best split of
-    7B fc1 (3584x37888: 2 at 32 tokens, 1 at 64; 2-8% faster than tokens / 8's 4 and 2) and 1.5B fc1 at 32 tokens
-    (1, not 3: 2-9%), and the same splits as before on the others (7B fc2, qkv, proj; 1.5B fc2)."""
-    return max(1, ntok * ntok // 128)
+    """:func:`_balanced_split`'s ``tail`` at ``ntok`` tokens: ``ntok`` chunks (16 at 16 tokens: any tail from 16 to 32
+    fits session 54's sweep; 32 at 32 tokens; 64 at 64, where 24-64 fit it)."""
+    return ntok
 
 
 def _ntok(M: int) -> int:
@@ -599,13 +625,14 @@ def w4_decode(x: torch.Tensor, dw: DecodeWeight, config: Optional[dict] = None,
     cfg = _tile(kernel, dw.fmt_id, ntok, config)
     fn = build(kernel, dw.fmt_id, dw.wide, ntok, cfg)
     S, C = dw.slabs, dw.chunks
-    sms = torch.cuda.get_device_properties(x.device).multi_processor_count
+    sms = sm_count(x.device)
     cluster = kernel == "wgmma" and bool(cfg.get("CLUSTER"))  # split-K through a cluster: at most 8 splits
     if kernel == "wgmma":
         row_blocks = -(-S // (4 * cfg["WGS"]))
         most = 8 if cluster else C
         tail = 2 if cluster else _split_tail(ntok)  # a cluster adds its partial sums in shared memory
-        split = min(cfg.get("SPLIT") or _balanced_split(row_blocks, C, cfg["MINB"] * sms, most, tail), most)
+        split = min(cfg.get("SPLIT") or _balanced_split(
+            row_blocks, C, sms, blocks_per_sm(dw.fmt_id, dw.wide, ntok, cfg, x.device.index), most, tail), most)
     else:
         row_blocks = -(-S // (cfg["WARPS"] * cfg["SPW"]))
         split = cfg.get("SPLIT") or max(1, min(C, round(cfg["PER_SM"] * sms / row_blocks)))

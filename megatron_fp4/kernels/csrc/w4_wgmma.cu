@@ -635,6 +635,31 @@ static int encode_w_map(CUtensorMap* map, const void* w, int S, int C, int bytes
 }
 #endif
 
+// The kernel's dynamic shared memory in bytes (WRING: the ring, over the 48 KB default, allowed once per library),
+// or minus the CUDA error of allowing it.
+static int dynamic_smem() {
+#if WRING
+  const int smem = RING_BYTES + RALIGN - 128;
+  static bool smem_allowed = false;
+  if (!smem_allowed) {
+    const cudaError_t err = cudaFuncSetAttribute(w4_wgmma_kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, smem);
+    if (err != cudaSuccess) return -(int)err;
+    smem_allowed = true;
+  }
+  return smem;
+#else
+  return 0;
+#endif
+}
+
+// How many blocks of this kernel an SM of the current device runs at once (registers, shared memory and threads:
+// what the hardware allows, which may exceed MINB, __launch_bounds__' floor) into *blocks; returns a CUDA error.
+extern "C" int w4_wgmma_blocks_per_sm(int* blocks) {
+  const int smem = dynamic_smem();
+  if (smem < 0) return -smem;
+  return (int)cudaOccupancyMaxActiveBlocksPerMultiprocessor(blocks, w4_wgmma_kernel, THREADS, smem);
+}
+
 extern "C" int w4_wgmma_launch(const void* codes, const void* meta, const void* x, void* out, int M, int N, int S,
                                int C, int ldx, int ldo, int split, int cps, int obf16, int partial, int pdl,
                                void* stream) {
@@ -649,17 +674,8 @@ extern "C" int w4_wgmma_launch(const void* codes, const void* meta, const void* 
   if (const int err = encode_w_map(&wmap, codes, S, C, 512)) return err;
   if (const int err = encode_w_map(&mmap, meta, S, C, META_BYTES)) return err;
 #endif
-#if WRING
-  const int smem = RING_BYTES + RALIGN - 128;  // over the 48 KB default: allowed once per library
-  static bool smem_allowed = false;
-  if (!smem_allowed) {
-    const cudaError_t err = cudaFuncSetAttribute(w4_wgmma_kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, smem);
-    if (err != cudaSuccess) return (int)err;
-    smem_allowed = true;
-  }
-#else
-  const int smem = 0;
-#endif
+  const int smem = dynamic_smem();
+  if (smem < 0) return -smem;
   cudaLaunchConfig_t cfg = {};
   cfg.gridDim = grid;
   cfg.blockDim = dim3(THREADS);
