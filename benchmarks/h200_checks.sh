@@ -133,7 +133,7 @@ case "$1" in
   issue20-rows)
     prebuild_tests natural
     run_tests -m gpu tests/test_cuda_decode.py \
-      -k "(natural_layout_bit_exact and None) or rounded_split or dispatch_decode"
+      -k "(natural_layout_bit_exact and None) or rounded_split or dispatch_decode or blocks_per_sm"
     python3 benchmarks/bench_kernels.py --decode --decode-ms 16,64 --shapes 3584x37888,18944x3584 \
       --out "$results/decode_h200.json"
     python3 benchmarks/bench_rollout.py --backend native --shapes qwen2.5-7b --check-samples 64 \
