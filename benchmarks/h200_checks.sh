@@ -171,8 +171,9 @@ case "$1" in
       read -r fmt m tile <<< "$case"
       name=decode_profile_${fmt}_m${m}_$(echo "$tile" | tr -dc 'a-z0-9')
       ncu --clock-control none --kernel-name regex:w4_ --launch-skip 2 --launch-count 1 --section SpeedOfLight \
-        --section MemoryWorkloadAnalysis --section WarpStateStats --section SchedulerStats --section Occupancy \
-        --section SourceCounters --metrics "regex:smsp__average_warps_issue_stalled_.*_per_issue_active\.ratio" \
+        --section ComputeWorkloadAnalysis --section MemoryWorkloadAnalysis --section WarpStateStats \
+        --section SchedulerStats --section Occupancy --section SourceCounters \
+        --metrics "regex:smsp__average_warps_issue_stalled_.*_per_issue_active\.ratio,regex:sm__pipe_.*_cycles_active\.avg\.pct_of_peak_sustained_active" \
         --export "/tmp/$name" --force-overwrite python3 benchmarks/profile_decode.py --format "$fmt" \
         --shape 3584x37888 --m "$m" --tile "$tile" > "$results/$name.log" 2>&1 || echo "ncu failed for $name (exit $?)"
       # the report's sections and stall metrics (text), and per SASS instruction its executions and warp stall
@@ -181,8 +182,8 @@ case "$1" in
       ncu --import "/tmp/$name.ncu-rep" --page source --print-source sass --csv > "$results/${name}_sass.csv" 2>&1 ||
         true
       echo "== $name"
-      grep -E "Duration|DRAM Throughput|Memory Throughput|Issued Warp|Achieved Occupancy|issue_stalled" \
-        "$results/$name.txt" | head -40 || true
+      grep -E "Duration|DRAM Throughput|Memory Throughput|Issued Warp|Achieved Occupancy|issue_stalled|pipe_|Pipe" \
+        "$results/$name.txt" | head -80 || true
     done <<< "$cases"
     ;;
   sglang-bench)
