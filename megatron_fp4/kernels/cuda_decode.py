@@ -649,28 +649,30 @@ def w4_decode(x: torch.Tensor, dw: DecodeWeight, config: Optional[dict] = None,
     cfg = _tile(kernel, dw.fmt_id, ntok, config)
     S, C = dw.slabs, dw.chunks
     sms = sm_count(x.device)
-    if kernel == "wgmma" and cfg.get("STREAMK") == 2:  # stream-K where _streamk_better says
+    wgmma = kernel == "wgmma"
+    row_blocks = -(-S // (4 * cfg["WGS"] if wgmma else cfg["WARPS"] * cfg["SPW"]))
+
+    def resident(tile):  # (the wgmma kernel's blocks per SM)
+        return blocks_per_sm(dw.fmt_id, dw.wide, ntok, tile, x.device.index)
+
+    if wgmma and cfg.get("STREAMK") == 2:  # stream-K where _streamk_better says
         split_cfg, sk_cfg = dict(cfg, STREAMK=0), dict(cfg, STREAMK=1)
-        resident = [blocks_per_sm(dw.fmt_id, dw.wide, ntok, c, x.device.index) for c in (split_cfg, sk_cfg)]
-        cfg = sk_cfg if _streamk_better(-(-S // (4 * cfg["WGS"])), C, sms, *resident, _split_tail(ntok)) else split_cfg
-    flags = _streamk_flags(dw) if kernel == "wgmma" and cfg.get("STREAMK") else None
+        better = _streamk_better(row_blocks, C, sms, resident(split_cfg), resident(sk_cfg), _split_tail(ntok))
+        cfg = sk_cfg if better else split_cfg
+    flags = _streamk_flags(dw) if wgmma and cfg.get("STREAMK") else None
     if cfg.get("STREAMK") and flags is None:  # (first met in a capture: the split-K tile)
         cfg = dict(cfg, STREAMK=0)
     fn = build(kernel, dw.fmt_id, dw.wide, ntok, cfg)
-    cluster = kernel == "wgmma" and bool(cfg.get("CLUSTER"))  # split-K through a cluster: at most 8 splits
     if flags is not None:  # stream-K: one wave of blocks, each the same number of (row block, chunk) units
-        split = min(-(-S // (4 * cfg["WGS"])) * C, flags.numel(),
-                    blocks_per_sm(dw.fmt_id, dw.wide, ntok, cfg, x.device.index) * sms)
+        split = min(row_blocks * C, flags.numel(), resident(cfg) * sms)
         return _launch(fn, x, dw, out_dtype, split, 0, False, torch.empty(
             split * ntok // 2 * cfg["WGS"] * 128, dtype=torch.float32, device=x.device), flags)
-    if kernel == "wgmma":
-        row_blocks = -(-S // (4 * cfg["WGS"]))
+    cluster = wgmma and bool(cfg.get("CLUSTER"))  # split-K through a cluster: at most 8 splits
+    if wgmma:
         most = 8 if cluster else C
         tail = 2 if cluster else _split_tail(ntok)  # a cluster adds its partial sums in shared memory
-        split = min(cfg.get("SPLIT") or _balanced_split(
-            row_blocks, C, sms, blocks_per_sm(dw.fmt_id, dw.wide, ntok, cfg, x.device.index), most, tail), most)
+        split = min(cfg.get("SPLIT") or _balanced_split(row_blocks, C, sms, resident(cfg), most, tail), most)
     else:
-        row_blocks = -(-S // (cfg["WARPS"] * cfg["SPW"]))
         split = cfg.get("SPLIT") or max(1, min(C, round(cfg["PER_SM"] * sms / row_blocks)))
     cps = -(-C // split)
     return _launch(fn, x, dw, out_dtype, -(-C // cps), cps, cluster)
