@@ -22,9 +22,6 @@
 #                 and the Triton tiles) (bench_kernels.py --decode-quantize), then their GPU tests
 #   decode-natural  the natural-K-order decode GEMM (the default layout): its GPU tests (CLUSTER's determinism too),
 #                 then its tiles (WTMA, CLUSTER, forced splits) against the default tile on 7B and 1.5B MLP shapes
-#   decode-streamk  stream-K (tile key STREAMK: 1 forced, 2 where cuda_decode._streamk_better says): its GPU test, then
-#                 its sweep against the default on the 7B fc1 and fc2 and 1.5B fc1 at 16 and 64 tokens, then the
-#                 native engine's 7B W4A16 rows without and with MEGATRON_FP4_DECODE_NATURAL_TILE='{"STREAMK":2}'
 #   decode-profile  Nsight Compute on the decode GEMM (the 7B fused gate + up weight, 3584x37888): the default tiles
 #                 at M = 16 and 64, both formats: throughput, memory, warp stall reasons, source counters (hardware
 #                 counters: the Firecracker runtime)
@@ -53,9 +50,8 @@ set -euo pipefail
 cd "$(dirname "$0")/.."
 usage="usage: bash benchmarks/h200_checks.sh train-tests|train-bench|decode-tests|decode-bench|issue20-rows"
 usage+="|decode-profile|rl-step|rl-mismatch|decode-natural|decode-quantize|engine-bench|engine-pdl|sglang-bench"
-usage+="|decode-streamk"
 case "${1:-}" in train-tests | train-bench | decode-tests | decode-bench | issue20-rows | decode-profile | rl-step | \
-  rl-mismatch | decode-natural | decode-quantize | engine-bench | engine-pdl | sglang-bench | decode-streamk) ;;
+  rl-mismatch | decode-natural | decode-quantize | engine-bench | engine-pdl | sglang-bench) ;;
   *) echo "$usage" >&2; exit 2 ;;
 esac
 if [ -n "${REQUIRE_H200:-}" ]; then
@@ -166,22 +162,6 @@ case "$1" in
     python3 benchmarks/bench_kernels.py --decode --decode-sweep --sweep-keys NATURAL --decode-ms 16,32,64 \
       --shapes 3584x37888,18944x3584,3584x4608,3584x3584,1536x17920,8960x1536 \
       --out "$results/decode_natural_sweep_h200.json"
-    ;;
-  decode-streamk)  # (the stream-K tiles compiled first, in parallel; at 16 tokens MINB 3: 72 registers, three blocks)
-    python3 - <<'PY'
-from megatron_fp4.kernels import cuda_decode as cd
-print("prebuilt", cd.prebuild([dict(NATURAL=1, STREAMK=1, MINB=3), dict(NATURAL=1, MINB=3)], ntoks=(8, 16, 32, 64)))
-PY
-    run_tests -m gpu tests/test_cuda_decode.py -k "streamk or (natural_layout_bit_exact and None) or rounded_split"
-    python3 benchmarks/bench_kernels.py --decode --decode-sweep --decode-ms 16,64 \
-      --shapes 3584x37888,18944x3584,1536x17920 --sweep-tiles '[{"STREAMK":1,"MINB":3},{"STREAMK":2,"MINB":3}]' \
-      --out "$results/decode_streamk_h200.json"
-    for mode in split streamk; do  # the same rows without, then with stream-K where it wins
-      tile='{}'; [ $mode = split ] || tile='{"STREAMK":2}'
-      MEGATRON_FP4_DECODE_NATURAL_TILE="$tile" python3 benchmarks/bench_rollout.py --backend native \
-        --shapes qwen2.5-7b --precisions w4a16/hif4,w4a16/mxfp4 --check-samples 16 \
-        --out "$results/rollout_h200_7b_$mode.json"
-    done
     ;;
   decode-profile)  # the third launch of each case (the first builds the kernel); one text report per case: the
     # default tiles (natural layout) at M = 16 and at 64 (the rollout's batch), both formats

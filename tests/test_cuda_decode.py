@@ -7,11 +7,9 @@ is one weight value) and equal to the fp64 product of the same operands within f
 dispatch path.
 """
 
-import collections
 import dataclasses
 import os
 import re
-import shutil
 import subprocess
 
 import pytest
@@ -400,79 +398,10 @@ def test_launchers_take_the_bf16_output_flag_and_refuse_it_with_atomic_split_k()
         fn = cd.build(kernel, 1, False, 16, cd._tile(kernel, 1, 16, tile))
         args = [None] * 4 + [16, 64, 4, 2, 64, 64]  # M, N, S, C, ldx, ldo
         for partial in (0, 1):  # (per-split partial sums are fp32 too)
-            refused = fn(*args, 2, 1, 1, partial, 0, None, None, None) == 1  # split 2, cps 1, bf16 output
+            refused = fn(*args, 2, 1, 1, partial, 0, None) == 1  # split 2, cps 1, bf16 output
             assert refused == (not (tile or {}).get("CLUSTER")), (kernel, tile)
         for pdl in (0, 1):  # no GPU here: some other CUDA error, not the refusal
-            assert fn(*args, 1, 2, 1, 0, pdl, None, None, None) not in (0, 1)
-    # stream-K: its blocks (split) store bf16 or fp32 themselves; it refuses per-split partial sums and a launch
-    # without its workspace and flags
-    fn = cd.build("wgmma", 1, False, 16, cd._tile("wgmma", 1, 16, dict(cd.NATURAL_TILE, STREAMK=1, MINB=3)))
-    args = [None] * 4 + [16, 64, 4, 2, 64, 64]
-    assert fn(*args, 8, 0, 1, 0, 0, None, None, None) == 1
-    assert fn(*args, 8, 0, 1, 1, 0, 64, 64, None) == 1
-    assert fn(*args, 8, 0, 1, 0, 0, 64, 64, None) not in (0, 1)
-
-
-_STREAMK_DRIVER = r"""
-#include <cstdio>
-#include <cstdlib>
-#include "streamk.h"
-int main(int argc, char** argv) {  // RB C B: per block its units, then per chunk: rb c last waits publishes
-  const int RB = atoi(argv[1]), C = atoi(argv[2]), B = atoi(argv[3]);
-  const long long units = (long long)RB * C;
-  for (int b = 0; b < B; ++b) {
-    const int u0 = streamk_unit(units, b, B), u1 = streamk_unit(units, b + 1, B);
-    printf("B %d %d\n", u0, u1);
-    StreamK sk;
-    if (u1 > u0) sk.init(u0, u1, C);
-    for (int i = u0; i < u1; ++i, sk.advance())
-      printf("%d %d %d %d %d\n", sk.rb, sk.c, (int)sk.last(), (int)sk.waits(), (int)sk.publishes());
-  }
-}
-"""
-
-
-@pytest.mark.skipif(shutil.which("g++") is None, reason="needs g++")
-@pytest.mark.parametrize("rb, c, blocks", [(296, 56, 396), (592, 56, 396), (8, 17, 136), (28, 56, 396), (140, 24, 396),
-                                          (3, 5, 4), (1, 1, 1), (5, 7, 5), (2, 64, 3)])
-def test_streamk_sequence_covers_every_unit_once_in_block_order(tmp_path, rb, c, blocks):
-    """The stream-K tile's chunk sequence (csrc/streamk.h, the kernel's own code built for the host): the blocks'
-    units cover every (row block, chunk) once; each block takes the row block it ends in first (publishing its sums
-    where the row block goes on into the next block) and the one it starts in last (waiting for the block before's);
-    a row block's partial sums pass from block to block in order over exactly the chunks before, and the block that
-    takes its chunk C - 1 stores it (the 7B fc1 at 16 and 64 tokens, chains of one unit per block, odd sizes)."""
-    exe = tmp_path / "streamk"
-    src = tmp_path / "streamk.cpp"
-    src.write_text(_STREAMK_DRIVER)
-    subprocess.run(["g++", "-O1", "-std=c++17", "-I", _nvcc.CSRC, str(src), "-o", str(exe)], check=True)
-    out = subprocess.run([str(exe), str(rb), str(c), str(blocks)], capture_output=True, text=True, check=True).stdout
-    seqs = []
-    for line in out.splitlines():
-        if line.startswith("B "):
-            seqs.append((tuple(map(int, line.split()[1:])), []))
-        else:
-            seqs[-1][1].append(tuple(map(int, line.split())))
-    seen = collections.Counter((r, k) for _, seq in seqs for r, k, *_ in seq)
-    assert set(seen) == {(r, k) for r in range(rb) for k in range(c)} and set(seen.values()) == {1}
-    done = collections.defaultdict(int)  # row block -> chunks summed so far (published or stored), in block order
-    for b, ((u0, u1), seq) in enumerate(seqs):
-        assert len(seq) == u1 - u0
-        segs = []  # (row block, first chunk, last chunk, waits, publishes) in the block's order
-        for r, k, last, waits, pub in seq:
-            if not segs or segs[-1][2] is not None:
-                segs.append([r, k, None, waits, pub])
-            assert segs[-1][0] == r and (waits, pub) == tuple(segs[-1][3:])
-            if last:
-                segs[-1][2] = k
-        r0, r1 = u0 // c, (u1 - 1) // c  # the last row block first, the first last, the others ascending between
-        assert all(s[2] is not None for s in segs)
-        assert [s[0] for s in segs] == ([r0] if r0 == r1 else [r1, *range(r0 + 1, r1), r0]), (b, segs)
-        assert sum(s[3] for s in segs) <= 1 and sum(s[4] for s in segs) <= 1
-        assert not any(s[3] for s in segs[:-1]) and not any(s[4] for s in segs[1:])  # wait last, publish first
-        for r, k0, k1, waits, pub in segs:
-            assert k0 == done[r] and (waits == (k0 > 0)) and (pub == (k1 < c - 1)), (b, r, k0, k1, waits, pub)
-            done[r] = k1 + 1
-    assert all(done[r] == c for r in range(rb))
+            assert fn(*args, 1, 2, 1, 0, pdl, None) not in (0, 1)
 
 
 @pytest.mark.skipif(_nvcc.nvcc() is None, reason="needs nvcc (no GPU: a compile for sm_90a)")
@@ -625,42 +554,6 @@ def test_gpu_cluster_split_k_is_deterministic(name):
     assert torch.equal(cd.w4_decode(x, dw, config=dict(CLUSTER=1), out_dtype=torch.bfloat16), runs[0].bfloat16())
     ref = x.double() @ qt.dequantize().double().t()
     assert ((runs[0].double() - ref).norm() / ref.norm()).item() < 1e-5
-
-
-@pytest.mark.gpu
-@pytest.mark.parametrize("name", ["hif4", "mxfp4"])
-def test_gpu_streamk_sums_each_row_block_in_block_order(name):
-    """STREAMK=1: one wave of blocks of equal work, a row block shared by consecutive blocks summed in block order
-    through the workspace and flags (w4_wgmma.cu, StreamK). The fp64 product, the same bits on every run, in a
-    CUDA-graph replay too, its own bf16 stores the fp32 sums rounded, out_dtype None one split, the flags all zero
-    after each launch; on weights where a row block spans one block, parts of two or three (the 7B fc1 at 16 and 64
-    tokens), and a chain of many (one unit per block)."""
-    cd = _cuda_ready()
-    for N, K in ((1000, 1056), (3584, 3584), (37888, 3584)):
-        qt = get_format(name).quantize((torch.randn(N, K, device="cuda") * 0.05).to(torch.bfloat16), dim=-1)
-        dw = to_decode_layout(qt, _wide(qt), natural=True)
-        deq = qt.dequantize().double()
-        for M in (1, 16, 33, 64):
-            cfg = dict(STREAMK=1, MINB=3)
-            x = torch.randn(M, K, device="cuda").to(torch.bfloat16)
-            ref = x.double() @ deq.t()
-            runs = [cd.w4_decode(x, dw, config=cfg) for _ in range(3)]
-            assert ((runs[0].double() - ref).norm() / ref.norm()).item() < 1e-5, (N, K, M)
-            assert all(torch.equal(runs[0], r) for r in runs[1:]), (N, K, M)
-            assert not dw.flags.any()
-            assert torch.equal(cd.w4_decode(x, dw, config=cfg, out_dtype=torch.bfloat16), runs[0].bfloat16())
-            stored = cd.w4_decode(x, dw, config=cfg, out_dtype=None)
-            assert stored.shape == (1, M, N) and torch.equal(stored[0], runs[0])
-            if M == 64 and N == 37888:  # the automatic choice (STREAMK 2) takes stream-K on the 7B fc1
-                assert torch.equal(cd.w4_decode(x, dw, config=dict(STREAMK=2)), runs[0])
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        out = cd.w4_decode(x, dw, config=cfg)
-    for _ in range(3):
-        out.zero_()
-        graph.replay()
-        torch.cuda.synchronize()
-        assert torch.equal(out, runs[0]) and not dw.flags.any()
 
 
 @pytest.mark.gpu

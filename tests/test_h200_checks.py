@@ -24,7 +24,7 @@ def test_a_wrong_part_prints_the_usage():
 
 def test_its_test_selections_collect_tests():
     selections = _commands("run_tests ")
-    assert len(selections) == 11
+    assert len(selections) == 10
     for args in selections:
         r = subprocess.run([sys.executable, "-m", "pytest", "--collect-only", "-q", "-p", "no:cacheprovider", *args],
                            cwd=ROOT, capture_output=True, text=True)
@@ -34,7 +34,7 @@ def test_its_test_selections_collect_tests():
 def test_its_benchmark_flags_exist():
     runs = _commands("python3 benchmarks/")
     runs += [c[c.index("python3") + 1:] for c in _commands("ncu ") if "python3" in c]  # the profiled program's flags
-    assert len(runs) == 16
+    assert len(runs) == 15
     for args in runs:
         help_text = subprocess.run([sys.executable, os.path.join(ROOT, args[0]), "--help"], cwd=ROOT,
                                    capture_output=True, text=True).stdout

@@ -27,7 +27,7 @@ import ctypes
 import functools
 import json
 import os
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Optional
 
 import torch
@@ -67,8 +67,6 @@ class DecodeWeight:
     #: one multiply per pair in the kernel, w4_device.h), not offset binary; for weights whose every unit has
     #: E6M2 x 2^e < 2 (:func:`hif4_subnormal_fits`). A refit that changes it changes the structure, as ``wide`` does.
     subnormal: bool = False
-    #: the stream-K tiles' flags (:func:`w4_decode`, STREAMK): int32 zeros, on first use outside a CUDA-graph capture
-    flags: Optional[torch.Tensor] = field(default=None, repr=False, compare=False)
 
     @property
     def slabs(self) -> int:
@@ -400,7 +398,7 @@ NATURAL_TILE = dict(KERNEL="wgmma", PRODUCER=1, WGS=2, DEPTH=2, XST=6, MINB=2, L
 _LAYOUTS = ("permuted", "natural")
 #: Tile keys ``MEGATRON_FP4_DECODE_NATURAL_TILE`` may set (a JSON object merged into :data:`NATURAL_TILE` at import, for
 #: A/B runs of a whole engine: e.g. '{"CLUSTER": 1}', deterministic split-K, see w4_wgmma.cu).
-NATURAL_TILE_KEYS = ("WGS", "DEPTH", "XST", "MINB", "LEAN", "CLUSTER", "WTMA", "SPLIT", "STREAMK")
+NATURAL_TILE_KEYS = ("WGS", "DEPTH", "XST", "MINB", "LEAN", "CLUSTER", "WTMA", "SPLIT")
 
 
 def natural_tile_override(text: str) -> dict:
@@ -462,7 +460,7 @@ def natural_layout() -> bool:
 MAX_M = int(os.environ.get("MEGATRON_FP4_CUDA_DECODE_MAX_M", "64"))
 _SOURCES = {"mma": "w4_decode.cu", "wgmma": "w4_wgmma.cu"}
 _SYMBOLS = {"mma": "w4_decode_launch", "wgmma": "w4_wgmma_launch"}
-_ARGTYPES = [ctypes.c_void_p] * 4 + [ctypes.c_int] * 11 + [ctypes.c_void_p] * 3  # both launchers
+_ARGTYPES = [ctypes.c_void_p] * 4 + [ctypes.c_int] * 11 + [ctypes.c_void_p]  # both launchers
 
 
 def available() -> bool:
@@ -506,7 +504,6 @@ def _defines(kernel: str, fmt_id: int, wide: bool, ntok: int, cfg: dict) -> dict
                     MINB=cfg["MINB"], PRODUCER=int(cfg["PRODUCER"]), LEAN=int(cfg.get("LEAN", 0)),
                     XPAIR=int(cfg.get("XPAIR", 0)), WRING=int(cfg.get("WRING", 0)), NATURAL=int(cfg.get("NATURAL", 0)),
                     CLUSTER=int(cfg.get("CLUSTER", 0)), WTMA=int(cfg.get("WTMA", 0)),
-                    STREAMK=int(bool(cfg.get("STREAMK"))),  # (2, stream-K where it wins, builds as 1: w4_decode)
                     SUBN=int(bool(cfg.get("SUBN")) and fmt_id == 0 and bool(cfg.get("NATURAL"))))
     return dict(FMT=fmt_id, WIDE=int(wide), NT=ntok // 8, SPW=cfg["SPW"], DEPTH=cfg["DEPTH"], WARPS=cfg["WARPS"])
 
@@ -575,31 +572,12 @@ def _balanced_split(row_blocks: int, chunks: int, sms: int, resident: int, most:
     tokens: :func:`w4_decode` passes :func:`_split_tail`. Fitted to session 54's sweep of forced splits on an H100
     (benchmarks/results/decode_h100_s54_split_*.json: the 7B and 1.5B MLP and attention weights at 16, 32 and 64
     tokens, both formats): on those 36 cases its picks are the measured best splits or within 3% of them."""
-    return min(range(1, min(chunks, most or chunks) + 1),
-               key=lambda sp: (_split_cost(row_blocks, chunks, sms, resident, sp, tail), sp))
+    def cost(split):
+        cps = -(-chunks // split)
+        blocks = row_blocks * -(-chunks // cps)
+        return max(-(-blocks // sms), SPLIT_OVERLAP * -(-blocks // (resident * sms))) * (cps + tail)
 
-
-def _split_cost(row_blocks: int, chunks: int, sms: int, resident: int, split: int, tail: int) -> float:
-    """:func:`_balanced_split`'s cost of ``split``."""
-    cps = -(-chunks // split)
-    blocks = row_blocks * -(-chunks // cps)
-    return max(-(-blocks // sms), SPLIT_OVERLAP * -(-blocks // (resident * sms))) * (cps + tail)
-
-
-#: A stream-K segment's end in chunks (:func:`_streamk_better`): the wait for, and the add of, the partial sums
-#: block b - 1 published, or the publishing.
-STREAMK_FIX = 2
-
-
-def _streamk_better(row_blocks: int, chunks: int, sms: int, resident: int, sk_resident: int, tail: int) -> bool:
-    """Whether stream-K (STREAMK=1: one wave of ``sk_resident`` x ``sms`` blocks of equal work) beats the best split
-    of :func:`_balanced_split` by the same cost: max(blocks on the busiest SM, :data:`SPLIT_OVERLAP`) x (units per
-    block + ``tail`` + :data:`STREAMK_FIX`). It wins where whole row blocks fill the SMs unevenly (the 7B fc1, 296
-    row blocks of 128 rows at 16 tokens: 3 blocks on 32 SMs, 2 on 100)."""
-    split = _balanced_split(row_blocks, chunks, sms, resident, 0, tail)
-    blocks = min(row_blocks * chunks, sk_resident * sms)
-    streamk = max(-(-blocks // sms), SPLIT_OVERLAP) * (row_blocks * chunks / blocks + tail + STREAMK_FIX)
-    return streamk < _split_cost(row_blocks, chunks, sms, resident, split, tail)
+    return min(range(1, min(chunks, most or chunks) + 1), key=lambda sp: (cost(sp), sp))
 
 
 def _split_tail(ntok: int) -> int:
@@ -622,9 +600,7 @@ def w4_decode(x: torch.Tensor, dw: DecodeWeight, config: Optional[dict] = None,
     :mod:`megatron_fp4.kernels.decode_ops`). A split-K rounded to a 16-bit ``out_dtype`` stores its partial sums and
     one :func:`~megatron_fp4.kernels.decode_ops.split_sum` kernel adds them in order and rounds: two launches,
     deterministic, where the atomics took three (zero-fill, GEMM, cast). ``config``: a tile override (``KERNEL``
-    "wgmma" | "mma" and that kernel's tile keys, SPLIT to force split-K; on the natural tile STREAMK 1 for stream-K,
-    blocks of equal work whose sums are stored once, in block order, or 2 for stream-K where :func:`_streamk_better`
-    says it wins)."""
+    "wgmma" | "mma" and that kernel's tile keys, SPLIT to force split-K)."""
     M = x.shape[0]
     if not 0 < M <= 64:
         raise ValueError(f"w4_decode is the decode kernel (0 < M <= 64), got M={M}")
@@ -647,64 +623,30 @@ def w4_decode(x: torch.Tensor, dw: DecodeWeight, config: Optional[dict] = None,
         raise ValueError("w4_decode: NATURAL=1 tiles read weights made by to_decode_layout(natural=True)")
     kernel, config = _choose(dw.n, dw.k, ntok, config, dw.fmt_id)
     cfg = _tile(kernel, dw.fmt_id, ntok, config)
+    fn = build(kernel, dw.fmt_id, dw.wide, ntok, cfg)
     S, C = dw.slabs, dw.chunks
     sms = sm_count(x.device)
-    wgmma = kernel == "wgmma"
-    row_blocks = -(-S // (4 * cfg["WGS"] if wgmma else cfg["WARPS"] * cfg["SPW"]))
-
-    def resident(tile):  # (the wgmma kernel's blocks per SM)
-        return blocks_per_sm(dw.fmt_id, dw.wide, ntok, tile, x.device.index)
-
-    if wgmma and cfg.get("STREAMK") == 2:  # stream-K where _streamk_better says
-        split_cfg, sk_cfg = dict(cfg, STREAMK=0), dict(cfg, STREAMK=1)
-        better = _streamk_better(row_blocks, C, sms, resident(split_cfg), resident(sk_cfg), _split_tail(ntok))
-        cfg = sk_cfg if better else split_cfg
-    flags = _streamk_flags(dw) if wgmma and cfg.get("STREAMK") else None
-    if cfg.get("STREAMK") and flags is None:  # (first met in a capture: the split-K tile)
-        cfg = dict(cfg, STREAMK=0)
-    fn = build(kernel, dw.fmt_id, dw.wide, ntok, cfg)
-    if flags is not None:  # stream-K: one wave of blocks, each the same number of (row block, chunk) units
-        split = min(row_blocks * C, flags.numel(), resident(cfg) * sms)
-        return _launch(fn, x, dw, out_dtype, split, 0, False, torch.empty(
-            split * ntok // 2 * cfg["WGS"] * 128, dtype=torch.float32, device=x.device), flags)
-    cluster = wgmma and bool(cfg.get("CLUSTER"))  # split-K through a cluster: at most 8 splits
-    if wgmma:
+    cluster = kernel == "wgmma" and bool(cfg.get("CLUSTER"))  # split-K through a cluster: at most 8 splits
+    if kernel == "wgmma":
+        row_blocks = -(-S // (4 * cfg["WGS"]))
         most = 8 if cluster else C
         tail = 2 if cluster else _split_tail(ntok)  # a cluster adds its partial sums in shared memory
-        split = min(cfg.get("SPLIT") or _balanced_split(row_blocks, C, sms, resident(cfg), most, tail), most)
+        split = min(cfg.get("SPLIT") or _balanced_split(
+            row_blocks, C, sms, blocks_per_sm(dw.fmt_id, dw.wide, ntok, cfg, x.device.index), most, tail), most)
     else:
+        row_blocks = -(-S // (cfg["WARPS"] * cfg["SPW"]))
         split = cfg.get("SPLIT") or max(1, min(C, round(cfg["PER_SM"] * sms / row_blocks)))
     cps = -(-C // split)
-    return _launch(fn, x, dw, out_dtype, -(-C // cps), cps, cluster)
-
-
-#: Blocks a stream-K launch may have at most (its flags per weight, :attr:`DecodeWeight.flags`).
-STREAMK_MAX_BLOCKS = 4096
-
-
-def _streamk_flags(dw: DecodeWeight) -> Optional[torch.Tensor]:
-    """The weight's stream-K flags (zeros, made on first use; None if that is inside a CUDA-graph capture, where a
-    new tensor's zeros would be written only by the graph's replays)."""
-    if dw.flags is None and not torch.cuda.is_current_stream_capturing():
-        dw.flags = torch.zeros(STREAMK_MAX_BLOCKS, dtype=torch.int32, device=dw.codes.device)
-    return dw.flags
-
-
-def _launch(fn, x: torch.Tensor, dw: DecodeWeight, out_dtype: Optional[torch.dtype], split: int, cps: int,
-            cluster: bool, ws: Optional[torch.Tensor] = None, flags: Optional[torch.Tensor] = None) -> torch.Tensor:
-    """:func:`w4_decode`'s launch of ``fn`` with ``split`` (split-K of ``cps`` chunks each; with ``ws`` and ``flags``
-    the stream-K tile's blocks) and its output as ``out_dtype`` says."""
-    M = x.shape[0]
-    atomic = split > 1 and not cluster and ws is None  # partial sums added atomically into a zeroed fp32 output...
+    split = -(-C // cps)
+    atomic = split > 1 and not cluster  # partial sums added atomically into a zeroed fp32 output...
     as_stored = out_dtype is None
     reduce = atomic and not as_stored and out_dtype != torch.float32  # (rounded by split_sum)
     partial = atomic and (as_stored or reduce)  # ... or stored per split, [split, M, N], for the reader to sum
     obf16 = out_dtype == torch.bfloat16 and not atomic
     out = (torch.zeros if atomic and not partial else torch.empty)(
         (split, M, dw.n) if partial else (M, dw.n), dtype=torch.bfloat16 if obf16 else torch.float32, device=x.device)
-    err = fn(dw.codes.data_ptr(), dw.meta.data_ptr(), x.data_ptr(), out.data_ptr(), M, dw.n, dw.slabs, dw.chunks,
-             x.stride(0), out.stride(-2), split, cps, int(obf16), int(partial), int(pdl_enabled()),
-             None if ws is None else ws.data_ptr(), None if flags is None else flags.data_ptr(),
+    err = fn(dw.codes.data_ptr(), dw.meta.data_ptr(), x.data_ptr(), out.data_ptr(), M, dw.n, S, C, x.stride(0),
+             out.stride(-2), split, cps, int(obf16), int(partial), int(pdl_enabled()),
              torch.cuda.current_stream(x.device).cuda_stream)
     if err:
         what = (f"a TMA map (CUresult {err - 1000})" if err >= 1000 else

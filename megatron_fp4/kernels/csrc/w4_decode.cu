@@ -186,7 +186,7 @@ w4_decode_kernel(const uint4* __restrict__ codes, const uint32_t* __restrict__ m
 
 extern "C" int w4_decode_launch(const void* codes, const void* meta, const void* x, void* out, int M, int N, int S,
                                 int C, int ldx, int ldo, int split, int cps, int obf16, int partial, int pdl,
-                                void* ws, void* flags, void* stream) {  // (ws, flags: w4_wgmma_launch's STREAMK)
+                                void* stream) {
   if (obf16 && split > 1) return (int)cudaErrorInvalidValue;  // partial sums need fp32
   cudaLaunchConfig_t cfg = {};
   cfg.gridDim = dim3((S + WARPS * SPW - 1) / (WARPS * SPW), split);

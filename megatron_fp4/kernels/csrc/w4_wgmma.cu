@@ -16,8 +16,7 @@
 // with the 128-byte swizzle, one per chunk; the default layout, cuda_decode.NATURAL_TILE), -DCLUSTER (1, with WRING:
 // deterministic split-K through a thread-block cluster, see Split-K below), -DWTMA (1, with NATURAL: the producer
 // warp brings the block's weight codes and metadata by two 3-D TMAs per chunk beside the activations' one, so the
-// consumer warps issue no copies; NATURAL_TILE's since session 28), -DSTREAMK (1, with WTMA: stream-K, blocks of equal
-// work over the (row block, chunk) units, see StreamK). XPAIR, WRING, NATURAL, CLUSTER, WTMA and STREAMK are tile
+// consumer warps issue no copies; NATURAL_TILE's since session 28). XPAIR, WRING, NATURAL, CLUSTER and WTMA are tile
 // keys: docs/PERFORMANCE.md (sessions 25-28) has what each measured (and, session 53, WST: a ring of the weights' own
 // with a second producer warp, 5-30% slower everywhere on an H100, removed).
 //
@@ -102,17 +101,11 @@
 #ifndef WTMA
 #define WTMA 0
 #endif
-#ifndef STREAMK
-#define STREAMK 0
-#endif
 #if WTMA && !NATURAL
 #error "WTMA needs NATURAL (the producer's TMA path)"
 #endif
 #if NATURAL && !WRING
 #error "NATURAL needs WRING"
-#endif
-#if STREAMK && (!WTMA || CLUSTER || XST > 14)
-#error "STREAMK needs WTMA (the producer's TMAs address any row block), no CLUSTER, XST <= 14 (named barrier 15)"
 #endif
 #if CLUSTER && (!WRING || XST > 14)
 #error "CLUSTER needs WRING (its partial sums reuse the ring) and XST <= 14 (named barrier 15)"
@@ -256,68 +249,6 @@ DINL void producer_cluster_barriers() {
 #endif
 }
 
-#if STREAMK
-#include "streamk.h"
-DINL uint32_t ld_acquire(const int* p) {
-  uint32_t v;
-  asm volatile("ld.acquire.gpu.global.u32 %0, [%1];" : "=r"(v) : "l"(p) : "memory");
-  return v;
-}
-DINL void st_release(int* p, uint32_t v) {
-  asm volatile("st.release.gpu.global.u32 [%0], %1;" ::"l"(p), "r"(v) : "memory");
-}
-DINL void consumers_sync() { asm volatile("bar.sync 15, %0;" ::"n"(CONSUMERS) : "memory"); }
-#endif
-
-// A consumer thread's sums of its slab's rows n0, n0 + 8 (g = n0 % 16 < 8) into out [M, ldo]: stored (bf16 with obf16)
-// or added atomically.
-DINL void store_acc(const float* acc, float* out, int n0, int M, int N, int ldo, int t, int obf16, bool atomic) {
-#pragma unroll
-  for (int i = 0; i < NTOK / 8; ++i) {
-#pragma unroll
-    for (int r = 0; r < 4; ++r) {
-      const int n = n0 + (r >> 1) * 8, m = 8 * i + 2 * t + (r & 1);
-      if (n < N && m < M) {
-        if (atomic) atomicAdd(out + (size_t)m * ldo + n, acc[4 * i + r]);
-        else store_out(out, (size_t)m * ldo + n, acc[4 * i + r], obf16);
-      }
-    }
-  }
-}
-#if STREAMK
-// The end of a segment (every consumer thread, its wgmmas retired): the sums so far of a row block that goes on from
-// block b - 1 first (its published ones, then this block's added), then published for block b + 1 or stored; acc
-// zeroed for the next segment. ws: NTOK / 2 x CONSUMERS fp32 per block (thread-contiguous).
-DINL void streamk_segment(float* acc, const StreamK& sk, float* ws, int* flags, float* out, int M, int N, int S,
-                          int ldo, int obf16, int warp, int g, int t) {
-  const int b = blockIdx.x;
-  if (sk.waits()) {
-    if (threadIdx.x == 0) {
-      while (!ld_acquire(flags + b - 1)) {
-      }
-      flags[b - 1] = 0;  // for the next launch (ws[b - 1] is not written again in this one)
-    }
-    consumers_sync();
-    const float* p = ws + (size_t)(b - 1) * (NTOK / 2) * CONSUMERS + threadIdx.x;
-#pragma unroll
-    for (int j = 0; j < NTOK / 2; ++j) acc[j] = __ldcg(p + j * CONSUMERS) + acc[j];
-  }
-  if (sk.publishes()) {
-    float* p = ws + (size_t)b * (NTOK / 2) * CONSUMERS + threadIdx.x;
-#pragma unroll
-    for (int j = 0; j < NTOK / 2; ++j) __stcg(p + j * CONSUMERS, acc[j]);
-    __threadfence();
-    consumers_sync();
-    if (threadIdx.x == 0) st_release(flags + b, 1);
-  } else {
-    const int slab = (sk.rb * WGS + (warp >> 2)) * 4 + (warp & 3);
-    if (slab < S) store_acc(acc, out, slab * 16 + g, M, N, ldo, t, obf16, false);
-  }
-#pragma unroll
-  for (int j = 0; j < NTOK / 2; ++j) acc[j] = 0.f;
-}
-#endif
-
 // Keeps the compiler from moving accumulator reads or writes across the asynchronous wgmmas.
 DINL void pin(float* d) {
 #pragma unroll
@@ -406,7 +337,7 @@ DINL void store_x(const XRegs& r, uint8_t* stage, int sid) {
 extern "C" __global__ void __launch_bounds__(THREADS, MINB)
 w4_wgmma_kernel(const uint4* __restrict__ codes, const uint32_t* __restrict__ meta, const uint4* __restrict__ x,
                 float* __restrict__ out, int M, int N, int S, int C, int ldx16, int ldo, int cps, int obf16,
-                int partial, float* __restrict__ ws, int* __restrict__ flags  // (ws, flags: STREAMK's)
+                int partial
 #if NATURAL
                 , const __grid_constant__ CUtensorMap xmap  // x [M, C * 64] bf16, box 64 x NTOK, 128-byte swizzle
 #endif
@@ -426,14 +357,8 @@ w4_wgmma_kernel(const uint4* __restrict__ codes, const uint32_t* __restrict__ me
   const int lane = threadIdx.x & 31;
   const int warp = __shfl_sync(0xFFFFFFFFu, threadIdx.x >> 5, 0);  // warp-uniform, as ptxas can see
   const int g = lane >> 2, t = lane & 3;
-#if STREAMK  // this block's units [u0, u1) (see StreamK)
-  const long long units = (long long)((S / 4 + WGS - 1) / WGS) * C;
-  const int u0 = streamk_unit(units, blockIdx.x, gridDim.x), u1 = streamk_unit(units, blockIdx.x + 1, gridDim.x);
-  const int c0 = 0, nch = u1 - u0;
-#else
   const int c0 = blockIdx.y * cps;
   const int nch = min(C, c0 + cps) - c0;
-#endif
   if (nch <= 0) return;  // block-uniform
 #if WRING
   if (threadIdx.x < XST) mbar_init(full0 + threadIdx.x * 8, NATURAL ? 1 : 32);  // the producer's arrivals
@@ -444,27 +369,17 @@ w4_wgmma_kernel(const uint4* __restrict__ codes, const uint32_t* __restrict__ me
   if (warp == CONSUMERS / 32) {  // the producer: chunk c into stage c % XST once the wgmmas of chunk c - XST retired
 #if NATURAL  // chunk c's activations by one TMA (lane 0's) once the stage is empty; tokens past M read as zeros
     // (their sums are never stored)
-#if STREAMK
-    StreamK sk;
-    sk.init(u0, u1, C);
-#endif
     for (int c = 0; c < nch; ++c) {
       const int s = c % XST;
       if (c >= XST) bar_sync(EMPTY_BAR(s));
-#if STREAMK  // the chunk and row block of the sequence's c-th unit
-      const int kc = sk.c, krow = sk.rb * SLABS;
-      sk.advance();
-#else
-      const int kc = c0 + c, krow = blockIdx.x * SLABS;
-#endif
       if (lane == 0) {
         const uint32_t ring = (uint32_t)__cvta_generic_to_shared(xs);
         mbar_arrive_tx(full0 + s * 8, STAGE_BYTES + SLABS * (512 + META_BYTES));
-        tma_load_2d(ring + s * STAGE_BYTES, &xmap, kc * 64, 0, full0 + s * 8);
+        tma_load_2d(ring + s * STAGE_BYTES, &xmap, (c0 + c) * 64, 0, full0 + s * 8);
 #if WTMA  // the block's slabs (rows past S read as zeros: an idle warpgroup's, never stored)
         const uint32_t wdst = ring + WRING0 + s * WSTAGE_BYTES;
-        tma_load_3d(wdst, &wmap, 0, kc, krow, full0 + s * 8);
-        tma_load_3d(wdst + SLABS * 512, &mmap, 0, kc, krow, full0 + s * 8);
+        tma_load_3d(wdst, &wmap, 0, c0 + c, blockIdx.x * SLABS, full0 + s * 8);
+        tma_load_3d(wdst + SLABS * 512, &mmap, 0, c0 + c, blockIdx.x * SLABS, full0 + s * 8);
 #endif
       }
     }
@@ -559,10 +474,6 @@ w4_wgmma_kernel(const uint4* __restrict__ codes, const uint32_t* __restrict__ me
   // The ring's indices carried from chunk to chunk (no division per chunk): cs = kk % XST, ps = (kk - 1) % XST,
   // fs = (kk + DEPTH) % XST and fph the parity of (kk + DEPTH) / XST (the phase its FETCH waits for).
   int cs = 0, ps = XST - 1, fs = DEPTH % XST, fph = (DEPTH / XST) & 1;
-#if STREAMK
-  StreamK sk;
-  sk.init(u0, u1, C);
-#endif
 
   for (int k = 0; k < nch; k += DEPTH) {
 #pragma unroll
@@ -621,17 +532,6 @@ w4_wgmma_kernel(const uint4* __restrict__ codes, const uint32_t* __restrict__ me
           fs = 0;
           fph ^= 1;
         }
-#if STREAMK
-        if (sk.last()) {  // the segment's sums: published, or added to the published ones and stored or published
-          wgmma_wait<0>();
-          pin(acc);
-          streamk_segment(acc, sk, ws, flags, out, M, N, S, ldo, obf16, warp, g, t);
-          pin(acc);
-          sk.next();
-        } else {
-          ++sk.c;
-        }
-#endif
       }
     }
 #if !WRING
@@ -645,9 +545,6 @@ w4_wgmma_kernel(const uint4* __restrict__ codes, const uint32_t* __restrict__ me
 #undef COPY
   wgmma_wait<0>();
   pin(acc);
-#if STREAMK
-  return;  // every segment's sums are out
-#endif
 #if CLUSTER
   if (gridDim.y > 1) {  // deterministic split-K through the cluster (see the header); gridDim.y is the cluster size
     asm volatile("bar.sync 15, %0;" ::"n"(CONSUMERS) : "memory");  // every consumer is done with the ring
@@ -674,8 +571,20 @@ w4_wgmma_kernel(const uint4* __restrict__ codes, const uint32_t* __restrict__ me
 #endif
   if (!active) return;
 
+  const bool atomic = gridDim.y > 1 && !partial;
   if (partial) out += (size_t)blockIdx.y * M * ldo;  // this split's own [M, ldo] partial sums, stored
-  store_acc(acc, out, slab * 16 + g, M, N, ldo, t, obf16, gridDim.y > 1 && !partial);
+  const int n0 = slab * 16 + g;
+#pragma unroll
+  for (int i = 0; i < NTOK / 8; ++i) {
+#pragma unroll
+    for (int r = 0; r < 4; ++r) {
+      const int n = n0 + (r >> 1) * 8, m = 8 * i + 2 * t + (r & 1);
+      if (n < N && m < M) {
+        if (atomic) atomicAdd(out + (size_t)m * ldo + n, acc[4 * i + r]);
+        else store_out(out, (size_t)m * ldo + n, acc[4 * i + r], obf16);
+      }
+    }
+  }
 }
 
 #if NATURAL
@@ -751,18 +660,11 @@ extern "C" int w4_wgmma_blocks_per_sm(int* blocks) {
   return (int)cudaOccupancyMaxActiveBlocksPerMultiprocessor(blocks, w4_wgmma_kernel, THREADS, smem);
 }
 
-// split: the split-K (the grid's y), or with STREAMK the number of blocks; ws (STREAMK): split x NTOK / 2 x CONSUMERS
-// fp32 of workspace, flags: split ints, zero (each launch leaves them so).
 extern "C" int w4_wgmma_launch(const void* codes, const void* meta, const void* x, void* out, int M, int N, int S,
-                               int C, int ldx, int ldo, int split, int cps, int obf16, int partial, int pdl, void* ws,
-                               void* flags, void* stream) {
-#if STREAMK
-  if (partial || !ws || !flags) return (int)cudaErrorInvalidValue;
-  dim3 grid(split, 1);
-#else
+                               int C, int ldx, int ldo, int split, int cps, int obf16, int partial, int pdl,
+                               void* stream) {
   if (obf16 && split > 1 && !CLUSTER) return (int)cudaErrorInvalidValue;  // partial sums need fp32
   dim3 grid((S / 4 + WGS - 1) / WGS, split);
-#endif
 #if NATURAL
   CUtensorMap xmap;
   if (const int err = encode_x_map(&xmap, x, M, C * 64, ldx)) return err;
@@ -793,8 +695,7 @@ extern "C" int w4_wgmma_launch(const void* codes, const void* meta, const void* 
 #endif
   if (pdl) pdl_attribute(&attr[cfg.numAttrs++]);
   return (int)cudaLaunchKernelEx(&cfg, w4_wgmma_kernel, (const uint4*)codes, (const uint32_t*)meta, (const uint4*)x,
-                                 (float*)out, M, N, S, C, ldx / 8, ldo, cps, obf16, CLUSTER ? 0 : partial,
-                                 (float*)ws, (int*)flags
+                                 (float*)out, M, N, S, C, ldx / 8, ldo, cps, obf16, CLUSTER ? 0 : partial
 #if NATURAL
                                  , xmap
 #endif
