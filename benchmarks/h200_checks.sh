@@ -44,7 +44,10 @@
 # --no-deps --only-binary=:all: --python-version 3.12 --implementation cp --platform manylinux_2_28_x86_64 -d .whl
 # megatron-core==0.16.1), installed once into /tmp/site (SITE_DIR: elsewhere). nvcc's builds
 # (megatron_fp4/kernels/_build), Triton's cache (.triton_cache) and the site folder stay on a warm machine between
-# calls. Results JSON go to $OUT (the device tool's folder that comes back) when it is set, else to
+# calls. The decode kernels can come prebuilt: `python3 benchmarks/prebuild_kernels.py` (on the CPU machine, nvcc
+# only) writes .device_carry/kernels.tar.xz (PREBUILT_KERNELS: elsewhere); carry .device_carry and every part
+# unpacks it into the build folder first, so a fresh machine compiles none of them (one that does not load there is
+# dropped and builds on first use). Results JSON go to $OUT (the device tool's folder that comes back) when it is set, else to
 # benchmarks/results/.
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -60,6 +63,24 @@ if [ -n "${REQUIRE_H200:-}" ]; then
     echo "h200_checks.sh $1: REQUIRE_H200 is set and this GPU is '${gpu:-none found}': stopped" >&2
     exit 3
   fi
+fi
+prebuilt=${PREBUILT_KERNELS:-.device_carry/kernels.tar.xz}
+if [ -f "$prebuilt" ]; then  # the decode kernels, prebuilt (benchmarks/prebuild_kernels.py); each one loaded once
+  build=${MEGATRON_FP4_BUILD_DIR:-megatron_fp4/kernels/_build}
+  mkdir -p "$build"
+  # shellcheck disable=SC2046  # (the archive's names: no spaces)
+  python3 - "$build" $(tar -xvJf "$prebuilt" -C "$build") <<'PY'
+import ctypes, os, sys
+bad = []
+for name in sys.argv[2:]:
+    try:
+        ctypes.CDLL(os.path.join(sys.argv[1], name))
+    except OSError:
+        bad.append(name)
+        os.remove(os.path.join(sys.argv[1], name))
+print(f"prebuilt kernels: {len(sys.argv) - 2 - len(bad)} unpacked" + (f", {len(bad)} dropped (they do not load "
+      f"here, e.g. {bad[0]}: built on first use instead)" if bad else ""))
+PY
 fi
 SITE=${SITE_DIR:-/tmp/site}
 if [ ! -d "$SITE/megatron" ]; then

@@ -2,11 +2,16 @@
 test selection and benchmark flag it names still exists here (a renamed test or flag would otherwise surface only
 in a device call)."""
 
+import itertools
 import os
 import re
 import shlex
+import shutil
 import subprocess
 import sys
+import tarfile
+
+import pytest
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 SCRIPT = os.path.join(ROOT, "benchmarks", "h200_checks.sh")
@@ -60,7 +65,8 @@ def _stand_ins(tmp_path, tools: dict, out=None) -> dict:
     for name, body in tools.items():
         (bin_dir / name).write_text("#!/bin/sh\n" + body)
         (bin_dir / name).chmod(0o755)
-    return {**os.environ, "PATH": f"{bin_dir}:{os.environ['PATH']}", "SITE_DIR": str(site), "OUT": str(out or tmp_path)}
+    return {**os.environ, "PATH": f"{bin_dir}:{os.environ['PATH']}", "SITE_DIR": str(site), "OUT": str(out or tmp_path),
+            "PREBUILT_KERNELS": str(tmp_path / "no_prebuilt_kernels.tar.xz")}  # (not this checkout's .device_carry)
 
 
 def test_decode_profile_runs_every_case_with_stand_in_tools(tmp_path):
@@ -113,3 +119,57 @@ def test_require_h200_stops_at_once_on_another_gpu(tmp_path):
         if code:
             assert "REQUIRE_H200" in r.stderr and name in r.stderr and not log.exists()
     assert "benchmarks/bench_kernels.py --decode" in log.read_text()
+
+
+def test_prebuilt_kernels_are_unpacked_and_one_that_does_not_load_is_dropped(tmp_path):
+    """An archive of prebuild_kernels.py (PREBUILT_KERNELS) goes into the build folder before the part runs; a library
+    that does not load on that machine (here: not a library) is removed, so that it builds on first use instead."""
+    cc = shutil.which("cc") or shutil.which("gcc")
+    if cc is None:
+        pytest.skip("needs a C compiler to make a loadable library")
+    src = tmp_path / "k.c"
+    src.write_text("int k(void) { return 7; }\n")
+    subprocess.run([cc, "-shared", "-fPIC", str(src), "-o", str(tmp_path / "w4_good.so")], check=True)
+    (tmp_path / "w4_bad.so").write_text("not a library")
+    with tarfile.open(tmp_path / "kernels.tar.xz", "w:xz") as tar:
+        for name in ("w4_good.so", "w4_bad.so"):
+            tar.add(tmp_path / name, arcname=name)
+    build = tmp_path / "build"
+    env = dict(_stand_ins(tmp_path, {"nvidia-smi": "echo 'stand-in GPU'\n", "ncu": "true\n"}),
+               PREBUILT_KERNELS=str(tmp_path / "kernels.tar.xz"), MEGATRON_FP4_BUILD_DIR=str(build),
+               DECODE_PROFILE_CASES="hif4 16 null")
+    r = subprocess.run(["bash", SCRIPT, "decode-profile"], capture_output=True, text=True, env=env, timeout=120)
+    assert r.returncode == 0, r.stderr[-2000:]
+    assert "prebuilt kernels: 1 unpacked, 1 dropped" in r.stdout and "w4_bad.so" in r.stdout, r.stdout[-1000:]
+    assert sorted(os.listdir(build)) == ["w4_good.so"]
+
+
+def test_prebuild_kernels_archives_what_prebuild_compiles(tmp_path, monkeypatch, capsys):
+    """benchmarks/prebuild_kernels.py: every library cuda_decode.prebuild compiles (nvcc stood in for: each build
+    writes its file) in one tar.xz, flat; the environment's build folder untouched and restored; bad arguments
+    refused naming the flag."""
+    sys.path.insert(0, os.path.join(ROOT, "benchmarks"))
+    import prebuild_kernels
+    from megatron_fp4.kernels import _nvcc
+
+    builds = itertools.count()
+
+    def fake_compile(source, defines, arch="90a"):  # (prebuild calls it from several threads)
+        path = os.path.join(_nvcc.build_dir(), f"{source}_{next(builds)}.so")
+        open(path, "w").write(repr(sorted(defines.items())))
+        return path
+
+    monkeypatch.setattr(_nvcc, "compile_library", fake_compile)
+    monkeypatch.setattr(_nvcc, "nvcc", lambda: "/stand-in/nvcc")
+    monkeypatch.setenv("MEGATRON_FP4_BUILD_DIR", str(tmp_path / "mine"))
+    out = tmp_path / "carry" / "kernels.tar.xz"
+    assert prebuild_kernels.main(["--tiles", '[{"NATURAL": 1, "MINB": 3}]', "--ntoks", "16", "--out", str(out)]) == 0
+    compiled = int(re.search(r"(\d+) configurations compiled", capsys.readouterr().out).group(1))
+    with tarfile.open(out) as tar:
+        names = tar.getnames()
+    assert compiled > 40 and len(names) == compiled and all(n.endswith(".so") and "/" not in n for n in names)
+    assert os.environ["MEGATRON_FP4_BUILD_DIR"] == str(tmp_path / "mine") and not (tmp_path / "mine").exists()
+    for args, message in ((["--tiles", "{"], "--tiles must be"), (["--ntoks", "12"], "--ntoks must be")):
+        with pytest.raises(SystemExit):
+            prebuild_kernels.main(args)
+        assert message in capsys.readouterr().err
