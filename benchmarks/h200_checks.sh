@@ -22,6 +22,10 @@
 #                 and the Triton tiles) (bench_kernels.py --decode-quantize), then their GPU tests
 #   decode-natural  the natural-K-order decode GEMM (the default layout): its GPU tests (CLUSTER's determinism too),
 #                 then its tiles (WTMA, CLUSTER, forced splits) against the default tile on 7B and 1.5B MLP shapes
+#   decode-ring   the decode GEMM's ring depth at 16 tokens: XST 8, 10, 12, 14 over the default tile on the 7B and
+#                 1.5B MLP weights (session 56's profile: the consumers wait for a stage's data while the producer
+#                 waits for a free stage); prebuild those tiles into the carry first (prebuild_kernels.py --tiles
+#                 '[{"NATURAL":1,"XST":8},{"NATURAL":1,"XST":10},{"NATURAL":1,"XST":12},{"NATURAL":1,"XST":14}]' --ntoks 16)
 #   decode-profile  Nsight Compute on the decode GEMM (the 7B fused gate + up weight, 3584x37888): the default tiles
 #                 at M = 16 and 64, both formats: throughput, memory, warp stall reasons, source counters (hardware
 #                 counters: the Firecracker runtime)
@@ -53,8 +57,9 @@ set -euo pipefail
 cd "$(dirname "$0")/.."
 usage="usage: bash benchmarks/h200_checks.sh train-tests|train-bench|decode-tests|decode-bench|issue20-rows"
 usage+="|decode-profile|rl-step|rl-mismatch|decode-natural|decode-quantize|engine-bench|engine-pdl|sglang-bench"
+usage+="|decode-ring"
 case "${1:-}" in train-tests | train-bench | decode-tests | decode-bench | issue20-rows | decode-profile | rl-step | \
-  rl-mismatch | decode-natural | decode-quantize | engine-bench | engine-pdl | sglang-bench) ;;
+  rl-mismatch | decode-natural | decode-quantize | engine-bench | engine-pdl | sglang-bench | decode-ring) ;;
   *) echo "$usage" >&2; exit 2 ;;
 esac
 if [ -n "${REQUIRE_H200:-}" ]; then
@@ -183,6 +188,11 @@ case "$1" in
     python3 benchmarks/bench_kernels.py --decode --decode-sweep --sweep-keys NATURAL --decode-ms 16,32,64 \
       --shapes 3584x37888,18944x3584,3584x4608,3584x3584,1536x17920,8960x1536 \
       --out "$results/decode_natural_sweep_h200.json"
+    ;;
+  decode-ring)
+    python3 benchmarks/bench_kernels.py --decode --decode-sweep --decode-ms 16 \
+      --shapes 3584x37888,18944x3584,1536x17920,8960x1536 \
+      --sweep-tiles '[{"XST":8},{"XST":10},{"XST":12},{"XST":14}]' --out "$results/decode_ring_h200.json"
     ;;
   decode-profile)  # the third launch of each case (the first builds the kernel); one text report per case: the
     # default tiles (natural layout) at M = 16 and at 64 (the rollout's batch), both formats

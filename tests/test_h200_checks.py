@@ -39,7 +39,7 @@ def test_its_test_selections_collect_tests():
 def test_its_benchmark_flags_exist():
     runs = _commands("python3 benchmarks/")
     runs += [c[c.index("python3") + 1:] for c in _commands("ncu ") if "python3" in c]  # the profiled program's flags
-    assert len(runs) == 15
+    assert len(runs) == 16
     for args in runs:
         help_text = subprocess.run([sys.executable, os.path.join(ROOT, args[0]), "--help"], cwd=ROOT,
                                    capture_output=True, text=True).stdout
