@@ -24,8 +24,8 @@
 #                 then its tiles (WTMA, CLUSTER, forced splits) against the default tile on 7B and 1.5B MLP shapes
 #   decode-ring   the decode GEMM's ring depth at 16 tokens: XST 8, 10, 12, 14 over the default tile on the 7B and
 #                 1.5B MLP weights (session 56's profile: the consumers wait for a stage's data while the producer
-#                 waits for a free stage); prebuild those tiles into the carry first (prebuild_kernels.py --tiles
-#                 '[{"NATURAL":1,"XST":8},{"NATURAL":1,"XST":10},{"NATURAL":1,"XST":12},{"NATURAL":1,"XST":14}]' --ntoks 16)
+#                 waits for a free stage); prebuild those tiles into the carry first: prebuild_kernels.py --ntoks 16
+#                 --tiles '[{"NATURAL":1,"XST":8},{"NATURAL":1,"XST":10},{"NATURAL":1,"XST":12},{"NATURAL":1,"XST":14}]'
 #   decode-profile  Nsight Compute on the decode GEMM (the 7B fused gate + up weight, 3584x37888): the default tiles
 #                 at M = 16 and 64, both formats: throughput, memory, warp stall reasons, source counters (hardware
 #                 counters: the Firecracker runtime)
@@ -51,8 +51,8 @@
 # calls. The decode kernels can come prebuilt: `python3 benchmarks/prebuild_kernels.py` (on the CPU machine, nvcc
 # only) writes .device_carry/kernels.tar.xz (PREBUILT_KERNELS: elsewhere); carry .device_carry and every part
 # unpacks it into the build folder first, so a fresh machine compiles none of them (one that does not load there is
-# dropped and builds on first use). Results JSON go to $OUT (the device tool's folder that comes back) when it is set, else to
-# benchmarks/results/.
+# dropped and builds on first use). Results JSON go to $OUT (the device tool's folder that comes back) when it is
+# set, else to benchmarks/results/.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 usage="usage: bash benchmarks/h200_checks.sh train-tests|train-bench|decode-tests|decode-bench|issue20-rows"
