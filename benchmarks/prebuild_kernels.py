@@ -1,6 +1,7 @@
 """Compile the CUDA decode kernels on a machine without a GPU (nvcc is enough) into one archive that a device call
 carries and ``benchmarks/h200_checks.sh`` unpacks into the build folder, so that a fresh GPU machine compiles none
-of them (64 configurations: 1-3 minutes of 16 cores there, the device time of every first call of a session).
+of them (43 configurations by default, more with --tiles: 1-3 minutes of 16 cores there, the device time of every
+first call of a session).
 
     python3 benchmarks/prebuild_kernels.py [--tiles '[{"NATURAL": 1, "MINB": 3}]'] [--ntoks 8,16,32,64]
         [--out .device_carry/kernels.tar.xz]
@@ -9,8 +10,8 @@ then carry ``.device_carry`` (ignored by git) with the call. What it compiles is
 default tile of both kernels and formats at every token bucket, plus ``--tiles`` at ``--ntoks``. The libraries are
 keyed by a hash of the sources and defines (``_nvcc.compile_library``), so a carried one serves only the source it
 was built from; the archive of a stale tree is harmless (its libraries are never looked up). They link the CUDA
-runtime statically (glibc 2.34 or newer where they run: h200_checks.sh loads each one and drops the archive's
-libraries if one fails).
+runtime statically (glibc 2.34 or newer where they run: h200_checks.sh loads each one and drops any that does not
+load, which then builds on first use).
 """
 
 import argparse
@@ -20,6 +21,7 @@ import sys
 import tarfile
 import tempfile
 import time
+from unittest import mock
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
@@ -49,15 +51,9 @@ def main(argv=None) -> int:
     if _nvcc.nvcc() is None:
         p.error("needs nvcc (CUDA's compiler) on PATH or under CUDA_HOME")
     t0 = time.time()
-    before = os.environ.get("MEGATRON_FP4_BUILD_DIR")
     with tempfile.TemporaryDirectory() as d:
-        os.environ["MEGATRON_FP4_BUILD_DIR"] = d  # (only this run's libraries go into the archive)
-        try:
+        with mock.patch.dict(os.environ, MEGATRON_FP4_BUILD_DIR=d):  # (only this run's libraries go into the archive)
             n = cuda_decode.prebuild(tiles, ntoks=ntoks)
-        finally:
-            os.environ.pop("MEGATRON_FP4_BUILD_DIR")
-            if before is not None:
-                os.environ["MEGATRON_FP4_BUILD_DIR"] = before
         os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
         tmp = f"{args.out}.tmp"
         with tarfile.open(tmp, "w:xz", preset=9) as tar:
