@@ -24,8 +24,10 @@
 #                 then its tiles (WTMA, CLUSTER, forced splits) against the default tile on 7B and 1.5B MLP shapes
 #   decode-ring   the decode GEMM's ring depth at 16 tokens: XST 8, 10, 12, 14 over the default tile on the 7B and
 #                 1.5B MLP weights (session 56's profile: the consumers wait for a stage's data while the producer
-#                 waits for a free stage); prebuild those tiles into the carry first: prebuild_kernels.py --ntoks 16
-#                 --tiles '[{"NATURAL":1,"XST":8},{"NATURAL":1,"XST":10},{"NATURAL":1,"XST":12},{"NATURAL":1,"XST":14}]'
+#                 waits for a free stage), and one warpgroup per block (WGS 1, XST 6 and 10: session 55's 1.5B lead),
+#                 after the GPU tests of XST 10 and 14; prebuild those tiles into the carry first: prebuild_kernels.py
+#                 --ntoks 8,16,64 --tiles '[{"NATURAL":1,"XST":8},{"NATURAL":1,"XST":10},{"NATURAL":1,"XST":12},
+#                 {"NATURAL":1,"XST":14},{"NATURAL":1,"WGS":1},{"NATURAL":1,"WGS":1,"XST":10}]'
 #   decode-profile  Nsight Compute on the decode GEMM (the 7B fused gate + up weight, 3584x37888): the default tiles
 #                 at M = 16 and 64, both formats: throughput, memory, warp stall reasons, source counters (hardware
 #                 counters: the Firecracker runtime)
@@ -189,10 +191,12 @@ case "$1" in
       --shapes 3584x37888,18944x3584,3584x4608,3584x3584,1536x17920,8960x1536 \
       --out "$results/decode_natural_sweep_h200.json"
     ;;
-  decode-ring)
+  decode-ring)  # the deep rings' GPU tests (XST 10 and 14 at every token bucket), then the sweep
+    run_tests -m gpu tests/test_cuda_decode.py -k "natural_layout_bit_exact and (XST10 or XST14)"
     python3 benchmarks/bench_kernels.py --decode --decode-sweep --decode-ms 16 \
       --shapes 3584x37888,18944x3584,1536x17920,8960x1536 \
-      --sweep-tiles '[{"XST":8},{"XST":10},{"XST":12},{"XST":14}]' --out "$results/decode_ring_h200.json"
+      --sweep-tiles '[{"XST":8},{"XST":10},{"XST":12},{"XST":14},{"WGS":1},{"WGS":1,"XST":10}]' \
+      --out "$results/decode_ring_h200.json"
     ;;
   decode-profile)  # the third launch of each case (the first builds the kernel); one text report per case: the
     # default tiles (natural layout) at M = 16 and at 64 (the rollout's batch), both formats

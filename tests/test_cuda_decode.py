@@ -488,7 +488,8 @@ def _assert_one_hot_reads_back(cd, name, tile, natural, scale=1.0):
 #: The natural-K-order tiles (weights from to_decode_layout(natural=True); activations by TMA).
 NATURAL_GPU_TILES = [None, dict(WGS=4, XST=6, MINB=1), dict(XST=4, MINB=3), dict(SPLIT=1), dict(LEAN=0),
                      dict(CLUSTER=1), dict(CLUSTER=1, SPLIT=3), dict(WTMA=0), dict(WTMA=0, CLUSTER=1),
-                     dict(WTMA=0, WGS=4, XST=6, MINB=1), dict(WGS=1, XST=7, MINB=3), dict(WTMA=0, XST=7)]
+                     dict(WTMA=0, WGS=4, XST=6, MINB=1), dict(WGS=1, XST=7, MINB=3), dict(WTMA=0, XST=7), dict(XST=10),
+                     dict(XST=14)]
 
 
 def _tile_id(tile) -> str:

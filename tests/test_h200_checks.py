@@ -29,7 +29,7 @@ def test_a_wrong_part_prints_the_usage():
 
 def test_its_test_selections_collect_tests():
     selections = _commands("run_tests ")
-    assert len(selections) == 10
+    assert len(selections) == 11
     for args in selections:
         r = subprocess.run([sys.executable, "-m", "pytest", "--collect-only", "-q", "-p", "no:cacheprovider", *args],
                            cwd=ROOT, capture_output=True, text=True)
