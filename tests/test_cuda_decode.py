@@ -361,9 +361,9 @@ def _ptxas_report(defines: dict, path: str) -> str:
 def test_wgmma_tiles_compile_without_spills_or_serialized_wgmmas(tmp_path):
     """ptxas's report for the wgmma kernel's default tiles (every token bucket, both formats, wide MXFP4) and the
     producer-warp tiles the decode sweep times at M = 16 (and at M = 64 its LEAN tile without producer, its
-    four-warpgroup tiles and its NATURAL tiles for M = 64): no register spills, and no "wgmma.mma_async instructions are serialized" note (ptxas's
-    answer to a wgmma under thread-dependent control flow, or to too few registers to keep the wgmmas in flight:
-    they then run one at a time)."""
+    four-warpgroup tiles and its NATURAL tiles for M = 64; WJIT at 16 and 64): no register spills, and no
+    "wgmma.mma_async instructions are serialized" note (ptxas's answer to a wgmma under thread-dependent control
+    flow, or to too few registers to keep the wgmmas in flight: they then run one at a time)."""
     from megatron_fp4.kernels import cuda_decode as cd
     from benchmarks.bench_kernels import _NAT, SWEEP_TILES
 
@@ -377,6 +377,7 @@ def test_wgmma_tiles_compile_without_spills_or_serialized_wgmmas(tmp_path):
     configs += [(f, w, 16, cd.LARGE_M16_TILES[f]) for f, w in ((0, 0), (1, 0), (1, 1))]
     configs += [(f, w, m, cd.natural_tile(None, m)) for f, w in ((0, 0), (1, 0), (1, 1)) for m in (8, 16, 32, 64)]
     configs += [(0, 0, m, dict(cd.natural_tile(None, m), SUBN=1)) for m in (8, 16, 32, 64)]  # HiF4's subnormal codes
+    configs += [(f, 0, m, cd.natural_tile(dict(WJIT=1), m)) for f in (0, 1) for m in (16, 64)]  # words just in time
     builds = {tuple(sorted(cd._defines("wgmma", f, bool(w), m, cd._tile("wgmma", f, m, tile)).items()))
               for f, w, m, tile in configs}  # (a SPLIT override compiles nothing new)
     for defines in map(dict, sorted(builds)):
@@ -489,7 +490,7 @@ def _assert_one_hot_reads_back(cd, name, tile, natural, scale=1.0):
 NATURAL_GPU_TILES = [None, dict(WGS=4, XST=6, MINB=1), dict(XST=4, MINB=3), dict(SPLIT=1), dict(LEAN=0),
                      dict(CLUSTER=1), dict(CLUSTER=1, SPLIT=3), dict(WTMA=0), dict(WTMA=0, CLUSTER=1),
                      dict(WTMA=0, WGS=4, XST=6, MINB=1), dict(WGS=1, XST=7, MINB=3), dict(WTMA=0, XST=7), dict(XST=10),
-                     dict(XST=14)]
+                     dict(XST=14), dict(WJIT=1), dict(WJIT=1, XST=3)]
 
 
 def _tile_id(tile) -> str:

@@ -398,7 +398,7 @@ NATURAL_TILE = dict(KERNEL="wgmma", PRODUCER=1, WGS=2, DEPTH=2, XST=6, MINB=2, L
 _LAYOUTS = ("permuted", "natural")
 #: Tile keys ``MEGATRON_FP4_DECODE_NATURAL_TILE`` may set (a JSON object merged into :data:`NATURAL_TILE` at import, for
 #: A/B runs of a whole engine: e.g. '{"CLUSTER": 1}', deterministic split-K, see w4_wgmma.cu).
-NATURAL_TILE_KEYS = ("WGS", "DEPTH", "XST", "MINB", "LEAN", "CLUSTER", "WTMA", "SPLIT")
+NATURAL_TILE_KEYS = ("WGS", "DEPTH", "XST", "MINB", "LEAN", "CLUSTER", "WTMA", "WJIT", "SPLIT")
 
 
 def natural_tile_override(text: str) -> dict:
@@ -503,7 +503,7 @@ def _defines(kernel: str, fmt_id: int, wide: bool, ntok: int, cfg: dict) -> dict
         return dict(FMT=fmt_id, WIDE=int(wide), NTOK=ntok, WGS=cfg["WGS"], DEPTH=cfg["DEPTH"], XST=cfg["XST"],
                     MINB=cfg["MINB"], PRODUCER=int(cfg["PRODUCER"]), LEAN=int(cfg.get("LEAN", 0)),
                     XPAIR=int(cfg.get("XPAIR", 0)), WRING=int(cfg.get("WRING", 0)), NATURAL=int(cfg.get("NATURAL", 0)),
-                    CLUSTER=int(cfg.get("CLUSTER", 0)), WTMA=int(cfg.get("WTMA", 0)),
+                    CLUSTER=int(cfg.get("CLUSTER", 0)), WTMA=int(cfg.get("WTMA", 0)), WJIT=int(cfg.get("WJIT", 0)),
                     SUBN=int(bool(cfg.get("SUBN")) and fmt_id == 0 and bool(cfg.get("NATURAL"))))
     return dict(FMT=fmt_id, WIDE=int(wide), NT=ntok // 8, SPW=cfg["SPW"], DEPTH=cfg["DEPTH"], WARPS=cfg["WARPS"])
 

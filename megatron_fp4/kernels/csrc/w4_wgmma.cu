@@ -16,9 +16,10 @@
 // with the 128-byte swizzle, one per chunk; the default layout, cuda_decode.NATURAL_TILE), -DCLUSTER (1, with WRING:
 // deterministic split-K through a thread-block cluster, see Split-K below), -DWTMA (1, with NATURAL: the producer
 // warp brings the block's weight codes and metadata by two 3-D TMAs per chunk beside the activations' one, so the
-// consumer warps issue no copies; NATURAL_TILE's since session 28). XPAIR, WRING, NATURAL, CLUSTER and WTMA are tile
-// keys: docs/PERFORMANCE.md (sessions 25-28) has what each measured (and, session 53, WST: a ring of the weights' own
-// with a second producer warp, 5-30% slower everywhere on an H100, removed).
+// consumer warps issue no copies; NATURAL_TILE's since session 28), -DWJIT (1, with WRING: each consumer warp reads
+// its words of chunk c from the ring in iteration c itself, not DEPTH chunks ahead, see below). XPAIR, WRING, NATURAL,
+// CLUSTER, WTMA and WJIT are tile keys: docs/PERFORMANCE.md (sessions 25-28) has what each measured (and, session 53,
+// WST: a ring of the weights' own with a second producer warp, 5-30% slower everywhere on an H100, removed).
 //
 // Each warpgroup owns one 64-row tile of W (four 16-row slabs of the decode layout, one per warp). Per 64-value chunk
 // of K a warp loads its slab's codes (one 16-byte load per lane), dequantizes them exactly into the BF16 A fragment of
@@ -46,6 +47,12 @@
 // (DEPTH chunks: at M = 64 the accumulators leave room for 2 only and Nsight Compute found half the cycles waiting on
 // global loads). The consumers wait on the stage's mbarrier and read their slab's words from shared memory DEPTH
 // chunks ahead; "stage empty" stays a named barrier (1 + s).
+// WJIT=1 (with WRING): a consumer waits for chunk c's stage and reads its words in iteration c, right before it
+// dequantizes them (shared memory is a few dozen cycles away; the previous chunk's wgmmas run meanwhile). A stage is
+// freed in iteration c + 1 either way, so the producer requests chunk c + XST - 1 in iteration c: without WJIT the
+// consumers wait for chunk c + DEPTH then, XST - DEPTH - 1 stages behind the newest request (3 of the default 6:
+// session 56's profile found the 16-token loop waiting for its stages' data); with WJIT chunk c, XST - 1 behind.
+// The same shared memory keeps DEPTH more stages in flight.
 // NATURAL=1 (with WRING): the weights' MMA K order is K's own, so the activations need no permutation: the producer's
 // lane 0 brings each chunk of all tokens with one 2-D TMA (x as a [M, K] bf16 tensor map, 64 x NTOK boxes, 128-byte
 // swizzle: a token's 64 values in one 128-byte row, 8 rows per 1024-byte atom, rows past M zero-filled) and arrives
@@ -101,6 +108,12 @@
 #ifndef WTMA
 #define WTMA 0
 #endif
+#ifndef WJIT
+#define WJIT 0
+#endif
+#if WJIT && !WRING
+#error "WJIT needs WRING (the words come from the ring's stages)"
+#endif
 #if WTMA && !NATURAL
 #error "WTMA needs NATURAL (the producer's TMA path)"
 #endif
@@ -114,8 +127,9 @@
 #error "DEPTH must be even (the two A register sets alternate per chunk), XST >= 3 (PRODUCER: <= 7, 2 XST + 1 barriers), \
 PRODUCER 0 or 1"
 #endif
-#if WRING && (!PRODUCER || XST < DEPTH + 2 || XST > 15)
-#error "WRING needs PRODUCER=1 and DEPTH + 2 <= XST <= 15 (a consumer waits for chunk c + DEPTH before it frees c - 1)"
+#if WRING && (!PRODUCER || (!WJIT && XST < DEPTH + 2) || XST > 15)
+#error "WRING needs PRODUCER=1 and XST <= 15, without WJIT also DEPTH + 2 <= XST (a consumer waits for chunk \
+c + DEPTH before it frees c - 1)"
 #endif
 
 #include "w4_device.h"
@@ -437,7 +451,7 @@ w4_wgmma_kernel(const uint4* __restrict__ codes, const uint32_t* __restrict__ me
     mq[d] = load_meta_shared(msm + (st) * (WSTAGE_BYTES / 4), lane);         \
   }
 #define FETCH(d, rel, kc) FETCH_AT(d, (kc) % XST, ((kc) / XST) & 1)
-#define FETCH_NEXT(d) FETCH_AT(d, fs, fph)  // chunk kk + DEPTH (the ring indices below)
+#define FETCH_NEXT(d) FETCH_AT(d, fs, fph)  // chunk kk + FAHEAD (the ring indices below)
 #else
   const size_t unit = (size_t)min(slab, S - 1) * C + c0;
   const uint4* wp = codes + unit * 32 + lane;
@@ -466,23 +480,31 @@ w4_wgmma_kernel(const uint4* __restrict__ codes, const uint32_t* __restrict__ me
 #endif
   uint4 wq[DEPTH];
   MetaT mq[DEPTH];
+#if WJIT
+#define FAHEAD 0  // chunks between the one a FETCH reads and the one being multiplied
+#else
+#define FAHEAD DEPTH
 #pragma unroll
   for (int d = 0; d < DEPTH; ++d) {
     if (d < nch) FETCH(d, d, d);
   }
+#endif
   uint32_t a[2][4][4];  // [chunk parity][k16 step][fragment register]
   // The ring's indices carried from chunk to chunk (no division per chunk): cs = kk % XST, ps = (kk - 1) % XST,
-  // fs = (kk + DEPTH) % XST and fph the parity of (kk + DEPTH) / XST (the phase its FETCH waits for).
-  int cs = 0, ps = XST - 1, fs = DEPTH % XST, fph = (DEPTH / XST) & 1;
+  // fs = (kk + FAHEAD) % XST and fph the parity of (kk + FAHEAD) / XST (the phase its FETCH waits for).
+  int cs = 0, ps = XST - 1, fs = FAHEAD % XST, fph = (FAHEAD / XST) & 1;
 
   for (int k = 0; k < nch; k += DEPTH) {
 #pragma unroll
     for (int d = 0; d < DEPTH; ++d) {
       const int kk = k + d;
       if (kk < nch) {  // block-uniform
+#if WJIT
+        FETCH_NEXT(d);  // chunk kk itself
+#endif
         const uint4 w = wq[d];
         const Scales sc = make_scales(mq[d]);
-#if !LEAN
+#if !LEAN && !WJIT
         if (kk + DEPTH < nch) FETCH_NEXT(d);
 #endif
         dequant(w.x, sc, 0, a[d & 1][0]);
@@ -519,7 +541,7 @@ w4_wgmma_kernel(const uint4* __restrict__ codes, const uint32_t* __restrict__ me
 #undef B_DESC
         wgmma_commit();
         pin(acc);
-#if LEAN  // the prefetch once w is dequantized: it reuses w's registers (no copy that waits for the load)
+#if LEAN && !WJIT  // the prefetch once w is dequantized: it reuses w's registers (no copy that waits for the load)
         if (kk + DEPTH < nch) FETCH_NEXT(d);
 #endif
         wgmma_wait<1>();  // chunk kk - 1's group has retired: its A registers and stage are free
@@ -542,6 +564,7 @@ w4_wgmma_kernel(const uint4* __restrict__ codes, const uint32_t* __restrict__ me
 #undef FETCH
 #undef FETCH_AT
 #undef FETCH_NEXT
+#undef FAHEAD
 #undef COPY
   wgmma_wait<0>();
   pin(acc);
