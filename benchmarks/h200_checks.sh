@@ -25,11 +25,13 @@
 #   decode-ring   the decode GEMM's ring at 16 and 64 tokens over the default tiles, on the 7B and 1.5B MLP weights
 #                 (session 56's profile: the consumers wait for a stage's data while the producer waits for a free
 #                 stage): deeper rings (XST 8-14), the words read from the ring just in time (WJIT 1: DEPTH more
-#                 stages in flight in the same shared memory) and one warpgroup per block (WGS 1: session 55's 1.5B
-#                 lead), after the GPU tests of XST 10, 14 and WJIT; prebuild those tiles into the carry first:
+#                 stages in flight in the same shared memory; with one warpgroup, five stages and four blocks per SM,
+#                 more blocks at the lead of today's 64-token tile) and one warpgroup per block (WGS 1: session 55's
+#                 1.5B lead), after the GPU tests of XST 10, 14 and WJIT; prebuild those tiles into the carry first:
 #                 prebuild_kernels.py --ntoks 8,16,64 --tiles '[{"NATURAL":1,"XST":8},{"NATURAL":1,"XST":10},
 #                 {"NATURAL":1,"XST":12},{"NATURAL":1,"XST":14},{"NATURAL":1,"WGS":1},{"NATURAL":1,"WGS":1,"XST":10},
-#                 {"NATURAL":1,"WJIT":1},{"NATURAL":1,"WJIT":1,"XST":3},{"NATURAL":1,"WJIT":1,"XST":8}]'
+#                 {"NATURAL":1,"WJIT":1},{"NATURAL":1,"WJIT":1,"XST":3},{"NATURAL":1,"WJIT":1,"XST":8},
+#                 {"NATURAL":1,"WJIT":1,"WGS":1,"XST":5,"MINB":4}]'
 #   decode-profile  Nsight Compute on the decode GEMM (the 7B fused gate + up weight, 3584x37888): the default tiles
 #                 at M = 16 and 64, both formats: throughput, memory, warp stall reasons, source counters (hardware
 #                 counters: the Firecracker runtime)
@@ -195,9 +197,10 @@ case "$1" in
     ;;
   decode-ring)  # the new rings' GPU tests (every token bucket), then the sweep
     run_tests -m gpu tests/test_cuda_decode.py -k "natural_layout_bit_exact and (XST10 or XST14 or WJIT1)"
+    tiles='[{"XST":8},{"XST":10},{"XST":12},{"XST":14},{"WGS":1},{"WGS":1,"XST":10},{"WJIT":1},{"WJIT":1,"XST":8},'
+    tiles+='{"WJIT":1,"WGS":1,"XST":5,"MINB":4}]'
     python3 benchmarks/bench_kernels.py --decode --decode-sweep --decode-ms 16,64 \
-      --shapes 3584x37888,18944x3584,1536x17920,8960x1536 --out "$results/decode_ring_h200.json" --sweep-tiles \
-      '[{"XST":8},{"XST":10},{"XST":12},{"XST":14},{"WGS":1},{"WGS":1,"XST":10},{"WJIT":1},{"WJIT":1,"XST":8}]'
+      --shapes 3584x37888,18944x3584,1536x17920,8960x1536 --sweep-tiles "$tiles" --out "$results/decode_ring_h200.json"
     ;;
   decode-profile)  # the third launch of each case (the first builds the kernel); one text report per case: the
     # default tiles (natural layout) at M = 16 and at 64 (the rollout's batch), both formats
