@@ -114,6 +114,7 @@
 #if WJIT && !WRING
 #error "WJIT needs WRING (the words come from the ring's stages)"
 #endif
+#define FAHEAD (WJIT ? 0 : DEPTH)  // chunks between the one whose words a FETCH reads and the one being multiplied
 #if WTMA && !NATURAL
 #error "WTMA needs NATURAL (the producer's TMA path)"
 #endif
@@ -480,10 +481,7 @@ w4_wgmma_kernel(const uint4* __restrict__ codes, const uint32_t* __restrict__ me
 #endif
   uint4 wq[DEPTH];
   MetaT mq[DEPTH];
-#if WJIT
-#define FAHEAD 0  // chunks between the one a FETCH reads and the one being multiplied
-#else
-#define FAHEAD DEPTH
+#if !WJIT  // the first DEPTH chunks' words (WJIT reads each in its own iteration)
 #pragma unroll
   for (int d = 0; d < DEPTH; ++d) {
     if (d < nch) FETCH(d, d, d);
@@ -564,7 +562,6 @@ w4_wgmma_kernel(const uint4* __restrict__ codes, const uint32_t* __restrict__ me
 #undef FETCH
 #undef FETCH_AT
 #undef FETCH_NEXT
-#undef FAHEAD
 #undef COPY
   wgmma_wait<0>();
   pin(acc);
