@@ -196,6 +196,7 @@ case "$1" in
       --out "$results/decode_natural_sweep_h200.json"
     ;;
   decode-ring)  # the new rings' GPU tests (every token bucket), then the sweep
+    prebuild_tests natural
     run_tests -m gpu tests/test_cuda_decode.py -k "natural_layout_bit_exact and (XST10 or XST14 or WJIT1)"
     tiles='[{"XST":8},{"XST":10},{"XST":12},{"XST":14},{"WGS":1},{"WGS":1,"XST":10},{"WJIT":1},{"WJIT":1,"XST":8},'
     tiles+='{"WJIT":1,"WGS":1,"XST":5,"MINB":4}]'
